@@ -1,0 +1,86 @@
+"""The attention backend interface: the one place model code touches the paged KV cache.
+
+KV cache layout, per layer: a tensor of shape [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = keys, 1 = values). Token `i` of a request lives in slot
+`block_table[i // block_size] * block_size + i % block_size`.
+
+A batch is flattened: the tokens of all scheduled requests back to back (prefill chunks and
+single-token decodes mixed). Request `r` owns query rows
+`query_start_loc[r] : query_start_loc[r + 1]`; its context after this step is `seq_lens[r]` tokens,
+so its query token `j` sits at position `seq_lens[r] - query_len[r] + j` and attends causally to
+every cached position <= that one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int  # rows of q/k/v that are real (the rest is CUDA-graph padding)
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the model's device
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32 (unused entries: 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding, write nowhere
+    query_start_loc_cpu: torch.Tensor  # host copies, for the reference backend and for planning
+    seq_lens_cpu: torch.Tensor
+    is_decode_only: bool  # every request has query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Stores this step's K/V into the paged cache, then attends over it.
+
+    One instance serves every layer of a model (the layer passes its own cache tensor).
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are unspecified
+        """Write k/v at meta.slot_mapping, then paged attention for every query row."""
+
+    # CUDA-graph hooks (mini-sglang style): a backend that keeps its own buffers sizes them once
+    # before capture and refreshes them before each replay. The torch reference needs neither.
+    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int) -> None:  # noqa: B027
+        pass
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027
+        pass
+
+
+def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """`auto` picks triton on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+        return TorchReferenceBackend
+    if name == "triton":
+        from tokenmill.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend
+    raise ValueError(f"unknown attention backend {name!r}; expected one of: auto, torch, triton")

@@ -1,0 +1,45 @@
+"""Engine configuration: frozen dataclasses built once from user options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the default model
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    chat_template: str | None = None  # a Jinja template (or a path to one) overriding the tokenizer's
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # override the pool size in blocks
+    kv_cache_memory: int | None = None  # CPU: pool size in bytes
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_model_len: int = 2048  # resolved against the model before the scheduler is built
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # auto | cpu | cuda
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+    attention_backend: str = "auto"  # auto | torch | triton

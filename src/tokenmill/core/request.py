@@ -1,0 +1,121 @@
+"""A request as the scheduler sees it: token ids, how many are computed, and a status machine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is terminal.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Prompt + output tokens and the progress made on them.
+
+    The scheduler never talks of prefill or decode: a request has `num_tokens` known tokens, of
+    which `num_computed_tokens` already have KV in the cache; each step computes some of the rest.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "status",
+        "stop_reason",
+        "error",
+        "block_hashes",
+        "max_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # lower value = scheduled first (vLLM's convention)
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit, set when first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # Hashes of the full blocks of all_token_ids, filled in by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+        # Resolved output limit (sampling_params.max_tokens, or what the context leaves).
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,89 @@
+"""User-facing sampling parameters, named as in vLLM so users can switch.
+
+Pure Python (no torch): the scheduler and the API server both read these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per sampled token (0 = only the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be in (0, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
