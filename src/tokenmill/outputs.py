@@ -39,4 +39,5 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request ended with finish_reason "error"
     metrics: dict[str, float] = field(default_factory=dict)

@@ -79,6 +79,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Seconds from arrival to first being scheduled; set on a request's first output only.
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:

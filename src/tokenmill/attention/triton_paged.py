@@ -1,0 +1,204 @@
+"""The Triton attention backend: a KV-store kernel plus one paged-attention kernel for mixed batches.
+
+Decode-only steps may split each request's KV range over several programs (flash-decoding) so a
+small batch with long contexts still fills the GPU. The split count comes from host-side facts
+only (num_reqs, max_seq_len, the SM count), never from a device read. Once `prepare_for_capture`
+has run, decode-only steps up to the captured batch size use a split count that depends on the
+batch size alone and write their partial results into scratch allocated there, so a captured
+graph replays correctly for any context length and capture allocates nothing of ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.triton_kernels.kv_store import store_kv
+from tokenmill.attention.triton_kernels.paged_attention import paged_attention
+
+MAX_KV_SPLITS = 32
+# Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
+MIN_TOKENS_PER_SPLIT = 256
+# Aim for about this many programs per SM: enough loads in flight to cover memory latency.
+PROGRAMS_PER_SM = 2
+_CPU_PSEUDO_SM_COUNT = 4  # interpreter runs only; the value just keeps the planner deterministic
+
+
+def choose_num_kv_splits(num_reqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """A power of two (fewer kernel variants) between 1 and MAX_KV_SPLITS."""
+    base_programs = max(1, num_reqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
+    by_length = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
+    limit = min(wanted, by_length, MAX_KV_SPLITS)
+    splits = 1
+    while splits * 2 <= limit:
+        splits *= 2
+    return splits
+
+
+@dataclass(slots=True)
+class _SplitScratch:
+    """fp32 partial outputs and log-sum-exps; viewed per step as [rows, heads, splits, (head_dim)]."""
+
+    partial_out: torch.Tensor  # flat
+    partial_lse: torch.Tensor  # flat
+
+    @classmethod
+    def allocate(
+        cls, capacity_rows: int, num_heads: int, head_dim: int, device: torch.device
+    ) -> _SplitScratch:
+        return cls(
+            partial_out=torch.empty(capacity_rows * num_heads * head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(capacity_rows * num_heads, dtype=torch.float32, device=device),
+        )
+
+    def views(
+        self, num_tokens: int, num_heads: int, num_splits: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = num_tokens * num_splits
+        if rows * num_heads > self.partial_lse.numel():
+            raise RuntimeError(
+                f"split-KV scratch holds {self.partial_lse.numel() // num_heads} token-splits but this step "
+                f"needs {rows} ({num_tokens} tokens x {num_splits} splits); call prepare_for_capture with "
+                f"the largest batch size that will be captured"
+            )
+        partial_out = self.partial_out[: rows * num_heads * head_dim].view(
+            num_tokens, num_heads, num_splits, head_dim
+        )
+        partial_lse = self.partial_lse[: rows * num_heads].view(num_tokens, num_heads, num_splits)
+        return partial_out, partial_lse
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        *,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        """`num_kv_splits` forces the split count for every step (tests and benchmarks)."""
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+            raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
+        self.forced_num_kv_splits = num_kv_splits
+        self._num_sms: int | None = None
+        self._graph_max_reqs = 0  # decode batches up to this size use the batch-size-only split rule
+        self._graph_max_context_len = 0
+        self._graph_scratch: _SplitScratch | None = None
+
+    # -- CUDA-graph hooks -----------------------------------------------------------------------
+
+    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        """Fix the split rule for decode batches <= max_num_reqs and allocate their scratch once."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("prepare_for_capture needs CUDA: graphs are captured on the GPU only")
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._graph_max_reqs = max_num_reqs
+        self._graph_max_context_len = max_blocks_per_req * self.block_size
+        capacity_rows = max(
+            batch * self._graph_num_kv_splits(batch, device) for batch in range(1, max_num_reqs + 1)
+        )
+        self._graph_scratch = _SplitScratch.allocate(capacity_rows, self.num_heads, self.head_dim, device)
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:
+        # The kernels read seq_lens / block_tables / query_start_loc from the runner's persistent
+        # device buffers and derive split boundaries on the device: nothing to refresh here.
+        if meta.is_decode_only and meta.num_reqs > self._graph_max_reqs:
+            raise RuntimeError(
+                f"replaying a decode batch of {meta.num_reqs} requests, but prepare_for_capture "
+                f"was called for at most {self._graph_max_reqs}"
+            )
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        if q.shape[1:] != (self.num_heads, self.head_dim):
+            raise ValueError(
+                f"q shape {tuple(q.shape)} must be [num_tokens, {self.num_heads}, {self.head_dim}]"
+            )
+        if kv_cache.shape[2] != self.block_size:
+            raise ValueError(
+                f"kv_cache block size {kv_cache.shape[2]} must equal the backend's {self.block_size}"
+            )
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        num_splits = self._num_kv_splits(meta, q.device)
+        partial_out = partial_lse = None
+        if num_splits > 1:
+            partial_out, partial_lse = self._scratch(num_tokens, num_splits, meta, q.device)
+        paged_attention(
+            out,
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            num_reqs=meta.num_reqs,
+            max_query_len=meta.max_query_len,
+            decode_only=meta.is_decode_only,
+            scale=self.scale,
+            num_kv_splits=num_splits,
+            partial_out=partial_out,
+            partial_lse=partial_lse,
+        )
+        return out
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms = _CPU_PSEUDO_SM_COUNT
+        return self._num_sms
+
+    def _uses_graph_rule(self, meta: AttentionMetadata) -> bool:
+        return meta.is_decode_only and meta.num_reqs <= self._graph_max_reqs
+
+    def _graph_num_kv_splits(self, num_reqs: int, device: torch.device) -> int:
+        if self.forced_num_kv_splits is not None:
+            return self.forced_num_kv_splits
+        return choose_num_kv_splits(
+            num_reqs, self.num_kv_heads, self._graph_max_context_len, self._sm_count(device)
+        )
+
+    def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device) -> int:
+        if self.forced_num_kv_splits is not None:
+            return self.forced_num_kv_splits
+        if not meta.is_decode_only:
+            return 1  # prefill rows give the grid enough programs already
+        if self._uses_graph_rule(meta):
+            return self._graph_num_kv_splits(meta.num_reqs, device)
+        return choose_num_kv_splits(
+            meta.num_reqs, self.num_kv_heads, meta.max_seq_len, self._sm_count(device)
+        )
+
+    def _scratch(
+        self, num_tokens: int, num_splits: int, meta: AttentionMetadata, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._graph_scratch is not None and self._uses_graph_rule(meta):
+            return self._graph_scratch.views(num_tokens, self.num_heads, num_splits, self.head_dim)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-KV during CUDA-graph capture needs prepare_for_capture first")
+        scratch = _SplitScratch.allocate(num_tokens * num_splits, self.num_heads, self.head_dim, device)
+        return scratch.views(num_tokens, self.num_heads, num_splits, self.head_dim)

@@ -1,0 +1,124 @@
+"""One streaming request to an OpenAI-compatible server, timed chunk by chunk."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.serve_metrics import RequestResult
+
+
+def is_chat_endpoint(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("chat/completions")
+
+
+def build_payload(
+    req: SampleRequest,
+    model: str,
+    chat: bool,
+    ignore_eos: bool,
+    temperature: float,
+    extra_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        if not isinstance(req.prompt, str):
+            raise TypeError("chat requests need text prompts; decode the token ids first")
+        payload["messages"] = [{"role": "user", "content": req.prompt}]
+        payload["max_completion_tokens"] = req.expected_output_len
+    else:
+        payload["prompt"] = req.prompt
+        payload["max_tokens"] = req.expected_output_len
+    if ignore_eos:  # an extra field: sent only when asked, for servers that refuse unknown fields
+        payload["ignore_eos"] = True
+    if extra_body:
+        payload.update(extra_body)
+    return payload
+
+
+def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream, as they arrive."""
+    buffer = b""
+    async for data in resp.content.iter_any():
+        buffer = (buffer + data).replace(b"\r\n", b"\n")
+        while b"\n\n" in buffer:  # an event ends with a blank line
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    prompt_len: int,
+) -> RequestResult:
+    """POST `payload` with stream=true and time its content chunks; a failure is recorded, not raised."""
+    chat = "messages" in payload
+    result = RequestResult(prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    result.start_time = start
+    num_text_chunks = 0
+    usage: dict[str, Any] | None = None
+    saw_done = False
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return result
+            async for body in _sse_data(resp):
+                if body == b"[DONE]":
+                    saw_done = True
+                    continue
+                chunk = json.loads(body)
+                if "error" in chunk:
+                    err = chunk["error"]
+                    result.error = f"error chunk: {err.get('message', err) if isinstance(err, dict) else err}"
+                    return result
+                if _chunk_text(chunk, chat):
+                    now = time.perf_counter()
+                    if num_text_chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    num_text_chunks += 1
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    if not saw_done:
+        result.error = "stream ended without data: [DONE]"
+        return result
+    if num_text_chunks == 0:
+        result.ttft = result.latency  # an empty completion: its only "token" is the end of the stream
+    if usage is not None:
+        result.output_tokens = int(usage.get("completion_tokens") or num_text_chunks)
+        result.prompt_len = int(usage.get("prompt_tokens") or prompt_len)
+    else:
+        result.output_tokens = num_text_chunks
+    result.success = True
+    return result

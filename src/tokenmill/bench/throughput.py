@@ -1,0 +1,121 @@
+"""`tokenmill bench throughput`: offline, in-process throughput with random prompts.
+
+Optionally measures a `transformers` baseline in the same run on the same weights, so the result
+is a ratio taken on one machine at one time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.cli import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--baseline",
+        choices=["none", "hf-generate", "hf-generate-batch"],
+        default="none",
+        help="also measure transformers in the same run: hf-generate = generate() at batch 1 and padded "
+        "batch 8 (CPU baseline); hf-generate-batch = continuous batching generate_batch with paged|sdpa (GPU)",
+    )
+    parser.add_argument(
+        "--baseline-num-prompts", type=int, default=None, help="prompts for the baseline (default: all)"
+    )
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument("--result-name", default=None)
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Stay clear of the lowest ids, where special tokens usually live.
+    return rng.integers(100, vocab_size, size=(num, input_len)).tolist()
+
+
+def run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    elapsed = time.perf_counter() - started
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(p) for p in prompts)
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(prompts),
+        "output_tokens": num_out,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_out + num_in) / elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+    }
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.bench.results import write_result
+    from tokenmill.cli import engine_kwargs_from_args
+    from tokenmill.engine.llm import LLM
+
+    kwargs = engine_kwargs_from_args(args)
+    llm = LLM(args.model, **kwargs)
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, seed=args.seed)
+    if args.warmup:
+        run_tokenmill(llm, prompts[: min(4, len(prompts))], 4)
+    metrics: dict[str, Any] = run_tokenmill(llm, prompts, args.output_len)
+    print(
+        f"tokenmill: {metrics['output_tokens_per_s']:.1f} output tok/s, {metrics['total_tokens_per_s']:.1f} total tok/s "
+        f"({metrics['num_requests']} requests in {metrics['elapsed_s']:.1f} s)"
+    )
+
+    if args.baseline != "none":
+        from tokenmill.bench import hf_baseline
+
+        baseline_prompts = prompts[: args.baseline_num_prompts or len(prompts)]
+        device = llm.info.device
+        dtype = llm.info.dtype
+        del llm  # free memory for the baseline
+        import gc
+
+        gc.collect()
+        if args.baseline == "hf-generate":
+            base = hf_baseline.measure_generate(
+                args.model, args.load_format, baseline_prompts, args.output_len, device, dtype
+            )
+        else:
+            base = hf_baseline.measure_generate_batch(
+                args.model, args.load_format, baseline_prompts, args.output_len, device, dtype
+            )
+        metrics["baseline"] = base
+        best = max(v["output_tokens_per_s"] for v in base.values())
+        metrics["best_baseline_output_tokens_per_s"] = best
+        metrics["speedup_vs_transformers"] = metrics["output_tokens_per_s"] / best
+        for name, value in base.items():
+            print(f"transformers {name}: {value['output_tokens_per_s']:.1f} output tok/s")
+        print(f"speedup vs the best transformers figure: {metrics['speedup_vs_transformers']:.2f}x")
+
+    config = {
+        "model": args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+        "load_format": args.load_format,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "baseline": args.baseline,
+        **{k: v for k, v in kwargs.items() if v is not None},
+    }
+    if args.save_result:
+        path = write_result("throughput", config, metrics, out_dir=args.result_dir, name=args.result_name)
+        print(f"wrote {path}")
+    else:
+        print(json.dumps({"config": config, "metrics": metrics}, indent=2, default=str))
+    return metrics

@@ -1,0 +1,434 @@
+"""The continuous-batching scheduler: which requests compute how many tokens each step.
+
+There are no prefill and decode phases. Each step every running request, then every waiting one,
+gets `num_tokens - num_computed_tokens` tokens to compute, capped by what is left of the step's
+token budget (so long prompts are chunked) and by max_model_len, while `max_num_seqs` and the KV
+blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
+is preempted: its blocks are freed and it is recomputed later.
+
+Contract with the engine: call `update_from_output` after every `schedule()`, also when the
+output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests that
+`schedule()` itself had to end (ones that can never fit in the KV pool).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from tokenmill.core.request import Request, RequestStatus
+
+SortKey = tuple[int, float, int]  # (priority, arrival_time, admission sequence number): lower first
+
+
+class FcfsQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request, key: SortKey) -> None:
+        self._queue.append(request)
+
+    def add_preempted(self, request: Request, key: SortKey) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request_ids: set[str]) -> None:
+        self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """Waiting requests by (priority, arrival time); preempted ones keep their original place."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[SortKey, Request]] = []
+
+    def add(self, request: Request, key: SortKey) -> None:
+        heapq.heappush(self._heap, (key, request))
+
+    add_preempted = add
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request_ids: set[str]) -> None:
+        self._heap = [entry for entry in self._heap if entry[1].request_id not in request_ids]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[1] for entry in self._heap)
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+    ) -> None:
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
+            )
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every live (unfinished) request
+        self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
+        # Running requests, highest priority first (FCFS: in admission order): the tail is the victim.
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._keys: dict[str, SortKey] = {}
+        self._sequence = itertools.count()
+        self._finished_req_ids: set[str] = set()  # since the previous schedule()
+        self._pending_outputs: list[EngineCoreOutput] = []  # requests schedule() had to end
+        self._in_flight: set[str] = set()  # scheduled in the step not yet passed to update_from_output
+        self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already emitted
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use by a live request")
+        request.status = RequestStatus.WAITING
+        key = (request.priority, request.arrival_time, next(self._sequence))
+        self._keys[request.request_id] = key
+        self.requests[request.request_id] = request
+        self.waiting.add(request, key)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """End the given live requests ("abort") and free their blocks now; unknown ids are ignored."""
+        return self._end_requests(request_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """End one live request from outside (stop string, error); [] if it is not live."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status.name}")
+        return self._end_requests([request_id], status, error)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_stats(self) -> dict[str, float]:
+        return {
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_preemptions_total": self.num_preemptions_total,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:  # nothing to compute until a sampled token comes back
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                continue  # it was preempted or ended; it left `running`, which ends the loop
+            scheduled.append(self._schedule(request, num_new, is_new=False))
+            budget -= num_new
+            i += 1
+
+        # Admitting new work right after preempting would only thrash.
+        while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if request.num_tokens > self.max_model_len:  # the engine should have refused it
+                self.waiting.pop()
+                self._end_in_schedule(
+                    request,
+                    f"the request has {request.num_tokens} tokens, more than max_model_len "
+                    f"({self.max_model_len}); shorten the prompt",
+                )
+                continue
+            hit_ids, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, hit_ids) is None:
+                if running:
+                    break  # wait for running requests to free blocks
+                # Every block is free and it still does not fit: it never will.
+                self.waiting.pop()
+                self._end_in_schedule(request, self._too_big_message(request, num_hit_tokens + num_new))
+                continue
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            if self.config.policy == "priority":
+                keys = self._keys
+                bisect.insort(running, request, key=lambda r: keys[r.request_id])
+            else:
+                running.append(request)
+            scheduled.append(self._schedule(request, num_new, is_new=True))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_req_ids = set()
+        self._in_flight = {s.request.request_id for s in scheduled}
+        return output
+
+    def _schedule(self, request: Request, num_new: int, *, is_new: bool) -> ScheduledRequest:
+        scheduled = ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            is_new=is_new,
+        )
+        request.num_computed_tokens += num_new  # as vLLM v1: progress is counted at schedule time
+        return scheduled
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> bool:
+        """Find blocks for a running request, preempting from the tail of `running` as needed.
+
+        False when the request itself was preempted, or ended because it alone overflows the pool.
+        """
+        running = self.running
+        while self.kv.allocate_slots(request, num_new) is None:
+            if len(running) == 1:  # nothing left to preempt: it can never get the blocks
+                running.pop()
+                self._end_in_schedule(
+                    request, self._too_big_message(request, request.num_computed_tokens + num_new)
+                )
+                return False
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add_preempted(request, self._keys[request.request_id])
+
+    def _too_big_message(self, request: Request, num_tokens: int) -> str:
+        kv = self.kv
+        return (
+            f"request needs {kv.num_blocks_for(num_tokens)} KV blocks for {num_tokens} tokens but the "
+            f"whole pool has {kv.num_blocks} blocks of {kv.block_size} tokens; raise num_kv_blocks "
+            "or lower max_model_len / max_tokens"
+        )
+
+    def _end_in_schedule(self, request: Request, error: str) -> None:
+        """End a request (already out of the queues) during schedule(); update_from_output reports it."""
+        self._finish(request, RequestStatus.FINISHED_ERROR, error)
+        self._pending_outputs.append(self._final_output(request))
+
+    # -- results ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, end errored requests; one output per
+        request that got a token, prompt logprobs, or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self._in_flight = set()
+        for request_id, message in runner_output.errored.items():
+            # The step's KV for it may be garbage: keep it out of the prefix cache.
+            outputs.extend(
+                self._end_requests([request_id], RequestStatus.FINISHED_ERROR, message, uncache=True)
+            )
+
+        prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
+        logprobs = runner_output.logprobs
+        any_finished = False
+        for index, (request_id, token_id) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            request.append_output_token_ids([token_id])
+            token_logprobs = logprobs[index] if logprobs is not None else None
+            output = EngineCoreOutput(
+                request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                new_prompt_logprobs=prompt_logprobs.pop(request_id, None),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                output.finish_reason = status.finish_reason
+                output.stop_reason = request.stop_reason
+                any_finished = True
+            outputs.append(output)
+        for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        new_prompt_logprobs=entries,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _new_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        """The runner's prompt logprobs minus positions already sent (a preempted request
+        recomputes its prompt and would send them again)."""
+        if not runner_output.prompt_logprobs:
+            return {}
+        chunk_starts = {s.request_id: s.num_computed_tokens for s in scheduler_output.scheduled}
+        new: dict[str, list[TokenLogprobs | None]] = {}
+        for request_id, entries in runner_output.prompt_logprobs.items():
+            if request_id not in self.requests or request_id not in chunk_starts:
+                continue
+            # A chunk starting at s scores prompt tokens s+1.. (the first chunk also emits None for token 0).
+            start = chunk_starts[request_id]
+            first = 0 if start == 0 else start + 1
+            sent = self._prompt_logprobs_sent.get(request_id, 0)
+            self._prompt_logprobs_sent[request_id] = max(sent, first + len(entries))
+            if first + len(entries) > sent:
+                new[request_id] = entries[max(sent - first, 0) :]
+        return new
+
+    # -- ending requests --------------------------------------------------------------------
+
+    def _end_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, error: str | None, *, uncache: bool = False
+    ) -> list[EngineCoreOutput]:
+        requests = {rid: self.requests[rid] for rid in request_ids if rid in self.requests}
+        if not requests:
+            return []
+        running_ids = {rid for rid, r in requests.items() if r.status == RequestStatus.RUNNING}
+        if running_ids:
+            self.running = [r for r in self.running if r.request_id not in running_ids]
+        if len(running_ids) < len(requests):
+            self.waiting.remove(set(requests) - running_ids)
+        outputs = []
+        for request in requests.values():
+            # A step that was scheduled but not reported may never write this request's KV.
+            self._finish(request, status, error, uncache=uncache or request.request_id in self._in_flight)
+            outputs.append(self._final_output(request))
+        return outputs
+
+    def _finish(
+        self, request: Request, status: RequestStatus, error: str | None = None, *, uncache: bool = False
+    ) -> None:
+        """Mark a request ended and release everything it holds (the caller removes it from the queues)."""
+        request.status = status
+        if error is not None:
+            request.error = error
+        self.kv.free(request, uncache=uncache)
+        request_id = request.request_id
+        del self.requests[request_id]
+        del self._keys[request_id]
+        self._prompt_logprobs_sent.pop(request_id, None)
+        self._finished_req_ids.add(request_id)
+
+    def _final_output(self, request: Request) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=request.error,
+        )
+
+    # -- checks for tests -------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the queues, the requests and the KV blocks disagree."""
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), f"a request is in `running` twice: {running_ids}"
+        assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+        assert len(running_ids) + len(waiting_ids) == len(self.requests), (
+            f"{len(self.requests)} live requests but {len(running_ids)} running + {len(waiting_ids)} waiting"
+        )
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, f"{request!r} is in `running`"
+            assert self.requests.get(request.request_id) is request, f"{request!r} is running but not live"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+                f"{request!r} is waiting"
+            )
+            assert self.requests.get(request.request_id) is request, f"{request!r} is waiting but not live"
+        assert self.kv.request_ids_with_blocks() == set(running_ids), (
+            "KV blocks are held by exactly the running requests: "
+            f"holders {sorted(self.kv.request_ids_with_blocks())}, running {sorted(running_ids)}"
+        )
+        self.kv.check_invariants()

@@ -1,0 +1,318 @@
+"""The API server's handle on the engine: spawns the engine-core process and streams results.
+
+Tokenization, detokenization and stop strings run here, in the API process, so the engine loop
+only schedules and computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_process import run_engine_core
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineInfo,
+    EngineMessage,
+    EngineReady,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+)
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.errors import EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """Per user request: where its outputs go and which engine sequences belong to it."""
+
+    queue: asyncio.Queue
+    child_ids: list[str]
+    num_finished: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor: OutputProcessor | None = None
+        self.stats: dict[str, float] = {}
+        self.dead: str | None = None  # why the engine is gone
+        self.on_step_stats = None  # callback(stats) for metrics
+        self.on_output = None  # callback(RequestOutput, now) for metrics
+        self._streams: dict[str, _Stream] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._ids = itertools.count()
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
+        self._ctx = zmq.asyncio.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._stopping = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def start(self, ready_timeout_s: float = 1800.0) -> None:
+        from tokenmill.model.registry import resolve_model
+        from tokenmill.model.tokenizer import load_tokenizer
+
+        input_addr = f"ipc://{self._ipc_dir}/input"
+        output_addr = f"ipc://{self._ipc_dir}/output"
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.bind(input_addr)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.bind(output_addr)
+        os.chmod(self._ipc_dir, 0o700)  # only this user may reach the sockets
+
+        # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
+        resolved = await asyncio.to_thread(resolve_model, self.config.model)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, resolved, self.config.model.chat_template)
+        self.eos_token_ids = list(resolved.arch.eos_token_ids)
+
+        spawn = multiprocessing.get_context("spawn")
+        config_bytes = msgspec.msgpack.encode(self.config)
+        self._process = spawn.Process(
+            target=run_engine_core,
+            args=(config_bytes, input_addr, output_addr, os.getpid()),
+            name="tokenmill-engine",
+            daemon=True,
+        )
+        self._process.start()
+        logger.info("engine process %d started; loading the model", self._process.pid)
+
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (exit code {self._process.exitcode})")
+            if await self._from_engine.poll(500):
+                message = self._decoder.decode(await self._from_engine.recv())
+                if isinstance(message, EngineReady):
+                    if message.error:
+                        raise RuntimeError(f"the engine failed to start: {message.error}")
+                    self.info = message.info
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
+        assert self.info is not None
+        self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
+        logger.info(
+            "engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s",
+            self.info.num_kv_blocks, self.info.block_size, self.info.max_model_len, self.info.device, self.info.dtype,
+        )  # fmt: skip
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._to_engine.send(self._encoder.encode(Shutdown()))
+            await asyncio.to_thread(self._process.join, timeout_s)
+            if self._process.is_alive():
+                self._process.terminate()
+                await asyncio.to_thread(self._process.join, 5.0)
+            if self._process.is_alive():
+                self._process.kill()
+                await asyncio.to_thread(self._process.join, 5.0)
+        for task in self._tasks:
+            task.cancel()
+        self._mark_dead("the server is shutting down")
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        for name in ("input", "output"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._ipc_dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self._ipc_dir)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{os.urandom(4).hex()}"
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool = True,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields per-sequence RequestOutputs (delta text when stream=True) until all n finish.
+
+        Raises InvalidRequestError before anything reaches the engine if the request is bad, and
+        EngineDeadError if the engine is gone. Cancelling the iteration (client disconnect)
+        aborts the request in the engine.
+        """
+        if self.dead:
+            raise EngineDeadError(f"the engine is not available: {self.dead}")
+        assert self.input_processor is not None and self.output_processor is not None
+        children = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index
+            )
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            children.append(
+                (index, self.input_processor.make_request(child_id, prompt_token_ids, child_params, priority=priority, cache_salt=cache_salt))
+            )
+        record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])
+        self._streams[request_id] = record
+        for index, core_req in children:
+            self._child_to_parent[core_req.request_id] = request_id
+            self.output_processor.add_request(
+                core_req.request_id, request_id, index, prompt, prompt_token_ids, core_req.sampling_params,
+                stream=stream, arrival_time=core_req.arrival_time,
+            )  # fmt: skip
+        finished_cleanly = False
+        try:
+            await self._to_engine.send(self._encoder.encode(AddRequests([c for _, c in children])))
+            while record.num_finished < len(record.child_ids):
+                item = await record.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    record.num_finished += 1
+                yield item
+            finished_cleanly = True
+        finally:
+            if not finished_cleanly:
+                await self.abort(request_id)
+            self._forget(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        record = self._streams.get(request_id)
+        if record is None or self.output_processor is None:
+            return
+        live = [cid for cid in record.child_ids if cid in self.output_processor.states]
+        for cid in live:
+            self.output_processor.abort_request(cid)
+        if live and not self.dead:
+            try:
+                await self._to_engine.send(self._encoder.encode(AbortRequests(live)))
+            except zmq.ZMQError:
+                logger.warning("could not send abort for %s: engine socket closed", request_id)
+
+    async def abort_all(self) -> None:
+        """Ends every live request in the engine; each client still receives finish_reason "abort"."""
+        live = list(self._child_to_parent)
+        if live and not self.dead:
+            await self._to_engine.send(self._encoder.encode(AbortRequests(live)))
+
+    def _forget(self, request_id: str) -> None:
+        record = self._streams.pop(request_id, None)
+        if record is not None:
+            for cid in record.child_ids:
+                self._child_to_parent.pop(cid, None)
+
+    async def call_utility(self, method: str, timeout_s: float = 30.0) -> dict[str, float]:
+        if self.dead:
+            raise EngineDeadError(f"the engine is not available: {self.dead}")
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        await self._to_engine.send(self._encoder.encode(UtilityCall(call_id, method)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    # -- background tasks ---------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        assert self.output_processor is not None
+        try:
+            while True:
+                message = self._decoder.decode(await self._from_engine.recv())
+                if isinstance(message, StepOutputs):
+                    self._handle_outputs(message)
+                elif isinstance(message, UtilityResult):
+                    future = self._utility_calls.get(message.call_id)
+                    if future is not None and not future.done():
+                        if message.error:
+                            future.set_exception(RuntimeError(message.error))
+                        else:
+                            future.set_result(message.result or {})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave clients hanging
+            logger.exception("output loop failed")
+            self._mark_dead(f"output loop failed: {exc}")
+
+    def _handle_outputs(self, message: StepOutputs) -> None:
+        assert self.output_processor is not None
+        if message.stats:
+            self.stats = message.stats
+            if self.on_step_stats is not None:
+                self.on_step_stats(message.stats)
+        if not message.outputs:
+            return
+        now = time.monotonic()
+        processed = self.output_processor.process_outputs(message.outputs, now)
+        if processed.reqs_to_abort:
+            self._to_engine.send(self._encoder.encode(AbortRequests(processed.reqs_to_abort)))
+        for out in processed.request_outputs:
+            if self.on_output is not None:
+                self.on_output(out, now)
+            record = self._streams.get(out.request_id)
+            if record is not None:
+                record.queue.put_nowait(out)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._process is not None and not self._process.is_alive():
+                if not self._stopping:
+                    logger.error("the engine process died (exit code %s)", self._process.exitcode)
+                self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+                return
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
+        error = EngineDeadError(f"the engine is not available: {self.dead}")
+        for record in list(self._streams.values()):
+            record.queue.put_nowait(error)
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)

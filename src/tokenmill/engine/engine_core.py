@@ -1,0 +1,124 @@
+"""The engine core: schedule -> execute -> sample -> update, one step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.model.registry import ResolvedModel, resolve_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
+
+
+def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > model_limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's limit of {model_limit} positions "
+            "(max_position_embeddings); pass a value <= that"
+        )
+    return requested
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
+        from tokenmill.worker.model_runner import ModelRunner  # torch stays out of light imports
+
+        self.resolved = resolved if resolved is not None else resolve_model(config.model)
+        arch = self.resolved.arch
+        max_model_len = resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings)
+        self.runner = ModelRunner(config, self.resolved, max_model_len)
+        num_blocks = self.runner.initialize_kv_cache()
+        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, config.cache, num_blocks)
+        self.config = config
+        self.info = EngineInfo(
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            vocab_size=arch.vocab_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+        )
+        self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
+        self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
+        self._reported_queue_time: set[str] = set()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_ids=tuple(req.eos_token_ids),
+            arrival_time=req.arrival_time or time.monotonic(),
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            max_tokens=req.max_tokens,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._pending.extend(self.scheduler.abort_requests(list(request_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if scheduler_output.finished_req_ids:
+                self.runner.execute(scheduler_output)  # lets the runner drop finished requests' state
+            return outputs
+        now = time.monotonic()
+        for s in scheduler_output.scheduled:
+            rid = s.request_id
+            if s.is_new and rid not in self._queue_times and rid not in self._reported_queue_time:
+                self._queue_times[rid] = max(0.0, now - s.request.arrival_time)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
+            logger.exception("model step failed; ending the %d requests in it", len(scheduler_output.scheduled))
+            reason = f"model execution failed: {type(exc).__name__}: {exc}"
+            runner_output = ModelRunnerOutput(errored={s.request_id: reason for s in scheduler_output.scheduled})
+        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        for out in outputs:
+            queue_time = self._queue_times.pop(out.request_id, None)
+            if queue_time is not None:
+                out.queue_time = queue_time
+                if not out.finished:
+                    self._reported_queue_time.add(out.request_id)
+            if out.finished:
+                self._reported_queue_time.discard(out.request_id)
+        return outputs
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        self._pending.extend(self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error=message))
+
+    def get_stats(self) -> dict[str, float]:
+        return self.scheduler.get_stats()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

@@ -1,0 +1,98 @@
+"""Client-side validation and tokenization: bad input is refused here, before the engine sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, info: EngineInfo, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = list(eos_token_ids)
+        self.kv_capacity_tokens = info.num_kv_blocks * info.block_size
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Returns (prompt text if given as text, prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, self._check_token_ids(prompt)
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        ids = list(token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        vocab = self.info.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}", param="prompt")
+        return ids
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        max_len = self.info.max_model_len
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= max_len:
+            raise InvalidRequestError(
+                f"the prompt is {num_prompt} tokens, but this model's maximum context length is {max_len} tokens "
+                "and at least one must be left to generate; shorten the prompt",
+                param="prompt",
+            )
+        room = max_len - num_prompt
+        if params.max_tokens is None:
+            max_tokens = room
+        elif params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens, but {num_prompt + params.max_tokens} "
+                f"were requested ({num_prompt} in the prompt, {params.max_tokens} to generate); lower max_tokens to "
+                f"at most {room}",
+                param="max_tokens",
+            )
+        else:
+            max_tokens = params.max_tokens
+        if num_prompt + max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"the request needs up to {num_prompt + max_tokens} tokens of KV cache but the whole pool holds "
+                f"{self.kv_capacity_tokens}; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+            )
+        for t in params.stop_token_ids:
+            if t >= self.info.vocab_size:
+                raise InvalidRequestError(f"stop_token_ids must be < vocab size {self.info.vocab_size}, got {t}", param="stop_token_ids")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,297 @@
+"""The offline API, with vLLM's names so users can switch: `LLM(...).generate(...)` / `.chat(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.engine_core import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU,
+    EngineCore,
+)
+from tokenmill.engine.input_processor import InputProcessor, PromptInput
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enable_prefix_caching: bool = True,
+    block_size: int = 16,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    device: str = "auto",
+    enforce_eager: bool = False,
+    scheduling_policy: str = "fcfs",
+    attention_backend: str = "auto",
+    chat_template: str | None = None,
+    served_model_name: str | None = None,
+) -> EngineConfig:
+    from tokenmill.worker.device import resolve_device
+
+    resolved_device = resolve_device(device)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU if resolved_device.type == "cuda" else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+        )
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {load_format!r}")
+    return EngineConfig(
+        model=ModelConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            load_format=load_format,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            seed=seed,
+            chat_template=chat_template,
+            served_model_name=served_model_name,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=scheduling_policy,  # type: ignore[arg-type]
+        ),
+        device=str(resolved_device),
+        enforce_eager=enforce_eager,
+        attention_backend=attention_backend,
+    )
+
+
+class LLM:
+    """An engine in this process. `model=None` loads the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        import torch
+
+        from tokenmill.model.registry import resolve_model
+        from tokenmill.model.tokenizer import load_tokenizer
+
+        self.config = build_engine_config(model, **kwargs)
+        torch.manual_seed(self.config.model.seed)
+        self.resolved = resolve_model(self.config.model)
+        self.tokenizer = load_tokenizer(self.resolved, self.config.model.chat_template)
+        self.engine = EngineCore(self.config, self.resolved)
+        self.info = self.engine.info
+        self.input_processor = InputProcessor(self.tokenizer, self.info, self.resolved.arch.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- generate -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; pass one, or one per prompt",
+                    param="sampling_params",
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompt_list)} prompts", param="priority")
+
+        # Validate everything before adding anything: a bad prompt leaves the engine untouched.
+        staged = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            text, token_ids = self.input_processor.tokenize(prompt)
+            request_id = str(next(self._ids))
+            children = []
+            for index in range(params.n):
+                child_params = self._child_params(params, index)
+                child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+                core_req = self.input_processor.make_request(
+                    child_id, token_ids, child_params, priority=priority[i] if priority else 0
+                )
+                children.append((child_id, index, core_req))
+            staged.append((request_id, text, token_ids, params, children))
+
+        order = []
+        for request_id, text, token_ids, _params, children in staged:
+            order.append(request_id)
+            for child_id, index, core_req in children:
+                self.output_processor.add_request(child_id, request_id, index, text, token_ids, core_req.sampling_params)
+                self.engine.add_request(core_req)
+        return self._run_to_completion(order, {rid: p.n for rid, _, _, p, _ in staged}, use_tqdm)
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        if params.n == 1:
+            return params
+        seed = None if params.seed is None else params.seed + index
+        return dataclasses.replace(params, n=1, seed=seed)
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _run_to_completion(self, order: list[str], num_children: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        done_children: dict[str, int] = {}
+        progress = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        try:
+            while self.output_processor.has_unfinished():
+                core_outputs = self.engine.step()
+                processed = self.output_processor.process_outputs(core_outputs)
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if not out.finished:
+                        continue
+                    merged = results.get(out.request_id)
+                    if merged is None:
+                        results[out.request_id] = out
+                    else:
+                        merged.outputs.extend(out.outputs)
+                        merged.num_cached_tokens = min(merged.num_cached_tokens, out.num_cached_tokens)
+                        merged.error = merged.error or out.error
+                    done_children[out.request_id] = done_children.get(out.request_id, 0) + 1
+                    if done_children[out.request_id] == num_children[out.request_id]:
+                        progress.update(1)
+            # Drain aborts of stop-string matches so their blocks are freed before we return.
+            while self.engine.has_work():
+                self.engine.step()
+        except BaseException:
+            # Leave the engine clean for the next call (e.g. KeyboardInterrupt mid-generation).
+            pending = list(self.output_processor.states)
+            for rid in pending:
+                self.output_processor.abort_request(rid)
+            self.engine.abort_requests(pending)
+            while self.engine.has_work():
+                self.engine.step()
+            raise
+        finally:
+            progress.close()
+        outputs = []
+        for rid in order:
+            result = results[rid]
+            result.outputs.sort(key=lambda c: c.index)
+            result.finished = True
+            outputs.append(result)
+        return outputs
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        from tokenmill.engine.chat_template import render_chat
+
+        return render_chat(
+            self.tokenizer,
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    conversation,  # type: ignore[arg-type]
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def stream_generate(llm: LLM, prompt: PromptInput, params: SamplingParams):
+    """Yields text deltas of one prompt as they are produced (used by `tokenmill generate`)."""
+    text, token_ids = llm.input_processor.tokenize(prompt)
+    request_id = f"stream-{next(llm._ids)}"
+    core_req = llm.input_processor.make_request(request_id, token_ids, dataclasses.replace(params, n=1))
+    llm.output_processor.add_request(request_id, request_id, 0, text, token_ids, core_req.sampling_params, stream=True)
+    llm.engine.add_request(core_req)
+    try:
+        while llm.output_processor.has_unfinished():
+            processed = llm.output_processor.process_outputs(llm.engine.step())
+            if processed.reqs_to_abort:
+                llm.engine.abort_requests(processed.reqs_to_abort)
+            for out in processed.request_outputs:
+                if out.outputs[0].text:
+                    yield out.outputs[0].text
+    finally:
+        if llm.output_processor.states.pop(request_id, None) is not None:
+            llm.engine.abort_requests([request_id])
+        while llm.engine.has_work():
+            llm.engine.step()

@@ -1,0 +1,81 @@
+"""Typed messages between the API side and the engine core (msgspec msgpack; never pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: what the context leaves when the user gave none
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class EngineInfo(msgspec.Struct):
+    """What the client side needs to know about the engine once it is up."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: str
+    dtype: str
+
+
+
+
+# -- client -> engine ---------------------------------------------------------------------------
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Out-of-band calls the server and tests make: get_stats, check_invariants."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ClientMessage = AddRequests | AbortRequests | UtilityCall | Shutdown
+
+
+# -- engine -> client ---------------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    info: EngineInfo | None = None
+    error: str | None = None  # start-up failed: why
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput] = []
+    stats: dict[str, float] = {}
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result"):
+    call_id: int
+    result: dict[str, float] | None = None
+    error: str | None = None
+
+
+EngineMessage = EngineReady | StepOutputs | UtilityResult

@@ -1,0 +1,157 @@
+"""Prometheus metrics for the server, with vLLM's names under the `tokenmill:` prefix.
+
+Each server owns a `ServerMetrics` with its own `CollectorRegistry` (never the process-global
+one), so several servers or tests in one process do not collide. Request-level observations come
+from the API server as tokens stream out; engine-level numbers arrive as absolute totals in engine
+stats and are turned into counter increments here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+PREFIX = "tokenmill:"
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Buckets span a fast GPU (milliseconds) and a laptop CPU running a long prompt (minutes).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        # The `_created` timestamp series only add noise (vLLM turns them off too); the switch
+        # is process-wide in prometheus_client.
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            # prometheus_client appends `_total` to counter names on export.
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self._request_success = counter(
+            "request_success", "Finished requests, by finish reason.", ("finished_reason",)
+        )
+        for reason in FINISH_REASONS:  # export zeros so dashboards and tests see every series
+            self._request_success.labels(model_name, reason)
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(
+            model_name
+        )
+        self._generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
+        self._prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(model_name)
+        self._prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(model_name)
+        self._num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.").labels(
+            model_name
+        )
+        self._ttft = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS
+        ).labels(model_name)
+        self._itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+        ).labels(model_name)
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
+        ).labels(model_name)
+        self._queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time spent waiting before first scheduled.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self._num_running = gauge("num_requests_running", "Requests in the running batch.").labels(model_name)
+        self._num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(
+            model_name
+        )
+        self._kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."
+        ).labels(model_name)
+        # Engine stats keys holding absolute totals, and the counter each one feeds.
+        self._engine_counters = {
+            "prefix_cache_queries": self._prefix_cache_queries,
+            "prefix_cache_hits": self._prefix_cache_hits,
+            "num_preemptions_total": self._num_preemptions,
+        }
+        self._last_totals: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ request-level observations
+
+    def on_first_token(self, ttft: float) -> None:
+        self._ttft.observe(ttft)
+
+    def on_token_gap(self, itl: float) -> None:
+        self._itl.observe(itl)
+
+    def on_request_finished(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        e2e: float,
+        queue_time: float | None = None,
+    ) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        self._e2e.observe(e2e)
+        if queue_time is not None:
+            self._queue_time.observe(queue_time)
+
+    # ------------------------------------------------------------------ engine-level stats
+
+    def update_engine_stats(self, stats: Mapping[str, float]) -> None:
+        """Take the engine's absolute numbers; missing keys are left as they were.
+
+        Counters grow by the difference from the previous totals. A total smaller than the one
+        before means the engine restarted from zero, so the whole new total is counted.
+        """
+        if "num_running" in stats:
+            self._num_running.set(stats["num_running"])
+        if "num_waiting" in stats:
+            self._num_waiting.set(stats["num_waiting"])
+        if "kv_cache_usage" in stats:
+            self._kv_cache_usage.set(stats["kv_cache_usage"])
+        for key, counter in self._engine_counters.items():
+            if key not in stats:
+                continue
+            total = float(stats[key])
+            last = self._last_totals.get(key, 0.0)
+            delta = total - last if total >= last else total
+            if delta > 0:
+                counter.inc(delta)
+            self._last_totals[key] = total
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector, for GET /metrics."""
+        return generate_latest(self.registry)

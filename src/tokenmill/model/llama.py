@@ -1,0 +1,233 @@
+"""One plain-PyTorch decoder for the Llama, Mistral, Qwen2 and Qwen3 families.
+
+The families differ only in small switches carried by ArchConfig: q/k/v (and o) bias, Q/K
+RMSNorm, tied embeddings, RoPE scaling. The batch is flattened (see attention/backend.py): every
+tensor is [num_tokens, ...] and the attention backend reads and writes the paged KV cache.
+
+For speed q/k/v are one matmul and gate/up another (weights concatenated at load), the RoPE
+tables are precomputed, and nothing here reads a value back to the host, so a step can be
+captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.arch import ArchConfig
+from tokenmill.model.layers.mlp import swiglu_mlp
+from tokenmill.model.layers.rmsnorm import rms_norm
+from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, attn_backend: AttentionBackend, device=None, dtype=None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.attn_backend = attn_backend
+        hidden, inter = arch.hidden_size, arch.intermediate_size
+        qkv_rows = arch.q_size + 2 * arch.kv_size
+        self.input_norm = _param((hidden,), device, dtype)
+        self.qkv_weight = _param((qkv_rows, hidden), device, dtype)
+        self.qkv_bias = _param((qkv_rows,), device, dtype) if arch.attention_bias else None
+        self.q_norm = _param((arch.head_dim,), device, dtype) if arch.qk_norm else None
+        self.k_norm = _param((arch.head_dim,), device, dtype) if arch.qk_norm else None
+        self.o_weight = _param((hidden, arch.q_size), device, dtype)
+        self.o_bias = _param((hidden,), device, dtype) if arch.o_proj_bias else None
+        self.post_attention_norm = _param((hidden,), device, dtype)
+        self.gate_up_weight = _param((2 * inter, hidden), device, dtype)
+        self.down_weight = _param((hidden, inter), device, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+
+        qkv = F.linear(rms_norm(x, self.input_norm, eps), self.qkv_weight, self.qkv_bias)
+        if self.q_norm is not None:
+            q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
+            k = rms_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim), self.k_norm, eps)
+            q = apply_rotary(q, cos, signed_sin)
+            k = apply_rotary(k, cos, signed_sin)
+        else:
+            # q and k sit side by side in each qkv row: rotate both with one set of ops.
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim), cos, signed_sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+
+        attn = self.attn_backend.forward(q, k, v, kv_cache, meta)
+        x.add_(F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias))
+        x.add_(swiglu_mlp(rms_norm(x, self.post_attention_norm, eps), self.gate_up_weight, self.down_weight))
+        return x
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        attn_backend: AttentionBackend,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        """Parameters are allocated uninitialized on `device` in `dtype`; call load_weights next.
+
+        `max_positions` bounds the RoPE table (defaults to the model's max_position_embeddings).
+        """
+        super().__init__()
+        dtype = dtype or torch.float32
+        self.arch = arch
+        self.attn_backend = attn_backend
+        self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, attn_backend, device, dtype) for _ in range(arch.num_layers))
+        self.norm = _param((arch.hidden_size,), device, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _param((arch.vocab_size, arch.hidden_size), device, dtype)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim,
+            max_positions or arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden], ready for compute_logits."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, signed_sin = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, signed_sin, kv_cache, meta)
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters, converting device and dtype.
+
+        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        """
+        expected = self._expected_weight_names()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target_for(name)
+            if target is None:
+                continue
+            dest = target
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing weights: {shown}")
+
+    def _expected_weight_names(self) -> set[str]:
+        arch = self.arch
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not arch.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(arch.num_layers):
+            prefix = f"model.layers.{i}."
+            names.update(prefix + n for n in _LAYER_WEIGHTS)
+            if arch.attention_bias:
+                names.update(prefix + f"self_attn.{p}_proj.bias" for p in "qkv")
+            if arch.o_proj_bias:
+                names.add(prefix + "self_attn.o_proj.bias")
+            if arch.qk_norm:
+                names.update((prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"))
+        return names
+
+    def _target_for(self, name: str) -> torch.Tensor | None:
+        """The parameter slice an HF tensor goes into; None for tensors we deliberately ignore."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.data
+        if name == "model.norm.weight":
+            return self.norm.data
+        if name == "lm_head.weight":
+            # A tied checkpoint may still ship a copy of the embedding; the embedding wins.
+            return None if self.arch.tie_word_embeddings else self.lm_head.data
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed from the config
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None or int(match["layer"]) >= len(self.layers):
+            raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
+        layer: DecoderLayer = self.layers[int(match["layer"])]  # type: ignore[assignment]
+        arch = self.arch
+        part = match["part"]
+        q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
+        fused_rows = {
+            "self_attn.q_proj": (0, q),
+            "self_attn.k_proj": (q, q + kv),
+            "self_attn.v_proj": (q + kv, q + 2 * kv),
+            "mlp.gate_proj": (0, inter),
+            "mlp.up_proj": (inter, 2 * inter),
+        }
+        module, kind = part.rsplit(".", 1)
+        if module in fused_rows:
+            start, end = fused_rows[module]
+            if module.startswith("mlp."):
+                fused = layer.gate_up_weight if kind == "weight" else None
+            else:
+                fused = layer.qkv_weight if kind == "weight" else layer.qkv_bias
+            if fused is None:
+                raise ValueError(f"unexpected weight {name!r}: this {arch.architecture} model has no such bias")
+            return fused.data[start:end]
+        single = {
+            "input_layernorm.weight": layer.input_norm,
+            "post_attention_layernorm.weight": layer.post_attention_norm,
+            "self_attn.o_proj.weight": layer.o_weight,
+            "self_attn.o_proj.bias": layer.o_bias,
+            "self_attn.q_norm.weight": layer.q_norm,
+            "self_attn.k_norm.weight": layer.k_norm,
+            "mlp.down_proj.weight": layer.down_weight,
+        }
+        param = single.get(part)
+        if param is None:
+            raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
+        return param.data
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>.+)")
+_LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)

@@ -1,0 +1,180 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tokenmill.engine.chat_template import render_chat
+from tokenmill.errors import TokenmillError
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.server.protocol import (
+    SSE_DONE,
+    ChatCompletionLogprob,
+    ChatCompletionLogprobs,
+    ChatCompletionLogprobsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_id,
+    sse_event,
+)
+from tokenmill.server.serving_common import (
+    ChoiceState,
+    PreparedPrompt,
+    error_event,
+    generate_all,
+    make_usage,
+    validate_prompts,
+)
+from tokenmill.server.state import ServerState
+
+
+def prepare_chat_prompt(state: ServerState, request: ChatCompletionRequest) -> PreparedPrompt:
+    token_ids = render_chat(
+        state.engine.tokenizer,
+        request.messages_for_template(),
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
+    return PreparedPrompt(text=None, token_ids=token_ids)
+
+
+def _chat_logprobs(
+    state: ServerState, positions: list[PositionLogprobs], token_ids: list[int], k: int
+) -> ChatCompletionLogprobs:
+    decode = state.engine.output_processor.decode_token  # type: ignore[union-attr]
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        token = decode(token_id)
+        chosen = position.get(token_id)
+        ranked = sorted(
+            (lp.rank, tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k
+        )
+        top = [
+            ChatCompletionLogprob(
+                token=lp.decoded_token or decode(tid),
+                logprob=lp.logprob,
+                bytes=list((lp.decoded_token or "").encode()),
+            )
+            for _, tid, lp in ranked[:k]
+        ]
+        content.append(
+            ChatCompletionLogprobsContent(
+                token=token,
+                logprob=chosen.logprob if chosen else float("-inf"),
+                bytes=list(token.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatCompletionLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
+    state.check_model(request.model)
+    params = request.to_sampling_params(None)  # type: ignore[arg-type]  # None: up to the context length
+    prompt = prepare_chat_prompt(state, request)
+    validate_prompts(state, [prompt], params, request.priority, request.cache_salt)
+    request_id = random_id("chatcmpl")
+    model = request.model or state.model_names[0]
+    choices = [ChoiceState(index=j) for j in range(params.n)]
+    cached = [0]
+    outputs = generate_all(
+        state, request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
+    )
+    top_k = request.top_logprobs or 0
+
+    if request.stream:
+        return _stream(state, request, request_id, model, prompt, choices, cached, outputs, top_k)
+
+    async for _, out in outputs:
+        completion = out.outputs[0]
+        choice = choices[completion.index]
+        choice.text += completion.text
+        choice.token_ids.extend(completion.token_ids)
+        if completion.logprobs:
+            choice.logprobs.extend(completion.logprobs)
+        if out.finished:
+            choice.finish_reason = completion.finish_reason
+            choice.stop_reason = completion.stop_reason
+            choice.error = out.error
+            cached[0] = out.num_cached_tokens
+    errored = [c for c in choices if c.finish_reason == "error"]
+    if errored:
+        raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    response_choices = [
+        ChatCompletionResponseChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=_chat_logprobs(state, c.logprobs, c.token_ids, top_k) if request.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in choices
+    ]
+    return ChatCompletionResponse(
+        id=request_id, model=model, choices=response_choices, usage=make_usage([prompt], choices, cached[0])
+    )
+
+
+async def _stream(
+    state, request, request_id, model, prompt, choices, cached, outputs, top_k
+) -> AsyncIterator[str]:
+    try:
+        for choice in choices:
+            yield sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    model=model,
+                    choices=[
+                        ChatCompletionStreamChoice(
+                            index=choice.index, delta=DeltaMessage(role="assistant", content="")
+                        )
+                    ],
+                )
+            )
+        async for _, out in outputs:
+            completion = out.outputs[0]
+            choice = choices[completion.index]
+            choice.token_ids.extend(completion.token_ids)
+            if out.finished:
+                cached[0] = out.num_cached_tokens
+            if not completion.text and not out.finished and not (request.logprobs and completion.logprobs):
+                continue
+            logprobs = None
+            if request.logprobs and completion.logprobs:
+                logprobs = _chat_logprobs(state, list(completion.logprobs), completion.token_ids, top_k)
+            if out.finished and completion.finish_reason == "error":
+                yield error_event(f"generation failed: {out.error or 'unknown error'}")
+            yield sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    model=model,
+                    choices=[
+                        ChatCompletionStreamChoice(
+                            index=choice.index,
+                            delta=DeltaMessage(content=completion.text)
+                            if completion.text
+                            else DeltaMessage(),
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason if out.finished else None,
+                            stop_reason=completion.stop_reason if out.finished else None,
+                        )
+                    ],
+                )
+            )
+        if request.include_usage_in_stream:
+            yield sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id, model=model, choices=[], usage=make_usage([prompt], choices, cached[0])
+                )
+            )
+    except TokenmillError as exc:
+        yield error_event(exc.message, exc.status_code, exc.error_type)
+    finally:
+        await outputs.aclose()
+    yield SSE_DONE

@@ -1,0 +1,125 @@
+"""Pieces shared by the chat and completions handlers: fan-out over prompts and n, accumulation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import PositionLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
+from tokenmill.server.state import ServerState
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """Everything one choice (prompt i, sample j) has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    sent_first: bool = False
+
+
+def validate_prompts(
+    state: ServerState,
+    prompts: list[PreparedPrompt],
+    params: SamplingParams,
+    priority: int,
+    cache_salt: str | None,
+) -> None:
+    """Runs every check the engine client would, so a bad prompt fails before any is admitted."""
+    if params.n > state.max_n:
+        from tokenmill.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"n must be at most {state.max_n}, got {params.n}", param="n")
+    processor = state.engine.input_processor
+    assert processor is not None
+    for prompt in prompts:
+        processor.make_request("validate", prompt.token_ids, params, priority=priority, cache_salt=cache_salt)
+
+
+async def generate_all(
+    state: ServerState,
+    request_id: str,
+    prompts: list[PreparedPrompt],
+    params: SamplingParams,
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs every prompt concurrently; yields (prompt index, delta output) as they arrive.
+
+    Leaving the iteration early (client gone, error) cancels every prompt's generation, which
+    aborts its sequences in the engine.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, prompt: PreparedPrompt) -> None:
+        try:
+            async for out in state.engine.generate(
+                f"{request_id}-p{i}",
+                prompt.text,
+                prompt.token_ids,
+                params,
+                stream=True,
+                priority=priority,
+                cache_salt=cache_salt,
+            ):
+                queue.put_nowait((i, out))
+            queue.put_nowait(done)
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def make_usage(prompts: list[PreparedPrompt], choices: list[ChoiceState], cached_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def error_event(message: str, status_code: int = 500, error_type: str = "internal_error") -> str:
+    body = ErrorResponse.build(message, type=error_type, status_code=status_code)
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def wait_for_disconnect(receive) -> None:
+    """Returns once the client has gone away (the body was already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

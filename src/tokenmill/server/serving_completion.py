@@ -1,0 +1,210 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.server.protocol import (
+    SSE_DONE,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    random_id,
+    sse_event,
+)
+from tokenmill.server.serving_common import (
+    ChoiceState,
+    PreparedPrompt,
+    error_event,
+    generate_all,
+    make_usage,
+    validate_prompts,
+)
+from tokenmill.server.state import ServerState
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def prepare_prompts(state: ServerState, request: CompletionRequest) -> list[PreparedPrompt]:
+    processor = state.engine.input_processor
+    assert processor is not None
+    prepared = []
+    for prompt in request.prompts():
+        text, token_ids = processor.tokenize(prompt)
+        prepared.append(PreparedPrompt(text=text, token_ids=token_ids))
+    return prepared
+
+
+def _completion_logprobs(
+    state: ServerState,
+    positions: list[PositionLogprobs | None],
+    token_ids: list[int],
+    k: int,
+    start_offset: int,
+) -> CompletionLogprobs:
+    decode = state.engine.output_processor.decode_token  # type: ignore[union-attr]
+    result = CompletionLogprobs()
+    offset = start_offset
+    for token_id, position in zip(token_ids, positions, strict=False):
+        token = decode(token_id)
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+        if position is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        chosen = position.get(token_id)
+        result.token_logprobs.append(chosen.logprob if chosen else None)
+        top = {}
+        for tid, lp in position.items():
+            if tid == token_id or (lp.rank is not None and lp.rank <= k):
+                top[lp.decoded_token if lp.decoded_token is not None else decode(tid)] = lp.logprob
+        result.top_logprobs.append(top)
+    return result
+
+
+async def create_completion(
+    state: ServerState, request: CompletionRequest, stream_request_id: str | None = None
+):
+    """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
+    state.check_model(request.model)
+    params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+    if request.echo and request.stream and request.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
+    prompts = prepare_prompts(state, request)
+    validate_prompts(state, prompts, params, request.priority, request.cache_salt)
+    request_id = stream_request_id or random_id("cmpl")
+    model = request.model or state.model_names[0]
+    n = params.n
+    choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
+    cached = [0] * len(prompts)
+    prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
+
+    outputs = generate_all(
+        state, request_id, prompts, params, priority=request.priority, cache_salt=request.cache_salt
+    )
+
+    if request.stream:
+        return _stream(state, request, request_id, model, prompts, choices, cached, outputs)
+
+    async for i, out in outputs:
+        completion = out.outputs[0]
+        choice = choices[i * n + completion.index]
+        choice.text += completion.text
+        choice.token_ids.extend(completion.token_ids)
+        if completion.logprobs:
+            choice.logprobs.extend(completion.logprobs)
+        if out.finished:
+            choice.finish_reason = completion.finish_reason
+            choice.stop_reason = completion.stop_reason
+            choice.error = out.error
+            cached[i] = out.num_cached_tokens
+            prompt_logprobs[i] = out.prompt_logprobs
+    errored = [c for c in choices if c.finish_reason == "error"]
+    if errored:
+        raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    response_choices = []
+    for choice in choices:
+        prompt = prompts[choice.index // n]
+        text = choice.text
+        logprobs = None
+        if request.echo:
+            prompt_text = (
+                prompt.text if prompt.text is not None else state.engine.tokenizer.decode(prompt.token_ids)
+            )
+            text = prompt_text + text
+        if request.logprobs is not None:
+            if request.echo:
+                positions = list(prompt_logprobs[choice.index // n] or [None] * len(prompt.token_ids)) + list(
+                    choice.logprobs
+                )
+                logprobs = _completion_logprobs(
+                    state, positions, prompt.token_ids + choice.token_ids, request.logprobs, 0
+                )
+            else:
+                logprobs = _completion_logprobs(
+                    state, list(choice.logprobs), choice.token_ids, request.logprobs, 0
+                )
+        response_choices.append(
+            CompletionResponseChoice(
+                index=choice.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+        )
+    return CompletionResponse(
+        id=request_id, model=model, choices=response_choices, usage=make_usage(prompts, choices, sum(cached))
+    )
+
+
+async def _stream(state, request, request_id, model, prompts, choices, cached, outputs) -> AsyncIterator[str]:
+    n = request.n
+    text_offsets = [0] * len(choices)
+    try:
+        if request.echo:
+            for choice in choices:
+                prompt = prompts[choice.index // n]
+                prompt_text = (
+                    prompt.text
+                    if prompt.text is not None
+                    else state.engine.tokenizer.decode(prompt.token_ids)
+                )
+                chunk = CompletionStreamResponse(
+                    id=request_id,
+                    model=model,
+                    choices=[CompletionResponseChoice(index=choice.index, text=prompt_text)],
+                )
+                yield sse_event(chunk)
+        async for i, out in outputs:
+            completion = out.outputs[0]
+            choice = choices[i * n + completion.index]
+            choice.token_ids.extend(completion.token_ids)
+            if out.finished:
+                cached[i] = out.num_cached_tokens
+                choice.finish_reason = completion.finish_reason
+            if not completion.text and not out.finished and not completion.logprobs:
+                continue
+            logprobs = None
+            if request.logprobs is not None and completion.logprobs:
+                logprobs = _completion_logprobs(
+                    state,
+                    list(completion.logprobs),
+                    completion.token_ids,
+                    request.logprobs,
+                    text_offsets[choice.index],
+                )
+            text_offsets[choice.index] += len(completion.text)
+            if out.finished and completion.finish_reason == "error":
+                yield error_event(f"generation failed: {out.error or 'unknown error'}")
+            chunk = CompletionStreamResponse(
+                id=request_id,
+                model=model,
+                choices=[
+                    CompletionResponseChoice(
+                        index=choice.index,
+                        text=completion.text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason if out.finished else None,
+                        stop_reason=completion.stop_reason if out.finished else None,
+                    )
+                ],
+            )
+            yield sse_event(chunk)
+        if request.include_usage_in_stream:
+            yield sse_event(
+                CompletionStreamResponse(
+                    id=request_id, model=model, choices=[], usage=make_usage(prompts, choices, sum(cached))
+                )
+            )
+    except TokenmillError as exc:
+        yield error_event(exc.message, exc.status_code, exc.error_type)
+    finally:
+        await outputs.aclose()
+    yield SSE_DONE

@@ -1,0 +1,83 @@
+"""What every route handler shares: the engine, the model's names, limits, metrics, life-cycle flags."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.errors import EngineDeadError, ModelNotFoundError, TokenmillError
+from tokenmill.metrics import ServerMetrics
+from tokenmill.outputs import RequestOutput
+
+
+class ServiceUnavailableError(TokenmillError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_names: list[str]  # the first is the canonical id; all are accepted in requests
+    model_root: str
+    metrics: ServerMetrics
+    api_key: str | None = None
+    max_n: int = 16
+    max_body_bytes: int = 8 * 2**20
+    request_timeout: float | None = None
+    ready: bool = False
+    draining: bool = False
+    startup_error: str | None = None
+    # Per engine sequence: (last token time, tokens so far), for inter-token latency metrics.
+    _token_clock: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len if self.engine.info else 0
+
+    def check_available(self) -> None:
+        if self.draining:
+            raise ServiceUnavailableError("the server is shutting down and admits no new requests")
+        if self.engine.dead:
+            raise EngineDeadError(f"the engine is not available: {self.engine.dead}")
+        if not self.ready:
+            raise ServiceUnavailableError("the engine is still starting; retry once /health answers 200")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(
+                f"the model {model!r} does not exist; this server serves: {', '.join(self.model_names)}",
+                param="model",
+            )
+
+    def observe_output(self, out: RequestOutput, now: float) -> None:
+        """Feeds the latency histograms from every output as it leaves the engine."""
+        completion = out.outputs[0]
+        key = (out.request_id, completion.index)
+        new_tokens = len(completion.token_ids)
+        previous = self._token_clock.get(key)
+        if new_tokens:
+            if previous is None:
+                self.metrics.on_first_token(now - out.metrics.get("arrival_time", now))
+                self._token_clock[key] = (now, new_tokens)
+            else:
+                gap = now - previous[0]
+                for _ in range(new_tokens):
+                    self.metrics.on_token_gap(gap / new_tokens)
+                self._token_clock[key] = (now, previous[1] + new_tokens)
+        if out.finished:
+            _, generated = self._token_clock.pop(key, (now, 0))
+            if previous is None and not new_tokens:
+                generated = 0
+            self.metrics.on_request_finished(
+                completion.finish_reason or "abort",
+                len(out.prompt_token_ids) if completion.index == 0 else 0,
+                generated,
+                now - out.metrics.get("arrival_time", now),
+                out.metrics.get("queue_time"),
+            )
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,79 @@
+"""Turning a scheduler step into one flattened batch: token ids, positions, slots, block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.core.outputs import SchedulerOutput
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """Host-side (numpy) inputs of one step, before they are copied to the device."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray  # [R] int32
+    block_tables: np.ndarray  # [R, W] int32
+    # Rows of the flattened batch whose logits are needed: the last row of every request that
+    # samples, then the prompt-logprob rows.
+    sample_rows: np.ndarray  # [S] int64, one per sampling request, in scheduled order
+    sampling_req_indices: list[int]  # index into SchedulerOutput.scheduled for each sample row
+    max_query_len: int
+    max_seq_len: int
+
+
+def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: int | None = None) -> HostBatch:
+    scheduled = so.scheduled
+    num_reqs = len(scheduled)
+    starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    input_ids: list[int] = []
+    sample_rows: list[int] = []
+    sampling_req_indices: list[int] = []
+    for i, s in enumerate(scheduled):
+        req = s.request
+        if s.num_new_tokens == 1:
+            input_ids.append(req.all_token_ids[s.num_computed_tokens])
+        else:
+            input_ids.extend(req.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+        if s.samples_token:
+            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            sampling_req_indices.append(i)
+
+    # positions[t] = start of t's request + offset of t within the request's chunk
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
+
+    max_seq_len = int(seq_lens.max()) if num_reqs else 0
+    needed_width = -(-max_seq_len // block_size)
+    width = max(needed_width, 1) if block_table_width is None else block_table_width
+    block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+    for i, s in enumerate(scheduled):
+        num_blocks = -(-int(seq_lens[i]) // block_size)
+        block_tables[i, :num_blocks] = s.block_ids[:num_blocks]
+
+    block_idx = block_tables[req_of_token, positions // block_size].astype(np.int64)
+    slot_mapping = block_idx * block_size + positions % block_size
+
+    return HostBatch(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=block_tables,
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        sampling_req_indices=sampling_req_indices,
+        max_query_len=int(query_lens.max()) if num_reqs else 0,
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,96 @@
+"""CUDA graphs for decode-only steps: capture once per batch size, pad to the next size, replay.
+
+Decode at small batch is launch-bound: one graph replay replaces hundreds of kernel launches and
+all of the Python that issues them. Inputs live in the runner's persistent buffers, so a replay
+needs only the copies that fill them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from tokenmill.attention.backend import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, attn_backend, buffers, kv_caches: list[torch.Tensor], max_num_seqs: int) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.sizes = default_capture_sizes(min(max_num_seqs, buffers.max_num_reqs))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.pool = None
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _meta(self, batch_size: int) -> AttentionMetadata:
+        b = self.buffers
+        width = b.max_blocks_per_req
+        return AttentionMetadata(
+            num_actual_tokens=batch_size,
+            num_reqs=batch_size,
+            max_query_len=1,
+            max_seq_len=width * self.attn_backend.block_size,
+            query_start_loc=b.query_start_loc[: batch_size + 1],
+            seq_lens=b.seq_lens[:batch_size],
+            block_tables=b.block_tables[: batch_size * width].view(batch_size, width),
+            slot_mapping=b.slot_mapping[:batch_size],
+            query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(batch_size, dtype=torch.int32),
+            is_decode_only=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.perf_counter()
+        b = self.buffers
+        # Safe inputs for capture: every row a 1-token context in block 0, writing nowhere.
+        b.input_ids.zero_()
+        b.positions.zero_()
+        b.slot_mapping.fill_(-1)
+        b.seq_lens.fill_(1)
+        b.block_tables.zero_()
+        b.query_start_loc.copy_(torch.arange(b.max_num_reqs + 1, dtype=torch.int32, device=b.device))
+        self.attn_backend.prepare_for_capture(self.max_size, b.max_blocks_per_req)
+        self.pool = torch.cuda.graph_pool_handle()
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
+            meta = self._meta(size)
+            ids, pos = b.input_ids[:size], b.positions[:size]
+            for _ in range(2):  # warm-up: autotuning and lazy init happen outside the capture
+                self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
+            self.graphs[size] = graph
+            self.outputs[size] = out
+            self.metas[size] = meta
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - started)
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Logits [size, vocab]; the caller has staged the inputs into the buffers."""
+        self.attn_backend.prepare_for_replay(self.metas[size])
+        self.graphs[size].replay()
+        return self.outputs[size]

@@ -1,0 +1,49 @@
+"""Sizing and allocating the paged KV cache pool (one tensor per layer)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M in fp32
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for_cpu(cache: CacheConfig, bytes_per_block: int, min_blocks: int) -> int:
+    """CPU: an explicit block count, else `kv_cache_memory` bytes (default 1 GiB)."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"kv_cache_memory={budget} bytes holds only {num_blocks} blocks of {bytes_per_block} bytes, fewer than "
+            f"the {min_blocks} one max_model_len sequence needs; raise kv_cache_memory or lower max_model_len"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    # zeros, not empty: padded CUDA-graph rows may read unwritten slots, and NaN garbage there would
+    # poison a softmax even when masked by multiplication.
+    return [
+        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        for _ in range(num_layers)
+    ]

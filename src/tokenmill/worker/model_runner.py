@@ -1,0 +1,251 @@
+"""Runs one scheduler step on the model: flattened batch in, sampled tokens out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from tokenmill.model.registry import ResolvedModel, load_model
+from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata
+from tokenmill.sample.sampler import Sampler, compute_token_logprobs
+from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
+from tokenmill.worker.device import resolve_device, resolve_dtype
+from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.arch = resolved.arch
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        backend_cls = get_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = backend_cls(
+            self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.arch.head_dim**-0.5, self.block_size
+        )
+        started = time.perf_counter()
+        self.model = load_model(config.model, resolved, self.device, self.dtype, self.attn_backend)
+        logger.info("model loaded in %.1f s (%s, %s, %s)", time.perf_counter() - started, resolved.format, self.device, self.dtype)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.buffers = None  # InputBuffers on CUDA
+        self.graph_runner = None  # CudaGraphRunner once captured
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            from tokenmill.worker.input_buffers import InputBuffers
+
+            sched = config.scheduler
+            self.buffers = InputBuffers(
+                max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs, self.max_blocks_per_req, self.device
+            )
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def initialize_kv_cache(self) -> int:
+        """Size and allocate the KV pool; returns the number of blocks."""
+        per_block = kv_bytes_per_block(
+            self.arch.num_layers, self.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype
+        )
+        min_blocks = -(-self.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            from tokenmill.worker.gpu_memory import num_blocks_for_gpu
+
+            num_blocks = num_blocks_for_gpu(self, per_block, min_blocks)
+        else:
+            num_blocks = num_blocks_for_cpu(self.config.cache, per_block, min_blocks)
+        self.kv_caches = allocate_kv_caches(
+            self.arch.num_layers, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.num_blocks = num_blocks
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_cuda_graphs()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB), up to %d tokens in flight",
+            num_blocks, self.block_size, num_blocks * per_block / 2**30, num_blocks * self.block_size,
+        )  # fmt: skip
+        return num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        from tokenmill.worker.cuda_graphs import CudaGraphRunner
+
+        if self.attn_backend.name != "triton":
+            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
+            return
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs
+        )
+        self.graph_runner.capture()
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+    def build_metadata(self, batch: HostBatch, padded_reqs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device inputs of a step. On CUDA they go through the persistent pinned buffers (padded to
+        `padded_reqs` single-token requests for a CUDA-graph replay); on CPU they are numpy views."""
+        num_tokens = len(batch.input_ids)
+        num_reqs = len(batch.seq_lens)
+        if self.buffers is not None:
+            padded_tokens = num_tokens if padded_reqs is None else padded_reqs
+            input_ids, positions, slot_mapping = self.buffers.stage_tokens(
+                batch.input_ids, batch.positions, batch.slot_mapping, padded_tokens
+            )
+            query_start_loc, seq_lens, block_tables = self.buffers.stage_requests(
+                batch.query_start_loc, batch.seq_lens, batch.block_tables, padded_reqs or num_reqs
+            )
+        else:
+            input_ids = self._to_device(batch.input_ids, torch.long)
+            positions = self._to_device(batch.positions, torch.long)
+            slot_mapping = self._to_device(batch.slot_mapping, torch.long)
+            query_start_loc = self._to_device(batch.query_start_loc, torch.int32)
+            seq_lens = self._to_device(batch.seq_lens, torch.int32)
+            block_tables = self._to_device(batch.block_tables, torch.int32)
+        meta = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs if padded_reqs is None else padded_reqs,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=torch.from_numpy(batch.query_start_loc),
+            seq_lens_cpu=torch.from_numpy(batch.seq_lens),
+            is_decode_only=batch.max_query_len == 1,
+        )
+        return input_ids, positions, meta
+
+    def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(s.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[s.request_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            self.generators.pop(req_id, None)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        output = ModelRunnerOutput()
+        graphs = self.graph_runner
+        num_reqs = len(so.scheduled)
+        if (
+            graphs is not None
+            and so.total_num_scheduled_tokens == num_reqs
+            and num_reqs <= graphs.max_size
+            and all(s.num_computed_tokens >= s.request.num_prompt_tokens for s in so.scheduled)
+        ):
+            # Decode-only step: pad to a captured batch size and replay its graph.
+            padded = graphs.padded_size(num_reqs)
+            batch = build_host_batch(so, self.block_size, block_table_width=self.max_blocks_per_req)
+            self.build_metadata(batch, padded_reqs=padded)
+            logits = graphs.replay(padded)[:num_reqs]
+            self._sample(so, batch, None, output, logits=logits)
+            return output
+        batch = build_host_batch(so, self.block_size)
+        input_ids, positions, meta = self.build_metadata(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if batch.sampling_req_indices:
+            self._sample(so, batch, hidden, output)
+        self._prompt_logprobs(so, batch, hidden, output)
+        return output
+
+    def _sample(
+        self,
+        so: SchedulerOutput,
+        batch: HostBatch,
+        hidden: torch.Tensor | None,
+        output: ModelRunnerOutput,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        if logits is None:
+            assert hidden is not None
+            if self.buffers is not None:
+                rows = self.buffers.stage_sample_rows(batch.sample_rows)
+            else:
+                rows = torch.from_numpy(batch.sample_rows)
+            logits = self.model.compute_logits(hidden[rows])
+        sampling_reqs = [so.scheduled[i] for i in batch.sampling_req_indices]
+        infos = [
+            RowSamplingInfo(
+                params=s.request.sampling_params,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+                generator=self._generator_for(s),
+            )
+            for s in sampling_reqs
+        ]
+        metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
+        sampled = self.sampler(logits, metadata)
+        # NaN / inf logits end only their own request; the flag rides along with the one host sync.
+        nonfinite = ~torch.isfinite(logits).all(dim=-1)
+        packed = torch.stack([sampled.sampled_token_ids, nonfinite.long()]).cpu()
+        token_ids, bad_rows = packed.tolist()
+
+        logprob_rows: list[TokenLogprobs | None] | None = None
+        if sampled.logprobs is not None:
+            ids = sampled.logprob_token_ids.cpu().tolist()
+            lps = sampled.logprobs.cpu().tolist()
+            ranks = sampled.sampled_ranks.cpu().tolist()
+            logprob_rows = []
+            for i, s in enumerate(sampling_reqs):
+                k = s.request.sampling_params.logprobs
+                if k is None:
+                    logprob_rows.append(None)
+                else:
+                    logprob_rows.append(TokenLogprobs(token_ids=ids[i][: k + 1], logprobs=lps[i][: k + 1], rank=ranks[i]))
+
+        for i, s in enumerate(sampling_reqs):
+            if bad_rows[i]:
+                output.errored[s.request_id] = "the model produced non-finite (NaN or inf) logits for this request"
+                continue
+            output.req_ids.append(s.request_id)
+            output.sampled_token_ids.append(token_ids[i])
+        if logprob_rows is not None:
+            output.logprobs = [lp for i, lp in enumerate(logprob_rows) if not bad_rows[i]]
+
+    def _prompt_logprobs(self, so: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        for i, s in enumerate(so.scheduled):
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None or s.num_computed_tokens >= req.num_prompt_tokens or s.request_id in output.errored:
+                continue
+            start = s.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens)
+            # The logits at prompt position p score prompt token p + 1.
+            last_scored = min(end, req.num_prompt_tokens - 1)
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            if last_scored > start:
+                row0 = int(batch.query_start_loc[i])
+                logits = self.model.compute_logits(hidden[row0 : row0 + last_scored - start])
+                targets = torch.tensor(req.prompt_token_ids[start + 1 : last_scored + 1], device=self.device)
+                token_lp, rank, top_ids, top_lps = compute_token_logprobs(logits, targets, k)
+                token_lp, rank = token_lp.tolist(), rank.tolist()
+                top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
+                for j, target in enumerate(targets.tolist()):
+                    entries.append(
+                        TokenLogprobs(token_ids=[target, *top_ids[j]], logprobs=[token_lp[j], *top_lps[j]], rank=rank[j])
+                    )
+            output.prompt_logprobs[s.request_id] = entries

@@ -1,0 +1,133 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) end to end, against transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.hf_oracle import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path) -> LLM:
+    return LLM(None, device="cpu", max_model_len=512, seed=0)
+
+
+def test_greedy_single_and_concurrent_equal_transformers(llm, default_model_path):
+    tok = llm.get_tokenizer()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "List three colors:",
+    ]
+    rng = random.Random(0)
+    prompts = [tok.encode(t) for t in texts] + [
+        [rng.randrange(100, 40000) for _ in range(rng.randint(5, 80))] for _ in range(12)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    single = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]
+    assert single.outputs[0].token_ids == hf_greedy(str(default_model_path), prompts[0], 10)[0]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(str(default_model_path), prompt, 10)[0]
+    llm.engine.check_invariants()
+
+
+def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))] for _ in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = LLM(None, device="cpu", max_model_len=128, enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], params
+    )
+    squeezed = LLM(None, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)
+    outputs = squeezed.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4]], params)
+    assert squeezed.engine.get_stats()["num_preemptions_total"] > 0
+    for ref, out in zip(reference + reference[:4], outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    squeezed.engine.check_invariants()
+
+
+def test_chat_and_text(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert out.outputs[0].text.strip()
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_split_across_tokens(llm):
+    tok = llm.get_tokenizer()
+    prompt = "Count from one to twenty in words: one, two, three,"
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    # Pick a stop string that starts inside one token and ends inside a later one.
+    pieces = [tok.decode(base.token_ids[: i + 1]) for i in range(len(base.token_ids))]
+    boundary = len(pieces[3])
+    stop = base.text[boundary - 2 : boundary + 3]
+    assert len(stop) == 5 and stop in base.text
+    cut = base.text.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == base.text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == base.text[: cut + len(stop)]
+    llm.engine.check_invariants()
+
+
+def test_stop_token_ids_min_tokens_and_eos(llm):
+    prompt = "Write a short sentence about the sea."
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop_token = base.token_ids[5]
+    first = base.token_ids.index(stop_token)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    assert out.outputs[0].token_ids == base.token_ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_token
+    later = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=first + 1),
+    )[0].outputs[0]
+    assert len(later.token_ids) > first + 1
+    # A chat answer ends on EOS by itself; with ignore_eos it runs to max_tokens.
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=200))[0].outputs[0]
+    assert chat.finish_reason == "stop" and len(chat.token_ids) < 200
+    forced = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    assert len(forced.outputs[0].token_ids) == 40 and forced.outputs[0].finish_reason == "length"
+
+
+def test_seed_reproducible_across_batch_compositions(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
+    alone = llm.generate("Tell me a story:", seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=16, seed=s) for s in (1, 2)] + [
+        SamplingParams(temperature=0.8, max_tokens=16)
+    ]
+    mixed = llm.generate(
+        ["Hello there", "Tell me a story:", "A poem:", "Numbers: 1, 2,"],
+        [others[0], seeded, others[1], others[2]],
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    reordered = llm.generate(["Tell me a story:", "x y z"] * 1 + ["Tell me a story:"], [others[2], others[0], seeded])
+    assert reordered[2].outputs[0].token_ids == alone
+    unseeded = llm.generate(["Tell me a story:"] * 2, SamplingParams(temperature=1.0, max_tokens=16))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate({"prompt_token_ids": [1] * 600}, SamplingParams(max_tokens=4))
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate("hi", SamplingParams(temperature=-1.0))
+    assert info.value.param == "temperature"
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate("hi", SamplingParams(max_tokens=100_000))
+    assert info.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["fine", {"prompt_token_ids": [10**9]}], SamplingParams(max_tokens=4))
+    assert info.value.param == "prompt"
+    out = llm.generate(["still serving", "yes"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    llm.engine.check_invariants()

@@ -1,0 +1,251 @@
+"""The real server (default model) in a subprocess, driven with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.server_process import start_server
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_path):
+    proc = start_server(str(tmp_path_factory.mktemp("server")), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(f"tokenmill:{name}"):
+            m = re.match(rf"tokenmill:{name}(\{{[^}}]*\}})? (\S+)", line)
+            if m:
+                total += float(m.group(2))
+                found = True
+    assert found, f"metric tokenmill:{name} not exported"
+    return total
+
+
+def test_models_health_version_tokenize(server, client, model_id):
+    models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+    assert models[0]["id"] == model_id and models[0]["root"] and models[0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == "Hello world"
+
+
+def test_chat_and_completions_streaming_and_not(client, model_id):
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Say hi"}], max_tokens=12, temperature=0
+    )
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert 0 < chat.usage.completion_tokens <= 12
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert finish == chat.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+
+    completion = client.completions.create(model=model_id, prompt="The sky is", max_tokens=10, temperature=0)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=model_id, prompt="The sky is", max_tokens=10, temperature=0, stream=True) if c.choices
+    )
+    assert streamed == completion.choices[0].text and completion.usage.completion_tokens == 10
+
+
+def test_n_logprobs_echo_and_token_prompts(client, model_id):
+    out = client.completions.create(model=model_id, prompt="One, two,", max_tokens=5, temperature=0, n=2, logprobs=3)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.choices[0].text == out.choices[1].text  # greedy: both samples agree
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) >= 1 for top in lp.top_logprobs)
+    echo = client.completions.create(model=model_id, prompt="One, two,", max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("One, two,")
+    multi = client.completions.create(model=model_id, prompt=[[504, 3458], [9906, 28]], max_tokens=3, temperature=0)
+    assert sorted(c.index for c in multi.choices) == [0, 1]
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_stop_strings_and_seeds(client, model_id):
+    base = client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0).choices[0].text
+    stop = base[3:7]
+    cut = client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0, stop=[stop], stream=True)
+        if c.choices
+    )
+    assert streamed == cut.choices[0].text
+    a = client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7).choices[0].text
+    b = client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7).choices[0].text
+    assert a == b
+
+
+def test_cached_tokens_on_repeated_long_prompt(client, model_id):
+    prompt = "The history of the city is long and varied. " * 20
+    first = client.completions.create(model=model_id, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=model_id, prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
+        ({"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"prompt": "hi " * 1500, "max_tokens": 4}, 400, "prompt"),
+        ({"prompt": "hi", "n": 1000}, 400, "n"),
+        ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+        ({"prompt": [10**9]}, 400, "prompt"),
+    ],
+)
+def test_error_statuses(server, body, status, param):
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param and error["code"] == status
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+    assert httpx.get(f"{server.base_url}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_32_concurrent_streams_match_offline_greedy(server, model_id):
+    from tokenmill import LLM, SamplingParams
+
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=model_id, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(run_all())
+    offline = LLM(None, device="cpu", max_model_len=MAX_MODEL_LEN).generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert texts == [o.outputs[0].text for o in offline]
+
+
+def _wait_idle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0 and metric(server, "kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("requests still running or KV blocks still held after the clients left")
+
+
+def test_disconnects_free_everything(server, model_id):
+    # Streaming: read two chunks, then drop the connection.
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions",
+        json={"model": model_id, "prompt": "Tell a long story", "max_tokens": 500, "ignore_eos": True, "stream": True},
+        timeout=60,
+    ) as response:  # fmt: skip
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+    # Non-streaming: give up before the answer comes.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": model_id, "prompt": "Another long story", "max_tokens": 500, "ignore_eos": True},
+            timeout=1.0,
+        )
+    _wait_idle(server)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    aborted = re.search(r'tokenmill:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', text)
+    assert aborted and float(aborted.group(1)) >= 2
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path, default_model_path):
+    proc = start_server(str(tmp_path), "--max-model-len", "512", "--device", "cpu", "--shutdown-timeout", "60")
+    engine_pids = proc.child_pids()
+    result: dict = {}
+
+    def run() -> None:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        result["out"] = client.completions.create(model=model, prompt="Hi", max_tokens=200, extra_body={"ignore_eos": True})
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    proc.process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    if proc.process.poll() is None:
+        try:
+            assert httpx.get(f"{proc.base_url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone: fine as long as the request below completed
+    thread.join(120)
+    assert proc.process.wait(60) == 0
+    assert result["out"].choices[0].finish_reason == "length" and result["out"].usage.completion_tokens == 200
+    for pid in engine_pids:
+        assert not _alive(pid), f"engine process {pid} outlived the server"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

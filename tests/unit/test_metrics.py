@@ -1,0 +1,97 @@
+"""Prometheus collectors: names, labels, request observations and engine-total deltas."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.metrics import ServerMetrics
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted({"model_name": metrics.model_name, **labels}.items())))
+    return samples(metrics)[key]
+
+
+def test_exports_vllm_names_with_prefix() -> None:
+    m = ServerMetrics("smol")
+    names = {name for name, _ in samples(m)}
+    for expected in (
+        "tokenmill:request_success_total",
+        "tokenmill:prompt_tokens_total",
+        "tokenmill:generation_tokens_total",
+        "tokenmill:time_to_first_token_seconds_count",
+        "tokenmill:inter_token_latency_seconds_bucket",
+        "tokenmill:e2e_request_latency_seconds_sum",
+        "tokenmill:request_queue_time_seconds_count",
+        "tokenmill:num_requests_running",
+        "tokenmill:num_requests_waiting",
+        "tokenmill:kv_cache_usage_perc",
+        "tokenmill:prefix_cache_queries_total",
+        "tokenmill:prefix_cache_hits_total",
+        "tokenmill:num_preemptions_total",
+    ):
+        assert expected in names, expected
+    assert not any(name.endswith("_created") for name in names)
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(m, "tokenmill:request_success_total", finished_reason=reason) == 0
+
+
+def test_two_servers_in_one_process_do_not_collide() -> None:
+    a, b = ServerMetrics("a"), ServerMetrics("b")
+    a.on_first_token(0.1)
+    assert value(a, "tokenmill:time_to_first_token_seconds_count") == 1
+    assert value(b, "tokenmill:time_to_first_token_seconds_count") == 0
+
+
+def test_request_observations() -> None:
+    m = ServerMetrics("smol")
+    m.on_first_token(0.2)
+    for gap in (0.01, 0.03):
+        m.on_token_gap(gap)
+    m.on_request_finished("stop", prompt_tokens=10, generation_tokens=3, e2e=0.5, queue_time=0.05)
+    m.on_request_finished("abort", prompt_tokens=4, generation_tokens=1, e2e=2.0)  # no queue time known
+    assert value(m, "tokenmill:request_success_total", finished_reason="stop") == 1
+    assert value(m, "tokenmill:request_success_total", finished_reason="abort") == 1
+    assert value(m, "tokenmill:prompt_tokens_total") == 14
+    assert value(m, "tokenmill:generation_tokens_total") == 4
+    assert value(m, "tokenmill:inter_token_latency_seconds_count") == 2
+    assert abs(value(m, "tokenmill:inter_token_latency_seconds_sum") - 0.04) < 1e-9
+    assert value(m, "tokenmill:e2e_request_latency_seconds_count") == 2
+    assert value(m, "tokenmill:request_queue_time_seconds_count") == 1
+    # TTFT 0.2 s falls in the 0.25 bucket and not the 0.1 one.
+    assert value(m, "tokenmill:time_to_first_token_seconds_bucket", le="0.1") == 0
+    assert value(m, "tokenmill:time_to_first_token_seconds_bucket", le="0.25") == 1
+
+
+def test_engine_totals_become_counter_deltas_and_gauges() -> None:
+    m = ServerMetrics("smol")
+    m.update_engine_stats(
+        {
+            "num_running": 3,
+            "num_waiting": 5,
+            "kv_cache_usage": 0.25,
+            "prefix_cache_queries": 100,
+            "prefix_cache_hits": 40,
+            "num_preemptions_total": 1,
+        }
+    )
+    m.update_engine_stats({"prefix_cache_queries": 150, "prefix_cache_hits": 40, "num_running": 2})
+    assert value(m, "tokenmill:prefix_cache_queries_total") == 150
+    assert value(m, "tokenmill:prefix_cache_hits_total") == 40
+    assert value(m, "tokenmill:num_preemptions_total") == 1
+    assert value(m, "tokenmill:num_requests_running") == 2
+    assert value(m, "tokenmill:num_requests_waiting") == 5  # missing key: unchanged
+    assert value(m, "tokenmill:kv_cache_usage_perc") == 0.25
+    # An engine restart resets its totals: the new total counts in full, the counter never drops.
+    m.update_engine_stats({"prefix_cache_queries": 30})
+    assert value(m, "tokenmill:prefix_cache_queries_total") == 180
+    m.update_engine_stats({"prefix_cache_queries": 35})
+    assert value(m, "tokenmill:prefix_cache_queries_total") == 185

@@ -1,0 +1,559 @@
+"""Scheduler with a fake model runner: budgets, chunked prefill, preemption, policies, abort, stops.
+
+The fake runner checks what a real one relies on: each step it writes a fingerprint of every
+computed position into the slots the block tables name, then checks that every request's whole
+context reads back its own tokens (so prefix hits and block sharing are really right). Its
+"model" picks the next token from the sequence so far only, like greedy decoding, so a request
+must produce the same tokens whatever else is batched with it and however often it is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.sampling_params import SamplingParams
+
+VOCAB = 97
+
+
+def next_token(tokens: list[int]) -> int:
+    return (tokens[-1] * 31 + len(tokens) * 7 + 3) % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    tokens = list(prompt)
+    while True:
+        tokens.append(next_token(tokens))
+        if len(tokens) - len(prompt) >= max_tokens or len(tokens) >= max_model_len:
+            return tokens[len(prompt) :]
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.kv.block_size
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token id) written there
+        self.fail_next: set[str] = set()  # request ids to report as errored in the next step
+        self.script: dict[str, list[int]] = {}  # request id -> tokens to sample instead of next_token
+        self.known: set[str] = set()  # requests the runner holds state for
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        config = self.scheduler.config
+        self.known -= so.finished_req_ids | so.preempted_req_ids
+        assert so.total_num_scheduled_tokens == sum(s.num_new_tokens for s in so.scheduled)
+        assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(so.scheduled) <= config.max_num_seqs
+        assert len({s.request_id for s in so.scheduled}) == len(so.scheduled)
+        for s in so.scheduled:
+            end = s.num_computed_tokens + s.num_new_tokens
+            assert s.num_new_tokens > 0 and end <= s.request.num_tokens <= config.max_model_len
+            assert len(s.block_ids) * self.block_size >= end
+            # is_new exactly when the runner holds no state for it (first time, or after preemption).
+            assert s.is_new == (s.request_id not in self.known), (s.request_id, s.is_new)
+            self.known.add(s.request_id)
+            for pos in range(s.num_computed_tokens, end):
+                self.slots[self._slot(s.block_ids, pos)] = (pos, s.request.all_token_ids[pos])
+        output = ModelRunnerOutput()
+        for s in so.scheduled:  # every layer stores the whole batch's K/V before attention reads
+            tokens = s.request.all_token_ids
+            for pos in range(s.num_computed_tokens + s.num_new_tokens):
+                assert self.slots.get(self._slot(s.block_ids, pos)) == (pos, tokens[pos]), (
+                    f"{s.request_id} reads wrong KV at position {pos}"
+                )
+            if s.request_id in self.fail_next:
+                output.errored[s.request_id] = "non-finite logits"
+            elif s.samples_token:
+                script = self.script.get(s.request_id)
+                token = script[s.request.num_output_tokens] if script else next_token(tokens)
+                output.req_ids.append(s.request_id)
+                output.sampled_token_ids.append(token)
+        self.fail_next.clear()
+        return output
+
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+class Harness:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        max_model_len: int = 256,
+        policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, max_model_len),  # type: ignore[arg-type]
+            CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+            num_blocks,
+        )
+        self.runner = FakeRunner(self.scheduler)
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.finals: dict[str, EngineCoreOutput] = {}
+        self.outputs: list[EngineCoreOutput] = []
+        self.steps: list[SchedulerOutput] = []
+
+    def add(self, request: Request) -> Request:
+        self.scheduler.add_request(request)
+        return request
+
+    def record(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        for out in outputs:
+            assert out.request_id not in self.finals, f"{out.request_id} got output after it ended"
+            self.tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                self.finals[out.request_id] = out
+        self.outputs.extend(outputs)
+        return outputs
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        self.steps.append(so)
+        outputs = self.record(self.scheduler.update_from_output(so, self.runner.execute(so)))
+        self.scheduler.check_invariants()
+        return outputs
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps: {self.scheduler.requests}")
+
+    def abort(self, *request_ids: str) -> list[EngineCoreOutput]:
+        outputs = self.record(self.scheduler.abort_requests(list(request_ids)))
+        self.scheduler.check_invariants()
+        return outputs
+
+
+def make_request(
+    request_id: str,
+    prompt: int | list[int],
+    max_tokens: int | None = 4,
+    *,
+    eos: tuple[int, ...] = (),
+    priority: int = 0,
+    arrival_time: float | None = None,
+    **params: object,
+) -> Request:
+    tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
+    return Request(
+        request_id,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        eos_token_ids=eos,
+        priority=priority,
+        arrival_time=arrival_time,
+    )
+
+
+def scheduled_counts(so: SchedulerOutput) -> dict[str, int]:
+    return {s.request_id: s.num_new_tokens for s in so.scheduled}
+
+
+# -- the basic path --------------------------------------------------------------------------
+
+
+def test_one_request_prefill_then_decode_to_max_tokens() -> None:
+    h = Harness()
+    request = h.add(make_request("a", 10, max_tokens=3))
+    so = h.scheduler.schedule()
+    [s] = so.scheduled
+    assert (s.num_computed_tokens, s.num_new_tokens, s.is_new) == (0, 10, True)
+    assert request.num_computed_tokens == 10 and request.status == RequestStatus.RUNNING
+    assert request.num_cached_tokens == 0
+    [out] = h.record(h.scheduler.update_from_output(so, h.runner.execute(so)))
+    assert out.new_token_ids == [next_token(list(range(1, 11)))] and not out.finished
+    so = h.scheduler.schedule()
+    assert [(s.num_computed_tokens, s.num_new_tokens, s.is_new) for s in so.scheduled] == [(10, 1, False)]
+    h.record(h.scheduler.update_from_output(so, h.runner.execute(so)))
+    h.run()
+    assert h.tokens["a"] == reference_output(list(range(1, 11)), 3, 256)
+    assert h.finals["a"].finish_reason == "length" and request.status == RequestStatus.FINISHED_LENGTH
+    assert h.scheduler.schedule().finished_req_ids == {"a"}
+    assert h.scheduler.schedule().finished_req_ids == set()
+    assert h.scheduler.kv.usage == 0
+
+
+def test_chunked_prefill_under_a_small_budget() -> None:
+    h = Harness(max_num_batched_tokens=8)
+    h.add(make_request("long", 20, max_tokens=2))
+    h.add(make_request("short", 3, max_tokens=2))
+    assert scheduled_counts(h.steps[-1] if h.step() == [] else h.steps[-1]) == {"long": 8}
+    assert h.step() == []  # partial chunks sample nothing
+    assert scheduled_counts(h.steps[-1]) == {"long": 8}
+    outputs = h.step()
+    assert scheduled_counts(h.steps[-1]) == {"long": 4, "short": 3}  # running first, then waiting
+    assert {o.request_id for o in outputs} == {"long", "short"}
+    h.run()
+    assert h.tokens["long"] == reference_output(list(range(1, 21)), 2, 256)
+    assert h.tokens["short"] == reference_output([1, 2, 3], 2, 256)
+
+
+def test_max_num_seqs_caps_the_batch() -> None:
+    h = Harness(max_num_seqs=2)
+    for i in range(5):
+        h.add(make_request(f"r{i}", 5 + i, max_tokens=3))
+    h.run()
+    assert max(len(so.scheduled) for so in h.steps) == 2
+    for i in range(5):
+        assert h.tokens[f"r{i}"] == reference_output(list(range(1, 6 + i)), 3, 256)
+
+
+def test_prefix_hit_sets_num_cached_tokens_and_skips_computation() -> None:
+    h = Harness(block_size=4)
+    prompt = list(range(1, 15))
+    h.add(make_request("first", prompt, max_tokens=2))
+    h.add(make_request("sibling", prompt, max_tokens=2))  # same step: hits blocks cached at allocation
+    h.step()
+    assert scheduled_counts(h.steps[-1]) == {"first": 14, "sibling": 2}
+    h.run()
+    later = h.add(make_request("later", [*prompt, 50], max_tokens=2))
+    h.step()
+    assert later.num_cached_tokens == 12 and scheduled_counts(h.steps[-1]) == {"later": 3}
+    h.run()
+    assert h.finals["later"].num_cached_tokens == 12 and h.finals["first"].num_cached_tokens == 0
+    assert h.tokens["later"] == reference_output([*prompt, 50], 2, 256)
+    assert h.tokens["sibling"] == h.tokens["first"]
+    stats = h.scheduler.get_stats()
+    assert stats["prefix_cache_hits"] == 24 and stats["prefix_cache_queries"] == 14 + 14 + 15
+
+
+# -- preemption ------------------------------------------------------------------------------
+
+
+def test_preemption_when_blocks_run_out_keeps_outputs_identical() -> None:
+    prompts = {f"r{i}": list(range(10 * i + 1, 10 * i + 8)) for i in range(4)}
+    h = Harness(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    for request_id, prompt in prompts.items():
+        h.add(make_request(request_id, prompt, max_tokens=12))
+    h.run()
+    assert h.scheduler.num_preemptions_total > 0
+    preempted = set().union(*(so.preempted_req_ids for so in h.steps))
+    assert preempted
+    for request_id, prompt in prompts.items():
+        assert h.tokens[request_id] == reference_output(prompt, 12, 256), request_id
+        assert h.finals[request_id].finish_reason == "length"
+    # A preempted request comes back as new, recomputing from token 0.
+    resumed = [s for so in h.steps for s in so.scheduled if s.request.num_preemptions and s.is_new]
+    assert any(s.num_computed_tokens == 0 for s in resumed)
+    assert h.scheduler.get_stats()["num_preemptions_total"] == h.scheduler.num_preemptions_total
+
+
+def test_fcfs_preempts_the_latest_running_request_and_requeues_it_first() -> None:
+    h = Harness(num_blocks=6, block_size=4)
+    early = h.add(make_request("early", 7, max_tokens=15))  # 22 tokens: the whole pool
+    late = h.add(make_request("late", 7, max_tokens=15))
+    waiting = h.add(make_request("waiting", 3, max_tokens=1))
+    h.step()  # early, late each get 2 blocks; waiting needs 1 more: fits (6 blocks)
+    while not late.num_preemptions:
+        h.step()
+    assert early.num_preemptions == 0 and late.status == RequestStatus.PREEMPTED
+    assert list(h.scheduler.waiting)[0] is late
+    assert waiting.is_finished
+    h.run()
+    assert h.tokens["late"] == reference_output(list(range(1, 8)), 15, 256)
+
+
+def test_priority_policy_orders_admission_and_preempts_the_lowest_priority() -> None:
+    h = Harness(num_blocks=6, block_size=4, max_num_seqs=1, policy="priority")
+    h.add(make_request("low", 3, max_tokens=1, priority=5, arrival_time=1.0))
+    h.add(make_request("high", 3, max_tokens=1, priority=0, arrival_time=2.0))
+    h.add(make_request("high-later", 3, max_tokens=1, priority=0, arrival_time=3.0))
+    h.run()
+    order = [so.scheduled[0].request_id for so in h.steps if so.scheduled]
+    assert order == ["high", "high-later", "low"]
+
+    h = Harness(num_blocks=6, block_size=4, policy="priority")
+    low = h.add(make_request("low", 7, max_tokens=15, priority=5, arrival_time=1.0))
+    h.step()
+    high = h.add(make_request("high", 7, max_tokens=15, priority=0, arrival_time=2.0))
+    h.step()
+    assert [r.request_id for r in h.scheduler.running] == ["high", "low"]
+    while not (low.num_preemptions or high.num_preemptions):
+        h.step()
+    assert low.num_preemptions == 1 and high.num_preemptions == 0  # FCFS would have picked "high"
+    h.run()
+    assert h.tokens["low"] == reference_output(list(range(1, 8)), 15, 256)
+
+
+def test_request_larger_than_the_pool_ends_with_an_error_instead_of_looping() -> None:
+    h = Harness(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    h.add(make_request("prompt-too-big", 17, max_tokens=2))  # 5 blocks for the prompt alone
+    so = h.scheduler.schedule()
+    assert so.is_empty and h.scheduler.has_unfinished_requests()
+    [out] = h.record(h.scheduler.update_from_output(so, ModelRunnerOutput()))
+    assert out.finish_reason == "error" and "pool has 4 blocks" in (out.error or "")
+    assert not h.scheduler.has_unfinished_requests()
+
+    h.add(make_request("grows-too-big", 14, max_tokens=10))  # fits at first, then outgrows the pool
+    h.add(make_request("small", 2, max_tokens=10))
+    h.run()
+    assert h.finals["grows-too-big"].finish_reason == "error"
+    assert h.finals["small"].finish_reason == "length"
+    # Positions 0..15 fit in 4 blocks (3 tokens sampled, the last from position 15); 16 does not.
+    assert len(h.tokens["grows-too-big"]) == 3
+
+
+def test_prompt_longer_than_max_model_len_is_refused_not_stuck() -> None:
+    h = Harness(max_model_len=16)
+    h.add(make_request("too-long", 17))
+    h.add(make_request("fine", 16, max_tokens=5))
+    h.run()
+    assert h.finals["too-long"].finish_reason == "error" and "max_model_len" in (
+        h.finals["too-long"].error or ""
+    )
+    assert h.finals["fine"].finish_reason == "length" and len(h.tokens["fine"]) == 1
+
+
+# -- abort and errors ------------------------------------------------------------------------
+
+
+def test_abort_waiting_running_midprefill_and_unknown() -> None:
+    h = Harness(max_num_seqs=1, max_num_batched_tokens=4)
+    h.add(make_request("running", 10))
+    h.add(make_request("waiting", 3))
+    h.step()
+    assert h.scheduler.num_running == 1 and h.scheduler.num_waiting == 1
+    outputs = h.abort("running", "waiting", "unknown", "running")
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        ("running", "abort"),
+        ("waiting", "abort"),
+    ]
+    assert h.abort("running") == []
+    assert not h.scheduler.has_unfinished_requests() and h.scheduler.kv.usage == 0
+    assert h.scheduler.schedule().finished_req_ids == {"running", "waiting"}
+
+
+def test_abort_between_schedule_and_update_is_skipped_and_not_cached() -> None:
+    h = Harness()
+    prompt = list(range(1, 14))
+    h.add(make_request("a", prompt))
+    h.add(make_request("b", 5))
+    so = h.scheduler.schedule()
+    runner_output = h.runner.execute(so)
+    h.abort("a")
+    outputs = h.record(h.scheduler.update_from_output(so, runner_output))
+    assert [o.request_id for o in outputs] == ["b"]
+    h.scheduler.check_invariants()
+    h.add(make_request("again", prompt))
+    h.step()
+    assert h.scheduler.requests["again"].num_cached_tokens == 0  # its step may never have run
+
+
+def test_runner_error_ends_only_that_request_and_drops_its_cache() -> None:
+    h = Harness()
+    prompt = list(range(1, 14))
+    h.add(make_request("bad", prompt))
+    h.add(make_request("good", 5, max_tokens=3))
+    h.runner.fail_next.add("bad")
+    h.step()
+    assert h.finals["bad"].finish_reason == "error" and h.finals["bad"].error == "non-finite logits"
+    h.add(make_request("retry", prompt, max_tokens=2))
+    h.run()
+    assert h.finals["retry"].num_cached_tokens == 0
+    assert h.tokens["good"] == reference_output([1, 2, 3, 4, 5], 3, 256)
+
+
+def test_finish_request_from_outside() -> None:
+    h = Harness()
+    request = h.add(make_request("a", 5, max_tokens=10))
+    h.step()
+    [out] = h.record(h.scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED))
+    assert out.finish_reason == "stop" and request.status == RequestStatus.FINISHED_STOPPED
+    assert h.scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED) == []
+    with pytest.raises(ValueError, match="finished status"):
+        h.scheduler.finish_request("a", RequestStatus.RUNNING)
+    h.scheduler.check_invariants()
+
+
+def test_duplicate_request_id_is_refused() -> None:
+    h = Harness()
+    h.add(make_request("a", 5))
+    with pytest.raises(ValueError, match="already in use"):
+        h.add(make_request("a", 5))
+
+
+# -- stop conditions -------------------------------------------------------------------------
+
+
+def run_scripted(script: list[int], max_tokens: int | None = 10, max_model_len: int = 256, **kwargs: object):
+    h = Harness(max_model_len=max_model_len)
+    eos = kwargs.pop("eos", (2,))
+    h.add(make_request("a", 4, max_tokens=max_tokens, eos=eos, **kwargs))  # type: ignore[arg-type]
+    h.runner.script["a"] = script
+    h.run()
+    return h.tokens["a"], h.finals["a"]
+
+
+def test_stop_on_eos() -> None:
+    tokens, final = run_scripted([5, 6, 2, 7, 8])
+    assert tokens == [5, 6, 2] and final.finish_reason == "stop" and final.stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    tokens, final = run_scripted([5, 2, 2, 7, 8], max_tokens=5, ignore_eos=True)
+    assert tokens == [5, 2, 2, 7, 8] and final.finish_reason == "length"
+
+
+def test_stop_token_ids_set_stop_reason() -> None:
+    tokens, final = run_scripted([5, 9, 6], stop_token_ids=[9])
+    assert tokens == [5, 9] and final.finish_reason == "stop" and final.stop_reason == 9
+
+
+def test_min_tokens_delays_eos_and_stop_tokens() -> None:
+    tokens, final = run_scripted([2, 9, 5, 2, 6], min_tokens=3, stop_token_ids=[9])
+    assert tokens == [2, 9, 5, 2] and final.finish_reason == "stop"
+    tokens, _ = run_scripted([2, 9, 2, 6], min_tokens=3, stop_token_ids=[9])
+    assert tokens == [2, 9, 2]  # the third token counts: num_output_tokens reached min_tokens
+
+
+def test_max_tokens_and_max_model_len() -> None:
+    tokens, final = run_scripted([5, 6, 7, 8], max_tokens=3)
+    assert tokens == [5, 6, 7] and final.finish_reason == "length"
+    tokens, final = run_scripted([5, 6, 7, 8, 9], max_tokens=None, max_model_len=7)
+    assert tokens == [5, 6, 7] and final.finish_reason == "length"
+
+
+def test_logprobs_are_passed_through() -> None:
+    h = Harness()
+    h.add(make_request("a", 3, max_tokens=1))
+    so = h.scheduler.schedule()
+    lp = TokenLogprobs(token_ids=[7], logprobs=[-0.5], rank=1)
+    [out] = h.scheduler.update_from_output(
+        so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[7], logprobs=[lp])
+    )
+    assert out.new_logprobs == [lp] and out.new_token_ids == [7] and out.finish_reason == "length"
+
+
+def test_prompt_logprobs_are_not_sent_twice_after_preemption() -> None:
+    h = Harness(num_blocks=5, block_size=4, max_num_batched_tokens=5, enable_prefix_caching=False)
+    h.add(make_request("other", 6, max_tokens=6))  # earlier, so "wants" is the one preempted
+    wants = h.add(make_request("wants", 12, max_tokens=6, prompt_logprobs=0))
+    received: list[int | None] = []
+    for _ in range(200):
+        if not h.scheduler.has_unfinished_requests():
+            break
+        so = h.scheduler.schedule()
+        runner_output = h.runner.execute(so)
+        for s in so.scheduled:  # the real runner's convention: a chunk at s scores tokens s+1..
+            if s.request is wants and s.num_computed_tokens < wants.num_prompt_tokens:
+                start = s.num_computed_tokens
+                last = min(start + s.num_new_tokens, wants.num_prompt_tokens - 1)
+                entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+                entries += [TokenLogprobs([i], [0.0], 1) for i in range(start + 1, last + 1)]
+                runner_output.prompt_logprobs["wants"] = entries
+        for out in h.record(h.scheduler.update_from_output(so, runner_output)):
+            if out.request_id == "wants" and out.new_prompt_logprobs is not None:
+                received += [e.token_ids[0] if e else None for e in out.new_prompt_logprobs]
+    assert wants.num_preemptions > 0
+    assert received == [None, *range(1, 12)]
+
+
+# -- properties ------------------------------------------------------------------------------
+
+scheduler_configs = st.fixed_dictionaries(
+    {
+        "num_blocks": st.integers(1, 40),
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "max_num_seqs": st.integers(1, 6),
+        "max_num_batched_tokens": st.integers(1, 32),
+        "max_model_len": st.integers(8, 96),
+        "policy": st.sampled_from(["fcfs", "priority"]),
+        "enable_prefix_caching": st.booleans(),
+    }
+)
+# (prompt length, max_tokens, prefix group, priority): prompts of one group are prefixes of each other.
+request_specs = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.integers(0, 2))
+
+
+def spec_request(request_id: str, spec: tuple[int, int, int, int], salt: str | None = None) -> Request:
+    length, max_tokens, group, priority = spec
+    prompt = [(group * 13 + k) % VOCAB for k in range(length)]
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens), priority=priority, cache_salt=salt
+    )
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), request_specs, st.sampled_from([None, "salt"])),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("step")),
+        st.tuples(st.sampled_from(["abort", "finish", "fail", "abort_in_flight"]), st.integers(0, 40)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=scheduler_configs, ops=operations, drain_steps=st.integers(0, 30))
+def test_random_add_step_abort_finish_never_leaks(config: dict, ops: list[tuple], drain_steps: int) -> None:
+    h = Harness(**config)
+    scheduler = h.scheduler
+    added: list[str] = []
+    for op in ops:
+        live = list(scheduler.requests)
+        target = live[op[1] % len(live)] if op[0] != "add" and op[0] != "step" and live else None
+        if op[0] == "add":
+            added.append(f"r{len(added)}")
+            h.add(spec_request(added[-1], op[1], op[2]))
+        elif op[0] == "step":
+            h.step()
+        elif target is None:
+            continue
+        elif op[0] == "abort":
+            h.abort(target)
+        elif op[0] == "finish":
+            h.record(scheduler.finish_request(target, RequestStatus.FINISHED_STOPPED))
+        elif op[0] == "fail":
+            h.runner.fail_next.add(target)
+            h.step()
+        else:  # abort while its step is with the runner
+            so = scheduler.schedule()
+            runner_output = h.runner.execute(so)
+            h.abort(target)
+            h.record(scheduler.update_from_output(so, runner_output))
+        scheduler.check_invariants()
+    for _ in range(drain_steps):
+        h.step()
+    h.abort(*added)
+    h.step()  # flush what schedule() ended on its own
+    scheduler.check_invariants()
+    assert not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0
+    assert set(h.finals) == set(added), "every request ends exactly once"
+    assert scheduler.kv.num_free_blocks == config["num_blocks"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=scheduler_configs, specs=st.lists(request_specs, min_size=1, max_size=10))
+def test_every_request_completes_with_batch_independent_tokens(config: dict, specs: list[tuple]) -> None:
+    h = Harness(**config)
+    requests = [h.add(spec_request(f"r{i}", spec)) for i, spec in enumerate(specs)]
+    h.run(max_steps=5000)
+    max_model_len, block_size = config["max_model_len"], config["block_size"]
+    for request in requests:
+        final = h.finals[request.request_id]
+        prompt_len, max_tokens = request.num_prompt_tokens, request.max_tokens
+        assert max_tokens is not None
+        final_len = min(prompt_len + max_tokens, max_model_len)
+        positions_needed = max(final_len - 1, prompt_len)  # the last token is sampled, never computed
+        fits = prompt_len <= max_model_len and -(-positions_needed // block_size) <= config["num_blocks"]
+        if fits:
+            assert final.finish_reason == "length", (request, final)
+            assert h.tokens[request.request_id] == reference_output(
+                request.prompt_token_ids, max_tokens, max_model_len
+            )
+        else:
+            assert final.finish_reason == "error" and final.error

@@ -1,0 +1,302 @@
+"""TritonPagedBackend on the CPU under TRITON_INTERPRET=1, tiny shapes, against a naive reference.
+
+Triton picks interpreter or compiler when a kernel is decorated, for its own library functions
+too, so the variable must be set before triton is first imported. If this process imported
+triton earlier without it (a full run on a GPU machine), the cases below are skipped here and
+`test_cases_pass_in_an_interpreter_subprocess` runs this file again in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tokenmill.attention import triton_paged  # noqa: E402
+from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
+from tokenmill.attention.triton_kernels.kv_store import store_kv  # noqa: E402
+
+interpreted_only = pytest.mark.skipif(
+    not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
+)
+
+
+# -- batch construction and the naive reference ---------------------------------------------------
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_padding_tokens: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q/k/v, a random (poisoned-free) cache with scattered blocks, and the step's metadata.
+
+    context_lens are the tokens already cached before this step; the cache holds random values
+    there, and this step's k/v go to positions context .. context + query_len - 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks that no request owns
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_req) + 1  # a trailing unused column (entries 0) like the runner's
+    block_tables = torch.zeros(len(query_lens), max_blocks, dtype=torch.int32)
+    slots: list[int] = []
+    for r, (n_blocks, ctx, qlen) in enumerate(zip(blocks_per_req, context_lens, query_lens, strict=True)):
+        owned, order = order[:n_blocks], order[n_blocks:]
+        block_tables[r, :n_blocks] = torch.tensor(owned, dtype=torch.int32)
+        slots += [owned[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + qlen)]
+    num_actual = sum(query_lens)
+    num_tokens = num_actual + num_padding_tokens
+    slot_mapping = torch.tensor(slots + [-1] * num_padding_tokens, dtype=torch.int64)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=num_actual,
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens_t.clone(),
+        is_decode_only=max(query_lens) == 1,
+    )
+    return q, k, v, kv_cache, meta
+
+
+def naive_store(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> torch.Tensor:
+    expected = kv_cache.clone()
+    real = slot_mapping >= 0
+    flat = expected.view(2, -1, *kv_cache.shape[3:])
+    flat[0, slot_mapping[real]] = k[real]
+    flat[1, slot_mapping[real]] = v[real]
+    return expected
+
+
+def naive_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """float64 attention per request from the gathered pages; rows past num_actual_tokens stay 0."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    group = q.shape[1] // num_kv_heads
+    key_pool = kv_cache[0].reshape(-1, num_kv_heads, head_dim).double()
+    value_pool = kv_cache[1].reshape(-1, num_kv_heads, head_dim).double()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    qsl = meta.query_start_loc_cpu.tolist()
+    for r in range(meta.num_reqs):
+        start, end, seq_len = qsl[r], qsl[r + 1], int(meta.seq_lens_cpu[r])
+        positions = torch.arange(seq_len)
+        slots = meta.block_tables[r, positions // block_size].long() * block_size + positions % block_size
+        keys = key_pool[slots].repeat_interleave(group, dim=1)
+        values = value_pool[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
+        query_pos = seq_len - (end - start) + torch.arange(end - start)
+        scores.masked_fill_(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "non-finite values in the kernel output"
+    return float((actual - expected).norm() / expected.norm())
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size, **kwargs):
+    backend = triton_paged.TritonPagedBackend(
+        q.shape[1], num_kv_heads, q.shape[2], q.shape[2] ** -0.5, block_size, **kwargs
+    )
+    cache = kv_cache.clone()
+    out = backend.forward(q, k, v, cache, meta)
+    return out, cache
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+
+@interpreted_only
+def test_store_kv_writes_each_slot_and_skips_padding() -> None:
+    q, k, v, kv_cache, meta = make_batch(
+        [3, 1, 1], [5, 7, 0], 4, 2, 16, 4, torch.float32, num_padding_tokens=2
+    )
+    expected = naive_store(k, v, kv_cache, meta.slot_mapping)
+    cache = kv_cache.clone()
+    store_kv(k, v, cache, meta.slot_mapping)
+    assert torch.equal(cache, expected)  # exact, and padding rows (slot -1) changed nothing
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [
+        (2, 2, 64, torch.float32),  # MHA
+        (4, 2, 128, torch.float16),  # GQA 2
+        (8, 2, 64, torch.bfloat16),  # GQA 4
+        (3, 1, 64, torch.float32),  # GQA 3: a group that is not a power of two
+    ],
+)
+def test_mixed_batch_matches_naive(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # A prefill chunk on top of a cached prefix, a fresh prefill, and decodes; block_size 4 makes
+    # every KV tile span several scattered pages.
+    block_size = 4
+    q, k, v, kv_cache, meta = make_batch(
+        [9, 1, 5, 1],
+        [6, 13, 0, 2],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        num_padding_tokens=2,
+    )
+    out, cache = run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size)
+    expected_cache = naive_store(k, v, kv_cache, meta.slot_mapping)
+    assert torch.equal(cache, expected_cache)
+    n = meta.num_actual_tokens
+    expected = naive_attention(q, expected_cache, meta, head_dim**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert relative_error(out[:n], expected[:n]) < TOLERANCE[dtype]
+
+
+@interpreted_only
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
+def test_decode_split_kv_equals_unsplit(num_kv_splits: int) -> None:
+    # Contexts shorter than, equal to and longer than one split; 8 splits leave some empty.
+    block_size, num_kv_heads = 8, 2
+    q, k, v, kv_cache, meta = make_batch(
+        [1, 1, 1], [70, 5, 33], 4, num_kv_heads, 64, block_size, torch.float32, num_padding_tokens=1
+    )
+    assert meta.is_decode_only
+    unsplit, _ = run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size, num_kv_splits=1)
+    split, cache = run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size, num_kv_splits=num_kv_splits)
+    n = meta.num_actual_tokens
+    assert relative_error(split[:n], unsplit[:n]) < 1e-6
+    expected = naive_attention(q, naive_store(k, v, kv_cache, meta.slot_mapping), meta, 64**-0.5)
+    assert relative_error(split[:n], expected[:n]) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
+def test_mixed_batch_with_splits_matches_naive() -> None:
+    block_size, num_kv_heads = 4, 1
+    q, k, v, kv_cache, meta = make_batch([6, 1], [10, 40], 2, num_kv_heads, 64, block_size, torch.bfloat16)
+    out, cache = run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size, num_kv_splits=3)
+    expected = naive_attention(q, cache, meta, 64**-0.5)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@interpreted_only
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 2]])
+def test_every_real_row_is_written(num_kv_splits: int, query_lens: list[int]) -> None:
+    from tokenmill.attention.triton_kernels.paged_attention import paged_attention
+
+    block_size, num_kv_heads, head_dim = 4, 1, 16
+    q, k, v, kv_cache, meta = make_batch(
+        query_lens, [6, 0, 9], 2, num_kv_heads, head_dim, block_size, torch.float32
+    )
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    n, heads = q.shape[0], q.shape[1]
+    partial_out = torch.full((n, heads, num_kv_splits, head_dim), float("nan"))
+    partial_lse = torch.full((n, heads, num_kv_splits), float("nan"))
+    paged_attention(
+        out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=meta.is_decode_only,
+        scale=head_dim**-0.5, num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse,
+    )  # fmt: skip
+    assert relative_error(out, naive_attention(q, kv_cache, meta, head_dim**-0.5)) < TOLERANCE[torch.float32]
+
+
+@interpreted_only
+def test_zero_length_padding_requests_are_ignored() -> None:
+    # CUDA-graph style padding: extra requests with no query rows and seq_len 0.
+    block_size, num_kv_heads = 4, 1
+    q, k, v, kv_cache, meta = make_batch([1, 1], [9, 3], 2, num_kv_heads, 16, block_size, torch.float32)
+    padded = AttentionMetadata(
+        num_actual_tokens=2,
+        num_reqs=4,
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+        query_start_loc=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 4, 0, 0], dtype=torch.int32),
+        block_tables=torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)]),
+        slot_mapping=meta.slot_mapping,
+        query_start_loc_cpu=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([10, 4, 0, 0], dtype=torch.int32),
+        is_decode_only=True,
+    )
+    for splits in (1, 2):
+        out, cache = run_backend(q, k, v, kv_cache, padded, num_kv_heads, block_size, num_kv_splits=splits)
+        expected = naive_attention(q, cache, meta, 16**-0.5)
+        assert relative_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_split_count_rule() -> None:
+    choose = triton_paged.choose_num_kv_splits
+    assert choose(num_reqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132) == 16
+    assert choose(num_reqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132) == 1  # grid already full
+    assert choose(num_reqs=1, num_kv_heads=8, max_context_len=100, num_sms=132) == 1  # too short to split
+    for num_reqs in range(1, 40):
+        splits = choose(num_reqs=num_reqs, num_kv_heads=2, max_context_len=1 << 20, num_sms=132)
+        assert 1 <= splits <= triton_paged.MAX_KV_SPLITS and splits & (splits - 1) == 0
+
+
+@interpreted_only
+def test_matches_torch_reference_backend() -> None:
+    if importlib.util.find_spec("tokenmill.attention.torch_ref") is None:
+        pytest.skip("tokenmill.attention.torch_ref is not written yet")
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 64
+    q, k, v, kv_cache, meta = make_batch(
+        [7, 1, 1], [5, 11, 0], num_heads, num_kv_heads, head_dim, block_size, torch.float32
+    )
+    out, cache = run_backend(q, k, v, kv_cache, meta, num_kv_heads, block_size)
+    reference = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
+    ref_cache = kv_cache.clone()
+    ref_out = reference.forward(q, k, v, ref_cache, meta)
+    assert torch.equal(cache, ref_cache)
+    assert relative_error(out, ref_out) < 1e-5
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
+def test_cases_pass_in_an_interpreter_subprocess() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
