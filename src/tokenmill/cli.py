@@ -142,10 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench import latency as bench_latency
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench import throughput as bench_throughput
 
     bench_throughput.add_cli_args(bench_sub.add_parser("throughput", help="offline in-process throughput"))
+    bench_latency.add_cli_args(bench_sub.add_parser("latency", help="single-stream decode speed against the roofline"))
     bench_serve.add_cli_args(bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server"))
     return parser
 
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             from tokenmill.bench import throughput
 
             throughput.main(args)
+            return 0
+        if args.bench_command == "latency":
+            from tokenmill.bench import latency
+
+            latency.main(args)
             return 0
         from tokenmill.bench import serve as bench_serve
 

@@ -48,7 +48,9 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(tmp_dir: str, *extra: str, timeout: float = 240.0, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    tmp_dir: str, *extra: str, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> ServerProcess:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server

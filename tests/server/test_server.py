@@ -18,8 +18,10 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_model_path):
-    proc = start_server(str(tmp_path_factory.mktemp("server")), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu")
+def server(tmp_path_factory):
+    proc = start_server(
+        str(tmp_path_factory.mktemp("server")), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"
+    )
     yield proc
     proc.stop()
 
@@ -86,42 +88,80 @@ def test_chat_and_completions_streaming_and_not(client, model_id):
 
     completion = client.completions.create(model=model_id, prompt="The sky is", max_tokens=10, temperature=0)
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(model=model_id, prompt="The sky is", max_tokens=10, temperature=0, stream=True) if c.choices
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_id, prompt="The sky is", max_tokens=10, temperature=0, stream=True
+        )
+        if c.choices
     )
     assert streamed == completion.choices[0].text and completion.usage.completion_tokens == 10
 
 
 def test_n_logprobs_echo_and_token_prompts(client, model_id):
-    out = client.completions.create(model=model_id, prompt="One, two,", max_tokens=5, temperature=0, n=2, logprobs=3)
+    out = client.completions.create(
+        model=model_id, prompt="One, two,", max_tokens=5, temperature=0, n=2, logprobs=3
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.choices[0].text == out.choices[1].text  # greedy: both samples agree
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) >= 1 for top in lp.top_logprobs)
-    echo = client.completions.create(model=model_id, prompt="One, two,", max_tokens=3, temperature=0, echo=True)
+    echo = client.completions.create(
+        model=model_id, prompt="One, two,", max_tokens=3, temperature=0, echo=True
+    )
     assert echo.choices[0].text.startswith("One, two,")
-    multi = client.completions.create(model=model_id, prompt=[[504, 3458], [9906, 28]], max_tokens=3, temperature=0)
+    multi = client.completions.create(
+        model=model_id, prompt=[[504, 3458], [9906, 28]], max_tokens=3, temperature=0
+    )
     assert sorted(c.index for c in multi.choices) == [0, 1]
     chat = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+        model=model_id,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
 
 def test_stop_strings_and_seeds(client, model_id):
-    base = client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0).choices[0].text
+    base = (
+        client.completions.create(
+            model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     stop = base[3:7]
-    cut = client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model=model_id, prompt="Count: one, two, three,", max_tokens=16, temperature=0, stop=[stop], stream=True)
+        for c in client.completions.create(
+            model=model_id,
+            prompt="Count: one, two, three,",
+            max_tokens=16,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+        )
         if c.choices
     )
     assert streamed == cut.choices[0].text
-    a = client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7).choices[0].text
-    b = client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7).choices[0].text
+    a = (
+        client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+    )
+    b = (
+        client.completions.create(model=model_id, prompt="Once", max_tokens=12, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+    )
     assert a == b
 
 
@@ -154,11 +194,17 @@ def test_error_statuses(server, body, status, param):
 
 
 def test_malformed_json_and_unknown_route(server):
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}
+    )
     assert r.status_code == 400
     assert httpx.get(f"{server.base_url}/v1/nothing").status_code == 404
     assert httpx.get(f"{server.base_url}/health").status_code == 200
@@ -170,22 +216,32 @@ def test_32_concurrent_streams_match_offline_greedy(server, model_id):
     prompts = [f"Write one sentence about the number {i}." for i in range(32)]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
-        stream = await client.completions.create(model=model_id, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def run_all() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300
+        ) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     texts = asyncio.run(run_all())
-    offline = LLM(None, device="cpu", max_model_len=MAX_MODEL_LEN).generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    offline = LLM(None, device="cpu", max_model_len=MAX_MODEL_LEN).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16)
+    )
     assert texts == [o.outputs[0].text for o in offline]
 
 
 def _wait_idle(server, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0 and metric(server, "kv_cache_usage_perc") == 0:
+        if (
+            metric(server, "num_requests_running") == 0
+            and metric(server, "num_requests_waiting") == 0
+            and metric(server, "kv_cache_usage_perc") == 0
+        ):
             return
         time.sleep(0.1)
     raise AssertionError("requests still running or KV blocks still held after the clients left")
@@ -214,15 +270,19 @@ def test_disconnects_free_everything(server, model_id):
     assert aborted and float(aborted.group(1)) >= 2
 
 
-def test_sigterm_drains_in_flight_requests(tmp_path, default_model_path):
-    proc = start_server(str(tmp_path), "--max-model-len", "512", "--device", "cpu", "--shutdown-timeout", "60")
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    proc = start_server(
+        str(tmp_path), "--max-model-len", "512", "--device", "cpu", "--shutdown-timeout", "60"
+    )
     engine_pids = proc.child_pids()
     result: dict = {}
 
     def run() -> None:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        result["out"] = client.completions.create(model=model, prompt="Hi", max_tokens=200, extra_body={"ignore_eos": True})
+        result["out"] = client.completions.create(
+            model=model, prompt="Hi", max_tokens=200, extra_body={"ignore_eos": True}
+        )
 
     thread = threading.Thread(target=run)
     thread.start()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
+from tokenmill.sample.penalties import apply_penalties
 from tokenmill.sample.sampler import (
     Sampler,
     apply_min_p,
@@ -213,18 +214,25 @@ def test_temperature_sampling_follows_softmax():
 # --- seeds ------------------------------------------------------------------------------------------
 
 
-def test_seeded_row_is_reproducible_whatever_the_batch():
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_seeded_row_is_reproducible_whatever_the_batch(device):
     gen = torch.Generator().manual_seed(0)
-    steps = [torch.randn(6, 500, generator=gen) for _ in range(6)]  # row 0: the seeded request
+    steps = [torch.randn(6, 500, generator=gen).to(device) for _ in range(6)]  # row 0: the seeded one
     target = dict(temperature=1.0, top_p=0.95)
 
     def run(position: int, others: list[dict]) -> list[int]:
         """Samples the seeded request for every step at `position` among `others`."""
-        generator = make_generator(1234, "cpu")
+        generator = make_generator(1234, device)
         tokens = []
         for logits in steps:
             rows = [
-                row(generator=make_generator(i, "cpu") if p.pop("seeded", False) else None, **p)
+                row(generator=make_generator(i, device) if p.pop("seeded", False) else None, **p)
                 for i, p in enumerate(dict(o) for o in others)
             ]
             rows.insert(position, row(generator=generator, **target))
@@ -274,8 +282,6 @@ def test_penalties_match_naive_loop():
         for c in cases
     ]
     md = SamplingMetadata.build(rows, "cpu", vocab)
-    from tokenmill.sample.penalties import apply_penalties
-
     got = apply_penalties(logits, md)
     for i, c in enumerate(cases):
         expected = naive_penalties(
@@ -375,10 +381,23 @@ def test_cuda_sampler_matches_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.device.type == "cuda"
-    cpu_rows = [r for r in rows]
+    cpu_rows = list(rows)
     cpu_rows[2] = row(temperature=1.0, generator=make_generator(7, "cpu"), frequency_penalty=0.2)
     cpu_out, _ = sample(logits.cpu(), cpu_rows)
     ids = out.sampled_token_ids.cpu()
     for i in (0, 4, 5):  # the deterministic rows agree with the CPU path
         assert ids[i] == cpu_out.sampled_token_ids[i]
-    torch.testing.assert_close(out.logprobs.cpu(), cpu_out.logprobs, rtol=1e-4, atol=1e-4)
+    assert ids[1] in logits[1].topk(20).indices.cpu()
+    assert ids[3] != 0  # banned until min_tokens
+    # Top alternatives agree everywhere; the sampled token's column only where it is deterministic.
+    lps, cpu_lps = out.logprobs.cpu(), cpu_out.logprobs
+    torch.testing.assert_close(lps[:, 1:], cpu_lps[:, 1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lps[[0, 4, 5]], cpu_lps[[0, 4, 5]], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.logprob_token_ids.cpu()[:, 1:], cpu_out.logprob_token_ids[:, 1:])
+
+
+def test_token_ids_outside_the_vocabulary_are_ignored_by_penalties():
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    rows = [row(prompt=[1, 4, 10**6], output=[-1, 7, 2], temperature=0.0, repetition_penalty=2.0)]
+    md = SamplingMetadata.build(rows, "cpu", 4)
+    torch.testing.assert_close(apply_penalties(logits, md), torch.tensor([[1.0, 1.0, -2.0, 0.5]]))

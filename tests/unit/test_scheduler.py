@@ -190,9 +190,9 @@ def test_chunked_prefill_under_a_small_budget() -> None:
     h = Harness(max_num_batched_tokens=8)
     h.add(make_request("long", 20, max_tokens=2))
     h.add(make_request("short", 3, max_tokens=2))
-    assert scheduled_counts(h.steps[-1] if h.step() == [] else h.steps[-1]) == {"long": 8}
-    assert h.step() == []  # partial chunks sample nothing
-    assert scheduled_counts(h.steps[-1]) == {"long": 8}
+    for _ in range(2):
+        assert h.step() == []  # partial chunks sample nothing
+        assert scheduled_counts(h.steps[-1]) == {"long": 8}
     outputs = h.step()
     assert scheduled_counts(h.steps[-1]) == {"long": 4, "short": 3}  # running first, then waiting
     assert {o.request_id for o in outputs} == {"long", "short"}

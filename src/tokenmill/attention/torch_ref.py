@@ -50,16 +50,21 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
     def _store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        # Rows with slot -1 write nowhere. To skip them without a data-dependent shape, each such
-        # row is redirected to repeat the write of the first real row: same slot, same value.
+        # Rows with slot -1 write nowhere. To skip them without a data-dependent shape (a host
+        # sync on GPU), each such row repeats the write of the first real row: same slot, same
+        # value. If no row is real, slot 0 is rewritten with what it already holds.
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
         valid = slots >= 0
         first_valid = torch.argmax(valid.to(torch.int32))
         src = torch.where(valid, torch.arange(slots.shape[0], device=slots.device), first_valid)
         dst = slots.index_select(0, src).clamp_min(0)
-        flat[0].index_copy_(0, dst, k.index_select(0, src).to(flat.dtype))
-        flat[1].index_copy_(0, dst, v.index_select(0, src).to(flat.dtype))
+        any_valid = valid.any()
+        for i, new in enumerate((k, v)):
+            values = torch.where(
+                any_valid, new.index_select(0, src).to(flat.dtype), flat[i].index_select(0, dst)
+            )
+            flat[i].index_copy_(0, dst, values)
 
     def _attend(
         self,
@@ -99,8 +104,11 @@ class TorchReferenceBackend(AttentionBackend):
             seq_lens = seq_lens.index_select(0, reqs_dev)
 
         # Keys and values of each request through its block table: [R, kv_heads, key_len, head_dim].
-        kv = kv_cache[:, block_table.to(torch.int64)]  # [2, R, num_blocks, block_size, kv_heads, D]
-        kv = kv.view(2, num_reqs, key_len, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        # index_select copies whole blocks (contiguous rows): much faster than advanced indexing on CPU.
+        blocks = block_table.reshape(-1).to(torch.int64)
+        shape = (num_reqs, key_len, self.num_kv_heads, self.head_dim)
+        keys = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)
+        values = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
 
         queries = q.index_select(0, gather_rows.to(device, non_blocking=True))
         queries = queries.view(num_reqs, max_query_len, self.num_kv_heads, group, self.head_dim)
@@ -120,8 +128,8 @@ class TorchReferenceBackend(AttentionBackend):
 
         attn = F.scaled_dot_product_attention(
             queries.to(torch.float32),  # softmax in float32 whatever the model dtype
-            kv[0].to(torch.float32),
-            kv[1].to(torch.float32),
+            keys.to(torch.float32),
+            values.to(torch.float32),
             attn_mask=mask,
             scale=self.scale,
         )

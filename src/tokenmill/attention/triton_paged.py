@@ -1,11 +1,12 @@
-"""The Triton attention backend: a KV-store kernel plus one paged-attention kernel for mixed batches.
+"""The Triton attention backend: a KV-store kernel plus paged attention for mixed batches.
 
-Decode-only steps may split each request's KV range over several programs (flash-decoding) so a
-small batch with long contexts still fills the GPU. The split count comes from host-side facts
-only (num_reqs, max_seq_len, the SM count), never from a device read. Once `prepare_for_capture`
-has run, decode-only steps up to the captured batch size use a split count that depends on the
-batch size alone and write their partial results into scratch allocated there, so a captured
-graph replays correctly for any context length and capture allocates nothing of ours.
+Decodes (requests with one query token) may split their KV range over several programs
+(flash-decoding) so a small batch with long contexts still fills the GPU. The split count comes
+from host-side facts only (num_reqs, max_seq_len, the host copy of query_start_loc, the SM
+count), never from a device read. Once `prepare_for_capture` has run, decode-only steps up to the
+captured batch size use a split count that depends on the batch size alone and write their
+partial results into scratch allocated there, so a captured graph replays correctly for any
+context length and capture allocates nothing of ours.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.triton_kernels.kv_store import store_kv
 from tokenmill.attention.triton_kernels.paged_attention import paged_attention
 
-MAX_KV_SPLITS = 32
+MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
 MIN_TOKENS_PER_SPLIT = 256
 # Aim for about this many programs per SM: enough loads in flight to cover memory latency.
@@ -41,7 +42,7 @@ def choose_num_kv_splits(num_reqs: int, num_kv_heads: int, max_context_len: int,
 
 @dataclass(slots=True)
 class _SplitScratch:
-    """fp32 partial outputs and log-sum-exps; viewed per step as [rows, heads, splits, (head_dim)]."""
+    """fp32 partial outputs and log-sum-exps; viewed per step as [reqs, heads, splits, (head_dim)]."""
 
     partial_out: torch.Tensor  # flat
     partial_lse: torch.Tensor  # flat
@@ -56,19 +57,19 @@ class _SplitScratch:
         )
 
     def views(
-        self, num_tokens: int, num_heads: int, num_splits: int, head_dim: int
+        self, num_reqs: int, num_heads: int, num_splits: int, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = num_tokens * num_splits
+        rows = num_reqs * num_splits
         if rows * num_heads > self.partial_lse.numel():
             raise RuntimeError(
-                f"split-KV scratch holds {self.partial_lse.numel() // num_heads} token-splits but this step "
-                f"needs {rows} ({num_tokens} tokens x {num_splits} splits); call prepare_for_capture with "
-                f"the largest batch size that will be captured"
+                f"split-KV scratch holds {self.partial_lse.numel() // num_heads} request-splits but this "
+                f"step needs {rows} ({num_reqs} requests x {num_splits} splits); call prepare_for_capture "
+                f"with the largest batch size that will be captured"
             )
         partial_out = self.partial_out[: rows * num_heads * head_dim].view(
-            num_tokens, num_heads, num_splits, head_dim
+            num_reqs, num_heads, num_splits, head_dim
         )
-        partial_lse = self.partial_lse[: rows * num_heads].view(num_tokens, num_heads, num_splits)
+        partial_lse = self.partial_lse[: rows * num_heads].view(num_reqs, num_heads, num_splits)
         return partial_out, partial_lse
 
 
@@ -144,7 +145,7 @@ class TritonPagedBackend(AttentionBackend):
         num_splits = self._num_kv_splits(meta, q.device)
         partial_out = partial_lse = None
         if num_splits > 1:
-            partial_out, partial_lse = self._scratch(num_tokens, num_splits, meta, q.device)
+            partial_out, partial_lse = self._scratch(num_splits, meta, q.device)
         paged_attention(
             out,
             q,
@@ -186,7 +187,15 @@ class TritonPagedBackend(AttentionBackend):
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
         if not meta.is_decode_only:
-            return 1  # prefill rows give the grid enough programs already
+            # Only the decodes of a mixed batch split; the host copy of query_start_loc says
+            # how many there are without touching the device.
+            query_lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
+            num_decodes = int((query_lens == 1).sum())
+            if num_decodes == 0:
+                return 1
+            return choose_num_kv_splits(
+                num_decodes, self.num_kv_heads, meta.max_seq_len, self._sm_count(device)
+            )
         if self._uses_graph_rule(meta):
             return self._graph_num_kv_splits(meta.num_reqs, device)
         return choose_num_kv_splits(
@@ -194,11 +203,11 @@ class TritonPagedBackend(AttentionBackend):
         )
 
     def _scratch(
-        self, num_tokens: int, num_splits: int, meta: AttentionMetadata, device: torch.device
+        self, num_splits: int, meta: AttentionMetadata, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._graph_scratch is not None and self._uses_graph_rule(meta):
-            return self._graph_scratch.views(num_tokens, self.num_heads, num_splits, self.head_dim)
+            return self._graph_scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split-KV during CUDA-graph capture needs prepare_for_capture first")
-        scratch = _SplitScratch.allocate(num_tokens * num_splits, self.num_heads, self.head_dim, device)
-        return scratch.views(num_tokens, self.num_heads, num_splits, self.head_dim)
+        scratch = _SplitScratch.allocate(meta.num_reqs * num_splits, self.num_heads, self.head_dim, device)
+        return scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ def load_hf_model(model: str | None, load_format: str, device: str, dtype: str) 
     resolved = resolve_model(ModelConfig(model=model, load_format=load_format))  # type: ignore[arg-type]
     torch_dtype = getattr(torch, dtype)
     if resolved.format == "gguf":
-        path = resolved.path
+        path = Path(resolved.path)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     elif resolved.format == "dummy":
         config = AutoConfig.from_pretrained(str(resolved.path))

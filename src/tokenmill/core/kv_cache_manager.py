@@ -85,29 +85,35 @@ class KVCacheManager:
         Returns the newly allocated block ids (maybe empty), or None, changing nothing, when the
         pool has too few free blocks.
         """
+        # Runs for every scheduled request every step: the common case (no hit, no new block) is
+        # kept to a few dict and integer operations.
         pool = self.pool
+        block_size = self.block_size
+        request_id = request.request_id
+        block_ids = self._block_ids.get(request_id)
+        num_hits = len(new_computed_block_ids) if new_computed_block_ids else 0
+        num_total = request.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_needed = -(-num_total // block_size) - num_hits - (len(block_ids) if block_ids is not None else 0)
         hits = [pool.blocks[i] for i in new_computed_block_ids] if new_computed_block_ids else []
-        block_ids = self._block_ids.get(request.request_id)
-        num_held = len(block_ids) if block_ids is not None else 0
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - num_held - len(hits)
         num_revived = sum(1 for block in hits if block.ref_count == 0)  # hits now on the free list
         if num_needed > pool.num_free_blocks - num_revived:
             return None
 
-        pool.touch(hits)
-        new_blocks = pool.allocate(max(num_needed, 0))
+        if hits:
+            pool.touch(hits)
+        new_ids = [block.block_id for block in pool.allocate(num_needed)] if num_needed > 0 else []
         if block_ids is None:
-            block_ids = self._block_ids[request.request_id] = []
-            self._num_registered_blocks[request.request_id] = len(hits)
+            block_ids = self._block_ids[request_id] = []
+            self._num_registered_blocks[request_id] = num_hits
             if self._uses_prefix_cache(request):
                 self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(hits) * self.block_size
-        block_ids.extend(block.block_id for block in hits)
-        new_ids = [block.block_id for block in new_blocks]
-        block_ids.extend(new_ids)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, block_ids, num_computed + num_new_tokens)
+                self.prefix_cache_hits += num_hits * block_size
+        if hits:
+            block_ids.extend(block.block_id for block in hits)
+        if new_ids:
+            block_ids.extend(new_ids)
+        if self.enable_prefix_caching and num_total // block_size > self._num_registered_blocks[request_id]:
+            self._register_full_blocks(request, block_ids, num_total)
         return new_ids
 
     def _register_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:

@@ -163,19 +163,19 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: set[str] = set()
         running = self.running
+        max_model_len = self.max_model_len
 
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.max_model_len - request.num_computed_tokens,
-            )
+            num_computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - num_computed, budget, max_model_len - num_computed)
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            if self.kv.allocate_slots(request, num_new) is None and not self._preempt_until_allocated(
+                request, num_new, preempted
+            ):
                 continue  # it was preempted or ended; it left `running`, which ends the loop
             scheduled.append(self._schedule(request, num_new, is_new=False))
             budget -= num_new
@@ -225,23 +225,20 @@ class Scheduler:
         return output
 
     def _schedule(self, request: Request, num_new: int, *, is_new: bool) -> ScheduledRequest:
+        # (request, num_computed_tokens before the step, num_new_tokens, the live block table, is_new)
         scheduled = ScheduledRequest(
-            request=request,
-            num_computed_tokens=request.num_computed_tokens,
-            num_new_tokens=num_new,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            is_new=is_new,
+            request, request.num_computed_tokens, num_new, self.kv.get_block_ids(request.request_id), is_new
         )
         request.num_computed_tokens += num_new  # as vLLM v1: progress is counted at schedule time
         return scheduled
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> bool:
-        """Find blocks for a running request, preempting from the tail of `running` as needed.
+    def _preempt_until_allocated(self, request: Request, num_new: int, preempted: set[str]) -> bool:
+        """Preempt from the tail of `running` until the request's blocks fit.
 
         False when the request itself was preempted, or ended because it alone overflows the pool.
         """
         running = self.running
-        while self.kv.allocate_slots(request, num_new) is None:
+        while True:
             if len(running) == 1:  # nothing left to preempt: it can never get the blocks
                 running.pop()
                 self._end_in_schedule(
@@ -253,7 +250,8 @@ class Scheduler:
             preempted.add(victim.request_id)
             if victim is request:
                 return False
-        return True
+            if self.kv.allocate_slots(request, num_new) is not None:
+                return True
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -38,12 +38,27 @@ from tokenmill.engine.messages import (
 )
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import EngineDeadError
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.2
+SEND_RETRY_S = 0.002
+
+
+def _aborted_output(state: Any) -> RequestOutput:
+    """The final output of a sequence ended on this side (client gone, drain, timeout): nothing new,
+    finish_reason "abort"."""
+    return RequestOutput(
+        request_id=state.parent_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        outputs=[CompletionOutput(index=state.index, text="", token_ids=[], finish_reason="abort")],
+        finished=True,
+        num_cached_tokens=state.num_cached_tokens,
+        metrics={"arrival_time": state.arrival_time},
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,29 +88,42 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         self._process: multiprocessing.process.BaseProcess | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
+        os.chmod(self._ipc_dir, 0o700)  # only this user may reach the sockets
+        # Sends go through a plain socket with NOBLOCK so a dead or stalled engine can never block
+        # the event loop or a request forever; receives through an asyncio one.
+        self._send_ctx = zmq.Context()
+        self._to_engine = self._send_ctx.socket(zmq.PUSH)
         self._ctx = zmq.asyncio.Context()
+        self._from_engine = self._ctx.socket(zmq.PULL)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._stopping = False
+        self._closed = False
+        self._background: set[asyncio.Task] = set()
 
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self, ready_timeout_s: float = 1800.0) -> None:
+        from tokenmill.engine.llm import load_tokenizer_or_none
         from tokenmill.model.registry import resolve_model
-        from tokenmill.model.tokenizer import load_tokenizer
+        from tokenmill.model.tokenizer import eos_token_ids
 
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
-        self._to_engine = self._ctx.socket(zmq.PUSH)
         self._to_engine.bind(input_addr)
-        self._from_engine = self._ctx.socket(zmq.PULL)
         self._from_engine.bind(output_addr)
-        os.chmod(self._ipc_dir, 0o700)  # only this user may reach the sockets
 
         # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, resolved, self.config.model.chat_template)
-        self.eos_token_ids = list(resolved.arch.eos_token_ids)
+        self.tokenizer = await asyncio.to_thread(
+            load_tokenizer_or_none, resolved, self.config.model.chat_template
+        )
+        # The same EOS set as the offline LLM, so both stop at the same token.
+        self.eos_token_ids = list(
+            eos_token_ids(self.tokenizer, resolved)
+            if self.tokenizer is not None
+            else resolved.arch.eos_token_ids
+        )
 
         spawn = multiprocessing.get_context("spawn")
         config_bytes = msgspec.msgpack.encode(self.config)
@@ -110,15 +138,18 @@ class AsyncEngine:
 
         deadline = time.monotonic() + ready_timeout_s
         while True:
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up (exit code {self._process.exitcode})")
             if await self._from_engine.poll(500):
                 message = self._decoder.decode(await self._from_engine.recv())
                 if isinstance(message, EngineReady):
                     if message.error:
-                        raise RuntimeError(f"the engine failed to start: {message.error}")
+                        raise RuntimeError(message.error)
                     self.info = message.info
                     break
+                continue
+            if not self._process.is_alive():  # checked after the poll, so its last words are read
+                raise RuntimeError(
+                    f"the engine process exited during start-up (exit code {self._process.exitcode})"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
         assert self.info is not None
@@ -135,10 +166,13 @@ class AsyncEngine:
         return self._process.pid if self._process is not None else None
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops the engine process (asking first, then SIGTERM, then SIGKILL) and reaps it."""
+        if self._closed:
+            return
         self._stopping = True
         if self._process is not None and self._process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                await self._to_engine.send(self._encoder.encode(Shutdown()))
+                self._to_engine.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
             await asyncio.to_thread(self._process.join, timeout_s)
             if self._process.is_alive():
                 self._process.terminate()
@@ -148,9 +182,12 @@ class AsyncEngine:
                 await asyncio.to_thread(self._process.join, 5.0)
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._mark_dead("the server is shutting down")
+        self._closed = True
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
+        self._send_ctx.term()
         self._ctx.term()
         for name in ("input", "output"):
             with contextlib.suppress(FileNotFoundError):
@@ -162,6 +199,7 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
+        """User requests (each possibly several engine sequences) not yet fully delivered."""
         return len(self._streams)
 
     def new_request_id(self, prefix: str = "req") -> str:
@@ -186,16 +224,22 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDeadError(f"the engine is not available: {self.dead}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         assert self.input_processor is not None and self.output_processor is not None
         children = []
         for index in range(params.n):
-            child_params = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + index
+            child_params = (
+                params
+                if params.n == 1
+                else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index
+                )
             )
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             children.append(
                 (index, self.input_processor.make_request(child_id, prompt_token_ids, child_params, priority=priority, cache_salt=cache_salt))
-            )
+            )  # fmt: skip
         record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])
         self._streams[request_id] = record
         for index, core_req in children:
@@ -206,7 +250,7 @@ class AsyncEngine:
             )  # fmt: skip
         finished_cleanly = False
         try:
-            await self._to_engine.send(self._encoder.encode(AddRequests([c for _, c in children])))
+            await self._send(AddRequests([c for _, c in children]))
             while record.num_finished < len(record.child_ids):
                 item = await record.queue.get()
                 if isinstance(item, BaseException):
@@ -217,27 +261,40 @@ class AsyncEngine:
             finished_cleanly = True
         finally:
             if not finished_cleanly:
-                await self.abort(request_id)
+                self._abort_children(record, deliver=False)
             self._forget(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Ends a user request now: its unfinished sequences get finish_reason "abort" (delivered to
+        whoever iterates generate()) and the engine frees their blocks at its next step."""
         record = self._streams.get(request_id)
-        if record is None or self.output_processor is None:
-            return
-        live = [cid for cid in record.child_ids if cid in self.output_processor.states]
-        for cid in live:
-            self.output_processor.abort_request(cid)
-        if live and not self.dead:
-            try:
-                await self._to_engine.send(self._encoder.encode(AbortRequests(live)))
-            except zmq.ZMQError:
-                logger.warning("could not send abort for %s: engine socket closed", request_id)
+        if record is not None:
+            self._abort_children(record, deliver=True)
 
     async def abort_all(self) -> None:
-        """Ends every live request in the engine; each client still receives finish_reason "abort"."""
-        live = list(self._child_to_parent)
-        if live and not self.dead:
-            await self._to_engine.send(self._encoder.encode(AbortRequests(live)))
+        """Ends every live request; each client still receives finish_reason "abort"."""
+        for record in list(self._streams.values()):
+            self._abort_children(record, deliver=True)
+
+    def _abort_children(self, record: _Stream, *, deliver: bool) -> None:
+        """Drops the live sequences of `record` here and tells the engine. Never suspends, so it
+        also runs to completion inside a cancelled task's clean-up."""
+        assert self.output_processor is not None
+        now = time.monotonic()
+        live = []
+        for cid in record.child_ids:
+            state = self.output_processor.states.get(cid)
+            if state is None:
+                continue  # already finished
+            live.append(cid)
+            self.output_processor.abort_request(cid)
+            aborted = _aborted_output(state)
+            if self.on_output is not None:
+                self.on_output(aborted, now)  # metrics: count it, close its token clock
+            if deliver:
+                record.queue.put_nowait(aborted)
+        if live:
+            self._send_nowait(AbortRequests(live))
 
     def _forget(self, request_id: str) -> None:
         record = self._streams.pop(request_id, None)
@@ -251,11 +308,47 @@ class AsyncEngine:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
-        await self._to_engine.send(self._encoder.encode(UtilityCall(call_id, method)))
         try:
+            await self._send(UtilityCall(call_id, method))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._utility_calls.pop(call_id, None)
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def _try_send(self, data: bytes) -> bool:
+        try:
+            self._to_engine.send(data, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the engine is not keeping up (or gone): queue full
+            return False
+        return True
+
+    async def _send(self, message: Any) -> None:
+        """Sends without ever blocking the loop; waits while the engine's inbox is full, and fails
+        with EngineDeadError instead of waiting forever when the engine dies meanwhile."""
+        data = self._encoder.encode(message)
+        while True:
+            if self.dead:
+                raise EngineDeadError(f"the engine is not available: {self.dead}")
+            if self._try_send(data):
+                return
+            await asyncio.sleep(SEND_RETRY_S)
+
+    def _send_nowait(self, message: Any) -> None:
+        """Sends from code that must not suspend (aborts); a full inbox hands it to a task."""
+        if self.dead or self._closed:
+            return
+        data = self._encoder.encode(message)
+        if not self._try_send(data):
+            task = asyncio.get_running_loop().create_task(self._send_later(data))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _send_later(self, data: bytes) -> None:
+        while not self.dead and not self._closed:
+            if self._try_send(data):
+                return
+            await asyncio.sleep(SEND_RETRY_S)
 
     # -- background tasks ---------------------------------------------------------------------
 
@@ -289,8 +382,8 @@ class AsyncEngine:
             return
         now = time.monotonic()
         processed = self.output_processor.process_outputs(message.outputs, now)
-        if processed.reqs_to_abort:
-            self._to_engine.send(self._encoder.encode(AbortRequests(processed.reqs_to_abort)))
+        if processed.reqs_to_abort:  # stop strings matched here: the engine can stop now
+            self._send_nowait(AbortRequests(processed.reqs_to_abort))
         for out in processed.request_outputs:
             if self.on_output is not None:
                 self.on_output(out, now)

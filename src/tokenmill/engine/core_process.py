@@ -5,9 +5,11 @@ Only msgspec msgpack crosses the sockets (no pickle), and only over ipc:// paths
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -28,15 +30,36 @@ from tokenmill.engine.messages import (
 
 logger = logging.getLogger("tokenmill.engine")
 
-IDLE_POLL_MS = 500
+IDLE_POLL_MS = 200
 STATS_INTERVAL_S = 0.5
+SEND_RETRY_S = 0.005
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the API server dies, however it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on polling the parent pid")
+
+
+class _ParentGone(Exception):
+    pass
 
 
 def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """Entry point of the spawned engine process. `config_bytes` is the msgpack of EngineConfig."""
-    # The API server owns signals: it drains and then tells us to stop.
+    # The API server owns SIGINT (Ctrl-C reaches the whole process group): it drains, then tells
+    # us to stop. SIGTERM sent to this process directly still ends it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return  # the parent died before prctl took effect
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
 
@@ -48,26 +71,44 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ClientMessage)
 
+    def send(message: object) -> None:
+        # A full outbox means the API server is not reading: wait for it while it lives, never forever.
+        data = encoder.encode(message)
+        while True:
+            try:
+                outbox.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if os.getppid() != parent_pid:
+                    raise _ParentGone from None
+                time.sleep(SEND_RETRY_S)
+
     try:
-        from tokenmill.engine.engine_core import EngineCore
+        try:
+            from tokenmill.engine.engine_core import EngineCore
 
-        core = EngineCore(config)
-    except Exception as exc:
-        logger.exception("engine start-up failed")
-        outbox.send(encoder.encode(EngineReady(error=f"{type(exc).__name__}: {exc}")))
-        outbox.close(linger=2000)
+            core = EngineCore(config)
+        except Exception as exc:
+            logger.exception("engine start-up failed")
+            send(EngineReady(error=f"{type(exc).__name__}: {exc}"))
+            raise SystemExit(1) from exc
+        send(EngineReady(info=core.info))
+        _busy_loop(core, inbox, decoder, send, parent_pid)
+    except _ParentGone:
+        logger.warning("the API server process is gone; engine exiting")
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
         ctx.term()
-        raise SystemExit(1) from exc
-    outbox.send(encoder.encode(EngineReady(info=core.info)))
 
+
+def _busy_loop(core, inbox, decoder, send, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     last_stats = 0.0
-    running = True
-    while running:
+    while True:
         timeout = 0 if core.has_work() else IDLE_POLL_MS
-        events = dict(poller.poll(timeout))
-        if inbox in events:
+        if poller.poll(timeout):
             while True:
                 try:
                     raw = inbox.recv(zmq.NOBLOCK)
@@ -80,25 +121,23 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
                 elif isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
                 elif isinstance(message, UtilityCall):
-                    outbox.send(encoder.encode(_utility(core, message)))
+                    send(_utility(core, message))
                 elif isinstance(message, Shutdown):
-                    running = False
-                    break
-        elif os.getppid() != parent_pid:
-            logger.warning("the API server process is gone; engine exiting")
-            break
-        if running and core.has_work():
+                    return
+        # getppid is a cheap syscall; checking every iteration means a busy engine whose parent
+        # was killed stops within one step even without PDEATHSIG.
+        if os.getppid() != parent_pid:
+            raise _ParentGone
+        now = time.monotonic()
+        if core.has_work():
             outputs = core.step()
             now = time.monotonic()
             if outputs or now - last_stats > STATS_INTERVAL_S:
-                outbox.send(encoder.encode(StepOutputs(outputs=outputs, stats=core.get_stats())))
+                send(StepOutputs(outputs=outputs, stats=core.get_stats()))
                 last_stats = now
-        elif running and time.monotonic() - last_stats > STATS_INTERVAL_S:
-            outbox.send(encoder.encode(StepOutputs(stats=core.get_stats())))
-            last_stats = time.monotonic()
-    inbox.close(linger=0)
-    outbox.close(linger=1000)
-    ctx.term()
+        elif now - last_stats > STATS_INTERVAL_S:
+            send(StepOutputs(stats=core.get_stats()))
+            last_stats = now
 
 
 def _utility(core, call: UtilityCall) -> UtilityResult:

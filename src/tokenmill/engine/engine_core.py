@@ -91,6 +91,8 @@ class EngineCore:
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids:
                 self.runner.execute(scheduler_output)  # lets the runner drop finished requests' state
+            # Requests the scheduler ended itself (e.g. can never fit) report through here.
+            outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
             return outputs
         now = time.monotonic()
         for s in scheduler_output.scheduled:

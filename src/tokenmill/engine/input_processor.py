@@ -30,6 +30,8 @@ class InputProcessor:
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send prompts as token ids", param="prompt")
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -95,6 +95,19 @@ def build_engine_config(
     )
 
 
+def load_tokenizer_or_none(resolved: Any, chat_template: str | None) -> Any:
+    """The model's tokenizer; a dummy-weights model without tokenizer files runs on token ids alone."""
+    from tokenmill.model.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(resolved, chat_template)
+    except (OSError, ValueError) as exc:
+        if resolved.format != "dummy":
+            raise
+        logger.warning("no tokenizer for %s (%s); prompts must be token ids and outputs are not detokenized", resolved.path, exc)
+        return None
+
+
 class LLM:
     """An engine in this process. `model=None` loads the default model (SmolLM2-135M-Instruct)."""
 
@@ -102,15 +115,16 @@ class LLM:
         import torch
 
         from tokenmill.model.registry import resolve_model
-        from tokenmill.model.tokenizer import load_tokenizer
+        from tokenmill.model.tokenizer import eos_token_ids
 
         self.config = build_engine_config(model, **kwargs)
         torch.manual_seed(self.config.model.seed)
         self.resolved = resolve_model(self.config.model)
-        self.tokenizer = load_tokenizer(self.resolved, self.config.model.chat_template)
+        self.tokenizer = load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
         self.engine = EngineCore(self.config, self.resolved)
         self.info = self.engine.info
-        self.input_processor = InputProcessor(self.tokenizer, self.info, self.resolved.arch.eos_token_ids)
+        eos = eos_token_ids(self.tokenizer, self.resolved) if self.tokenizer is not None else self.resolved.arch.eos_token_ids
+        self.input_processor = InputProcessor(self.tokenizer, self.info, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -32,8 +32,6 @@ class EngineInfo(msgspec.Struct):
     dtype: str
 
 
-
-
 # -- client -> engine ---------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
 from tokenmill.engine.stop_strings import StopStringMatcher
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -75,7 +75,7 @@ class OutputProcessor:
         arrival_time: float | None = None,
     ) -> None:
         detokenizer = None
-        if params.detokenize:
+        if params.detokenize and self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -105,10 +105,12 @@ class OutputProcessor:
     def abort_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def decode_token(self, token_id: int) -> str:
+    def decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self._decoded_cache.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = decode_token(self.tokenizer, token_id)
             if len(self._decoded_cache) < 200_000:
                 self._decoded_cache[token_id] = text
         return text
@@ -153,8 +155,15 @@ class OutputProcessor:
                     state.cumulative_logprob += entry.logprobs[0]
             if state.detokenizer is not None:
                 new_text = state.detokenizer.add_tokens(out.new_token_ids)
+                if out.finish_reason is not None:
+                    new_text += state.detokenizer.flush()  # text held back for an unfinished character
                 state.text += new_text
-                if state.stop_matcher is not None and new_text and out.finish_reason is None:
+                # Like EOS, stop strings only count once min_tokens have been produced.
+                if (
+                    state.stop_matcher is not None
+                    and new_text
+                    and len(state.token_ids) >= state.params.min_tokens
+                ):
                     match = state.stop_matcher.find(state.text, len(new_text))
                     if match is not None:
                         stop_str, keep_len = match
@@ -175,7 +184,7 @@ class OutputProcessor:
             # stop string is held back until it is known not to be one.
             visible = len(state.text)
             if not finished and state.stop_matcher is not None:
-                visible = max(state.sent_text_len, visible - state.stop_matcher.holdback)
+                visible = max(state.sent_text_len, visible - state.stop_matcher.partial_match_len(state.text))
             text = state.text[state.sent_text_len : visible]
             token_ids = state.token_ids[state.sent_tokens_len :]
             logprobs = state.logprobs[state.sent_logprobs_len :] if state.logprobs is not None else None

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenmill.sampling_params import SamplingParams
@@ -41,6 +42,13 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def _numpy_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(slots=True)
 class TokenSets:
     """Token ids of each row, flattened: row `row_indices[i]` holds token `token_ids[i]`."""
@@ -49,15 +57,16 @@ class TokenSets:
     token_ids: torch.Tensor  # [T] int64
 
     @staticmethod
-    def build(per_row: list[Sequence[int]], device: torch.device) -> TokenSets:
+    def build(per_row: list[Sequence[int]], vocab_size: int, device: torch.device) -> TokenSets:
         lengths = [len(ids) for ids in per_row]
         total = sum(lengths)
-        token_ids = host_to_device(list(itertools.chain.from_iterable(per_row)), torch.int64, device)
-        num_rows = host_to_device(lengths, torch.int64, device)
-        rows = torch.arange(len(per_row), device=device)
-        # output_size avoids the device sync repeat_interleave would need to size its result.
-        row_indices = torch.repeat_interleave(rows, num_rows, output_size=total)
-        return TokenSets(row_indices, token_ids)
+        # np.fromiter is ~4x faster than torch.tensor on a long list of Python ints.
+        token_ids = np.fromiter(itertools.chain.from_iterable(per_row), dtype=np.int64, count=total)
+        row_indices = np.repeat(np.arange(len(per_row), dtype=np.int64), lengths)
+        in_vocab = (token_ids >= 0) & (token_ids < vocab_size)
+        if not in_vocab.all():  # an out-of-range id would be a device-side assert in index_put_
+            token_ids, row_indices = token_ids[in_vocab], row_indices[in_vocab]
+        return TokenSets(_numpy_to_device(row_indices, device), _numpy_to_device(token_ids, device))
 
     def counts(self, num_rows: int, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_rows, vocab_size] occurrence counts."""
@@ -158,7 +167,7 @@ class SamplingMetadata:
                 stop_ids = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     stop_ids.update(row.eos_token_ids)
-                stop_ids = {t for t in stop_ids if t < vocab_size}
+                stop_ids = {t for t in stop_ids if 0 <= t < vocab_size}
                 banned_rows.extend([i] * len(stop_ids))
                 banned_ids.extend(sorted(stop_ids))
             if row.generator is not None and not is_greedy:
@@ -170,8 +179,8 @@ class SamplingMetadata:
         no_penalties = not any_penalty
         enabled_top_k = [k for k in top_k if k < vocab_size]
         use_top_k = not all_greedy and bool(enabled_top_k)
-        use_top_p = not all_greedy and any(p < 1.0 for p in top_p)
-        use_min_p = not all_greedy and any(p > 0.0 for p in min_p)
+        use_top_p = not all_greedy and any(x < 1.0 for x in top_p)
+        use_min_p = not all_greedy and any(x > 0.0 for x in min_p)
         requested = [k for k in num_logprobs if k is not None]
 
         def col(values: list[float]) -> torch.Tensor:
@@ -194,8 +203,8 @@ class SamplingMetadata:
             presence_penalty=None if no_penalties else col(presence),
             frequency_penalty=None if no_penalties else col(frequency),
             repetition_penalty=None if no_penalties else col(repetition),
-            output_tokens=None if no_penalties else TokenSets.build(output_sets, device),
-            prompt_tokens=TokenSets.build(prompt_sets, device) if any(prompt_sets) else None,
+            output_tokens=None if no_penalties else TokenSets.build(output_sets, vocab_size, device),
+            prompt_tokens=TokenSets.build(prompt_sets, vocab_size, device) if any(prompt_sets) else None,
             banned_rows=host_to_device(banned_rows, torch.int64, device) if banned_rows else None,
             banned_token_ids=host_to_device(banned_ids, torch.int64, device) if banned_rows else None,
             generators=generators,

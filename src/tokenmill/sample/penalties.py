@@ -39,6 +39,6 @@ def ban_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Forces the banned (row, token) pairs (stop tokens under min_tokens) to -inf."""
     if md.banned_rows is None:
         return logits
-    logits = logits.clone()
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    return logits.index_put_((md.banned_rows, md.banned_token_ids), neg_inf)
+    # torch.full, not torch.tensor(-inf, device=...): the latter is a synchronizing host copy.
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.clone().index_put_((md.banned_rows, md.banned_token_ids), neg_inf)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
-from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from tokenmill.server.protocol import (
@@ -41,6 +41,10 @@ from tokenmill.server.state import ServerState, ServiceUnavailableError
 logger = logging.getLogger("tokenmill.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# After the drain, uvicorn waits this long for responses still being written before cancelling them.
+GRACEFUL_SHUTDOWN_S = 10
+# After aborting what outlived --shutdown-timeout, how long the aborts may take to reach the clients.
+ABORT_GRACE_S = 5.0
 
 
 class PayloadTooLargeError(TokenmillError):
@@ -53,6 +57,16 @@ class AuthenticationError(TokenmillError):
     error_type = "invalid_request_error"
 
 
+class _NotFound(TokenmillError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class _MethodNotAllowed(TokenmillError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
 def error_response(exc: TokenmillError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
     return JSONResponse(
@@ -60,16 +74,64 @@ def error_response(exc: TokenmillError) -> JSONResponse:
     )
 
 
+def is_authorized(scope: Scope, api_key: str) -> bool:
+    """True when the request carries `Authorization: Bearer <api_key>` (compared in constant time)."""
+    header = b""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            header = value
+            break
+    scheme, _, token = header.strip().partition(b" ")
+    # compare_digest's time depends only on the lengths, never on where the bytes differ; it
+    # always runs, so a wrong scheme costs the same as a wrong key.
+    key_ok = hmac.compare_digest(token.strip(), api_key.encode())
+    return scheme.lower() == b"bearer" and key_ok
+
+
+class ApiKeyMiddleware:
+    """Refuses every route but /health and /metrics without the key, before routing.
+
+    It reads the ASGI `path` — the one routing uses — so no Host header, absolute request target
+    or unusual spelling can reach a route around it: an unknown or odd path just needs the key too.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api_key = self.state.api_key
+        if (
+            api_key is None
+            or scope["type"] not in ("http", "websocket")
+            or (scope["type"] == "http" and scope["path"] in OPEN_PATHS)
+            or is_authorized(scope, api_key)
+        ):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        response = error_response(
+            AuthenticationError(
+                "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
+            )
+        )
+        await response(scope, receive, send)
+
+
 async def read_body(state: ServerState, request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
-        raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {state.max_body_bytes}")
+        raise PayloadTooLargeError(
+            f"the request body is {declared} bytes; the limit is {state.max_body_bytes} bytes"
+        )
     chunks = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > state.max_body_bytes:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {state.max_body_bytes} bytes")
+            raise PayloadTooLargeError(f"the request body exceeds the limit of {state.max_body_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -77,24 +139,7 @@ async def read_body(state: ServerState, request: Request) -> bytes:
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version=__version__)
     app.state.tm = state
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        # Every route but /health and /metrics needs the key; the raw ASGI path is what routing
-        # uses, so no Host header or absolute-URL trick can reach a route around this check.
-        if state.api_key is not None and request.scope["path"] not in OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), state.api_key.encode()
-            ):
-                return error_response(
-                    AuthenticationError("invalid or missing API key; send 'Authorization: Bearer <key>'")
-                )
-        try:
-            return await call_next(request)
-        except TokenmillError as exc:
-            return error_response(exc)
+    app.add_middleware(ApiKeyMiddleware, state=state)
 
     @app.exception_handler(TokenmillError)
     async def _tokenmill_error(_: Request, exc: TokenmillError):
@@ -112,14 +157,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
-        logger.exception("unexpected error while serving a request")
-        return error_response(TokenmillError(f"internal error: {type(exc).__name__}"))
+        logger.error("unexpected error while serving a request", exc_info=exc)
+        return error_response(TokenmillError(f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> Response:
         if state.ready and not state.draining and not state.engine.dead:
             return Response(status_code=200)
-        reason = state.startup_error or state.engine.dead or ("draining" if state.draining else "starting")
+        reason = (
+            state.startup_error
+            or state.engine.dead
+            or ("shutting down" if state.draining else "the engine is starting")
+        )
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/version")
@@ -132,8 +181,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        info = state.engine.info
         cards = [
-            ModelCard(id=name, root=state.model_root, max_model_len=state.max_model_len)
+            ModelCard(id=name, root=state.model_root, max_model_len=info.max_model_len if info else None)
             for name in state.model_names
         ]
         return ModelList(data=cards).model_dump()
@@ -143,7 +193,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_available()
         body = parse_tokenize_request(await read_body(state, request))
         state.check_model(body.model)
-        tokenizer = state.engine.tokenizer
+        tokenizer = state.tokenizer("messages" if isinstance(body, TokenizeChatRequest) else "prompt")
         if isinstance(body, TokenizeChatRequest):
             from tokenmill.engine.chat_template import render_chat
 
@@ -172,7 +222,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise InvalidRequestError(
                 f"token ids must be < the vocabulary size {vocab}, got {bad[0]}", param="tokens"
             )
-        return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
+        return DetokenizeResponse(prompt=state.tokenizer("tokens").decode(body.tokens)).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -186,81 +236,113 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(state, request))
         return await _respond(request, create_chat_completion(state, body), body.stream)
 
-    async def _respond(request: Request, handler, stream: bool):
-        if stream:
-            events = await handler  # validation errors raise here, before any byte is sent
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        # Non-streaming: race the work against the client leaving; leaving cancels the work,
-        # which aborts the request in the engine.
-        work = asyncio.ensure_future(handler)
-        gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
-        finished, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in finished:
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return Response(status_code=499)
-        gone.cancel()
-        return JSONResponse(work.result().model_dump(exclude_none=False))
-
     return app
 
 
-class _NotFound(TokenmillError):
-    status_code = 404
-    error_type = "not_found_error"
+async def _respond(request: Request, handler: Awaitable[Any], stream: bool) -> Response:
+    if stream:
+        events = await handler  # validation errors raise here, before any byte is sent
+        return StreamingResponse(
+            _closing(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    # Non-streaming: race the work against the client leaving; leaving cancels the work,
+    # which aborts the request in the engine.
+    work = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # this handler itself cancelled (server shutting down): take the work with it
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        gone.cancel()
+    if work.cancelled():
+        return Response(status_code=499)  # nobody is listening; the status only shows in logs
+    return Response(work.result().model_dump_json(), media_type="application/json")
 
 
-class _MethodNotAllowed(TokenmillError):
-    status_code = 405
-    error_type = "invalid_request_error"
+async def _closing(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Closes the event generator however the response ends (client gone, server stopping), so its
+    request is aborted in the engine now rather than whenever the garbage collector runs."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def drain(state: ServerState, timeout_s: float) -> None:
+    """Stops admitting requests, lets in-flight ones finish for up to `timeout_s`, then aborts the
+    rest (their clients get finish_reason "abort") and waits briefly for those to be delivered."""
+    state.draining = True
+    engine = state.engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while engine.num_unfinished and not engine.dead and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_unfinished and not engine.dead:
+        logger.warning("aborting %d requests still running after the shutdown timeout", engine.num_unfinished)
+        await engine.abort_all()
+        grace = loop.time() + ABORT_GRACE_S
+        while engine.num_unfinished and not engine.dead and loop.time() < grace:
+            await asyncio.sleep(0.02)
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn that drains on SIGINT / SIGTERM: stop admitting, let in-flight requests finish up to
-    the shutdown timeout, abort the rest (finish_reason "abort"), then exit. A second signal exits now."""
+    the shutdown timeout, abort the rest (finish_reason "abort"), then exit. A second signal exits now.
+
+    handle_exit deliberately does not record the signal the way uvicorn's does: uvicorn re-raises
+    recorded signals once serve() returns, which would kill this process before it reaps the engine.
+    """
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.tm_state = state
         self.shutdown_timeout = shutdown_timeout
         self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._drain_task is not None or not self.tm_state.ready:
+        if self.should_exit or self._drain_task is not None or not self.tm_state.ready or self._loop is None:
+            # Second signal, or nothing to drain yet: stop now.
+            self.force_exit = self._drain_task is not None or self.should_exit
             self.should_exit = True
-            self.force_exit = self._drain_task is not None
             return
-        logger.info("received %s: draining (up to %.0f s)", signal.Signals(sig).name, self.shutdown_timeout)
+        logger.warning(
+            "received %s: draining for up to %.0f s", signal.Signals(sig).name, self.shutdown_timeout
+        )
         self.tm_state.draining = True
-        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+        # A Python signal handler runs between bytecodes of the loop's thread; schedule through
+        # call_soon_threadsafe so the loop wakes up for it at once.
+        self._loop.call_soon_threadsafe(self._start_drain)
 
-    async def _drain(self) -> None:
-        engine = self.tm_state.engine
-        deadline = asyncio.get_event_loop().time() + self.shutdown_timeout
-        while engine.num_unfinished and asyncio.get_event_loop().time() < deadline and not engine.dead:
-            await asyncio.sleep(0.05)
-        if engine.num_unfinished and not engine.dead:
-            logger.warning(
-                "aborting %d requests still running after the shutdown timeout", engine.num_unfinished
-            )
-            await engine.abort_all()
-            grace = asyncio.get_event_loop().time() + 2.0
-            while engine.num_unfinished and asyncio.get_event_loop().time() < grace:
-                await asyncio.sleep(0.02)
-        await asyncio.sleep(0.05)  # let the last chunks flush
-        self.should_exit = True
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await drain(self.tm_state, self.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+        self._drain_task = asyncio.get_running_loop().create_task(drain_then_exit())
 
 
 def run_server(args: argparse.Namespace) -> int:
     from tokenmill.cli import engine_kwargs_from_args
+    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm import build_engine_config
+    from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
 
     config = build_engine_config(args.model, **engine_kwargs_from_args(args))
-    model_root = args.model or "SmolLM2-135M-Instruct"
-    names = [n for n in (args.served_model_name or "").split(",") if n] or [model_root]
-    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    model_root = args.model or DEFAULT_MODEL_NAME
+    names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
+    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     state = ServerState(
         engine=AsyncEngine(config),
         model_names=names,
@@ -273,7 +355,13 @@ def run_server(args: argparse.Namespace) -> int:
     )
     app = create_app(state)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off"
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     return asyncio.run(_serve(server, state))
@@ -284,26 +372,21 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
         try:
             await state.engine.start()
         except Exception as exc:
-            state.startup_error = str(exc)
+            state.startup_error = f"the engine failed to start: {exc}"
             logger.error("engine start-up failed: %s", exc)
             server.should_exit = True
             return
         state.engine.on_step_stats = state.metrics.update_engine_stats
         state.engine.on_output = state.observe_output
         state.ready = True
-        logger.info(
-            "tokenmill %s ready on http://%s:%d (model %s)",
-            __version__,
-            server.config.host,
-            server.config.port,
-            state.model_names[0],
-        )
         print(
-            f"tokenmill ready on http://{server.config.host}:{server.config.port}",
+            f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "
+            f"(model {state.model_names[0]})",
             file=sys.stderr,
             flush=True,
         )
 
+    print("tokenmill: loading the model; /health answers 503 until it is ready", file=sys.stderr, flush=True)
     starter = asyncio.create_task(start_engine())
     try:
         await server.serve()
@@ -314,8 +397,4 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
     return 1 if state.startup_error else 0
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj)
-
-
-__all__ = ["create_app", "run_server", "ServiceUnavailableError"]
+__all__ = ["create_app", "drain", "run_server", "ServiceUnavailableError"]

@@ -25,9 +25,13 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_common import (
     ChoiceState,
     PreparedPrompt,
+    RunStatus,
     error_event,
     generate_all,
     make_usage,
+    request_timeout,
+    stream_failure_event,
+    timeout_event,
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
@@ -35,7 +39,7 @@ from tokenmill.server.state import ServerState
 
 def prepare_chat_prompt(state: ServerState, request: ChatCompletionRequest) -> PreparedPrompt:
     token_ids = render_chat(
-        state.engine.tokenizer,
+        state.tokenizer("messages"),
         request.messages_for_template(),
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
@@ -75,6 +79,7 @@ def _chat_logprobs(
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
+    """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
     params = request.to_sampling_params(None)  # type: ignore[arg-type]  # None: up to the context length
     prompt = prepare_chat_prompt(state, request)
@@ -82,15 +87,21 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     request_id = random_id("chatcmpl")
     model = request.model or state.model_names[0]
     choices = [ChoiceState(index=j) for j in range(params.n)]
-    cached = [0]
+    status = RunStatus(timeout_s=request_timeout(state, request.request_timeout))
     outputs = generate_all(
-        state, request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
+        state,
+        request_id,
+        [prompt],
+        params,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        status=status,
     )
     top_k = request.top_logprobs or 0
-
     if request.stream:
-        return _stream(state, request, request_id, model, prompt, choices, cached, outputs, top_k)
+        return _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k)
 
+    cached = 0
     async for _, out in outputs:
         completion = out.outputs[0]
         choice = choices[completion.index]
@@ -102,7 +113,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
             choice.finish_reason = completion.finish_reason
             choice.stop_reason = completion.stop_reason
             choice.error = out.error
-            cached[0] = out.num_cached_tokens
+            cached = max(cached, out.num_cached_tokens)
     errored = [c for c in choices if c.finish_reason == "error"]
     if errored:
         raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
@@ -117,64 +128,58 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         for c in choices
     ]
     return ChatCompletionResponse(
-        id=request_id, model=model, choices=response_choices, usage=make_usage([prompt], choices, cached[0])
+        id=request_id, model=model, choices=response_choices, usage=make_usage([prompt], choices, cached)
     )
 
 
 async def _stream(
-    state, request, request_id, model, prompt, choices, cached, outputs, top_k
+    state: ServerState,
+    request: ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    prompt: PreparedPrompt,
+    choices: list[ChoiceState],
+    outputs: AsyncIterator,
+    status: RunStatus,
+    top_k: int,
 ) -> AsyncIterator[str]:
+    def chunk(index: int, delta: DeltaMessage, **fields) -> str:
+        choice = ChatCompletionStreamChoice(index=index, delta=delta, **fields)
+        return sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+
+    cached = 0
     try:
         for choice in choices:
-            yield sse_event(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    model=model,
-                    choices=[
-                        ChatCompletionStreamChoice(
-                            index=choice.index, delta=DeltaMessage(role="assistant", content="")
-                        )
-                    ],
-                )
-            )
+            yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
         async for _, out in outputs:
             completion = out.outputs[0]
             choice = choices[completion.index]
             choice.token_ids.extend(completion.token_ids)
-            if out.finished:
-                cached[0] = out.num_cached_tokens
-            if not completion.text and not out.finished and not (request.logprobs and completion.logprobs):
+            wants_logprobs = request.logprobs and bool(completion.logprobs)
+            if not completion.text and not out.finished and not wants_logprobs:
                 continue
             logprobs = None
-            if request.logprobs and completion.logprobs:
+            if wants_logprobs:
                 logprobs = _chat_logprobs(state, list(completion.logprobs), completion.token_ids, top_k)
-            if out.finished and completion.finish_reason == "error":
-                yield error_event(f"generation failed: {out.error or 'unknown error'}")
-            yield sse_event(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    model=model,
-                    choices=[
-                        ChatCompletionStreamChoice(
-                            index=choice.index,
-                            delta=DeltaMessage(content=completion.text)
-                            if completion.text
-                            else DeltaMessage(),
-                            logprobs=logprobs,
-                            finish_reason=completion.finish_reason if out.finished else None,
-                            stop_reason=completion.stop_reason if out.finished else None,
-                        )
-                    ],
-                )
+            if out.finished:
+                cached = max(cached, out.num_cached_tokens)
+                choice.finish_reason = completion.finish_reason
+                if completion.finish_reason == "error":
+                    yield error_event(f"generation failed: {out.error or 'unknown error'}")
+                elif completion.finish_reason == "abort" and status.timed_out:
+                    yield timeout_event(status)
+            yield chunk(
+                choice.index,
+                DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason if out.finished else None,
+                stop_reason=completion.stop_reason if out.finished else None,
             )
         if request.include_usage_in_stream:
-            yield sse_event(
-                ChatCompletionStreamResponse(
-                    id=request_id, model=model, choices=[], usage=make_usage([prompt], choices, cached[0])
-                )
-            )
-    except TokenmillError as exc:
-        yield error_event(exc.message, exc.status_code, exc.error_type)
+            usage = make_usage([prompt], choices, cached)
+            yield sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
+    except Exception as exc:  # the stream has started: the error can only travel as an event
+        yield stream_failure_event(exc)
     finally:
-        await outputs.aclose()
+        await outputs.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from tokenmill.server.state import ServerState
+
+logger = logging.getLogger("tokenmill.server")
 
 
 @dataclass(slots=True)
@@ -32,6 +36,14 @@ class ChoiceState:
     sent_first: bool = False
 
 
+@dataclass(slots=True)
+class RunStatus:
+    """Set by generate_all while it runs; read by the handlers when it ends."""
+
+    timed_out: bool = False
+    timeout_s: float | None = None
+
+
 def validate_prompts(
     state: ServerState,
     prompts: list[PreparedPrompt],
@@ -41,13 +53,17 @@ def validate_prompts(
 ) -> None:
     """Runs every check the engine client would, so a bad prompt fails before any is admitted."""
     if params.n > state.max_n:
-        from tokenmill.errors import InvalidRequestError
-
         raise InvalidRequestError(f"n must be at most {state.max_n}, got {params.n}", param="n")
     processor = state.engine.input_processor
     assert processor is not None
     for prompt in prompts:
         processor.make_request("validate", prompt.token_ids, params, priority=priority, cache_salt=cache_salt)
+
+
+def request_timeout(state: ServerState, requested: float | None) -> float | None:
+    """The per-request timeout, never longer than the server's --request-timeout."""
+    limits = [t for t in (requested, state.request_timeout) if t is not None]
+    return min(limits) if limits else None
 
 
 async def generate_all(
@@ -58,19 +74,22 @@ async def generate_all(
     *,
     priority: int = 0,
     cache_salt: str | None = None,
+    status: RunStatus | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs every prompt concurrently; yields (prompt index, delta output) as they arrive.
 
     Leaving the iteration early (client gone, error) cancels every prompt's generation, which
-    aborts its sequences in the engine.
+    aborts its sequences in the engine. When `status.timeout_s` passes first, the unfinished
+    sequences are aborted and end with finish_reason "abort"; `status.timed_out` tells.
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    engine_ids = [f"{request_id}-p{i}" for i in range(len(prompts))]
 
     async def pump(i: int, prompt: PreparedPrompt) -> None:
         try:
             async for out in state.engine.generate(
-                f"{request_id}-p{i}",
+                engine_ids[i],
                 prompt.text,
                 prompt.token_ids,
                 params,
@@ -83,7 +102,17 @@ async def generate_all(
         except Exception as exc:
             queue.put_nowait(exc)
 
+    async def expire(timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        assert status is not None
+        status.timed_out = True
+        for engine_id in engine_ids:
+            await state.engine.abort(engine_id)
+
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    timer = None
+    if status is not None and status.timeout_s is not None:
+        timer = asyncio.create_task(expire(status.timeout_s))
     remaining = len(tasks)
     try:
         while remaining:
@@ -95,10 +124,10 @@ async def generate_all(
             else:
                 yield item
     finally:
-        for task in tasks:
-            if not task.done():
+        for task in [*tasks, timer]:
+            if task is not None and not task.done():
                 task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *([timer] if timer else []), return_exceptions=True)
 
 
 def make_usage(prompts: list[PreparedPrompt], choices: list[ChoiceState], cached_tokens: int) -> UsageInfo:
@@ -115,6 +144,22 @@ def make_usage(prompts: list[PreparedPrompt], choices: list[ChoiceState], cached
 def error_event(message: str, status_code: int = 500, error_type: str = "internal_error") -> str:
     body = ErrorResponse.build(message, type=error_type, status_code=status_code)
     return f"data: {body.model_dump_json()}\n\n"
+
+
+def timeout_event(status: RunStatus) -> str:
+    return error_event(
+        f"the request ran longer than its timeout of {status.timeout_s:g} s and was aborted",
+        status_code=408,
+        error_type="timeout_error",
+    )
+
+
+def stream_failure_event(exc: BaseException) -> str:
+    """The error event that ends a stream whose generation raised."""
+    if isinstance(exc, TokenmillError):
+        return error_event(exc.message, exc.status_code, exc.error_type)
+    logger.error("streaming a response failed", exc_info=exc)
+    return error_event(f"internal error: {type(exc).__name__}: {exc}")
 
 
 async def wait_for_disconnect(receive) -> None:

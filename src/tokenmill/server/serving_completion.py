@@ -19,9 +19,13 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_common import (
     ChoiceState,
     PreparedPrompt,
+    RunStatus,
     error_event,
     generate_all,
     make_usage,
+    request_timeout,
+    stream_failure_event,
+    timeout_event,
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
@@ -68,30 +72,36 @@ def _completion_logprobs(
     return result
 
 
-async def create_completion(
-    state: ServerState, request: CompletionRequest, stream_request_id: str | None = None
-):
+async def create_completion(state: ServerState, request: CompletionRequest):
     """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
+    if request.echo:
+        state.tokenizer("echo")  # echoing token-id prompts needs their text: refuse before generating
     prompts = prepare_prompts(state, request)
     validate_prompts(state, prompts, params, request.priority, request.cache_salt)
-    request_id = stream_request_id or random_id("cmpl")
+    request_id = random_id("cmpl")
     model = request.model or state.model_names[0]
     n = params.n
+    # OpenAI numbers the choices of prompt i as i * n + j.
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
+    status = RunStatus(timeout_s=request_timeout(state, request.request_timeout))
+    outputs = generate_all(
+        state,
+        request_id,
+        prompts,
+        params,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        status=status,
+    )
+    if request.stream:
+        return _stream(state, request, request_id, model, prompts, choices, outputs, status)
+
     cached = [0] * len(prompts)
     prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
-
-    outputs = generate_all(
-        state, request_id, prompts, params, priority=request.priority, cache_salt=request.cache_salt
-    )
-
-    if request.stream:
-        return _stream(state, request, request_id, model, prompts, choices, cached, outputs)
-
     async for i, out in outputs:
         completion = out.outputs[0]
         choice = choices[i * n + completion.index]
@@ -99,32 +109,33 @@ async def create_completion(
         choice.token_ids.extend(completion.token_ids)
         if completion.logprobs:
             choice.logprobs.extend(completion.logprobs)
+        if out.prompt_logprobs:
+            prompt_logprobs[i] = out.prompt_logprobs
         if out.finished:
             choice.finish_reason = completion.finish_reason
             choice.stop_reason = completion.stop_reason
             choice.error = out.error
-            cached[i] = out.num_cached_tokens
-            prompt_logprobs[i] = out.prompt_logprobs
+            cached[i] = max(cached[i], out.num_cached_tokens)
     errored = [c for c in choices if c.finish_reason == "error"]
     if errored:
         raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
     response_choices = []
     for choice in choices:
-        prompt = prompts[choice.index // n]
+        i = choice.index // n
+        prompt = prompts[i]
         text = choice.text
         logprobs = None
         if request.echo:
-            prompt_text = (
-                prompt.text if prompt.text is not None else state.engine.tokenizer.decode(prompt.token_ids)
-            )
-            text = prompt_text + text
+            text = _prompt_text(state, prompt) + text
         if request.logprobs is not None:
             if request.echo:
-                positions = list(prompt_logprobs[choice.index // n] or [None] * len(prompt.token_ids)) + list(
-                    choice.logprobs
-                )
+                prompt_positions = list(prompt_logprobs[i] or [None] * len(prompt.token_ids))
                 logprobs = _completion_logprobs(
-                    state, positions, prompt.token_ids + choice.token_ids, request.logprobs, 0
+                    state,
+                    prompt_positions + list(choice.logprobs),
+                    prompt.token_ids + choice.token_ids,
+                    request.logprobs,
+                    0,
                 )
             else:
                 logprobs = _completion_logprobs(
@@ -144,35 +155,41 @@ async def create_completion(
     )
 
 
-async def _stream(state, request, request_id, model, prompts, choices, cached, outputs) -> AsyncIterator[str]:
+def _prompt_text(state: ServerState, prompt: PreparedPrompt) -> str:
+    return prompt.text if prompt.text is not None else state.tokenizer("echo").decode(prompt.token_ids)
+
+
+async def _stream(
+    state: ServerState,
+    request: CompletionRequest,
+    request_id: str,
+    model: str,
+    prompts: list[PreparedPrompt],
+    choices: list[ChoiceState],
+    outputs: AsyncIterator,
+    status: RunStatus,
+) -> AsyncIterator[str]:
+    def chunk(choice: CompletionResponseChoice) -> str:
+        return sse_event(CompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+
     n = request.n
+    cached = [0] * len(prompts)
     text_offsets = [0] * len(choices)
     try:
         if request.echo:
             for choice in choices:
-                prompt = prompts[choice.index // n]
-                prompt_text = (
-                    prompt.text
-                    if prompt.text is not None
-                    else state.engine.tokenizer.decode(prompt.token_ids)
-                )
-                chunk = CompletionStreamResponse(
-                    id=request_id,
-                    model=model,
-                    choices=[CompletionResponseChoice(index=choice.index, text=prompt_text)],
-                )
-                yield sse_event(chunk)
+                prompt_text = _prompt_text(state, prompts[choice.index // n])
+                text_offsets[choice.index] = len(prompt_text)
+                yield chunk(CompletionResponseChoice(index=choice.index, text=prompt_text))
         async for i, out in outputs:
             completion = out.outputs[0]
             choice = choices[i * n + completion.index]
             choice.token_ids.extend(completion.token_ids)
-            if out.finished:
-                cached[i] = out.num_cached_tokens
-                choice.finish_reason = completion.finish_reason
-            if not completion.text and not out.finished and not completion.logprobs:
+            wants_logprobs = request.logprobs is not None and bool(completion.logprobs)
+            if not completion.text and not out.finished and not wants_logprobs:
                 continue
             logprobs = None
-            if request.logprobs is not None and completion.logprobs:
+            if wants_logprobs:
                 logprobs = _completion_logprobs(
                     state,
                     list(completion.logprobs),
@@ -181,30 +198,27 @@ async def _stream(state, request, request_id, model, prompts, choices, cached, o
                     text_offsets[choice.index],
                 )
             text_offsets[choice.index] += len(completion.text)
-            if out.finished and completion.finish_reason == "error":
-                yield error_event(f"generation failed: {out.error or 'unknown error'}")
-            chunk = CompletionStreamResponse(
-                id=request_id,
-                model=model,
-                choices=[
-                    CompletionResponseChoice(
-                        index=choice.index,
-                        text=completion.text,
-                        logprobs=logprobs,
-                        finish_reason=completion.finish_reason if out.finished else None,
-                        stop_reason=completion.stop_reason if out.finished else None,
-                    )
-                ],
-            )
-            yield sse_event(chunk)
-        if request.include_usage_in_stream:
-            yield sse_event(
-                CompletionStreamResponse(
-                    id=request_id, model=model, choices=[], usage=make_usage(prompts, choices, sum(cached))
+            if out.finished:
+                cached[i] = max(cached[i], out.num_cached_tokens)
+                choice.finish_reason = completion.finish_reason
+                if completion.finish_reason == "error":
+                    yield error_event(f"generation failed: {out.error or 'unknown error'}")
+                elif completion.finish_reason == "abort" and status.timed_out:
+                    yield timeout_event(status)
+            yield chunk(
+                CompletionResponseChoice(
+                    index=choice.index,
+                    text=completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    stop_reason=completion.stop_reason if out.finished else None,
                 )
             )
-    except TokenmillError as exc:
-        yield error_event(exc.message, exc.status_code, exc.error_type)
+        if request.include_usage_in_stream:
+            usage = make_usage(prompts, choices, sum(cached))
+            yield sse_event(CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
+    except Exception as exc:  # the stream has started: the error can only travel as an event
+        yield stream_failure_event(exc)
     finally:
-        await outputs.aclose()
+        await outputs.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.errors import EngineDeadError, ModelNotFoundError, TokenmillError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import RequestOutput
 
@@ -43,6 +44,15 @@ class ServerState:
             raise EngineDeadError(f"the engine is not available: {self.engine.dead}")
         if not self.ready:
             raise ServiceUnavailableError("the engine is still starting; retry once /health answers 200")
+
+    def tokenizer(self, param: str | None = None) -> Any:
+        """The model's tokenizer; a 400 naming `param` when the model has none (dummy weights)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer; send prompts as token ids to /v1/completions", param=param
+            )
+        return tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

@@ -12,7 +12,7 @@ from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from tokenmill.model.registry import ResolvedModel, load_model
-from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata
+from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
 from tokenmill.worker.device import resolve_device, resolve_dtype
@@ -35,7 +35,7 @@ class ModelRunner:
             self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.arch.head_dim**-0.5, self.block_size
         )
         started = time.perf_counter()
-        self.model = load_model(config.model, resolved, self.device, self.dtype, self.attn_backend)
+        self.model = load_model(config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved)
         logger.info("model loaded in %.1f s (%s, %s, %s)", time.perf_counter() - started, resolved.format, self.device, self.dtype)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -137,8 +137,7 @@ class ModelRunner:
             return None
         generator = self.generators.get(s.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            generator = make_generator(seed, self.device)
             self.generators[s.request_id] = generator
         return generator
 
@@ -194,6 +193,7 @@ class ModelRunner:
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
                 generator=self._generator_for(s),
+                eos_token_ids=s.request.eos_token_ids,
             )
             for s in sampling_reqs
         ]
@@ -204,18 +204,7 @@ class ModelRunner:
         packed = torch.stack([sampled.sampled_token_ids, nonfinite.long()]).cpu()
         token_ids, bad_rows = packed.tolist()
 
-        logprob_rows: list[TokenLogprobs | None] | None = None
-        if sampled.logprobs is not None:
-            ids = sampled.logprob_token_ids.cpu().tolist()
-            lps = sampled.logprobs.cpu().tolist()
-            ranks = sampled.sampled_ranks.cpu().tolist()
-            logprob_rows = []
-            for i, s in enumerate(sampling_reqs):
-                k = s.request.sampling_params.logprobs
-                if k is None:
-                    logprob_rows.append(None)
-                else:
-                    logprob_rows.append(TokenLogprobs(token_ids=ids[i][: k + 1], logprobs=lps[i][: k + 1], rank=ranks[i]))
+        logprob_rows = sampled.to_token_logprobs(metadata)
 
         for i, s in enumerate(sampling_reqs):
             if bad_rows[i]:

@@ -6,10 +6,16 @@ each K/V tile is loaded once for the whole group. Query token `j` of a request s
 `seq_len - query_len + j` and attends to every cached position <= it (the already-cached prefix
 plus the causal part of this step's chunk).
 
-Split-KV (flash-decoding): with `num_kv_splits > 1`, grid axis 2 cuts each program's KV range
-into that many pieces; each writes a normalised partial output and its base-2 log-sum-exp, and
-`_merge_splits_kernel` combines them. The split boundaries come from the device-side seq_lens,
-so the grid depends only on host-known sizes: no device sync, stable under CUDA graphs.
+The kernel is launched in two flavours. The decode flavour has one program column per request
+and serves the requests whose query_len is 1 with 16-row tiles. The prefill flavour walks
+q-blocks of up to 128 rows and skips those requests, so decodes in a mixed batch do not pay for
+128-row matrix products on one useful row. A decode-only step launches only the first.
+
+Split-KV (flash-decoding), decode flavour only: with `num_kv_splits > 1`, grid axis 2 cuts each
+request's KV range into that many pieces; each writes a normalised partial output and its base-2
+log-sum-exp, and `_merge_splits_kernel` combines them. The split boundaries come from the
+device-side seq_lens, so the grid depends only on host-known sizes: no device sync, stable under
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,20 +30,19 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
-    # Request r owns q-block slots [query_start_loc[r] // BLOCK_Q + r, ...): enough for
-    # cdiv(query_len, BLOCK_Q) blocks whatever the alignment. Binary search for the last r whose
-    # first slot is <= q_block.
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_slot <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr, SCAN_CHUNK: tl.constexpr):
+    # Request r owns q-block slots from query_start_loc[r] // BLOCK_Q + r on: enough for
+    # cdiv(query_len, BLOCK_Q) blocks whatever the alignment. The owner of q_block is the last
+    # request whose first slot is <= q_block, i.e. (number of such requests) - 1. Counting with
+    # vector loads takes one memory round trip per chunk where a binary search takes log2(num_reqs).
+    num_before = q_block * 0
+    for chunk_start in range(0, num_reqs, SCAN_CHUNK):
+        reqs = chunk_start + tl.arange(0, SCAN_CHUNK)
+        first_slot = (
+            tl.load(query_start_loc_ptr + reqs, mask=reqs < num_reqs, other=1 << 30) // BLOCK_Q + reqs
+        )
+        num_before += tl.sum((first_slot <= q_block).to(tl.int32), axis=0)
+    return num_before - 1
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_splits"])
@@ -58,10 +63,10 @@ def _paged_attention_kernel(
     stride_q_head,
     stride_out_token,
     stride_out_head,
-    stride_partial_token,
+    stride_partial_req,
     stride_partial_head,
     stride_partial_split,
-    stride_lse_token,
+    stride_lse_req,
     stride_lse_head,
     stride_cache_block,
     stride_cache_slot,
@@ -75,7 +80,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD (at least 16 rows for tl.dot)
     BLOCK_N: tl.constexpr,  # KV tokens per tile
-    DECODE_ONLY: tl.constexpr,  # one query token per request: program axis 0 is the request
+    DECODE: tl.constexpr,  # program axis 0 is the request; only requests with query_len == 1
     USE_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
     DOT_PRECISION: tl.constexpr,
@@ -84,16 +89,22 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    if DECODE_ONLY:
+    if DECODE:
         req = pid_q
         q_block_local = 0
     else:
-        req = _find_request(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q)
+        req = _find_request(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q, SCAN_CHUNK=128)
         q_block_local = pid_q - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if q_block_local * BLOCK_Q >= q_len:
-        return
+    if DECODE:
+        if q_len != 1:  # a prefill chunk, or a CUDA-graph padding request with no rows
+            return
+    else:
+        if q_len == 1:  # the decode launch serves it
+            return
+        if q_block_local * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
@@ -149,7 +160,7 @@ def _paged_attention_kernel(
             key_t = key_t.to(tl.float32)
             value = value.to(tl.float32)
         scores = tl.dot(q, key_t, input_precision=DOT_PRECISION) * scale_log2
-        if DECODE_ONLY:
+        if DECODE:
             visible = kv_valid[None, :]
         else:
             visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
@@ -165,13 +176,13 @@ def _paged_attention_kernel(
     result = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if USE_SPLITS:
-        partial_row = (
-            token_row * stride_partial_token + head * stride_partial_head + split * stride_partial_split
-        )
+        # Partials are per request (only decodes split): [num_reqs, heads, splits, head_dim].
+        req64 = req.to(tl.int64)
+        partial_row = req64 * stride_partial_req + head * stride_partial_head + split * stride_partial_split
         tl.store(partial_out_ptr + partial_row[:, None] + dims[None, :], result, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(
-            partial_lse_ptr + token_row * stride_lse_token + head * stride_lse_head + split,
+            partial_lse_ptr + req64 * stride_lse_req + head * stride_lse_head + split,
             lse,
             mask=row_valid,
         )
@@ -180,35 +191,37 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_offset, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits"])
+@triton.jit(do_not_specialize=["num_kv_splits"])
 def _merge_splits_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
     query_start_loc_ptr,
-    num_reqs,
     num_kv_splits,
     stride_out_token,
     stride_out_head,
-    stride_partial_token,
+    stride_partial_req,
     stride_partial_head,
     stride_partial_split,
-    stride_lse_token,
+    stride_lse_req,
     stride_lse_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    req = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_reqs):  # padding rows past the last request
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:  # not served by the decode launch
         return
+    token = q_start.to(tl.int64)
+    req64 = req.to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     split_valid = splits < num_kv_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     lse = tl.load(
-        partial_lse_ptr + token * stride_lse_token + head * stride_lse_head + splits,
+        partial_lse_ptr + req64 * stride_lse_req + head * stride_lse_head + splits,
         mask=split_valid,
         other=float("-inf"),
     )
@@ -219,7 +232,7 @@ def _merge_splits_kernel(
     denom = tl.where(denom == 0.0, 1.0, denom)
     partial = tl.load(
         partial_out_ptr
-        + token * stride_partial_token
+        + req64 * stride_partial_req
         + head * stride_partial_head
         + splits[:, None] * stride_partial_split
         + dims[None, :],
@@ -243,14 +256,14 @@ class TileConfig:
     num_stages: int
 
 
-def choose_tile_config(
-    group_pad: int, head_dim_pad: int, decode_only: bool, max_query_len: int
-) -> TileConfig:
-    """Tile sizes from host-side facts only (no autotuning: it would sync and break graph capture)."""
+def decode_tile_config(group_pad: int, head_dim_pad: int) -> TileConfig:
     block_n = 64 if head_dim_pad <= 128 else 32
-    if decode_only:
-        return TileConfig(block_q=1, block_m=max(16, group_pad), block_n=block_n, num_warps=4, num_stages=3)
-    # Enough rows to cover the longest chunk's group, capped where registers/shared memory run out.
+    return TileConfig(block_q=1, block_m=max(16, group_pad), block_n=block_n, num_warps=4, num_stages=3)
+
+
+def prefill_tile_config(group_pad: int, head_dim_pad: int, max_query_len: int) -> TileConfig:
+    """Enough rows to cover the longest chunk's group, capped where registers and shared memory run out."""
+    block_n = 64 if head_dim_pad <= 128 else 32
     cap = 128 if head_dim_pad <= 128 else 64
     block_m = max(16, group_pad, min(cap, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
     num_warps = 8 if block_m >= 128 else 4
@@ -271,83 +284,116 @@ def paged_attention(
     decode_only: bool,
     scale: float,
     num_kv_splits: int = 1,
-    partial_out: torch.Tensor | None = None,  # [num_tokens, num_heads, num_kv_splits, head_dim] fp32
-    partial_lse: torch.Tensor | None = None,  # [num_tokens, num_heads, num_kv_splits] fp32
+    partial_out: torch.Tensor | None = None,  # [num_reqs, num_heads, num_kv_splits, head_dim] fp32
+    partial_lse: torch.Tensor | None = None,  # [num_reqs, num_heads, num_kv_splits] fp32
+    decode_config: TileConfig | None = None,  # overrides (benchmarks)
+    prefill_config: TileConfig | None = None,
 ) -> None:
-    """Attention for every query row into `out`; launches only, never syncs or allocates."""
+    """Attention for every query row into `out`; launches only, never syncs or allocates.
+
+    `num_kv_splits` applies to the rows of requests with query_len 1 (decodes).
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_reqs == 0:
         return
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    config = choose_tile_config(group_pad, head_dim_pad, decode_only, max_query_len)
     use_splits = num_kv_splits > 1
     if use_splits and (partial_out is None or partial_lse is None):
         raise ValueError("num_kv_splits > 1 needs partial_out and partial_lse scratch buffers")
     if not use_splits:
         partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
-    num_q_programs = num_reqs if decode_only else num_tokens // config.block_q + num_reqs
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
-        out,
-        partial_out,
-        partial_lse,
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale * LOG2_E,
-        num_reqs,
-        num_kv_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=kv_cache.shape[2],
-        BLOCK_Q=config.block_q,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        DECODE_ONLY=decode_only,
-        USE_SPLITS=use_splits,
-        UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
-        DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    launch = _Launch(
+        out, q, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, partial_out, partial_lse
     )
+    if not decode_only:
+        config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
+        launch.attention(config, num_tokens // config.block_q + num_reqs, decode=False, num_kv_splits=1)
+    # In a mixed batch this also runs when no request decodes; its programs then exit at once.
+    config = decode_config or decode_tile_config(group_pad, head_dim_pad)
+    launch.attention(config, num_reqs, decode=True, num_kv_splits=num_kv_splits)
     if use_splits:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        launch.merge(num_kv_splits, head_dim_pad)
+
+
+@dataclass(slots=True)
+class _Launch:
+    out: torch.Tensor
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_reqs: int
+    scale: float
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    def attention(self, config: TileConfig, num_q_programs: int, decode: bool, num_kv_splits: int) -> None:
+        q, out, kv_cache = self.q, self.out, self.kv_cache
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
-            partial_out,
-            partial_lse,
-            query_start_loc,
-            num_reqs,
+            self.partial_out,
+            self.partial_lse,
+            q,
+            key_cache,
+            value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale * LOG2_E,
+            self.num_reqs,
+            num_kv_splits,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            self.partial_out.stride(0),
+            self.partial_out.stride(1),
+            self.partial_out.stride(2),
+            self.partial_lse.stride(0),
+            self.partial_lse.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            self.block_tables.stride(0),
+            GROUP=num_heads // num_kv_heads,
+            GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            PAGE_SIZE=kv_cache.shape[2],
+            BLOCK_Q=config.block_q,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            DECODE=decode,
+            USE_SPLITS=num_kv_splits > 1,
+            # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
+            UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    def merge(self, num_kv_splits: int, head_dim_pad: int) -> None:
+        out = self.out
+        _merge_splits_kernel[(self.num_reqs, out.shape[1])](
+            out,
+            self.partial_out,
+            self.partial_lse,
+            self.query_start_loc,
             num_kv_splits,
             out.stride(0),
             out.stride(1),
-            partial_out.stride(0),
-            partial_out.stride(1),
-            partial_out.stride(2),
-            partial_lse.stride(0),
-            partial_lse.stride(1),
-            HEAD_DIM=head_dim,
+            self.partial_out.stride(0),
+            self.partial_out.stride(1),
+            self.partial_out.stride(2),
+            self.partial_lse.stride(0),
+            self.partial_lse.stride(1),
+            HEAD_DIM=out.shape[2],
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
             num_warps=4,

@@ -1,0 +1,342 @@
+"""Paged-attention microbenchmark on one CUDA GPU: Triton backend vs the torch reference.
+
+Decode: bytes of K/V read per step / time, next to the measured device-to-device copy bandwidth
+(bytes read + written), for each split-KV count and for the planner's own choice. Each timing
+replays a CUDA graph of several forwards over distinct caches (together larger than L2, the way a
+model's layers each read their own cache), so it measures HBM traffic, not launch gaps or L2.
+Prefill: a mixed batch's attention FLOP/s, for scale.
+
+    PYTHONPATH=src python3 benchmarks/attention_microbench.py [--quick]
+
+Prints a table; writes attention_microbench.json under $OUT when that is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+import triton
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.triton_kernels.paged_attention import TileConfig, paged_attention
+from tokenmill.attention.triton_paged import MAX_KV_SPLITS, TritonPagedBackend, choose_num_kv_splits
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
+DTYPE = torch.bfloat16
+L2_FLUSH_BYTES = 256 * 2**20  # distinct caches per graph add up to at least this much
+
+
+def time_events(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn over reps, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.randn(2**28, device="cuda", dtype=torch.float32)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = time_events(lambda: dst.copy_(src), reps=20)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def make_decode_batch(contexts: list[int], seed: int) -> tuple[AttentionMetadata, int]:
+    """Metadata for one decode step with scattered blocks; returns it and the pool's block count."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + 1 for c in contexts]
+    blocks = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(blocks) + 8
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    slots, used = [], 0
+    for r, n in enumerate(blocks):
+        owned = order[used : used + n]
+        used += n
+        block_tables[r, :n] = owned.to(torch.int32)
+        pos = contexts[r]
+        slots.append(int(owned[pos // BLOCK]) * BLOCK + pos % BLOCK)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=len(seq_lens),
+        num_reqs=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq.cuda(),
+        block_tables=block_tables.cuda(),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        is_decode_only=True,
+    )
+    return meta, num_blocks
+
+
+def graph_time_per_forward(
+    forward: Callable[[torch.Tensor], torch.Tensor], caches: list[torch.Tensor], reps: int
+) -> float:
+    """ms per forward: one graph runs forward over every cache, replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for cache in caches:
+            forward(cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for cache in caches:
+            forward(cache)
+    return time_events(graph.replay, reps) / len(caches)
+
+
+def bench_decode(name: str, contexts: list[int], copy_gbs: float, num_sms: int, reps: int) -> list[dict]:
+    meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
+    batch = len(contexts)
+    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        for _ in range(copies)
+    ]
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
+    io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
+    max_blocks = meta.block_tables.shape[1]
+    planned = choose_num_kv_splits(batch, KV_HEADS, max_blocks * BLOCK, num_sms)
+    rows = []
+    variants: list[tuple[str, int | None]] = [("auto", None)] + [
+        (f"splits={s}", s) for s in (1, 2, 4, 8, 16, 32, 64)
+    ]
+    for label, splits in variants:
+        if splits is not None and splits > MAX_KV_SPLITS:
+            continue
+        backend = TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK, num_kv_splits=splits)
+        backend.prepare_for_capture(max_num_reqs=batch, max_blocks_per_req=max_blocks)
+        ms = graph_time_per_forward(lambda cache, b=backend: b.forward(q, k, v, cache, meta), caches, reps)
+        rows.append(
+            {
+                "case": name,
+                "impl": f"triton {label}" + (f" ({planned})" if splits is None else ""),
+                "us": ms * 1e3,
+                "gbs": io_bytes / ms / 1e6,
+                "of_copy_bw": io_bytes / ms / 1e6 / copy_gbs,
+            }
+        )
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+    reference = TorchReferenceBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK)
+    ms = time_events(lambda: reference.forward(q, k, v, caches[0], meta), reps=max(3, reps // 4))
+    rows.append(
+        {"case": name, "impl": "torch_ref (eager)", "us": ms * 1e3, "gbs": io_bytes / ms / 1e6,
+         "of_copy_bw": io_bytes / ms / 1e6 / copy_gbs}
+    )  # fmt: skip
+    caches.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _prefill_case(query_lens: list[int], context_lens: list[int]):
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(blocks)
+    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    order = torch.randperm(num_blocks)
+    slots, used = [], 0
+    for r, n in enumerate(blocks):
+        owned = order[used : used + n]
+        used += n
+        block_tables[r, :n] = owned.to(torch.int32)
+        pos = torch.arange(context_lens[r], seq_lens[r])
+        slots.append(owned[pos // BLOCK] * BLOCK + pos % BLOCK)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        num_reqs=len(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq.cuda(),
+        block_tables=block_tables.cuda(),
+        slot_mapping=torch.cat(slots).cuda(),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        is_decode_only=False,
+    )
+    n = sum(query_lens)
+    q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    visible = sum(sum(c + j + 1 for j in range(ql)) for c, ql in zip(context_lens, query_lens, strict=True))
+    flops = 4 * visible * HEADS * HEAD_DIM
+    return meta, cache, q, k, v, flops
+
+
+def bench_prefill(name: str, query_lens: list[int], context_lens: list[int], reps: int) -> list[dict]:
+    """Mixed-batch attention FLOP/s (QK^T and PV over the visible keys), eager."""
+    meta, cache, q, k, v, flops = _prefill_case(query_lens, context_lens)
+    backend = TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK)
+    rows = []
+    ms = time_events(lambda: backend.forward(q, k, v, cache, meta), reps)
+    rows.append({"case": name, "impl": "triton", "us": ms * 1e3, "tflops": flops / ms / 1e9})
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+    reference = TorchReferenceBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK)
+    ms = time_events(lambda: reference.forward(q, k, v, cache, meta), max(3, reps // 4))
+    rows.append({"case": name, "impl": "torch_ref (eager)", "us": ms * 1e3, "tflops": flops / ms / 1e9})
+    return rows
+
+
+def sweep_decode_tiles(copy_gbs: float, reps: int) -> None:
+    """Decode kernel alone over tile sizes / warps / pipeline depth: fraction of copy bandwidth."""
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "b=1 ctx=32768": ([32767], (32, 64)),
+        "b=8 ctx=4096": ([4095] * 8, (4, 8)),
+        "b=64 ctx~U": (torch.randint(1, 4096, (64,), generator=gen).tolist(), (1, 4)),
+        "b=64 ctx=4096": ([4095] * 64, (1,)),
+    }
+    configs = [
+        TileConfig(block_q=1, block_m=16, block_n=n, num_warps=w, num_stages=st)
+        for n in (32, 64, 128)
+        for w in (4, 8)
+        for st in (2, 3, 4)
+    ]
+    header = "config (n/warps/stages)"
+    columns = [f"{name} S={s}" for name, (_, splits) in cases.items() for s in splits]
+    print(f"\n{header:24} " + " ".join(f"{c:>18}" for c in columns))
+    prepared = []
+    for contexts, splits_list in cases.values():
+        meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
+        cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+        caches = [
+            torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            for _ in range(copies)
+        ]
+        q = torch.randn(len(contexts), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
+        for splits in splits_list:
+            partial_out = torch.empty(len(contexts), HEADS, splits, HEAD_DIM, device="cuda")
+            partial_lse = torch.empty(len(contexts), HEADS, splits, device="cuda")
+            prepared.append((meta, caches, q, kv_bytes, splits, partial_out, partial_lse))
+    for config in configs:
+        cells = []
+        for meta, caches, q, kv_bytes, splits, partial_out, partial_lse in prepared:
+            out = torch.empty_like(q)
+
+            def forward(
+                cache, meta=meta, q=q, out=out, splits=splits, po=partial_out, pl=partial_lse, config=config
+            ):
+                paged_attention(
+                    out, q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    num_reqs=meta.num_reqs, max_query_len=1, decode_only=True, scale=HEAD_DIM**-0.5,
+                    num_kv_splits=splits, partial_out=po, partial_lse=pl, decode_config=config,
+                )  # fmt: skip
+                return out
+
+            ms = graph_time_per_forward(forward, caches, reps)
+            cells.append(kv_bytes / ms / 1e6 / copy_gbs)
+        label = f"{config.block_n}/{config.num_warps}/{config.num_stages}"
+        print(f"{label:24} " + " ".join(f"{c:18.2f}" for c in cells), flush=True)
+
+
+def sweep_prefill_tiles(reps: int) -> None:
+    """Prefill flavour alone (4 x 2048 new tokens on 0/0/2048/2048 cached) over a few tile configs."""
+    query_lens, context_lens = [2048] * 4, [0, 0, 2048, 2048]
+    meta, cache, q, k, v, flops = _prefill_case(query_lens, context_lens)
+    TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK).forward(q, k, v, cache, meta)
+    out = torch.empty_like(q)
+    print(f"\n{'prefill config (m/n/warps/stages)':36} {'us':>10} {'TFLOP/s':>8}")
+    for m, n, w, st in [
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 32, 4, 3),
+        (64, 64, 4, 3),
+        (64, 128, 4, 2),
+    ]:
+        config = TileConfig(block_q=m // 4, block_m=m, block_n=n, num_warps=w, num_stages=st)
+
+        def forward(config=config):
+            paged_attention(
+                out, q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=False,
+                scale=HEAD_DIM**-0.5, prefill_config=config,
+            )  # fmt: skip
+
+        ms = time_events(forward, reps)
+        print(f"{f'{m}/{n}/{w}/{st}':36} {ms * 1e3:10.1f} {flops / ms / 1e9:8.1f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    parser.add_argument("--sweep", action="store_true", help="only sweep the decode kernel's tile configs")
+    args = parser.parse_args()
+    reps = 10 if args.quick else 30
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}")
+    print(f"device-to-device copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    if args.sweep:
+        sweep_decode_tiles(copy_gbs, reps)
+        sweep_prefill_tiles(reps)
+        return
+    gen = torch.Generator().manual_seed(0)
+    decode_cases = {
+        "decode b=1 ctx=4096": [4095],
+        "decode b=1 ctx=32768": [32767],
+        "decode b=8 ctx=4096": [4095] * 8,
+        "decode b=64 ctx=4096": [4095] * 64,
+        "decode b=64 ctx~U(1,4096)": torch.randint(1, 4096, (64,), generator=gen).tolist(),
+        "decode b=256 ctx=1024": [1023] * 256,
+    }
+    if args.quick:
+        decode_cases = {k: decode_cases[k] for k in list(decode_cases)[:4]}
+    rows = []
+    for name, contexts in decode_cases.items():
+        rows += bench_decode(name, contexts, copy_gbs, props.multi_processor_count, reps)
+    prefill_rows = bench_prefill(
+        "prefill 4x2048 new on 0/0/2048/2048 cached", [2048] * 4, [0, 0, 2048, 2048], reps
+    )
+    prefill_rows += bench_prefill(
+        "mixed 1x512 chunk on 1024 + 63 decodes @2048", [512] + [1] * 63, [1024] + [2047] * 63, reps
+    )
+
+    print(f"\n{'case':32} {'impl':24} {'us':>10} {'GB/s':>8} {'of copy bw':>10}")
+    for row in rows:
+        print(
+            f"{row['case']:32} {row['impl']:24} {row['us']:10.1f} {row['gbs']:8.0f} {row['of_copy_bw']:10.2f}"
+        )
+    print(f"\n{'case':48} {'impl':20} {'us':>10} {'TFLOP/s':>8}")
+    for row in prefill_rows:
+        print(f"{row['case']:48} {row['impl']:20} {row['us']:10.1f} {row['tflops']:8.1f}")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        result = {"device": props.name, "copy_gbs": copy_gbs, "decode": rows, "prefill": prefill_rows}
+        with open(os.path.join(out_dir, "attention_microbench.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

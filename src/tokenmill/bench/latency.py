@@ -1,0 +1,179 @@
+"""`tokenmill bench latency`: one stream, prefill then decode, against the memory-bandwidth roofline.
+
+roofline_fraction = decode tok/s / (device-to-device copy bandwidth / bytes read per decode step),
+where the bandwidth counts bytes read and written (as the device notes do) and a decode step
+reads every weight once plus the KV cache of the context so far (averaged over the decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.cli import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--baseline", choices=["none", "hf-generate"], default="none")
+    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument("--result-name", default=None)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a large device-to-device copy moves, counting bytes read and written."""
+    import torch
+
+    if not device.startswith("cuda"):
+        n = 256 * 2**20
+        src = torch.empty(n, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        started = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        return 2 * n * 5 / (time.perf_counter() - started)
+    n = 2 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 10 / seconds
+
+
+def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
+    """Prefill and decode timings of one request, driving the engine step by step."""
+    import torch
+
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    req = llm.input_processor.make_request("latency", prompt, params)
+    sync = torch.cuda.synchronize if llm.info.device.startswith("cuda") else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    llm.engine.add_request(req)
+    first_token_at = None
+    num_tokens = 0
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            num_tokens += len(out.new_token_ids)
+            if first_token_at is None and out.new_token_ids:
+                first_token_at = time.perf_counter()
+    finished_at = time.perf_counter()
+    assert first_token_at is not None and num_tokens == output_len, (num_tokens, output_len)
+    decode_s = finished_at - first_token_at
+    return {
+        "ttft_s": first_token_at - started,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": (output_len - 1) / decode_s,
+        "tpot_ms": 1000 * decode_s / (output_len - 1),
+    }
+
+
+def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[float, float]:
+    """(weight bytes, mean KV bytes) read by one decode step."""
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    arch = llm.resolved.arch
+    itemsize = next(model.parameters()).element_size()
+    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
+    mean_context = input_len + output_len / 2
+    return float(weight_bytes), float(kv_per_token * mean_context)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from tokenmill.bench.results import write_result
+    from tokenmill.cli import engine_kwargs_from_args
+    from tokenmill.engine.llm import LLM
+
+    kwargs = engine_kwargs_from_args(args)
+    llm = LLM(args.model, **kwargs)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(100, llm.info.vocab_size, size=args.input_len).tolist()
+    one_stream(llm, prompt, 8)  # warm-up
+    runs = [one_stream(llm, prompt, args.output_len) for _ in range(args.num_iters)]
+    best = max(runs, key=lambda r: r["decode_tokens_per_s"])
+    bandwidth = copy_bandwidth(llm.info.device)
+    weight_bytes, kv_bytes = decode_bytes_per_step(llm, args.input_len, args.output_len)
+    roofline_tps = bandwidth / (weight_bytes + kv_bytes)
+    metrics: dict[str, Any] = {
+        **best,
+        "runs": runs,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes,
+        "mean_kv_bytes_per_step": kv_bytes,
+        "roofline_tokens_per_s": roofline_tps,
+        "roofline_fraction": best["decode_tokens_per_s"] / roofline_tps,
+    }
+    print(
+        f"single stream: TTFT {best['ttft_s'] * 1000:.1f} ms, decode {best['decode_tokens_per_s']:.1f} tok/s "
+        f"(TPOT {best['tpot_ms']:.2f} ms); roofline {roofline_tps:.1f} tok/s at {bandwidth / 1e12:.2f} TB/s "
+        f"-> roofline_fraction {metrics['roofline_fraction']:.3f}"
+    )
+    if args.baseline == "hf-generate":
+        from tokenmill.bench.hf_baseline import load_hf_model
+
+        device, dtype = llm.info.device, llm.info.dtype
+        del llm
+        import gc
+
+        import torch
+
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        hf = load_hf_model(args.model, args.load_format, device, dtype)
+        ids = torch.tensor([prompt], device=device)
+        for attempt in range(2):  # the first is a warm-up
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.output_len if attempt else 8,
+                    min_new_tokens=args.output_len if attempt else 8,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - started
+        hf_tps = (out.shape[1] - ids.shape[1]) / elapsed
+        metrics["baseline_hf_generate_tokens_per_s"] = hf_tps
+        metrics["baseline_hf_roofline_fraction"] = hf_tps / roofline_tps
+        metrics["speedup_vs_transformers"] = best["decode_tokens_per_s"] / hf_tps
+        print(
+            f"transformers generate: {hf_tps:.1f} tok/s (roofline_fraction {hf_tps / roofline_tps:.3f}, prefill included)"
+        )
+    config = {
+        "model": args.model,
+        "load_format": args.load_format,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        **{k: v for k, v in kwargs.items() if v is not None},
+    }
+    if args.save_result:
+        print(
+            f"wrote {write_result('latency', config, metrics, out_dir=args.result_dir, name=args.result_name)}"
+        )
+    return metrics

@@ -1,0 +1,194 @@
+"""CausalLM logits equal transformers' on the same weights, through the paged KV cache.
+
+Each prompt is computed in one chunk, and in several chunks (prefill chunks, then one-token
+decodes) mixed with other requests in the same batch, over shuffled non-contiguous block tables.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.config import ModelConfig
+from tokenmill.model.llama import CausalLM
+from tokenmill.model.registry import load_model, resolve_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+TINY_MODELS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"]
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class PagedHarness:
+    """Runs a CausalLM step by step over a paged KV cache, the way the model runner will."""
+
+    def __init__(self, model: CausalLM, seed: int = 0) -> None:
+        arch = model.arch
+        self.model = model
+        dtype = model.embed_tokens.dtype
+        self.kv_caches = [
+            torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim, dtype=dtype)
+            for _ in range(arch.num_layers)
+        ]
+        self.free_blocks = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.requests: list[_Request] = []
+
+    def add(self, token_ids: list[int]) -> int:
+        num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+        table, self.free_blocks = self.free_blocks[:num_blocks], self.free_blocks[num_blocks:]
+        self.requests.append(_Request(list(token_ids), table))
+        return len(self.requests) - 1
+
+    def step(self, work: list[tuple[int, int]]) -> None:
+        """Compute `n` more tokens of request `r` for each (r, n) in `work`, in one batch."""
+        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        for r, n in work:
+            req = self.requests[r]
+            for p in range(req.num_computed, req.num_computed + n):
+                ids.append(req.token_ids[p])
+                positions.append(p)
+                slots.append(req.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            starts.append(starts[-1] + n)
+            seq_lens.append(req.num_computed + n)
+        width = max(len(self.requests[r].block_table) for r, _ in work)
+        tables = [self.requests[r].block_table + [0] * (width - len(self.requests[r].block_table)) for r, _ in work]
+        query_start_loc = torch.tensor(starts, dtype=torch.int32)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        meta = AttentionMetadata(
+            num_actual_tokens=len(ids),
+            num_reqs=len(work),
+            max_query_len=max(n for _, n in work),
+            max_seq_len=max(seq_lens),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc.clone(),
+            seq_lens_cpu=seq_lens_t.clone(),
+            is_decode_only=all(n == 1 for _, n in work),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+        for i, (r, n) in enumerate(work):
+            self.requests[r].logits.append(logits[starts[i] : starts[i] + n])
+            self.requests[r].num_computed += n
+
+    def logits_of(self, r: int) -> torch.Tensor:
+        return torch.cat(self.requests[r].logits)
+
+
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    config = ModelConfig(model=str(path))
+    resolved = resolve_model(config)
+    arch = resolved.arch
+    backend = TorchReferenceBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE)
+    return load_model(config, arch, "cpu", dtype, backend, resolved=resolved)
+
+
+_HF_LOGITS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
+    key = (str(path), tuple(token_ids))
+    if key not in _HF_LOGITS:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.inference_mode():
+            _HF_LOGITS[key] = hf(torch.tensor([token_ids])).logits[0]
+    return _HF_LOGITS[key]
+
+
+def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
+
+
+@pytest.fixture(params=TINY_MODELS)
+def tiny_model_dir(request) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def test_one_chunk_matches_transformers(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    prompt = _prompt(model.arch.vocab_size, 41, seed=1)
+    harness = PagedHarness(model, seed=1)
+    r = harness.add(prompt)
+    harness.step([(r, len(prompt))])
+    torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_chunks_and_decodes_mixed_in_batches_match_transformers(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    vocab = model.arch.vocab_size
+    # Beyond the llama fixture's original_max_position_embeddings (64) so every RoPE band is used.
+    prompts = [_prompt(vocab, 83, seed=2), _prompt(vocab, 30, seed=3), _prompt(vocab, 12, seed=4)]
+    harness = PagedHarness(model, seed=2)
+    a, b, c = (harness.add(p) for p in prompts)
+    harness.step([(a, 30)])  # a prefill chunk alone
+    harness.step([(a, 25), (b, 6)])  # two prefill chunks, one with cached context
+    harness.step([(b, 13), (a, 1), (c, 7)])  # a chunk, a one-token step and a whole prompt together
+    for _ in range(5):
+        harness.step([(a, 1), (b, 1), (c, 1)])  # decode-only batches of different lengths
+    harness.step([(b, 6), (a, 22)])  # final chunks after decodes
+    for r, prompt in zip((a, b, c), prompts, strict=True):
+        torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_forward_is_close_to_float32(tiny_llama_dir):
+    prompt = _prompt(1000, 24, seed=5)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        harness = PagedHarness(_load(tiny_llama_dir, dtype), seed=5)
+        r = harness.add(prompt)
+        harness.step([(r, 16)])
+        for _ in range(8):
+            harness.step([(r, 1)])
+        results[dtype] = harness.logits_of(r)
+    assert results[torch.bfloat16].dtype == torch.float32  # compute_logits always returns float32
+    assert torch.isfinite(results[torch.bfloat16]).all()
+    torch.testing.assert_close(results[torch.bfloat16], results[torch.float32], atol=0.25, rtol=0.05)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loader(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.model.tokenizer import load_tokenizer
+
+    config = ModelConfig()
+    resolved = resolve_model(config)
+    tokenizer = load_tokenizer(resolved)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    arch = resolved.arch
+    backend = TorchReferenceBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE)
+    harness = PagedHarness(load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved), seed=6)
+    r = harness.add(prompt)
+    harness.step([(r, len(prompt) - 3)])
+    for _ in range(3):
+        harness.step([(r, 1)])
+
+    path = Path(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    ours = harness.logits_of(r)
+    torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -1,0 +1,194 @@
+"""The real AsyncEngine with its engine process replaced by a scripted in-process core.
+
+Everything on the API side is real — input and output processors, request fan-out over n,
+queues, aborts, metrics callbacks, msgpack encoding of every message — only the model is fake:
+each step gives every running sequence the next token of a fixed reply, then EOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    ClientMessage,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineMessage,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+)
+from tokenmill.engine.output_processor import OutputProcessor
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Multi-byte characters split over byte tokens exercise the incremental detokenizer.
+REPLY = " The quick brown fox jumps. Ünïcode 你好!"
+BLOCK_SIZE = 4
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per UTF-8 byte) with two special tokens and a chat template."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@dataclass
+class _Seq:
+    request: EngineCoreRequest
+    num_generated: int = 0
+    started: bool = False
+
+
+class FakeCore:
+    """Plays the engine process: takes client messages, and each step emits one token per sequence."""
+
+    def __init__(self, engine: FakeEngine, reply_ids: list[int], eos_id: int) -> None:
+        self.engine = engine
+        self.reply_ids = reply_ids
+        self.eos_id = eos_id
+        self.running: dict[str, _Seq] = {}
+        self.added: list[str] = []
+        self.requests: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+        self.seen_prompts: set[tuple[int, ...]] = set()
+        self.pending: list[EngineCoreOutput] = []
+        self.paused = False
+        self.steps = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+    def receive(self, message: object) -> None:
+        if isinstance(message, AddRequests):
+            for req in message.requests:
+                self.added.append(req.request_id)
+                self.requests.append(req)
+                self.running[req.request_id] = _Seq(req)
+        elif isinstance(message, AbortRequests):
+            for rid in message.request_ids:
+                if self.running.pop(rid, None) is not None:
+                    self.aborted.append(rid)
+                    self.pending.append(EngineCoreOutput(rid, finish_reason="abort"))
+        elif isinstance(message, UtilityCall):
+            self._deliver(UtilityResult(message.call_id, result=self.stats()))
+        elif isinstance(message, Shutdown):
+            self.paused = True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": 0,
+            "kv_cache_usage": 0.5 * bool(self.running),
+        }
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self.pending = self.pending, []
+        for rid, seq in list(self.running.items()):
+            outputs.append(self._next_token(seq))
+            if outputs[-1].finish_reason is not None:
+                del self.running[rid]
+        self.steps += 1
+        return outputs
+
+    def _next_token(self, seq: _Seq) -> EngineCoreOutput:
+        req, params = seq.request, seq.request.sampling_params
+        k = seq.num_generated
+        done_replying = k >= len(self.reply_ids) and not params.ignore_eos and k >= params.min_tokens
+        token = self.eos_id if done_replying else self.reply_ids[k % len(self.reply_ids)]
+        seq.num_generated += 1
+        out = EngineCoreOutput(req.request_id, new_token_ids=[token])
+        if params.logprobs is not None:
+            out.new_logprobs = [self._logprobs(token, params.logprobs)]
+        if not seq.started:
+            seq.started = True
+            prompt = tuple(req.prompt_token_ids)
+            if prompt in self.seen_prompts:
+                out.num_cached_tokens = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+            self.seen_prompts.add(prompt)
+            if params.prompt_logprobs is not None:
+                out.new_prompt_logprobs = [None] + [
+                    self._logprobs(t, params.prompt_logprobs) for t in req.prompt_token_ids[1:]
+                ]
+            out.queue_time = 0.001
+        if done_replying:
+            out.finish_reason = "stop"
+        elif seq.num_generated >= req.max_tokens:
+            out.finish_reason = "length"
+        return out
+
+    @staticmethod
+    def _logprobs(token: int, k: int) -> TokenLogprobs:
+        alternatives = [(token + 1 + i) % 256 for i in range(k)]
+        return TokenLogprobs([token, *alternatives], [-0.25] + [-1.0 - i for i in range(k)], rank=1)
+
+    def _deliver(self, message: object) -> None:
+        # Through msgpack and back, as over the real socket.
+        decoded = self._decoder.decode(self._encoder.encode(message))
+        if isinstance(decoded, StepOutputs):
+            self.engine._handle_outputs(decoded)
+        elif isinstance(decoded, UtilityResult):
+            future = self.engine._utility_calls.get(decoded.call_id)
+            if future is not None and not future.done():
+                future.set_result(decoded.result or {})
+
+    async def run(self, step_s: float) -> None:
+        while True:
+            await asyncio.sleep(step_s)
+            if self.paused:
+                continue
+            if self.running or self.pending:
+                self._deliver(StepOutputs(outputs=self.step(), stats=self.stats()))
+
+
+class FakeEngine(AsyncEngine):
+    def __init__(self, *, max_model_len: int = 128, num_kv_blocks: int = 64, step_s: float = 0.001) -> None:
+        super().__init__(EngineConfig())
+        self.step_s = step_s
+        self.tokenizer = tiny_tokenizer()
+        self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.info = EngineInfo(
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            block_size=BLOCK_SIZE,
+            vocab_size=len(self.tokenizer),
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            device="fake",
+            dtype="none",
+        )
+        reply_ids = self.tokenizer.encode(REPLY, add_special_tokens=False)
+        self.core = FakeCore(self, reply_ids, self.tokenizer.eos_token_id)
+        self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+
+    async def start(self, ready_timeout_s: float = 0.0) -> None:
+        self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._tasks = [asyncio.create_task(self.core.run(self.step_s))]
+
+    def _try_send(self, data: bytes) -> bool:
+        self.core.receive(self._client_decoder.decode(data))
+        return True

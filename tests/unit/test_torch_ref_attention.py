@@ -1,0 +1,165 @@
+"""The torch reference attention backend against a naive per-request, per-head loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+BLOCK_SIZE = 4
+
+
+def _metadata(query_lens, seq_lens, block_tables, num_padding_rows=0) -> AttentionMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slots = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s_len - q_len, s_len)]
+    slots += [-1] * num_padding_rows
+    width = max(len(t) for t in block_tables)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens_t.clone(),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )
+
+
+def _naive(q, k_hist, v_hist, query_lens, seq_lens, scale, num_heads, num_kv_heads):
+    """Per request, per head, float64: query j at position seq_len - query_len + j sees keys <= it."""
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape[0], num_heads, q.shape[-1], dtype=torch.float64)
+    row = 0
+    for r, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for j in range(q_len):
+            pos = s_len - q_len + j
+            for h in range(num_heads):
+                keys = k_hist[r][: pos + 1, h // group].double()
+                vals = v_hist[r][: pos + 1, h // group].double()
+                probs = torch.softmax(keys @ q[row + j, h].double() * scale, dim=0)
+                out[row + j, h] = probs @ vals
+        row += q_len
+    return out
+
+
+def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, seed=0, num_padding_rows=0):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # non-contiguous, shuffled block tables
+    tables = []
+    for n in blocks_needed:
+        tables.append(free[:n])
+        free = free[n:]
+
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    # Full K/V history per request; the context part is already in the cache, the rest is this step's.
+    k_hist = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    v_hist = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    for r, s_len in enumerate(seq_lens):
+        for p in range(s_len - query_lens[r]):
+            block, offset = tables[r][p // BLOCK_SIZE], p % BLOCK_SIZE
+            cache[0, block, offset], cache[1, block, offset] = k_hist[r][p], v_hist[r][p]
+    k_new = torch.cat([k_hist[r][s - q :] for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))])
+    v_new = torch.cat([v_hist[r][s - q :] for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))])
+    num_tokens = k_new.shape[0]
+    pad = num_padding_rows
+    q = torch.randn(num_tokens + pad, num_heads, head_dim, generator=gen)
+    k = torch.cat([k_new, torch.randn(pad, num_kv_heads, head_dim, generator=gen)])
+    v = torch.cat([v_new, torch.randn(pad, num_kv_heads, head_dim, generator=gen)])
+
+    meta = _metadata(query_lens, seq_lens, tables, num_padding_rows=pad)
+    scale = head_dim**-0.5
+    backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, BLOCK_SIZE)
+    before = cache.clone()
+    out = backend.forward(q, k, v, cache, meta)
+
+    expected = _naive(q, k_hist, v_hist, query_lens, seq_lens, scale, num_heads, num_kv_heads)
+    assert out.shape == (num_tokens + pad, num_heads, head_dim)
+    torch.testing.assert_close(out[:num_tokens].double(), expected[:num_tokens], atol=1e-5, rtol=1e-5)
+
+    # This step's K/V landed at their slots; nothing else changed (padding rows wrote nowhere).
+    expected_cache = before.clone()
+    flat = expected_cache.view(2, -1, num_kv_heads, head_dim)
+    slots = meta.slot_mapping[:num_tokens]
+    flat[0, slots], flat[1, slots] = k_new, v_new
+    torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (4, 4), (8, 1)])
+def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim):
+    # decodes, a fresh prefill, prefill chunks with cached context, a one-token prompt
+    _run_case([1, 5, 3, 1, 6, 1], [7, 5, 14, 1, 17, 9], num_heads, num_kv_heads, head_dim)
+
+
+def test_decode_only_batch():
+    _run_case([1] * 9, [1, 2, 3, 4, 5, 8, 9, 16, 33], 4, 2, 64, seed=1)
+
+
+def test_single_long_prefill():
+    _run_case([37], [37], 4, 2, 64, seed=2)
+
+
+def test_padding_rows_write_nowhere():
+    _run_case([2, 1, 4], [6, 3, 4], 4, 2, 64, seed=3, num_padding_rows=3)
+
+
+def test_long_prefill_next_to_decodes_splits_the_batch():
+    # 12 decodes + one 40-token prefill: padding everything to 40 rows would be wasteful, so the
+    # backend groups decodes and prefills; results must not change.
+    _run_case([1] * 12 + [40], [5 + i for i in range(12)] + [45], 4, 2, 64, seed=4)
+
+
+def test_very_uneven_prefills_go_one_by_one():
+    _run_case([40, 2, 3, 1], [40, 10, 3, 7], 8, 2, 64, seed=5)
+
+
+def test_bfloat16_cache_is_close():
+    # softmax runs in float32 whatever the dtype; compare against the float32 result
+    gen = torch.Generator().manual_seed(6)
+    query_lens, seq_lens = [3, 1], [3, 6]
+    tables = [[2], [0, 1]]
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    cache = torch.randn(2, 3, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(4, num_heads, head_dim, generator=gen)
+    k = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, head_dim**-0.5, BLOCK_SIZE)
+    out32 = backend.forward(q, k, v, cache.clone(), _metadata(query_lens, seq_lens, tables))
+    bf = torch.bfloat16
+    out16 = backend.forward(q.to(bf), k.to(bf), v.to(bf), cache.to(bf), _metadata(query_lens, seq_lens, tables))
+    assert out16.dtype == bf
+    torch.testing.assert_close(out16.float(), out32, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("slots", [[-1, 5, -1, 7, -1], [-1, -1], [3, 9]])
+def test_kv_store_skips_minus_one_slots(slots):
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 3, BLOCK_SIZE, 2, 8, generator=gen)
+    k = torch.randn(len(slots), 2, 8, generator=gen)
+    v = torch.randn(len(slots), 2, 8, generator=gen)
+    expected = cache.clone()
+    flat = expected.view(2, -1, 2, 8)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            flat[0, slot], flat[1, slot] = k[row], v[row]
+    backend = TorchReferenceBackend(4, 2, 8, 1.0, BLOCK_SIZE)
+    backend._store_kv(k, v, cache, torch.tensor(slots))
+    assert torch.equal(cache, expected)
