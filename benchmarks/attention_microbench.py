@@ -152,7 +152,10 @@ def bench_decode(name: str, contexts: list[int], copy_gbs: float, num_sms: int, 
     return rows
 
 
-def _prefill_case(query_lens: list[int], context_lens: list[int]):
+def _prefill_case(
+    query_lens: list[int], context_lens: list[int]
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Metadata, cache, q/k/v and the attention FLOPs of one mixed batch."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     blocks = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -304,15 +307,17 @@ def main() -> None:
         return
     gen = torch.Generator().manual_seed(0)
     decode_cases = {
+        "decode b=1 ctx=512": [511],
         "decode b=1 ctx=4096": [4095],
         "decode b=1 ctx=32768": [32767],
         "decode b=8 ctx=4096": [4095] * 8,
         "decode b=64 ctx=4096": [4095] * 64,
         "decode b=64 ctx~U(1,4096)": torch.randint(1, 4096, (64,), generator=gen).tolist(),
+        "decode b=32 ctx=768": [767] * 32,
         "decode b=256 ctx=1024": [1023] * 256,
     }
     if args.quick:
-        decode_cases = {k: decode_cases[k] for k in list(decode_cases)[:4]}
+        decode_cases = {k: decode_cases[k] for k in list(decode_cases)[1:5]}
     rows = []
     for name, contexts in decode_cases.items():
         rows += bench_decode(name, contexts, copy_gbs, props.multi_processor_count, reps)

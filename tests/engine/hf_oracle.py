@@ -21,21 +21,19 @@ def load_hf(path: str):
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation (EOS ignored) and the logprob of each chosen token."""
+    """Greedy continuation with EOS ignored (not suppressed, as `min_new_tokens` would do), and
+    the logprob of each chosen token: transformers' forward with its own KV cache, step by step."""
     model = load_hf(path)
+    tokens: list[int] = []
+    logprobs: list[float] = []
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp[token].item())
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens, logprobs
 
 

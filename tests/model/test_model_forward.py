@@ -65,7 +65,9 @@ class PagedHarness:
             starts.append(starts[-1] + n)
             seq_lens.append(req.num_computed + n)
         width = max(len(self.requests[r].block_table) for r, _ in work)
-        tables = [self.requests[r].block_table + [0] * (width - len(self.requests[r].block_table)) for r, _ in work]
+        tables = [
+            self.requests[r].block_table + [0] * (width - len(self.requests[r].block_table)) for r, _ in work
+        ]
         query_start_loc = torch.tensor(starts, dtype=torch.int32)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         meta = AttentionMetadata(
@@ -96,7 +98,9 @@ def _load(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     config = ModelConfig(model=str(path))
     resolved = resolve_model(config)
     arch = resolved.arch
-    backend = TorchReferenceBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE)
+    backend = TorchReferenceBackend(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE
+    )
     return load_model(config, arch, "cpu", dtype, backend, resolved=resolved)
 
 
@@ -147,7 +151,9 @@ def test_chunks_and_decodes_mixed_in_batches_match_transformers(tiny_model_dir):
         harness.step([(a, 1), (b, 1), (c, 1)])  # decode-only batches of different lengths
     harness.step([(b, 6), (a, 22)])  # final chunks after decodes
     for r, prompt in zip((a, b, c), prompts, strict=True):
-        torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_bfloat16_forward_is_close_to_float32(tiny_llama_dir):
@@ -165,6 +171,29 @@ def test_bfloat16_forward_is_close_to_float32(tiny_llama_dir):
     torch.testing.assert_close(results[torch.bfloat16], results[torch.float32], atol=0.25, rtol=0.05)
 
 
+def test_default_model_greedy_answer(default_model_path):
+    """A fast end-to-end check of the quantized GGUF path (the slow test compares with transformers)."""
+    from tokenmill.model.tokenizer import load_tokenizer
+
+    config = ModelConfig()
+    resolved = resolve_model(config)
+    tokenizer = load_tokenizer(resolved)
+    arch = resolved.arch
+    backend = TorchReferenceBackend(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE
+    )
+    harness = PagedHarness(load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved), seed=7)
+    r = harness.add(tokenizer.encode("The capital of France is") + [0] * 4)
+    harness.step([(r, 5)])
+    generated = []
+    for i in range(4):  # greedy, feeding each chosen token back through the paged cache
+        token = int(harness.requests[r].logits[-1][-1].argmax())
+        generated.append(token)
+        harness.requests[r].token_ids[5 + i] = token
+        harness.step([(r, 1)])
+    assert "Paris" in tokenizer.decode(generated)
+
+
 @pytest.mark.slow
 def test_default_model_matches_transformers_gguf_loader(default_model_path):
     from transformers import AutoModelForCausalLM
@@ -175,10 +204,14 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path):
     resolved = resolve_model(config)
     tokenizer = load_tokenizer(resolved)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompt = list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
     arch = resolved.arch
-    backend = TorchReferenceBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE)
+    backend = TorchReferenceBackend(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE
+    )
     harness = PagedHarness(load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved), seed=6)
     r = harness.add(prompt)
     harness.step([(r, len(prompt) - 3)])
@@ -186,7 +219,9 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path):
         harness.step([(r, 1)])
 
     path = Path(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0]
     ours = harness.logits_of(r)

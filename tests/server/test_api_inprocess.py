@@ -590,3 +590,56 @@ def test_stop_strings_cached_tokens_and_ignore_eos():
         assert out["usage"]["completion_tokens"] == 90 and out["choices"][0]["finish_reason"] == "length"
 
     run(scenario)
+
+
+# --------------------------------------------------------------------------- fault isolation
+
+
+def test_a_failing_request_ends_alone_with_an_error():
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        processor = engine.output_processor
+        real = processor.process_outputs
+
+        def flaky(outputs, now=None):
+            state_ = processor.states.get(outputs[0].request_id)
+            if state_ is not None and state_.prompt == "poison" and state_.token_ids:
+                raise RuntimeError("detokenizer exploded")
+            return real(outputs, now)
+
+        processor.process_outputs = flaky  # type: ignore[method-assign]
+
+        def broken_metrics(*_args) -> None:
+            raise ValueError("metrics bug")
+
+        engine.on_step_stats = broken_metrics  # a metrics bug is logged, never fatal
+        healthy = asyncio.create_task(
+            client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 8})
+        )
+        bad = await client.post("/v1/completions", json={"prompt": "poison", "max_tokens": 8})
+        assert bad.status_code == 500 and "detokenizer exploded" in bad.json()["error"]["message"]
+        streamed = await client.post(
+            "/v1/completions", json={"prompt": "poison", "max_tokens": 8, "stream": True}
+        )
+        events = sse_events(streamed.text)
+        assert "detokenizer exploded" in json.loads(events[-3])["error"]["message"]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
+        assert (await healthy).json()["choices"][0]["finish_reason"] == "length"
+        assert not engine.dead and (await client.get("/health")).status_code == 200
+        await wait_until(lambda: not engine.core.running)  # the failed ones were aborted in the engine
+        assert len(engine.core.aborted) == 2
+        assert metric_value(state, "request_success_total", finished_reason="error") == 2
+
+    run(scenario)
+
+
+def test_huge_prompt_is_tokenized_off_the_event_loop():
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        r = await client.post("/v1/completions", json={"prompt": "y" * 100_000, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 100_000}]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert engine.core.added == []
+
+    run(scenario)

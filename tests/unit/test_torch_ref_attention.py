@@ -7,13 +7,16 @@ import random
 import pytest
 import torch
 
+from tokenmill.attention import torch_ref
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 BLOCK_SIZE = 4
 
 
-def _metadata(query_lens, seq_lens, block_tables, num_padding_rows=0) -> AttentionMetadata:
+def _metadata(
+    query_lens, seq_lens, block_tables, num_padding_rows=0, num_padding_reqs=0
+) -> AttentionMetadata:
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -24,14 +27,18 @@ def _metadata(query_lens, seq_lens, block_tables, num_padding_rows=0) -> Attenti
     width = max(len(t) for t in block_tables)
     query_start_loc = torch.tensor(starts, dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    # CUDA-graph style padding: device tensors hold extra empty requests after the real ones.
+    pad_reqs = num_padding_reqs
+    padded_starts = torch.tensor(starts + [starts[-1] + num_padding_rows] * pad_reqs, dtype=torch.int32)
+    padded_tables = [t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * pad_reqs
     return AttentionMetadata(
         num_actual_tokens=starts[-1],
-        num_reqs=len(query_lens),
+        num_reqs=len(query_lens) + pad_reqs,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+        query_start_loc=padded_starts,
+        seq_lens=torch.cat([seq_lens_t, torch.zeros(pad_reqs, dtype=torch.int32)]),
+        block_tables=torch.tensor(padded_tables, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc_cpu=query_start_loc.clone(),
         seq_lens_cpu=seq_lens_t.clone(),
@@ -56,7 +63,9 @@ def _naive(q, k_hist, v_hist, query_lens, seq_lens, scale, num_heads, num_kv_hea
     return out
 
 
-def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, seed=0, num_padding_rows=0):
+def _run_case(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, seed=0, num_padding_rows=0, num_padding_reqs=0
+):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
@@ -84,7 +93,7 @@ def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, seed=0, n
     k = torch.cat([k_new, torch.randn(pad, num_kv_heads, head_dim, generator=gen)])
     v = torch.cat([v_new, torch.randn(pad, num_kv_heads, head_dim, generator=gen)])
 
-    meta = _metadata(query_lens, seq_lens, tables, num_padding_rows=pad)
+    meta = _metadata(query_lens, seq_lens, tables, num_padding_rows=pad, num_padding_reqs=num_padding_reqs)
     scale = head_dim**-0.5
     backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, BLOCK_SIZE)
     before = cache.clone()
@@ -109,6 +118,14 @@ def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim):
     _run_case([1, 5, 3, 1, 6, 1], [7, 5, 14, 1, 17, 9], num_heads, num_kv_heads, head_dim)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 2 * 8 * BLOCK_SIZE * 2 * 64 * 4])
+def test_requests_in_chunks_give_the_same_result(monkeypatch, chunk_bytes):
+    # CPU gathers K/V a few requests at a time (1 byte: one request per chunk; else 3 per chunk)
+    monkeypatch.setattr(torch_ref, "_CPU_CHUNK_BYTES", chunk_bytes)
+    _run_case([1, 5, 3, 1, 6, 1, 2], [7, 5, 14, 1, 17, 9, 30], 4, 2, 64, seed=9)
+    _run_case([1] * 7, [7, 5, 14, 1, 17, 9, 30], 4, 2, 64, seed=10)
+
+
 def test_decode_only_batch():
     _run_case([1] * 9, [1, 2, 3, 4, 5, 8, 9, 16, 33], 4, 2, 64, seed=1)
 
@@ -119,6 +136,11 @@ def test_single_long_prefill():
 
 def test_padding_rows_write_nowhere():
     _run_case([2, 1, 4], [6, 3, 4], 4, 2, 64, seed=3, num_padding_rows=3)
+
+
+def test_padding_requests_on_device_are_ignored():
+    # host copies describe the real requests; device tensors carry empty padding requests after them
+    _run_case([1, 1, 1], [6, 3, 9], 4, 2, 64, seed=8, num_padding_rows=5, num_padding_reqs=5)
 
 
 def test_long_prefill_next_to_decodes_splits_the_batch():
@@ -144,7 +166,9 @@ def test_bfloat16_cache_is_close():
     backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, head_dim**-0.5, BLOCK_SIZE)
     out32 = backend.forward(q, k, v, cache.clone(), _metadata(query_lens, seq_lens, tables))
     bf = torch.bfloat16
-    out16 = backend.forward(q.to(bf), k.to(bf), v.to(bf), cache.to(bf), _metadata(query_lens, seq_lens, tables))
+    out16 = backend.forward(
+        q.to(bf), k.to(bf), v.to(bf), cache.to(bf), _metadata(query_lens, seq_lens, tables)
+    )
     assert out16.dtype == bf
     torch.testing.assert_close(out16.float(), out32, atol=5e-2, rtol=5e-2)
 

@@ -294,8 +294,10 @@ def test_zero_length_padding_requests_are_ignored() -> None:
 
 def test_split_count_rule() -> None:
     choose = triton_paged.choose_num_kv_splits
-    assert choose(num_reqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132) == 16
-    assert choose(num_reqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132) == 1  # grid already full
+    assert choose(num_reqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132) == 32
+    assert choose(num_reqs=1, num_kv_heads=8, max_context_len=1 << 20, num_sms=132) == 64
+    assert choose(num_reqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132) == 2
+    assert choose(num_reqs=256, num_kv_heads=8, max_context_len=4096, num_sms=132) == 1  # grid already full
     assert choose(num_reqs=1, num_kv_heads=8, max_context_len=100, num_sms=132) == 1  # too short to split
     for num_reqs in range(1, 40):
         splits = choose(num_reqs=num_reqs, num_kv_heads=2, max_context_len=1 << 20, num_sms=132)

@@ -90,7 +90,7 @@ def measure_generate_batch(
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     total_out = sum(len(r.generated_tokens) for r in results.values())
-    return {
+    figures = {
         "generate_batch_paged_sdpa": {
             "num_requests": len(prompts),
             "output_tokens": total_out,
@@ -98,3 +98,18 @@ def measure_generate_batch(
             "output_tokens_per_s": total_out / elapsed,
         }
     }
+    # generate_batch also spends time starting its manager (and, in newer versions, warming up
+    # CUDA graphs) inside the timed call. Where the outputs carry their lifespans, also report the
+    # rate from the first request leaving the queue to the last finishing: the figure most
+    # favourable to transformers, which is the one a speedup is taken against.
+    spans = [getattr(r, "lifespan", None) for r in results.values()]
+    if spans and all(span is not None and min(span) >= 0 for span in spans):
+        window = max(span[1] for span in spans) - min(span[0] for span in spans)
+        if window > 0:
+            figures["generate_batch_paged_sdpa_processing_window"] = {
+                "num_requests": len(prompts),
+                "output_tokens": total_out,
+                "elapsed_s": window,
+                "output_tokens_per_s": total_out / window,
+            }
+    return figures

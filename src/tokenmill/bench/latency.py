@@ -87,9 +87,15 @@ def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]
 
 
 def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[float, float]:
-    """(weight bytes, mean KV bytes) read by one decode step."""
+    """(weight bytes, mean KV bytes) read by one decode step.
+
+    Every weight matrix is read once; the input embedding table is not (a step gathers one row
+    per token), so an untied embedding is left out rather than flattering the fraction.
+    """
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not model.embed_tokens:
+        weight_bytes -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     arch = llm.resolved.arch
     itemsize = next(model.parameters()).element_size()
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
@@ -116,6 +122,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     roofline_tps = bandwidth / (weight_bytes + kv_bytes)
     metrics: dict[str, Any] = {
         **best,
+        "cuda_graphs": llm.engine.runner.graph_runner is not None,
         "runs": runs,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weight_bytes,
@@ -129,17 +136,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         f"-> roofline_fraction {metrics['roofline_fraction']:.3f}"
     )
     if args.baseline == "hf-generate":
+        import torch
+
         from tokenmill.bench.hf_baseline import load_hf_model
 
         device, dtype = llm.info.device, llm.info.dtype
+        llm.engine.runner.release()  # the KV pool and graphs would leave transformers no room
         del llm
-        import gc
-
-        import torch
-
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
         hf = load_hf_model(args.model, args.load_format, device, dtype)
         ids = torch.tensor([prompt], device=device)
         for attempt in range(2):  # the first is a warm-up

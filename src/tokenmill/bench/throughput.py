@@ -43,12 +43,17 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> 
     return rng.integers(100, vocab_size, size=(num, input_len)).tolist()
 
 
-def run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+def run_tokenmill(
+    llm: Any, prompts: list[list[int]], output_len: int, use_tqdm: bool = True
+) -> dict[str, float]:
     from tokenmill.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # Without tokenizer files (dummy weights at a real model's shapes) there is nothing to detokenize.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=llm.tokenizer is not None
+    )
     started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
@@ -71,7 +76,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(args.model, **kwargs)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, seed=args.seed)
     if args.warmup:
-        run_tokenmill(llm, prompts[: min(4, len(prompts))], 4)
+        # Enough prompts for a mixed prefill + decode step: compiles the kernel variants the run needs.
+        run_tokenmill(llm, prompts[: min(32, len(prompts))], 8, use_tqdm=False)
     metrics: dict[str, Any] = run_tokenmill(llm, prompts, args.output_len)
     print(
         f"tokenmill: {metrics['output_tokens_per_s']:.1f} output tok/s, {metrics['total_tokens_per_s']:.1f} total tok/s "
@@ -84,10 +90,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         baseline_prompts = prompts[: args.baseline_num_prompts or len(prompts)]
         device = llm.info.device
         dtype = llm.info.dtype
-        del llm  # free memory for the baseline
-        import gc
-
-        gc.collect()
+        llm.engine.runner.release()  # free the KV pool, graphs and weights for the baseline
+        del llm
         if args.baseline == "hf-generate":
             base = hf_baseline.measure_generate(
                 args.model, args.load_format, baseline_prompts, args.output_len, device, dtype
@@ -111,6 +115,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "baseline": args.baseline,
+        "baseline_num_prompts": len(prompts[: args.baseline_num_prompts or len(prompts)])
+        if args.baseline != "none"
+        else 0,
         **{k: v for k, v in kwargs.items() if v is not None},
     }
     if args.save_result:

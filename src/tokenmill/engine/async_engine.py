@@ -7,6 +7,7 @@ only schedules and computes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -47,9 +48,15 @@ WATCHDOG_INTERVAL_S = 0.2
 SEND_RETRY_S = 0.002
 
 
+def _kill_if_alive(process: multiprocessing.process.BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+
+
 def _aborted_output(state: Any) -> RequestOutput:
     """The final output of a sequence ended on this side (client gone, drain, timeout): nothing new,
-    finish_reason "abort"."""
+    finish_reason "abort". `state` is the OutputProcessor's RequestState."""
     return RequestOutput(
         request_id=state.parent_id,
         prompt=state.prompt,
@@ -134,6 +141,10 @@ class AsyncEngine:
             daemon=True,
         )
         self._process.start()
+        # The engine ignores SIGTERM, so multiprocessing's own exit hook (terminate, then join)
+        # would wait on it forever if this process exits without shutdown(): kill it first
+        # (atexit runs hooks last-registered first).
+        atexit.register(_kill_if_alive, self._process)
         logger.info("engine process %d started; loading the model", self._process.pid)
 
         deadline = time.monotonic() + ready_timeout_s
@@ -166,7 +177,7 @@ class AsyncEngine:
         return self._process.pid if self._process is not None else None
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stops the engine process (asking first, then SIGTERM, then SIGKILL) and reaps it."""
+        """Stops the engine process (asking first, then SIGKILL) and reaps it."""
         if self._closed:
             return
         self._stopping = True
@@ -174,10 +185,8 @@ class AsyncEngine:
             with contextlib.suppress(zmq.ZMQError):
                 self._to_engine.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
             await asyncio.to_thread(self._process.join, timeout_s)
-            if self._process.is_alive():
-                self._process.terminate()
-                await asyncio.to_thread(self._process.join, 5.0)
-            if self._process.is_alive():
+            if self._process.is_alive():  # it ignores SIGTERM (see core_process): kill it
+                logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
                 self._process.kill()
                 await asyncio.to_thread(self._process.join, 5.0)
         for task in self._tasks:
@@ -242,14 +251,14 @@ class AsyncEngine:
             )  # fmt: skip
         record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])
         self._streams[request_id] = record
-        for index, core_req in children:
-            self._child_to_parent[core_req.request_id] = request_id
-            self.output_processor.add_request(
-                core_req.request_id, request_id, index, prompt, prompt_token_ids, core_req.sampling_params,
-                stream=stream, arrival_time=core_req.arrival_time,
-            )  # fmt: skip
         finished_cleanly = False
         try:
+            for index, core_req in children:
+                self._child_to_parent[core_req.request_id] = request_id
+                self.output_processor.add_request(
+                    core_req.request_id, request_id, index, prompt, prompt_token_ids, core_req.sampling_params,
+                    stream=stream, arrival_time=core_req.arrival_time,
+                )  # fmt: skip
             await self._send(AddRequests([c for _, c in children]))
             while record.num_finished < len(record.child_ids):
                 item = await record.queue.get()
@@ -377,19 +386,54 @@ class AsyncEngine:
         if message.stats:
             self.stats = message.stats
             if self.on_step_stats is not None:
-                self.on_step_stats(message.stats)
+                self._callback(self.on_step_stats, message.stats)
         if not message.outputs:
             return
         now = time.monotonic()
-        processed = self.output_processor.process_outputs(message.outputs, now)
-        if processed.reqs_to_abort:  # stop strings matched here: the engine can stop now
-            self._send_nowait(AbortRequests(processed.reqs_to_abort))
-        for out in processed.request_outputs:
-            if self.on_output is not None:
-                self.on_output(out, now)
-            record = self._streams.get(out.request_id)
-            if record is not None:
-                record.queue.put_nowait(out)
+        to_abort: list[str] = []
+        for core_output in message.outputs:
+            # One at a time, so a failure (a detokenizer bug, say) ends only its own request.
+            try:
+                processed = self.output_processor.process_outputs([core_output], now)
+            except Exception as exc:
+                logger.exception("processing the output of %s failed", core_output.request_id)
+                self._fail_sequence(core_output.request_id, f"{type(exc).__name__}: {exc}", now)
+                if not core_output.finished:
+                    to_abort.append(core_output.request_id)
+                continue
+            to_abort.extend(processed.reqs_to_abort)  # stop strings matched here
+            for out in processed.request_outputs:
+                self._deliver(out, now)
+        if to_abort:
+            self._send_nowait(AbortRequests(to_abort))
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        if self.on_output is not None:
+            self._callback(self.on_output, out, now)
+        record = self._streams.get(out.request_id)
+        if record is not None:
+            record.queue.put_nowait(out)
+
+    def _fail_sequence(self, child_id: str, reason: str, now: float) -> None:
+        """Ends one sequence here with finish_reason "error" (its client gets the reason)."""
+        assert self.output_processor is not None
+        state = self.output_processor.states.get(child_id)
+        if state is None:
+            return
+        self.output_processor.abort_request(child_id)
+        failed = _aborted_output(state)
+        failed.outputs[0].finish_reason = "error"
+        failed.error = f"processing the model's output failed: {reason}"
+        self._deliver(failed, now)
+
+    @staticmethod
+    def _callback(fn: Any, *args: Any) -> None:
+        # Metrics hooks: a bug there is logged, and must not take the output loop (every
+        # request) down with it.
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("output callback %r failed", fn)
 
     async def _watchdog(self) -> None:
         while True:

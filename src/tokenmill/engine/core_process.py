@@ -47,16 +47,36 @@ def _die_with_parent() -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on polling the parent pid")
 
 
+def _init_torch(config: EngineConfig) -> None:
+    """What the offline LLM does before building its engine (the seed), plus the CPU thread count.
+
+    On CPU the API server process shares the cores with this one (HTTP, tokenization,
+    detokenization), and OpenMP threads that spin on an oversubscribed core collapse throughput
+    (measured on 2 cores under load: 2 threads 0.67 s/token, 1 thread 0.09 s/token). So the
+    engine leaves one core to the API server.
+    """
+    import torch
+
+    torch.manual_seed(config.model.seed)
+    if config.device.startswith("cpu"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores - 1)
+        torch.set_num_threads(threads)
+        logger.info("engine on CPU: %d torch threads (%d cores, one left to the API server)", threads, cores)
+
+
 class _ParentGone(Exception):
     pass
 
 
 def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """Entry point of the spawned engine process. `config_bytes` is the msgpack of EngineConfig."""
-    # The API server owns SIGINT (Ctrl-C reaches the whole process group): it drains, then tells
-    # us to stop. SIGTERM sent to this process directly still ends it.
+    # The API server owns shutdown: on SIGINT / SIGTERM it drains, then sends Shutdown. Those
+    # signals often reach the whole process group (Ctrl-C, `timeout`, systemd), and dying on them
+    # here would fail the requests being drained. Without the parent this process cannot outlive
+    # it: PDEATHSIG and the parent-pid check end it. SIGKILL still works, as always.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     if os.getppid() != parent_pid:
         return  # the parent died before prctl took effect
@@ -85,6 +105,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
 
     try:
         try:
+            _init_torch(config)
             from tokenmill.engine.engine_core import EngineCore
 
             core = EngineCore(config)

@@ -71,7 +71,9 @@ class ArchConfig:
         if hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
         if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported; expected MLP projections without bias")
+            raise UnsupportedModelError(
+                "mlp_bias=true is not supported; expected MLP projections without bias"
+            )
         _reject_sliding_window(family, cfg, max_positions)
         rope_theta, rope_scaling = _rope(cfg)
 
@@ -125,7 +127,9 @@ def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int)
     window = cfg.get("sliding_window")
     if family in ("qwen2", "qwen3"):
         # Qwen configs carry a sliding_window value that is only used when use_sliding_window is set.
-        uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (cfg.get("layer_types") or [])
+        uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (
+            cfg.get("layer_types") or []
+        )
     else:
         uses_window = window is not None
     if uses_window and window is not None and int(window) < max_positions:
@@ -156,7 +160,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
         return theta, scaling
     if rope_type == "freq_factors" and "freq_factors" in params:
-        return theta, {"rope_type": "freq_factors", "freq_factors": [float(f) for f in params["freq_factors"]]}
+        return theta, {
+            "rope_type": "freq_factors",
+            "freq_factors": [float(f) for f in params["freq_factors"]],
+        }
     raise UnsupportedModelError(
         f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )

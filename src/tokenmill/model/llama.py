@@ -24,6 +24,18 @@ from tokenmill.model.layers.mlp import swiglu_mlp
 from tokenmill.model.layers.rmsnorm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 
+# The CUDA path's fused kernels; imported lazily (triton is optional on CPU-only installs).
+_triton_ops = None
+
+
+def _fused_ops():
+    global _triton_ops
+    if _triton_ops is None:
+        from tokenmill.model.layers import triton_ops
+
+        _triton_ops = triton_ops
+    return _triton_ops
+
 
 def _param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
@@ -64,12 +76,16 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(rms_norm(x, self.input_norm, eps), self.qkv_weight, self.qkv_bias)
         if self.q_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
-            k = rms_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim), self.k_norm, eps)
+            k = rms_norm(
+                qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim), self.k_norm, eps
+            )
             q = apply_rotary(q, cos, signed_sin)
             k = apply_rotary(k, cos, signed_sin)
         else:
             # q and k sit side by side in each qkv row: rotate both with one set of ops.
-            qk = apply_rotary(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim), cos, signed_sin)
+            qk = apply_rotary(
+                qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim), cos, signed_sin
+            )
             q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
 
@@ -77,6 +93,46 @@ class DecoderLayer(nn.Module):
         x.add_(F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias))
         x.add_(swiglu_mlp(rms_norm(x, self.post_attention_norm, eps), self.gate_up_weight, self.down_weight))
         return x
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+        pending: torch.Tensor | None,  # the previous layer's MLP output, not yet added to x
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
+
+        Returns this layer's MLP output; the caller adds it to x inside the next fused norm.
+        """
+        ops = _fused_ops()
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+
+        qkv = F.linear(ops.add_rms_norm(x, self.input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
+        if self.q_norm is not None:
+            q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
+            k = rms_norm(
+                qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim), self.k_norm, eps
+            )
+            ops.rope_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
+            ops.rope_inplace(k, positions, rotary.cos_cache, rotary.sin_cache)
+        else:
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+            ops.rope_inplace(qk, positions, rotary.cos_cache, rotary.sin_cache)
+            q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+
+        attn = self.attn_backend.forward(q, k, v, kv_cache, meta)
+        attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
+        normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
+        gate_up = F.linear(normed, self.gate_up_weight)
+        return F.linear(ops.silu_mul(gate_up), self.down_weight)
 
 
 class CausalLM(nn.Module):
@@ -98,7 +154,9 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.attn_backend = attn_backend
         self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), device, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, attn_backend, device, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, attn_backend, device, dtype) for _ in range(arch.num_layers)
+        )
         self.norm = _param((arch.hidden_size,), device, dtype)
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -122,6 +180,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden], ready for compute_logits."""
         x = F.embedding(input_ids, self.embed_tokens)
+        if x.is_cuda:
+            pending = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                pending = layer.forward_fused(x, pending, positions, self.rotary, kv_cache, meta)
+            return _fused_ops().add_rms_norm(x, self.norm, self.arch.rms_norm_eps, pending)
         cos, signed_sin = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, signed_sin, kv_cache, meta)
@@ -143,10 +206,11 @@ class CausalLM(nn.Module):
             target = self._target_for(name)
             if target is None:
                 continue
-            dest = target
-            if dest.shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+                )
+            target.copy_(tensor)  # converts dtype and device
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
@@ -202,7 +266,9 @@ class CausalLM(nn.Module):
             else:
                 fused = layer.qkv_weight if kind == "weight" else layer.qkv_bias
             if fused is None:
-                raise ValueError(f"unexpected weight {name!r}: this {arch.architecture} model has no such bias")
+                raise ValueError(
+                    f"unexpected weight {name!r}: this {arch.architecture} model has no such bias"
+                )
             return fused.data[start:end]
         single = {
             "input_layernorm.weight": layer.input_norm,

@@ -310,15 +310,16 @@ class _DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.should_exit or self._drain_task is not None or not self.tm_state.ready or self._loop is None:
-            # Second signal, or nothing to drain yet: stop now.
-            self.force_exit = self._drain_task is not None or self.should_exit
+        state = self.tm_state
+        if state.draining or self.should_exit or not state.ready or self._loop is None:
+            # A second signal, or nothing to drain yet (still starting): stop now.
+            self.force_exit = state.draining or self.should_exit
             self.should_exit = True
             return
         logger.warning(
             "received %s: draining for up to %.0f s", signal.Signals(sig).name, self.shutdown_timeout
         )
-        self.tm_state.draining = True
+        state.draining = True  # from here on /health is 503 and new requests get 503
         # A Python signal handler runs between bytecodes of the loop's thread; schedule through
         # call_soon_threadsafe so the loop wakes up for it at once.
         self._loop.call_soon_threadsafe(self._start_drain)
@@ -339,7 +340,11 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import build_engine_config
     from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
 
-    config = build_engine_config(args.model, **engine_kwargs_from_args(args))
+    try:
+        config = build_engine_config(args.model, **engine_kwargs_from_args(args))
+    except ValueError as exc:
+        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
+        return 2
     model_root = args.model or DEFAULT_MODEL_NAME
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None

@@ -32,6 +32,7 @@ from tokenmill.server.serving_common import (
     request_timeout,
     stream_failure_event,
     timeout_event,
+    tokenize_off_loop,
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
@@ -82,7 +83,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
     params = request.to_sampling_params(None)  # type: ignore[arg-type]  # None: up to the context length
-    prompt = prepare_chat_prompt(state, request)
+    num_chars = sum(len(m.text()) for m in request.messages)
+    prompt = await tokenize_off_loop(num_chars, prepare_chat_prompt, state, request)
     validate_prompts(state, [prompt], params, request.priority, request.cache_salt)
     request_id = random_id("chatcmpl")
     model = request.model or state.model_names[0]

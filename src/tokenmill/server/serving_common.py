@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -14,6 +15,7 @@ from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageI
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger("tokenmill.server")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -34,6 +36,17 @@ class ChoiceState:
     stop_reason: int | str | None = None
     error: str | None = None
     sent_first: bool = False
+
+
+# Tokenizing more text than this moves to a worker thread, so one huge prompt does not stall every
+# stream on the event loop (the Rust tokenizer releases the GIL while it works).
+TOKENIZE_IN_THREAD_CHARS = 32_768
+
+
+async def tokenize_off_loop(num_chars: int, fn: Callable[..., T], *args: Any) -> T:
+    if num_chars > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 @dataclass(slots=True)

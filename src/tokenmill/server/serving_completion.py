@@ -26,6 +26,7 @@ from tokenmill.server.serving_common import (
     request_timeout,
     stream_failure_event,
     timeout_event,
+    tokenize_off_loop,
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
@@ -80,7 +81,8 @@ async def create_completion(state: ServerState, request: CompletionRequest):
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:
         state.tokenizer("echo")  # echoing token-id prompts needs their text: refuse before generating
-    prompts = prepare_prompts(state, request)
+    num_chars = sum(len(p) for p in request.prompts() if isinstance(p, str))
+    prompts = await tokenize_off_loop(num_chars, prepare_prompts, state, request)
     validate_prompts(state, prompts, params, request.priority, request.cache_salt)
     request_id = random_id("cmpl")
     model = request.model or state.model_names[0]

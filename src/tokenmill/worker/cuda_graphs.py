@@ -25,7 +25,9 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, attn_backend, buffers, kv_caches: list[torch.Tensor], max_num_seqs: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, attn_backend, buffers, kv_caches: list[torch.Tensor], max_num_seqs: int
+    ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.buffers = buffers
@@ -35,6 +37,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.pool = None
+        self.num_replays = 0  # for tests and stats: how many steps took the graph path
 
     @property
     def max_size(self) -> int:
@@ -87,10 +90,17 @@ class CudaGraphRunner:
             self.outputs[size] = out
             self.metas[size] = meta
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - started)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s..%s) in %.1f s",
+            len(self.graphs),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - started,
+        )
 
     def replay(self, size: int) -> torch.Tensor:
         """Logits [size, vocab]; the caller has staged the inputs into the buffers."""
         self.attn_backend.prepare_for_replay(self.metas[size])
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.outputs[size]

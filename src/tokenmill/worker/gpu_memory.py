@@ -27,7 +27,15 @@ def profile_peak_memory(runner) -> int:
     seq_len = min(runner.max_model_len, num_tokens)
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
     blocks_per_seq = -(-seq_len // runner.block_size)
-    temp_caches = allocate_kv_caches(arch.num_layers, blocks_per_seq, runner.block_size, arch.num_kv_heads, arch.head_dim, runner.dtype, runner.device)
+    temp_caches = allocate_kv_caches(
+        arch.num_layers,
+        blocks_per_seq,
+        runner.block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        runner.dtype,
+        runner.device,
+    )
     qsl = np.zeros(len(lens) + 1, np.int32)
     np.cumsum(lens, out=qsl[1:])
     device = runner.device

@@ -11,7 +11,9 @@ import torch
 
 
 class InputBuffers:
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device
+    ) -> None:
         self.device = device
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
@@ -30,6 +32,27 @@ class InputBuffers:
         # Flat, so a step's [num_reqs, width] view is contiguous whatever its width.
         self.block_tables_host, self.block_tables = pair((max_num_reqs * max_blocks_per_req,), torch.int32)
         self.sample_rows_host, self.sample_rows = pair((max_num_reqs,), torch.long)
+        # Marks the end of the last step's host->device copies. A step that samples nothing (a
+        # prefill chunk) ends without a sync, so its copies may still be queued when the next step
+        # refills the pinned buffers: wait for them first (normally they finished long ago).
+        self._copies_done = torch.cuda.Event() if pin else None
+        self._copies_pending = False
+
+    def begin_step(self) -> None:
+        """Call before staging a step's inputs: the pinned buffers are free to overwrite after this."""
+        if self._copies_pending and self._copies_done is not None:
+            self._copies_done.synchronize()
+        self._copies_pending = False
+
+    def copies_completed(self) -> None:
+        """Call after a host sync that followed the staging: nothing is left to wait for."""
+        self._copies_pending = False
+
+    def end_staging(self) -> None:
+        """Call once a step's inputs are staged (its copies are queued on the current stream)."""
+        if self._copies_done is not None:
+            self._copies_done.record()
+            self._copies_pending = True
 
     @staticmethod
     def _stage(host: torch.Tensor, device_buf: torch.Tensor, array: np.ndarray, n: int) -> torch.Tensor:
@@ -63,7 +86,9 @@ class InputBuffers:
         if padded_reqs > r:
             # Padding requests: one query row each, a context of one token in block 0.
             last = int(query_start_loc[-1])
-            query_start_loc = np.concatenate([query_start_loc, last + np.arange(1, padded_reqs - r + 1, dtype=np.int32)])
+            query_start_loc = np.concatenate(
+                [query_start_loc, last + np.arange(1, padded_reqs - r + 1, dtype=np.int32)]
+            )
             seq_lens = np.concatenate([seq_lens, np.ones(padded_reqs - r, np.int32)])
             block_tables = np.concatenate([block_tables, np.zeros((padded_reqs - r, width), np.int32)])
         m = len(seq_lens)

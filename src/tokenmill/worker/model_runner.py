@@ -21,6 +21,19 @@ from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, nu
 logger = logging.getLogger(__name__)
 
 
+def _fetch_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The step's one sync. Exempt from torch.cuda.set_sync_debug_mode, so a test can run steps in
+    "error" mode and have any other sync raise."""
+    mode = torch.cuda.get_sync_debug_mode() if tensor.is_cuda else 0
+    if not mode:
+        return tensor.cpu()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return tensor.cpu()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> None:
         self.config = config
@@ -32,13 +45,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         backend_cls = get_attention_backend(config.attention_backend, self.device)
         self.attn_backend = backend_cls(
-            self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.arch.head_dim**-0.5, self.block_size
+            self.arch.num_heads,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.arch.head_dim**-0.5,
+            self.block_size,
         )
         started = time.perf_counter()
-        self.model = load_model(config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved)
-        logger.info("model loaded in %.1f s (%s, %s, %s)", time.perf_counter() - started, resolved.format, self.device, self.dtype)
+        self.model = load_model(
+            config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved
+        )
+        logger.info(
+            "model loaded in %.1f s (%s, %s, %s)",
+            time.perf_counter() - started,
+            resolved.format,
+            self.device,
+            self.dtype,
+        )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self._plain_greedy: dict[str, bool] = {}
+        self._staged_sample_rows: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
@@ -49,7 +76,10 @@ class ModelRunner:
 
             sched = config.scheduler
             self.buffers = InputBuffers(
-                max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs, self.max_blocks_per_req, self.device
+                max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                sched.max_num_seqs,
+                self.max_blocks_per_req,
+                self.device,
             )
 
     # -- memory -------------------------------------------------------------------------------
@@ -90,18 +120,35 @@ class ModelRunner:
         )
         self.graph_runner.capture()
 
+    def release(self) -> None:
+        """Drop the graphs, KV pool and weights and return their memory to the device, so
+        another model (a benchmark baseline) can use it in this process. The runner is unusable after."""
+        self.graph_runner = None
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        self.buffers = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     # -- one step -----------------------------------------------------------------------------
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.from_numpy(array)
         return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
-    def build_metadata(self, batch: HostBatch, padded_reqs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_metadata(
+        self, batch: HostBatch, padded_reqs: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Device inputs of a step. On CUDA they go through the persistent pinned buffers (padded to
         `padded_reqs` single-token requests for a CUDA-graph replay); on CPU they are numpy views."""
         num_tokens = len(batch.input_ids)
         num_reqs = len(batch.seq_lens)
         if self.buffers is not None:
+            self.buffers.begin_step()
             padded_tokens = num_tokens if padded_reqs is None else padded_reqs
             input_ids, positions, slot_mapping = self.buffers.stage_tokens(
                 batch.input_ids, batch.positions, batch.slot_mapping, padded_tokens
@@ -109,6 +156,9 @@ class ModelRunner:
             query_start_loc, seq_lens, block_tables = self.buffers.stage_requests(
                 batch.query_start_loc, batch.seq_lens, batch.block_tables, padded_reqs or num_reqs
             )
+            if padded_reqs is None and len(batch.sample_rows):
+                self._staged_sample_rows = self.buffers.stage_sample_rows(batch.sample_rows)
+            self.buffers.end_staging()
         else:
             input_ids = self._to_device(batch.input_ids, torch.long)
             positions = self._to_device(batch.positions, torch.long)
@@ -131,6 +181,23 @@ class ModelRunner:
         )
         return input_ids, positions, meta
 
+    def _is_plain_greedy(self, s: ScheduledRequest) -> bool:
+        """Greedy with nothing that changes the argmax or asks for more than the token: no
+        penalties, no min_tokens ban, no logprobs. Cached per request (its params never change)."""
+        flag = self._plain_greedy.get(s.request_id)
+        if flag is None:
+            p = s.request.sampling_params
+            flag = (
+                p.is_greedy
+                and p.logprobs is None
+                and p.min_tokens == 0
+                and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0
+                and p.repetition_penalty == 1.0
+            )
+            self._plain_greedy[s.request_id] = flag
+        return flag
+
     def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.request.sampling_params.seed
         if seed is None:
@@ -145,6 +212,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            self._plain_greedy.pop(req_id, None)
         if so.is_empty:
             return ModelRunnerOutput()
         output = ModelRunnerOutput()
@@ -182,40 +250,54 @@ class ModelRunner:
         if logits is None:
             assert hidden is not None
             if self.buffers is not None:
-                rows = self.buffers.stage_sample_rows(batch.sample_rows)
+                rows = self._staged_sample_rows
             else:
                 rows = torch.from_numpy(batch.sample_rows)
+            # lm_head only on the rows that sample: a prefill chunk needs one row, not thousands.
             logits = self.model.compute_logits(hidden[rows])
         sampling_reqs = [so.scheduled[i] for i in batch.sampling_req_indices]
-        infos = [
-            RowSamplingInfo(
-                params=s.request.sampling_params,
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
-                generator=self._generator_for(s),
-                eos_token_ids=s.request.eos_token_ids,
-            )
-            for s in sampling_reqs
-        ]
-        metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
-        sampled = self.sampler(logits, metadata)
+        metadata = None
+        if all(self._is_plain_greedy(s) for s in sampling_reqs):
+            # The common case (and every benchmark): one argmax, no per-row metadata to build.
+            sampled_ids = logits.argmax(dim=-1)
+        else:
+            infos = [
+                RowSamplingInfo(
+                    params=s.request.sampling_params,
+                    prompt_token_ids=s.request.prompt_token_ids,
+                    output_token_ids=s.request.output_token_ids,
+                    generator=self._generator_for(s),
+                    eos_token_ids=s.request.eos_token_ids,
+                )
+                for s in sampling_reqs
+            ]
+            metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
+            sampled = self.sampler(logits, metadata)
+            sampled_ids = sampled.sampled_token_ids
         # NaN / inf logits end only their own request; the flag rides along with the one host sync.
-        nonfinite = ~torch.isfinite(logits).all(dim=-1)
-        packed = torch.stack([sampled.sampled_token_ids, nonfinite.long()]).cpu()
+        # (A row's sum is finite exactly when all its logits are, and needs no [rows, vocab] mask.)
+        nonfinite = ~torch.isfinite(logits.sum(dim=-1))
+        packed = _fetch_to_host(torch.stack([sampled_ids, nonfinite.long()]))
         token_ids, bad_rows = packed.tolist()
+        if self.buffers is not None:
+            self.buffers.copies_completed()  # the sync above waited for this step's input copies too
 
-        logprob_rows = sampled.to_token_logprobs(metadata)
+        logprob_rows = None if metadata is None else sampled.to_token_logprobs(metadata)
 
         for i, s in enumerate(sampling_reqs):
             if bad_rows[i]:
-                output.errored[s.request_id] = "the model produced non-finite (NaN or inf) logits for this request"
+                output.errored[s.request_id] = (
+                    "the model produced non-finite (NaN or inf) logits for this request"
+                )
                 continue
             output.req_ids.append(s.request_id)
             output.sampled_token_ids.append(token_ids[i])
         if logprob_rows is not None:
             output.logprobs = [lp for i, lp in enumerate(logprob_rows) if not bad_rows[i]]
 
-    def _prompt_logprobs(self, so: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
         for i, s in enumerate(so.scheduled):
             req = s.request
             k = req.sampling_params.prompt_logprobs
@@ -235,6 +317,8 @@ class ModelRunner:
                 top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
                 for j, target in enumerate(targets.tolist()):
                     entries.append(
-                        TokenLogprobs(token_ids=[target, *top_ids[j]], logprobs=[token_lp[j], *top_lps[j]], rank=rank[j])
+                        TokenLogprobs(
+                            token_ids=[target, *top_ids[j]], logprobs=[token_lp[j], *top_lps[j]], rank=rank[j]
+                        )
                     )
             output.prompt_logprobs[s.request_id] = entries

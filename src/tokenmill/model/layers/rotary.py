@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, device=None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, device=None
+) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, computed the way transformers does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader.gguf_file import GGUFFile
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
@@ -49,22 +50,19 @@ _BLOCK_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<tensor>\w+)\.(?P<kind>weight
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-@functools.lru_cache(maxsize=2)
-def open_gguf(path: str):
-    """A GGUFReader (memory-mapped). Cached: parsing the metadata of a big vocabulary takes seconds."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: str) -> GGUFFile:
+    """The parsed header of a GGUF file (tensor data stays memory-mapped), cached per path."""
+    return GGUFFile(path)
 
 
 def gguf_metadata(path: str | Path, key: str, default: Any = None) -> Any:
-    field = open_gguf(str(path)).fields.get(key)
-    return default if field is None else field.contents()
+    return open_gguf(str(path)).metadata.get(key, default)
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     """The GGUF metadata rewritten as an HF config.json dict."""
-    reader = open_gguf(str(path))
+    gguf_file = open_gguf(str(path))
     arch = gguf_metadata(path, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -74,7 +72,7 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     def meta(key: str, default: Any = None) -> Any:
         return gguf_metadata(path, f"{arch}.{key}", default)
 
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t.name for t in gguf_file.tensors}
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
@@ -90,7 +88,7 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(meta("context_length", 2048)),
-        "vocab_size": int(meta("vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        "vocab_size": int(meta("vocab_size", 0) or len(gguf_metadata(path, "tokenizer.ggml.tokens", []))),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": gguf_metadata(path, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_metadata(path, "tokenizer.ggml.eos_token_id"),
@@ -116,10 +114,8 @@ def gguf_arch_config(path: str | Path) -> ArchConfig:
 
 
 def _tensor_array(path: str | Path, name: str) -> np.ndarray:
-    from gguf.quants import dequantize
-
-    tensor = next(t for t in open_gguf(str(path)).tensors if t.name == name)
-    return dequantize(tensor.data, tensor.tensor_type)
+    gguf_file = open_gguf(str(path))
+    return gguf_file.dequantize(next(t for t in gguf_file.tensors if t.name == name))
 
 
 def hf_name_for(gguf_name: str) -> str | None:
@@ -130,7 +126,9 @@ def hf_name_for(gguf_name: str) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     match = _BLOCK_NAME.fullmatch(gguf_name)
     if match is None or match["tensor"] not in _BLOCK_TENSORS:
-        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}; this model family is not supported")
+        raise UnsupportedModelError(
+            f"unexpected GGUF tensor {gguf_name!r}; this model family is not supported"
+        )
     return f"model.layers.{match['layer']}.{_BLOCK_TENSORS[match['tensor']]}.{match['kind']}"
 
 
@@ -143,15 +141,13 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time."""
-    from gguf.quants import dequantize
-
-    reader = open_gguf(str(path))
+    gguf_file = open_gguf(str(path))
     permuted = gguf_metadata(path, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         hf_name = hf_name_for(tensor.name)
         if hf_name is None:
             continue
-        weight = dequantize(tensor.data, tensor.tensor_type)
+        weight = gguf_file.dequantize(tensor)
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk(weight, arch.num_heads)
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -48,7 +48,10 @@ def iter_safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[
         raise FileNotFoundError(
             f"no *.safetensors files in {model_dir}; pass load_format='dummy' to run with random weights"
         )
-    read_device = str(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        read_device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    else:
+        read_device = "cpu"
     for file in files:
         with safe_open(str(file), framework="pt", device=read_device) as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)

@@ -33,7 +33,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is was that for on with as by at from this be are or an it not which have "
     "one all were when we there can more if out so what up about into than them only some could "
     "time model token cache block page attention request batch stream server engine prefix decode "
@@ -42,7 +42,8 @@ _WORDS = (
     "number zero seven eleven hundred thousand million first second third quick brown fox jumps "
     "over lazy dog café naïve résumé über straße 東京 北京 日本語 中文 привет мир 😀 🚀 ✨ "
     "def return import class self print while else elif yield lambda async await"
-).split()
+)
+_WORDS = _WORD_TEXT.split()
 
 
 def _training_text() -> list[str]:
@@ -163,13 +164,20 @@ def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tiny_tokenizer, seed=3, head_dim=32)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tiny_tokenizer, seed=3, head_dim=32
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny_mistral"), "mistral", tiny_tokenizer, seed=4, head_dim=16, sliding_window=None
+        tmp_path_factory.mktemp("tiny_mistral"),
+        "mistral",
+        tiny_tokenizer,
+        seed=4,
+        head_dim=16,
+        sliding_window=None,
     )
 
 

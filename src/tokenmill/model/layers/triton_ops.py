@@ -1,0 +1,191 @@
+"""Fused elementwise kernels for the CUDA path of the decoder: residual-add + RMSNorm, in-place
+RoPE, SiLU-and-multiply.
+
+A decode step at small batch is a few big weight reads plus hundreds of tiny kernels; in eager
+PyTorch RMSNorm alone is four or five launches (upcast, norm, downcast, weight multiply) and RoPE
+three, each costing a few microseconds even inside a CUDA graph. One launch each here.
+
+Rounding follows transformers' bf16 order so greedy output matches it: the residual sum is
+rounded to the model dtype before it is normalized, the normalized value is rounded before the
+weight multiply, and RoPE rounds `x * cos` and `rotate_half(x) * sin` before adding them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_like(x, dtype: tl.constexpr):
+    """x (fp32) rounded to the precision of `dtype`, kept in fp32.
+
+    A plain `x.to(bf16).to(fp32)` is folded away by the compiler (seen with Triton 3.6 on an H200:
+    the unrounded value came through), so bf16 rounds by integer arithmetic: round to nearest
+    even on the 16 low bits of the fp32 pattern. fp16 keeps the cast pair; fp32 needs nothing.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    out_ptr,
+    weight_ptr,
+    stride_x,
+    stride_delta,
+    stride_out,
+    hidden,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = x_ptr.dtype.element_ty
+    xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)
+        xf = _round_like(xf + delta.to(tl.float32), dtype)
+        tl.store(x_ptr + row * stride_x + cols, xf.to(dtype), mask=mask)
+    variance = tl.sum(xf * xf, axis=0) / hidden
+    normed = _round_like(xf / tl.sqrt_rn(variance + eps), dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of `x + delta` over the last dimension; with `delta`, `x` is updated in place to the sum.
+
+    x, delta: [T, hidden] (rows may be strided, the last dimension contiguous).
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"add_rms_norm needs a 2-D tensor contiguous in its last dimension, got {tuple(x.shape)}"
+        )
+    num_rows, hidden = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out
+    if delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1):
+        raise ValueError(f"delta shape {tuple(delta.shape)} must equal x's {tuple(x.shape)}, contiguous rows")
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(num_rows,)](
+        x,
+        delta if delta is not None else x,
+        out,
+        weight,
+        x.stride(0),
+        delta.stride(0) if delta is not None else 0,
+        out.stride(0),
+        hidden,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_token,
+    stride_head,
+    stride_table,
+    num_heads,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    # The tables hold [cos, cos] and [-sin, sin] over the head dimension.
+    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_table + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    first = x_ptr + token * stride_token + heads * stride_head + dims
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # rotate_half(x) = [-x2, x1]; each product rounded to the model dtype, as transformers does.
+    out1 = _round_like(x1f * cos, dtype) + _round_like(-x2f * sin, dtype)
+    out2 = _round_like(x2f * cos, dtype) + _round_like(x1f * sin, dtype)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+def rope_inplace(
+    x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> None:
+    """Rotates x [T, heads, head_dim] (token and head strides free, head_dim contiguous) in place.
+
+    cos_cache / sin_cache: [max_positions, head_dim] as RotaryEmbedding holds them.
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    if x.stride(-1) != 1 or head_dim % 2:
+        raise ValueError(f"rope_inplace needs an even head_dim contiguous in memory, got {tuple(x.shape)}")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        x,
+        positions,
+        cos_cache,
+        sin_cache,
+        x.stride(0),
+        x.stride(1),
+        cos_cache.stride(0),
+        num_heads,
+        HALF=half,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, intermediate, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = _round_like(g / (1.0 + tl.exp(-g)), gate.dtype)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * intermediate] (gate columns first) -> [T, intermediate]."""
+    num_rows, width = gate_up.shape
+    if gate_up.stride(-1) != 1 or width % 2:
+        raise ValueError(f"silu_mul needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}")
+    intermediate = width // 2
+    out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(intermediate))
+    _silu_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), intermediate, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,251 @@
+"""The whole engine on a CUDA GPU: greedy output equals transformers', with and without CUDA graphs.
+
+fp32: token for token against transformers on the CPU, for one request and 16 concurrent ones.
+bf16: the first 32 greedy tokens equal transformers' bf16 on the GPU and the chosen tokens'
+logprobs stay close; graphs and eager give identical greedy output. Also: padded graph rows
+write no KV slot, a decode step syncs with the host once (bringing the sampled ids back), the
+KV pool is sized by profiling, and the fused kernels round like transformers.
+
+The tiny checkpoints (tiny_llama_dir, ...) come from the shared tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import random
+
+import pytest
+import torch
+
+from tests.engine.hf_oracle import hf_greedy
+from tokenmill import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"
+    ),
+]
+
+TINY_MODELS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+
+
+@pytest.fixture(params=TINY_MODELS)
+def tiny_model(request) -> str:
+    return str(request.getfixturevalue(request.param))
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cuda")
+    kwargs.setdefault("max_model_len", 256)
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("max_num_seqs", 32)
+    return LLM(path, **kwargs)
+
+
+def _prompts(vocab_size: int, count: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(5, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)
+    ]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_new: int, logprobs: int | None = None):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=logprobs)
+    return [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _graph_replays(llm: LLM) -> int:
+    graphs = llm.engine.runner.graph_runner
+    return 0 if graphs is None else graphs.num_replays
+
+
+@functools.cache
+def _hf_bf16_cuda(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+
+
+def _hf_greedy_bf16(path: str, prompt: list[int], max_new: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens, their logprobs, and each step's margin between the two best logprobs."""
+    model = _hf_bf16_cuda(path)
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    top2 = [lp.topk(2).values.tolist() for lp in logprobs]
+    chosen = [lp[t].item() for lp, t in zip(logprobs, tokens, strict=True)]
+    return tokens, chosen, [a - b for a, b in top2]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_fp32_greedy_matches_transformers(tiny_model, enforce_eager):
+    llm = _llm(tiny_model, dtype="float32", enforce_eager=enforce_eager)
+    assert llm.info.dtype == "float32"
+    single = _prompts(llm.info.vocab_size, 1, seed=11)
+    concurrent = _prompts(llm.info.vocab_size, 16, seed=12)
+    for prompts in (single, concurrent):
+        for prompt, completion in zip(prompts, _greedy(llm, prompts, 16), strict=True):
+            assert completion.token_ids == hf_greedy(tiny_model, prompt, 16)[0], f"{len(prompt)}-token prompt"
+    if enforce_eager:
+        assert llm.engine.runner.graph_runner is None
+    else:
+        assert _graph_replays(llm) > 0, "decode steps did not go through the CUDA graphs"
+    llm.engine.check_invariants()
+
+
+def test_bf16_greedy_and_logprobs_match_transformers(tiny_model):
+    llm = _llm(tiny_model)  # dtype auto = bfloat16 on CUDA
+    assert llm.info.dtype == "bfloat16"
+    prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
+    diffs = []
+    for prompt, completion in zip(prompts, _greedy(llm, prompts, 32, logprobs=0), strict=True):
+        tokens, expected_lps, margins = _hf_greedy_bf16(tiny_model, prompt, 32)
+        if completion.token_ids != tokens:
+            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
+            pytest.fail(
+                f"diverged at token {i}: ours {completion.token_ids[i]}, transformers {tokens[i]}; "
+                f"transformers' top-2 logprob margin there {margins[i]:.4f}; logprob of its token: "
+                f"ours {completion.logprobs[i].get(tokens[i])}, transformers {expected_lps[i]:.4f}"
+            )
+        assert completion.logprobs is not None
+        diffs += [
+            abs(pos[t].logprob - lp)
+            for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
+        ]
+    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
+
+
+def test_bf16_greedy_identical_with_and_without_graphs(tiny_llama_dir):
+    path = str(tiny_llama_dir)
+    results = []
+    for enforce_eager in (False, True):
+        llm = _llm(path, enforce_eager=enforce_eager)
+        prompts = _prompts(llm.info.vocab_size, 16, seed=14)
+        results.append([c.token_ids for c in _greedy(llm, prompts, 32)])
+        assert (_graph_replays(llm) > 0) != enforce_eager
+        del llm
+        gc.collect()
+    assert results[0] == results[1]
+
+
+def test_padded_graph_rows_write_no_kv_slot(tiny_llama_dir):
+    llm = _llm(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    # Random (finite) pool contents, so a stray write of anything shows up as a change.
+    for cache in runner.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in runner.kv_caches]
+    prompts = _prompts(llm.info.vocab_size, 3, seed=15, min_len=10, max_len=20)  # 3 rows -> graph of 4
+    max_new = 8
+    _greedy(llm, prompts, max_new)
+    assert 3 not in runner.graph_runner.sizes and _graph_replays(llm) > 0
+    changed = torch.zeros(runner.kv_caches[0].shape[1:3], dtype=torch.bool, device="cuda")
+    for cache, old in zip(runner.kv_caches, before, strict=True):
+        changed |= (cache != old).flatten(3).any(dim=-1).any(dim=0)
+    # Every computed token wrote exactly its own slot: prompt + outputs except the last one.
+    expected = sum(len(p) + max_new - 1 for p in prompts)
+    assert int(changed.sum()) == expected
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_llama_dir, enforce_eager):
+    """In "error" mode any synchronizing call raises; the runner exempts only its one fetch of the
+    sampled ids. A raise inside a step would end the batch's requests with an error."""
+    llm = _llm(str(tiny_llama_dir), enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
+    prompts = _prompts(llm.info.vocab_size, 7, seed=16)
+
+    def add(first: int, last: int) -> None:
+        for i in range(first, last):
+            llm.engine.add_request(llm.input_processor.make_request(f"sync-{i}", prompts[i], params))
+
+    add(0, 5)
+    llm.engine.step()  # the first step compiles and allocates; not part of the steady state
+    replays_before = _graph_replays(llm)
+    outputs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(6):
+            if step == 2:
+                add(5, 7)  # a mixed prefill + decode step, then decodes of 7 (a padded graph of 8)
+            outputs.extend(llm.engine.step())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(out.error is None and len(out.new_token_ids) == 1 for out in outputs)
+    assert len(outputs) == 5 * 6 + 2 * 4
+    assert (_graph_replays(llm) - replays_before == 5) != enforce_eager
+
+
+def test_kv_pool_is_sized_by_profiling(tiny_llama_dir):
+    total = torch.cuda.mem_get_info()[1]
+    llm = _llm(str(tiny_llama_dir), num_kv_blocks=None, gpu_memory_utilization=0.3, enforce_eager=True)
+    runner = llm.engine.runner
+    pool_bytes = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
+    # A tiny model: nearly the whole 30 % goes to the pool, and never more than that.
+    assert 0.2 * total < pool_bytes < 0.3 * total
+    assert torch.cuda.memory_reserved() < 0.3 * total
+    out = _greedy(llm, _prompts(llm.info.vocab_size, 2, seed=17), 4)
+    assert all(len(c.token_ids) == 4 for c in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernels_round_like_transformers(dtype):
+    from tokenmill.model.layers.rotary import RotaryEmbedding
+    from tokenmill.model.layers.triton_ops import add_rms_norm, rope_inplace, silu_mul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(37, 4096, device="cuda", dtype=dtype, generator=gen)
+    delta = torch.randn(37, 4096, device="cuda", dtype=dtype, generator=gen)
+    weight = torch.rand(4096, device="cuda", dtype=dtype, generator=gen) + 0.5
+    summed = x + delta
+    variance = summed.float().pow(2).mean(-1, keepdim=True)
+    expected = weight * (summed.float() * torch.rsqrt(variance + 1e-5)).to(dtype)
+    out = add_rms_norm(x, weight, 1e-5, delta)
+    assert torch.equal(x, summed)  # the residual stream now holds the rounded sum
+    ulp = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (out.float() - expected.float()).abs().max() <= ulp * expected.float().abs().max()
+
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None, device="cuda", dtype=dtype)
+    qkv = torch.randn(37, 48 * 128, device="cuda", dtype=dtype, generator=gen)
+    qk = qkv[:, : 40 * 128].view(37, 40, 128)  # strided rows, as the model's fused qkv has them
+    positions = torch.randint(0, 4096, (37,), device="cuda", generator=gen)
+    cos = rotary.cos_cache[positions].unsqueeze(1)
+    sin_half = rotary.sin_cache[positions][:, 64:]  # the table holds [-sin, sin]
+    sin = torch.cat([sin_half, sin_half], dim=-1).unsqueeze(1)
+    rotate_half = torch.cat([-qk[..., 64:], qk[..., :64]], dim=-1)
+    expected_rope = qk * cos + rotate_half * sin
+    untouched = qkv[:, 40 * 128 :].clone()
+    rope_inplace(qk, positions, rotary.cos_cache, rotary.sin_cache)
+    # bf16: every intermediate rounded where transformers rounds it, so bit for bit; fp32 may
+    # differ by an ulp where the compiler fuses a multiply-add.
+    exact = {"rtol": 0.0, "atol": 0.0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(qk, expected_rope, **exact)
+    assert torch.equal(qkv[:, 40 * 128 :], untouched)
+
+    gate_up = torch.randn(37, 2 * 14336, device="cuda", dtype=dtype, generator=gen)
+    expected_act = torch.nn.functional.silu(gate_up[:, :14336]) * gate_up[:, 14336:]
+    # exp itself may differ by an ulp between Triton and PyTorch.
+    one_ulp = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(silu_mul(gate_up), expected_act, **one_ulp)
