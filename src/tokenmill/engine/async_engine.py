@@ -299,7 +299,7 @@ class AsyncEngine:
             self.output_processor.abort_request(cid)
             aborted = _aborted_output(state)
             if self.on_output is not None:
-                self.on_output(aborted, now)  # metrics: count it, close its token clock
+                self._callback(self.on_output, aborted, now)  # metrics: count it, stop its clock
             if deliver:
                 record.queue.put_nowait(aborted)
         if live:

@@ -166,7 +166,11 @@ class LLM:
                 child_params = self._child_params(params, index)
                 child_id = request_id if params.n == 1 else f"{request_id}-{index}"
                 core_req = self.input_processor.make_request(
-                    child_id, token_ids, child_params, priority=priority[i] if priority else 0
+                    child_id,
+                    token_ids,
+                    child_params,
+                    priority=priority[i] if priority else 0,
+                    cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                 )
                 children.append((child_id, index, core_req))
             staged.append((request_id, text, token_ids, params, children))
