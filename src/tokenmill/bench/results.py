@@ -104,7 +104,14 @@ def _cpu_name() -> str:
 
 
 def git_commit() -> str:
-    """HEAD of the source checkout, with "+dirty" when tracked files have uncommitted changes."""
+    """HEAD of the source checkout, with "+dirty" when tracked files have uncommitted changes.
+
+    $TOKENMILL_COMMIT overrides it: a copy of the tree without .git (the GPU machine gets one) is
+    told the commit it was taken from.
+    """
+    override = os.environ.get("TOKENMILL_COMMIT")
+    if override:
+        return override
     repo = Path(__file__).resolve().parent
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
