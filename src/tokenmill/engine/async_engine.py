@@ -12,11 +12,12 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import msgspec
@@ -24,7 +25,6 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_process import run_engine_core
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -48,10 +48,35 @@ WATCHDOG_INTERVAL_S = 0.2
 SEND_RETRY_S = 0.002
 
 
-def _kill_if_alive(process: multiprocessing.process.BaseProcess) -> None:
-    if process.is_alive():
+def _kill_if_alive(process: subprocess.Popen) -> None:
+    if process.poll() is None:
         process.kill()
-        process.join(5.0)
+        process.wait(5.0)
+
+
+def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> subprocess.Popen:
+    """Starts `python -m tokenmill.engine.core_process` with the config's msgpack on its stdin.
+
+    A plain subprocess rather than multiprocessing, whose spawn start method pickles the target
+    and its arguments over a pipe: here only msgpack and command-line strings cross. The child
+    stays in this session and process group (Ctrl-C reaches both; the engine ignores it and
+    waits for the server's Shutdown), inherits no file descriptor but stdio (close_fds), so it
+    never holds the listening socket, and dies with this process (see core_process).
+    Must run on the thread that lives as long as the server: PR_SET_PDEATHSIG fires when the
+    creating *thread* exits.
+    """
+    command = [
+        sys.executable, "-m", "tokenmill.engine.core_process",
+        "--input-addr", input_addr, "--output-addr", output_addr, "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, close_fds=True, start_new_session=False)
+    assert process.stdin is not None
+    try:
+        process.stdin.write(msgspec.msgpack.encode(config))
+        process.stdin.close()
+    except OSError:  # it died at once; start() reports its exit code
+        pass
+    return process
 
 
 def _aborted_output(state: Any) -> RequestOutput:
@@ -93,7 +118,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: subprocess.Popen | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
         os.chmod(self._ipc_dir, 0o700)  # only this user may reach the sockets
         # Sends go through a plain socket with NOBLOCK so a dead or stalled engine can never block
@@ -111,9 +136,7 @@ class AsyncEngine:
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self, ready_timeout_s: float = 1800.0) -> None:
-        from tokenmill.engine.llm import load_tokenizer_or_none
         from tokenmill.model.registry import resolve_model
-        from tokenmill.model.tokenizer import eos_token_ids
 
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
@@ -122,47 +145,21 @@ class AsyncEngine:
 
         # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
-        self.tokenizer = await asyncio.to_thread(
-            load_tokenizer_or_none, resolved, self.config.model.chat_template
-        )
-        # The same EOS set as the offline LLM, so both stop at the same token.
-        self.eos_token_ids = list(
-            eos_token_ids(self.tokenizer, resolved)
-            if self.tokenizer is not None
-            else resolved.arch.eos_token_ids
-        )
-
-        spawn = multiprocessing.get_context("spawn")
-        config_bytes = msgspec.msgpack.encode(self.config)
-        self._process = spawn.Process(
-            target=run_engine_core,
-            args=(config_bytes, input_addr, output_addr, os.getpid()),
-            name="tokenmill-engine",
-            daemon=True,
-        )
-        self._process.start()
-        # The engine ignores SIGTERM, so multiprocessing's own exit hook (terminate, then join)
-        # would wait on it forever if this process exits without shutdown(): kill it first
-        # (atexit runs hooks last-registered first).
+        self._process = _spawn_engine_process(self.config, input_addr, output_addr)
+        # If this process exits without shutdown() (an exception in the caller), kill the engine
+        # rather than leave it to notice the parent is gone.
         atexit.register(_kill_if_alive, self._process)
         logger.info("engine process %d started; loading the model", self._process.pid)
-
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if await self._from_engine.poll(500):
-                message = self._decoder.decode(await self._from_engine.recv())
-                if isinstance(message, EngineReady):
-                    if message.error:
-                        raise RuntimeError(message.error)
-                    self.info = message.info
-                    break
-                continue
-            if not self._process.is_alive():  # checked after the poll, so its last words are read
-                raise RuntimeError(
-                    f"the engine process exited during start-up (exit code {self._process.exitcode})"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
+        # The tokenizer (importing transformers takes seconds) loads while the engine starts.
+        tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, resolved))
+        try:
+            await self._wait_until_ready(ready_timeout_s)
+        except BaseException:
+            await asyncio.wait({tokenizer_loaded})  # a thread cannot be cancelled: let it finish
+            if not tokenizer_loaded.cancelled():
+                tokenizer_loaded.exception()  # the engine's failure is the one to report
+            raise
+        self.tokenizer, self.eos_token_ids = await tokenizer_loaded
         assert self.info is not None
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -171,6 +168,34 @@ class AsyncEngine:
             "engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s",
             self.info.num_kv_blocks, self.info.block_size, self.info.max_model_len, self.info.device, self.info.dtype,
         )  # fmt: skip
+
+    def _load_tokenizer(self, resolved: Any) -> tuple[Any, list[int]]:
+        from tokenmill.engine.llm import load_tokenizer_or_none
+        from tokenmill.model.tokenizer import eos_token_ids
+
+        tokenizer = load_tokenizer_or_none(resolved, self.config.model.chat_template)
+        # The same EOS set as the offline LLM, so both stop at the same token.
+        eos = eos_token_ids(tokenizer, resolved) if tokenizer is not None else resolved.arch.eos_token_ids
+        return tokenizer, list(eos)
+
+    async def _wait_until_ready(self, ready_timeout_s: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if await self._from_engine.poll(500):
+                message = self._decoder.decode(await self._from_engine.recv())
+                if isinstance(message, EngineReady):
+                    if message.error:
+                        raise RuntimeError(message.error)
+                    self.info = message.info
+                    return
+                continue
+            if self._process.poll() is not None:  # checked after the poll, so its last words are read
+                raise RuntimeError(
+                    f"the engine process exited during start-up (exit code {self._process.returncode})"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
 
     @property
     def engine_pid(self) -> int | None:
@@ -181,14 +206,13 @@ class AsyncEngine:
         if self._closed:
             return
         self._stopping = True
-        if self._process is not None and self._process.is_alive():
+        if self._process is not None and self._process.poll() is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._to_engine.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-            await asyncio.to_thread(self._process.join, timeout_s)
-            if self._process.is_alive():  # it ignores SIGTERM (see core_process): kill it
+            if not await self._wait_for_exit(timeout_s):  # it ignores SIGTERM (see core_process)
                 logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
                 self._process.kill()
-                await asyncio.to_thread(self._process.join, 5.0)
+                await self._wait_for_exit(5.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -203,6 +227,16 @@ class AsyncEngine:
                 os.unlink(os.path.join(self._ipc_dir, name))
         with contextlib.suppress(OSError):
             os.rmdir(self._ipc_dir)
+
+    async def _wait_for_exit(self, timeout_s: float) -> bool:
+        """Waits (without blocking the loop) for the engine process to exit and reaps it."""
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        while self._process.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -273,25 +307,27 @@ class AsyncEngine:
                 self._abort_children(record, deliver=False)
             self._forget(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Ends a user request now: its unfinished sequences get finish_reason "abort" (delivered to
-        whoever iterates generate()) and the engine frees their blocks at its next step."""
+    async def abort(self, request_id: str, indexes: Collection[int] | None = None) -> None:
+        """Ends a user request now: its unfinished sequences (those of `indexes` among its n, or
+        all) get finish_reason "abort", delivered to whoever iterates generate(), and the engine
+        frees their blocks at its next step."""
         record = self._streams.get(request_id)
         if record is not None:
-            self._abort_children(record, deliver=True)
+            only = None if indexes is None else [record.child_ids[i] for i in indexes]
+            self._abort_children(record, deliver=True, only=only)
 
     async def abort_all(self) -> None:
         """Ends every live request; each client still receives finish_reason "abort"."""
         for record in list(self._streams.values()):
             self._abort_children(record, deliver=True)
 
-    def _abort_children(self, record: _Stream, *, deliver: bool) -> None:
-        """Drops the live sequences of `record` here and tells the engine. Never suspends, so it
-        also runs to completion inside a cancelled task's clean-up."""
+    def _abort_children(self, record: _Stream, *, deliver: bool, only: list[str] | None = None) -> None:
+        """Drops the live sequences of `record` (or those of them in `only`) here and tells the
+        engine. Never suspends, so it also runs to completion inside a cancelled task's clean-up."""
         assert self.output_processor is not None
         now = time.monotonic()
         live = []
-        for cid in record.child_ids:
+        for cid in record.child_ids if only is None else only:
             state = self.output_processor.states.get(cid)
             if state is None:
                 continue  # already finished
@@ -438,10 +474,10 @@ class AsyncEngine:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self._process is not None and not self._process.is_alive():
+            if self._process is not None and self._process.poll() is not None:
                 if not self._stopping:
-                    logger.error("the engine process died (exit code %s)", self._process.exitcode)
-                self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+                    logger.error("the engine process died (exit code %s)", self._process.returncode)
+                self._mark_dead(f"the engine process exited with code {self._process.returncode}")
                 return
 
     def _mark_dead(self, reason: str) -> None:

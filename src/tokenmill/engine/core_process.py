@@ -1,10 +1,14 @@
 """The engine core's own process: a busy loop of ZMQ input -> EngineCore.step() -> ZMQ output.
 
-Only msgspec msgpack crosses the sockets (no pickle), and only over ipc:// paths the parent made.
+Started by AsyncEngine as `python -m tokenmill.engine.core_process --input-addr ipc://... ...` with
+the msgpack of its EngineConfig on stdin: no multiprocessing, so nothing is ever unpickled, neither
+the start-up arguments nor anything on the sockets (msgspec msgpack only, over ipc:// paths in a
+directory only this user can enter).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import os
@@ -48,21 +52,12 @@ def _die_with_parent() -> None:
 
 
 def _init_torch(config: EngineConfig) -> None:
-    """What the offline LLM does before building its engine (the seed), plus the CPU thread count.
-
-    On CPU the API server process shares the cores with this one (HTTP, tokenization,
-    detokenization), and OpenMP threads that spin on an oversubscribed core collapse throughput
-    (measured on 2 cores under load: 2 threads 0.67 s/token, 1 thread 0.09 s/token). So the
-    engine leaves one core to the API server.
-    """
+    """What the offline LLM does before building its engine, so both run the same model (dummy
+    weights come from the global generator). OpenMP's wait policy is set when tokenmill is
+    imported, before torch loads (see tokenmill/__init__.py)."""
     import torch
 
     torch.manual_seed(config.model.seed)
-    if config.device.startswith("cpu"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores - 1)
-        torch.set_num_threads(threads)
-        logger.info("engine on CPU: %d torch threads (%d cores, one left to the API server)", threads, cores)
 
 
 class _ParentGone(Exception):
@@ -171,3 +166,23 @@ def _utility(core, call: UtilityCall) -> UtilityResult:
         return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
     except Exception as exc:
         return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenmill.engine.core_process`: reads the EngineConfig (msgpack) from stdin."""
+    parser = argparse.ArgumentParser(prog="tokenmill.engine.core_process")
+    parser.add_argument("--input-addr", required=True, help="ipc:// address the API server sends on")
+    parser.add_argument("--output-addr", required=True, help="ipc:// address the API server receives on")
+    parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    for addr in (args.input_addr, args.output_addr):
+        if not addr.startswith("ipc://"):
+            parser.error(f"engine addresses must be ipc:// paths, got {addr!r}")
+    config_bytes = sys.stdin.buffer.read()
+    sys.stdin.close()
+    run_engine_core(config_bytes, args.input_addr, args.output_addr, args.parent_pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,7 +69,13 @@ class InputProcessor:
             )
         room = max_len - num_prompt
         if params.max_tokens is None:
-            max_tokens = room
+            # Up to the context length, or what the KV pool can hold if that is smaller.
+            max_tokens = min(room, self.kv_capacity_tokens - num_prompt)
+            if max_tokens < 1:
+                raise InvalidRequestError(
+                    f"the prompt is {num_prompt} tokens but the KV cache holds {self.kv_capacity_tokens}; shorten it",
+                    param="prompt",
+                )
         elif params.max_tokens > room:
             raise InvalidRequestError(
                 f"this model's maximum context length is {max_len} tokens, but {num_prompt + params.max_tokens} "

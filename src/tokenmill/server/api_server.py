@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 import uvicorn
@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill import __version__
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from tokenmill.server.admission import AdmissionControl
+from tokenmill.server.http_protocol import make_uvicorn_config
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,7 +36,7 @@ from tokenmill.server.protocol import (
     parse_tokenize_request,
 )
 from tokenmill.server.serving_chat import create_chat_completion
-from tokenmill.server.serving_common import wait_for_disconnect
+from tokenmill.server.serving_common import EventStream, wait_for_disconnect
 from tokenmill.server.serving_completion import create_completion
 from tokenmill.server.state import ServerState, ServiceUnavailableError
 
@@ -52,6 +54,11 @@ class PayloadTooLargeError(TokenmillError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeoutError(TokenmillError):
+    status_code = 408
+    error_type = "timeout_error"
+
+
 class AuthenticationError(TokenmillError):
     status_code = 401
     error_type = "invalid_request_error"
@@ -62,13 +69,23 @@ class _NotFound(TokenmillError):
     error_type = "not_found_error"
 
 
+class HeadersTooLargeError(TokenmillError):
+    status_code = 431
+    error_type = "invalid_request_error"
+
+
 class _MethodNotAllowed(TokenmillError):
     status_code = 405
     error_type = "invalid_request_error"
 
 
 def error_response(exc: TokenmillError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+    retry_after_s = getattr(exc, "retry_after_s", None)  # 429 overloaded, 503 queue time exceeded
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
+    if exc.status_code in (408, 413, 431):
+        headers["Connection"] = "close"  # the rest of a half-read body must not be read as a request
     return JSONResponse(
         ErrorResponse.from_exception(exc).model_dump(), status_code=exc.status_code, headers=headers
     )
@@ -86,6 +103,33 @@ def is_authorized(scope: Scope, api_key: str) -> bool:
     # always runs, so a wrong scheme costs the same as a wrong key.
     key_ok = hmac.compare_digest(token.strip(), api_key.encode())
     return scheme.lower() == b"bearer" and key_ok
+
+
+class HeaderLimitMiddleware:
+    """Refuses requests whose target and headers exceed --max-header-bytes (431).
+
+    h11's max_incomplete_event_size only bounds headers still arriving: a request line and
+    headers that come whole in one read pass it at any size. This bounds what is accepted.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ()))
+            if size > self.state.max_header_bytes:
+                response = error_response(
+                    HeadersTooLargeError(
+                        f"the request line and headers are {size} bytes; the limit is "
+                        f"{self.state.max_header_bytes} bytes"
+                    )
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
@@ -121,6 +165,9 @@ class ApiKeyMiddleware:
 
 
 async def read_body(state: ServerState, request: Request) -> bytes:
+    """The request body, at most --max-body-bytes (else 413), read within --client-read-timeout
+    (else 408), so a client that sends too much or too slowly cannot hold the server's memory
+    or a connection forever."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
         raise PayloadTooLargeError(
@@ -128,11 +175,20 @@ async def read_body(state: ServerState, request: Request) -> bytes:
         )
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise PayloadTooLargeError(f"the request body exceeds the limit of {state.max_body_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(state.client_read_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > state.max_body_bytes:
+                    raise PayloadTooLargeError(
+                        f"the request body exceeds the limit of {state.max_body_bytes} bytes"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"the request body was not received within {state.client_read_timeout:g} s "
+            f"({size} bytes arrived); send it faster"
+        ) from None
     return b"".join(chunks)
 
 
@@ -140,6 +196,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version=__version__)
     app.state.tm = state
     app.add_middleware(ApiKeyMiddleware, state=state)
+    app.add_middleware(HeaderLimitMiddleware, state=state)  # added last: runs first
 
     @app.exception_handler(TokenmillError)
     async def _tokenmill_error(_: Request, exc: TokenmillError):
@@ -239,14 +296,30 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _respond(request: Request, handler: Awaitable[Any], stream: bool) -> Response:
-    if stream:
-        events = await handler  # validation errors raise here, before any byte is sent
-        return StreamingResponse(
-            _closing(events),
+class _EventStreamResponse(StreamingResponse):
+    """An SSE response that closes its events however it ends — finished, client gone, server
+    stopping, or cancelled before the first event — so the request is aborted in the engine and
+    its admission released now, not whenever the garbage collector runs."""
+
+    def __init__(self, events: EventStream) -> None:
+        super().__init__(
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+
+
+async def _respond(request: Request, handler: Awaitable[Any], stream: bool) -> Response:
+    if stream:
+        events = await handler  # validation and admission errors raise here, before any byte is sent
+        return _EventStreamResponse(events)
     # Non-streaming: race the work against the client leaving; leaving cancels the work,
     # which aborts the request in the engine.
     work = asyncio.ensure_future(handler)
@@ -261,16 +334,6 @@ async def _respond(request: Request, handler: Awaitable[Any], stream: bool) -> R
     if work.cancelled():
         return Response(status_code=499)  # nobody is listening; the status only shows in logs
     return Response(work.result().model_dump_json(), media_type="application/json")
-
-
-async def _closing(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Closes the event generator however the response ends (client gone, server stopping), so its
-    request is aborted in the engine now rather than whenever the garbage collector runs."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def drain(state: ServerState, timeout_s: float) -> None:
@@ -357,15 +420,19 @@ def run_server(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
+        max_queue_time=args.max_queue_time,
+        client_read_timeout=args.client_read_timeout,
+        max_header_bytes=args.max_header_bytes,
+        admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
     )
     app = create_app(state)
-    uv_config = uvicorn.Config(
+    uv_config = make_uvicorn_config(
         app,
         host=args.host,
         port=args.port,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
+        max_header_bytes=state.max_header_bytes,
+        client_read_timeout=args.client_read_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)

@@ -19,16 +19,49 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may finish after SIGTERM",
     )
     parser.add_argument(
-        "--max-num-waiting-seqs", type=int, default=1024, help="beyond this many queued requests: 429"
+        "--max-num-waiting-seqs",
+        type=int,
+        default=1024,
+        help="sequences (prompts x n) admitted but without a first token yet; beyond: 429 + Retry-After",
     )
     parser.add_argument(
         "--max-num-waiting-tokens",
         type=int,
         default=1_000_000,
-        help="beyond this many queued prompt tokens: 429",
+        help="prompt tokens of those waiting sequences; beyond: 429 + Retry-After",
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=None, help="end requests running longer than this (s)"
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="abort requests running longer than this many seconds (finish_reason 'abort'); "
+        "a request's own request_timeout may only shorten it",
+    )
+    parser.add_argument(
+        "--max-queue-time",
+        type=float,
+        default=None,
+        help="abort requests that wait longer than this many seconds for their first token "
+        "(503 if nothing was generated)",
     )
     parser.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies: 413")
+    parser.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 2**10,
+        help="larger request line + headers: 431 (400 if still arriving) and the connection closes",
+    )
+    parser.add_argument(
+        "--client-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers (else the connection closes) "
+        "and its body (else 408)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open",
+    )

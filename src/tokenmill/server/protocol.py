@@ -8,11 +8,11 @@ Shape and type errors surface as pydantic `ValidationError`s; `parse_request` tu
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal, TypeVar
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
@@ -25,6 +25,7 @@ MAX_STOP_SEQUENCE_CHARS = 512
 MAX_MESSAGES = 2048
 
 _INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 
@@ -77,7 +78,7 @@ class SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # Extras (vLLM's names).
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=_INT64_MAX)  # msgpack to the engine holds 64 bits
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0)
@@ -86,7 +87,7 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     request_timeout: float | None = Field(default=None, gt=0)  # seconds
@@ -515,8 +516,10 @@ def parse_tokenize_request(body: bytes | str | dict[str, Any]) -> TokenizeReques
     """/tokenize takes either a chat request (`messages`) or a completion one (`prompt`)."""
     if not isinstance(body, dict):
         try:
-            body = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            # The parser model_validate_json uses: it refuses what the other routes refuse (lone
+            # surrogate escapes, which json.loads lets through to the tokenizer).
+            body = pydantic_core.from_json(body)
+        except ValueError as exc:
             raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise InvalidRequestError("request body must be a JSON object")

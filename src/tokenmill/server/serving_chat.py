@@ -24,14 +24,15 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving_common import (
     ChoiceState,
+    EventStream,
     PreparedPrompt,
     RunStatus,
-    error_event,
+    admit,
+    finish_event,
     generate_all,
     make_usage,
-    request_timeout,
+    raise_if_never_started,
     stream_failure_event,
-    timeout_event,
     tokenize_off_loop,
     validate_prompts,
 )
@@ -89,7 +90,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     request_id = random_id("chatcmpl")
     model = request.model or state.model_names[0]
     choices = [ChoiceState(index=j) for j in range(params.n)]
-    status = RunStatus(timeout_s=request_timeout(state, request.request_timeout))
+    status = admit(state, [prompt], params, request.request_timeout)
     outputs = generate_all(
         state,
         request_id,
@@ -101,7 +102,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     )
     top_k = request.top_logprobs or 0
     if request.stream:
-        return _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k)
+        events = _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k)
+        return EventStream(events, status)
 
     cached = 0
     async for _, out in outputs:
@@ -119,6 +121,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     errored = [c for c in choices if c.finish_reason == "error"]
     if errored:
         raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    raise_if_never_started(status, choices)
     response_choices = [
         ChatCompletionResponseChoice(
             index=c.index,
@@ -166,10 +169,9 @@ async def _stream(
             if out.finished:
                 cached = max(cached, out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
-                if completion.finish_reason == "error":
-                    yield error_event(f"generation failed: {out.error or 'unknown error'}")
-                elif completion.finish_reason == "abort" and status.timed_out:
-                    yield timeout_event(status)
+                event = finish_event(status, 0, out)
+                if event is not None:
+                    yield event
             yield chunk(
                 choice.index,
                 DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),

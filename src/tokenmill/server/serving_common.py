@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admission import AdmissionTicket, QueueTimeoutError
 from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from tokenmill.server.state import ServerState
 
@@ -51,10 +53,55 @@ async def tokenize_off_loop(num_chars: int, fn: Callable[..., T], *args: Any) ->
 
 @dataclass(slots=True)
 class RunStatus:
-    """Set by generate_all while it runs; read by the handlers when it ends."""
+    """One request's deadlines and admission, set up by the handler; generate_all records what
+    happened (which deadline ended which sequence) for the handler to report."""
 
+    ticket: AdmissionTicket
+    timeout_s: float | None = None  # the whole request (--request-timeout / request_timeout)
+    queue_timeout_s: float | None = None  # until each sequence's first token (--max-queue-time)
     timed_out: bool = False
-    timeout_s: float | None = None
+    # (prompt index, sample index) of the sequences the queue-time limit aborted before they started.
+    queue_expired: set[tuple[int, int]] = field(default_factory=set)
+
+    def release(self) -> None:
+        self.ticket.release()
+
+    def never_started(self, choices: list[ChoiceState]) -> bool:
+        """True when the queue-time limit ended every sequence before any produced a token."""
+        return len(self.queue_expired) == len(choices) and not any(c.token_ids for c in choices)
+
+
+def admit(
+    state: ServerState, prompts: list[PreparedPrompt], params: SamplingParams, requested_timeout: float | None
+) -> RunStatus:
+    """Admission control (429 when too much is waiting), then the request's deadlines."""
+    ticket = state.admission.admit([len(p.token_ids) for p in prompts], params.n)
+    return RunStatus(
+        ticket=ticket,
+        timeout_s=request_timeout(state, requested_timeout),
+        queue_timeout_s=state.max_queue_time,
+    )
+
+
+class EventStream:
+    """The SSE events of one streaming response. Closing it closes the events and releases the
+    request's admission, even when the response never started iterating (client gone first)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], status: RunStatus) -> None:
+        self._events = events
+        self._status = status
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            self._status.release()
 
 
 def validate_prompts(
@@ -87,17 +134,20 @@ async def generate_all(
     *,
     priority: int = 0,
     cache_salt: str | None = None,
-    status: RunStatus | None = None,
+    status: RunStatus,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs every prompt concurrently; yields (prompt index, delta output) as they arrive.
 
     Leaving the iteration early (client gone, error) cancels every prompt's generation, which
     aborts its sequences in the engine. When `status.timeout_s` passes first, the unfinished
-    sequences are aborted and end with finish_reason "abort"; `status.timed_out` tells.
+    sequences are aborted and end with finish_reason "abort"; `status.timed_out` tells. When
+    `status.queue_timeout_s` passes, the sequences that have not produced a token yet end the
+    same way; `status.queue_expired` tells which. Ending releases the request's admission.
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
     engine_ids = [f"{request_id}-p{i}" for i in range(len(prompts))]
+    ticket = status.ticket
 
     async def pump(i: int, prompt: PreparedPrompt) -> None:
         try:
@@ -110,6 +160,8 @@ async def generate_all(
                 priority=priority,
                 cache_salt=cache_salt,
             ):
+                if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
+                    ticket.started(i, out.outputs[0].index)
                 queue.put_nowait((i, out))
             queue.put_nowait(done)
         except Exception as exc:
@@ -117,15 +169,25 @@ async def generate_all(
 
     async def expire(timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)
-        assert status is not None
         status.timed_out = True
         for engine_id in engine_ids:
             await state.engine.abort(engine_id)
 
+    async def expire_waiting(timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        unstarted: dict[int, list[int]] = defaultdict(list)
+        for i, j in list(ticket.waiting):
+            status.queue_expired.add((i, j))
+            unstarted[i].append(j)
+        for i, sample_indexes in unstarted.items():
+            await state.engine.abort(engine_ids[i], sample_indexes)
+
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-    timer = None
-    if status is not None and status.timeout_s is not None:
-        timer = asyncio.create_task(expire(status.timeout_s))
+    timers = []
+    if status.timeout_s is not None:
+        timers.append(asyncio.create_task(expire(status.timeout_s)))
+    if status.queue_timeout_s is not None:
+        timers.append(asyncio.create_task(expire_waiting(status.queue_timeout_s)))
     remaining = len(tasks)
     try:
         while remaining:
@@ -137,10 +199,11 @@ async def generate_all(
             else:
                 yield item
     finally:
-        for task in [*tasks, timer]:
-            if task is not None and not task.done():
+        ticket.release()
+        for task in [*tasks, *timers]:
+            if not task.done():
                 task.cancel()
-        await asyncio.gather(*tasks, *([timer] if timer else []), return_exceptions=True)
+        await asyncio.gather(*tasks, *timers, return_exceptions=True)
 
 
 def make_usage(prompts: list[PreparedPrompt], choices: list[ChoiceState], cached_tokens: int) -> UsageInfo:
@@ -165,6 +228,36 @@ def timeout_event(status: RunStatus) -> str:
         status_code=408,
         error_type="timeout_error",
     )
+
+
+def queue_timeout_event(status: RunStatus) -> str:
+    return error_event(queue_timeout_message(status), status_code=503, error_type="service_unavailable")
+
+
+def queue_timeout_message(status: RunStatus) -> str:
+    return (
+        f"the request waited longer than the queue-time limit of {status.queue_timeout_s:g} s without "
+        "starting and was aborted; the server is overloaded, retry later"
+    )
+
+
+def raise_if_never_started(status: RunStatus, choices: list[ChoiceState]) -> None:
+    """Non-streaming: a request the queue-time limit ended before any token is a 503, not a 200."""
+    if status.never_started(choices):
+        raise QueueTimeoutError(queue_timeout_message(status))
+
+
+def finish_event(status: RunStatus, prompt_index: int, out: RequestOutput) -> str | None:
+    """The error event that goes before a sequence's last chunk when it did not end normally."""
+    completion = out.outputs[0]
+    if completion.finish_reason == "error":
+        return error_event(f"generation failed: {out.error or 'unknown error'}")
+    if completion.finish_reason == "abort":
+        if (prompt_index, completion.index) in status.queue_expired:
+            return queue_timeout_event(status)
+        if status.timed_out:
+            return timeout_event(status)
+    return None
 
 
 def stream_failure_event(exc: BaseException) -> str:

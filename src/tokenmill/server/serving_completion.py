@@ -18,14 +18,15 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving_common import (
     ChoiceState,
+    EventStream,
     PreparedPrompt,
     RunStatus,
-    error_event,
+    admit,
+    finish_event,
     generate_all,
     make_usage,
-    request_timeout,
+    raise_if_never_started,
     stream_failure_event,
-    timeout_event,
     tokenize_off_loop,
     validate_prompts,
 )
@@ -89,7 +90,7 @@ async def create_completion(state: ServerState, request: CompletionRequest):
     n = params.n
     # OpenAI numbers the choices of prompt i as i * n + j.
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
-    status = RunStatus(timeout_s=request_timeout(state, request.request_timeout))
+    status = admit(state, prompts, params, request.request_timeout)
     outputs = generate_all(
         state,
         request_id,
@@ -100,7 +101,9 @@ async def create_completion(state: ServerState, request: CompletionRequest):
         status=status,
     )
     if request.stream:
-        return _stream(state, request, request_id, model, prompts, choices, outputs, status)
+        return EventStream(
+            _stream(state, request, request_id, model, prompts, choices, outputs, status), status
+        )
 
     cached = [0] * len(prompts)
     prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
@@ -121,6 +124,7 @@ async def create_completion(state: ServerState, request: CompletionRequest):
     errored = [c for c in choices if c.finish_reason == "error"]
     if errored:
         raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    raise_if_never_started(status, choices)
     response_choices = []
     for choice in choices:
         i = choice.index // n
@@ -203,10 +207,9 @@ async def _stream(
             if out.finished:
                 cached[i] = max(cached[i], out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
-                if completion.finish_reason == "error":
-                    yield error_event(f"generation failed: {out.error or 'unknown error'}")
-                elif completion.finish_reason == "abort" and status.timed_out:
-                    yield timeout_event(status)
+                event = finish_event(status, i, out)
+                if event is not None:
+                    yield event
             yield chunk(
                 CompletionResponseChoice(
                     index=choice.index,

@@ -10,6 +10,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import RequestOutput
+from tokenmill.server.admission import AdmissionControl
 
 
 class ServiceUnavailableError(TokenmillError):
@@ -27,6 +28,13 @@ class ServerState:
     max_n: int = 16
     max_body_bytes: int = 8 * 2**20
     request_timeout: float | None = None
+    # Seconds a request may wait for its first token before it is aborted (--max-queue-time).
+    max_queue_time: float | None = None
+    # Seconds a client may take to send a request's body (--client-read-timeout); then 408.
+    client_read_timeout: float | None = 30.0
+    # Bound on a request's target plus headers (--max-header-bytes); beyond it 431 (or 400 from h11).
+    max_header_bytes: int = 64 * 2**10
+    admission: AdmissionControl = field(default_factory=AdmissionControl)
     ready: bool = False
     draining: bool = False
     startup_error: str | None = None

@@ -1,0 +1,139 @@
+"""The real HTTP stack (create_app, optionally uvicorn on a loopback socket with `serve`'s own
+settings) over the scripted FakeEngine: limits, deadlines and security checks in well under a
+second each, with no model and no subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from tests.server.fake_engine import FakeEngine
+from tokenmill.metrics import ServerMetrics
+from tokenmill.server.api_server import create_app
+from tokenmill.server.http_protocol import make_uvicorn_config
+from tokenmill.server.state import ServerState
+
+MODEL = "tiny"
+
+
+@dataclass
+class FakeServer:
+    state: ServerState
+    engine: FakeEngine
+    client: httpx.AsyncClient
+    port: int | None = None  # set when uvicorn serves it on 127.0.0.1
+
+    async def raw(self, data: bytes, *, read_timeout: float = 5.0) -> bytes:
+        """Sends `data` on a fresh TCP connection and returns all it gets until the server closes."""
+        assert self.port is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            writer.write(data)
+            await writer.drain()
+            return await asyncio.wait_for(reader.read(), read_timeout)
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def fake_server(
+    *,
+    serve_http: bool = False,
+    step_s: float = 0.001,
+    keep_alive_timeout: float = 5.0,
+    **state_kwargs,
+) -> AsyncIterator[FakeServer]:
+    engine = FakeEngine(step_s=step_s)
+    await engine.start()
+    state = ServerState(
+        engine=engine,
+        model_names=[MODEL],
+        model_root="/models/tiny",
+        metrics=ServerMetrics(MODEL),
+        ready=True,
+        **state_kwargs,
+    )
+    engine.on_output = state.observe_output
+    engine.on_step_stats = state.metrics.update_engine_stats
+    app = create_app(state)
+    server = None
+    serving = None
+    port = None
+    if serve_http:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = make_uvicorn_config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            max_header_bytes=state.max_header_bytes,
+            client_read_timeout=state.client_read_timeout or 30.0,
+            keep_alive_timeout=keep_alive_timeout,
+        )
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server._serve([sock]))  # _serve: no signal handlers in tests
+        while not server.started:
+            assert not serving.done(), serving.exception()
+            await asyncio.sleep(0.005)
+        transport = httpx.AsyncHTTPTransport()
+        base_url = f"http://127.0.0.1:{port}"
+    else:
+        transport = httpx.ASGITransport(app=app)
+        base_url = "http://test"
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url=base_url, timeout=10) as client:
+            yield FakeServer(state, engine, client, port)
+    finally:
+        if server is not None and serving is not None:
+            server.should_exit = True
+            await asyncio.wait_for(serving, 10)
+        await engine.shutdown()
+
+
+def run(scenario: Callable[[FakeServer], Awaitable[None]], timeout: float = 10.0, **kwargs) -> None:
+    async def main() -> None:
+        async with fake_server(**kwargs) as fs:
+            await asyncio.wait_for(scenario(fs), timeout)
+
+    asyncio.run(main())
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The data payloads of an SSE body (the last one `[DONE]`), checking the framing."""
+    assert text.endswith("\n\n"), text[-80:]
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    payloads = [e.removeprefix("data: ") for e in events]
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    return payloads
+
+
+def sse_json(text: str) -> list[dict]:
+    return [json.loads(p) for p in sse_payloads(text)[:-1]]
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error

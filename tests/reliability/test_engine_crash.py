@@ -1,0 +1,218 @@
+"""Process faults under load: the engine process killed mid-stream, and SIGTERM while requests run.
+
+The promise: no client hangs; every pending request gets an error (the engine died) or completes /
+ends with finish_reason "abort" (the drain); /health tells the truth; nothing outlives the server;
+and a new server starts cleanly afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tests.reliability.server_tools import (
+    engine_pid,
+    metric,
+    openai_error_problem,
+    process_tree,
+    response_error_problem,
+    start_tiny_server,
+    survivors,
+)
+
+LONG = 480  # tokens: seconds of work for a batch on the tiny model, so it is mid-flight when hit
+
+
+@dataclass
+class ClientResult:
+    """What one client saw, in order."""
+
+    status: int | None = None
+    events: list[dict] = field(default_factory=list)
+    done_lines: int = 0
+    body: dict | None = None
+    error: str | None = None  # a client-side exception
+    ended_at: float | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # first event or the response
+
+
+def stream_client(base_url: str, body: dict, result: ClientResult, timeout: float = 60.0) -> None:
+    try:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=timeout
+        ) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                r.read()
+                result.body = r.json()
+                return
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    result.done_lines += 1
+                    continue
+                result.events.append(json.loads(line.removeprefix("data: ")))
+                result.started.set()
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.ended_at = time.monotonic()
+        result.started.set()
+
+
+def plain_client(base_url: str, body: dict, result: ClientResult, timeout: float = 60.0) -> None:
+    try:
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+        result.status = r.status_code
+        result.body = r.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.ended_at = time.monotonic()
+        result.started.set()
+
+
+def start_clients(
+    base_url: str, specs: list[tuple[str, dict]]
+) -> tuple[list[ClientResult], list[threading.Thread]]:
+    results, threads = [], []
+    for kind, body in specs:
+        result = ClientResult()
+        target = stream_client if kind == "stream" else plain_client
+        thread = threading.Thread(target=target, args=(base_url, body, result), daemon=True)
+        thread.start()
+        results.append(result)
+        threads.append(thread)
+    return results, threads
+
+
+def finish_reasons(result: ClientResult) -> list[str]:
+    if result.body is not None and "choices" in result.body:
+        return [c["finish_reason"] for c in result.body["choices"]]
+    return [c["finish_reason"] for e in result.events for c in e.get("choices", []) if c.get("finish_reason")]
+
+
+def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, tiny_llama_dir):
+    server = start_tiny_server(
+        str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--max-num-seqs", "4"
+    )
+    tree = process_tree(server.process.pid)
+    try:
+        engine = engine_pid(server)
+        body = {"prompt": "tell me a long story", "max_tokens": LONG, "ignore_eos": True}
+        # 8 streams and 2 non-streaming requests: 4 run, 6 wait in the queue.
+        specs = [("stream", body)] * 8 + [("plain", body)] * 2
+        results, threads = start_clients(server.base_url, specs)
+        deadline = time.monotonic() + 60
+        while sum(r.started.is_set() for r in results[:8]) < 4:  # the running ones are streaming
+            assert time.monotonic() < deadline, "the streams never started"
+            time.sleep(0.02)
+        assert (
+            metric(server.base_url, "num_requests_running") + metric(server.base_url, "num_requests_waiting")
+            > 0
+        )
+
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        for thread in threads:
+            thread.join(timeout=15)
+        hung = [i for i, t in enumerate(threads) if t.is_alive()]
+        assert not hung, f"clients {hung} still waiting 15 s after the engine died"
+        slowest = max(r.ended_at for r in results) - killed  # type: ignore[operator]
+        assert slowest < 5, f"a client took {slowest:.1f} s to learn that the engine died"
+
+        for i, result in enumerate(results):
+            assert result.error is None, f"client {i}: {result.error}"
+            assert "length" not in finish_reasons(result), (
+                f"client {i} completed although the engine was killed"
+            )
+            if i < 8 and result.status == 200:  # a stream that had started: an error event, then [DONE]
+                errors = [e for e in result.events if "error" in e]
+                assert len(errors) == 1 and errors[0]["error"]["code"] == 503, (
+                    f"stream {i}: {result.events[-3:]}"
+                )
+                assert openai_error_problem(errors[0], 503) is None
+                assert result.done_lines == 1, f"stream {i} ended without exactly one [DONE]"
+            else:
+                assert result.status == 503, f"client {i}: {result.status} {result.body}"
+                assert openai_error_problem(result.body, 503) is None, result.body
+
+        health = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert health.status_code == 503, health.text
+        started = time.monotonic()
+        late = httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10
+        )
+        assert late.status_code == 503 and time.monotonic() - started < 2, late.text
+        assert response_error_problem(late) is None
+        late_chat = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+            timeout=10,
+        )
+        assert late_chat.status_code == 503, late_chat.text
+    finally:
+        server.stop(signal.SIGTERM, timeout=30)
+    assert server.process.returncode is not None
+    leaked = survivors(tree)
+    assert not leaked, f"processes outlived the server: {leaked}"
+
+
+def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_path, tiny_llama_dir):
+    """Runs after the test above (same model, fresh port): the restart works, then a drain."""
+    shutdown_timeout = 1.5
+    server = start_tiny_server(
+        str(tmp_path), str(tiny_llama_dir),
+        "--max-model-len", "512", "--max-num-seqs", "16", "--shutdown-timeout", str(shutdown_timeout),
+    )  # fmt: skip
+    tree = process_tree(server.process.pid)
+    short = {"prompt": "a short one", "max_tokens": 60, "ignore_eos": True}
+    long = {"prompt": "a long one", "max_tokens": LONG, "ignore_eos": True}
+    # Twelve long requests keep the batch busy for seconds; the short ones finish within the timeout.
+    specs = [("stream", short), ("plain", short)] + [("stream", long)] * 8 + [("plain", long)] * 4
+    results, threads = start_clients(server.base_url, specs)
+    deadline = time.monotonic() + 60
+    while metric(server.base_url, "num_requests_running") < len(specs):
+        assert time.monotonic() < deadline, "the requests never all started"
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    if server.process.poll() is None:  # still draining: closed to new work
+        with contextlib.suppress(httpx.TransportError):
+            assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503
+            late = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "late"}, timeout=5)
+            assert late.status_code == 503 and response_error_problem(late) is None, late.text
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a client hung during the drain"
+    exit_code = server.process.wait(30)
+    took = time.monotonic() - signalled
+    assert exit_code == 0, server.log()
+    # The drain itself is bounded by --shutdown-timeout; the rest is delivering aborts and reaping.
+    assert took < shutdown_timeout + 10, f"the server took {took:.1f} s to exit"
+
+    for i, result in enumerate(results):
+        assert result.error is None and result.status == 200, f"client {i}: {result.status} {result.error}"
+        reasons = finish_reasons(result)
+        assert len(reasons) == 1, f"client {i}: finish reasons {reasons}"
+        if specs[i][0] == "stream":
+            assert result.done_lines == 1, f"stream {i} ended without exactly one [DONE]"
+        if i < 2:
+            assert reasons == ["length"], f"short request {i} did not complete within the drain: {reasons}"
+            if specs[i][0] == "plain":
+                assert result.body["usage"]["completion_tokens"] == short["max_tokens"]  # type: ignore[index]
+        else:
+            assert reasons == ["abort"], (
+                f"long request {i} was not aborted at the shutdown timeout: {reasons}"
+            )
+    leaked = survivors(tree)
+    assert not leaked, f"processes outlived the server: {leaked}"
