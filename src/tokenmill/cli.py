@@ -19,13 +19,19 @@ def _bytes(value: str) -> int:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)")
-    parser.add_argument("--kv-cache-memory", type=_bytes, default=None, help="CPU: KV pool size in bytes, e.g. 2GiB")
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)"
+    )
+    parser.add_argument(
+        "--kv-cache-memory", type=_bytes, default=None, help="CPU: KV pool size in bytes, e.g. 2GiB"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--block-size", type=int, default=16)
@@ -77,7 +83,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs_from_args(args))
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.sampling_seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
     )
     prompt: Any = args.prompt
     if args.chat:
@@ -94,7 +104,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from tokenmill.sampling_params import SamplingParams
 
     llm = LLM(args.model, **engine_kwargs_from_args(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -147,15 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench import throughput as bench_throughput
 
     bench_throughput.add_cli_args(bench_sub.add_parser("throughput", help="offline in-process throughput"))
-    bench_latency.add_cli_args(bench_sub.add_parser("latency", help="single-stream decode speed against the roofline"))
-    bench_serve.add_cli_args(bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server"))
+    bench_latency.add_cli_args(
+        bench_sub.add_parser("latency", help="single-stream decode speed against the roofline")
+    )
+    bench_serve.add_cli_args(
+        bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server")
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command == "serve":
         from tokenmill.server.api_server import run_server
 

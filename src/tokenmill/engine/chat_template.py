@@ -30,19 +30,27 @@ def load_chat_template(value: str | None) -> str | None:
 
 def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        raise InvalidRequestError(
+            "messages must be a non-empty list of {role, content} objects", param="messages"
+        )
     normalized = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'", param="messages")
         role = message["role"]
         if role not in _ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", param="messages")
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", param="messages"
+            )
         content = message.get("content")
         if isinstance(content, list):  # OpenAI content parts: only text is supported
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
                     raise InvalidRequestError(
                         f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}; images and audio are not supported",
                         param="messages",
@@ -52,7 +60,9 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string or a list of text parts", param="messages"
+            )
         normalized.append({**message, "content": content})
     return normalized
 
@@ -69,7 +79,8 @@ def render_chat(
     normalized = _normalize_messages(messages)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
-            "this model's tokenizer has no chat template; pass --chat-template or use /v1/completions", param="messages"
+            "this model's tokenizer has no chat template; pass --chat-template or use /v1/completions",
+            param="messages",
         )
     if continue_final_message and add_generation_prompt:
         add_generation_prompt = False  # continuing the last message and opening a new one contradict
@@ -83,5 +94,7 @@ def render_chat(
             **(chat_template_kwargs or {}),
         )
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
+        raise InvalidRequestError(
+            f"the chat template could not render these messages: {exc}", param="messages"
+        ) from exc
     return tokenizer.encode(text, add_special_tokens=False)

@@ -102,9 +102,13 @@ class EngineCore:
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
-            logger.exception("model step failed; ending the %d requests in it", len(scheduler_output.scheduled))
+            logger.exception(
+                "model step failed; ending the %d requests in it", len(scheduler_output.scheduled)
+            )
             reason = f"model execution failed: {type(exc).__name__}: {exc}"
-            runner_output = ModelRunnerOutput(errored={s.request_id: reason for s in scheduler_output.scheduled})
+            runner_output = ModelRunnerOutput(
+                errored={s.request_id: reason for s in scheduler_output.scheduled}
+            )
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)
@@ -117,7 +121,9 @@ class EngineCore:
         return outputs
 
     def fail_request(self, request_id: str, message: str) -> None:
-        self._pending.extend(self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error=message))
+        self._pending.extend(
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error=message)
+        )
 
     def get_stats(self) -> dict[str, float]:
         return self.scheduler.get_stats()

@@ -28,10 +28,14 @@ class InputProcessor:
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+                raise InvalidRequestError(
+                    "a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt"
+                )
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer; send prompts as token ids", param="prompt")
+                raise InvalidRequestError(
+                    "this model has no tokenizer; send prompts as token ids", param="prompt"
+                )
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -46,7 +50,9 @@ class InputProcessor:
         vocab = self.info.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}", param="prompt")
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab}), got {t!r}", param="prompt"
+                )
         return ids
 
     def make_request(
@@ -93,7 +99,10 @@ class InputProcessor:
             )
         for t in params.stop_token_ids:
             if t >= self.info.vocab_size:
-                raise InvalidRequestError(f"stop_token_ids must be < vocab size {self.info.vocab_size}, got {t}", param="stop_token_ids")
+                raise InvalidRequestError(
+                    f"stop_token_ids must be < vocab size {self.info.vocab_size}, got {t}",
+                    param="stop_token_ids",
+                )
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

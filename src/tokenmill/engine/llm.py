@@ -52,7 +52,9 @@ def build_engine_config(
     resolved_device = resolve_device(device)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU if resolved_device.type == "cuda" else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+            DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU
+            if resolved_device.type == "cuda"
+            else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
         )
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -104,7 +106,11 @@ def load_tokenizer_or_none(resolved: Any, chat_template: str | None) -> Any:
     except (OSError, ValueError) as exc:
         if resolved.format != "dummy":
             raise
-        logger.warning("no tokenizer for %s (%s); prompts must be token ids and outputs are not detokenized", resolved.path, exc)
+        logger.warning(
+            "no tokenizer for %s (%s); prompts must be token ids and outputs are not detokenized",
+            resolved.path,
+            exc,
+        )
         return None
 
 
@@ -123,7 +129,11 @@ class LLM:
         self.tokenizer = load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
         self.engine = EngineCore(self.config, self.resolved)
         self.info = self.engine.info
-        eos = eos_token_ids(self.tokenizer, self.resolved) if self.tokenizer is not None else self.resolved.arch.eos_token_ids
+        eos = (
+            eos_token_ids(self.tokenizer, self.resolved)
+            if self.tokenizer is not None
+            else self.resolved.arch.eos_token_ids
+        )
         self.input_processor = InputProcessor(self.tokenizer, self.info, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -154,7 +164,9 @@ class LLM:
                     param="sampling_params",
                 )
         if priority is not None and len(priority) != len(prompt_list):
-            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompt_list)} prompts", param="priority")
+            raise InvalidRequestError(
+                f"got {len(priority)} priorities for {len(prompt_list)} prompts", param="priority"
+            )
 
         # Validate everything before adding anything: a bad prompt leaves the engine untouched.
         staged = []
@@ -179,7 +191,9 @@ class LLM:
         for request_id, text, token_ids, _params, children in staged:
             order.append(request_id)
             for child_id, index, core_req in children:
-                self.output_processor.add_request(child_id, request_id, index, text, token_ids, core_req.sampling_params)
+                self.output_processor.add_request(
+                    child_id, request_id, index, text, token_ids, core_req.sampling_params
+                )
                 self.engine.add_request(core_req)
         return self._run_to_completion(order, {rid: p.n for rid, _, _, p, _ in staged}, use_tqdm)
 
@@ -199,7 +213,9 @@ class LLM:
             return [prompts]  # one prompt given as token ids
         return prompts
 
-    def _run_to_completion(self, order: list[str], num_children: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_to_completion(
+        self, order: list[str], num_children: dict[str, int], use_tqdm: bool
+    ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         done_children: dict[str, int] = {}
         progress = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
@@ -298,7 +314,9 @@ def stream_generate(llm: LLM, prompt: PromptInput, params: SamplingParams):
     text, token_ids = llm.input_processor.tokenize(prompt)
     request_id = f"stream-{next(llm._ids)}"
     core_req = llm.input_processor.make_request(request_id, token_ids, dataclasses.replace(params, n=1))
-    llm.output_processor.add_request(request_id, request_id, 0, text, token_ids, core_req.sampling_params, stream=True)
+    llm.output_processor.add_request(
+        request_id, request_id, 0, text, token_ids, core_req.sampling_params, stream=True
+    )
     llm.engine.add_request(core_req)
     try:
         while llm.output_processor.has_unfinished():

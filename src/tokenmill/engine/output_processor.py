@@ -119,7 +119,9 @@ class OutputProcessor:
         result: PositionLogprobs = {}
         chosen = entry.token_ids[0]
         result[chosen] = Logprob(entry.logprobs[0], entry.rank, self.decode_token(chosen))
-        for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:], strict=True), start=1):
+        for rank, (token_id, logprob) in enumerate(
+            zip(entry.token_ids[1:], entry.logprobs[1:], strict=True), start=1
+        ):
             if token_id not in result:
                 result[token_id] = Logprob(logprob, rank, self.decode_token(token_id))
         return result
@@ -137,7 +139,9 @@ class OutputProcessor:
             processed.request_outputs.append(self._make_output(state))
         return processed
 
-    def _apply(self, state: RequestState, out: EngineCoreOutput, now: float, processed: ProcessedOutputs) -> None:
+    def _apply(
+        self, state: RequestState, out: EngineCoreOutput, now: float, processed: ProcessedOutputs
+    ) -> None:
         state.num_cached_tokens = out.num_cached_tokens
         if out.queue_time is not None:
             state.queue_time = out.queue_time

@@ -45,14 +45,18 @@ def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: in
         if s.num_new_tokens == 1:
             input_ids.append(req.all_token_ids[s.num_computed_tokens])
         else:
-            input_ids.extend(req.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+            input_ids.extend(
+                req.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+            )
         if s.samples_token:
             sample_rows.append(int(query_start_loc[i + 1]) - 1)
             sampling_req_indices.append(i)
 
     # positions[t] = start of t's request + offset of t within the request's chunk
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
+    positions = (
+        np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][req_of_token] + starts[req_of_token]
+    )
 
     max_seq_len = int(seq_lens.max()) if num_reqs else 0
     needed_width = -(-max_seq_len // block_size)

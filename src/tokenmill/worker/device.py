@@ -33,4 +33,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of: auto, {', '.join(sorted(_DTYPES))}") from None
+        raise ValueError(
+            f"unknown dtype {name!r}; expected one of: auto, {', '.join(sorted(_DTYPES))}"
+        ) from None

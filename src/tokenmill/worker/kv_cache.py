@@ -13,7 +13,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M in fp32
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
