@@ -44,7 +44,9 @@ def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path)
     reference = LLM(None, device="cpu", max_model_len=128, enable_prefix_caching=False).generate(
         [{"prompt_token_ids": p} for p in prompts], params
     )
-    squeezed = LLM(None, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)
+    squeezed = LLM(
+        None, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8
+    )
     outputs = squeezed.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4]], params)
     assert squeezed.engine.get_stats()["num_preemptions_total"] > 0
     for ref, out in zip(reference + reference[:4], outputs, strict=True):
@@ -53,7 +55,9 @@ def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path)
 
 
 def test_chat_and_text(llm):
-    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=16)
+    )[0]
     assert out.outputs[0].text.strip()
     assert out.outputs[0].finish_reason in ("stop", "length")
 
@@ -68,11 +72,16 @@ def test_stop_string_split_across_tokens(llm):
     stop = base.text[boundary - 2 : boundary + 3]
     assert len(stop) == 5 and stop in base.text
     cut = base.text.index(stop)
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert out.text == base.text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     kept = llm.generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+        prompt,
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
     )[0].outputs[0]
     assert kept.text == base.text[: cut + len(stop)]
     llm.engine.check_invariants()
@@ -83,18 +92,26 @@ def test_stop_token_ids_min_tokens_and_eos(llm):
     base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     stop_token = base.token_ids[5]
     first = base.token_ids.index(stop_token)
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token])
+    )[0]
     assert out.outputs[0].token_ids == base.token_ids[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_token
     later = llm.generate(
         prompt,
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=first + 1),
+        SamplingParams(
+            temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=first + 1
+        ),
     )[0].outputs[0]
     assert len(later.token_ids) > first + 1
     # A chat answer ends on EOS by itself; with ignore_eos it runs to max_tokens.
-    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=200))[0].outputs[0]
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=200))[
+        0
+    ].outputs[0]
     assert chat.finish_reason == "stop" and len(chat.token_ids) < 200
-    forced = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    forced = llm.chat(
+        [{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )[0]
     assert len(forced.outputs[0].token_ids) == 40 and forced.outputs[0].finish_reason == "length"
 
 
@@ -109,7 +126,9 @@ def test_seed_reproducible_across_batch_compositions(llm):
         [others[0], seeded, others[1], others[2]],
     )
     assert mixed[1].outputs[0].token_ids == alone
-    reordered = llm.generate(["Tell me a story:", "x y z"] * 1 + ["Tell me a story:"], [others[2], others[0], seeded])
+    reordered = llm.generate(
+        ["Tell me a story:", "x y z"] * 1 + ["Tell me a story:"], [others[2], others[0], seeded]
+    )
     assert reordered[2].outputs[0].token_ids == alone
     unseeded = llm.generate(["Tell me a story:"] * 2, SamplingParams(temperature=1.0, max_tokens=16))
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
@@ -128,6 +147,8 @@ def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(llm):
     with pytest.raises(InvalidRequestError) as info:
         llm.generate(["fine", {"prompt_token_ids": [10**9]}], SamplingParams(max_tokens=4))
     assert info.value.param == "prompt"
-    out = llm.generate(["still serving", "yes"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    out = llm.generate(
+        ["still serving", "yes"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     llm.engine.check_invariants()

@@ -71,7 +71,9 @@ def test_cache_salt_separates_tenants(tiny_llama_dir):
     prompt = _prompts(1, length=40)[0]
 
     def cached(salt: str | None) -> int:
-        request = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        request = (
+            {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        )
         return llm.generate(request, PARAMS)[0].num_cached_tokens
 
     assert cached("tenant-a") == 0

@@ -18,7 +18,9 @@ MAX_NEW = 12
 
 def _prompts(vocab_size: int, count: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(5, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+    return [
+        [rng.randrange(5, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)
+    ]
 
 
 def _check_against_hf(llm: LLM, path: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:
@@ -86,7 +88,9 @@ def test_prefix_caching_on_and_off(tiny_model, enable_prefix_caching):
 def test_logprobs_match_transformers(tiny_model):
     llm = _llm(tiny_model)
     prompts = _prompts(llm.info.vocab_size, 3, seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs, strict=True):
         tokens, expected_lps = hf_greedy(tiny_model, prompt, MAX_NEW)
@@ -100,14 +104,18 @@ def test_logprobs_match_transformers(tiny_model):
         assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
         expected_prompt = hf_prompt_logprobs(tiny_model, prompt)
         assert len(out.prompt_logprobs) == len(prompt)
-        for token, position, expected in zip(prompt[1:], out.prompt_logprobs[1:], expected_prompt, strict=True):
+        for token, position, expected in zip(
+            prompt[1:], out.prompt_logprobs[1:], expected_prompt, strict=True
+        ):
             assert position[token].logprob == pytest.approx(expected, abs=1e-4)
 
 
 def test_n_greater_than_one_shares_prompt_blocks(tiny_model):
     llm = _llm(tiny_model, block_size=4)
     prompt = _prompts(llm.info.vocab_size, 1, seed=8, min_len=33, max_len=33)[0]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, n=3, max_tokens=6, ignore_eos=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, n=3, max_tokens=6, ignore_eos=True)
+    )[0]
     expected = hf_greedy(tiny_model, prompt, 6)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.token_ids == expected for c in out.outputs)
