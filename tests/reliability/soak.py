@@ -43,6 +43,7 @@ import httpx
 
 from tests.reliability.server_tools import (
     finished_by_reason,
+    metric,
     openai_error_problem,
     process_tree,
     response_error_problem,
@@ -82,8 +83,9 @@ BAD_PARAMS: list[tuple[str, dict[str, Any], int]] = [
 DEFAULT_SERVER_ARGS = [
     "--max-model-len", "256",
     "--max-num-seqs", "8",
-    "--num-kv-blocks", "96",  # 1536 tokens for up to 8 sequences of 256: the scheduler must preempt
-    "--max-num-waiting-seqs", "8",
+    "--num-kv-blocks", "48",  # 768 tokens for up to 8 sequences of up to 256: the scheduler preempts
+    # Ordinary traffic mostly fits; a burst of 40 at once does not: 429 with Retry-After.
+    "--max-num-waiting-seqs", "16",
     "--shutdown-timeout", "10",
 ]  # fmt: skip
 
@@ -275,9 +277,11 @@ def _check_choices(outcome: Outcome, meta: Meta, finishes: dict[int, list[str]],
 
 
 def _check_token_count(outcome: Outcome, meta: Meta) -> None:
+    if outcome.completion_tokens is None:  # a stream without include_usage: nothing to count
+        return
     if meta.ignore_eos and outcome.finish_reasons and all(r == "length" for r in outcome.finish_reasons):
         outcome.expected_tokens = (meta.max_tokens or 0) * meta.num_prompts * meta.n
-        if outcome.completion_tokens is not None and outcome.completion_tokens != outcome.expected_tokens:
+        if outcome.completion_tokens != outcome.expected_tokens:
             outcome.problems.append(
                 f"ignore_eos: {outcome.completion_tokens} completion tokens, expected {outcome.expected_tokens}"
             )
@@ -408,6 +412,12 @@ async def run_one(client: httpx.AsyncClient, meta: Meta, body: Any, config: Soak
 
 # --------------------------------------------------------------------------- the whole soak
 
+ENGINE_COUNTERS = ("num_preemptions_total", "prefix_cache_hits_total", "generation_tokens_total")
+
+
+def engine_counters(base_url: str) -> dict[str, float]:
+    return {name: metric(base_url, name) for name in ENGINE_COUNTERS}
+
 
 @dataclass
 class SoakReport:
@@ -418,10 +428,14 @@ class SoakReport:
     num_429: int
     finish_reasons: dict[str, int]
     completion_tokens: int
+    ignore_eos_exact: (
+        int  # ignore_eos requests that completed, each checked for exactly max_tokens per choice
+    )
     admitted_sequences_known: int
     admitted_sequences_unknown: int  # non-streaming requests this script gave up on
     server_finished_sequences: int
     server_finished_by_reason: dict[str, float]
+    engine_counters: dict[str, float]  # what the load made the engine do (deltas over the soak)
     idle_after_drain: dict[str, float] | None
     violations: list[str]
 
@@ -429,12 +443,14 @@ class SoakReport:
         lines = [
             f"soak: {self.num_requests} requests in {self.duration_s:.0f} s "
             f"({self.num_requests / max(self.duration_s, 1e-9):.1f} req/s), "
-            f"{self.completion_tokens} completion tokens",
+            f"{self.completion_tokens} completion tokens; {self.ignore_eos_exact} ignore_eos completions "
+            "checked for exactly max_tokens",
             f"  statuses: {self.statuses}  (429: {self.num_429})",
             f"  finish reasons: {self.finish_reasons}",
             f"  admitted sequences: {self.admitted_sequences_known} known + up to "
             f"{self.admitted_sequences_unknown} given up on; the server finished {self.server_finished_sequences} "
             f"{self.server_finished_by_reason}",
+            f"  engine: {self.engine_counters}",
             f"  after the drain: {self.idle_after_drain}",
         ]
         for kind, terminals in sorted(self.outcomes_by_kind.items()):
@@ -464,6 +480,7 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
         models = (await client.get("/v1/models")).json()["data"]
         model, max_model_len = models[0]["id"], models[0]["max_model_len"]
         before = await asyncio.to_thread(finished_by_reason, base_url)
+        counters_before = await asyncio.to_thread(engine_counters, base_url)
         outcomes: list[Outcome] = []
         started = time.monotonic()
         stop_at = started + config.duration_s
@@ -496,6 +513,7 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
     except AssertionError as exc:
         violations.append(str(exc))
     after = await asyncio.to_thread(finished_by_reason, base_url)
+    counters_after = await asyncio.to_thread(engine_counters, base_url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     known = sum(o.num_sequences for o in outcomes if o.status == 200)
     unknown = sum(o.num_sequences for o in outcomes if o.status is None and o.terminal == "client_disconnect")
@@ -516,10 +534,12 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
         num_429=sum(o.status == 429 for o in outcomes),
         finish_reasons=dict(Counter(r for o in outcomes for r in o.finish_reasons)),
         completion_tokens=sum(o.completion_tokens or 0 for o in outcomes),
+        ignore_eos_exact=sum(o.expected_tokens is not None and not o.problems for o in outcomes),
         admitted_sequences_known=known,
         admitted_sequences_unknown=unknown,
         server_finished_sequences=server_finished,
         server_finished_by_reason=delta,
+        engine_counters={k: counters_after[k] - counters_before[k] for k in counters_after},
         idle_after_drain=idle,
         violations=violations,
     )

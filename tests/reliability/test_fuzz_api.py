@@ -334,8 +334,8 @@ def test_oversized_body_and_headers(http, server):
     try:
         response = http.post("/tokenize", json={"prompt": "hi"}, headers={"x-junk": "a" * 200_000})
         assert response.status_code < 500, response.text[:300]
-    except httpx.RemoteProtocolError:
-        pass  # h11 drops a connection whose headers exceed its limit: acceptable
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+        pass  # refused by closing the connection (after a 400 the client may not get to read): fine
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 

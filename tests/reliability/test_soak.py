@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from tests.reliability.server_tools import process_tree, start_tiny_server, survivors
-from tests.reliability.soak import DEFAULT_SERVER_ARGS, SoakConfig, run_soak
+import httpx
 
-CI_SOAK = SoakConfig(duration_s=40.0, concurrency=10, burst_every_s=8.0, burst_size=40, seed=20251121)
+from tests.reliability.server_tools import process_tree, start_tiny_server, survivors
+from tests.reliability.soak import DEFAULT_SERVER_ARGS, Meta, SoakConfig, run_one, run_soak
+
+CI_SOAK = SoakConfig(duration_s=35.0, concurrency=10, burst_every_s=8.0, burst_size=40, seed=20251121)
 
 
 def test_soak_every_request_ends_once_and_nothing_is_left(tmp_path, tiny_llama_dir):
@@ -40,10 +42,68 @@ def test_soak_every_request_ends_once_and_nothing_is_left(tmp_path, tiny_llama_d
         "error_status": report.outcomes_by_kind["oversized"]["error_status"]
     }
     assert report.finish_reasons.get("length", 0) >= 50, summary
+    assert report.ignore_eos_exact >= 20, summary
     assert report.server_finished_by_reason.get("abort", 0) >= 10, summary  # disconnects were aborted
     assert report.server_finished_by_reason.get("error", 0) == 0, summary
+    # Bursts met admission control (each 429 carried Retry-After and OpenAI's body: checked per request).
+    assert report.num_429 > 0, summary
     assert report.idle_after_drain == {"running": 0.0, "waiting": 0.0, "kv_cache_usage_perc": 0.0}
 
     assert exit_code == 0, server.log()
     leaked = survivors(tree)
     assert not leaked, f"processes outlived the server: {leaked}"
+
+
+def _run_against(handler, meta: Meta, body: dict) -> list[str]:
+    async def go() -> list[str]:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://soak.test") as client:
+            return (await run_one(client, meta, body, SoakConfig(request_timeout_s=5))).problems
+
+    return asyncio.run(go())
+
+
+def _sse(*events: str) -> httpx.Response:
+    text = "".join(f"data: {e}\n\n" for e in events)
+    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+
+def test_the_audit_catches_broken_answers():
+    """The soak's checks can fail: each broken answer below is reported, a sound one is not."""
+    chunk = '{"choices": [{"index": 0, "text": "x", "finish_reason": %s}]}'
+    usage = '{"choices": [], "usage": {"completion_tokens": %d}}'
+    stream = Meta(
+        kind="stream", endpoint="completions", stream=True, max_tokens=4, ignore_eos=True, include_usage=True
+    )
+    body = {"prompt": "p", "stream": True}
+
+    def problems(*events: str) -> list[str]:
+        return _run_against(lambda _: _sse(*events), stream, body)
+
+    assert problems(chunk % "null", chunk % '"length"', usage % 4, "[DONE]") == []
+    assert any(
+        "finished 2 times" in p for p in problems(chunk % '"length"', chunk % '"length"', usage % 4, "[DONE]")
+    )
+    assert any("never got a finish_reason" in p for p in problems(chunk % "null", usage % 4, "[DONE]"))
+    assert any("[DONE] lines" in p for p in problems(chunk % '"length"', usage % 4))
+    assert any("data after [DONE]" in p for p in problems(chunk % '"length"', usage % 4, "[DONE]", "[DONE]"))
+    assert any("expected 4" in p for p in problems(chunk % '"length"', usage % 3, "[DONE]"))
+    assert any("nobody aborted" in p for p in problems(chunk % '"abort"', usage % 1, "[DONE]"))
+    error_event = '{"error": {"message": "boom", "type": "internal_error", "param": null, "code": 500}}'
+    assert any("server error" in p for p in problems(error_event, "[DONE]"))
+
+    plain = Meta(kind="nonstream", endpoint="completions", stream=False, max_tokens=4, ignore_eos=True)
+    ok = {
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 4},
+    }
+    assert _run_against(lambda _: httpx.Response(200, json=ok), plain, {"prompt": "p"}) == []
+    short = {**ok, "usage": {"completion_tokens": 2}}
+    assert any("expected 4" in p for p in _run_against(lambda _: httpx.Response(200, json=short), plain, {}))
+    assert any(
+        "server error 500" in p
+        for p in _run_against(lambda _: httpx.Response(500, json={"error": {}}), plain, {})
+    )
+    not_openai = httpx.Response(429, json={"detail": "busy"})
+    found = _run_against(lambda _: not_openai, plain, {})
+    assert any("not {'error'" in p for p in found) and any("Retry-After" in p for p in found)
