@@ -21,20 +21,28 @@ def load_hf(path: str):
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    tokens, logprobs = _hf_greedy(path, tuple(prompt_ids), max_new_tokens)
+    return list(tokens), list(logprobs)
+
+
+@cache
+def _hf_greedy(
+    path: str, prompt_ids: tuple[int, ...], max_new_tokens: int
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Greedy continuation with EOS ignored (not suppressed, as `min_new_tokens` would do), and
     the logprob of each chosen token: transformers' forward with its own KV cache, step by step."""
     model = load_hf(path)
     tokens: list[int] = []
     logprobs: list[float] = []
     with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        out = model(torch.tensor([list(prompt_ids)]), use_cache=True)
         for _ in range(max_new_tokens):
             lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
             token = int(lp.argmax())
             tokens.append(token)
             logprobs.append(lp[token].item())
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logprobs
+    return tuple(tokens), tuple(logprobs)
 
 
 def hf_prompt_logprobs(path: str, prompt_ids: list[int]) -> list[float]:

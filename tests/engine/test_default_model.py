@@ -26,21 +26,21 @@ def test_greedy_single_and_concurrent_equal_transformers(llm, default_model_path
     ]
     rng = random.Random(0)
     prompts = [tok.encode(t) for t in texts] + [
-        [rng.randrange(100, 40000) for _ in range(rng.randint(5, 80))] for _ in range(12)
+        [rng.randrange(100, 40000) for _ in range(rng.randint(5, 48))] for _ in range(12)
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     single = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]
-    assert single.outputs[0].token_ids == hf_greedy(str(default_model_path), prompts[0], 10)[0]
+    assert single.outputs[0].token_ids == hf_greedy(str(default_model_path), prompts[0], 8)[0]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(str(default_model_path), prompt, 10)[0]
+        assert out.outputs[0].token_ids == hf_greedy(str(default_model_path), prompt, 8)[0]
     llm.engine.check_invariants()
 
 
 def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path):
     rng = random.Random(1)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))] for _ in range(16)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 40))] for _ in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     reference = LLM(None, device="cpu", max_model_len=128, enable_prefix_caching=False).generate(
         [{"prompt_token_ids": p} for p in prompts], params
     )
