@@ -213,6 +213,8 @@ def test_malformed_json_and_unknown_route(server):
 
 
 def test_32_concurrent_streams_match_offline_greedy(server, model_id):
+    import torch
+
     from tokenmill import LLM, SamplingParams
 
     prompts = [f"Write one sentence about the number {i}." for i in range(32)]
@@ -230,9 +232,17 @@ def test_32_concurrent_streams_match_offline_greedy(server, model_id):
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     texts = asyncio.run(run_all())
-    offline = LLM(None, device="cpu", max_model_len=MAX_MODEL_LEN).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=8)
-    )
+    # The server's engine runs one torch thread fewer than the cores (core_process._init_torch);
+    # the offline engine here does the same, so the matmuls reduce in the same order.
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    try:
+        offline = LLM(None, device="cpu", max_model_len=MAX_MODEL_LEN).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8)
+        )
+    finally:
+        torch.set_num_threads(threads)
     assert texts == [o.outputs[0].text for o in offline]
 
 
