@@ -27,6 +27,7 @@ from tokenmill.model.loader.safetensors_loader import (
     read_hf_config,
     safetensors_files,
 )
+from tokenmill.worker.device import resolve_dtype
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
@@ -94,18 +95,6 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     )
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """`auto` is float32 on CPU (fast and exact there) and bfloat16 on GPUs."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(names)}")
-    return names[dtype]
-
-
 def load_model(
     model_config: ModelConfig,
     arch: ArchConfig,
@@ -121,7 +110,7 @@ def load_model(
     """
     resolved = resolved or resolve_model(model_config)
     device = torch.device(device)
-    dtype = resolve_dtype(dtype, device)
+    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     max_positions = model_config.max_model_len or arch.max_position_embeddings
     model = CausalLM(arch, attn_backend, device=device, dtype=dtype, max_positions=max_positions)
     if resolved.format == "dummy" or model_config.load_format == "dummy":
