@@ -130,8 +130,14 @@ def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, tiny_llama_di
         assert slowest < 5, f"a client took {slowest:.1f} s to learn that the engine died"
         print(f"engine killed: all {len(results)} clients answered within {slowest:.2f} s")
 
+        in_flight = [i for i, r in enumerate(results) if r.ended_at >= killed]  # type: ignore[operator]
+        # The queued requests at least were still in flight; a running stream may have finished
+        # just before the kill on a fast machine, which is a legitimate completion.
+        assert len(in_flight) >= 6, f"only clients {in_flight} were still in flight at the kill"
         for i, result in enumerate(results):
             assert result.error is None, f"client {i}: {result.error}"
+            if i not in in_flight:
+                continue
             assert "length" not in finish_reasons(result), (
                 f"client {i} completed although the engine was killed"
             )

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
@@ -164,31 +166,58 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+# An oversize body is read on (and dropped) up to this much before the 413 goes out, so an
+# ordinary client still uploading gets the answer instead of a reset connection.
+DISCARD_LIMIT_BYTES = 64 * 2**20
+DISCARD_TIMEOUT_S = 5.0
+DISCARD_IDLE_S = 0.5
+
+
+async def _discard_rest(chunks: AsyncIterator[bytes], already: int) -> None:
+    """Drops what the client is still sending, while it keeps coming: stops after DISCARD_LIMIT_BYTES,
+    DISCARD_TIMEOUT_S in all, or a pause of DISCARD_IDLE_S (a client that stalls gets its 413 then)."""
+    deadline = asyncio.get_running_loop().time() + DISCARD_TIMEOUT_S
+    with contextlib.suppress(TimeoutError, ClientDisconnect, StopAsyncIteration):
+        while already <= DISCARD_LIMIT_BYTES:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            chunk = await asyncio.wait_for(chunks.__anext__(), min(DISCARD_IDLE_S, left))
+            if not chunk:
+                return
+            already += len(chunk)
+
+
 async def read_body(state: ServerState, request: Request) -> bytes:
     """The request body, at most --max-body-bytes (else 413), read within --client-read-timeout
     (else 408), so a client that sends too much or too slowly cannot hold the server's memory
     or a connection forever."""
     declared = request.headers.get("content-length")
+    stream = request.stream().__aiter__()
     if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
+        await _discard_rest(stream, 0)
         raise PayloadTooLargeError(
             f"the request body is {declared} bytes; the limit is {state.max_body_bytes} bytes"
         )
     chunks = []
     size = 0
+    too_large = False
     try:
         async with asyncio.timeout(state.client_read_timeout):
-            async for chunk in request.stream():
+            async for chunk in stream:
                 size += len(chunk)
                 if size > state.max_body_bytes:
-                    raise PayloadTooLargeError(
-                        f"the request body exceeds the limit of {state.max_body_bytes} bytes"
-                    )
+                    too_large = True
+                    break
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeoutError(
             f"the request body was not received within {state.client_read_timeout:g} s "
             f"({size} bytes arrived); send it faster"
         ) from None
+    if too_large:
+        await _discard_rest(stream, size)
+        raise PayloadTooLargeError(f"the request body exceeds the limit of {state.max_body_bytes} bytes")
     return b"".join(chunks)
 
 
