@@ -134,16 +134,20 @@ def tiny_tokenizer():
     return build_tiny_tokenizer()
 
 
+# Llama-3 RoPE scaling small enough that all three frequency bands occur in a tiny model.
+TINY_LLAMA_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+    rope = dict(TINY_LLAMA_ROPE_SCALING)
     return write_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny_llama"),
         "llama",

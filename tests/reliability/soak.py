@@ -549,16 +549,9 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
 
 
 def _tiny_model(directory: Path) -> Path:
-    from tests.conftest import build_tiny_tokenizer, write_tiny_checkpoint
+    from tests.conftest import TINY_LLAMA_ROPE_SCALING, build_tiny_tokenizer, write_tiny_checkpoint
 
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+    rope = dict(TINY_LLAMA_ROPE_SCALING)
     return write_tiny_checkpoint(
         directory,
         "llama",
