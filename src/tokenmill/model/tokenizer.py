@@ -33,9 +33,9 @@ def load_tokenizer(resolved: ResolvedModel, chat_template_override: str | None =
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(source))
     if chat_template_override:
-        template_path = Path(chat_template_override)
-        is_file = len(chat_template_override) < 4096 and template_path.is_file()
-        tokenizer.chat_template = template_path.read_text() if is_file else chat_template_override
+        from tokenmill.engine.chat_template import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(chat_template_override)
     return tokenizer
 
 
