@@ -181,7 +181,7 @@ def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_p
         "--max-model-len", "512", "--max-num-seqs", "16", "--shutdown-timeout", str(shutdown_timeout),
     )  # fmt: skip
     tree = process_tree(server.process.pid)
-    short = {"prompt": "a short one", "max_tokens": 16, "ignore_eos": True}
+    short = {"prompt": "a short one", "max_tokens": 60, "ignore_eos": True}
     long = {"prompt": "a long one", "max_tokens": LONG, "ignore_eos": True}
     # Twelve long requests keep the batch busy for seconds; the short ones finish within the timeout.
     specs = [("stream", short), ("plain", short)] + [("stream", long)] * 8 + [("plain", long)] * 4
