@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prepare and launch the next step while the device runs this one (default: on for CUDA)",
+    )
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -63,6 +69,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "device": args.device,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "scheduling_policy": args.scheduling_policy,
         "attention_backend": args.attention_backend,
         "chat_template": load_chat_template(args.chat_template),

@@ -43,3 +43,5 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # GPU: no CUDA graphs
     attention_backend: str = "auto"  # auto | torch | triton
+    # Schedule and launch step N+1 while step N still runs on the device; None: on for CUDA.
+    async_scheduling: bool | None = None

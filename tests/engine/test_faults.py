@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.engine.hf_oracle import hf_greedy
@@ -14,8 +15,13 @@ def _prompts(n: int, length: int = 24) -> list[list[int]]:
     return [[(7 * i + 13 * j) % 900 + 50 for j in range(length)] for i in range(n)]
 
 
-def test_nan_logits_end_only_their_request_and_never_enter_the_prefix_cache(tiny_llama_dir, monkeypatch):
-    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, block_size=4)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_nan_logits_end_only_their_request_and_never_enter_the_prefix_cache(
+    tiny_llama_dir, monkeypatch, async_scheduling
+):
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", max_model_len=128, block_size=4, async_scheduling=async_scheduling
+    )
     prompts = _prompts(4)
     model = llm.engine.runner.model
     real = model.compute_logits
@@ -45,10 +51,14 @@ def test_nan_logits_end_only_their_request_and_never_enter_the_prefix_cache(tiny
     assert llm.generate({"prompt_token_ids": prompts[0]}, PARAMS)[0].num_cached_tokens > 0
 
 
-def test_a_failing_step_ends_its_batch_and_the_engine_keeps_serving(tiny_llama_dir, monkeypatch):
-    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_step_ends_its_batch_and_the_engine_keeps_serving(
+    tiny_llama_dir, monkeypatch, async_scheduling
+):
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, async_scheduling=async_scheduling)
     runner = llm.engine.runner
-    real = runner.execute
+    method = "execute_async" if async_scheduling else "execute"
+    real = getattr(runner, method)
     calls = {"n": 0}
 
     def execute(so):
@@ -57,7 +67,7 @@ def test_a_failing_step_ends_its_batch_and_the_engine_keeps_serving(tiny_llama_d
             raise RuntimeError("injected device fault")
         return real(so)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, method, execute)
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(3)], PARAMS)
     assert all(o.outputs[0].finish_reason == "error" for o in outputs)
     assert "injected device fault" in (outputs[0].error or "")

@@ -1,6 +1,7 @@
 """Greedy output equals transformers' token for token, whatever the scheduler does.
 
-Batching, chunked prefill, preemption and prefix caching must all leave greedy output unchanged.
+Batching, chunked prefill, preemption, prefix caching and async scheduling must all leave greedy
+output unchanged.
 """
 
 from __future__ import annotations
@@ -39,37 +40,44 @@ def tiny_model(request) -> str:
     return str(request.getfixturevalue(request.param))
 
 
-def _llm(path: str, **kwargs) -> LLM:
-    kwargs.setdefault("device", "cpu")
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(path, **kwargs)
+@pytest.fixture(params=["sync", "async"])
+def make_llm(request):
+    """Every test runs with steps one at a time and with async scheduling (the next step
+    scheduled and launched before the previous one's tokens reach the host)."""
+
+    def make(path: str, **kwargs) -> LLM:
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("max_model_len", 256)
+        return LLM(path, async_scheduling=request.param == "async", **kwargs)
+
+    return make
 
 
-def test_single_request(tiny_model):
-    llm = _llm(tiny_model)
+def test_single_request(make_llm, tiny_model):
+    llm = make_llm(tiny_model)
     _check_against_hf(llm, tiny_model, _prompts(llm.info.vocab_size, 1, seed=1))
 
 
-def test_concurrent_requests_of_different_lengths(tiny_model):
-    llm = _llm(tiny_model)
+def test_concurrent_requests_of_different_lengths(make_llm, tiny_model):
+    llm = make_llm(tiny_model)
     _check_against_hf(llm, tiny_model, _prompts(llm.info.vocab_size, 17, seed=2))
 
 
-def test_chunked_prefill_small_token_budget(tiny_model):
-    llm = _llm(tiny_model, max_num_batched_tokens=8, max_num_seqs=4)
+def test_chunked_prefill_small_token_budget(make_llm, tiny_model):
+    llm = make_llm(tiny_model, max_num_batched_tokens=8, max_num_seqs=4)
     _check_against_hf(llm, tiny_model, _prompts(llm.info.vocab_size, 6, seed=3, min_len=10, max_len=40))
 
 
-def test_preemption_in_a_small_kv_pool(tiny_model):
+def test_preemption_in_a_small_kv_pool(make_llm, tiny_model):
     # 10 blocks of 4 tokens: 16 requests that grow to ~30 tokens each cannot all stay resident.
-    llm = _llm(tiny_model, num_kv_blocks=10, block_size=4, max_model_len=40)
+    llm = make_llm(tiny_model, num_kv_blocks=10, block_size=4, max_model_len=40)
     _check_against_hf(llm, tiny_model, _prompts(llm.info.vocab_size, 16, seed=4, min_len=5, max_len=20))
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_prefix_caching_on_and_off(tiny_model, enable_prefix_caching):
-    llm = _llm(tiny_model, enable_prefix_caching=enable_prefix_caching, block_size=4)
+def test_prefix_caching_on_and_off(make_llm, tiny_model, enable_prefix_caching):
+    llm = make_llm(tiny_model, enable_prefix_caching=enable_prefix_caching, block_size=4)
     shared = _prompts(llm.info.vocab_size, 1, seed=5, min_len=40, max_len=40)[0]
     tails = _prompts(llm.info.vocab_size, 6, seed=6, min_len=1, max_len=8)
     prompts = [shared + t for t in tails]
@@ -85,8 +93,8 @@ def test_prefix_caching_on_and_off(tiny_model, enable_prefix_caching):
     llm.engine.check_invariants()
 
 
-def test_logprobs_match_transformers(tiny_model):
-    llm = _llm(tiny_model)
+def test_logprobs_match_transformers(make_llm, tiny_model):
+    llm = make_llm(tiny_model)
     prompts = _prompts(llm.info.vocab_size, 3, seed=7)
     params = SamplingParams(
         temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2
@@ -110,8 +118,8 @@ def test_logprobs_match_transformers(tiny_model):
             assert position[token].logprob == pytest.approx(expected, abs=1e-4)
 
 
-def test_n_greater_than_one_shares_prompt_blocks(tiny_model):
-    llm = _llm(tiny_model, block_size=4)
+def test_n_greater_than_one_shares_prompt_blocks(make_llm, tiny_model):
+    llm = make_llm(tiny_model, block_size=4)
     prompt = _prompts(llm.info.vocab_size, 1, seed=8, min_len=33, max_len=33)[0]
     out = llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, n=3, max_tokens=6, ignore_eos=True)

@@ -5,6 +5,10 @@ computed position into the slots the block tables name, then checks that every r
 context reads back its own tokens (so prefix hits and block sharing are really right). Its
 "model" picks the next token from the sequence so far only, like greedy decoding, so a request
 must produce the same tokens whatever else is batched with it and however often it is preempted.
+
+With `async_mode` the harness drives the scheduler as the async engine does: step N+1 is
+scheduled and run before step N's results are applied, and the fake runner feeds a request the
+token it sampled in the previous step (as the real one does on the device).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class FakeRunner:
         self.fail_next: set[str] = set()  # request ids to report as errored in the next step
         self.script: dict[str, list[int]] = {}  # request id -> tokens to sample instead of next_token
         self.known: set[str] = set()  # requests the runner holds state for
+        self.last_sampled: dict[str, int] = {}  # the previous step's tokens, not yet on the "host"
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         config = self.scheduler.config
@@ -52,29 +57,40 @@ class FakeRunner:
         assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(so.scheduled) <= config.max_num_seqs
         assert len({s.request_id for s in so.scheduled}) == len(so.scheduled)
+        contexts: dict[str, list[int]] = {}
         for s in so.scheduled:
             end = s.num_computed_tokens + s.num_new_tokens
-            assert s.num_new_tokens > 0 and end <= s.request.num_tokens <= config.max_model_len
+            tokens = list(s.request.all_token_ids)
+            if end > len(tokens):  # async: the one token still in flight, fed from the last step
+                assert s.num_new_tokens == 1 and end == len(tokens) + 1, (s.request_id, end, len(tokens))
+                tokens.append(self.last_sampled[s.request_id])
+            contexts[s.request_id] = tokens
+            assert s.num_new_tokens > 0 and end <= config.max_model_len
             assert len(s.block_ids) * self.block_size >= end
             # is_new exactly when the runner holds no state for it (first time, or after preemption).
             assert s.is_new == (s.request_id not in self.known), (s.request_id, s.is_new)
             self.known.add(s.request_id)
             for pos in range(s.num_computed_tokens, end):
-                self.slots[self._slot(s.block_ids, pos)] = (pos, s.request.all_token_ids[pos])
+                self.slots[self._slot(s.block_ids, pos)] = (pos, tokens[pos])
         output = ModelRunnerOutput()
+        self.last_sampled = {}
         for s in so.scheduled:  # every layer stores the whole batch's K/V before attention reads
-            tokens = s.request.all_token_ids
+            tokens = contexts[s.request_id]
             for pos in range(s.num_computed_tokens + s.num_new_tokens):
                 assert self.slots.get(self._slot(s.block_ids, pos)) == (pos, tokens[pos]), (
                     f"{s.request_id} reads wrong KV at position {pos}"
                 )
             if s.request_id in self.fail_next:
                 output.errored[s.request_id] = "non-finite logits"
+                if s.samples_token:  # a real runner still has a (garbage) row for it on the device
+                    self.last_sampled[s.request_id] = 0
             elif s.samples_token:
                 script = self.script.get(s.request_id)
-                token = script[s.request.num_output_tokens] if script else next_token(tokens)
+                num_outputs = len(tokens) - s.request.num_prompt_tokens
+                token = script[num_outputs] if script else next_token(tokens)
                 output.req_ids.append(s.request_id)
                 output.sampled_token_ids.append(token)
+                self.last_sampled[s.request_id] = token
         self.fail_next.clear()
         return output
 
@@ -92,7 +108,10 @@ class Harness:
         max_model_len: int = 256,
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
+        async_mode: bool = False,
     ) -> None:
+        self.async_mode = async_mode
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, max_model_len),  # type: ignore[arg-type]
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
@@ -120,13 +139,28 @@ class Harness:
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         self.steps.append(so)
-        outputs = self.record(self.scheduler.update_from_output(so, self.runner.execute(so)))
+        runner_output = self.runner.execute(so)
+        if self.async_mode:  # apply the previous step's results only now, as the async engine does
+            outputs = self.flush()
+            self.in_flight = (so, runner_output)
+            if so.is_empty:  # nothing launched: the engine applies it at once
+                outputs += self.flush()
+        else:
+            outputs = self.record(self.scheduler.update_from_output(so, runner_output))
         self.scheduler.check_invariants()
         return outputs
 
+    def flush(self) -> list[EngineCoreOutput]:
+        """Apply the results of the step in flight (async mode), if any."""
+        if self.in_flight is None:
+            return []
+        so, runner_output = self.in_flight
+        self.in_flight = None
+        return self.record(self.scheduler.update_from_output(so, runner_output))
+
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests() and self.in_flight is None:
                 return
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {self.scheduler.requests}")
@@ -497,10 +531,13 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=scheduler_configs, ops=operations, drain_steps=st.integers(0, 30))
-def test_random_add_step_abort_finish_never_leaks(config: dict, ops: list[tuple], drain_steps: int) -> None:
-    h = Harness(**config)
+def test_random_add_step_abort_finish_never_leaks(
+    async_mode: bool, config: dict, ops: list[tuple], drain_steps: int
+) -> None:
+    h = Harness(**config, async_mode=async_mode)
     scheduler = h.scheduler
     added: list[str] = []
     for op in ops:
@@ -520,6 +557,8 @@ def test_random_add_step_abort_finish_never_leaks(config: dict, ops: list[tuple]
         elif op[0] == "fail":
             h.runner.fail_next.add(target)
             h.step()
+        elif async_mode:  # a step is always in flight between steps: abort now
+            h.abort(target)
         else:  # abort while its step is with the runner
             so = scheduler.schedule()
             runner_output = h.runner.execute(so)
@@ -530,16 +569,20 @@ def test_random_add_step_abort_finish_never_leaks(config: dict, ops: list[tuple]
         h.step()
     h.abort(*added)
     h.step()  # flush what schedule() ended on its own
+    h.flush()
     scheduler.check_invariants()
     assert not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0
     assert set(h.finals) == set(added), "every request ends exactly once"
     assert scheduler.kv.num_free_blocks == config["num_blocks"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=scheduler_configs, specs=st.lists(request_specs, min_size=1, max_size=10))
-def test_every_request_completes_with_batch_independent_tokens(config: dict, specs: list[tuple]) -> None:
-    h = Harness(**config)
+def test_every_request_completes_with_batch_independent_tokens(
+    async_mode: bool, config: dict, specs: list[tuple]
+) -> None:
+    h = Harness(**config, async_mode=async_mode)
     requests = [h.add(spec_request(f"r{i}", spec)) for i, spec in enumerate(specs)]
     h.run(max_steps=5000)
     max_model_len, block_size = config["max_model_len"], config["block_size"]

@@ -53,6 +53,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_cached_tokens",
         "num_preemptions",
         "status",
@@ -84,6 +85,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): counted by the scheduler,
+        # their ids reach the host only when the step's results are processed.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit, set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -6,9 +6,15 @@ token budget (so long prompts are chunked) and by max_model_len, while `max_num_
 blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
 is preempted: its blocks are freed and it is recomputed later.
 
-Contract with the engine: call `update_from_output` after every `schedule()`, also when the
-output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests that
-`schedule()` itself had to end (ones that can never fit in the KV pool).
+Contract with the engine: call `update_from_output` once for every `schedule()`, in order, also
+when the output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests
+that `schedule()` itself had to end (ones that can never fit in the KV pool).
+
+Async scheduling: the engine may call `schedule()` for step N+1 before `update_from_output` of
+step N, while step N runs on the device. A request that samples in step N then has an output
+placeholder: step N+1 computes the token step N sampled (the runner feeds it on the device), and
+its id reaches the host with step N's results. A request whose in-flight token is its last by
+length is not scheduled again; one that stops on EOS or a stop token wastes one step's row.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -109,7 +115,8 @@ class Scheduler:
         self._sequence = itertools.count()
         self._finished_req_ids: set[str] = set()  # since the previous schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # requests schedule() had to end
-        self._in_flight: set[str] = set()  # scheduled in the step not yet passed to update_from_output
+        # Requests in steps not yet passed to update_from_output (two steps with async scheduling).
+        self._in_flight: Counter[str] = Counter()
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already emitted
 
     # -- requests ---------------------------------------------------------------------------
@@ -169,7 +176,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - num_computed, budget, max_model_len - num_computed)
+            placeholders = request.num_output_placeholders
+            if placeholders and self._in_flight_token_is_last(request, placeholders):
+                i += 1
+                continue
+            num_new = min(
+                len(request.all_token_ids) + placeholders - num_computed, budget, max_model_len - num_computed
+            )
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
@@ -221,14 +234,22 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self._finished_req_ids = set()
-        self._in_flight = {s.request.request_id for s in scheduled}
+        self._in_flight.update(s.request.request_id for s in scheduled)
         return output
+
+    def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
+        """True when the tokens still in flight already reach max_tokens or max_model_len."""
+        if request.max_tokens is not None and request.num_output_tokens + placeholders >= request.max_tokens:
+            return True
+        return request.num_tokens + placeholders >= self.max_model_len
 
     def _schedule(self, request: Request, num_new: int, *, is_new: bool) -> ScheduledRequest:
         # (request, num_computed_tokens before the step, num_new_tokens, the live block table, is_new)
         scheduled = ScheduledRequest(
             request, request.num_computed_tokens, num_new, self.kv.get_block_ids(request.request_id), is_new
         )
+        if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1  # this step samples; the id comes with its results
         request.num_computed_tokens += num_new  # as vLLM v1: progress is counted at schedule time
         return scheduled
 
@@ -282,7 +303,8 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, end errored requests; one output per
         request that got a token, prompt logprobs, or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._in_flight = set()
+        self._in_flight.subtract(s.request.request_id for s in scheduler_output.scheduled)
+        self._in_flight = +self._in_flight  # drop the zero counts
         for request_id, message in runner_output.errored.items():
             # The step's KV for it may be garbage: keep it out of the prefix cache.
             outputs.extend(
@@ -292,12 +314,17 @@ class Scheduler:
         prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
         any_finished = False
+        finished_waiting: set[str] = set()
         for index, (request_id, token_id) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted since it was scheduled
+            if request is None:
+                continue  # ended since it was scheduled
+            # A request preempted after this step was launched (async scheduling) still gets the
+            # token: the step ran on its KV before any reuse of its blocks (same device stream),
+            # and the recompute covers it.
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             request.append_output_token_ids([token_id])
             token_logprobs = logprobs[index] if logprobs is not None else None
             output = EngineCoreOutput(
@@ -309,10 +336,13 @@ class Scheduler:
             )
             status = self._check_stop(request, token_id)
             if status is not None:
+                if request.status == RequestStatus.RUNNING:
+                    any_finished = True
+                else:
+                    finished_waiting.add(request_id)
                 self._finish(request, status)
                 output.finish_reason = status.finish_reason
                 output.stop_reason = request.stop_reason
-                any_finished = True
             outputs.append(output)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             request = self.requests.get(request_id)
@@ -326,6 +356,8 @@ class Scheduler:
                 )
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        if finished_waiting:
+            self.waiting.remove(finished_waiting)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -419,6 +451,10 @@ class Scheduler:
         )
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, f"{request!r} is in `running`"
+            # One per step in flight: at most two with async scheduling.
+            assert 0 <= request.num_output_placeholders <= 2, (
+                f"{request!r} has {request.num_output_placeholders} tokens in flight"
+            )
             assert self.requests.get(request.request_id) is request, f"{request!r} is running but not live"
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (

@@ -1,4 +1,11 @@
-"""The engine core: schedule -> execute -> sample -> update, one step at a time."""
+"""The engine core: schedule -> execute -> sample -> update, one step at a time.
+
+With async scheduling (on by default on CUDA) a step launches the next batch before it waits
+for the previous one's sampled tokens: scheduling, batch building and the host side of the
+previous step's results all happen while the device computes, so it never waits for Python.
+Requests whose sampling needs every earlier token on the host (penalties, min_tokens) or that
+ask for prompt logprobs make the engine wait for the previous step before scheduling.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,34 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.model.registry import ResolvedModel, resolve_model
+from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import PendingStep
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
+
+
+def needs_host_history(params: SamplingParams) -> bool:
+    """True when sampling a token needs the previous ones on the host (no step overlap then)."""
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or params.min_tokens > 0
+        or params.prompt_logprobs is not None
+    )
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -56,6 +79,14 @@ class EngineCore:
             dtype=str(self.runner.dtype).removeprefix("torch."),
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        # The launched step whose results the host has not processed yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
 
@@ -73,6 +104,8 @@ class EngineCore:
             max_tokens=req.max_tokens,
         )
         self.scheduler.add_request(request)
+        if needs_host_history(req.sampling_params):
+            self._needs_history.add(req.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(list(request_ids)))
@@ -81,35 +114,68 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
+        if self._in_flight is not None and self._needs_history:
+            outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids:
                 self.runner.execute(scheduler_output)  # lets the runner drop finished requests' state
+            outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
-            return outputs
+            return self._annotate(outputs)
         now = time.monotonic()
         for s in scheduler_output.scheduled:
             rid = s.request_id
             if s.is_new and rid not in self._queue_times and rid not in self._reported_queue_time:
                 self._queue_times[rid] = max(0.0, now - s.request.arrival_time)
+        if self.async_scheduling:
+            pending = self._launch(scheduler_output)
+            outputs.extend(self._finish_in_flight())  # computed while this step was being prepared
+            if isinstance(pending, ModelRunnerOutput):
+                outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
+            else:
+                self._in_flight = (scheduler_output, pending)
+            return self._annotate(outputs)
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
-            logger.exception(
-                "model step failed; ending the %d requests in it", len(scheduler_output.scheduled)
-            )
-            reason = f"model execution failed: {type(exc).__name__}: {exc}"
-            runner_output = ModelRunnerOutput(
-                errored={s.request_id: reason for s in scheduler_output.scheduled}
-            )
+            runner_output = self._failed_step(scheduler_output, exc)
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        return self._annotate(outputs)
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> PendingStep | ModelRunnerOutput:
+        try:
+            return self.runner.execute_async(scheduler_output)
+        except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
+            return self._failed_step(scheduler_output, exc)
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the launched step's sampled tokens and apply them."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        try:
+            runner_output = pending.result()
+        except Exception as exc:
+            runner_output = self._failed_step(scheduler_output, exc)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    @staticmethod
+    def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        logger.exception("model step failed; ending the %d requests in it", len(scheduler_output.scheduled))
+        reason = f"model execution failed: {type(exc).__name__}: {exc}"
+        return ModelRunnerOutput(errored={s.request_id: reason for s in scheduler_output.scheduled})
+
+    def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Attach each request's queue time to its first output; forget ended requests."""
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)
             if queue_time is not None:
@@ -118,6 +184,7 @@ class EngineCore:
                     self._reported_queue_time.add(out.request_id)
             if out.finished:
                 self._reported_queue_time.discard(out.request_id)
+                self._needs_history.discard(out.request_id)
         return outputs
 
     def fail_request(self, request_id: str, message: str) -> None:

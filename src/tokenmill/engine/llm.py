@@ -46,6 +46,7 @@ def build_engine_config(
     attention_backend: str = "auto",
     chat_template: str | None = None,
     served_model_name: str | None = None,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     from tokenmill.worker.device import resolve_device
 
@@ -94,6 +95,7 @@ def build_engine_config(
         device=str(resolved_device),
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,
+        async_scheduling=async_scheduling,
     )
 
 

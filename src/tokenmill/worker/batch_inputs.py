@@ -23,6 +23,10 @@ class HostBatch:
     # samples, then the prompt-logprob rows.
     sample_rows: np.ndarray  # [S] int64, one per sampling request, in scheduled order
     sampling_req_indices: list[int]  # index into SchedulerOutput.scheduled for each sample row
+    # Async scheduling: rows whose input token the previous step sampled and the host has not
+    # seen yet (input_ids holds 0 there); the runner copies those ids in on the device.
+    placeholder_rows: list[int]
+    placeholder_req_ids: list[str]
     max_query_len: int
     max_seq_len: int
 
@@ -40,14 +44,22 @@ def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: in
     input_ids: list[int] = []
     sample_rows: list[int] = []
     sampling_req_indices: list[int] = []
+    placeholder_rows: list[int] = []
+    placeholder_req_ids: list[str] = []
     for i, s in enumerate(scheduled):
         req = s.request
         if s.num_new_tokens == 1:
-            input_ids.append(req.all_token_ids[s.num_computed_tokens])
+            if s.num_computed_tokens < len(req.all_token_ids):
+                input_ids.append(req.all_token_ids[s.num_computed_tokens])
+            else:  # the token the previous step sampled for it, still on the device
+                placeholder_rows.append(len(input_ids))
+                placeholder_req_ids.append(req.request_id)
+                input_ids.append(0)
         else:
-            input_ids.extend(
-                req.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
-            )
+            end = s.num_computed_tokens + s.num_new_tokens
+            if end > len(req.all_token_ids):  # only a 1-token decode can wait on an in-flight token
+                raise RuntimeError(f"{req!r}: a {s.num_new_tokens}-token chunk reaches past its known tokens")
+            input_ids.extend(req.all_token_ids[s.num_computed_tokens : end])
         if s.samples_token:
             sample_rows.append(int(query_start_loc[i + 1]) - 1)
             sampling_req_indices.append(i)
@@ -78,6 +90,8 @@ def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: in
         block_tables=block_tables,
         sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sampling_req_indices=sampling_req_indices,
+        placeholder_rows=placeholder_rows,
+        placeholder_req_ids=placeholder_req_ids,
         max_query_len=int(query_lens.max()) if num_reqs else 0,
         max_seq_len=max_seq_len,
     )

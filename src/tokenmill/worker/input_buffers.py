@@ -32,9 +32,18 @@ class InputBuffers:
         # Flat, so a step's [num_reqs, width] view is contiguous whatever its width.
         self.block_tables_host, self.block_tables = pair((max_num_reqs * max_blocks_per_req,), torch.int32)
         self.sample_rows_host, self.sample_rows = pair((max_num_reqs,), torch.long)
-        # Marks the end of the last step's host->device copies. A step that samples nothing (a
-        # prefill chunk) ends without a sync, so its copies may still be queued when the next step
-        # refills the pinned buffers: wait for them first (normally they finished long ago).
+        # Async scheduling: which rows of the previous step's sampled ids feed which input rows.
+        self.gather_src_host, self.gather_src = pair((max_num_reqs,), torch.long)
+        self.gather_dst_host, self.gather_dst = pair((max_num_reqs,), torch.long)
+        # Sampled ids and non-finite flags come back through these (flat, so a [2, n] view is
+        # contiguous), two in turn: with async scheduling the next step's copy is queued before
+        # this step's is read.
+        self.sampled_host = [
+            torch.zeros(2 * max_num_reqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
+        ]
+        # Marks the end of the last step's host->device copies. With async scheduling (or a step
+        # that samples nothing) they may still be queued when the next step refills the pinned
+        # buffers: wait for them first (they run at the start of their step, so this is short).
         self._copies_done = torch.cuda.Event() if pin else None
         self._copies_pending = False
 
@@ -42,10 +51,6 @@ class InputBuffers:
         """Call before staging a step's inputs: the pinned buffers are free to overwrite after this."""
         if self._copies_pending and self._copies_done is not None:
             self._copies_done.synchronize()
-        self._copies_pending = False
-
-    def copies_completed(self) -> None:
-        """Call after a host sync that followed the staging: nothing is left to wait for."""
         self._copies_pending = False
 
     def end_staging(self) -> None:
@@ -99,3 +104,10 @@ class InputBuffers:
 
     def stage_sample_rows(self, rows: np.ndarray) -> torch.Tensor:
         return self._stage(self.sample_rows_host, self.sample_rows, rows, len(rows))
+
+    def stage_gather(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(src_rows)
+        return (
+            self._stage(self.gather_src_host, self.gather_src, src_rows, n),
+            self._stage(self.gather_dst_host, self.gather_dst, dst_rows, n),
+        )

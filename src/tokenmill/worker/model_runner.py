@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
-from tokenmill.sample.sampler import Sampler, compute_token_logprobs
+from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
@@ -21,17 +21,65 @@ from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, nu
 logger = logging.getLogger(__name__)
 
 
-def _fetch_to_host(tensor: torch.Tensor) -> torch.Tensor:
+def _wait_for(event: torch.cuda.Event) -> None:
     """The step's one sync. Exempt from torch.cuda.set_sync_debug_mode, so a test can run steps in
     "error" mode and have any other sync raise."""
-    mode = torch.cuda.get_sync_debug_mode() if tensor.is_cuda else 0
+    mode = torch.cuda.get_sync_debug_mode()
     if not mode:
-        return tensor.cpu()
+        event.synchronize()
+        return
     torch.cuda.set_sync_debug_mode(0)
     try:
-        return tensor.cpu()
+        event.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+class PendingStep:
+    """A launched step: the sampled ids are on their way to the host. `result()` waits for them.
+
+    With async scheduling the engine launches the next step before calling `result()` on this
+    one, so the host work of both overlaps the device's.
+    """
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        sampling_req_ids: list[str] | None = None,
+        packed: torch.Tensor | None = None,
+        ready: torch.cuda.Event | None = None,
+        sampled: SamplerOutput | None = None,
+        metadata: SamplingMetadata | None = None,
+    ) -> None:
+        self._output = output
+        self._sampling_req_ids = sampling_req_ids or []
+        self._packed = packed  # [2, rows] on the host: sampled ids, then non-finite flags
+        self._ready = ready
+        self._sampled = sampled
+        self._metadata = metadata
+
+    def result(self) -> ModelRunnerOutput:
+        output = self._output
+        if self._packed is None:
+            return output
+        if self._ready is not None:
+            _wait_for(self._ready)
+        token_ids, bad_rows = self._packed.tolist()
+        self._packed = None
+        logprob_rows = None
+        if self._sampled is not None and self._metadata is not None:
+            logprob_rows = self._sampled.to_token_logprobs(self._metadata)
+        for i, request_id in enumerate(self._sampling_req_ids):
+            if bad_rows[i]:
+                output.errored[request_id] = (
+                    "the model produced non-finite (NaN or inf) logits for this request"
+                )
+                continue
+            output.req_ids.append(request_id)
+            output.sampled_token_ids.append(token_ids[i])
+        if logprob_rows is not None:
+            output.logprobs = [lp for i, lp in enumerate(logprob_rows) if not bad_rows[i]]
+        return output
 
 
 class ModelRunner:
@@ -66,6 +114,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self._plain_greedy: dict[str, bool] = {}
         self._staged_sample_rows: torch.Tensor | None = None
+        # The last step's sampled ids (device) and each sampling request's row in them: the next
+        # step may be launched before the host sees them (async scheduling) and feeds them in.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._num_sample_fetches = 0
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
@@ -158,6 +210,8 @@ class ModelRunner:
             )
             if padded_reqs is None and len(batch.sample_rows):
                 self._staged_sample_rows = self.buffers.stage_sample_rows(batch.sample_rows)
+            if batch.placeholder_rows:
+                self._feed_last_sampled(batch, input_ids)
             self.buffers.end_staging()
         else:
             input_ids = self._to_device(batch.input_ids, torch.long)
@@ -166,6 +220,8 @@ class ModelRunner:
             query_start_loc = self._to_device(batch.query_start_loc, torch.int32)
             seq_lens = self._to_device(batch.seq_lens, torch.int32)
             block_tables = self._to_device(batch.block_tables, torch.int32)
+            if batch.placeholder_rows:
+                self._feed_last_sampled(batch, input_ids)
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs if padded_reqs is None else padded_reqs,
@@ -180,6 +236,26 @@ class ModelRunner:
             is_decode_only=batch.max_query_len == 1,
         )
         return input_ids, positions, meta
+
+    def _feed_last_sampled(self, batch: HostBatch, input_ids: torch.Tensor) -> None:
+        """Copy the tokens the previous step sampled (still on the device) into this step's input."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step needs the previous step's sampled tokens, but that step sampled none")
+        sampled, row_of = self._last_sampled
+        try:
+            src_rows = [row_of[rid] for rid in batch.placeholder_req_ids]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]} sampled no token in the previous step") from None
+        dst_rows = batch.placeholder_rows
+        k = len(dst_rows)
+        if dst_rows[-1] == k - 1 and src_rows == dst_rows:  # steady decode: same requests, same order
+            input_ids[:k].copy_(sampled[:k])
+            return
+        if self.buffers is not None:
+            src, dst = self.buffers.stage_gather(np.asarray(src_rows), np.asarray(dst_rows))
+        else:
+            src, dst = torch.tensor(src_rows), torch.tensor(dst_rows)
+        input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
     def _is_plain_greedy(self, s: ScheduledRequest) -> bool:
         """Greedy with nothing that changes the argmax or asks for more than the token: no
@@ -208,14 +284,19 @@ class ModelRunner:
             self.generators[s.request_id] = generator
         return generator
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.execute_async(so).result()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingStep:
+        """Launch one step; its sampled ids come back through the returned PendingStep."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
             self._plain_greedy.pop(req_id, None)
-        if so.is_empty:
-            return ModelRunnerOutput()
         output = ModelRunnerOutput()
+        if so.is_empty:
+            return PendingStep(output)
         graphs = self.graph_runner
         num_reqs = len(so.scheduled)
         if (
@@ -229,15 +310,15 @@ class ModelRunner:
             batch = build_host_batch(so, self.block_size, block_table_width=self.max_blocks_per_req)
             self.build_metadata(batch, padded_reqs=padded)
             logits = graphs.replay(padded)[:num_reqs]
-            self._sample(so, batch, None, output, logits=logits)
-            return output
+            return self._sample(so, batch, None, output, logits=logits)
         batch = build_host_batch(so, self.block_size)
         input_ids, positions, meta = self.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._prompt_logprobs(so, batch, hidden, output)  # syncs: the engine does not overlap these
         if batch.sampling_req_indices:
-            self._sample(so, batch, hidden, output)
-        self._prompt_logprobs(so, batch, hidden, output)
-        return output
+            return self._sample(so, batch, hidden, output)
+        self._last_sampled = None
+        return PendingStep(output)
 
     def _sample(
         self,
@@ -246,7 +327,7 @@ class ModelRunner:
         hidden: torch.Tensor | None,
         output: ModelRunnerOutput,
         logits: torch.Tensor | None = None,
-    ) -> None:
+    ) -> PendingStep:
         if logits is None:
             assert hidden is not None
             if self.buffers is not None:
@@ -257,6 +338,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
         sampling_reqs = [so.scheduled[i] for i in batch.sampling_req_indices]
         metadata = None
+        sampled = None
         if all(self._is_plain_greedy(s) for s in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
             sampled_ids = logits.argmax(dim=-1)
@@ -277,23 +359,21 @@ class ModelRunner:
         # NaN / inf logits end only their own request; the flag rides along with the one host sync.
         # (A row's sum is finite exactly when all its logits are, and needs no [rows, vocab] mask.)
         nonfinite = ~torch.isfinite(logits.sum(dim=-1))
-        packed = _fetch_to_host(torch.stack([sampled_ids, nonfinite.long()]))
-        token_ids, bad_rows = packed.tolist()
+        packed = torch.stack([sampled_ids, nonfinite.long()])
+        sampling_req_ids = [s.request_id for s in sampling_reqs]
+        self._last_sampled = (sampled_ids, {rid: i for i, rid in enumerate(sampling_req_ids)})
+        ready = None
         if self.buffers is not None:
-            self.buffers.copies_completed()  # the sync above waited for this step's input copies too
-
-        logprob_rows = None if metadata is None else sampled.to_token_logprobs(metadata)
-
-        for i, s in enumerate(sampling_reqs):
-            if bad_rows[i]:
-                output.errored[s.request_id] = (
-                    "the model produced non-finite (NaN or inf) logits for this request"
-                )
-                continue
-            output.req_ids.append(s.request_id)
-            output.sampled_token_ids.append(token_ids[i])
-        if logprob_rows is not None:
-            output.logprobs = [lp for i, lp in enumerate(logprob_rows) if not bad_rows[i]]
+            # Into pinned memory without waiting; two buffers in turn, since the next step's copy
+            # may be queued before this one is read.
+            n = packed.shape[1]
+            host = self.buffers.sampled_host[self._num_sample_fetches % 2][: 2 * n].view(2, n)
+            self._num_sample_fetches += 1
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            packed = host
+        return PendingStep(output, sampling_req_ids, packed, ready, sampled, metadata)
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor, output: ModelRunnerOutput
@@ -301,7 +381,7 @@ class ModelRunner:
         for i, s in enumerate(so.scheduled):
             req = s.request
             k = req.sampling_params.prompt_logprobs
-            if k is None or s.num_computed_tokens >= req.num_prompt_tokens or s.request_id in output.errored:
+            if k is None or s.num_computed_tokens >= req.num_prompt_tokens:
                 continue
             start = s.num_computed_tokens
             end = min(start + s.num_new_tokens, req.num_prompt_tokens)
