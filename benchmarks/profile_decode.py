@@ -94,17 +94,17 @@ def forward_device_ms(llm: LLM, repeats: int = 20) -> float:
     """Times the forward of the engine's next decode step, then lets the step run as usual."""
     runner = llm.engine.runner
     timing: dict[str, float] = {}
-    real_execute = runner.execute
+    real_execute = runner.execute_async  # what both the sync and the async engine call
 
     def timed_execute(so):
         timing["ms"] = _time_forward(runner, so, repeats)
         return real_execute(so)
 
-    runner.execute = timed_execute
+    runner.execute_async = timed_execute
     try:
         llm.engine.step()
     finally:
-        del runner.execute  # back to the class's method
+        del runner.execute_async  # back to the class's method
     return timing["ms"]
 
 

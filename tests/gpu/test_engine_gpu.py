@@ -137,17 +137,22 @@ def test_bf16_greedy_and_logprobs_match_transformers(tiny_model):
     assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
 
 
-def test_bf16_greedy_identical_with_and_without_graphs(tiny_llama_dir):
+def test_bf16_greedy_identical_with_and_without_graphs_and_async_scheduling(tiny_llama_dir):
     path = str(tiny_llama_dir)
     results = []
-    for enforce_eager in (False, True):
-        llm = _llm(path, enforce_eager=enforce_eager)
+    for enforce_eager, async_scheduling in ((False, True), (True, True), (False, False), (True, False)):
+        llm = _llm(path, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling == async_scheduling
         prompts = _prompts(llm.info.vocab_size, 16, seed=14)
         results.append([c.token_ids for c in _greedy(llm, prompts, 32)])
         assert (_graph_replays(llm) > 0) != enforce_eager
         del llm
         gc.collect()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2] == results[3]
+
+
+def test_async_scheduling_is_the_cuda_default(tiny_llama_dir):
+    assert _llm(str(tiny_llama_dir)).engine.async_scheduling
 
 
 def test_padded_graph_rows_write_no_kv_slot(tiny_llama_dir):
@@ -169,11 +174,12 @@ def test_padded_graph_rows_write_no_kv_slot(tiny_llama_dir):
     assert int(changed.sum()) == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_llama_dir, enforce_eager):
-    """In "error" mode any synchronizing call raises; the runner exempts only its one fetch of the
+def test_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_llama_dir, enforce_eager, async_scheduling):
+    """In "error" mode any synchronizing call raises; the runner exempts only its one wait for the
     sampled ids. A raise inside a step would end the batch's requests with an error."""
-    llm = _llm(str(tiny_llama_dir), enforce_eager=enforce_eager)
+    llm = _llm(str(tiny_llama_dir), enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     prompts = _prompts(llm.info.vocab_size, 7, seed=16)
 
@@ -194,7 +200,9 @@ def test_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_llama_dir, enfor
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(out.error is None and len(out.new_token_ids) == 1 for out in outputs)
-    assert len(outputs) == 5 * 6 + 2 * 4
+    # Steps 1-6 ran, the third with the two new requests. Async scheduling returns each step's
+    # tokens one step later: steps 0-5's.
+    assert len(outputs) == (5 * 3 + 7 * 3 if async_scheduling else 5 * 2 + 7 * 4)
     assert (_graph_replays(llm) - replays_before == 5) != enforce_eager
 
 
