@@ -334,3 +334,42 @@ def test_cases_pass_in_an_interpreter_subprocess() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first_kv_head", [4, 0], ids=["qk-together", "k-alone"])
+def test_rope_and_store_kv_equals_rope_then_store(dtype: torch.dtype, first_kv_head: int) -> None:
+    """The fused RoPE + KV-store launch of the CUDA decoder path: the same rotated q/k as
+    rope_inplace, and the same cache as store_kv afterwards; slot -1 (graph padding) writes nothing."""
+    from tokenmill.model.layers.triton_ops import rope_and_store_kv, rope_inplace
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 5, 2, 16, 4, 6
+    x = torch.randn(num_tokens, first_kv_head + num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 7, 8, 2])
+    slot_mapping = torch.tensor([0, 9, 13, -1, 22])
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * (0.1 * torch.arange(1, head_dim // 2 + 1))
+    cos_cache = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin_cache = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    expected_x, expected_cache = x.clone(), cache.clone()
+    rope_inplace(expected_x, positions, cos_cache, sin_cache)
+    store_kv(expected_x[:, first_kv_head:], v, expected_cache, slot_mapping)
+    rope_and_store_kv(x, first_kv_head, v, positions, cos_cache, sin_cache, cache, slot_mapping)
+    assert torch.equal(x, expected_x)
+    assert torch.equal(cache, expected_cache)
+
+    # And the rotation is RoPE: x * cos + rotate_half(x) * sin, up to rounding.
+    original = torch.randn(num_tokens, first_kv_head + num_kv_heads, head_dim, generator=gen)
+    rotated = original.clone()
+    cos32 = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin32 = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    rope_inplace(rotated, positions, cos32, sin32)
+    half = head_dim // 2
+    rotate_half = torch.cat([-original[..., half:], original[..., :half]], dim=-1)
+    cos = angles.cos()[positions].repeat(1, 2)[:, None]
+    sin = angles.sin()[positions].repeat(1, 2)[:, None]
+    assert torch.allclose(rotated, original * cos + rotate_half * sin, atol=1e-5)

@@ -61,8 +61,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        *,
+        kv_already_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are unspecified
-        """Write k/v at meta.slot_mapping, then paged attention for every query row."""
+        """Write k/v at meta.slot_mapping (unless a fused kernel already did), then paged
+        attention for every query row."""
 
     # CUDA-graph hooks (mini-sglang style): a backend that keeps its own buffers sizes them once
     # before capture and refreshes them before each replay. The torch reference needs neither.

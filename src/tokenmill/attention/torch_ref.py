@@ -44,11 +44,14 @@ class TorchReferenceBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        kv_already_stored: bool = False,
     ) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
         if num_tokens == 0 or meta.num_reqs == 0 or meta.query_start_loc_cpu.numel() < 2:
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
-        self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
+        if not kv_already_stored:
+            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
 
         starts = meta.query_start_loc_cpu.to(torch.int64)
         query_lens = starts[1:] - starts[:-1]

@@ -132,6 +132,8 @@ class TritonPagedBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        kv_already_stored: bool = False,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         if q.shape[1:] != (self.num_heads, self.head_dim):
@@ -142,7 +144,8 @@ class TritonPagedBackend(AttentionBackend):
             raise ValueError(
                 f"kv_cache block size {kv_cache.shape[2]} must equal the backend's {self.block_size}"
             )
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if not kv_already_stored:
+            store_kv(k, v, kv_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)

@@ -115,20 +115,29 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = arch.q_size, arch.kv_size
 
         qkv = F.linear(ops.add_rms_norm(x, self.input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        cos, sin = rotary.cos_cache, rotary.sin_cache
+        # The Triton backend's cache takes the rotated keys and the values from the RoPE launch.
+        fuse_store = self.attn_backend.name == "triton"
         if self.q_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
             k = rms_norm(
                 qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim), self.k_norm, eps
             )
-            ops.rope_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
-            ops.rope_inplace(k, positions, rotary.cos_cache, rotary.sin_cache)
+            ops.rope_inplace(q, positions, cos, sin)
+            if fuse_store:
+                ops.rope_and_store_kv(k, 0, v, positions, cos, sin, kv_cache, meta.slot_mapping)
+            else:
+                ops.rope_inplace(k, positions, cos, sin)
         else:
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
-            ops.rope_inplace(qk, positions, rotary.cos_cache, rotary.sin_cache)
+            if fuse_store:
+                ops.rope_and_store_kv(qk, heads, v, positions, cos, sin, kv_cache, meta.slot_mapping)
+            else:
+                ops.rope_inplace(qk, positions, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
 
-        attn = self.attn_backend.forward(q, k, v, kv_cache, meta)
+        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=fuse_store)
         attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
         normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
         gate_up = F.linear(normed, self.gate_up_weight)

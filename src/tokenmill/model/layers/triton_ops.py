@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the CUDA path of the decoder: residual-add + RMSNorm, in-place
-RoPE, SiLU-and-multiply.
+RoPE (optionally writing the rotated keys and the values into the paged KV cache in the same
+launch), SiLU-and-multiply.
 
 A decode step at small batch is a few big weight reads plus hundreds of tiny kernels; in eager
 PyTorch RMSNorm alone is four or five launches (upcast, norm, downcast, weight multiply) and RoPE
@@ -109,9 +110,24 @@ def _rope_kernel(
     stride_head,
     stride_table,
     num_heads,
+    # Only with STORE_KV: x's heads from first_kv_head on are keys; they and v go to their slots.
+    first_kv_head,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -132,6 +148,29 @@ def _rope_kernel(
     out2 = _round_like(x2f * cos, dtype) + _round_like(x1f * sin, dtype)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:  # -1: a CUDA-graph padding row, written nowhere
+            slot_base = (slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_slot
+            kv_head = heads - first_kv_head
+            key_dst = key_cache_ptr + slot_base + kv_head * stride_cache_head + dims
+            key_mask = mask & (kv_head >= 0)
+            tl.store(key_dst, out1.to(dtype), mask=key_mask)
+            tl.store(key_dst + HALF, out2.to(dtype), mask=key_mask)
+            v_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+            v_dims = tl.arange(0, 2 * HALF_PAD)[None, :]
+            v_mask = (v_heads < NUM_KV_HEADS) & (v_dims < 2 * HALF)
+            value = tl.load(v_ptr + token * stride_v_token + v_heads * stride_v_head + v_dims, mask=v_mask)
+            tl.store(
+                value_cache_ptr + slot_base + v_heads * stride_cache_head + v_dims,
+                value.to(value_cache_ptr.dtype.element_ty),
+                mask=v_mask,
+            )
+
+
+def _check_rope_input(x: torch.Tensor) -> None:
+    if x.stride(-1) != 1 or x.shape[-1] % 2:
+        raise ValueError(f"RoPE needs an even head_dim contiguous in memory, got {tuple(x.shape)}")
 
 
 def rope_inplace(
@@ -142,25 +181,58 @@ def rope_inplace(
     cos_cache / sin_cache: [max_positions, head_dim] as RotaryEmbedding holds them.
     """
     num_tokens, num_heads, head_dim = x.shape
-    if x.stride(-1) != 1 or head_dim % 2:
-        raise ValueError(f"rope_inplace needs an even head_dim contiguous in memory, got {tuple(x.shape)}")
+    _check_rope_input(x)
     if num_tokens == 0:
         return
     half = head_dim // 2
     _rope_kernel[(num_tokens,)](
-        x,
-        positions,
-        cos_cache,
-        sin_cache,
-        x.stride(0),
-        x.stride(1),
-        cos_cache.stride(0),
-        num_heads,
-        HALF=half,
-        HEADS_PAD=triton.next_power_of_2(num_heads),
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
-    )
+        x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
+        0, x, x, x, positions, 0, 0, 0, 0, 0,  # no KV store
+        HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
+        STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, num_warps=4,
+    )  # fmt: skip
+
+
+def rope_and_store_kv(
+    x: torch.Tensor,
+    first_kv_head: int,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """rope_inplace(x), then the rotated keys (x's heads from `first_kv_head` on) and v
+    [T, kv_heads, head_dim] written to their slots of kv_cache [2, blocks, block_size, kv_heads,
+    head_dim]; slot -1 writes nothing. One launch instead of two for a decode layer."""
+    num_tokens, num_heads, head_dim = x.shape
+    _check_rope_input(x)
+    num_kv_heads = num_heads - first_kv_head
+    if v.shape != (num_tokens, num_kv_heads, head_dim) or v.stride(-1) != 1:
+        raise ValueError(f"v must be [{num_tokens}, {num_kv_heads}, {head_dim}] contiguous in head_dim")
+    if (
+        kv_cache.dim() != 5
+        or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
+        or kv_cache.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} must be [2, blocks, block_size, {num_kv_heads}, {head_dim}]"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} must be ({num_tokens},)")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _rope_kernel[(num_tokens,)](
+        x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
+        first_kv_head, v, key_cache, value_cache, slot_mapping, v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
+        STORE_KV=True, NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        PAGE_SIZE=kv_cache.shape[2], num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
