@@ -137,6 +137,19 @@ def test_one_chunk_matches_transformers(tiny_model_dir):
     torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
 
 
+def test_k_major_weight_storage_matches_transformers(tiny_model_dir):
+    """The GPU stores matmul weights transposed in memory (same logical shape): same logits."""
+    model = _load(tiny_model_dir)
+    model.store_matmul_weights_k_major()
+    layer = model.layers[0]
+    assert layer.down_weight.stride() == (1, layer.down_weight.shape[0])
+    prompt = _prompt(model.arch.vocab_size, 41, seed=1)
+    harness = PagedHarness(model, seed=1)
+    r = harness.add(prompt)
+    harness.step([(r, len(prompt))])
+    torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
+
+
 def test_chunks_and_decodes_mixed_in_batches_match_transformers(tiny_model_dir):
     model = _load(tiny_model_dir)
     vocab = model.arch.vocab_size

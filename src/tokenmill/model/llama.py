@@ -199,6 +199,24 @@ class CausalLM(nn.Module):
             x = layer(x, cos, signed_sin, kv_cache, meta)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
+    def store_matmul_weights_k_major(self) -> None:
+        """Keep each matmul weight's logical [out, in] shape but store it transposed (in-major).
+
+        F.linear then hands cuBLAS a plain row-major [in, out] operand, and at decode batch sizes
+        its kernels for that layout read weights faster: on an H200 (benchmarks/gemv_microbench.py,
+        batch 1) down_proj 30.0 vs 32.6 us, lm_head 234 vs 255 us, the rest within 2 %. A tied
+        lm_head stays as it is: it is also the embedding table, gathered by rows.
+        """
+        weights = [
+            p
+            for layer in self.layers
+            for p in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+        ]
+        if self.lm_head is not self.embed_tokens:
+            weights.append(self.lm_head)
+        for weight in weights:
+            weight.data = weight.data.t().contiguous().t()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return F.linear(hidden, self.lm_head).float()

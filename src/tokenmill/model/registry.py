@@ -119,4 +119,6 @@ def load_model(
         model.load_weights(iter_gguf_weights(resolved.path, arch))
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
+    if device.type == "cuda":
+        model.store_matmul_weights_k_major()
     return model.eval()
