@@ -23,6 +23,19 @@ from prometheus_client import (
 PREFIX = "tokenmill:"
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
+# invalid 400 / 405, unauthorized 401, not_found 404 (unknown model or route), timeout 408 (body
+# too slow), too_large 413 / 431, queue_full 429 (admission), unavailable 503 (starting, draining,
+# engine dead).
+REJECTION_REASONS = (
+    "invalid",
+    "unauthorized",
+    "not_found",
+    "timeout",
+    "too_large",
+    "queue_full",
+    "unavailable",
+)
 
 # Buckets span a fast GPU (milliseconds) and a laptop CPU running a long prompt (minutes).
 TTFT_BUCKETS = (
@@ -63,6 +76,11 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:  # export zeros so dashboards and tests see every series
             self._request_success.labels(model_name, reason)
+        self._request_rejected = counter(
+            "request_rejected", "Requests refused before reaching the engine, by reason.", ("reason",)
+        )
+        for reason in REJECTION_REASONS:
+            self._request_rejected.labels(model_name, reason)
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(
             model_name
         )
@@ -127,6 +145,11 @@ class ServerMetrics:
         self._e2e.observe(e2e)
         if queue_time is not None:
             self._queue_time.observe(queue_time)
+
+    def on_request_rejected(self, reason: str) -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}; one of {REJECTION_REASONS}")
+        self._request_rejected.labels(self.model_name, reason).inc()
 
     # ------------------------------------------------------------------ engine-level stats
 

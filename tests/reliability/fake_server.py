@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 
 from tests.server.fake_engine import FakeEngine
+from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
 from tokenmill.metrics import ServerMetrics
 from tokenmill.server.api_server import create_app
 from tokenmill.server.http_protocol import make_uvicorn_config
@@ -48,9 +49,10 @@ async def fake_server(
     serve_http: bool = False,
     step_s: float = 0.001,
     keep_alive_timeout: float = 5.0,
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     **state_kwargs,
 ) -> AsyncIterator[FakeServer]:
-    engine = FakeEngine(step_s=step_s)
+    engine = FakeEngine(step_s=step_s, hang_timeout_s=hang_timeout_s)
     await engine.start()
     state = ServerState(
         engine=engine,

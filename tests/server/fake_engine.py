@@ -8,6 +8,7 @@ each step gives every running sequence the next token of a fixed reply, then EOS
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -16,7 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S, AsyncEngine
+from tokenmill.engine.core_process import STATS_INTERVAL_S
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -147,26 +149,34 @@ class FakeCore:
 
     def _deliver(self, message: object) -> None:
         # Through msgpack and back, as over the real socket.
-        decoded = self._decoder.decode(self._encoder.encode(message))
-        if isinstance(decoded, StepOutputs):
-            self.engine._handle_outputs(decoded)
-        elif isinstance(decoded, UtilityResult):
-            future = self.engine._utility_calls.get(decoded.call_id)
-            if future is not None and not future.done():
-                future.set_result(decoded.result or {})
+        self.engine._handle_message(self._decoder.decode(self._encoder.encode(message)))
 
     async def run(self, step_s: float) -> None:
+        """Like the engine process's loop: outputs after each step with work, stats every
+        STATS_INTERVAL_S while idle. A paused core says nothing at all, like a hung one."""
+        last_stats = 0.0
         while True:
             await asyncio.sleep(step_s)
             if self.paused:
                 continue
             if self.running or self.pending:
                 self._deliver(StepOutputs(outputs=self.step(), stats=self.stats()))
+                last_stats = time.monotonic()
+            elif time.monotonic() - last_stats > STATS_INTERVAL_S:
+                self._deliver(StepOutputs(stats=self.stats()))
+                last_stats = time.monotonic()
 
 
 class FakeEngine(AsyncEngine):
-    def __init__(self, *, max_model_len: int = 128, num_kv_blocks: int = 64, step_s: float = 0.001) -> None:
-        super().__init__(EngineConfig())
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 128,
+        num_kv_blocks: int = 64,
+        step_s: float = 0.001,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+    ) -> None:
+        super().__init__(EngineConfig(), hang_timeout_s=hang_timeout_s)
         self.step_s = step_s
         self.tokenizer = tiny_tokenizer()
         self.eos_token_ids = [self.tokenizer.eos_token_id]
@@ -187,7 +197,8 @@ class FakeEngine(AsyncEngine):
     async def start(self, ready_timeout_s: float = 0.0) -> None:
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._tasks = [asyncio.create_task(self.core.run(self.step_s))]
+        self.last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self.core.run(self.step_s)), asyncio.create_task(self._watchdog())]
 
     def _try_send(self, data: bytes) -> bool:
         self.core.receive(self._client_decoder.decode(data))

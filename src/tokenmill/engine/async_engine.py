@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.2
 SEND_RETRY_S = 0.002
+# The engine process speaks after every step and every STATS_INTERVAL_S (0.5 s) while idle, so a
+# silence this long while requests wait on it means it hangs (a deadlock, a stuck kernel, a stopped
+# process); set by `serve --engine-hang-timeout`, 0 turns the check off.
+DEFAULT_HANG_TIMEOUT_S = 120.0
 
 
 def _kill_if_alive(process: subprocess.Popen) -> None:
@@ -103,8 +107,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        if hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the check), got {hang_timeout_s}")
         self.config = config
+        self.hang_timeout_s = hang_timeout_s
+        self.last_heard = time.monotonic()  # when the engine process last sent anything
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
         self.input_processor: InputProcessor | None = None
@@ -163,6 +171,7 @@ class AsyncEngine:
         assert self.info is not None
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
         logger.info(
             "engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s",
@@ -401,21 +410,25 @@ class AsyncEngine:
         assert self.output_processor is not None
         try:
             while True:
-                message = self._decoder.decode(await self._from_engine.recv())
-                if isinstance(message, StepOutputs):
-                    self._handle_outputs(message)
-                elif isinstance(message, UtilityResult):
-                    future = self._utility_calls.get(message.call_id)
-                    if future is not None and not future.done():
-                        if message.error:
-                            future.set_exception(RuntimeError(message.error))
-                        else:
-                            future.set_result(message.result or {})
+                self._handle_message(self._decoder.decode(await self._from_engine.recv()))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave clients hanging
             logger.exception("output loop failed")
             self._mark_dead(f"output loop failed: {exc}")
+
+    def _handle_message(self, message: Any) -> None:
+        """One message from the engine process (it is alive and speaking)."""
+        self.last_heard = time.monotonic()
+        if isinstance(message, StepOutputs):
+            self._handle_outputs(message)
+        elif isinstance(message, UtilityResult):
+            future = self._utility_calls.get(message.call_id)
+            if future is not None and not future.done():
+                if message.error:
+                    future.set_exception(RuntimeError(message.error))
+                else:
+                    future.set_result(message.result or {})
 
     def _handle_outputs(self, message: StepOutputs) -> None:
         assert self.output_processor is not None
@@ -479,6 +492,39 @@ class AsyncEngine:
                     logger.error("the engine process died (exit code %s)", self._process.returncode)
                 self._mark_dead(f"the engine process exited with code {self._process.returncode}")
                 return
+            if self._is_hung():
+                await self._kill_hung_engine()
+                return
+
+    def _is_hung(self) -> bool:
+        """Silent for longer than the hang timeout while requests (or utility calls) wait on it."""
+        if self.hang_timeout_s <= 0 or self._stopping or self.dead is not None:
+            return False
+        if not self._streams and not self._utility_calls:
+            return False  # an idle engine is not waited on; the first request after a hang finds it
+        if time.monotonic() - self.last_heard <= self.hang_timeout_s:
+            return False
+        # Messages already waiting in the socket mean this loop, not the engine, was slow (a long
+        # stall of the event loop); the output loop will read them next.
+        return not (self._from_engine.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    async def _kill_hung_engine(self) -> None:
+        """A hung engine is handled as a dead one: killed, its requests failed, /health 503."""
+        silent_s = time.monotonic() - self.last_heard
+        pid = self._process.pid if self._process is not None else None
+        logger.error(
+            "the engine process (pid %s) sent nothing for %.1f s while %d requests waited on it, longer "
+            "than --engine-hang-timeout %g s; killing it",
+            pid, silent_s, len(self._streams), self.hang_timeout_s,
+        )  # fmt: skip
+        self._mark_dead(
+            f"the engine process hung: silent for {silent_s:.1f} s, longer than --engine-hang-timeout "
+            f"{self.hang_timeout_s:g} s; it was killed"
+        )
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+            if not await self._wait_for_exit(5.0):
+                logger.error("the hung engine process %s did not exit after SIGKILL", pid)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead is None:

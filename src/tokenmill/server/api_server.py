@@ -24,6 +24,7 @@ from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.http_protocol import make_uvicorn_config
+from tokenmill.server.openapi import document_request_bodies
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,6 +82,27 @@ class _MethodNotAllowed(TokenmillError):
     error_type = "invalid_request_error"
 
 
+# A refusal's status -> its `reason` in tokenmill:request_rejected_total. Every 4xx is decided before
+# the request reaches the engine. 503 is not here: one that reaches the exception handler may be a
+# request the engine had when it died; refusals with 503 are counted in ServerState.check_available.
+REJECTION_REASON_BY_STATUS = {
+    400: "invalid",
+    401: "unauthorized",
+    404: "not_found",
+    405: "invalid",
+    408: "timeout",
+    413: "too_large",
+    429: "queue_full",
+    431: "too_large",
+}
+
+
+def count_rejection(state: ServerState, status_code: int) -> None:
+    reason = REJECTION_REASON_BY_STATUS.get(status_code)
+    if reason is not None:
+        state.metrics.on_request_rejected(reason)
+
+
 def error_response(exc: TokenmillError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
     retry_after_s = getattr(exc, "retry_after_s", None)  # 429 overloaded, 503 queue time exceeded
@@ -123,6 +145,7 @@ class HeaderLimitMiddleware:
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
             size += sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ()))
             if size > self.state.max_header_bytes:
+                count_rejection(self.state, HeadersTooLargeError.status_code)
                 response = error_response(
                     HeadersTooLargeError(
                         f"the request line and headers are {size} bytes; the limit is "
@@ -156,8 +179,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
+            count_rejection(self.state, AuthenticationError.status_code)
             await send({"type": "websocket.close", "code": 1008})
             return
+        count_rejection(self.state, AuthenticationError.status_code)
         response = error_response(
             AuthenticationError(
                 "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
@@ -224,6 +249,7 @@ async def read_body(state: ServerState, request: Request) -> bytes:
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version=__version__)
     app.state.tm = state
+    document_request_bodies(app)
     app.add_middleware(ApiKeyMiddleware, state=state)
     app.add_middleware(HeaderLimitMiddleware, state=state)  # added last: runs first
 
@@ -231,15 +257,21 @@ def create_app(state: ServerState) -> FastAPI:
     async def _tokenmill_error(_: Request, exc: TokenmillError):
         if exc.status_code >= 500:
             logger.error("request failed: %s", exc.message)
+        count_rejection(state, exc.status_code)
         return error_response(exc)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _exc: Any):
+        count_rejection(state, _NotFound.status_code)
         return error_response(_NotFound(f"no route for {request.method} {request.url.path}"))
 
     @app.exception_handler(405)
-    async def _bad_method(request: Request, _exc: Any):
-        return error_response(_MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+    async def _bad_method(request: Request, exc: Any):
+        count_rejection(state, _MethodNotAllowed.status_code)
+        response = error_response(_MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        # Routing put the route's methods in `Allow`, which a 405 must carry (RFC 9110, 15.5.6).
+        response.headers.update(getattr(exc, "headers", None) or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
@@ -441,7 +473,7 @@ def run_server(args: argparse.Namespace) -> int:
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     state = ServerState(
-        engine=AsyncEngine(config),
+        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
         model_names=names,
         model_root=model_root,
         metrics=ServerMetrics(names[0]),

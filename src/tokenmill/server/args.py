@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
+
+# The engine reports at least every 0.5 s while idle; a shorter hang timeout would kill a healthy one.
+MIN_HANG_TIMEOUT_S = 1.0
+
+
+def _hang_timeout(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or value >= MIN_HANG_TIMEOUT_S):  # also refuses NaN
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (off) or at least {MIN_HANG_TIMEOUT_S:g} seconds, got {text!r}"
+        )
+    return value
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
@@ -58,6 +72,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a client may take to send a request's headers (else the connection closes) "
         "and its body (else 408)",
+    )
+    parser.add_argument(
+        "--engine-hang-timeout",
+        type=_hang_timeout,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        help="seconds the engine process may stay silent while requests wait on it (it reports after "
+        "every step and twice a second when idle); beyond, it is treated as dead: killed, its requests "
+        "failed with 503, /health 503. Raise it if one step can take longer; 0 disables the check",
     )
     parser.add_argument(
         "--keep-alive-timeout",

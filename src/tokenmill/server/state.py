@@ -46,6 +46,14 @@ class ServerState:
         return self.engine.info.max_model_len if self.engine.info else 0
 
     def check_available(self) -> None:
+        """Raises 503 (counted as a refusal) unless the server takes new requests."""
+        try:
+            self._check_available()
+        except TokenmillError:
+            self.metrics.on_request_rejected("unavailable")
+            raise
+
+    def _check_available(self) -> None:
         if self.draining:
             raise ServiceUnavailableError("the server is shutting down and admits no new requests")
         if self.engine.dead:
