@@ -257,3 +257,20 @@ def test_fused_kernels_round_like_transformers(dtype):
     # exp itself may differ by an ulp between Triton and PyTorch.
     one_ulp = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(silu_mul(gate_up), expected_act, **one_ulp)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_greedy_sample_kernel_at_real_vocab_size(rows):
+    from tokenmill.sample.greedy_triton import greedy_sample
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    # bf16 logits upcast, as the lm_head gives them: many exact ties, which go to the first index.
+    logits = torch.randn(rows, 128256, device="cuda", generator=gen).to(torch.bfloat16).float()
+    logits[0, 100] = logits[0, 90000] = 1e4
+    if rows > 1:
+        logits[-1, 5] = float("nan")
+    out = greedy_sample(logits)
+    expected = logits.argmax(dim=-1)
+    assert out[0, : rows - 1 if rows > 1 else 1].tolist() == expected[: rows - 1 if rows > 1 else 1].tolist()
+    assert out[0, 0].item() == 100
+    assert out[1].tolist() == [0] * (rows - 1) + [1] if rows > 1 else out[1].tolist() == [0]

@@ -1,4 +1,5 @@
-"""TritonPagedBackend on the CPU under TRITON_INTERPRET=1, tiny shapes, against a naive reference.
+"""TritonPagedBackend on the CPU under TRITON_INTERPRET=1, tiny shapes, against a naive reference
+(and the decode step's other Triton kernels: fused RoPE + KV store, greedy sampling).
 
 Triton picks interpreter or compiler when a kernel is decorated, for its own library functions
 too, so the variable must be set before triton is first imported. If this process imported
@@ -373,3 +374,22 @@ def test_rope_and_store_kv_equals_rope_then_store(dtype: torch.dtype, first_kv_h
     cos = angles.cos()[positions].repeat(1, 2)[:, None]
     sin = angles.sin()[positions].repeat(1, 2)[:, None]
     assert torch.allclose(rotated, original * cos + rotate_half * sin, atol=1e-5)
+
+
+@interpreted_only
+def test_greedy_sample_matches_torch_argmax_and_flags_non_finite_rows() -> None:
+    from tokenmill.sample import greedy_triton
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3 * greedy_triton.BLOCK + 17  # a partial last slice
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1, 5] = logits[1, greedy_triton.BLOCK + 9] = 100.0  # a tie across slices: the first wins
+    logits[2, 3 * greedy_triton.BLOCK + 16] = 50.0  # the max in the partial slice
+    logits[3, 7] = float("nan")
+    logits[4, 11] = float("-inf")
+    out = greedy_triton.greedy_sample(logits)
+    assert out.dtype == torch.int64 and out.shape == (2, 5)
+    assert (
+        out[0, :3].tolist() == logits[:3].argmax(dim=-1).tolist() == [logits[0].argmax().item(), 5, vocab - 1]
+    )
+    assert out[1].tolist() == [0, 0, 0, 1, 1]

@@ -339,9 +339,16 @@ class ModelRunner:
         sampling_reqs = [so.scheduled[i] for i in batch.sampling_req_indices]
         metadata = None
         sampled = None
+        packed = None
         if all(self._is_plain_greedy(s) for s in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
-            sampled_ids = logits.argmax(dim=-1)
+            if logits.is_cuda:
+                from tokenmill.sample.greedy_triton import greedy_sample
+
+                packed = greedy_sample(logits)  # ids and non-finite flags in two launches
+                sampled_ids = packed[0]
+            else:
+                sampled_ids = logits.argmax(dim=-1)
         else:
             infos = [
                 RowSamplingInfo(
@@ -358,8 +365,9 @@ class ModelRunner:
             sampled_ids = sampled.sampled_token_ids
         # NaN / inf logits end only their own request; the flag rides along with the one host sync.
         # (A row's sum is finite exactly when all its logits are, and needs no [rows, vocab] mask.)
-        nonfinite = ~torch.isfinite(logits.sum(dim=-1))
-        packed = torch.stack([sampled_ids, nonfinite.long()])
+        if packed is None:
+            nonfinite = ~torch.isfinite(logits.sum(dim=-1))
+            packed = torch.stack([sampled_ids, nonfinite.long()])
         sampling_req_ids = [s.request_id for s in sampling_reqs]
         self._last_sampled = (sampled_ids, {rid: i for i, rid in enumerate(sampling_req_ids)})
         ready = None
