@@ -133,3 +133,7 @@ def test_abort_while_its_step_is_in_flight(engines, tiny_llama_dir):
     assert finished == {"abort-0": "abort", "abort-1": "length"}
     assert tokens["abort-1"] == hf_greedy(str(tiny_llama_dir), prompts[1], 8)[0]
     llm.engine.check_invariants()
+    # Its launched steps wrote their KV, so its prompt stays in the prefix cache for a retry.
+    again = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16
+    assert again.outputs[0].token_ids == hf_greedy(str(tiny_llama_dir), prompts[0], 8)[0]

@@ -60,6 +60,17 @@ def idle_gauges(base_url: str) -> dict[str, float]:
     }
 
 
+def engine_invariants(base_url: str) -> str:
+    """ "ok" when the engine's own check passes (GET /debug/invariants: queues, KV block ref counts,
+    free list), else what went wrong; servers started without --enable-debug-endpoints say so."""
+    response = httpx.get(f"{base_url}/debug/invariants", timeout=30)
+    if response.status_code == 404:
+        return "not checked: the server does not serve /debug/invariants (--enable-debug-endpoints)"
+    if response.status_code == 200 and response.json().get("ok") is True:
+        return "ok"
+    return f"HTTP {response.status_code}: {response.text[:1000]}"
+
+
 def wait_idle(base_url: str, timeout_s: float = 20.0) -> dict[str, float]:
     """Waits until nothing runs or waits and no KV block is held by a request (cached blocks with
     ref count 0 count as free). The gauges come from engine stats sent every ~0.5 s."""

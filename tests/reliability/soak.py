@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from tests.reliability.server_tools import (
+    engine_invariants,
     finished_by_reason,
     metric,
     openai_error_problem,
@@ -87,6 +88,7 @@ DEFAULT_SERVER_ARGS = [
     # Ordinary traffic mostly fits; a burst of 40 at once does not: 429 with Retry-After.
     "--max-num-waiting-seqs", "16",
     "--shutdown-timeout", "10",
+    "--enable-debug-endpoints",  # GET /debug/invariants after the drain
 ]  # fmt: skip
 
 
@@ -437,6 +439,7 @@ class SoakReport:
     server_finished_by_reason: dict[str, float]
     engine_counters: dict[str, float]  # what the load made the engine do (deltas over the soak)
     idle_after_drain: dict[str, float] | None
+    engine_invariants: str  # "ok", or what the engine's check (GET /debug/invariants) said
     violations: list[str]
 
     def summary(self) -> str:
@@ -452,6 +455,7 @@ class SoakReport:
             f"{self.server_finished_by_reason}",
             f"  engine: {self.engine_counters}",
             f"  after the drain: {self.idle_after_drain}",
+            f"  engine invariants after the drain: {self.engine_invariants}",
         ]
         for kind, terminals in sorted(self.outcomes_by_kind.items()):
             lines.append(f"  {kind:<44} {dict(sorted(terminals.items()))}")
@@ -512,6 +516,9 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
         idle = await asyncio.to_thread(wait_idle, base_url, 30.0)
     except AssertionError as exc:
         violations.append(str(exc))
+    invariants = await asyncio.to_thread(engine_invariants, base_url)
+    if invariants != "ok" and not invariants.startswith("not checked"):
+        violations.append(f"engine invariants after the drain: {invariants}")
     after = await asyncio.to_thread(finished_by_reason, base_url)
     counters_after = await asyncio.to_thread(engine_counters, base_url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -541,6 +548,7 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakReport:
         server_finished_by_reason=delta,
         engine_counters={k: counters_after[k] - counters_before[k] for k in counters_after},
         idle_after_drain=idle,
+        engine_invariants=invariants,
         violations=violations,
     )
 

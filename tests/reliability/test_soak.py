@@ -48,6 +48,8 @@ def test_soak_every_request_ends_once_and_nothing_is_left(tmp_path, tiny_llama_d
     # Bursts met admission control (each 429 carried Retry-After and OpenAI's body: checked per request).
     assert report.num_429 > 0, summary
     assert report.idle_after_drain == {"running": 0.0, "waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    # The engine's own check: every block's ref count 0, free + evictable-cached = all blocks.
+    assert report.engine_invariants == "ok", summary
 
     assert exit_code == 0, server.log()
     leaked = survivors(tree)

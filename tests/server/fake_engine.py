@@ -81,6 +81,7 @@ class FakeCore:
         self.pending: list[EngineCoreOutput] = []
         self.paused = False
         self.steps = 0
+        self.invariant_error: str | None = None  # what check_invariants reports, if anything
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
 
@@ -96,7 +97,10 @@ class FakeCore:
                     self.aborted.append(rid)
                     self.pending.append(EngineCoreOutput(rid, finish_reason="abort"))
         elif isinstance(message, UtilityCall):
-            self._deliver(UtilityResult(message.call_id, result=self.stats()))
+            if message.method == "check_invariants" and self.invariant_error:
+                self._deliver(UtilityResult(message.call_id, error=self.invariant_error))
+            else:
+                self._deliver(UtilityResult(message.call_id, result=self.stats()))
         elif isinstance(message, Shutdown):
             self.paused = True
 

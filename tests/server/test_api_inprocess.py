@@ -643,3 +643,24 @@ def test_huge_prompt_is_tokenized_off_the_event_loop():
         assert engine.core.added == []
 
     run(scenario)
+
+
+def test_debug_invariants_endpoint_is_opt_in_and_reports_the_engine_check():
+    async def absent(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        assert (await client.get("/debug/invariants")).status_code == 404
+
+    async def present(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        ok = await client.get("/debug/invariants")
+        assert ok.status_code == 200 and ok.json()["ok"] is True, ok.text
+        assert "num_running" in ok.json()["stats"]
+        engine.core.invariant_error = "AssertionError: block 3: ref_count 1 but 0 requests hold it"
+        broken = await client.get("/debug/invariants")
+        assert broken.status_code == 500
+        assert "block 3: ref_count 1" in broken.json()["error"]["message"]
+
+    async def behind_the_key(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        assert (await client.get("/debug/invariants")).status_code == 401
+
+    run(absent)
+    run(present, enable_debug_endpoints=True)
+    run(behind_the_key, api_key="sekrit", enable_debug_endpoints=True)

@@ -141,6 +141,7 @@ class Harness:
         self.steps.append(so)
         runner_output = self.runner.execute(so)
         if self.async_mode:  # apply the previous step's results only now, as the async engine does
+            self.scheduler.launched(so)
             outputs = self.flush()
             self.in_flight = (so, runner_output)
             if so.is_empty:  # nothing launched: the engine applies it at once

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -115,8 +115,9 @@ class Scheduler:
         self._sequence = itertools.count()
         self._finished_req_ids: set[str] = set()  # since the previous schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # requests schedule() had to end
-        # Requests in steps not yet passed to update_from_output (two steps with async scheduling).
-        self._in_flight: Counter[str] = Counter()
+        # Requests of the last schedule() whose step was neither launched (`launched`) nor
+        # reported (`update_from_output`): if one ends now its KV may never be written.
+        self._unlaunched: set[str] = set()
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already emitted
 
     # -- requests ---------------------------------------------------------------------------
@@ -234,8 +235,14 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self._finished_req_ids = set()
-        self._in_flight.update(s.request.request_id for s in scheduled)
+        self._unlaunched = {s.request.request_id for s in scheduled}
         return output
+
+    def launched(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner has queued this step's work on the device: its KV writes happen before any
+        later step's, even if its requests end now, so their full blocks may stay in the prefix
+        cache (async scheduling ends requests while their last step is in flight)."""
+        self._unlaunched.difference_update(s.request.request_id for s in scheduler_output.scheduled)
 
     def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
         """True when the tokens still in flight already reach max_tokens or max_model_len."""
@@ -303,8 +310,7 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, end errored requests; one output per
         request that got a token, prompt logprobs, or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._in_flight.subtract(s.request.request_id for s in scheduler_output.scheduled)
-        self._in_flight = +self._in_flight  # drop the zero counts
+        self._unlaunched.difference_update(s.request.request_id for s in scheduler_output.scheduled)
         for request_id, message in runner_output.errored.items():
             # The step's KV for it may be garbage: keep it out of the prefix cache.
             outputs.extend(
@@ -410,8 +416,8 @@ class Scheduler:
             self.waiting.remove(set(requests) - running_ids)
         outputs = []
         for request in requests.values():
-            # A step that was scheduled but not reported may never write this request's KV.
-            self._finish(request, status, error, uncache=uncache or request.request_id in self._in_flight)
+            # A step that was scheduled but not launched may never write this request's KV.
+            self._finish(request, status, error, uncache=uncache or request.request_id in self._unlaunched)
             outputs.append(self._final_output(request))
         return outputs
 

@@ -289,6 +289,19 @@ def create_app(state: ServerState) -> FastAPI:
         )
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
+    if state.enable_debug_endpoints:
+
+        @app.get("/debug/invariants")
+        async def debug_invariants() -> dict[str, Any]:
+            """The engine's own consistency check: queues agree with the requests, every KV block's
+            ref count equals its holders, and with nothing live every block is free or cached."""
+            state.check_available()
+            try:
+                stats = await state.engine.call_utility("check_invariants")
+            except RuntimeError as exc:  # the engine answered: an invariant is broken
+                raise TokenmillError(f"engine invariant violated: {exc}") from exc
+            return {"ok": True, "stats": stats}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -485,6 +498,7 @@ def run_server(args: argparse.Namespace) -> int:
         client_read_timeout=args.client_read_timeout,
         max_header_bytes=args.max_header_bytes,
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
+        enable_debug_endpoints=args.enable_debug_endpoints,
     )
     app = create_app(state)
     uv_config = make_uvicorn_config(

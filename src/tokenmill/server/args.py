@@ -82,6 +82,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "failed with 503, /health 503. Raise it if one step can take longer; 0 disables the check",
     )
     parser.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/invariants: the engine checks its queues and KV block ref counts "
+        "(for soak tests; it walks every block, so not for production traffic)",
+    )
+    parser.add_argument(
         "--keep-alive-timeout",
         type=float,
         default=5.0,

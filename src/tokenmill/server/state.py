@@ -34,6 +34,7 @@ class ServerState:
     client_read_timeout: float | None = 30.0
     # Bound on a request's target plus headers (--max-header-bytes); beyond it 431 (or 400 from h11).
     max_header_bytes: int = 64 * 2**10
+    enable_debug_endpoints: bool = False  # GET /debug/invariants (--enable-debug-endpoints)
     admission: AdmissionControl = field(default_factory=AdmissionControl)
     ready: bool = False
     draining: bool = False
