@@ -15,6 +15,8 @@ never from device values, so this never waits on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,7 @@ class TorchReferenceBackend(AttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
+        self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
 
     def forward(
         self,
@@ -50,54 +53,57 @@ class TorchReferenceBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         if num_tokens == 0 or meta.num_reqs == 0 or meta.query_start_loc_cpu.numel() < 2:
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
+        plan = self._plan_for(meta, q.shape[0], kv_cache.shape[2], q.device)
         if not kv_already_stored:
-            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
+            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan.store)
 
+        if plan.whole_batch:
+            return self._attend(q, kv_cache, plan.groups[0])  # common case: no copy
+        out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
+        for group in plan.groups:
+            out.index_copy_(0, group.out_rows, self._attend(q, kv_cache, group))
+        return out
+
+    def _plan_for(
+        self, meta: AttentionMetadata, q_rows: int, block_size: int, device: torch.device
+    ) -> _StepPlan:
+        """Index plans of this step: the same for every layer, so built once (per metadata object)."""
+        plan = self._plan
+        if plan is not None and plan.meta is meta and plan.q_rows == q_rows:
+            return plan
         starts = meta.query_start_loc_cpu.to(torch.int64)
         query_lens = starts[1:] - starts[:-1]
         groups = _request_groups(query_lens, meta)  # None: the whole batch at once
-        if groups is None and int(starts[0]) == 0 and q.shape[0] == num_tokens:
-            return self._attend(q, kv_cache, meta, None, starts, query_lens)  # common case: no copy
-        out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
-        for reqs in groups or [None]:
-            rows = self._attend(q, kv_cache, meta, reqs, starts, query_lens)
-            if reqs is None:
-                out[int(starts[0]) : int(starts[-1])] = rows
-            else:
-                dst = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in reqs.tolist()])
-                out.index_copy_(0, dst.to(q.device, non_blocking=True), rows)
-        return out
+        whole_batch = groups is None and int(starts[0]) == 0 and q_rows == meta.num_actual_tokens
+        attend_plans = [
+            self._attend_plan(q_rows, block_size, device, meta, reqs, starts, query_lens)
+            for reqs in (groups or [None])
+        ]
+        store = _StorePlan.build(meta.slot_mapping[: meta.num_actual_tokens])
+        self._plan = _StepPlan(meta, q_rows, whole_batch, attend_plans, store)
+        return self._plan
 
-    def _store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        # Rows with slot -1 write nowhere. To skip them without a data-dependent shape (a host
-        # sync on GPU), each such row repeats the write of the first real row: same slot, same
-        # value. If no row is real, slot 0 is rewritten with what it already holds.
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _StorePlan) -> None:
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        valid = slots >= 0
-        first_valid = torch.argmax(valid.to(torch.int32))
-        src = torch.where(valid, torch.arange(slots.shape[0], device=slots.device), first_valid)
-        dst = slots.index_select(0, src).clamp_min(0)
-        any_valid = valid.any()
         for i, new in enumerate((k, v)):
             values = torch.where(
-                any_valid, new.index_select(0, src).to(flat.dtype), flat[i].index_select(0, dst)
+                plan.any_valid,
+                new.index_select(0, plan.src).to(flat.dtype),
+                flat[i].index_select(0, plan.dst),
             )
-            flat[i].index_copy_(0, dst, values)
+            flat[i].index_copy_(0, plan.dst, values)
 
-    def _attend(
+    def _attend_plan(
         self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
+        q_rows: int,
+        block_size: int,
+        device: torch.device,
         meta: AttentionMetadata,
         reqs: torch.Tensor | None,  # host indices of the requests in this group; None = all
         starts: torch.Tensor,  # host [num_reqs + 1]
         all_query_lens: torch.Tensor,  # host [num_reqs]
-    ) -> torch.Tensor:
-        """Attention output [rows, num_heads, head_dim] for the query rows of `reqs`, in batch order."""
-        device = q.device
+    ) -> _AttendPlan:
         # The host copies cover the real requests; device tensors may hold padding requests after them.
         reqs_host = torch.arange(all_query_lens.numel()) if reqs is None else reqs
         num_reqs = reqs_host.numel()
@@ -106,7 +112,6 @@ class TorchReferenceBackend(AttentionBackend):
         max_query_len = int(query_lens.max())
         max_seq_len = int(seq_lens_host.max())
         group = self.num_heads // self.num_kv_heads
-        block_size = kv_cache.shape[2]
         num_blocks = -(-max_seq_len // block_size)
         key_len = num_blocks * block_size
 
@@ -115,23 +120,19 @@ class TorchReferenceBackend(AttentionBackend):
         in_query = offsets < query_lens[:, None]  # [R, Q]
         # Padded query rows repeat the request's first row; their output is dropped.
         gather_rows = (starts[reqs_host][:, None] + torch.where(in_query, offsets, 0)).flatten()
-        gather_rows.clamp_(max=q.shape[0] - 1)  # a request with no query rows may start past the end
+        gather_rows.clamp_(max=q_rows - 1)  # a request with no query rows may start past the end
         query_pos = (seq_lens_host - query_lens)[:, None] + offsets  # position of query j of each request
 
         if reqs is None:
             block_table = meta.block_tables[:num_reqs, :num_blocks]
             seq_lens = meta.seq_lens[:num_reqs]
+            out_rows = None
         else:
             reqs_dev = reqs.to(device, non_blocking=True)
             block_table = meta.block_tables[:, :num_blocks].index_select(0, reqs_dev)
             seq_lens = meta.seq_lens.index_select(0, reqs_dev)
-
-        queries = q.index_select(0, gather_rows.to(device, non_blocking=True))
-        queries = queries.view(num_reqs, max_query_len, self.num_kv_heads, group, self.head_dim)
-        # Fold the `group` query heads that share a KV head into the query axis: [R, kv_heads, group*Q, D].
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(
-            num_reqs, self.num_kv_heads, group * max_query_len, -1
-        )
+            out_rows = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in reqs.tolist()])
+            out_rows = out_rows.to(device, non_blocking=True)
 
         # Query j sees keys at positions <= its own and < seq_len. Padded query rows get
         # positions >= seq_len - 1, so they see key 0 at least: no fully masked (NaN) row.
@@ -143,28 +144,49 @@ class TorchReferenceBackend(AttentionBackend):
         else:
             mask = mask[:, None, None].expand(num_reqs, 1, group, max_query_len, key_len)
             mask = mask.reshape(num_reqs, 1, group * max_query_len, key_len)
+        keep_rows = None
+        if not bool(in_query.all()):
+            keep_rows = torch.nonzero(in_query.flatten()).flatten().to(device, non_blocking=True)
+        return _AttendPlan(
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            key_len=key_len,
+            gather_rows=gather_rows.to(device, non_blocking=True),
+            block_table=block_table,
+            mask=mask,
+            keep_rows=keep_rows,
+            out_rows=out_rows,
+        )
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttendPlan) -> torch.Tensor:
+        """Attention output [rows, num_heads, head_dim] for the query rows of a plan's requests."""
+        device = q.device
+        num_reqs, max_query_len, key_len = plan.num_reqs, plan.max_query_len, plan.key_len
+        group = self.num_heads // self.num_kv_heads
+        queries = q.index_select(0, plan.gather_rows)
+        queries = queries.view(num_reqs, max_query_len, self.num_kv_heads, group, self.head_dim)
+        # Fold the `group` query heads that share a KV head into the query axis: [R, kv_heads, group*Q, D].
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(
+            num_reqs, self.num_kv_heads, group * max_query_len, -1
+        )
 
         # On CPU, requests go in chunks whose gathered K/V stay in cache for the attention that
         # reads them right after (about twice as fast as one big gather); a GPU takes all at once.
         bytes_per_req = 2 * key_len * self.num_kv_heads * self.head_dim * kv_cache.element_size()
         chunk = max(1, _CPU_CHUNK_BYTES // bytes_per_req) if device.type == "cpu" else num_reqs
         if chunk >= num_reqs:
-            attn = self._gather_and_attend(queries, kv_cache, block_table, mask)
+            attn = self._gather_and_attend(queries, kv_cache, plan.block_table, plan.mask)
         else:
             attn = torch.empty(queries.shape, dtype=torch.float32, device=device)
             for start in range(0, num_reqs, chunk):
                 end = min(start + chunk, num_reqs)
                 attn[start:end] = self._gather_and_attend(
-                    queries[start:end], kv_cache, block_table[start:end], mask[start:end]
+                    queries[start:end], kv_cache, plan.block_table[start:end], plan.mask[start:end]
                 )
         attn = attn.view(num_reqs, self.num_kv_heads, group, max_query_len, self.head_dim)
         attn = attn.permute(0, 3, 1, 2, 4).reshape(num_reqs * max_query_len, self.num_heads, self.head_dim)
-
-        # Drop the padded rows.
-        if not bool(in_query.all()):
-            attn = attn.index_select(
-                0, torch.nonzero(in_query.flatten()).flatten().to(device, non_blocking=True)
-            )
+        if plan.keep_rows is not None:  # drop the padded rows
+            attn = attn.index_select(0, plan.keep_rows)
         return attn.to(q.dtype)
 
     def _gather_and_attend(
@@ -228,3 +250,44 @@ def _request_groups(query_lens: torch.Tensor, meta: AttentionMetadata) -> list[t
     else:  # very uneven prefills: one request at a time
         groups.extend(longer[i : i + 1] for i in range(longer.numel()))
     return groups
+
+
+@dataclass(slots=True)
+class _StorePlan:
+    """Where this step's K/V rows go. Rows with slot -1 write nowhere: to skip them without a
+    data-dependent shape (a host sync on GPU), each such row repeats the write of the first real
+    row (same slot, same value); if no row is real, slot 0 is rewritten with what it holds."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    any_valid: torch.Tensor
+
+    @classmethod
+    def build(cls, slots: torch.Tensor) -> _StorePlan:
+        valid = slots >= 0
+        first_valid = torch.argmax(valid.to(torch.int32))
+        src = torch.where(valid, torch.arange(slots.shape[0], device=slots.device), first_valid)
+        return cls(src=src, dst=slots.index_select(0, src).clamp_min(0), any_valid=valid.any())
+
+
+@dataclass(slots=True)
+class _AttendPlan:
+    """One group of requests' gather indices and mask (device tensors)."""
+
+    num_reqs: int
+    max_query_len: int
+    key_len: int
+    gather_rows: torch.Tensor  # query rows, padded to max_query_len per request
+    block_table: torch.Tensor  # [num_reqs, key_len // block_size]
+    mask: torch.Tensor  # [num_reqs, 1, rows or 1, key_len]
+    keep_rows: torch.Tensor | None  # real rows among the padded ones; None: all real
+    out_rows: torch.Tensor | None  # where the group's rows go in the batch; None: the whole batch
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    meta: AttentionMetadata  # the step it was built for (held, so identity is meaningful)
+    q_rows: int
+    whole_batch: bool
+    groups: list[_AttendPlan]
+    store: _StorePlan
