@@ -55,13 +55,17 @@ class TorchReferenceBackend(AttentionBackend):
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
         plan = self._plan_for(meta, q.shape[0], kv_cache.shape[2], q.device)
         if not kv_already_stored:
-            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan.store)
+            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store)
 
         if plan.whole_batch:
             return self._attend(q, kv_cache, plan.groups[0])  # common case: no copy
         out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
         for group in plan.groups:
-            out.index_copy_(0, group.out_rows, self._attend(q, kv_cache, group))
+            rows = self._attend(q, kv_cache, group)
+            if group.out_rows is None:  # the whole batch, placed among padding rows
+                out[plan.first_row : plan.first_row + rows.shape[0]] = rows
+            else:
+                out.index_copy_(0, group.out_rows, rows)
         return out
 
     def _plan_for(
@@ -80,10 +84,22 @@ class TorchReferenceBackend(AttentionBackend):
             for reqs in (groups or [None])
         ]
         store = _StorePlan.build(meta.slot_mapping[: meta.num_actual_tokens])
-        self._plan = _StepPlan(meta, q_rows, whole_batch, attend_plans, store)
+        self._plan = _StepPlan(meta, q_rows, whole_batch, int(starts[0]), attend_plans, store)
         return self._plan
 
-    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _StorePlan) -> None:
+    def _store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        *,
+        plan: _StorePlan | None = None,
+    ) -> None:
+        """Write k/v rows at `slots` (or at a prebuilt plan's); slot -1 writes nowhere."""
+        if plan is None:
+            assert slots is not None, "_store_kv needs slots or a plan"
+            plan = _StorePlan.build(slots)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
         for i, new in enumerate((k, v)):
@@ -289,5 +305,6 @@ class _StepPlan:
     meta: AttentionMetadata  # the step it was built for (held, so identity is meaningful)
     q_rows: int
     whole_batch: bool
+    first_row: int  # where the real query rows start in q
     groups: list[_AttendPlan]
     store: _StorePlan
