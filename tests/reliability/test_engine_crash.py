@@ -175,7 +175,7 @@ def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, tiny_llama_di
 
 def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_path, tiny_llama_dir):
     """Runs after the test above (same model, fresh port): the restart works, then a drain."""
-    shutdown_timeout = 1.5
+    shutdown_timeout = 1.0
     server = start_tiny_server(
         str(tmp_path), str(tiny_llama_dir),
         "--max-model-len", "512", "--max-num-seqs", "16", "--shutdown-timeout", str(shutdown_timeout),
@@ -183,16 +183,27 @@ def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_p
     tree = process_tree(server.process.pid)
     short = {"prompt": "a short one", "max_tokens": 60, "ignore_eos": True}
     long = {"prompt": "a long one", "max_tokens": LONG, "ignore_eos": True}
-    # Twelve long requests keep the batch busy for seconds; the short ones finish within the timeout.
+    # The short ones go first and finish within the timeout (or before the signal). The twelve
+    # long ones are sent last and the signal follows as soon as they run, so they are far from
+    # done when the drain ends however fast the machine: 480 steps of a 14-request batch take
+    # well over a second here (they took 2-4 s on the 2-core CI machine).
     specs = [("stream", short), ("plain", short)] + [("stream", long)] * 8 + [("plain", long)] * 4
-    results, threads = start_clients(server.base_url, specs)
     deadline = time.monotonic() + 60
-    # Every request admitted: running, or (a short one on a slow start) already finished.
-    while metric(server.base_url, "num_requests_running") + metric(
-        server.base_url, "request_success_total"
-    ) < len(specs):
-        assert time.monotonic() < deadline, "the requests never all started"
-        time.sleep(0.05)
+
+    def wait_admitted(count: int) -> None:
+        # Running, or (a short one on a slow start) already finished.
+        while (
+            metric(server.base_url, "num_requests_running") + metric(server.base_url, "request_success_total")
+            < count
+        ):
+            assert time.monotonic() < deadline, f"{count} requests never all started"
+            time.sleep(0.02)
+
+    results, threads = start_clients(server.base_url, specs[:2])
+    wait_admitted(2)
+    long_results, long_threads = start_clients(server.base_url, specs[2:])
+    results, threads = results + long_results, threads + long_threads
+    wait_admitted(len(specs))
     signalled = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
