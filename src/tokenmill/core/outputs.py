@@ -22,15 +22,12 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table (the list the KV manager owns)
     is_new: bool  # first scheduled, or resumed after preemption: the runner (re)builds its state
+    # The chunk reaches the request's last token (known, or still in flight): a new one is sampled.
+    samples_token: bool
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def samples_token(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass(slots=True)

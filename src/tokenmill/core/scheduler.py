@@ -251,12 +251,19 @@ class Scheduler:
         return request.num_tokens + placeholders >= self.max_model_len
 
     def _schedule(self, request: Request, num_new: int, *, is_new: bool) -> ScheduledRequest:
-        # (request, num_computed_tokens before the step, num_new_tokens, the live block table, is_new)
-        scheduled = ScheduledRequest(
-            request, request.num_computed_tokens, num_new, self.kv.get_block_ids(request.request_id), is_new
+        samples = (
+            request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders
         )
-        if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1  # this step samples; the id comes with its results
+        scheduled = ScheduledRequest(
+            request,
+            request.num_computed_tokens,  # before the step
+            num_new,
+            self.kv.get_block_ids(request.request_id),  # the live block table
+            is_new,
+            samples,
+        )
+        if samples:
+            request.num_output_placeholders += 1  # the id comes with the step's results
         request.num_computed_tokens += num_new  # as vLLM v1: progress is counted at schedule time
         return scheduled
 

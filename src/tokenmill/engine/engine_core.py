@@ -137,12 +137,12 @@ class EngineCore:
                 self._queue_times[rid] = max(0.0, now - s.request.arrival_time)
         if self.async_scheduling:
             pending = self._launch(scheduler_output)
-            if not isinstance(pending, ModelRunnerOutput):
-                self.scheduler.launched(scheduler_output)
-            outputs.extend(self._finish_in_flight())  # computed while this step was being prepared
-            if isinstance(pending, ModelRunnerOutput):
+            if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
+                outputs.extend(self._finish_in_flight())
                 outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
             else:
+                self.scheduler.launched(scheduler_output)
+                outputs.extend(self._finish_in_flight())  # computed while this step was prepared
                 self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
         try:
