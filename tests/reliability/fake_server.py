@@ -14,14 +14,11 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, fake_server_state
 from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
-from tokenmill.metrics import ServerMetrics
 from tokenmill.server.api_server import create_app
 from tokenmill.server.http_protocol import make_uvicorn_config
 from tokenmill.server.state import ServerState
-
-MODEL = "tiny"
 
 
 @dataclass
@@ -54,16 +51,7 @@ async def fake_server(
 ) -> AsyncIterator[FakeServer]:
     engine = FakeEngine(step_s=step_s, hang_timeout_s=hang_timeout_s)
     await engine.start()
-    state = ServerState(
-        engine=engine,
-        model_names=[MODEL],
-        model_root="/models/tiny",
-        metrics=ServerMetrics(MODEL),
-        ready=True,
-        **state_kwargs,
-    )
-    engine.on_output = state.observe_output
-    engine.on_step_stats = state.metrics.update_engine_stats
+    state = fake_server_state(engine, **state_kwargs)
     app = create_app(state)
     server = None
     serving = None
@@ -120,14 +108,6 @@ def sse_payloads(text: str) -> list[str]:
 
 def sse_json(text: str) -> list[dict]:
     return [json.loads(p) for p in sse_payloads(text)[:-1]]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.reliability.fake_server import FakeServer, assert_openai_error, run, wait_until
+from tests.reliability.fake_server import FakeServer, assert_openai_error, run
 from tests.reliability.server_tools import (
     engine_pid,
     is_alive,
@@ -33,7 +33,7 @@ from tests.reliability.server_tools import (
     start_tiny_server,
     survivors,
 )
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, wait_until
 from tokenmill.engine.async_engine import _Stream
 from tokenmill.engine.messages import StepOutputs
 

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.fake_server import FakeServer, assert_openai_error, run, sse_json, wait_until
+from tests.reliability.fake_server import FakeServer, assert_openai_error, run, sse_json
+from tests.server.fake_engine import wait_until
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.api_server import _EventStreamResponse
 from tokenmill.server.protocol import CompletionRequest

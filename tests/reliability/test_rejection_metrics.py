@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.reliability.fake_server import FakeServer, assert_openai_error, run, wait_until
+from tests.reliability.fake_server import FakeServer, assert_openai_error, run
 from tests.reliability.server_tools import parse_metrics
+from tests.server.fake_engine import wait_until
 from tokenmill.metrics import REJECTION_REASONS
 from tokenmill.server.admission import AdmissionControl
 

@@ -35,12 +35,10 @@ from schemathesis.checks import not_a_server_error
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tests.reliability.server_tools import openai_error_problem
-from tests.server.fake_engine import FakeEngine
-from tokenmill.metrics import ServerMetrics
+from tests.server.fake_engine import FakeEngine, fake_server_state
 from tokenmill.server.api_server import create_app
 from tokenmill.server.state import ServerState
 
-MODEL = "tiny"
 # Per operation, positive and negative cases together: about 15 s for the whole file on 2 cores.
 DEFAULT_EXAMPLES = 60
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "0")) or DEFAULT_EXAMPLES
@@ -94,15 +92,7 @@ def api() -> Iterator[Api]:
     """A fresh app and engine per test: schemathesis's pytest plugin ends the app's lifespan (and so
     stops the engine) when each test ends."""
     engine = FakeEngine()
-    state = ServerState(
-        engine=engine,
-        model_names=[MODEL],
-        model_root="/models/tiny",
-        metrics=ServerMetrics(MODEL),
-        ready=True,
-    )
-    engine.on_output = state.observe_output
-    engine.on_step_stats = state.metrics.update_engine_stats
+    state = fake_server_state(engine)
     app = _EngineLifespan(create_app(state), engine)
     yield Api(schemathesis.openapi.from_asgi("/openapi.json", app), app, state, engine)
     # Stops the engine on schemathesis's loop, unless the plugin (when enabled) already did.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +34,8 @@ from tokenmill.engine.messages import (
     UtilityResult,
 )
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.metrics import ServerMetrics
+from tokenmill.server.state import ServerState
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -41,6 +44,33 @@ CHAT_TEMPLATE = (
 # Multi-byte characters split over byte tokens exercise the incremental detokenizer.
 REPLY = " The quick brown fox jumps. Ünïcode 你好!"
 BLOCK_SIZE = 4
+MODEL = "tiny"  # the served model name of the servers built on the fake engine
+
+
+def fake_server_state(
+    engine: FakeEngine, *, model_names: list[str] | None = None, **state_kwargs
+) -> ServerState:
+    """A ServerState over the fake engine (ready unless told otherwise), its reports wired into
+    the metrics as `tokenmill serve` wires them."""
+    names = model_names or [MODEL]
+    state_kwargs.setdefault("ready", True)
+    state = ServerState(
+        engine=engine,
+        model_names=names,
+        model_root="/models/tiny",
+        metrics=ServerMetrics(names[0]),
+        **state_kwargs,
+    )
+    state.attach_engine()
+    return state
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

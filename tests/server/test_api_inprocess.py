@@ -13,12 +13,10 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tests.server.fake_engine import REPLY, FakeEngine
-from tokenmill.metrics import ServerMetrics
+from tests.server.fake_engine import MODEL, REPLY, FakeEngine, fake_server_state, wait_until
 from tokenmill.server.api_server import create_app, drain
 from tokenmill.server.state import ServerState
 
-MODEL = "tiny"
 Scenario = Callable[[httpx.AsyncClient, ServerState, FakeEngine], Awaitable[None]]
 
 
@@ -26,17 +24,9 @@ def run(scenario: Scenario, *, api_key: str | None = None, ready: bool = True, *
     async def main() -> None:
         engine = FakeEngine()
         await engine.start()
-        state = ServerState(
-            engine=engine,
-            model_names=[MODEL, "tiny-alias"],
-            model_root="/models/tiny",
-            metrics=ServerMetrics(MODEL),
-            api_key=api_key,
-            ready=ready,
-            **state_kwargs,
+        state = fake_server_state(
+            engine, model_names=[MODEL, "tiny-alias"], api_key=api_key, ready=ready, **state_kwargs
         )
-        engine.on_output = state.observe_output
-        engine.on_step_stats = state.metrics.update_engine_stats
         transport = httpx.ASGITransport(app=create_app(state))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
@@ -122,14 +112,6 @@ async def asgi_call(
         asyncio.get_running_loop().call_later(disconnect_after_s, gone.set)
     await app(scope, receive, send)
     return status, b"".join(chunks)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 # --------------------------------------------------------------------------- authentication

@@ -523,8 +523,7 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
             logger.error("engine start-up failed: %s", exc)
             server.should_exit = True
             return
-        state.engine.on_step_stats = state.metrics.update_engine_stats
-        state.engine.on_output = state.observe_output
+        state.attach_engine()
         state.ready = True
         print(
             f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "

@@ -42,6 +42,11 @@ class ServerState:
     # Per engine sequence: (last token time, tokens so far), for inter-token latency metrics.
     _token_clock: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
 
+    def attach_engine(self) -> None:
+        """Route the engine's per-output and per-step reports into this server's metrics."""
+        self.engine.on_step_stats = self.metrics.update_engine_stats
+        self.engine.on_output = self.observe_output
+
     @property
     def max_model_len(self) -> int:
         return self.engine.info.max_model_len if self.engine.info else 0
