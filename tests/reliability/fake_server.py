@@ -47,9 +47,16 @@ async def fake_server(
     step_s: float = 0.001,
     keep_alive_timeout: float = 5.0,
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+    max_model_len: int = 128,
+    num_kv_blocks: int = 64,
     **state_kwargs,
 ) -> AsyncIterator[FakeServer]:
-    engine = FakeEngine(step_s=step_s, hang_timeout_s=hang_timeout_s)
+    engine = FakeEngine(
+        step_s=step_s,
+        hang_timeout_s=hang_timeout_s,
+        max_model_len=max_model_len,
+        num_kv_blocks=num_kv_blocks,
+    )
     await engine.start()
     state = fake_server_state(engine, **state_kwargs)
     app = create_app(state)

@@ -120,6 +120,38 @@ def test_admission_is_released_however_a_request_ends():
     run(scenario, admission=AdmissionControl(max_num_waiting_seqs=4))
 
 
+def test_a_request_that_could_never_fit_in_the_kv_pool_is_refused_at_admission():
+    """The pool (8 blocks x 4 = 32 tokens) is smaller than the context (128): a request needing more
+    KV than the whole pool is a 400 naming what to lower, never admitted to wait for room."""
+
+    async def scenario(fs: FakeServer) -> None:
+        capacity = fs.engine.info.num_kv_blocks * fs.engine.info.block_size
+        assert capacity == 32 < fs.engine.info.max_model_len
+        too_big = [
+            (COMPLETIONS, {"prompt": [7] * 10, "max_tokens": 23}, "max_tokens"),  # 33 tokens
+            (COMPLETIONS, {"prompt": [7] * 40, "max_tokens": 1}, "max_tokens"),  # the prompt alone
+            (CHAT, chat_body(messages=[{"role": "user", "content": "x" * 40}]), "prompt"),  # no max_tokens
+            (CHAT, chat_body(max_tokens=40), "max_tokens"),
+        ]
+        for path, body, param in too_big:
+            for stream in (False, True):
+                r = await fs.client.post(path, json={**body, "stream": stream})
+                error = assert_openai_error(r, 400, param)
+                assert "KV cache" in error["message"] and str(capacity) in error["message"], error
+        assert fs.engine.core.added == []
+        assert (fs.state.admission.num_waiting_seqs, fs.state.admission.num_waiting_tokens) == (0, 0)
+
+        # Exactly the pool fits; a chat without max_tokens is capped at what the pool can hold.
+        r = await fs.client.post(COMPLETIONS, json={"prompt": [7] * 10, "max_tokens": 22, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 22, r.text
+        r = await fs.client.post(CHAT, json=chat_body(ignore_eos=True))
+        usage = r.json()["usage"]
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == capacity, usage
+
+    run(scenario, num_kv_blocks=8)
+
+
 # --------------------------------------------------------------------------- deadlines
 
 
