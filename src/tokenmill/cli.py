@@ -184,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tokenmill.server.api_server import run_server
 
-        if args.model_tag is not None:
-            args.model = args.model_tag
         return run_server(args) or 0
     if args.command == "generate":
         return _cmd_generate(args)

@@ -471,18 +471,22 @@ class _DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.get_running_loop().create_task(drain_then_exit())
 
 
-def run_server(args: argparse.Namespace) -> int:
+def build_server(args: argparse.Namespace) -> _DrainingServer:
+    """The server `tokenmill serve` runs, every flag in place; nothing started yet. Raises
+    ValueError naming the flag when an engine flag is invalid."""
     from tokenmill.cli import engine_kwargs_from_args
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm import build_engine_config
     from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
 
-    try:
-        config = build_engine_config(args.model, **engine_kwargs_from_args(args))
-    except ValueError as exc:
-        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
-        return 2
-    model_root = args.model or DEFAULT_MODEL_NAME
+    model = args.model
+    model_tag = getattr(args, "model_tag", None)  # `tokenmill serve MODEL`
+    if model_tag is not None:
+        if model is not None and model != model_tag:
+            raise ValueError(f"the model is given twice, {model_tag!r} and --model {model!r}; give it once")
+        model = model_tag
+    config = build_engine_config(model, **engine_kwargs_from_args(args))
+    model_root = model or DEFAULT_MODEL_NAME
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     state = ServerState(
@@ -500,9 +504,8 @@ def run_server(args: argparse.Namespace) -> int:
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
         enable_debug_endpoints=args.enable_debug_endpoints,
     )
-    app = create_app(state)
     uv_config = make_uvicorn_config(
-        app,
+        create_app(state),
         host=args.host,
         port=args.port,
         max_header_bytes=state.max_header_bytes,
@@ -510,8 +513,16 @@ def run_server(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = _DrainingServer(uv_config, state, args.shutdown_timeout)
-    return asyncio.run(_serve(server, state))
+    return _DrainingServer(uv_config, state, args.shutdown_timeout)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    try:
+        server = build_server(args)
+    except ValueError as exc:
+        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(server, server.tm_state))
 
 
 async def _serve(server: _DrainingServer, state: ServerState) -> int:
@@ -543,4 +554,4 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
     return 1 if state.startup_error else 0
 
 
-__all__ = ["create_app", "drain", "run_server", "ServiceUnavailableError"]
+__all__ = ["build_server", "create_app", "drain", "run_server", "ServiceUnavailableError"]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
+from tokenmill.server.protocol import MAX_N
 
 # The engine reports at least every 0.5 s while idle; a shorter hang timeout would kill a healthy one.
 MIN_HANG_TIMEOUT_S = 1.0
@@ -19,56 +22,93 @@ def _hang_timeout(text: str) -> float:
     return value
 
 
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]; argparse names the flag in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 when `allow_zero`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            bound = "0 or more" if allow_zero else "more than 0"
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, {bound}; got {text!r}")
+        return value
+
+    return parse
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_int_in(1, 65535), default=8000)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer <key>' (or $TOKENMILL_API_KEY)"
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=30.0,
         help="seconds in-flight requests may finish after SIGTERM",
     )
     parser.add_argument(
         "--max-num-waiting-seqs",
-        type=int,
+        type=_int_in(1),
         default=1024,
         help="sequences (prompts x n) admitted but without a first token yet; beyond: 429 + Retry-After",
     )
     parser.add_argument(
         "--max-num-waiting-tokens",
-        type=int,
+        type=_int_in(1),
         default=1_000_000,
         help="prompt tokens of those waiting sequences; beyond: 429 + Retry-After",
     )
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=_seconds(allow_zero=False),
         default=None,
         help="abort requests running longer than this many seconds (finish_reason 'abort'); "
         "a request's own request_timeout may only shorten it",
     )
     parser.add_argument(
         "--max-queue-time",
-        type=float,
+        type=_seconds(allow_zero=False),
         default=None,
         help="abort requests that wait longer than this many seconds for their first token "
         "(503 if nothing was generated)",
     )
-    parser.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies: 413")
+    parser.add_argument(
+        "--max-n",
+        type=_int_in(1, MAX_N),
+        default=16,
+        help=f"largest n a request may ask for (at most {MAX_N})",
+    )
+    parser.add_argument("--max-body-bytes", type=_int_in(1), default=8 * 2**20, help="larger bodies: 413")
     parser.add_argument(
         "--max-header-bytes",
-        type=int,
+        type=_int_in(1),
         default=64 * 2**10,
         help="larger request line + headers: 431 (400 if still arriving) and the connection closes",
     )
     parser.add_argument(
         "--client-read-timeout",
-        type=float,
+        type=_seconds(allow_zero=False),
         default=30.0,
         help="seconds a client may take to send a request's headers (else the connection closes) "
         "and its body (else 408)",
@@ -89,7 +129,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--keep-alive-timeout",
-        type=float,
+        type=_seconds(allow_zero=False),
         default=5.0,
         help="seconds an idle kept-alive connection stays open",
     )
