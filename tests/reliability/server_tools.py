@@ -13,9 +13,11 @@ import psutil
 from tests.server.server_process import ServerProcess, start_server
 
 
-def start_tiny_server(tmp_dir: str, model_dir: str, *extra: str) -> ServerProcess:
+def start_tiny_server(tmp_dir: str, model_dir: str, *extra: str, new_session: bool = False) -> ServerProcess:
     """`tokenmill serve` on a tiny random checkpoint, on CPU: starts in seconds, ~300 tokens/s."""
-    return start_server(tmp_dir, "--model", str(model_dir), "--device", "cpu", *extra)
+    return start_server(
+        tmp_dir, "--model", str(model_dir), "--device", "cpu", *extra, new_session=new_session
+    )
 
 
 # --------------------------------------------------------------------------- /metrics

@@ -19,6 +19,7 @@ import httpx
 
 from tests.reliability.server_tools import (
     engine_pid,
+    is_alive,
     metric,
     openai_error_problem,
     process_tree,
@@ -236,5 +237,46 @@ def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_p
             assert reasons == ["abort"], (
                 f"long request {i} was not aborted at the shutdown timeout: {reasons}"
             )
+    leaked = survivors(tree)
+    assert not leaked, f"processes outlived the server: {leaked}"
+
+
+def test_ctrl_c_to_the_process_group_drains_like_sigterm(tmp_path, tiny_llama_dir):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, the engine process
+    included. The engine must not die of it: the API server drains (in-flight requests finish),
+    then stops the engine and exits 0."""
+    server = start_tiny_server(
+        str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--shutdown-timeout", "30",
+        new_session=True,
+    )  # fmt: skip
+    tree = process_tree(server.process.pid)
+    engine = engine_pid(server)
+    engine_process = next(p for p in tree if p.pid == engine)
+    assert os.getpgid(engine) == server.process.pid  # the engine shares the server's group
+    body = {"prompt": "interrupted", "max_tokens": LONG, "ignore_eos": True}
+    results, threads = start_clients(server.base_url, [("stream", body), ("plain", body)])
+    deadline = time.monotonic() + 60
+    while metric(server.base_url, "num_requests_running") < 2:
+        assert time.monotonic() < deadline, "the requests never started running"
+        time.sleep(0.02)
+    os.killpg(server.process.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    time.sleep(0.2)
+    if server.process.poll() is None:  # draining: closed to new work, the engine still alive
+        with contextlib.suppress(httpx.TransportError):
+            assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503
+        assert is_alive(engine_process), "SIGINT killed the engine process"
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a client hung during the drain"
+    assert server.process.wait(30) == 0, server.log()
+    for i, result in enumerate(results):
+        assert result.error is None and result.status == 200, f"client {i}: {result.status} {result.body}"
+        assert finish_reasons(result) == ["length"], (
+            f"client {i}: {finish_reasons(result)} {result.events[-2:]}"
+        )
+    assert all(r.ended_at is not None and r.ended_at > signalled for r in results)  # were in flight
+    assert results[0].done_lines == 1
+    assert results[1].body["usage"]["completion_tokens"] == LONG  # type: ignore[index]
     leaked = survivors(tree)
     assert not leaked, f"processes outlived the server: {leaked}"

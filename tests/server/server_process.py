@@ -49,8 +49,14 @@ class ServerProcess:
 
 
 def start_server(
-    tmp_dir: str, *extra: str, timeout: float = 240.0, env: dict[str, str] | None = None
+    tmp_dir: str,
+    *extra: str,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
 ) -> ServerProcess:
+    """`new_session`: the server leads its own process group, so a test can signal the whole group
+    (as Ctrl-C in a terminal does) without signalling itself."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
@@ -59,6 +65,7 @@ def start_server(
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
+        start_new_session=new_session,
     )
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + timeout
