@@ -167,12 +167,50 @@ def test_stop_strings_and_seeds(client, model_id):
     assert a == b
 
 
-def test_cached_tokens_on_repeated_long_prompt(client, model_id):
+def test_cached_tokens_on_repeated_long_prompt(server, client, model_id):
+    hits_before = metric(server, "prefix_cache_hits_total")
+    queries_before = metric(server, "prefix_cache_queries_total")
     prompt = "The history of the city is long and varied. " * 20
     first = client.completions.create(model=model_id, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=model_id, prompt=prompt, max_tokens=2, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert cached >= first.usage.prompt_tokens - 16
+    # /metrics saw the same: both prompts looked up, the second one's hit counted.
+    assert metric(server, "prefix_cache_queries_total") - queries_before >= 2 * first.usage.prompt_tokens
+    assert metric(server, "prefix_cache_hits_total") - hits_before >= cached
+
+
+# Every series issue 3 names, as the real server exports them (vLLM's names, `tokenmill:` prefix).
+ISSUE_3_METRICS = [
+    'request_success_total{finished_reason="stop"',
+    'request_success_total{finished_reason="length"',
+    'request_success_total{finished_reason="abort"',
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_to_first_token_seconds_bucket",
+    "inter_token_latency_seconds_bucket",
+    "e2e_request_latency_seconds_bucket",
+    "request_queue_time_seconds_bucket",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+]
+
+
+def test_metrics_export_every_series_and_count_requests(server, client, model_id):
+    before = metric(server, "generation_tokens_total"), metric(server, "time_to_first_token_seconds_count")
+    out = client.completions.create(model=model_id, prompt="Metrics", max_tokens=5, temperature=0)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    missing = [name for name in ISSUE_3_METRICS if f"\ntokenmill:{name}" not in text]
+    assert not missing, f"not exported: {missing}"
+    assert metric(server, "generation_tokens_total") - before[0] == out.usage.completion_tokens
+    assert metric(server, "time_to_first_token_seconds_count") - before[1] == 1
+    assert metric(server, "request_queue_time_seconds_count") >= 1
+    assert metric(server, "e2e_request_latency_seconds_count") >= 1
 
 
 @pytest.mark.parametrize(
