@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -615,14 +616,48 @@ def test_a_failing_request_ends_alone_with_an_error():
 
 
 def test_huge_prompt_is_tokenized_off_the_event_loop():
+    """Tokenizing (or decoding) a body near --max-body-bytes takes seconds: it must run in a worker
+    thread, not on the event loop every stream shares; small ones stay on the loop."""
+
     async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
-        r = await client.post("/v1/completions", json={"prompt": "y" * 100_000, "max_tokens": 1})
+        tokenizer = engine.tokenizer
+        [y_id] = tokenizer.encode("y", add_special_tokens=False)
+        hi_ids = tokenizer.encode("hi", add_special_tokens=False)
+        on_loop: list[tuple[str, bool]] = []
+
+        def spy(name: str) -> None:
+            real = getattr(tokenizer, name)
+
+            def wrapper(*args, **kwargs):
+                on_loop.append((name, threading.current_thread() is threading.main_thread()))
+                return real(*args, **kwargs)
+
+            setattr(tokenizer, name, wrapper)
+
+        for name in ("encode", "apply_chat_template", "decode"):
+            spy(name)
+        huge = "y" * 100_000
+        r = await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-        r = await client.post(
-            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 100_000}]}
-        )
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert engine.core.added == []
+        r = await client.post("/tokenize", json={"prompt": huge})
+        assert r.status_code == 200 and r.json()["count"] == 100_000
+        r = await client.post("/tokenize", json={"messages": [{"role": "user", "content": huge}]})
+        assert r.status_code == 200 and r.json()["count"] > 100_000
+        r = await client.post("/detokenize", json={"tokens": [y_id] * 100_000})
+        assert r.status_code == 200 and r.json()["prompt"] == huge
+        assert on_loop and not any(loop for _, loop in on_loop), on_loop
+        assert {name for name, _ in on_loop} == {"encode", "apply_chat_template", "decode"}
+
+        on_loop.clear()  # small bodies are not worth a thread hop
+        assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 200
+        assert (await client.post("/detokenize", json={"tokens": hi_ids})).json()["prompt"] == "hi"
+        assert (
+            await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        ).status_code == 200
+        assert on_loop and all(loop for _, loop in on_loop), on_loop
 
     run(scenario)
 

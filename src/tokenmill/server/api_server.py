@@ -39,7 +39,7 @@ from tokenmill.server.protocol import (
     parse_tokenize_request,
 )
 from tokenmill.server.serving_chat import create_chat_completion
-from tokenmill.server.serving_common import EventStream, wait_for_disconnect
+from tokenmill.server.serving_common import EventStream, tokenize_off_loop, wait_for_disconnect
 from tokenmill.server.serving_completion import create_completion
 from tokenmill.server.state import ServerState, ServiceUnavailableError
 
@@ -325,19 +325,29 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_tokenize_request(await read_body(state, request))
         state.check_model(body.model)
         tokenizer = state.tokenizer("messages" if isinstance(body, TokenizeChatRequest) else "prompt")
-        if isinstance(body, TokenizeChatRequest):
-            from tokenmill.engine.chat_template import render_chat
 
-            tokens = render_chat(
-                tokenizer,
-                body.messages_for_template(),
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
+        def tokenize_body() -> tuple[list[int], list[str] | None]:
+            if isinstance(body, TokenizeChatRequest):
+                from tokenmill.engine.chat_template import render_chat
+
+                tokens = render_chat(
+                    tokenizer,
+                    body.messages_for_template(),
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+            else:
+                tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return tokens, tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+
+        # Up to --max-body-bytes of text takes seconds to tokenize: off the event loop, as for
+        # completions, so the streams being served meanwhile do not stall.
+        if isinstance(body, TokenizeChatRequest):
+            num_chars = sum(len(m.text()) for m in body.messages)
         else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+            num_chars = len(body.prompt)
+        tokens, strs = await tokenize_off_loop(num_chars, tokenize_body)
         return TokenizeResponse(
             count=len(tokens), max_model_len=state.max_model_len, tokens=tokens, token_strs=strs
         ).model_dump(exclude_none=True)
@@ -353,7 +363,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise InvalidRequestError(
                 f"token ids must be < the vocabulary size {vocab}, got {bad[0]}", param="tokens"
             )
-        return DetokenizeResponse(prompt=state.tokenizer("tokens").decode(body.tokens)).model_dump()
+        # ~4 characters a token: the same bound as for text before decoding leaves the event loop.
+        text = await tokenize_off_loop(4 * len(body.tokens), state.tokenizer("tokens").decode, body.tokens)
+        return DetokenizeResponse(prompt=text).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
