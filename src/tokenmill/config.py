@@ -16,6 +16,8 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template (or a path to one) overriding the tokenizer's
     served_model_name: str | None = None
+    # CPU, float32: prepack matmul weights for oneDNN (model/layers/linear.py); off = plain F.linear.
+    cpu_weight_packing: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import ModelConfig
+from tokenmill.model.layers.linear import is_packed, onednn_packing_available
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.registry import load_model, resolve_model
 
@@ -94,8 +95,8 @@ class PagedHarness:
         return torch.cat(self.requests[r].logits)
 
 
-def _load(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    config = ModelConfig(model=str(path))
+def _load(path: Path, dtype: torch.dtype = torch.float32, *, cpu_weight_packing: bool = True) -> CausalLM:
+    config = ModelConfig(model=str(path), cpu_weight_packing=cpu_weight_packing)
     resolved = resolve_model(config)
     arch = resolved.arch
     backend = TorchReferenceBackend(
@@ -137,9 +138,26 @@ def test_one_chunk_matches_transformers(tiny_model_dir):
     torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cpu_weight_packing", [True, False])
+def test_cpu_weight_packing_matches_transformers(tiny_model_dir, cpu_weight_packing):
+    """CPU matmuls through oneDNN-packed weights (the default) or plain F.linear: same logits."""
+    model = _load(tiny_model_dir, cpu_weight_packing=cpu_weight_packing)
+    if cpu_weight_packing and onednn_packing_available(torch.float32):
+        assert all(is_packed(layer.qkv_weight) and is_packed(layer.down_weight) for layer in model.layers)
+        assert "qkv_weight" not in dict(model.named_parameters(recurse=True))  # replaced, not duplicated
+    else:
+        assert not is_packed(model.layers[0].qkv_weight)
+    prompt = _prompt(model.arch.vocab_size, 41, seed=2)
+    harness = PagedHarness(model, seed=1)
+    r = harness.add(prompt)
+    for rows in (30, 10, 1):  # matmuls of 30, 10 and 1 rows over the same prompt
+        harness.step([(r, rows)])
+    torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
+
+
 def test_k_major_weight_storage_matches_transformers(tiny_model_dir):
     """The GPU stores matmul weights transposed in memory (same logical shape): same logits."""
-    model = _load(tiny_model_dir)
+    model = _load(tiny_model_dir, cpu_weight_packing=False)
     model.store_matmul_weights_k_major()
     layer = model.layers[0]
     assert layer.down_weight.stride() == (1, layer.down_weight.shape[0])

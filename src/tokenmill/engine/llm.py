@@ -47,6 +47,7 @@ def build_engine_config(
     chat_template: str | None = None,
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
+    cpu_weight_packing: bool = True,
 ) -> EngineConfig:
     from tokenmill.worker.device import resolve_device
 
@@ -79,6 +80,7 @@ def build_engine_config(
             seed=seed,
             chat_template=chat_template,
             served_model_name=served_model_name,
+            cpu_weight_packing=cpu_weight_packing,
         ),
         cache=CacheConfig(
             block_size=block_size,

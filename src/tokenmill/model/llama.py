@@ -20,6 +20,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.layers.linear import linear, onednn_packing_available, pack_parameter, pack_weight
 from tokenmill.model.layers.mlp import swiglu_mlp
 from tokenmill.model.layers.rmsnorm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
@@ -73,7 +74,7 @@ class DecoderLayer(nn.Module):
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = arch.q_size, arch.kv_size
 
-        qkv = F.linear(rms_norm(x, self.input_norm, eps), self.qkv_weight, self.qkv_bias)
+        qkv = linear(rms_norm(x, self.input_norm, eps), self.qkv_weight, self.qkv_bias)
         if self.q_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
             k = rms_norm(
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
 
         attn = self.attn_backend.forward(q, k, v, kv_cache, meta)
-        x.add_(F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias))
+        x.add_(linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias))
         x.add_(swiglu_mlp(rms_norm(x, self.post_attention_norm, eps), self.gate_up_weight, self.down_weight))
         return x
 
@@ -171,6 +172,7 @@ class CausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _param((arch.vocab_size, arch.hidden_size), device, dtype)
+        self._packed_lm_head: torch.Tensor | None = None  # a tied lm_head's oneDNN copy (CPU)
         self.rotary = RotaryEmbedding(
             arch.head_dim,
             max_positions or arch.max_position_embeddings,
@@ -217,9 +219,29 @@ class CausalLM(nn.Module):
         for weight in weights:
             weight.data = weight.data.t().contiguous().t()
 
+    def pack_cpu_matmul_weights(self) -> bool:
+        """On the CPU, prepack every matmul weight for oneDNN (see layers/linear.py).
+
+        Same memory for the layer weights (packed in place); a tied lm_head gets a packed copy,
+        since the embedding table must stay gatherable by rows. Returns False where oneDNN
+        packing is not available for this dtype, leaving the weights as they are.
+        """
+        if self.embed_tokens.device.type != "cpu" or not onednn_packing_available(self.embed_tokens.dtype):
+            return False
+        for layer in self.layers:
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                pack_parameter(layer, name)
+        if self.lm_head is self.embed_tokens:
+            self._packed_lm_head = pack_weight(self.lm_head)
+        else:
+            pack_parameter(self, "lm_head")
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(
+            hidden, self._packed_lm_head if self._packed_lm_head is not None else self.lm_head
+        ).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

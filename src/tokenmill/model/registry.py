@@ -121,4 +121,6 @@ def load_model(
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
     if device.type == "cuda":
         model.store_matmul_weights_k_major()
+    elif model_config.cpu_weight_packing:
+        model.pack_cpu_matmul_weights()
     return model.eval()
