@@ -246,9 +246,12 @@ def test_mixed_batch_with_splits_matches_naive() -> None:
 
 @interpreted_only
 @interpreter_loops
-@pytest.mark.parametrize("num_kv_splits", [1, 2])
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 3])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 2]])
-def test_every_real_row_is_written(num_kv_splits: int, query_lens: list[int]) -> None:
+def test_every_real_row_is_written(num_kv_splits: int, query_lens: list[int], fused_merge: bool) -> None:
+    """Split partials merged by a second launch, or inside the attention launch by the last
+    program of each (request, KV head), which leaves the counters at zero for the next call."""
     from tokenmill.attention.triton_kernels.paged_attention import paged_attention
 
     block_size, num_kv_heads, head_dim = 4, 1, 16
@@ -260,12 +263,20 @@ def test_every_real_row_is_written(num_kv_splits: int, query_lens: list[int]) ->
     heads = q.shape[1]
     partial_out = torch.full((meta.num_reqs, heads, num_kv_splits, head_dim), float("nan"))
     partial_lse = torch.full((meta.num_reqs, heads, num_kv_splits), float("nan"))
-    paged_attention(
-        out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=meta.is_decode_only,
-        scale=head_dim**-0.5, num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse,
-    )  # fmt: skip
-    assert relative_error(out, naive_attention(q, kv_cache, meta, head_dim**-0.5)) < TOLERANCE[torch.float32]
+    counters = torch.zeros(meta.num_reqs * num_kv_heads, dtype=torch.int32) if fused_merge else None
+    for _ in range(2):  # the second call reuses the counters the first one reset
+        out.fill_(float("nan"))
+        paged_attention(
+            out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=meta.is_decode_only,
+            scale=head_dim**-0.5, num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse,
+            split_counters=counters,
+        )  # fmt: skip
+        assert (
+            relative_error(out, naive_attention(q, kv_cache, meta, head_dim**-0.5)) < TOLERANCE[torch.float32]
+        )
+        if counters is not None:
+            assert counters.eq(0).all()
 
 
 @interpreted_only

@@ -46,18 +46,28 @@ def choose_num_kv_splits(num_reqs: int, num_kv_heads: int, max_context_len: int,
 
 @dataclass(slots=True)
 class _SplitScratch:
-    """fp32 partial outputs and log-sum-exps; viewed per step as [reqs, heads, splits, (head_dim)]."""
+    """fp32 partial outputs and log-sum-exps, viewed per step as [reqs, heads, splits, (head_dim)],
+    and the per-(request, KV head) arrival counters of the in-kernel merge (zero between launches:
+    the kernel resets them)."""
 
     partial_out: torch.Tensor  # flat
     partial_lse: torch.Tensor  # flat
+    split_counters: torch.Tensor  # int32 [max requests * num_kv_heads]
 
     @classmethod
     def allocate(
-        cls, capacity_rows: int, num_heads: int, head_dim: int, device: torch.device
+        cls,
+        capacity_rows: int,
+        max_reqs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
     ) -> _SplitScratch:
         return cls(
             partial_out=torch.empty(capacity_rows * num_heads * head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(capacity_rows * num_heads, dtype=torch.float32, device=device),
+            split_counters=torch.zeros(max_reqs * num_kv_heads, dtype=torch.int32, device=device),
         )
 
     def views(
@@ -112,7 +122,9 @@ class TritonPagedBackend(AttentionBackend):
         capacity_rows = max(
             batch * self._graph_num_kv_splits(batch, device) for batch in range(1, max_num_reqs + 1)
         )
-        self._graph_scratch = _SplitScratch.allocate(capacity_rows, self.num_heads, self.head_dim, device)
+        self._graph_scratch = _SplitScratch.allocate(
+            capacity_rows, max_num_reqs, self.num_heads, self.num_kv_heads, self.head_dim, device
+        )
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         # The kernels read seq_lens / block_tables / query_start_loc from the runner's persistent
@@ -150,9 +162,9 @@ class TritonPagedBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         num_splits = self._num_kv_splits(meta, q.device)
-        partial_out = partial_lse = None
+        partial_out = partial_lse = split_counters = None
         if num_splits > 1:
-            partial_out, partial_lse = self._scratch(num_splits, meta, q.device)
+            partial_out, partial_lse, split_counters = self._scratch(num_splits, meta, q.device)
         paged_attention(
             out,
             q,
@@ -167,6 +179,7 @@ class TritonPagedBackend(AttentionBackend):
             num_kv_splits=num_splits,
             partial_out=partial_out,
             partial_lse=partial_lse,
+            split_counters=split_counters,
         )
         return out
 
@@ -211,10 +224,19 @@ class TritonPagedBackend(AttentionBackend):
 
     def _scratch(
         self, num_splits: int, meta: AttentionMetadata, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._graph_scratch is not None and self._uses_graph_rule(meta):
-            return self._graph_scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-KV during CUDA-graph capture needs prepare_for_capture first")
-        scratch = _SplitScratch.allocate(meta.num_reqs * num_splits, self.num_heads, self.head_dim, device)
-        return scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Partial outputs, log-sum-exps and merge counters for this step's split decodes."""
+        scratch = self._graph_scratch
+        if scratch is None or not self._uses_graph_rule(meta):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("split-KV during CUDA-graph capture needs prepare_for_capture first")
+            scratch = _SplitScratch.allocate(
+                meta.num_reqs * num_splits,
+                meta.num_reqs,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                device,
+            )
+        partial_out, partial_lse = scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
+        return partial_out, partial_lse, scratch.split_counters

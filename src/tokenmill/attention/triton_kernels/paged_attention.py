@@ -13,9 +13,12 @@ q-blocks of up to 128 rows and skips those requests, so decodes in a mixed batch
 
 Split-KV (flash-decoding), decode flavour only: with `num_kv_splits > 1`, grid axis 2 cuts each
 request's KV range into that many pieces; each writes a normalised partial output and its base-2
-log-sum-exp, and `_merge_splits_kernel` combines them. The split boundaries come from the
-device-side seq_lens, so the grid depends only on host-known sizes: no device sync, stable under
-CUDA graphs.
+log-sum-exp, and the program of a (request, KV head) that finishes last combines them: each
+program bumps a per-(request, KV head) counter after writing its partial, and the one that sees
+the count complete merges the group's heads and resets the counter to 0 for the next launch (or
+graph replay). That saves the separate merge launch per layer; without counters the separate
+`_merge_splits_kernel` does the merge. The split boundaries come from the device-side seq_lens,
+so the grid depends only on host-known sizes: no device sync, stable under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    split_counter_ptr,  # int32 [num_reqs, num_kv_heads], zero between launches (FUSED_MERGE)
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -82,6 +86,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # KV tokens per tile
     DECODE: tl.constexpr,  # program axis 0 is the request; only requests with query_len == 1
     USE_SPLITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,  # the last split program of a (request, KV head) merges
+    SPLITS_PAD: tl.constexpr,
+    ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -186,9 +193,108 @@ def _paged_attention_kernel(
             lse,
             mask=row_valid,
         )
+        if FUSED_MERGE:
+            if ON_GPU:
+                # Every thread's partial stores are ordered before the count, GPU-wide.
+                tl.inline_asm_elementwise(
+                    "fence.acq_rel.gpu;\n\tmov.u32 $0, 0;",
+                    "=r,r",
+                    [split],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
+            tl.debug_barrier()
+            counter = split_counter_ptr + req64 * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == num_kv_splits - 1:
+                _merge_group(
+                    out_ptr,
+                    partial_out_ptr,
+                    partial_lse_ptr,
+                    q_start.to(tl.int64),
+                    req64,
+                    kv_head,
+                    num_kv_splits,
+                    stride_out_token,
+                    stride_out_head,
+                    stride_partial_req,
+                    stride_partial_head,
+                    stride_partial_split,
+                    stride_lse_req,
+                    stride_lse_head,
+                    GROUP,
+                    GROUP_PAD,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    SPLITS_PAD,
+                )
+                tl.atomic_xchg(counter, 0)
     else:
         out_offset = token_row[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offset, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _merge_group(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    token,  # int64 row of the decode token in out
+    req64,
+    kv_head,
+    num_kv_splits,
+    stride_out_token,
+    stride_out_head,
+    stride_partial_req,
+    stride_partial_head,
+    stride_partial_split,
+    stride_lse_req,
+    stride_lse_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Combine the split partials of the GROUP query heads of one KV head of one decode request."""
+    g = tl.arange(0, GROUP_PAD)
+    g_valid = g < GROUP
+    heads = kv_head * GROUP + g
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    lse_base = partial_lse_ptr + req64 * stride_lse_req + heads * stride_lse_head
+    # .cg: written by other SMs; read through L2, never a stale L1 line.
+    lse = tl.load(
+        lse_base[:, None] + splits[None, :],
+        mask=g_valid[:, None] & (splits < num_kv_splits)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    lse_max = tl.max(lse, axis=1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row with no keys at all
+    denom = tl.sum(tl.math.exp2(lse - lse_max[:, None]), axis=1)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    partial_base = partial_out_ptr + req64 * stride_partial_req + heads * stride_partial_head
+    for s in range(0, num_kv_splits):
+        weight = tl.math.exp2(
+            tl.load(lse_base + s, mask=g_valid, other=float("-inf"), cache_modifier=".cg") - lse_max
+        )
+        part = tl.load(
+            partial_base[:, None] + s * stride_partial_split + dims[None, :],
+            mask=g_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        merged += part * weight[:, None]
+    merged = merged / denom[:, None]
+    tl.store(
+        out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+        merged.to(out_ptr.dtype.element_ty),
+        mask=g_valid[:, None] & dim_valid[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_kv_splits"])
@@ -286,12 +392,15 @@ def paged_attention(
     num_kv_splits: int = 1,
     partial_out: torch.Tensor | None = None,  # [num_reqs, num_heads, num_kv_splits, head_dim] fp32
     partial_lse: torch.Tensor | None = None,  # [num_reqs, num_heads, num_kv_splits] fp32
+    split_counters: torch.Tensor | None = None,  # int32, >= num_reqs * num_kv_heads, all zero
     decode_config: TileConfig | None = None,  # overrides (benchmarks)
     prefill_config: TileConfig | None = None,
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
-    `num_kv_splits` applies to the rows of requests with query_len 1 (decodes).
+    `num_kv_splits` applies to the rows of requests with query_len 1 (decodes). With
+    `split_counters` the split partials are merged inside the attention launch (the counters are
+    left at zero again); without, by a second launch.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -302,10 +411,29 @@ def paged_attention(
     use_splits = num_kv_splits > 1
     if use_splits and (partial_out is None or partial_lse is None):
         raise ValueError("num_kv_splits > 1 needs partial_out and partial_lse scratch buffers")
+    fused_merge = use_splits and split_counters is not None
+    if fused_merge and (
+        split_counters.dtype != torch.int32 or split_counters.numel() < num_reqs * num_kv_heads
+    ):
+        raise ValueError(
+            f"split_counters must be int32 with at least {num_reqs * num_kv_heads} entries "
+            f"(requests x KV heads), got {split_counters.dtype} x {split_counters.numel()}"
+        )
     if not use_splits:
         partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
     launch = _Launch(
-        out, q, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, partial_out, partial_lse
+        out,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_reqs,
+        scale,
+        partial_out,
+        partial_lse,
+        split_counters if fused_merge else seq_lens,  # (unused without the fused merge)
+        fused_merge,
     )
     if not decode_only:
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
@@ -313,7 +441,7 @@ def paged_attention(
     # In a mixed batch this also runs when no request decodes; its programs then exit at once.
     config = decode_config or decode_tile_config(group_pad, head_dim_pad)
     launch.attention(config, num_reqs, decode=True, num_kv_splits=num_kv_splits)
-    if use_splits:
+    if use_splits and not fused_merge:
         launch.merge(num_kv_splits, head_dim_pad)
 
 
@@ -329,6 +457,8 @@ class _Launch:
     scale: float
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    split_counters: torch.Tensor
+    fused_merge: bool
 
     def attention(self, config: TileConfig, num_q_programs: int, decode: bool, num_kv_splits: int) -> None:
         q, out, kv_cache = self.q, self.out, self.kv_cache
@@ -339,6 +469,7 @@ class _Launch:
             out,
             self.partial_out,
             self.partial_lse,
+            self.split_counters,
             q,
             key_cache,
             value_cache,
@@ -371,6 +502,9 @@ class _Launch:
             BLOCK_N=config.block_n,
             DECODE=decode,
             USE_SPLITS=num_kv_splits > 1,
+            FUSED_MERGE=decode and num_kv_splits > 1 and self.fused_merge,
+            SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            ON_GPU=q.device.type == "cuda",
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
             UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
