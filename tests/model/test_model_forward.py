@@ -138,13 +138,18 @@ def test_one_chunk_matches_transformers(tiny_model_dir):
     torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_model_dir, prompt), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cpu_weight_packing", [True, False])
-def test_cpu_weight_packing_matches_transformers(tiny_model_dir, cpu_weight_packing):
-    """CPU matmuls through oneDNN-packed weights (the default) or plain F.linear: same logits."""
-    model = _load(tiny_model_dir, cpu_weight_packing=cpu_weight_packing)
-    if cpu_weight_packing and onednn_packing_available(torch.float32):
+@pytest.mark.parametrize("packing", ["packed_and_plain", "packed_only", "plain"])
+def test_cpu_weight_packing_matches_transformers(tiny_model_dir, packing):
+    """CPU matmuls through oneDNN-packed weights (with or without the plain copies used for
+    single-row steps) or plain F.linear: the same logits as transformers."""
+    model = _load(tiny_model_dir, cpu_weight_packing=packing == "packed_and_plain")
+    if packing == "packed_only":
+        assert model.pack_cpu_matmul_weights(keep_plain_bytes=0) == onednn_packing_available(torch.float32)
+    if packing != "plain" and onednn_packing_available(torch.float32):
         assert all(is_packed(layer.qkv_weight) and is_packed(layer.down_weight) for layer in model.layers)
-        assert "qkv_weight" not in dict(model.named_parameters(recurse=True))  # replaced, not duplicated
+        assert "layers.0.qkv_weight" not in dict(model.named_parameters())  # replaced, not duplicated
+        kept = getattr(model.layers[0].qkv_weight, "plain_weight", None)
+        assert (kept is not None) == (packing == "packed_and_plain")
     else:
         assert not is_packed(model.layers[0].qkv_weight)
     prompt = _prompt(model.arch.vocab_size, 41, seed=2)

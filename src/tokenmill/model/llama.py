@@ -11,6 +11,7 @@ captured as a CUDA graph.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -25,8 +26,15 @@ from tokenmill.model.layers.mlp import swiglu_mlp
 from tokenmill.model.layers.rmsnorm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 
+logger = logging.getLogger(__name__)
+
 # The CUDA path's fused kernels; imported lazily (triton is optional on CPU-only installs).
 _triton_ops = None
+
+
+# CPU: below this many bytes of matmul weights, keep plain copies beside the oneDNN-packed ones
+# (see CausalLM.pack_cpu_matmul_weights): SmolLM2-135M's are 428 MiB.
+_KEEP_PLAIN_WEIGHTS_BYTES = 1 << 30
 
 
 def _fused_ops():
@@ -219,22 +227,35 @@ class CausalLM(nn.Module):
         for weight in weights:
             weight.data = weight.data.t().contiguous().t()
 
-    def pack_cpu_matmul_weights(self) -> bool:
+    def pack_cpu_matmul_weights(self, keep_plain_bytes: int = _KEEP_PLAIN_WEIGHTS_BYTES) -> bool:
         """On the CPU, prepack every matmul weight for oneDNN (see layers/linear.py).
 
-        Same memory for the layer weights (packed in place); a tied lm_head gets a packed copy,
-        since the embedding table must stay gatherable by rows. Returns False where oneDNN
-        packing is not available for this dtype, leaving the weights as they are.
+        Packed weights take the parameters' place (same memory). While the matmul weights total
+        at most `keep_plain_bytes`, their plain originals stay too, for single-row steps (one
+        request decoding), where oneDNN's per-call cost loses to MKL; larger models give that up
+        rather than double their weight memory. A tied lm_head gets a packed copy (its plain
+        form is the embedding table, kept anyway). Returns False where oneDNN packing is not
+        available for this dtype, leaving the weights as they are.
         """
         if self.embed_tokens.device.type != "cpu" or not onednn_packing_available(self.embed_tokens.dtype):
             return False
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        tied = self.lm_head is self.embed_tokens
+        matmul_bytes = sum(getattr(layer, name).nbytes for layer in self.layers for name in names)
+        matmul_bytes += 0 if tied else self.lm_head.nbytes
+        keep_plain = matmul_bytes <= keep_plain_bytes
         for layer in self.layers:
-            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-                pack_parameter(layer, name)
-        if self.lm_head is self.embed_tokens:
-            self._packed_lm_head = pack_weight(self.lm_head)
+            for name in names:
+                pack_parameter(layer, name, keep_plain=keep_plain)
+        if tied:
+            self._packed_lm_head = pack_weight(self.lm_head, keep_plain=True)  # no copy: the table itself
         else:
-            pack_parameter(self, "lm_head")
+            pack_parameter(self, "lm_head", keep_plain=keep_plain)
+        logger.info(
+            "CPU matmul weights prepacked for oneDNN (%.0f MiB)%s",
+            matmul_bytes / 2**20,
+            "; plain copies kept for single-row steps" if keep_plain else "",
+        )
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

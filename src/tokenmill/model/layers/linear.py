@@ -6,6 +6,11 @@ for the same weight prepacked; lm_head at 64 rows 55 ms against 41; measured on 
 machine, see BENCHMARKS.md). oneDNN's linear takes a weight reordered once into its blocked
 layout, the same size as the original, and works for any number of rows.
 
+But each oneDNN call costs ~40 us more than MKL's on one thread, which a single-row matmul (one
+request decoding) feels: a token's matmuls took 38.3 ms packed against 32.0 ms plain on one
+thread. So a packed weight may keep its plain original beside it for single-row calls; the
+caller decides whether that memory is worth it (CausalLM keeps them up to a budget).
+
 A packed weight replaces the module's parameter (an opaque oneDNN tensor cannot be a
 Parameter's data) and is marked, so `linear` knows to route it; only `linear` may read it.
 """
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 _PACKED_ATTR = "onednn_packed"
+_PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for single-row calls
 # The row count oneDNN tunes the blocked layout for; the packed weight serves any row count.
 _PACK_BATCH_HINT = 64
 
@@ -30,17 +36,22 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of an [out, in] CPU weight, marked for `linear`."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
+def pack_weight(weight: torch.Tensor, *, keep_plain: bool = False) -> torch.Tensor:
+    """The oneDNN-packed copy of an [out, in] CPU weight, marked for `linear` (with the original
+    kept for single-row calls when `keep_plain`)."""
+    plain = weight.detach().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(plain, _PACK_BATCH_HINT)
     setattr(packed, _PACKED_ATTR, True)
+    if keep_plain:
+        setattr(packed, _PLAIN_ATTR, plain)
     return packed
 
 
-def pack_parameter(module: torch.nn.Module, name: str) -> None:
-    """Replace the weight parameter `name` of `module` by its packed form (same number of bytes)."""
-    packed = pack_weight(getattr(module, name))
-    del module._parameters[name]  # the original is freed; the attribute now holds the packed copy
+def pack_parameter(module: torch.nn.Module, name: str, *, keep_plain: bool = False) -> None:
+    """Replace the weight parameter `name` of `module` by its packed form (same number of bytes,
+    twice that with `keep_plain`)."""
+    packed = pack_weight(getattr(module, name), keep_plain=keep_plain)
+    del module._parameters[name]  # without keep_plain the original is freed
     setattr(module, name, packed)
 
 
@@ -49,7 +60,11 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's linear for a weight packed by this module."""
+    """F.linear, or oneDNN's linear for a weight packed by this module (its plain original, where
+    kept, for a single row)."""
     if getattr(weight, _PACKED_ATTR, False):
+        plain = getattr(weight, _PLAIN_ATTR, None)
+        if plain is not None and x.shape[0] == 1:
+            return F.linear(x, plain, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
