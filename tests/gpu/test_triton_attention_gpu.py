@@ -175,22 +175,30 @@ def test_split_kv_matches_unsplit_at_long_context(batch: int) -> None:
     assert relative_error(auto, unsplit) < 1e-2
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_every_real_row_is_written(num_kv_splits: int) -> None:
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("num_kv_splits", [1, 4, 16])
+def test_every_real_row_is_written(num_kv_splits: int, fused_merge: bool) -> None:
+    """Split partials merged by a second launch or inside the attention launch (the last program
+    of each request and KV head merges and resets its counter: repeated calls stay right)."""
     q, k, v, kv_cache, meta = make_batch([33, 1, 1], [100, 2000, 5], torch.bfloat16)
     run_triton(q, k, v, kv_cache, meta)  # stores this step's K/V
-    out = torch.full_like(q, float("nan"))
+    expected = reference_attention(q, kv_cache, meta, HEAD_DIM**-0.5)
     partial_out = torch.full((meta.num_reqs, HEADS, num_kv_splits, HEAD_DIM), float("nan"), device=q.device)
     partial_lse = torch.full((meta.num_reqs, HEADS, num_kv_splits), float("nan"), device=q.device)
-    paged_attention(
-        out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=False, scale=HEAD_DIM**-0.5,
-        num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse,
-    )  # fmt: skip
-    assert (
-        relative_error(out, reference_attention(q, kv_cache, meta, HEAD_DIM**-0.5))
-        < TOLERANCE[torch.bfloat16]
+    counters = (
+        torch.zeros(meta.num_reqs * KV_HEADS, dtype=torch.int32, device=q.device) if fused_merge else None
     )
+    for _ in range(3):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(
+            out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=False, scale=HEAD_DIM**-0.5,
+            num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse,
+            split_counters=counters,
+        )  # fmt: skip
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+        if counters is not None:
+            assert counters.eq(0).all()
 
 
 def test_store_skips_padding_slots() -> None:
