@@ -2,8 +2,8 @@
 
 On the CPU, F.linear over a plain [out, in] float32 weight goes to MKL's sgemm, which is slow in
 the middle of the decode batch range (a 3072x576 matmul at 16 rows took 1.96 ms against 0.46 ms
-for the same weight prepacked; lm_head at 64 rows 55 ms against 41; measured on the 2-core dev
-machine, see BENCHMARKS.md). oneDNN's linear takes a weight reordered once into its blocked
+for the same weight prepacked; lm_head at 64 rows 55 ms against 41: best-of-7 timings of single
+matmuls on the 2-core dev machine; the end-to-end A/B is in BENCHMARKS.md). oneDNN's linear takes a weight reordered once into its blocked
 layout, the same size as the original, and works for any number of rows.
 
 But each oneDNN call costs ~40 us more than MKL's on one thread, which a single-row matmul (one
