@@ -311,45 +311,39 @@ def _merge_splits_kernel(
     stride_partial_split,
     stride_lse_req,
     stride_lse_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
+    """The merge as a launch of its own, one program per (request, KV head), for callers that
+    pass no split counters; the same `_merge_group` the attention launch runs otherwise."""
     req = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:  # not served by the decode launch
         return
-    token = q_start.to(tl.int64)
-    req64 = req.to(tl.int64)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_kv_splits
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    lse = tl.load(
-        partial_lse_ptr + req64 * stride_lse_req + head * stride_lse_head + splits,
-        mask=split_valid,
-        other=float("-inf"),
-    )
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row with no keys at all
-    weights = tl.math.exp2(lse - lse_max)
-    denom = tl.sum(weights, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    partial = tl.load(
-        partial_out_ptr
-        + req64 * stride_partial_req
-        + head * stride_partial_head
-        + splits[:, None] * stride_partial_split
-        + dims[None, :],
-        mask=split_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    merged = tl.sum(partial * weights[:, None], axis=0) / denom
-    tl.store(
-        out_ptr + token * stride_out_token + head * stride_out_head + dims,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=dim_valid,
+    _merge_group(
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_start.to(tl.int64),
+        req.to(tl.int64),
+        kv_head,
+        num_kv_splits,
+        stride_out_token,
+        stride_out_head,
+        stride_partial_req,
+        stride_partial_head,
+        stride_partial_split,
+        stride_lse_req,
+        stride_lse_head,
+        GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        SPLITS_PAD,
     )
 
 
@@ -514,7 +508,8 @@ class _Launch:
 
     def merge(self, num_kv_splits: int, head_dim_pad: int) -> None:
         out = self.out
-        _merge_splits_kernel[(self.num_reqs, out.shape[1])](
+        num_heads, num_kv_heads = out.shape[1], self.kv_cache.shape[3]
+        _merge_splits_kernel[(self.num_reqs, num_kv_heads)](
             out,
             self.partial_out,
             self.partial_lse,
@@ -527,6 +522,8 @@ class _Launch:
             self.partial_out.stride(2),
             self.partial_lse.stride(0),
             self.partial_lse.stride(1),
+            GROUP=num_heads // num_kv_heads,
+            GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
             HEAD_DIM=out.shape[2],
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
