@@ -3,8 +3,11 @@ process tree, and OpenAI's error body."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -163,3 +166,70 @@ def response_error_problem(response: httpx.Response) -> str | None:
     except ValueError:
         return f"status {response.status_code}: the body is not JSON: {response.text[:300]!r}"
     return openai_error_problem(body, response.status_code)
+
+
+# -- clients in threads, recording what they saw -------------------------------------------------
+
+
+@dataclass
+class ClientResult:
+    """What one client saw, in order."""
+
+    status: int | None = None
+    events: list[dict] = field(default_factory=list)
+    done_lines: int = 0
+    body: dict | None = None
+    error: str | None = None  # a client-side exception
+    ended_at: float | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # first event or the response
+
+
+def stream_client(base_url: str, body: dict, result: ClientResult, timeout: float = 60.0) -> None:
+    try:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=timeout
+        ) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                r.read()
+                result.body = r.json()
+                return
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    result.done_lines += 1
+                    continue
+                result.events.append(json.loads(line.removeprefix("data: ")))
+                result.started.set()
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.ended_at = time.monotonic()
+        result.started.set()
+
+
+def plain_client(base_url: str, body: dict, result: ClientResult, timeout: float = 60.0) -> None:
+    try:
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+        result.status = r.status_code
+        result.body = r.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.ended_at = time.monotonic()
+        result.started.set()
+
+
+def start_clients(
+    base_url: str, specs: list[tuple[str, dict]]
+) -> tuple[list[ClientResult], list[threading.Thread]]:
+    results, threads = [], []
+    for kind, body in specs:
+        result = ClientResult()
+        target = stream_client if kind == "stream" else plain_client
+        thread = threading.Thread(target=target, args=(base_url, body, result), daemon=True)
+        thread.start()
+        results.append(result)
+        threads.append(thread)
+    return results, threads

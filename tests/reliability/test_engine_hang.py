@@ -14,9 +14,7 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import msgspec
@@ -30,6 +28,7 @@ from tests.reliability.server_tools import (
     is_alive,
     openai_error_problem,
     process_tree,
+    start_clients,
     start_tiny_server,
     survivors,
 )
@@ -161,43 +160,6 @@ HANG_S = 3.0
 LONG = 480  # tokens: seconds of work on the tiny model, so the stream is mid-flight when stopped
 
 
-@dataclass
-class Seen:
-    status: int | None = None
-    events: list[dict] = field(default_factory=list)
-    done_lines: int = 0
-    body: dict | None = None
-    error: str | None = None
-    ended_at: float | None = None
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-def request_in_thread(base_url: str, body: dict, seen: Seen) -> threading.Thread:
-    def client() -> None:
-        try:
-            with httpx.stream("POST", f"{base_url}{COMPLETIONS}", json=body, timeout=60) as r:
-                seen.status = r.status_code
-                if r.status_code != 200 or not body.get("stream"):
-                    r.read()
-                    seen.body = r.json()
-                    return
-                for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        seen.done_lines += 1
-                    elif line:
-                        seen.events.append(json.loads(line.removeprefix("data: ")))
-                        seen.started.set()
-        except (httpx.HTTPError, ValueError) as exc:
-            seen.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            seen.ended_at = time.monotonic()
-            seen.started.set()
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_a_stopped_engine_process_is_killed_and_its_requests_fail(tmp_path, tiny_llama_dir):
     server = start_tiny_server(
         str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--engine-hang-timeout", str(HANG_S)
@@ -206,15 +168,14 @@ def test_a_stopped_engine_process_is_killed_and_its_requests_fail(tmp_path, tiny
     try:
         engine = psutil.Process(engine_pid(server))
         body = {"prompt": "tell me a long story", "max_tokens": LONG, "ignore_eos": True}
-        streaming = Seen()
-        threads = [request_in_thread(server.base_url, {**body, "stream": True}, streaming)]
+        (streaming,), threads = start_clients(server.base_url, [("stream", body)])
         assert streaming.started.wait(60), "the stream never started"
         assert streaming.ended_at is None, f"the stream ended before the engine was stopped: {streaming}"
 
         os.kill(engine.pid, signal.SIGSTOP)  # alive, silent: a hang
         stopped_at = time.monotonic()
-        plain = Seen()
-        threads.append(request_in_thread(server.base_url, body, plain))
+        (plain,), plain_threads = start_clients(server.base_url, [("plain", body)])
+        threads += plain_threads
         for thread in threads:
             thread.join(HANG_S + 20)
         assert not any(t.is_alive() for t in threads), "a client still waits on the stopped engine"
