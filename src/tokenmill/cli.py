@@ -53,7 +53,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CPU, float32: prepack matmul weights for oneDNN (faster at batch sizes above 1)",
     )
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "cpu", "triton"],
+        default="auto",
+        help="auto: triton on CUDA, the C++ paged kernels (cpu) on CPU; torch: the reference (gather + SDPA)",
+    )
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
 
 

@@ -44,6 +44,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # GPU: no CUDA graphs
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     # Schedule and launch step N+1 while step N still runs on the device; None: on for CUDA.
     async_scheduling: bool | None = None

@@ -1,4 +1,6 @@
-"""The torch reference attention backend against a naive per-request, per-head loop."""
+"""The CPU attention backends against a naive per-request, per-head loop: the torch reference
+(gather + SDPA) and the C++ paged kernels, the latter both as configured (long query chunks go to
+the reference path) and with the kernel taking every batch."""
 
 from __future__ import annotations
 
@@ -9,9 +11,31 @@ import torch
 
 from tokenmill.attention import torch_ref
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.cpu_kernels import cpu_kernels_available
+from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 BLOCK_SIZE = 4
+
+_KERNELS, _WHY_NOT = cpu_kernels_available()
+needs_kernels = pytest.mark.skipif(not _KERNELS, reason=f"CPU kernels unavailable: {_WHY_NOT}")
+
+
+def _kernel_for_every_batch(*args):
+    backend = CpuPagedBackend(*args)
+    backend.max_kernel_query_len = 1 << 30
+    return backend
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(TorchReferenceBackend, id="torch"),
+        pytest.param(CpuPagedBackend, id="cpu", marks=needs_kernels),
+        pytest.param(_kernel_for_every_batch, id="cpu-kernel-only", marks=needs_kernels),
+    ]
+)
+def make_backend(request):
+    return request.param
 
 
 def _metadata(
@@ -64,7 +88,15 @@ def _naive(q, k_hist, v_hist, query_lens, seq_lens, scale, num_heads, num_kv_hea
 
 
 def _run_case(
-    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, seed=0, num_padding_rows=0, num_padding_reqs=0
+    query_lens,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    seed=0,
+    num_padding_rows=0,
+    num_padding_reqs=0,
+    make_backend=TorchReferenceBackend,
 ):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -95,7 +127,7 @@ def _run_case(
 
     meta = _metadata(query_lens, seq_lens, tables, num_padding_rows=pad, num_padding_reqs=num_padding_reqs)
     scale = head_dim**-0.5
-    backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, BLOCK_SIZE)
+    backend = make_backend(num_heads, num_kv_heads, head_dim, scale, BLOCK_SIZE)
     before = cache.clone()
     out = backend.forward(q, k, v, cache, meta)
 
@@ -113,9 +145,11 @@ def _run_case(
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (4, 4), (8, 1)])
-def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim):
+def test_mixed_prefill_and_decode(num_heads, num_kv_heads, head_dim, make_backend):
     # decodes, a fresh prefill, prefill chunks with cached context, a one-token prompt
-    _run_case([1, 5, 3, 1, 6, 1], [7, 5, 14, 1, 17, 9], num_heads, num_kv_heads, head_dim)
+    _run_case(
+        [1, 5, 3, 1, 6, 1], [7, 5, 14, 1, 17, 9], num_heads, num_kv_heads, head_dim, make_backend=make_backend
+    )
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 3 * 2 * 8 * BLOCK_SIZE * 2 * 64 * 4])
@@ -126,34 +160,54 @@ def test_requests_in_chunks_give_the_same_result(monkeypatch, chunk_bytes):
     _run_case([1] * 7, [7, 5, 14, 1, 17, 9, 30], 4, 2, 64, seed=10)
 
 
-def test_decode_only_batch():
-    _run_case([1] * 9, [1, 2, 3, 4, 5, 8, 9, 16, 33], 4, 2, 64, seed=1)
+def test_decode_only_batch(make_backend):
+    _run_case([1] * 9, [1, 2, 3, 4, 5, 8, 9, 16, 33], 4, 2, 64, seed=1, make_backend=make_backend)
 
 
-def test_single_long_prefill():
-    _run_case([37], [37], 4, 2, 64, seed=2)
+def test_single_long_prefill(make_backend):
+    _run_case([37], [37], 4, 2, 64, seed=2, make_backend=make_backend)
 
 
-def test_padding_rows_write_nowhere():
-    _run_case([2, 1, 4], [6, 3, 4], 4, 2, 64, seed=3, num_padding_rows=3)
+def test_padding_rows_write_nowhere(make_backend):
+    _run_case([2, 1, 4], [6, 3, 4], 4, 2, 64, seed=3, num_padding_rows=3, make_backend=make_backend)
 
 
-def test_padding_requests_on_device_are_ignored():
+def test_padding_requests_on_device_are_ignored(make_backend):
     # host copies describe the real requests; device tensors carry empty padding requests after them
-    _run_case([1, 1, 1], [6, 3, 9], 4, 2, 64, seed=8, num_padding_rows=5, num_padding_reqs=5)
+    _run_case(
+        [1, 1, 1],
+        [6, 3, 9],
+        4,
+        2,
+        64,
+        seed=8,
+        num_padding_rows=5,
+        num_padding_reqs=5,
+        make_backend=make_backend,
+    )
 
 
-def test_long_prefill_next_to_decodes_splits_the_batch():
+def test_long_prefill_next_to_decodes_splits_the_batch(make_backend):
     # 12 decodes + one 40-token prefill: padding everything to 40 rows would be wasteful, so the
     # backend groups decodes and prefills; results must not change.
-    _run_case([1] * 12 + [40], [5 + i for i in range(12)] + [45], 4, 2, 64, seed=4)
+    _run_case([1] * 12 + [40], [5 + i for i in range(12)] + [45], 4, 2, 64, seed=4, make_backend=make_backend)
 
 
-def test_very_uneven_prefills_go_one_by_one():
-    _run_case([40, 2, 3, 1], [40, 10, 3, 7], 8, 2, 64, seed=5)
+def test_very_uneven_prefills_go_one_by_one(make_backend):
+    _run_case([40, 2, 3, 1], [40, 10, 3, 7], 8, 2, 64, seed=5, make_backend=make_backend)
 
 
-def test_bfloat16_cache_is_close():
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_long_contexts_and_many_requests(head_dim):
+    # contexts over many blocks (the online softmax rescales across blocks), query chunks that
+    # span several 16-token tiles, and enough requests that both threads get work
+    query_lens = [1] * 20 + [16, 17, 33]
+    seq_lens = [3 + 7 * i for i in range(20)] + [16, 60, 97]
+    _run_case(query_lens, seq_lens, 8, 2, head_dim, seed=11, make_backend=_kernel_for_every_batch)
+
+
+def test_bfloat16_cache_is_close(make_backend):
     # softmax runs in float32 whatever the dtype; compare against the float32 result
     gen = torch.Generator().manual_seed(6)
     query_lens, seq_lens = [3, 1], [3, 6]
@@ -163,7 +217,7 @@ def test_bfloat16_cache_is_close():
     q = torch.randn(4, num_heads, head_dim, generator=gen)
     k = torch.randn(4, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(4, num_kv_heads, head_dim, generator=gen)
-    backend = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, head_dim**-0.5, BLOCK_SIZE)
+    backend = make_backend(num_heads, num_kv_heads, head_dim, head_dim**-0.5, BLOCK_SIZE)
     out32 = backend.forward(q, k, v, cache.clone(), _metadata(query_lens, seq_lens, tables))
     bf = torch.bfloat16
     out16 = backend.forward(
@@ -187,3 +241,28 @@ def test_kv_store_skips_minus_one_slots(slots):
     backend = TorchReferenceBackend(4, 2, 8, 1.0, BLOCK_SIZE)
     backend._store_kv(k, v, cache, torch.tensor(slots))
     assert torch.equal(cache, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("slots", [[-1, 5, -1, 7, -1], [-1, -1], [3, 9]])
+def test_cpu_kernel_kv_store_skips_minus_one_slots(slots):
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 3, BLOCK_SIZE, 2, 8, generator=gen)
+    k = torch.randn(len(slots), 2, 8, generator=gen)
+    v = torch.randn(len(slots), 2, 8, generator=gen)
+    expected = cache.clone()
+    flat = expected.view(2, -1, 2, 8)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            flat[0, slot], flat[1, slot] = k[row], v[row]
+    CpuPagedBackend.store_kv(k, v, cache, torch.tensor(slots))
+    assert torch.equal(cache, expected)
+
+
+@needs_kernels
+def test_cpu_kernel_rejects_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 3, BLOCK_SIZE, 2, 8)
+    k = v = torch.ones(1, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuPagedBackend.store_kv(k, v, cache, torch.tensor([3 * BLOCK_SIZE]))
+    assert not cache.any()

@@ -13,10 +13,15 @@ every cached position <= that one.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -77,9 +82,24 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """`auto` picks triton on CUDA and the torch reference elsewhere."""
+    """`auto` picks triton on CUDA, the C++ kernels on CPU (the torch reference where they cannot be
+    built, with a warning saying why) and the torch reference elsewhere."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif device.type == "cpu":
+            from tokenmill.attention.cpu_kernels import cpu_kernels_available
+
+            available, why = cpu_kernels_available()
+            if not available:
+                logger.warning("using the torch reference attention backend: %s", why)
+            name = "cpu" if available else "torch"
+        else:
+            name = "torch"
+    if name == "cpu":
+        from tokenmill.attention.cpu_paged import CpuPagedBackend
+
+        return CpuPagedBackend
     if name == "torch":
         from tokenmill.attention.torch_ref import TorchReferenceBackend
 
@@ -88,4 +108,4 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
         from tokenmill.attention.triton_paged import TritonPagedBackend
 
         return TritonPagedBackend
-    raise ValueError(f"unknown attention backend {name!r}; expected one of: auto, torch, triton")
+    raise ValueError(f"unknown attention backend {name!r}; expected one of: {', '.join(ATTENTION_BACKENDS)}")

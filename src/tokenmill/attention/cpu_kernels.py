@@ -1,0 +1,102 @@
+"""Builds and loads the C++ CPU attention kernels (csrc/cpu_paged_attention.cpp) on first use.
+
+torch's extension builder compiles them with the machine's C++ compiler into
+`$TOKENMILL_CACHE/kernels/<key>` (once per source, torch version and CPU: `-march=native`), and
+later processes load the built library in well under a second. `python -m
+tokenmill.attention.cpu_kernels` builds them ahead of time (scripts/setup.sh does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+_lock = threading.Lock()
+_loaded = False
+
+
+class CpuKernelBuildError(RuntimeError):
+    pass
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_directory() -> Path:
+    from tokenmill.model.loader.default_model import cache_dir
+
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_model().encode()):
+        key.update(part)
+    return cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}"
+
+
+def load_cpu_kernels() -> None:
+    """Make `torch.ops.tokenmill_cpu.{paged_attention,store_kv}` available (build if needed).
+
+    Raises CpuKernelBuildError, with the compiler's message, when they cannot be built.
+    """
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        fresh = not any(directory.glob("*.so"))
+        if fresh:
+            logger.info("building the CPU attention kernels into %s (once; about a minute)", directory)
+        start = time.monotonic()
+        flags = ["-O3", "-march=native", "-fopenmp"]
+        try:
+            cpp_extension.load(
+                name="tokenmill_cpu_attention",
+                sources=[str(_SOURCE)],
+                build_directory=str(directory),
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise CpuKernelBuildError(
+                f"could not build the CPU attention kernels from {_SOURCE} in {directory}: {exc}. "
+                "They need a C++ compiler (g++) and ninja; use --attention-backend torch to run without them."
+            ) from exc
+        if fresh:
+            logger.info("CPU attention kernels built in %.0f s", time.monotonic() - start)
+        _loaded = True
+
+
+def cpu_kernels_available() -> tuple[bool, str]:
+    """(True, "") when the kernels load, else (False, why)."""
+    try:
+        load_cpu_kernels()
+    except CpuKernelBuildError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_cpu_kernels()
+    print(f"CPU attention kernels ready in {build_directory()}")

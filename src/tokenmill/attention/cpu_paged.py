@@ -1,0 +1,90 @@
+"""The CPU attention backend: C++ kernels that read the paged KV cache in place.
+
+The torch reference backend gathers every request's context into a contiguous buffer before
+its SDPA call; on a decode step that copy moves about as many bytes as the model's weights.
+Here one C++ kernel (attention/csrc/cpu_paged_attention.cpp) walks each request's block table
+instead, and another writes the step's K/V into their slots.
+
+For batches with long query chunks (prefills) the gather is paid once for many query rows and
+torch's SDPA kernel is faster than our straightforward loops, so such batches go to the
+reference backend's path over the same cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+# Batches whose longest query chunk is longer than this use the reference (gather + SDPA) path.
+_MAX_KERNEL_QUERY_LEN = 16
+
+
+class CpuPagedBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        load_cpu_kernels()
+        self._reference = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
+        self.max_kernel_query_len = _MAX_KERNEL_QUERY_LEN
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        kv_already_stored: bool = False,
+    ) -> torch.Tensor:
+        if q.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU tensors, got {q.device}")
+        num_tokens = meta.num_actual_tokens
+        if not kv_already_stored and num_tokens:
+            self.store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
+        if meta.max_query_len > self.max_kernel_query_len:
+            return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=kv_cache.dtype)
+        if num_tokens < q.shape[0]:
+            out[num_tokens:].zero_()  # padding rows: defined, never read
+        if num_tokens == 0 or meta.num_reqs == 0:
+            return out if out.dtype == q.dtype else out.to(q.dtype)
+        # The host copies describe the real requests (a padded batch has empty ones after them).
+        seq_lens = meta.seq_lens_cpu
+        torch.ops.tokenmill_cpu.paged_attention(
+            out,
+            q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype),
+            kv_cache,
+            _int32(meta.query_start_loc_cpu),
+            _int32(seq_lens),
+            _int32(meta.block_tables[: seq_lens.numel()]),
+            self.scale,
+        )
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write k/v rows at `slots` (int64, -1 = nowhere)."""
+        torch.ops.tokenmill_cpu.store_kv(
+            kv_cache,
+            _rows_contiguous(k.to(kv_cache.dtype)),
+            _rows_contiguous(v.to(kv_cache.dtype)),
+            slots.to(torch.int64).contiguous(),
+        )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # The kernel copies each token's [num_kv_heads, head_dim] row as one block of memory.
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()

@@ -1,0 +1,414 @@
+// Paged attention for CPUs: keys and values are read in place from the block pool through each
+// request's block table, so no step copies a request's context into a contiguous buffer (the
+// torch reference backend's gather, which moved as many bytes per decode step as the weights).
+//
+// Layout (see attention/backend.py): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim];
+// the batch is flattened, request r owning query rows query_start_loc[r] .. query_start_loc[r+1],
+// its query token j at position seq_lens[r] - query_len + j, attending causally to positions <= it.
+//
+// Work is split in tasks of (request, tile of query tokens, KV heads): a task reads each key and
+// value row it needs once and uses it for every query head that shares it (GQA). Softmax is
+// online (running max and sum) in float32 whatever the cache dtype, as in flash attention.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Query tokens per task: enough rows to reuse each loaded key/value row, few enough that a
+// prefill chunk still splits into many tasks for the threads.
+constexpr int64_t kQueryTile = 16;
+// Key rows whose scores against one query row are computed together (independent FMA chains).
+constexpr int64_t kKeyGroup = 4;
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n built
+// in the exponent bits. Below -87 the result is 0 (float's smallest normal is exp(-87.3)).
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float n = (clamped * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
+}
+#endif
+
+// out[j] = dot(q, keys[j]) for kKeyGroup key rows `stride` apart: independent accumulators keep
+// the FMA units busy instead of waiting on one chain, and q is loaded once for all of them.
+inline void dot_keys(const float* q, const float* keys, int64_t stride, int64_t nkeys, int64_t D, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    int64_t j = 0;
+    for (; j + kKeyGroup <= nkeys; j += kKeyGroup) {
+      const float* k0 = keys + j * stride;
+      const float *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+      }
+      // Four horizontal sums at once: [a0 a1 a2 a3] -> one __m128.
+      const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+      const __m256 h = _mm256_hadd_ps(h01, h23);
+      _mm_storeu_ps(out + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+    for (; j < nkeys; ++j) {
+      const float* k = keys + j * stride;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+      out[j] = hsum(a);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const float* k = keys + j * stride;
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t d = 0; d < D; ++d) a += q[d] * k[d];
+    out[j] = a;
+  }
+}
+
+// acc[0:D] += sum_j p[j] * values[j] over `n` value rows `stride` apart; acc stays in registers
+// across the rows, 64 columns at a time.
+inline void accumulate_values(float* acc, const float* p, const float* values, int64_t stride, int64_t n, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 64 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m256 c[8];
+      for (int i = 0; i < 8; ++i) c[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* v = values + j * stride + d0;
+        for (int i = 0; i < 8; ++i) c[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), c[i]);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, c[i]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* v = values + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += pj * v[d];
+  }
+}
+
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, group;
+  int64_t q_stride_tok, q_stride_head;  // q may be a view into the fused qkv rows
+  int64_t cache_stride_plane, cache_stride_block, cache_stride_tok;
+  int64_t max_blocks;
+  float scale;
+};
+
+struct Task {
+  int64_t req, first_token, num_tokens, first_pos;  // first_pos: position of first_token
+  int64_t first_kv_head, num_kv_heads;
+};
+
+// Per-thread scratch, reused across tasks and calls.
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, kv;
+  std::vector<int64_t> pos;
+  void size_for(int64_t rows, int64_t head_dim, int64_t block_size, int64_t kv_rows) {
+    q.resize(rows * head_dim);
+    acc.resize(rows * head_dim);
+    m.resize(rows);
+    l.resize(rows);
+    pos.resize(rows);
+    s.resize(rows * block_size);
+    kv.resize(block_size * kv_rows * head_dim);
+  }
+};
+
+// One task: query tokens [first_token, +num_tokens) of one request, KV heads
+// [first_kv_head, +num_kv_heads) and their query heads. Rows are ordered by KV head, then
+// token, then query head in the group, so each KV head's rows are contiguous.
+template <typename T>
+void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const int32_t* block_table,
+            T* out, Scratch& w) {
+  const int64_t D = sh.head_dim, G = sh.group, BS = sh.block_size;
+  const int64_t rows_per_head = task.num_tokens * G;
+  const int64_t rows = rows_per_head * task.num_kv_heads;
+  w.size_for(rows, D, BS, task.num_kv_heads);
+  float* qf = w.q.data();
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* s = w.s.data();
+  int64_t* pos = w.pos.data();
+
+  for (int64_t h = 0; h < task.num_kv_heads; ++h) {
+    for (int64_t i = 0; i < task.num_tokens; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * rows_per_head + i * G + g;
+        const int64_t head = (task.first_kv_head + h) * G + g;
+        load_row(q + (task.first_token + i) * sh.q_stride_tok + head * sh.q_stride_head, qf + r * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= sh.scale;
+        pos[r] = task.first_pos + i;
+      }
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+
+  const int64_t kv_end = task.first_pos + task.num_tokens;  // keys 0 .. last query position
+  const int64_t num_blocks = (kv_end + BS - 1) / BS;
+  const int64_t head_offset = task.first_kv_head * D;
+  const int64_t span = task.num_kv_heads * D;  // contiguous elements of one token's row we read
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* k_block = cache + static_cast<int64_t>(block_table[b]) * sh.cache_stride_block + head_offset;
+    const T* v_block = k_block + sh.cache_stride_plane;
+    if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: start fetching it now
+      const T* next = cache + static_cast<int64_t>(block_table[b + 1]) * sh.cache_stride_block + head_offset;
+      for (int64_t t = 0; t < BS; ++t) {
+        prefetch_lines(next + t * sh.cache_stride_tok, span * sizeof(T));
+        prefetch_lines(next + sh.cache_stride_plane + t * sh.cache_stride_tok, span * sizeof(T));
+      }
+    }
+    const int64_t first_key = b * BS;
+    const int64_t n = std::min(BS, kv_end - first_key);
+
+    // Keys as float, [t][h][d] (a copy only for 16-bit caches).
+    const float* kf;
+    int64_t kf_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k_block, kf_stride = sh.cache_stride_tok;
+    } else {
+      for (int64_t t = 0; t < n; ++t) load_row(k_block + t * sh.cache_stride_tok, w.kv.data() + t * span, span);
+      kf = w.kv.data(), kf_stride = span;
+    }
+    // Scores [row][t]; a key is visible to a row when its position is <= the row's.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = r / rows_per_head;
+      dot_keys(qf + r * D, kf + h * D, kf_stride, n, D, s + r * BS);
+    }
+    // Online softmax over the visible prefix of the block, per row.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * BS;
+      const int64_t visible = std::min(n, pos[r] - first_key + 1);
+      if (visible <= 0) {
+        std::fill(sr, sr + n, 0.f);
+        continue;
+      }
+      float block_max = sr[0];
+      for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sr[t]);
+      const float new_max = std::max(m[r], block_max);
+      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(m[r] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < visible; ++t) {
+        sr[t] = exp_nonpositive(sr[t] - new_max);
+        sum += sr[t];
+      }
+      std::fill(sr + visible, sr + n, 0.f);
+      if (alpha != 1.f) {
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = new_max;
+    }
+    // acc[row] += sum_t p[row][t] * v[t], the row's accumulator kept in registers across keys.
+    const float* vf;
+    int64_t vf_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      vf = v_block, vf_stride = sh.cache_stride_tok;
+    } else {
+      for (int64_t t = 0; t < n; ++t) load_row(v_block + t * sh.cache_stride_tok, w.kv.data() + t * span, span);
+      vf = w.kv.data(), vf_stride = span;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = r / rows_per_head;
+      const int64_t visible = std::min(n, pos[r] - first_key + 1);
+      if (visible > 0) accumulate_values(acc + r * D, s + r * BS, vf + h * D, vf_stride, visible, D);
+    }
+  }
+
+  for (int64_t h = 0; h < task.num_kv_heads; ++h) {
+    for (int64_t i = 0; i < task.num_tokens; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * rows_per_head + i * G + g;
+        const float inv = 1.f / l[r];
+        const int64_t head = (task.first_kv_head + h) * G + g;
+        T* dst = out + ((task.first_token + i) * sh.num_heads + head) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+      }
+    }
+  }
+}
+
+void check_layout(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "cpu paged attention: tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [num_tokens, num_heads, head_dim] with unit stride in head_dim");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share one dtype, got ", q.scalar_type(), " and ", kv_cache.scalar_type());
+  TORCH_CHECK(q.size(2) == kv_cache.size(4), "q head_dim ", q.size(2), " != cache head_dim ", kv_cache.size(4));
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables, double scale) {
+  check_layout(q, kv_cache, out);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt,
+              "query_start_loc, seq_lens and block_tables must be int32");
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() && block_tables.is_contiguous(),
+              "query_start_loc, seq_lens and block_tables must be contiguous");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) >= num_reqs + 1, "query_start_loc needs num_reqs + 1 entries");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_reqs, "block_tables must be [num_reqs, max_blocks]");
+
+  Shape sh;
+  sh.num_heads = q.size(1);
+  sh.num_kv_heads = kv_cache.size(3);
+  sh.head_dim = q.size(2);
+  sh.block_size = kv_cache.size(2);
+  sh.group = sh.num_heads / sh.num_kv_heads;
+  sh.q_stride_tok = q.stride(0);
+  sh.q_stride_head = q.stride(1);
+  sh.cache_stride_tok = sh.num_kv_heads * sh.head_dim;
+  sh.cache_stride_block = sh.block_size * sh.cache_stride_tok;
+  sh.cache_stride_plane = kv_cache.size(1) * sh.cache_stride_block;
+  sh.max_blocks = block_tables.size(1);
+  sh.scale = static_cast<float>(scale);
+
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  // A task reads whole token rows (all KV heads: contiguous memory) unless that leaves the
+  // threads too few tasks (small batches), then one KV head each.
+  int64_t num_row_tasks = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    num_row_tasks += (starts[r + 1] - starts[r] + kQueryTile - 1) / kQueryTile;
+  }
+  const int64_t heads_per_task = num_row_tasks >= 4 * at::get_num_threads() ? sh.num_kv_heads : 1;
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = starts[r + 1] - starts[r];
+    const int64_t context = lens[r] - q_len;
+    TORCH_CHECK(q_len >= 0 && context >= 0, "request ", r, ": query_len ", q_len, " exceeds seq_len ", lens[r]);
+    TORCH_CHECK(starts[r + 1] <= q.size(0), "query_start_loc points past q's ", q.size(0), " rows");
+    TORCH_CHECK((lens[r] + sh.block_size - 1) / sh.block_size <= sh.max_blocks,
+                "request ", r, ": seq_len ", lens[r], " needs more blocks than block_tables has columns");
+    for (int64_t t = 0; t < q_len; t += kQueryTile) {
+      for (int64_t h = 0; h < sh.num_kv_heads; h += heads_per_task) {
+        tasks.push_back({r, starts[r] + t, std::min(kQueryTile, q_len - t), context + t, h, heads_per_task});
+      }
+    }
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_cpu_paged_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* cache_ptr = kv_cache.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      thread_local Scratch scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& task = tasks[i];
+        attend<scalar_t>(task, sh, q_ptr, cache_ptr, tables + task.req * sh.max_blocks, out_ptr, scratch);
+      }
+    });
+  });
+}
+
+// Writes k/v rows into their slots; slot -1 writes nowhere (padding).
+void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2),
+              "k and v must be [num_tokens, num_kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "k, v and kv_cache must share one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be int64");
+  const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), k.size(0));
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  TORCH_CHECK(k.size(1) * k.size(2) == row && v.size(1) * v.size(2) == row, "k/v rows do not match the cache's");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache's ", num_slots, " slots");
+  }
+  const int64_t elem = kv_cache.element_size();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + num_slots * row * elem;
+  const char* k_ptr = static_cast<const char*>(k.data_ptr());
+  const char* v_ptr = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (slots[i] < 0) continue;
+      std::memcpy(k_cache + slots[i] * row * elem, k_ptr + i * k_stride, row * elem);
+      std::memcpy(v_cache + slots[i] * row * elem, v_ptr + i * v_stride, row * elem);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_tables, float scale) -> ()");
+  m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kv", &store_kv);
+}
