@@ -151,6 +151,28 @@ def test_bf16_greedy_identical_with_and_without_graphs_and_async_scheduling(tiny
     assert results[0] == results[1] == results[2] == results[3]
 
 
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, monkeypatch):
+    """Decode steps rotate q/k and store K/V inside the attention launch; with that switched off
+    (the separate RoPE + KV-store launch) greedy tokens and logprobs are the same, bit for bit."""
+    from tokenmill.model import llama
+
+    path = str(request.getfixturevalue(model))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(llama, "_FUSE_DECODE_ROPE", fused)
+        llm = _llm(path)
+        prompts = _prompts(llm.info.vocab_size, 6, seed=15)  # decode batches within FUSED_ROPE_MAX_REQS
+        completions = _greedy(llm, prompts, 24, logprobs=0)
+        results.append(
+            [(c.token_ids, [next(iter(lp.values())).logprob for lp in c.logprobs]) for c in completions]
+        )
+        assert _graph_replays(llm) > 0
+        del llm
+        gc.collect()
+    assert results[0] == results[1]
+
+
 def test_async_scheduling_is_the_cuda_default(tiny_llama_dir):
     assert _llm(str(tiny_llama_dir)).engine.async_scheduling
 

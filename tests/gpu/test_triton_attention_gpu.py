@@ -280,3 +280,130 @@ def test_matches_torch_reference_backend() -> None:
     ref_out = reference.forward(q, k, v, ref_cache, meta)
     assert torch.equal(kv_cache, ref_cache)
     assert relative_error(out, ref_out) < TOLERANCE[torch.bfloat16]
+
+
+def _rope_tables(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from tokenmill.model.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(head_dim, 8192, 500000.0, None, device="cuda", dtype=dtype)
+    return rotary.cos_cache, rotary.sin_cache
+
+
+def _fused_and_unfused(heads, kv_heads, head_dim, dtype, contexts, num_kv_splits=None):
+    """forward_decode_with_rope on un-rotated q/k/v (laid out as one qkv row, as the model has
+    them), and the separate RoPE + KV-store launch then forward(): outputs, caches, rotated q."""
+    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+
+    q, k, v, kv_cache, meta = make_batch(
+        [1] * len(contexts), contexts, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim
+    )
+    positions = meta.seq_lens.long() - 1
+    cos, sin = _rope_tables(head_dim, dtype)
+    qkv = torch.cat([q, k, v], dim=1)
+    qk_heads = heads + kv_heads
+    backend = TritonPagedBackend(
+        heads, kv_heads, head_dim, head_dim**-0.5, BLOCK, num_kv_splits=num_kv_splits
+    )
+    fused_qkv, fused_cache = qkv.clone(), kv_cache.clone()
+    fused = backend.forward_decode_with_rope(
+        fused_qkv[:, :heads], fused_qkv[:, heads:qk_heads], fused_qkv[:, qk_heads:],
+        positions, cos, sin, fused_cache, meta,
+    )  # fmt: skip
+    assert torch.equal(fused_qkv, qkv)
+    qk = qkv[:, :qk_heads]
+    rope_and_store_kv(qk, heads, qkv[:, qk_heads:], positions, cos, sin, kv_cache, meta.slot_mapping)
+    unfused = backend.forward(
+        qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], kv_cache, meta, kv_already_stored=True
+    )
+    return fused, fused_cache, unfused, kv_cache, qk[:, :heads], meta
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "dtype", "num_kv_splits"),
+    [
+        (HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, None),  # Llama-3.1-8B, the planner's splits
+        (HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, 1),
+        (HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, 16),
+        (16, 4, 64, torch.float16, None),
+        (8, 8, 128, torch.float32, 4),
+        (14, 2, 64, torch.bfloat16, 8),  # Qwen2-0.5B-like: a group of 7
+        (12, 4, 96, torch.float16, None),  # head_dim padded to 128
+    ],
+)
+def test_decode_with_rope_equals_rope_store_then_attention(heads, kv_heads, head_dim, dtype, num_kv_splits):
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    contexts = torch.randint(1, 4096, (24,), generator=gen).tolist() + [0, 15, 16, 63, 64, 511, 4095]
+    fused, fused_cache, unfused, cache, q_rotated, meta = _fused_and_unfused(
+        heads, kv_heads, head_dim, dtype, contexts, num_kv_splits
+    )
+    if dtype == torch.bfloat16:
+        # bf16 (the CUDA default) rounds by integer arithmetic: bit for bit, whatever the compiler
+        # contracts into multiply-adds; the tiles and their order are the same as unfused.
+        assert torch.equal(fused_cache, cache)
+        assert torch.equal(fused, unfused)
+    else:
+        # fp16 / fp32 RoPE may differ by an ulp where the compiler forms a multiply-add.
+        # (fp16: up to an ulp of a product, ~4e-3 at randn magnitudes, where the sum cancels.)
+        ulp = {"rtol": 1e-3, "atol": 4e-3} if dtype == torch.float16 else {"rtol": 1e-6, "atol": 1e-6}
+        torch.testing.assert_close(fused_cache, cache, **ulp)
+        assert relative_error(fused, unfused) < TOLERANCE[dtype] / 10
+    expected = reference_attention(q_rotated, cache, meta, head_dim**-0.5)
+    assert relative_error(fused, expected) < TOLERANCE[dtype]
+
+
+def test_decode_with_rope_in_a_cuda_graph_with_padding_requests() -> None:
+    """Captured at short contexts with padding requests (query_len 1, seq_len 1, slot -1, as the
+    runner pads), replayed at long ones: the padding writes nothing, the real rows are right."""
+    batch, padded, max_blocks = 3, 8, 512
+    backend = TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK)
+    backend.prepare_for_capture(max_num_reqs=padded, max_blocks_per_req=max_blocks)
+    cos, sin = _rope_tables(HEAD_DIM, torch.bfloat16)
+    q_l, k_l, v_l, kv_cache, meta_l = make_batch([1] * batch, [8000, 600, 3], torch.bfloat16, spare_blocks=8)
+    qkv = torch.zeros(padded, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(padded + 1, dtype=torch.int32, device="cuda")
+    static = AttentionMetadata(
+        num_actual_tokens=padded,
+        num_reqs=padded,
+        max_query_len=1,
+        max_seq_len=max_blocks * BLOCK,
+        query_start_loc=qsl,
+        seq_lens=torch.ones(padded, dtype=torch.int32, device="cuda"),
+        block_tables=torch.zeros(padded, max_blocks, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.full((padded,), -1, dtype=torch.long, device="cuda"),
+        query_start_loc_cpu=qsl.cpu(),
+        seq_lens_cpu=torch.ones(padded, dtype=torch.int32),
+        is_decode_only=True,
+    )
+    positions = torch.zeros(padded, dtype=torch.long, device="cuda")
+
+    def step():
+        return backend.forward_decode_with_rope(
+            qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :],
+            positions, cos, sin, kv_cache, static,
+        )  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    qkv[:batch] = torch.cat([q_l, k_l, v_l], dim=1)
+    static.seq_lens[:batch] = meta_l.seq_lens
+    static.slot_mapping[:batch] = meta_l.slot_mapping
+    static.block_tables[:batch, : meta_l.block_tables.shape[1]] = meta_l.block_tables
+    positions[:batch] = meta_l.seq_lens.long() - 1
+    before = kv_cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+
+    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+
+    qk = qkv[:batch, : HEADS + KV_HEADS].clone()
+    rope_and_store_kv(qk, HEADS, v_l, positions[:batch], cos, sin, before, meta_l.slot_mapping)
+    assert torch.equal(kv_cache, before)  # this step's K/V in their slots, nothing else written
+    expected = reference_attention(qk[:, :HEADS], kv_cache, meta_l, HEAD_DIM**-0.5)
+    assert relative_error(out[:batch], expected) < TOLERANCE[torch.bfloat16]

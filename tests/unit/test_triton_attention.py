@@ -404,3 +404,118 @@ def test_greedy_sample_matches_torch_argmax_and_flags_non_finite_rows() -> None:
         out[0, :3].tolist() == logits[:3].argmax(dim=-1).tolist() == [logits[0].argmax().item(), 5, vocab - 1]
     )
     assert out[1].tolist() == [0, 0, 0, 1, 1]
+
+
+def _rope_tables(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from tokenmill.model.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(head_dim, 128, 10000.0, None, dtype=dtype)
+    return rotary.cos_cache, rotary.sin_cache
+
+
+@interpreted_only
+@interpreter_loops
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "dtype", "num_kv_splits"),
+    [
+        (4, 2, 16, torch.float32, 1),
+        (4, 2, 16, torch.float32, 3),  # the new token's split is not the last one
+        (8, 2, 64, torch.bfloat16, 2),  # GQA 4
+        (3, 1, 64, torch.float16, 4),  # GQA 3 (group padded), some splits empty
+    ],
+)
+def test_decode_with_rope_equals_rope_store_then_attention(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_kv_splits: int
+) -> None:
+    """The decode-only launch that rotates q/k, stores K/V and attends: the same cache and the
+    same output, bit for bit, as the separate RoPE + KV-store launch followed by the attention
+    launch; q, k and v are left un-rotated; padding rows (slot -1) write nothing."""
+    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+
+    block_size = 4
+    contexts = [21, 0, 7]  # 0: the new token is the whole context; 7: ends a block exactly
+    q, k, v, kv_cache, meta = make_batch(
+        [1, 1, 1], contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, num_padding_tokens=1
+    )
+    positions = torch.tensor(contexts + [0])
+    cos, sin = _rope_tables(head_dim, dtype)
+    # q, k, v side by side in one row, as the model's qkv projection lays them out.
+    qkv = torch.cat([q, k, v], dim=1)
+    heads_qk = num_heads + num_kv_heads
+    backend = triton_paged.TritonPagedBackend(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, num_kv_splits=num_kv_splits
+    )
+
+    fused_qkv, fused_cache = qkv.clone(), kv_cache.clone()
+    fused = backend.forward_decode_with_rope(
+        fused_qkv[:, :num_heads], fused_qkv[:, num_heads:heads_qk], fused_qkv[:, heads_qk:],
+        positions, cos, sin, fused_cache, meta,
+    )  # fmt: skip
+    assert torch.equal(fused_qkv, qkv)  # inputs untouched
+
+    split_qkv, split_cache = qkv.clone(), kv_cache.clone()
+    qk = split_qkv[:, :heads_qk]
+    rope_and_store_kv(
+        qk, num_heads, split_qkv[:, heads_qk:], positions, cos, sin, split_cache, meta.slot_mapping
+    )
+    unfused = backend.forward(
+        qk[:, :num_heads],
+        qk[:, num_heads:],
+        split_qkv[:, heads_qk:],
+        split_cache,
+        meta,
+        kv_already_stored=True,
+    )
+    n = meta.num_actual_tokens
+    assert torch.equal(fused_cache, split_cache)
+    assert torch.equal(fused[:n], unfused[:n])
+    expected = naive_attention(qk[:, :num_heads], split_cache, meta, head_dim**-0.5)
+    assert relative_error(fused[:n], expected[:n]) < TOLERANCE[dtype]
+
+
+@interpreted_only
+def test_decode_with_rope_refuses_mixed_batches() -> None:
+    q, k, v, kv_cache, meta = make_batch([3, 1], [2, 5], 2, 1, 16, 4, torch.float32)
+    cos, sin = _rope_tables(16, torch.float32)
+    backend = triton_paged.TritonPagedBackend(2, 1, 16, 0.25, 4)
+    with pytest.raises(ValueError, match="decode-only"):
+        backend.forward_decode_with_rope(q, k, v, torch.zeros(4, dtype=torch.long), cos, sin, kv_cache, meta)
+
+
+@interpreted_only
+@interpreter_loops
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("min_kv_per_split", [0, 32])
+def test_splits_without_tiles_and_min_kv_per_split(fused_merge: bool, min_kv_per_split: int) -> None:
+    """8 splits of 16-token tiles over contexts of 71, 6 and 34 tokens: splits past the last tile
+    exit without writing anything, and the merge (in-launch or separate) reads only the splits
+    that had tiles; `min_kv_per_split` thins them out further at run time."""
+    from tokenmill.attention.triton_kernels.paged_attention import TileConfig, paged_attention
+
+    block_size, num_kv_heads, head_dim, splits = 8, 2, 16, 8
+    q, k, v, kv_cache, meta = make_batch(
+        [1, 1, 1], [70, 5, 33], 4, num_kv_heads, head_dim, block_size, torch.float32
+    )
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    expected = naive_attention(q, kv_cache, meta, head_dim**-0.5)
+    # NaN scratch: a merge that read a split nobody wrote would show it.
+    partial_out = torch.full((meta.num_reqs, q.shape[1], splits, head_dim), float("nan"))
+    partial_lse = torch.full((meta.num_reqs, q.shape[1], splits), float("nan"))
+    counters = torch.zeros(meta.num_reqs * num_kv_heads, dtype=torch.int32) if fused_merge else None
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(
+            out, q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs=meta.num_reqs, max_query_len=1, decode_only=True, scale=head_dim**-0.5,
+            num_kv_splits=splits, partial_out=partial_out, partial_lse=partial_lse, split_counters=counters,
+            decode_config=TileConfig(block_q=1, block_m=16, block_n=16, num_warps=4, num_stages=1, merge_chunk=2),
+            min_kv_per_split=min_kv_per_split,
+        )  # fmt: skip
+        assert relative_error(out, expected) < TOLERANCE[torch.float32]
+        if counters is not None:
+            assert counters.eq(0).all()
+    # Request 1 (7 tokens, one tile) wrote split 0 only; request 0 (71 tokens, 5 tiles) 5 splits,
+    # or 3 with at least 2 tiles each.
+    assert partial_lse[1, :, 1:].isnan().all() and not partial_lse[1, :, 0].isnan().any()
+    used = 5 if min_kv_per_split == 0 else 3
+    assert not partial_lse[0, :, :used].isnan().any() and partial_lse[0, :, used:].isnan().all()

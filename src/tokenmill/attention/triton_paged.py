@@ -7,6 +7,10 @@ count), never from a device read. Once `prepare_for_capture` has run, decode-onl
 captured batch size use a split count that depends on the batch size alone and write their
 partial results into scratch allocated there, so a captured graph replays correctly for any
 context length and capture allocates nothing of ours.
+
+Small decode-only steps can skip the model's separate RoPE + KV-store launch:
+`forward_decode_with_rope` takes q and k un-rotated and does RoPE, the KV store and attention in
+one launch per layer (`fuses_decode_rope` says when the model should call it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.triton_kernels.kv_store import store_kv
-from tokenmill.attention.triton_kernels.paged_attention import paged_attention
+from tokenmill.attention.triton_kernels.paged_attention import DecodeRope, paged_attention
 
 MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
@@ -29,6 +33,14 @@ MIN_TOKENS_PER_SPLIT = 128
 # 0.60 to 0.70 of copy bandwidth, batch 8 at 4K from 0.61 to 0.71, batch 64 at mixed lengths up to
 # 4K from 0.60 to 0.72, and cost batch 64 at a uniform 4K 1.00 -> 0.98.
 PROGRAMS_PER_SM = 4
+# The split count is fixed per batch size before graph capture (for the longest context); at run
+# time each split still gets at least this many KV tokens, so a short context uses fewer splits
+# (fewer partials to write and merge). 0 = split as planned.
+RUNTIME_MIN_KV_PER_SPLIT = 0
+# forward_decode_with_rope pays at small decode batches; at 64 requests (Llama-3.1-8B shapes on an
+# H200) its attention launch was slower than the separate RoPE + KV-store launch and the plain
+# one together (benchmarks/decode_layer_microbench.py), so larger batches keep those.
+FUSED_ROPE_MAX_REQS = 8
 _CPU_PSEUDO_SM_COUNT = 4  # interpreter runs only; the value just keeps the planner deterministic
 
 
@@ -147,6 +159,44 @@ class TritonPagedBackend(AttentionBackend):
         *,
         kv_already_stored: bool = False,
     ) -> torch.Tensor:
+        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored)
+
+    def fuses_decode_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether this step should go through forward_decode_with_rope (decode-only, small)."""
+        return meta.is_decode_only and meta.num_reqs <= FUSED_ROPE_MAX_REQS
+
+    def forward_decode_with_rope(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        v: torch.Tensor,
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_cache: torch.Tensor,  # RotaryEmbedding's tables
+        sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A decode-only step's RoPE, KV store and attention in one launch per layer.
+
+        Same result as rotating q and k (triton_ops.rope_inplace), storing k/v and calling
+        forward(); q, k and v are left as they were. Mixed batches must use forward().
+        """
+        if not meta.is_decode_only:
+            raise ValueError("forward_decode_with_rope serves decode-only batches; use forward()")
+        rope = DecodeRope(k, v, positions, cos_cache, sin_cache, meta.slot_mapping)
+        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=True, rope=rope)
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        kv_already_stored: bool,
+        rope: DecodeRope | None = None,
+    ) -> torch.Tensor:
         num_tokens = q.shape[0]
         if q.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(
@@ -180,6 +230,10 @@ class TritonPagedBackend(AttentionBackend):
             partial_out=partial_out,
             partial_lse=partial_lse,
             split_counters=split_counters,
+            min_kv_per_split=RUNTIME_MIN_KV_PER_SPLIT,
+            rope=rope,
+            # One row per request (decode-only, no zero-row padding requests): the host copy says so.
+            all_decode=meta.is_decode_only and int(meta.query_start_loc_cpu[-1]) == meta.num_reqs,
         )
         return out
 

@@ -12,6 +12,7 @@ captured as a CUDA graph.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterable
 
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 # The CUDA path's fused kernels; imported lazily (triton is optional on CPU-only installs).
 _triton_ops = None
+
+# Decode-only steps on the Triton backend rotate q/k and store K/V inside the attention launch
+# (TritonPagedBackend.forward_decode_with_rope). TOKENMILL_FUSED_DECODE_ROPE=0 keeps the separate
+# RoPE + KV-store launch, for same-run comparisons.
+_FUSE_DECODE_ROPE = os.environ.get("TOKENMILL_FUSED_DECODE_ROPE", "1") != "0"
 
 
 # CPU: below this many bytes of matmul weights, keep plain copies beside the oneDNN-packed ones
@@ -128,6 +134,43 @@ class DecoderLayer(nn.Module):
         cos, sin = rotary.cos_cache, rotary.sin_cache
         # The Triton backend's cache takes the rotated keys and the values from the RoPE launch.
         fuse_store = self.attn_backend.name == "triton"
+        if (
+            fuse_store
+            and self.q_norm is None
+            and _FUSE_DECODE_ROPE
+            and self.attn_backend.fuses_decode_rope(meta)
+        ):
+            # Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
+            # launch; q and k go in un-rotated.
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+            attn = self.attn_backend.forward_decode_with_rope(
+                qk[:, :heads], qk[:, heads:], v, positions, cos, sin, kv_cache, meta
+            )
+        else:
+            attn = self._rope_and_attend(qkv, v, positions, rotary, kv_cache, meta, fuse_store)
+        attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
+        normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
+        gate_up = F.linear(normed, self.gate_up_weight)
+        return F.linear(ops.silu_mul(gate_up), self.down_weight)
+
+    def _rope_and_attend(
+        self,
+        qkv: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        fuse_store: bool,
+    ) -> torch.Tensor:
+        """forward_fused's RoPE (+ KV store) launch, then the backend's attention."""
+        ops = _fused_ops()
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        num_tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+        cos, sin = rotary.cos_cache, rotary.sin_cache
         if self.q_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)
             k = rms_norm(
@@ -145,12 +188,7 @@ class DecoderLayer(nn.Module):
             else:
                 ops.rope_inplace(qk, positions, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-
-        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=fuse_store)
-        attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
-        normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
-        gate_up = F.linear(normed, self.gate_up_weight)
-        return F.linear(ops.silu_mul(gate_up), self.down_weight)
+        return self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=fuse_store)
 
 
 class CausalLM(nn.Module):

@@ -17,23 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round_like(x, dtype: tl.constexpr):
-    """x (fp32) rounded to the precision of `dtype`, kept in fp32.
-
-    A plain `x.to(bf16).to(fp32)` is folded away by the compiler (seen with Triton 3.6 on an H200:
-    the unrounded value came through), so bf16 rounds by integer arithmetic: round to nearest
-    even on the 16 low bits of the fp32 pattern. fp16 keeps the cast pair; fp32 needs nothing.
-    """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
+from tokenmill.attention.triton_kernels.rounding import round_like as _round_like
 
 
 @triton.jit
