@@ -131,3 +131,25 @@ def test_n_greater_than_one_shares_prompt_blocks(make_llm, tiny_model):
     stats = llm.engine.get_stats()
     assert stats["prefix_cache_hits"] >= 2 * 32
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_each_cpu_attention_backend_matches_transformers(tiny_llama_dir, backend):
+    # `auto` picks the C++ kernels on CPU; the torch reference (gather + SDPA) stays selectable and
+    # correct. A small budget makes prefill chunks short enough for the kernels to take them too.
+    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+
+    if backend == "cpu" and not cpu_kernels_available()[0]:
+        pytest.skip(cpu_kernels_available()[1])
+    path = str(tiny_llama_dir)
+    llm = LLM(path, device="cpu", max_model_len=256, attention_backend=backend, max_num_batched_tokens=16)
+    assert llm.engine.runner.model.attn_backend.name == backend
+    _check_against_hf(llm, path, _prompts(llm.info.vocab_size, 12, seed=11, max_len=40))
+
+
+def test_auto_attention_backend_on_cpu(tiny_llama_dir):
+    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
+    expected = "cpu" if cpu_kernels_available()[0] else "torch"
+    assert llm.engine.runner.model.attn_backend.name == expected

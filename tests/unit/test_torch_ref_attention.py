@@ -266,3 +266,20 @@ def test_cpu_kernel_rejects_a_slot_outside_the_cache():
     with pytest.raises(RuntimeError, match="outside the cache"):
         CpuPagedBackend.store_kv(k, v, cache, torch.tensor([3 * BLOCK_SIZE]))
     assert not cache.any()
+
+
+def test_auto_falls_back_to_the_reference_when_the_kernels_cannot_build(monkeypatch, caplog):
+    from tokenmill.attention import backend, cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "cpu_kernels_available", lambda: (False, "no compiler here"))
+    with caplog.at_level("WARNING"):
+        chosen = backend.get_attention_backend("auto", torch.device("cpu"))
+    assert chosen is TorchReferenceBackend
+    assert "no compiler here" in caplog.text
+
+
+def test_unknown_attention_backend_names_the_choices():
+    from tokenmill.attention import backend
+
+    with pytest.raises(ValueError, match="auto, torch, cpu, triton"):
+        backend.get_attention_backend("flash", torch.device("cpu"))
