@@ -132,7 +132,7 @@ def measure(layers: Layers, fused: bool, reps: int, splits=None, min_kv=None, co
         if min_kv is not None:
             triton_paged.RUNTIME_MIN_KV_PER_SPLIT = min_kv
         if config is not None:
-            pa.decode_tile_config = lambda group_pad, head_dim_pad, fused_rope=False: config
+            pa.decode_tile_config = lambda group_pad, head_dim_pad, num_reqs=0: config
         backend = TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK, num_kv_splits=splits)
         backend.prepare_for_capture(
             max_num_reqs=layers.meta.num_reqs, max_blocks_per_req=MAX_MODEL_LEN // BLOCK
@@ -155,7 +155,7 @@ def main() -> None:
     has_fused = hasattr(TritonPagedBackend, "forward_decode_with_rope")
     print(f"device: {torch.cuda.get_device_name(0)}; fused path in this tree: {has_fused}")
     cases = {"b=1 ctx=640": [640], "b=1 ctx=4000": [4000]}
-    cases.update({f"b={b} ctx=640": [640] * b for b in args.batches.split(",")})
+    cases.update({f"b={b} ctx=640": [640] * int(b) for b in args.batches.split(",")})
     rows = []
     for name, contexts in cases.items():
         layers = Layers(contexts)
@@ -165,7 +165,7 @@ def main() -> None:
             print(f"{name:14} {rows[-1]['variant']:40} {us:7.2f} us/layer", flush=True)
         if not has_fused or args.no_sweep or name not in ("b=1 ctx=640", "b=64 ctx=640"):
             continue
-        default = pa.decode_tile_config(4, HEAD_DIM)
+        default = pa.decode_tile_config(4, HEAD_DIM, len(contexts))
         variants: list[tuple[str, dict]] = []
         if name.startswith("b=1"):
             variants += [(f"splits={s}", {"splits": s}) for s in (8, 16)]

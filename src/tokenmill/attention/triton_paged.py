@@ -22,7 +22,7 @@ import triton
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.triton_kernels.kv_store import store_kv
-from tokenmill.attention.triton_kernels.paged_attention import DecodeRope, paged_attention
+from tokenmill.attention.triton_kernels.paged_attention import SMALL_DECODE_BATCH, DecodeRope, paged_attention
 
 MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
@@ -40,7 +40,7 @@ RUNTIME_MIN_KV_PER_SPLIT = 0
 # forward_decode_with_rope pays at small decode batches; at 64 requests (Llama-3.1-8B shapes on an
 # H200) its attention launch was slower than the separate RoPE + KV-store launch and the plain
 # one together (benchmarks/decode_layer_microbench.py), so larger batches keep those.
-FUSED_ROPE_MAX_REQS = 8
+FUSED_ROPE_MAX_REQS = SMALL_DECODE_BATCH
 _CPU_PSEUDO_SM_COUNT = 4  # interpreter runs only; the value just keeps the planner deterministic
 
 

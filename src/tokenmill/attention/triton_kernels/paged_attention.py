@@ -506,19 +506,29 @@ class TileConfig:
     merge_chunk: int = 8  # decode: split partials read per round of the merge
 
 
-def decode_tile_config(group_pad: int, head_dim_pad: int, fused_rope: bool = False) -> TileConfig:
-    """The decode launch's tiles. With the RoPE + KV store fused in (small decode batches, short
-    KV per program), 32-token tiles and 2 stages: on an H200 at batch 1, 640-token context,
-    Llama-3.1-8B shapes, 8.2 us a layer against 9.4 with 64/3 (benchmarks/decode_layer_microbench.py).
-    The merge reads up to 32 splits per round while that stays within 16K fp32 values."""
-    block_n = 64 if head_dim_pad <= 128 and not fused_rope else 32
+# Decode batches up to this many requests use short tiles (below): a few tiles per program, so
+# latency, not bandwidth, sets the time.
+SMALL_DECODE_BATCH = 8
+
+
+def decode_tile_config(
+    group_pad: int, head_dim_pad: int, num_reqs: int = SMALL_DECODE_BATCH + 1
+) -> TileConfig:
+    """The decode launch's tiles: by batch size only, so that the launch with the RoPE + KV store
+    fused in and the plain one (same batch) take the same tiles in the same order, bit for bit.
+    Small batches: 32-token tiles, 2 stages; on an H200 at batch 1, 640-token context,
+    Llama-3.1-8B shapes, 8.2 us a layer (fused) against 9.4 with 64/3
+    (benchmarks/decode_layer_microbench.py). The merge reads up to 32 splits per round while
+    that stays within 16K fp32 values."""
+    small = num_reqs <= SMALL_DECODE_BATCH
+    block_n = 64 if head_dim_pad <= 128 and not small else 32
     merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
     return TileConfig(
         block_q=1,
         block_m=max(16, group_pad),
         block_n=block_n,
         num_warps=4,
-        num_stages=2 if fused_rope else 3,
+        num_stages=2 if small else 3,
         merge_chunk=merge_chunk,
     )
 
@@ -622,7 +632,7 @@ def paged_attention(
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
         launch.attention(config, num_tokens // config.block_q + num_reqs, decode=False, num_kv_splits=1)
     # In a mixed batch this also runs when no request decodes; its programs then exit at once.
-    config = decode_config or decode_tile_config(group_pad, head_dim_pad, fused_rope=rope is not None)
+    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs)
     min_tiles = max(1, min_kv_per_split // config.block_n)
     launch.attention(
         config,
