@@ -197,6 +197,14 @@ def test_very_uneven_prefills_go_one_by_one(make_backend):
     _run_case([40, 2, 3, 1], [40, 10, 3, 7], 8, 2, 64, seed=5, make_backend=make_backend)
 
 
+def test_decodes_next_to_uneven_long_prefills(make_backend):
+    # the cpu backend: decodes and short chunks on the kernel, the long chunks (one by one here,
+    # they are too uneven to pad together) on the reference path, rows placed back in order
+    _run_case(
+        [1, 17, 1, 3, 17, 100, 1], [9, 17, 30, 8, 40, 100, 2], 4, 2, 64, seed=12, make_backend=make_backend
+    )
+
+
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cpu_kernel_long_contexts_and_many_requests(head_dim):

@@ -5,9 +5,9 @@ its SDPA call; on a decode step that copy moves about as many bytes as the model
 Here one C++ kernel (attention/csrc/cpu_paged_attention.cpp) walks each request's block table
 instead, and another writes the step's K/V into their slots.
 
-For batches with long query chunks (prefills) the gather is paid once for many query rows and
-torch's SDPA kernel is faster than our straightforward loops, so such batches go to the
-reference backend's path over the same cache.
+For long query chunks (prefills) the gather is paid once for many query rows and torch's SDPA
+kernel is faster than our straightforward loops, so those requests go to the reference
+backend's path over the same cache; the rest of a mixed batch (decodes) stays on the kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
-# Batches whose longest query chunk is longer than this use the reference (gather + SDPA) path.
+# Requests whose query chunk is longer than this use the reference (gather + SDPA) path.
 _MAX_KERNEL_QUERY_LEN = 16
 
 
@@ -48,24 +48,33 @@ class CpuPagedBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         if not kv_already_stored and num_tokens:
             self.store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
-        if meta.max_query_len > self.max_kernel_query_len:
-            return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=kv_cache.dtype)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows: defined, never read
-        if num_tokens == 0 or meta.num_reqs == 0:
-            return out if out.dtype == q.dtype else out.to(q.dtype)
         # The host copies describe the real requests (a padded batch has empty ones after them).
-        seq_lens = meta.seq_lens_cpu
+        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        if num_tokens == 0 or seq_lens.numel() == 0:
+            return out if out.dtype == q.dtype else out.to(q.dtype)
+        long_reqs = None
+        if meta.max_query_len > self.max_kernel_query_len:
+            query_lens = starts[1:] - starts[:-1]
+            long_reqs = torch.nonzero(query_lens > self.max_kernel_query_len).flatten()
+            if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
+                return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True)
+        # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
         torch.ops.tokenmill_cpu.paged_attention(
             out,
             q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype),
             kv_cache,
-            _int32(meta.query_start_loc_cpu),
+            _int32(starts),
             _int32(seq_lens),
             _int32(meta.block_tables[: seq_lens.numel()]),
             self.scale,
+            self.max_kernel_query_len,
         )
+        if long_reqs is not None:
+            for rows, where in self._reference.attend_requests(q, kv_cache, meta, long_reqs):
+                out.index_copy_(0, where, rows.to(out.dtype))
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     @staticmethod

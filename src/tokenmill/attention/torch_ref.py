@@ -39,6 +39,7 @@ class TorchReferenceBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
         self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
+        self._subset_plans: dict[int, tuple[AttentionMetadata, list[_AttendPlan]]] = {}
 
     def forward(
         self,
@@ -67,6 +68,29 @@ class TorchReferenceBackend(AttentionBackend):
             else:
                 out.index_copy_(0, group.out_rows, rows)
         return out
+
+    def attend_requests(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, reqs: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Attention for some requests only (host indices; their K/V already stored): a list of
+        (rows [n, num_heads, head_dim], where those rows go in the batch). Other backends hand
+        the requests they are slow at (long prefill chunks) to this one."""
+        starts = meta.query_start_loc_cpu.to(torch.int64)
+        query_lens = starts[1:] - starts[:-1]
+        plans = self._subset_plans.get(id(meta))
+        if plans is None or plans[0] is not meta:  # built once per step, shared by all layers
+            groups = _groups_of(reqs, query_lens[reqs])
+            built = [
+                self._attend_plan(q.shape[0], kv_cache.shape[2], q.device, meta, group, starts, query_lens)
+                for group in groups
+            ]
+            self._subset_plans = {id(meta): (meta, built)}
+            plans = self._subset_plans[id(meta)]
+        results = []
+        for plan in plans[1]:
+            assert plan.out_rows is not None
+            results.append((self._attend(q, kv_cache, plan), plan.out_rows))
+        return results
 
     def _plan_for(
         self, meta: AttentionMetadata, q_rows: int, block_size: int, device: torch.device
@@ -260,12 +284,17 @@ def _request_groups(query_lens: torch.Tensor, meta: AttentionMetadata) -> list[t
     if decodes.numel():
         groups.append(decodes)
     longer = torch.nonzero(query_lens != 1).flatten()
-    lens = query_lens[longer]
-    if longer.numel() * int(lens.max()) <= _MAX_PADDING_RATIO * int(lens.sum()) + 16:
-        groups.append(longer)
-    else:  # very uneven prefills: one request at a time
-        groups.extend(longer[i : i + 1] for i in range(longer.numel()))
+    groups.extend(_groups_of(longer, query_lens[longer]))
     return groups
+
+
+def _groups_of(reqs: torch.Tensor, query_lens: torch.Tensor) -> list[torch.Tensor]:
+    """`reqs` in one group when padding them to the longest query stays bounded, else one by one."""
+    if reqs.numel() == 0:
+        return []
+    if reqs.numel() * int(query_lens.max()) <= _MAX_PADDING_RATIO * int(query_lens.sum()) + 16:
+        return [reqs]
+    return [reqs[i : i + 1] for i in range(reqs.numel())]
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@
 // Layout (see attention/backend.py): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim];
 // the batch is flattened, request r owning query rows query_start_loc[r] .. query_start_loc[r+1],
 // its query token j at position seq_lens[r] - query_len + j, attending causally to positions <= it.
+// Requests whose query is longer than `max_query_len` are skipped (their output rows untouched).
 //
 // Work is split in tasks of (request, tile of query tokens, KV heads): a task reads each key and
 // value row it needs once and uses it for every query head that shares it (GQA). Softmax is
@@ -301,7 +302,7 @@ void check_layout(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables, double scale) {
+                     const at::Tensor& block_tables, double scale, int64_t max_query_len) {
   check_layout(q, kv_cache, out);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
@@ -332,7 +333,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   // threads too few tasks (small batches), then one KV head each.
   int64_t num_row_tasks = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    num_row_tasks += (starts[r + 1] - starts[r] + kQueryTile - 1) / kQueryTile;
+    const int64_t q_len = starts[r + 1] - starts[r];
+    if (q_len <= max_query_len) num_row_tasks += (q_len + kQueryTile - 1) / kQueryTile;
   }
   const int64_t heads_per_task = num_row_tasks >= 4 * at::get_num_threads() ? sh.num_kv_heads : 1;
   std::vector<Task> tasks;
@@ -343,6 +345,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
     TORCH_CHECK(starts[r + 1] <= q.size(0), "query_start_loc points past q's ", q.size(0), " rows");
     TORCH_CHECK((lens[r] + sh.block_size - 1) / sh.block_size <= sh.max_blocks,
                 "request ", r, ": seq_len ", lens[r], " needs more blocks than block_tables has columns");
+    if (q_len > max_query_len) continue;  // left to the caller
     for (int64_t t = 0; t < q_len; t += kQueryTile) {
       for (int64_t h = 0; h < sh.num_kv_heads; h += heads_per_task) {
         tasks.push_back({r, starts[r] + t, std::min(kQueryTile, q_len - t), context + t, h, heads_per_task});
@@ -404,7 +407,7 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, float scale) -> ()");
+      "Tensor block_tables, float scale, int max_query_len) -> ()");
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
