@@ -162,8 +162,9 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, mo
     for fused in (True, False):
         monkeypatch.setattr(llama, "_FUSE_DECODE_ROPE", fused)
         llm = _llm(path)
-        prompts = _prompts(llm.info.vocab_size, 6, seed=15)  # decode batches within FUSED_ROPE_MAX_REQS
-        completions = _greedy(llm, prompts, 24, logprobs=0)
+        # One request at a time: single-request decode steps are the ones the fused launch serves.
+        prompts = _prompts(llm.info.vocab_size, 3, seed=15)
+        completions = [_greedy(llm, [prompt], 24, logprobs=0)[0] for prompt in prompts]
         results.append(
             [(c.token_ids, [next(iter(lp.values())).logprob for lp in c.logprobs]) for c in completions]
         )

@@ -22,7 +22,7 @@ import triton
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.triton_kernels.kv_store import store_kv
-from tokenmill.attention.triton_kernels.paged_attention import SMALL_DECODE_BATCH, DecodeRope, paged_attention
+from tokenmill.attention.triton_kernels.paged_attention import DecodeRope, paged_attention
 
 MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
@@ -37,10 +37,13 @@ PROGRAMS_PER_SM = 4
 # time each split still gets at least this many KV tokens, so a short context uses fewer splits
 # (fewer partials to write and merge). 0 = split as planned.
 RUNTIME_MIN_KV_PER_SPLIT = 0
-# forward_decode_with_rope pays at small decode batches; at 64 requests (Llama-3.1-8B shapes on an
-# H200) its attention launch was slower than the separate RoPE + KV-store launch and the plain
-# one together (benchmarks/decode_layer_microbench.py), so larger batches keep those.
-FUSED_ROPE_MAX_REQS = SMALL_DECODE_BATCH
+# forward_decode_with_rope is used for decode steps of at most this many requests. Measured on an
+# H200 (benchmarks/decode_layer_microbench.py, Llama-3.1-8B shapes, us per layer, fused vs the
+# separate RoPE + KV-store launch and attention, with these tiles): batch 1 at 640-token context
+# 9.5 vs 11.5, at 4000 15.3 vs 17.5; batch 64 at 640 81.5 vs 60.1. With 32-token tiles (another
+# run): batch 1 8.1 vs 10.8, batch 8 18.9 vs 17.3, 16 27.8 vs 23.1, 32 42.6 vs 34.3. Batches 2-7
+# were not measured, so only single-request steps take it.
+FUSED_ROPE_MAX_REQS = 1
 _CPU_PSEUDO_SM_COUNT = 4  # interpreter runs only; the value just keeps the planner deterministic
 
 

@@ -506,29 +506,22 @@ class TileConfig:
     merge_chunk: int = 8  # decode: split partials read per round of the merge
 
 
-# Decode batches up to this many requests use short tiles (below): a few tiles per program, so
-# latency, not bandwidth, sets the time.
-SMALL_DECODE_BATCH = 8
-
-
-def decode_tile_config(
-    group_pad: int, head_dim_pad: int, num_reqs: int = SMALL_DECODE_BATCH + 1
-) -> TileConfig:
-    """The decode launch's tiles: by batch size only, so that the launch with the RoPE + KV store
-    fused in and the plain one (same batch) take the same tiles in the same order, bit for bit.
-    Small batches: 32-token tiles, 2 stages; on an H200 at batch 1, 640-token context,
-    Llama-3.1-8B shapes, 8.2 us a layer (fused) against 9.4 with 64/3
-    (benchmarks/decode_layer_microbench.py). The merge reads up to 32 splits per round while
-    that stays within 16K fp32 values."""
-    small = num_reqs <= SMALL_DECODE_BATCH
-    block_n = 64 if head_dim_pad <= 128 and not small else 32
+def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> TileConfig:
+    """The decode launch's tiles. They must not depend on whether the RoPE + KV store is fused
+    in: the fused and the plain launch of one batch take the same tiles in the same order, so
+    they agree bit for bit. The merge reads up to 32 splits per round while that stays within
+    16K fp32 values. (32-token tiles with 2 stages measured faster at batch 1 on an H200 with the
+    fused launch, 8.1-8.2 against 9.4-9.5 us a layer in benchmarks/decode_layer_microbench.py,
+    but with them the tiny Qwen3 checkpoint's bf16 greedy output no longer matched transformers'
+    in tests/gpu/test_engine_gpu.py, so they are not used.)"""
+    block_n = 64 if head_dim_pad <= 128 else 32
     merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
     return TileConfig(
         block_q=1,
         block_m=max(16, group_pad),
         block_n=block_n,
         num_warps=4,
-        num_stages=2 if small else 3,
+        num_stages=3,
         merge_chunk=merge_chunk,
     )
 
