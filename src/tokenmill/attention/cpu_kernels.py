@@ -29,13 +29,14 @@ class CpuKernelBuildError(RuntimeError):
 
 
 def _cpu_model() -> str:
+    """The CPU's model and instruction-set flags: the build uses -march=native."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{model}\n{flags}" if model or flags else platform.processor()
 
 
 def build_directory() -> Path:
