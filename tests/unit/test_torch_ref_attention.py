@@ -291,3 +291,70 @@ def test_unknown_attention_backend_names_the_choices():
 
     with pytest.raises(ValueError, match="auto, torch, cpu, triton"):
         backend.get_attention_backend("flash", torch.device("cpu"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_kernel_random_batches_match_the_reference(seed):
+    # Random shapes the fixed cases miss: block sizes 1-32, head_dims off the vector fast paths
+    # (80: no 64-wide value chunks; 36: not a multiple of 8), GQA groups 1-8, query chunks around
+    # the 16-token tile, float32 and bfloat16.
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16, 32])
+    head_dim = rng.choice([36, 64, 80, 128])
+    num_kv_heads = rng.choice([1, 2, 3])
+    num_heads = num_kv_heads * rng.choice([1, 3, 8])
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    query_lens = [rng.choice([1, 1, 2, 15, 16, 17, 33]) for _ in range(rng.randint(1, 9))]
+    seq_lens = [q + rng.randint(0, 70) for q in query_lens]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = list(range(sum(blocks) + 2))
+    rng.shuffle(order)
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(order[used : used + n])
+        used += n
+    width = max(blocks)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True)
+        for p in range(s_len - q_len, s_len)
+    ]
+    meta = AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        is_decode_only=all(q == 1 for q in query_lens),
+    )
+    cache = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(dtype)
+    args = (num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
+    cache_ref, cache_cpu = cache.clone(), cache.clone()
+    expected = TorchReferenceBackend(*args).forward(q, k, v, cache_ref, meta)
+    got = _kernel_for_every_batch(*args).forward(q, k, v, cache_cpu, meta)
+    assert torch.equal(cache_cpu, cache_ref)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+def test_cpu_kernel_refuses_a_block_id_outside_the_cache():
+    meta = _metadata([1], [3], [[0]])
+    meta.block_tables[0, 0] = 7  # the cache below has 2 blocks
+    cache = torch.zeros(2, 2, BLOCK_SIZE, 2, 8)
+    backend = CpuPagedBackend(4, 2, 8, 1.0, BLOCK_SIZE)
+    with pytest.raises(RuntimeError, match="not a block of this cache"):
+        backend.forward(torch.ones(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), cache, meta)

@@ -65,7 +65,7 @@ def load_cpu_kernels() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         fresh = not any(directory.glob("*.so"))
         if fresh:
-            logger.info("building the CPU attention kernels into %s (once; about a minute)", directory)
+            logger.info("building the CPU attention kernels into %s (once; 10-30 s)", directory)
         start = time.monotonic()
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:

@@ -337,6 +337,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
     if (q_len <= max_query_len) num_row_tasks += (q_len + kQueryTile - 1) / kQueryTile;
   }
   const int64_t heads_per_task = num_row_tasks >= 4 * at::get_num_threads() ? sh.num_kv_heads : 1;
+  const int64_t num_cache_blocks = kv_cache.size(1);
   std::vector<Task> tasks;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = starts[r + 1] - starts[r];
@@ -346,6 +347,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
     TORCH_CHECK((lens[r] + sh.block_size - 1) / sh.block_size <= sh.max_blocks,
                 "request ", r, ": seq_len ", lens[r], " needs more blocks than block_tables has columns");
     if (q_len > max_query_len) continue;  // left to the caller
+    TORCH_CHECK(starts[r] >= 0, "query_start_loc[", r, "] is negative");
+    const int32_t* row = block_tables.data_ptr<int32_t>() + r * sh.max_blocks;
+    for (int64_t b = 0; b < (lens[r] + sh.block_size - 1) / sh.block_size; ++b) {
+      // Reading through a bad block id would touch memory outside the cache: refuse instead.
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_cache_blocks, "request ", r, ": block_tables[", r, "][", b,
+                  "] = ", row[b], " is not a block of this cache (", num_cache_blocks, " blocks)");
+    }
     for (int64_t t = 0; t < q_len; t += kQueryTile) {
       for (int64_t h = 0; h < sh.num_kv_heads; h += heads_per_task) {
         tasks.push_back({r, starts[r] + t, std::min(kQueryTile, q_len - t), context + t, h, heads_per_task});
