@@ -358,3 +358,19 @@ def test_cpu_kernel_refuses_a_block_id_outside_the_cache():
     backend = CpuPagedBackend(4, 2, 8, 1.0, BLOCK_SIZE)
     with pytest.raises(RuntimeError, match="not a block of this cache"):
         backend.forward(torch.ones(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), cache, meta)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    # torch's extension builder waits forever on a lock left by a process killed mid-build
+    import os
+    import time
+
+    from tokenmill.attention.cpu_kernels import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build may be running right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # nothing to remove

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 _lock = threading.Lock()
+_STALE_LOCK_S = 600.0
 _loaded = False
 
 
@@ -48,6 +49,23 @@ def build_directory() -> Path:
     return cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}"
 
 
+def clear_stale_lock(directory: Path, max_age_s: float = _STALE_LOCK_S) -> bool:
+    """Remove a build lock left by a process killed mid-build (torch would wait on it forever).
+
+    A build takes well under a minute, so a lock older than `max_age_s` has no live owner.
+    """
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing a stale build lock %s (%.0f s old; its build was interrupted)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def load_cpu_kernels() -> None:
     """Make `torch.ops.tokenmill_cpu.{paged_attention,store_kv}` available (build if needed).
 
@@ -63,6 +81,7 @@ def load_cpu_kernels() -> None:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         fresh = not any(directory.glob("*.so"))
         if fresh:
             logger.info("building the CPU attention kernels into %s (once; 10-30 s)", directory)
