@@ -49,8 +49,11 @@ async def fake_server(
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     max_model_len: int = 128,
     num_kv_blocks: int = 64,
+    socket_send_buffer: int | None = None,
     **state_kwargs,
 ) -> AsyncIterator[FakeServer]:
+    """`socket_send_buffer` sets SO_SNDBUF on the listening socket (accepted connections inherit
+    it), so a client that stops reading fills the server's buffers after a few kB, not MBs."""
     engine = FakeEngine(
         step_s=step_s,
         hang_timeout_s=hang_timeout_s,
@@ -65,6 +68,8 @@ async def fake_server(
     port = None
     if serve_http:
         sock = socket.socket()
+        if socket_send_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_send_buffer)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         config = make_uvicorn_config(

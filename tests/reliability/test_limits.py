@@ -309,3 +309,35 @@ def test_stalled_clients_time_out():
             assert (await client.get("/health")).status_code == 200
 
     run(scenario, serve_http=True, step_s=0.01, client_read_timeout=0.5)
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off():
+    # It connects, asks for a long stream and never reads. Once the socket buffers are full the
+    # server's writes cannot proceed; after --stream-write-timeout the stream ends, the request
+    # is aborted in the engine and its admission released, and everyone else is served as usual.
+    async def scenario(fs: FakeServer) -> None:
+        import socket
+
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 20_000, "ignore_eos": True, "n": 8,
+                           "stream": True}).encode()  # fmt: skip
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", fs.port))
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+        await loop.sock_sendall(sock, head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        try:
+            await wait_until(lambda: len(fs.engine.core.added) == 8)  # n=8: eight engine sequences
+            started = time.monotonic()
+            await wait_until(lambda: len(fs.engine.core.aborted) == 8, timeout=8)
+            assert time.monotonic() - started > 0.5  # the timeout, not something sooner
+            assert fs.engine.core.running == {}
+            await wait_until(lambda: fs.state.engine.num_unfinished == 0)
+            r = await fs.client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        finally:
+            sock.close()
+
+    run(scenario, serve_http=True, step_s=0.001, max_model_len=50_000, num_kv_blocks=50_000, socket_send_buffer=4096,
+        stream_write_timeout=0.5)  # fmt: skip

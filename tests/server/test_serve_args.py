@@ -45,7 +45,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
             "--shutdown-timeout", "4.5", "--max-num-waiting-seqs", "5", "--max-num-waiting-tokens", "600",
             "--request-timeout", "12", "--max-queue-time", "3", "--max-n", "6", "--max-body-bytes", "1000",
             "--max-header-bytes", "2000", "--client-read-timeout", "7", "--engine-hang-timeout", "9",
-            "--enable-debug-endpoints", "--keep-alive-timeout", "2",
+            "--enable-debug-endpoints", "--keep-alive-timeout", "2", "--stream-write-timeout", "8",
         ]
     )  # fmt: skip
     state = server.tm_state
@@ -64,6 +64,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
     assert (state.request_timeout, state.max_queue_time, state.max_n) == (12, 3, 6)
     assert (state.max_body_bytes, state.max_header_bytes, state.client_read_timeout) == (1000, 2000, 7)
     assert state.engine.hang_timeout_s == 9 and state.enable_debug_endpoints
+    assert state.stream_write_timeout == 8
     assert server.config.timeout_keep_alive == 2 and server.config.h11_max_incomplete_event_size == 2000
     assert server.config.http.header_timeout_s == 7  # type: ignore[union-attr]  # stalled headers
     # A template given inline is taken as is; the key may come from the environment.
@@ -92,6 +93,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
         ("--client-read-timeout", "nan", "more than 0"),
         ("--keep-alive-timeout", "inf", "more than 0"),
         ("--shutdown-timeout", "-1", "0 or more"),
+        ("--stream-write-timeout", "-2", "0 or more"),
         ("--engine-hang-timeout", "0.5", "at least 1"),
     ],
 )
@@ -105,6 +107,13 @@ def test_bad_server_flags_are_refused_naming_the_flag(flag, value, expected, cap
 
 def test_shutdown_timeout_zero_is_allowed():
     assert build_parser().parse_args(["serve", "--shutdown-timeout", "0"]).shutdown_timeout == 0
+
+
+def test_stream_write_timeout_defaults_to_two_minutes_and_zero_disables_it():
+    server, _ = build([])
+    assert server.tm_state.stream_write_timeout == 120
+    server, _ = build(["--stream-write-timeout", "0"])
+    assert server.tm_state.stream_write_timeout is None
 
 
 @pytest.mark.parametrize(

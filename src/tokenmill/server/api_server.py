@@ -371,41 +371,72 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         state.check_available()
         body = parse_request(CompletionRequest, await read_body(state, request))
-        return await _respond(request, create_completion(state, body), body.stream)
+        return await _respond(
+            request, create_completion(state, body), body.stream, state.stream_write_timeout
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         state.check_available()
         body = parse_request(ChatCompletionRequest, await read_body(state, request))
-        return await _respond(request, create_chat_completion(state, body), body.stream)
+        return await _respond(
+            request, create_chat_completion(state, body), body.stream, state.stream_write_timeout
+        )
 
     return app
 
 
-class _EventStreamResponse(StreamingResponse):
-    """An SSE response that closes its events however it ends — finished, client gone, server
-    stopping, or cancelled before the first event — so the request is aborted in the engine and
-    its admission released now, not whenever the garbage collector runs."""
+class _ClientStalled(Exception):  # not an OSError: starlette turns those into ClientDisconnect
+    pass
 
-    def __init__(self, events: EventStream) -> None:
+
+class _EventStreamResponse(StreamingResponse):
+    """An SSE response that closes its events however it ends — finished, client gone, client
+    stalled, server stopping, or cancelled before the first event — so the request is aborted in
+    the engine and its admission released now, not whenever the garbage collector runs.
+
+    A client that stops reading while staying connected would otherwise hold its request (and the
+    connection) forever once the socket buffers fill: a write that cannot proceed for
+    `write_timeout` seconds ends the stream and the connection instead."""
+
+    def __init__(self, events: EventStream, write_timeout: float | None = None) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self.events = events
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.write_timeout
+
+        async def send_or_give_up(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up if timeout else send)
+        except* _ClientStalled:
+            client = scope.get("client")
+            logger.warning(
+                "closing the stream to %s: it read nothing for %g s (--stream-write-timeout)",
+                f"{client[0]}:{client[1]}" if client else "a client",
+                timeout,
+            )
         finally:
             await self.events.aclose()
 
 
-async def _respond(request: Request, handler: Awaitable[Any], stream: bool) -> Response:
+async def _respond(
+    request: Request, handler: Awaitable[Any], stream: bool, stream_write_timeout: float | None = None
+) -> Response:
     if stream:
         events = await handler  # validation and admission errors raise here, before any byte is sent
-        return _EventStreamResponse(events)
+        return _EventStreamResponse(events, stream_write_timeout)
     # Non-streaming: race the work against the client leaving; leaving cancels the work,
     # which aborts the request in the engine.
     work = asyncio.ensure_future(handler)
@@ -512,6 +543,7 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         request_timeout=args.request_timeout,
         max_queue_time=args.max_queue_time,
         client_read_timeout=args.client_read_timeout,
+        stream_write_timeout=args.stream_write_timeout or None,
         max_header_bytes=args.max_header_bytes,
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
         enable_debug_endpoints=args.enable_debug_endpoints,

@@ -114,6 +114,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "and its body (else 408)",
     )
     parser.add_argument(
+        "--stream-write-timeout",
+        type=_seconds(allow_zero=True),
+        default=120.0,
+        help="seconds a streamed response may wait on a client that stopped reading (socket buffers "
+        "full) before the stream is closed and its request aborted; 0: wait forever",
+    )
+    parser.add_argument(
         "--engine-hang-timeout",
         type=_hang_timeout,
         default=DEFAULT_HANG_TIMEOUT_S,

@@ -32,6 +32,9 @@ class ServerState:
     max_queue_time: float | None = None
     # Seconds a client may take to send a request's body (--client-read-timeout); then 408.
     client_read_timeout: float | None = 30.0
+    # Seconds one write of a stream may wait on a client that stopped reading
+    # (--stream-write-timeout); then the stream and its request end. None: no limit.
+    stream_write_timeout: float | None = 120.0
     # Bound on a request's target plus headers (--max-header-bytes); beyond it 431 (or 400 from h11).
     max_header_bytes: int = 64 * 2**10
     enable_debug_endpoints: bool = False  # GET /debug/invariants (--enable-debug-endpoints)
