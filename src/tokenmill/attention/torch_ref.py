@@ -39,7 +39,8 @@ class TorchReferenceBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
         self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
-        self._subset_plans: dict[int, tuple[AttentionMetadata, list[_AttendPlan]]] = {}
+        # attend_requests' plans: (the step's metadata, the requests, their plans), shared by all layers
+        self._subset_plan: tuple[AttentionMetadata, torch.Tensor, list[_AttendPlan]] | None = None
 
     def forward(
         self,
@@ -77,17 +78,15 @@ class TorchReferenceBackend(AttentionBackend):
         the requests they are slow at (long prefill chunks) to this one."""
         starts = meta.query_start_loc_cpu.to(torch.int64)
         query_lens = starts[1:] - starts[:-1]
-        plans = self._subset_plans.get(id(meta))
-        if plans is None or plans[0] is not meta:  # built once per step, shared by all layers
-            groups = _groups_of(reqs, query_lens[reqs])
-            built = [
+        cached = self._subset_plan
+        if cached is None or cached[0] is not meta or not torch.equal(cached[1], reqs):
+            plans = [
                 self._attend_plan(q.shape[0], kv_cache.shape[2], q.device, meta, group, starts, query_lens)
-                for group in groups
+                for group in _groups_of(reqs, query_lens[reqs])
             ]
-            self._subset_plans = {id(meta): (meta, built)}
-            plans = self._subset_plans[id(meta)]
+            cached = self._subset_plan = (meta, reqs, plans)
         results = []
-        for plan in plans[1]:
+        for plan in cached[2]:
             assert plan.out_rows is not None
             results.append((self._attend(q, kv_cache, plan), plan.out_rows))
         return results
