@@ -16,6 +16,11 @@ loader that drops them fails the equivalence tests.
 | tiny_mistral_dir | mistral | plain GQA without sliding window                                     |
 
 All: hidden 64, 2 layers, 4 heads, 2 KV heads, fp32, max_position_embeddings 512.
+
+`paced_llama_dir` is the odd one out: hidden 512, 8 layers (~30 M parameters), so a decode step
+takes ~10 ms on the 2-core CPU instead of ~1 ms. Server tests that need a request still in flight
+when something happens (a deadline, a killed or stopped engine, a drain) use it: the tiny models
+finish a few hundred tokens before a 0.3 s deadline or a signal lands.
 """
 
 from __future__ import annotations
@@ -156,6 +161,22 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
         tie_word_embeddings=True,
         head_dim=16,
         rope_parameters=rope,
+    )
+
+
+@pytest.fixture(scope="session")
+def paced_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("paced_llama"),
+        "llama",
+        tiny_tokenizer,
+        seed=5,
+        tie_word_embeddings=True,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
     )
 
 

@@ -27,7 +27,7 @@ from tests.reliability.server_tools import (
     survivors,
 )
 
-LONG = 480  # tokens: seconds of work for a batch on the tiny model, so it is mid-flight when hit
+LONG = 240  # tokens: seconds of work for a batch on the paced model, so it is mid-flight when hit
 
 
 def finish_reasons(result: ClientResult) -> list[str]:
@@ -36,9 +36,9 @@ def finish_reasons(result: ClientResult) -> list[str]:
     return [c["finish_reason"] for e in result.events for c in e.get("choices", []) if c.get("finish_reason")]
 
 
-def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, tiny_llama_dir):
+def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, paced_llama_dir):
     server = start_tiny_server(
-        str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--max-num-seqs", "4"
+        str(tmp_path), str(paced_llama_dir), "--max-model-len", "512", "--max-num-seqs", "4"
     )
     tree = process_tree(server.process.pid)
     try:
@@ -109,20 +109,20 @@ def test_engine_killed_mid_load_fails_every_request_fast(tmp_path, tiny_llama_di
     assert not leaked, f"processes outlived the server: {leaked}"
 
 
-def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_path, tiny_llama_dir):
+def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_path, paced_llama_dir):
     """Runs after the test above (same model, fresh port): the restart works, then a drain."""
     shutdown_timeout = 1.0
     server = start_tiny_server(
-        str(tmp_path), str(tiny_llama_dir),
+        str(tmp_path), str(paced_llama_dir),
         "--max-model-len", "512", "--max-num-seqs", "16", "--shutdown-timeout", str(shutdown_timeout),
     )  # fmt: skip
     tree = process_tree(server.process.pid)
-    short = {"prompt": "a short one", "max_tokens": 60, "ignore_eos": True}
+    short = {"prompt": "a short one", "max_tokens": 10, "ignore_eos": True}
     long = {"prompt": "a long one", "max_tokens": LONG, "ignore_eos": True}
     # The short ones go first and finish within the timeout (or before the signal). The twelve
     # long ones are sent last and the signal follows as soon as they run, so they are far from
-    # done when the drain ends however fast the machine: 480 steps of a 14-request batch take
-    # well over a second here (they took 2-4 s on the 2-core CI machine).
+    # done when the drain ends: 240 steps of a 14-request batch of the paced model take several
+    # seconds on a 2-core CPU, while 10 steps of the short ones fit well inside the 1 s timeout.
     specs = [("stream", short), ("plain", short)] + [("stream", long)] * 8 + [("plain", long)] * 4
     deadline = time.monotonic() + 60
 
@@ -176,12 +176,12 @@ def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_p
     assert not leaked, f"processes outlived the server: {leaked}"
 
 
-def test_ctrl_c_to_the_process_group_drains_like_sigterm(tmp_path, tiny_llama_dir):
+def test_ctrl_c_to_the_process_group_drains_like_sigterm(tmp_path, paced_llama_dir):
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, the engine process
     included. The engine must not die of it: the API server drains (in-flight requests finish),
     then stops the engine and exits 0."""
     server = start_tiny_server(
-        str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--shutdown-timeout", "30",
+        str(tmp_path), str(paced_llama_dir), "--max-model-len", "512", "--shutdown-timeout", "30",
         new_session=True,
     )  # fmt: skip
     tree = process_tree(server.process.pid)

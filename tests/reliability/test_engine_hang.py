@@ -157,12 +157,12 @@ def test_a_stalled_event_loop_is_not_an_engine_hang():
 # --------------------------------------------------------------------------- the real engine process
 
 HANG_S = 3.0
-LONG = 480  # tokens: seconds of work on the tiny model, so the stream is mid-flight when stopped
+LONG = 240  # tokens: seconds of work on the paced model, so the stream is mid-flight when stopped
 
 
-def test_a_stopped_engine_process_is_killed_and_its_requests_fail(tmp_path, tiny_llama_dir):
+def test_a_stopped_engine_process_is_killed_and_its_requests_fail(tmp_path, paced_llama_dir):
     server = start_tiny_server(
-        str(tmp_path), str(tiny_llama_dir), "--max-model-len", "512", "--engine-hang-timeout", str(HANG_S)
+        str(tmp_path), str(paced_llama_dir), "--max-model-len", "512", "--engine-hang-timeout", str(HANG_S)
     )
     tree = process_tree(server.process.pid)
     try:

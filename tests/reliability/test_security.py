@@ -309,11 +309,14 @@ def _kv_usage(base_url: str) -> float:
     raise AssertionError("tokenmill:kv_cache_usage_perc not exported")
 
 
-def test_engine_crash_fails_requests_fast_and_the_server_restarts_on_the_same_port(tmp_path, tiny_llama_dir):
+def test_engine_crash_fails_requests_fast_and_the_server_restarts_on_the_same_port(
+    tmp_path, paced_llama_dir, tiny_llama_dir
+):
     port = free_port()
     auth = {"Authorization": f"Bearer {KEY}"}
     limits = ("--max-queue-time", "20", "--max-num-waiting-seqs", "2", "--max-header-bytes", "8192")
-    server = _serve(tmp_path, port, tiny_llama_dir, "--api-key", KEY, *limits)
+    # The paced model: its 200-token requests below are still running when the deadline or the kill lands.
+    server = _serve(tmp_path, port, paced_llama_dir, "--api-key", KEY, *limits)
     try:
         children = server.child_pids()
         assert len(children) == 1
