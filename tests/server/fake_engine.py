@@ -112,6 +112,10 @@ class FakeCore:
         self.paused = False
         self.steps = 0
         self.invariant_error: str | None = None  # what check_invariants reports, if anything
+        # Called each step with (request, tokens generated so far) for every running sequence: a
+        # message ends that sequence with finish_reason "error", as the engine ends one whose
+        # logits went NaN or whose step failed; None lets it run on.
+        self.fail_when: Callable[[EngineCoreRequest, int], str | None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
 
@@ -153,6 +157,9 @@ class FakeCore:
     def _next_token(self, seq: _Seq) -> EngineCoreOutput:
         req, params = seq.request, seq.request.sampling_params
         k = seq.num_generated
+        error = self.fail_when(req, k) if self.fail_when is not None else None
+        if error is not None:
+            return EngineCoreOutput(req.request_id, finish_reason="error", error=error)
         done_replying = k >= len(self.reply_ids) and not params.ignore_eos and k >= params.min_tokens
         token = self.eos_id if done_replying else self.reply_ids[k % len(self.reply_ids)]
         seq.num_generated += 1

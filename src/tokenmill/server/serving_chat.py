@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from tokenmill.engine.chat_template import render_chat
-from tokenmill.errors import TokenmillError
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.server.protocol import (
     SSE_DONE,
@@ -28,6 +27,7 @@ from tokenmill.server.serving_common import (
     PreparedPrompt,
     RunStatus,
     admit,
+    fail_fast,
     finish_event,
     generate_all,
     make_usage,
@@ -106,21 +106,22 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         return EventStream(events, status)
 
     cached = 0
-    async for _, out in outputs:
-        completion = out.outputs[0]
-        choice = choices[completion.index]
-        choice.text += completion.text
-        choice.token_ids.extend(completion.token_ids)
-        if completion.logprobs:
-            choice.logprobs.extend(completion.logprobs)
-        if out.finished:
-            choice.finish_reason = completion.finish_reason
-            choice.stop_reason = completion.stop_reason
-            choice.error = out.error
-            cached = max(cached, out.num_cached_tokens)
-    errored = [c for c in choices if c.finish_reason == "error"]
-    if errored:
-        raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    try:
+        async for _, out in outputs:
+            completion = out.outputs[0]
+            choice = choices[completion.index]
+            choice.text += completion.text
+            choice.token_ids.extend(completion.token_ids)
+            if completion.logprobs:
+                choice.logprobs.extend(completion.logprobs)
+            if out.finished:
+                choice.finish_reason = completion.finish_reason
+                choice.stop_reason = completion.stop_reason
+                choice.error = out.error
+                cached = max(cached, out.num_cached_tokens)
+                fail_fast(choice, len(choices))
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]  # left early: aborts the rest
     raise_if_never_started(status, choices)
     response_choices = [
         ChatCompletionResponseChoice(
@@ -169,7 +170,7 @@ async def _stream(
             if out.finished:
                 cached = max(cached, out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
-                event = finish_event(status, 0, out)
+                event = finish_event(status, 0, choice.index, out)
                 if event is not None:
                     yield event
             yield chunk(

@@ -247,11 +247,11 @@ def raise_if_never_started(status: RunStatus, choices: list[ChoiceState]) -> Non
         raise QueueTimeoutError(queue_timeout_message(status))
 
 
-def finish_event(status: RunStatus, prompt_index: int, out: RequestOutput) -> str | None:
+def finish_event(status: RunStatus, prompt_index: int, choice_index: int, out: RequestOutput) -> str | None:
     """The error event that goes before a sequence's last chunk when it did not end normally."""
     completion = out.outputs[0]
     if completion.finish_reason == "error":
-        return error_event(f"generation failed: {out.error or 'unknown error'}")
+        return exception_event(sequence_error(choice_index, out.error))
     if completion.finish_reason == "abort":
         if (prompt_index, completion.index) in status.queue_expired:
             return queue_timeout_event(status)
@@ -260,10 +260,58 @@ def finish_event(status: RunStatus, prompt_index: int, out: RequestOutput) -> st
     return None
 
 
+class GenerationError(TokenmillError):
+    """A sequence the model failed on (non-finite logits, a failed step, its output not decodable):
+    nothing the client could have changed, so a 500 that names what failed."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+# Errors the engine ends a sequence with that are about the request itself: it can never run on this
+# server, whatever the load (core/scheduler.py). The server refuses such requests before admitting
+# them; these arrive only if the engine's check and the server's disagree, and must then say that
+# retrying cannot help (OpenAI's clients retry a 500, not a 400). Marker in the message -> the field.
+REQUEST_ERROR_MARKERS = (
+    ("more than max_model_len", "prompt"),  # the prompt alone is longer than the context
+    ("but the whole pool has", "max_tokens"),  # more KV blocks than the whole pool
+)
+
+
+def sequence_error(choice_index: int, reason: str | None) -> TokenmillError:
+    """What one choice that ended with finish_reason "error" tells its client: the same status,
+    type, param and message in a stream's error event and as a non-streaming response."""
+    message = f"choice {choice_index} failed: {reason or 'unknown error'}"
+    for marker, param in REQUEST_ERROR_MARKERS:
+        if reason and marker in reason:
+            return InvalidRequestError(message, param=param)
+    return GenerationError(message)
+
+
+def fail_fast(choice: ChoiceState, num_choices: int) -> None:
+    """Non-streaming: a response cannot carry both an error and choices, so a choice that ended with
+    finish_reason "error" makes the whole response its error, at once. The handler's loop closes
+    generate_all as this leaves it, which aborts the other sequences in the engine instead of
+    generating them for nobody."""
+    if choice.finish_reason != "error":
+        return
+    error = sequence_error(choice.index, choice.error)
+    others = num_choices - 1
+    if others:
+        what = "choice was" if others == 1 else "choices were"
+        error.message += f"; the request's {others} other {what} discarded"
+    raise error
+
+
+def exception_event(exc: TokenmillError) -> str:
+    body = ErrorResponse.from_exception(exc)
+    return f"data: {body.model_dump_json()}\n\n"
+
+
 def stream_failure_event(exc: BaseException) -> str:
     """The error event that ends a stream whose generation raised."""
     if isinstance(exc, TokenmillError):
-        return error_event(exc.message, exc.status_code, exc.error_type)
+        return exception_event(exc)
     logger.error("streaming a response failed", exc_info=exc)
     return error_event(f"internal error: {type(exc).__name__}: {exc}")
 

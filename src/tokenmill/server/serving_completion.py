@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.server.protocol import (
     SSE_DONE,
@@ -22,6 +22,7 @@ from tokenmill.server.serving_common import (
     PreparedPrompt,
     RunStatus,
     admit,
+    fail_fast,
     finish_event,
     generate_all,
     make_usage,
@@ -107,23 +108,24 @@ async def create_completion(state: ServerState, request: CompletionRequest):
 
     cached = [0] * len(prompts)
     prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
-    async for i, out in outputs:
-        completion = out.outputs[0]
-        choice = choices[i * n + completion.index]
-        choice.text += completion.text
-        choice.token_ids.extend(completion.token_ids)
-        if completion.logprobs:
-            choice.logprobs.extend(completion.logprobs)
-        if out.prompt_logprobs:
-            prompt_logprobs[i] = out.prompt_logprobs
-        if out.finished:
-            choice.finish_reason = completion.finish_reason
-            choice.stop_reason = completion.stop_reason
-            choice.error = out.error
-            cached[i] = max(cached[i], out.num_cached_tokens)
-    errored = [c for c in choices if c.finish_reason == "error"]
-    if errored:
-        raise TokenmillError(f"generation failed: {errored[0].error or 'unknown error'}")
+    try:
+        async for i, out in outputs:
+            completion = out.outputs[0]
+            choice = choices[i * n + completion.index]
+            choice.text += completion.text
+            choice.token_ids.extend(completion.token_ids)
+            if completion.logprobs:
+                choice.logprobs.extend(completion.logprobs)
+            if out.prompt_logprobs:
+                prompt_logprobs[i] = out.prompt_logprobs
+            if out.finished:
+                choice.finish_reason = completion.finish_reason
+                choice.stop_reason = completion.stop_reason
+                choice.error = out.error
+                cached[i] = max(cached[i], out.num_cached_tokens)
+                fail_fast(choice, len(choices))
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]  # left early: aborts the rest
     raise_if_never_started(status, choices)
     response_choices = []
     for choice in choices:
@@ -207,7 +209,7 @@ async def _stream(
             if out.finished:
                 cached[i] = max(cached[i], out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
-                event = finish_event(status, i, out)
+                event = finish_event(status, i, choice.index, out)
                 if event is not None:
                     yield event
             yield chunk(
