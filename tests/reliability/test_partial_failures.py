@@ -1,6 +1,6 @@
-"""One sequence of a request failing while its siblings run: what each client gets, and that the
-server keeps nothing of the request afterwards. The real HTTP stack (uvicorn on loopback) over the
-scripted FakeEngine.
+"""One sequence of a request failing while its siblings run, and the engine dying mid-request: what
+each client gets, and that the server keeps nothing of those requests afterwards. The real HTTP
+stack (uvicorn on loopback) over the scripted FakeEngine.
 
 A request's sequences (n choices of each prompt) share one HTTP response. When one ends with
 finish_reason "error", a stream ends that choice with an error event and goes on with the others. A
@@ -12,6 +12,8 @@ generated for a response that will never carry them.
 
 from __future__ import annotations
 
+import asyncio
+
 from tests.reliability.fake_server import FakeServer, assert_openai_error, run, sse_json
 from tests.server.fake_engine import wait_until
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -20,6 +22,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.serving_common import sequence_error
 
 CHAT = "/v1/chat/completions"
@@ -158,3 +161,125 @@ def test_engine_errors_about_the_request_itself_are_400s_and_model_failures_500s
         error = sequence_error(3, reason)
         assert (error.status_code, error.error_type, error.param) == (500, "internal_error", None)
         assert error.message.startswith("choice 3 failed: ")
+
+
+# --------------------------------------------------------------------------- the engine dies
+
+
+def test_engine_death_with_requests_in_flight_leaves_no_token_clock_entries():
+    """Every sequence the engine had when it died — streaming or not, n > 1, several prompts,
+    mid-generation or still queued — ends, and none leaves its inter-token-latency clock
+    (ServerState._token_clock) behind: the clock only grows with live sequences."""
+
+    async def scenario(fs: FakeServer) -> None:
+        running = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "n": 2}
+        bodies = [
+            (COMPLETIONS, running),
+            (COMPLETIONS, {**running, "stream": True}),
+            (COMPLETIONS, {**running, "prompt": ["a", "b"], "n": 3}),
+            (CHAT, {"messages": [{"role": "user", "content": "hi"}], **running, "stream": True}),
+        ]
+        tasks = [asyncio.create_task(fs.client.post(path, json=body)) for path, body in bodies]
+        await wait_until(lambda: len(fs.state._token_clock) == 12)  # every sequence has tokens
+        fs.engine.core.paused = True  # one more, still waiting for its first token
+        tasks.append(asyncio.create_task(fs.client.post(COMPLETIONS, json=running)))
+        await wait_until(lambda: len(fs.engine.core.added) == 14)
+        fs.engine._mark_dead("the engine process exited with code -9")
+        responses = await asyncio.gather(*tasks)
+        for r, (_, body) in zip(responses, [*bodies, (COMPLETIONS, running)], strict=True):
+            if body.get("stream"):
+                assert r.status_code == 200 and error_events(sse_json(r.text))[-1]["code"] == 503
+            else:
+                assert_openai_error(r, 503)
+        assert_nothing_kept(fs)
+
+    run(scenario, serve_http=True, step_s=0.01)
+
+
+def test_a_hung_engine_killed_with_requests_in_flight_leaves_no_token_clock_entries():
+    async def scenario(fs: FakeServer) -> None:
+        body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "n": 2}
+        tasks = [
+            asyncio.create_task(fs.client.post(COMPLETIONS, json=body)),
+            asyncio.create_task(fs.client.post(COMPLETIONS, json={**body, "stream": True})),
+        ]
+        await wait_until(lambda: len(fs.state._token_clock) == 4)
+        fs.engine.core.paused = True  # silent: the hang check declares it dead after 0.8 s
+        responses = await asyncio.gather(*tasks)
+        assert_openai_error(responses[0], 503)
+        assert error_events(sse_json(responses[1].text))[-1]["code"] == 503
+        assert fs.engine.dead and "hung" in fs.engine.dead
+        assert_nothing_kept(fs)
+
+    run(scenario, serve_http=True, step_s=0.01, hang_timeout_s=0.8)
+
+
+def test_every_other_way_a_sequence_ends_also_stops_its_token_clock():
+    """Completion, a stop string, a client leaving mid-stream, the request's deadline, the queue-time
+    limit and a failed sibling: after each, nothing of the request is left."""
+
+    async def scenario(fs: FakeServer) -> None:
+        base = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True, "n": 2}
+        assert (await fs.client.post(COMPLETIONS, json=base)).status_code == 200
+        r = await fs.client.post(COMPLETIONS, json={**base, "ignore_eos": False, "stop": ["quick"]})
+        assert {c["finish_reason"] for c in r.json()["choices"]} == {"stop"}
+        assert_nothing_kept(fs)
+
+        async with fs.client.stream(
+            "POST", COMPLETIONS, json={**base, "max_tokens": 100, "stream": True}
+        ) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # leave mid-stream: closes the connection
+        await wait_until(lambda: fs.engine.num_unfinished == 0)
+        assert_nothing_kept(fs)
+
+        r = await fs.client.post(COMPLETIONS, json={**base, "max_tokens": 100, "request_timeout": 0.1})
+        assert {c["finish_reason"] for c in r.json()["choices"]} == {"abort"}
+        assert_nothing_kept(fs)
+
+        fs.engine.core.paused = True  # nothing starts before the queue-time limit
+        assert_openai_error(await fs.client.post(COMPLETIONS, json=base), 503)
+        fs.engine.core.paused = False
+        assert_nothing_kept(fs)
+
+        fs.engine.core.fail_when = fail_choice("-p0-0", NAN)
+        assert_openai_error(await fs.client.post(COMPLETIONS, json={**base, "max_tokens": 100}), 500)
+        await wait_until(lambda: not fs.engine.core.running)
+        assert_nothing_kept(fs)
+
+    run(
+        scenario,
+        serve_http=True,
+        step_s=0.005,
+        max_queue_time=0.2,
+        admission=AdmissionControl(max_num_waiting_seqs=16),
+    )
+
+
+def test_output_processing_failing_on_a_sequences_last_output_still_ends_it():
+    """The output processor forgets a finished sequence before it builds its last output: if building
+    that output raises, the sequence must still end (an error for its client) and its clock stop,
+    not leave the client waiting and the entry behind."""
+
+    async def scenario(fs: FakeServer) -> None:
+        processor = fs.engine.output_processor
+        assert processor is not None
+        build = processor._make_output
+
+        def failing_on_the_last(state):
+            if state.prompt == "poison" and state.finish_reason is not None:
+                raise RuntimeError("detokenizer exploded on the last output")
+            return build(state)
+
+        processor._make_output = failing_on_the_last  # type: ignore[method-assign]
+        body = {"prompt": "poison", "max_tokens": 8, "ignore_eos": True, "n": 2}
+        error = assert_openai_error(await fs.client.post(COMPLETIONS, json=body), 500)
+        assert "detokenizer exploded on the last output" in error["message"], error
+        chunks = sse_json((await fs.client.post(COMPLETIONS, json={**body, "stream": True})).text)
+        assert "detokenizer exploded" in error_events(chunks)[0]["message"]
+        assert set(finish_reasons(chunks).values()) == {"error"}
+        assert (await fs.client.post(COMPLETIONS, json={**body, "prompt": "fine"})).status_code == 200
+        assert_nothing_kept(fs)
+
+    run(scenario, serve_http=True, step_s=0.005, timeout=5)

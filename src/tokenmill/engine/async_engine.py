@@ -441,12 +441,16 @@ class AsyncEngine:
         now = time.monotonic()
         to_abort: list[str] = []
         for core_output in message.outputs:
-            # One at a time, so a failure (a detokenizer bug, say) ends only its own request.
+            # One at a time, so a failure (a detokenizer bug, say) ends only its own request. The
+            # state is looked up first: the processor forgets a finished sequence before building its
+            # last output, and a failure there must still end the sequence for its client.
+            state = self.output_processor.states.get(core_output.request_id)
             try:
                 processed = self.output_processor.process_outputs([core_output], now)
             except Exception as exc:
                 logger.exception("processing the output of %s failed", core_output.request_id)
-                self._fail_sequence(core_output.request_id, f"{type(exc).__name__}: {exc}", now)
+                if state is not None:
+                    self._fail_sequence(state, f"{type(exc).__name__}: {exc}", now)
                 if not core_output.finished:
                     to_abort.append(core_output.request_id)
                 continue
@@ -463,13 +467,11 @@ class AsyncEngine:
         if record is not None:
             record.queue.put_nowait(out)
 
-    def _fail_sequence(self, child_id: str, reason: str, now: float) -> None:
-        """Ends one sequence here with finish_reason "error" (its client gets the reason)."""
+    def _fail_sequence(self, state: Any, reason: str, now: float) -> None:
+        """Ends one sequence here with finish_reason "error" (its client gets the reason). `state` is
+        its OutputProcessor RequestState, which the processor may already have dropped."""
         assert self.output_processor is not None
-        state = self.output_processor.states.get(child_id)
-        if state is None:
-            return
-        self.output_processor.abort_request(child_id)
+        self.output_processor.abort_request(state.request_id)
         failed = _aborted_output(state)
         failed.outputs[0].finish_reason = "error"
         failed.error = f"processing the model's output failed: {reason}"
