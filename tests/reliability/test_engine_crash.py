@@ -176,6 +176,36 @@ def test_a_new_server_starts_after_the_crash_and_sigterm_drains_under_load(tmp_p
     assert not leaked, f"processes outlived the server: {leaked}"
 
 
+def test_an_idle_server_exits_within_about_a_second_of_sigterm(tmp_path, tiny_llama_dir):
+    """With nothing to drain, SIGTERM to exit is: uvicorn's shutdown (~0.2 s: its 0.1 s tick and a
+    fixed 0.1 s pause), the engine process stopping (Shutdown, its sockets closed, then its own
+    interpreter's teardown: ~0.6 s), and this process's teardown (~0.2 s): ~1 s on the quiet 2-core
+    machine. The bounds are 2.5x that, for a loaded CI machine. The second one is the one that
+    caught the cause of the extra seconds: the API process's interpreter teardown (its final garbage
+    collections walking everything torch and transformers made) took ~1.2 s after the engine had
+    been reaped, ~2 s in all, 3-4 s under load; run_server now freezes the collector first."""
+    server = start_tiny_server(str(tmp_path), str(tiny_llama_dir), "--num-kv-blocks", "512")
+    tree = process_tree(server.process.pid)
+    engine_process = next(p for p in tree if p.pid == engine_pid(server))
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    engine_gone = None
+    while server.process.poll() is None:
+        if engine_gone is None and not is_alive(engine_process):  # a zombie counts as gone here
+            engine_gone = time.monotonic()
+        assert time.monotonic() - signalled < 30, "the idle server did not exit 30 s after SIGTERM"
+        time.sleep(0.005)
+    exited = time.monotonic()
+    assert server.process.returncode == 0, server.log()
+    assert engine_gone is not None, "the server exited before its engine process"
+    took, after_engine = exited - signalled, exited - engine_gone
+    print(f"idle server: engine gone {engine_gone - signalled:.2f} s, exited {took:.2f} s after SIGTERM")
+    assert after_engine < 1.0, f"the API process took {after_engine:.2f} s to exit after its engine"
+    assert took < 2.5, f"the idle server took {took:.2f} s to exit after SIGTERM"
+    leaked = survivors(tree)
+    assert not leaked, f"processes outlived the server: {leaked}"
+
+
 def test_ctrl_c_to_the_process_group_drains_like_sigterm(tmp_path, paced_llama_dir):
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, the engine process
     included. The engine must not die of it: the API server drains (in-flight requests finish),
