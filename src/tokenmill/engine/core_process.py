@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     config_bytes = sys.stdin.buffer.read()
     sys.stdin.close()
     run_engine_core(config_bytes, args.input_addr, args.output_addr, args.parent_pid)
+    # Stopped and its sockets closed: skip the interpreter's final garbage-collection passes over
+    # every object torch made (~0.3 s of an idle server's shutdown; see api_server.run_server).
+    gc.freeze()
     return 0
 
 
