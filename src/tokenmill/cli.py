@@ -25,7 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per scheduler step, prefill chunks and decodes together "
+        "(default: 512 on the CPU, 8192 on a GPU)",
+    )
     parser.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)"
     )
