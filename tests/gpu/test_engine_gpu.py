@@ -174,63 +174,6 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, mo
     assert results[0] == results[1]
 
 
-def test_bf16_fused_silu_down_single_stream_matches_transformers(tiny_model, monkeypatch):
-    """One-row steps with SiLU-mul fused into a split-K down GEMV (TOKENMILL_FUSED_SILU_DOWN): the
-    first 32 greedy tokens equal transformers' bf16 ones and their logprobs stay close, one
-    request at a time so every decode step takes the fused path."""
-    from tokenmill.model import llama
-
-    monkeypatch.setattr(llama, "_FUSE_SILU_DOWN", True)
-    llm = _llm(tiny_model)
-    calls = 0
-    real = llama._silu_down_gemv
-
-    def counting(weight):
-        nonlocal calls
-        calls += 1
-        return real(weight)
-
-    monkeypatch.setattr(llama, "_silu_down_gemv", counting)
-    diffs = []
-    for prompt in _prompts(llm.info.vocab_size, 3, seed=18, min_len=8):
-        completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
-        tokens, expected_lps, margins = _hf_greedy_bf16(tiny_model, prompt, 32)
-        if completion.token_ids != tokens:
-            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
-            pytest.fail(f"diverged at token {i}; transformers' top-2 logprob margin there {margins[i]:.4f}")
-        diffs += [
-            abs(pos[t].logprob - lp)
-            for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
-        ]
-    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
-    assert calls > 0 and _graph_replays(llm) > 0  # the fused path ran (captured into the graphs)
-
-
-def test_fused_silu_down_at_llama_8b_shape_in_a_cuda_graph():
-    from tokenmill.model.layers.silu_down_gemv import SiluMulDown
-    from tokenmill.model.layers.triton_ops import silu_mul
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    weight = (torch.randn(14336, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).t()
-    gemv = SiluMulDown(4096, 14336, torch.device("cuda"))
-    assert gemv.split_k > 1
-    gate_up = torch.empty(1, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    gate_up.normal_(generator=gen)
-    gemv(gate_up, weight)  # compile outside the capture
-    with torch.cuda.graph(graph):
-        out = gemv(gate_up, weight)
-    for _ in range(3):  # fresh inputs each replay: the arrival counters must be reset every time
-        gate_up.normal_(generator=gen)
-        out.fill_(float("nan"))
-        graph.replay()
-        expected = torch.nn.functional.linear(silu_mul(gate_up), weight).float()
-        error = ((out.float() - expected).norm() / expected.norm()).item()
-        assert error < 8e-3, error
-    torch.cuda.synchronize()
-    assert torch.count_nonzero(gemv.counters) == 0
-
-
 def test_async_scheduling_is_the_cuda_default(tiny_llama_dir):
     assert _llm(str(tiny_llama_dir)).engine.async_scheduling
 

@@ -519,29 +519,3 @@ def test_splits_without_tiles_and_min_kv_per_split(fused_merge: bool, min_kv_per
     assert partial_lse[1, :, 1:].isnan().all() and not partial_lse[1, :, 0].isnan().any()
     used = 5 if min_kv_per_split == 0 else 3
     assert not partial_lse[0, :, :used].isnan().any() and partial_lse[0, :, used:].isnan().all()
-
-
-@interpreted_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "n, intermediate",
-    [(64, 128), (96, 1024), (200, 2048), (64, 1000)],  # 1, 4, 8 and 2 K splits; ragged columns / K
-)
-def test_silu_mul_down_equals_silu_mul_then_matmul(dtype: torch.dtype, n: int, intermediate: int) -> None:
-    from tokenmill.model.layers.silu_down_gemv import SiluMulDown
-
-    gemv = SiluMulDown(n, intermediate, torch.device("cpu"))
-    weight = (torch.randn(intermediate, n) * 0.05).to(dtype).t()  # [n, intermediate], stored in-major
-    for call in range(2):  # the second call checks that the arrival counters were reset
-        gate_up = torch.randn(1, 2 * intermediate).to(dtype)
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        act = torch.nn.functional.silu(gate).to(dtype).float()  # rounded as triton_ops.silu_mul rounds
-        x = (act * up).to(dtype).float()
-        expected = x @ weight.float().t()
-        out = gemv(gate_up, weight)
-        assert out.shape == (1, n) and out.dtype == dtype
-        error = ((out.float() - expected).norm() / expected.norm()).item()
-        assert error < (1e-5 if dtype == torch.float32 else 8e-3), (call, gemv.split_k, error)
-    assert torch.count_nonzero(gemv.counters) == 0
-    with pytest.raises(ValueError, match="in-major down weight"):
-        gemv(gate_up, weight.t().contiguous().t().contiguous())  # [n, intermediate] out-major

@@ -15,7 +15,6 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +27,6 @@ from tokenmill.model.layers.mlp import swiglu_mlp
 from tokenmill.model.layers.rmsnorm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 
-if TYPE_CHECKING:
-    from tokenmill.model.layers.silu_down_gemv import SiluMulDown
-
 logger = logging.getLogger(__name__)
 
 # The CUDA path's fused kernels; imported lazily (triton is optional on CPU-only installs).
@@ -40,11 +36,6 @@ _triton_ops = None
 # (TritonPagedBackend.forward_decode_with_rope). TOKENMILL_FUSED_DECODE_ROPE=0 keeps the separate
 # RoPE + KV-store launch, for same-run comparisons.
 _FUSE_DECODE_ROPE = os.environ.get("TOKENMILL_FUSED_DECODE_ROPE", "1") != "0"
-
-# One-row steps run SiLU-mul and down_proj as one Triton split-K GEMV (layers/silu_down_gemv.py)
-# instead of the SiLU-mul launch + cuBLAS (+ its split-K reduce) when TOKENMILL_FUSED_SILU_DOWN=1.
-_FUSE_SILU_DOWN = os.environ.get("TOKENMILL_FUSED_SILU_DOWN", "0") == "1"
-_silu_down_gemvs: dict[tuple[int, int, torch.device], SiluMulDown] = {}
 
 
 # CPU: below this many bytes of matmul weights, keep plain copies beside the oneDNN-packed ones
@@ -59,18 +50,6 @@ def _fused_ops():
 
         _triton_ops = triton_ops
     return _triton_ops
-
-
-def _silu_down_gemv(weight: torch.Tensor) -> SiluMulDown:
-    """The shared SiluMulDown (workspace) for this down weight's shape and device: the layers use it
-    one after another on one stream."""
-    key = (weight.shape[0], weight.shape[1], weight.device)
-    gemv = _silu_down_gemvs.get(key)
-    if gemv is None:
-        from tokenmill.model.layers.silu_down_gemv import SiluMulDown
-
-        gemv = _silu_down_gemvs[key] = SiluMulDown(weight.shape[0], weight.shape[1], weight.device)
-    return gemv
 
 
 def _param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
@@ -172,10 +151,6 @@ class DecoderLayer(nn.Module):
         attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
         normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
         gate_up = F.linear(normed, self.gate_up_weight)
-        if _FUSE_SILU_DOWN and num_tokens == 1:
-            fused = _silu_down_gemv(self.down_weight)
-            if fused.supports(gate_up, self.down_weight):
-                return fused(gate_up, self.down_weight)
         return F.linear(ops.silu_mul(gate_up), self.down_weight)
 
     def _rope_and_attend(
