@@ -37,7 +37,7 @@ from tokenmill.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: st
     return process
 
 
-def _aborted_output(state: Any) -> RequestOutput:
+def _aborted_output(state: RequestState) -> RequestOutput:
     """The final output of a sequence ended on this side (client gone, drain, timeout): nothing new,
     finish_reason "abort". `state` is the OutputProcessor's RequestState."""
     return RequestOutput(
@@ -467,7 +467,7 @@ class AsyncEngine:
         if record is not None:
             record.queue.put_nowait(out)
 
-    def _fail_sequence(self, state: Any, reason: str, now: float) -> None:
+    def _fail_sequence(self, state: RequestState, reason: str, now: float) -> None:
         """Ends one sequence here with finish_reason "error" (its client gets the reason). `state` is
         its OutputProcessor RequestState, which the processor may already have dropped."""
         assert self.output_processor is not None
