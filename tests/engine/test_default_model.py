@@ -152,3 +152,32 @@ def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(llm):
     )
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     llm.engine.check_invariants()
+
+
+def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_model_path):
+    """A request decoding alone multiplies by the GGUF's Q4_1 / Q8_0 blocks (the float32 copies
+    kept for that are freed); tokens and logprobs are transformers' on the dequantized weights."""
+    from tokenmill.model.layers.quantized_linear import quantized_blocks
+
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            weight = getattr(layer, name)
+            assert quantized_blocks(weight).quant_type == 0, name  # Q4_1 in this file
+            assert not hasattr(weight, "plain_weight"), name
+    assert quantized_blocks(model._packed_lm_head).quant_type == 1  # the tied table is Q8_0
+    prompt = llm.get_tokenizer().encode("The three primary colors are")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    tokens, logprobs = hf_greedy(str(default_model_path), prompt, 24)
+    assert out.token_ids == tokens
+    ours = [pos[t].logprob for pos, t in zip(out.logprobs, tokens, strict=True)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 1e-4
+
+
+def test_quantized_one_row_steps_can_be_turned_off(default_model_path):
+    from tokenmill.model.layers.quantized_linear import quantized_blocks
+
+    plain = LLM(None, device="cpu", max_model_len=128, cpu_quantized_gemv=False)
+    layer = plain.engine.runner.model.layers[0]
+    assert quantized_blocks(layer.qkv_weight) is None and hasattr(layer.qkv_weight, "plain_weight")

@@ -1,4 +1,5 @@
-"""Builds and loads the C++ CPU attention kernels (csrc/cpu_paged_attention.cpp) on first use.
+"""Builds and loads the C++ CPU kernels on first use: paged attention (csrc/cpu_paged_attention.cpp)
+and matrix-vector products from GGUF-quantized weights (csrc/cpu_quant_gemv.cpp), one library.
 
 torch's extension builder compiles them with the machine's C++ compiler into
 `$TOKENMILL_CACHE/kernels/<key>` (once per source, torch version and CPU: `-march=native`), and
@@ -19,7 +20,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("cpu_paged_attention.cpp", "cpu_quant_gemv.cpp")
+]
 _lock = threading.Lock()
 _STALE_LOCK_S = 600.0
 _loaded = False
@@ -44,7 +47,11 @@ def build_directory() -> Path:
     from tokenmill.model.loader.default_model import cache_dir
 
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_model().encode()):
+    for part in (
+        *(source.read_bytes() for source in _SOURCES),
+        torch.__version__.encode(),
+        _cpu_model().encode(),
+    ):
         key.update(part)
     return cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}"
 
@@ -67,7 +74,7 @@ def clear_stale_lock(directory: Path, max_age_s: float = _STALE_LOCK_S) -> bool:
 
 
 def load_cpu_kernels() -> None:
-    """Make `torch.ops.tokenmill_cpu.{paged_attention,store_kv}` available (build if needed).
+    """Make `torch.ops.tokenmill_cpu.{paged_attention,store_kv,quant_gemv}` available (build if needed).
 
     Raises CpuKernelBuildError, with the compiler's message, when they cannot be built.
     """
@@ -90,7 +97,7 @@ def load_cpu_kernels() -> None:
         try:
             cpp_extension.load(
                 name="tokenmill_cpu_attention",
-                sources=[str(_SOURCE)],
+                sources=[str(source) for source in _SOURCES],
                 build_directory=str(directory),
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
@@ -99,7 +106,7 @@ def load_cpu_kernels() -> None:
             )
         except (RuntimeError, OSError, ImportError) as exc:
             raise CpuKernelBuildError(
-                f"could not build the CPU attention kernels from {_SOURCE} in {directory}: {exc}. "
+                f"could not build the CPU attention kernels from {', '.join(map(str, _SOURCES))} in {directory}: {exc}. "
                 "They need a C++ compiler (g++) and ninja; use --attention-backend torch to run without them."
             ) from exc
         if fresh:

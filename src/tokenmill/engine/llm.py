@@ -48,6 +48,7 @@ def build_engine_config(
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
     cpu_weight_packing: bool = True,
+    cpu_quantized_gemv: bool = True,
 ) -> EngineConfig:
     from tokenmill.worker.device import resolve_device
 
@@ -81,6 +82,7 @@ def build_engine_config(
             chat_template=chat_template,
             served_model_name=served_model_name,
             cpu_weight_packing=cpu_weight_packing,
+            cpu_quantized_gemv=cpu_quantized_gemv,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,6 +296,46 @@ class CausalLM(nn.Module):
             "; plain copies kept for single-row steps" if keep_plain else "",
         )
         return True
+
+    def attach_quantized_weights(self, quantized: Iterable[tuple[str, int, np.ndarray]]) -> int:
+        """Keep GGUF blocks (loader.gguf_loader.iter_gguf_quantized) beside the matmul weights for
+        one-row steps (layers/quantized_linear.py). A fused weight (qkv, gate_up) gets blocks only
+        when all its parts come in the same type. Returns the bytes attached."""
+        from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach
+
+        by_name = {name: (code, rows) for name, code, rows in quantized}
+        arch = self.arch
+        attached = 0
+
+        def blocks_for(names: list[str], out_features: int) -> QuantizedBlocks | None:
+            parts = [by_name.get(name) for name in names]
+            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:  # type: ignore[index]
+                return None
+            rows = np.concatenate([p[1] for p in parts])  # type: ignore[index]  # a copy, off the mmap
+            if rows.shape[0] != out_features:
+                return None
+            return QuantizedBlocks(torch.from_numpy(rows), parts[0][0], out_features)  # type: ignore[index]
+
+        fused = {
+            "qkv_weight": (["q_proj", "k_proj", "v_proj"], arch.q_size + 2 * arch.kv_size),
+            "o_weight": (["o_proj"], arch.hidden_size),
+            "gate_up_weight": (["gate_proj", "up_proj"], 2 * arch.intermediate_size),
+            "down_weight": (["down_proj"], arch.hidden_size),
+        }
+        for i, layer in enumerate(self.layers):
+            for attr, (parts, out_features) in fused.items():
+                module = "mlp" if parts[0].endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+                names = [f"model.layers.{i}.{module}.{part}.weight" for part in parts]
+                blocks = blocks_for(names, out_features)
+                if blocks is not None:
+                    attach(getattr(layer, attr), blocks)
+                    attached += blocks.blocks.nbytes
+        tied = self.lm_head is self.embed_tokens
+        blocks = blocks_for(["model.embed_tokens.weight" if tied else "lm_head.weight"], arch.vocab_size)
+        if blocks is not None:
+            attach(self._packed_lm_head if self._packed_lm_head is not None else self.lm_head, blocks)
+            attached += blocks.blocks.nbytes
+        return attached
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""

@@ -7,6 +7,7 @@ API server process can use it for the tokenizer; `load_model` builds the CausalL
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,7 +21,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.loader.dummy import init_dummy_weights
-from tokenmill.model.loader.gguf_loader import gguf_arch_config, iter_gguf_weights
+from tokenmill.model.loader.gguf_loader import gguf_arch_config, iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.safetensors_loader import (
     iter_safetensors_weights,
     read_generation_eos,
@@ -30,6 +31,8 @@ from tokenmill.model.loader.safetensors_loader import (
 from tokenmill.worker.device import resolve_dtype
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,4 +126,25 @@ def load_model(
         model.store_matmul_weights_k_major()
     elif model_config.cpu_weight_packing:
         model.pack_cpu_matmul_weights()
+    if (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and resolved.format == "gguf"
+        and model_config.load_format != "dummy"
+        and model_config.cpu_quantized_gemv
+    ):
+        _attach_gguf_blocks(model, resolved.path, arch)
     return model.eval()
+
+
+def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
+    """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build."""
+    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+
+    available, why = cpu_kernels_available()
+    if not available:
+        logger.warning("GGUF weights stay float32 for one-row steps (%s)", why)
+        return
+    attached = model.attach_quantized_weights(iter_gguf_quantized(path, arch))
+    if attached:
+        logger.info("one-row matmuls read the GGUF's quantized blocks (%.0f MiB)", attached / 2**20)

@@ -156,3 +156,35 @@ def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str,
         if not weight.flags.writeable:  # F32 tensors come straight from the read-only memory map
             weight = weight.copy()
         yield hf_name, torch.from_numpy(weight)
+
+
+# GGML types the CPU's quant_gemv kernel reads (csrc/cpu_quant_gemv.cpp): type id -> kernel code.
+QUANT_GEMV_TYPES = {3: 0, 8: 1}  # Q4_1, Q8_0
+_MATMUL_SUFFIXES = tuple(
+    f"{part}.weight"
+    for part in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+) + ("lm_head.weight", "embed_tokens.weight")  # fmt: skip
+
+
+def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, int, np.ndarray]]:
+    """(HF name, quant_gemv code, uint8 block rows [out, row_bytes]) for every matmul weight (and the
+    embedding table, a tied lm_head's weight) stored as Q4_1 or Q8_0; rows un-permuted like
+    iter_gguf_weights un-permutes the dequantized Q/K. Views of the file's memory map, not copies."""
+    gguf_file = open_gguf(str(path))
+    permuted = gguf_metadata(path, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    for tensor in gguf_file.tensors:
+        hf_name = hf_name_for(tensor.name)
+        if (
+            hf_name is None
+            or tensor.ggml_type not in QUANT_GEMV_TYPES
+            or not hf_name.endswith(_MATMUL_SUFFIXES)
+        ):
+            continue
+        rows = gguf_file.raw(tensor)
+        if permuted and hf_name.endswith("q_proj.weight"):
+            rows = unpermute_qk(rows, arch.num_heads)
+        elif permuted and hf_name.endswith("k_proj.weight"):
+            rows = unpermute_qk(rows, arch.num_kv_heads)
+        yield hf_name, QUANT_GEMV_TYPES[tensor.ggml_type], rows

@@ -1,0 +1,168 @@
+// Matrix-vector products straight from GGUF-quantized weights (Q4_1, Q8_0), for the CPU's
+// one-row steps (one request decoding).
+//
+// A decode step on the CPU reads every matmul weight once; as float32 that is 540 MB a token for
+// SmolLM2-135M, and one core streams it at a few GB/s. The same weights as the GGUF's Q4_1 blocks
+// are 5.6x smaller. Each block of 32 weights is dequantized in registers and multiplied with the
+// float32 activations (no quantization of the activations, so the result is the float32 product of
+// the dequantized weights up to summation order).
+//
+// Layouts (ggml): Q4_1 block = {half d, half m, uint8 qs[16]}: weight j = d * q_j + m, with
+// q_j = qs[j] & 15 and q_{j+16} = qs[j] >> 4. Q8_0 block = {half d, int8 qs[32]}: weight = d * q.
+// `blocks` is [N, K / 32 * block_bytes] uint8: one row of blocks per output feature.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ8_0Bytes = 34;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 bytes_to_ps(__m128i bytes8_unsigned) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8_unsigned));
+}
+#endif
+
+// One output: sum over blocks of d * (q . x) + m * sum(x), with the block sums of x precomputed.
+float q4_1_row(const uint8_t* row, const float* x, const float* x_block_sums, int64_t num_blocks) {
+  float offset_sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * kQ4_1Bytes;
+    const float* xb = x + b * kBlock;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i lo = _mm_and_si128(qs, low_mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low_mask);
+    __m256 qx = _mm256_mul_ps(bytes_to_ps(lo), _mm256_loadu_ps(xb));
+    qx = _mm256_fmadd_ps(bytes_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8), qx);
+    qx = _mm256_fmadd_ps(bytes_to_ps(hi), _mm256_loadu_ps(xb + 16), qx);
+    qx = _mm256_fmadd_ps(bytes_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), qx);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(block)), qx, acc);
+    offset_sum += half_at(block + 2) * x_block_sums[b];
+  }
+  return hsum(acc) + offset_sum;
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * kQ4_1Bytes;
+    const float* xb = x + b * kBlock;
+    float qx = 0.f;
+    for (int j = 0; j < 16; ++j) {
+      qx += static_cast<float>(block[4 + j] & 0x0F) * xb[j];
+      qx += static_cast<float>(block[4 + j] >> 4) * xb[j + 16];
+    }
+    total += half_at(block) * qx;
+    offset_sum += half_at(block + 2) * x_block_sums[b];
+  }
+  return total + offset_sum;
+#endif
+}
+
+float q8_0_row(const uint8_t* row, const float* x, int64_t num_blocks) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * kQ8_0Bytes;
+    const float* xb = x + b * kBlock;
+    __m256 qx = _mm256_setzero_ps();
+    for (int part = 0; part < 4; ++part) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * part));
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+      qx = _mm256_fmadd_ps(q, _mm256_loadu_ps(xb + 8 * part), qx);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(block)), qx, acc);
+  }
+  return hsum(acc);
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * kQ8_0Bytes;
+    const float* xb = x + b * kBlock;
+    float qx = 0.f;
+    for (int j = 0; j < kBlock; ++j) {
+      qx += static_cast<float>(static_cast<int8_t>(block[2 + j])) * xb[j];
+    }
+    total += half_at(block) * qx;
+  }
+  return total;
+#endif
+}
+
+// out [M, N] float32 = x [M, K] float32 @ dequant(blocks [N, K/32 * block_bytes])^T.
+// quant_type: 0 = Q4_1, 1 = Q8_0.
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type) {
+  TORCH_CHECK(quant_type == 0 || quant_type == 1, "quant_gemv: quant_type must be 0 (Q4_1) or 1 (Q8_0), got ",
+              quant_type);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_gemv: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "quant_gemv: out must be a contiguous float32 [M, N] tensor");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "quant_gemv: blocks must be a contiguous uint8 [N, row_bytes] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  const int64_t block_bytes = quant_type == 0 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(k % kBlock == 0, "quant_gemv: K (", k, ") must be a multiple of 32");
+  const int64_t num_blocks = k / kBlock;
+  TORCH_CHECK(blocks.size(1) == num_blocks * block_bytes, "quant_gemv: blocks have ", blocks.size(1),
+              " bytes a row; K = ", k, " needs ", num_blocks * block_bytes);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_gemv: out must be [", m, ", ", n, "]");
+  const float* x_data = x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  std::vector<float> block_sums(quant_type == 0 ? m * num_blocks : 0);
+  for (int64_t r = 0; r < static_cast<int64_t>(block_sums.size()) / (num_blocks ? num_blocks : 1); ++r) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      float s = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) s += x_data[r * k + b * kBlock + j];
+      block_sums[r * num_blocks + b] = s;
+    }
+  }
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* wrow = w + row * num_blocks * block_bytes;
+      for (int64_t r = 0; r < m; ++r) {
+        y[r * n + row] = quant_type == 0
+                             ? q4_1_row(wrow, x_data + r * k, block_sums.data() + r * num_blocks, num_blocks)
+                             : q8_0_row(wrow, x_data + r * k, num_blocks);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemv", &quant_gemv); }

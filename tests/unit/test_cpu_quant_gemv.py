@@ -1,0 +1,54 @@
+"""The C++ one-row matmul over GGUF Q4_1 / Q8_0 blocks against gguf's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from tokenmill.attention.cpu_kernels import cpu_kernels_available
+from tokenmill.model.layers.quantized_linear import QuantizedBlocks, quantized_linear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
+
+TYPES = {"Q4_1": (GGMLQuantizationType.Q4_1, 0), "Q8_0": (GGMLQuantizationType.Q8_0, 1)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
+    """Random valid blocks: float16 scales (and Q4_1 minimums) of either sign, random quants."""
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows = rng.integers(0, 256, size=(n, k // 32, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((n, k // 32, 2)) * 0.05).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q4_1:
+        rows[..., :4] = scales.reshape(n, k // 32, 4)  # d, m
+    else:
+        rows[..., :2] = scales.reshape(n, k // 32, 4)[..., :2]  # d
+    return rows.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n, k, m", [(1, 32, 1), (7, 64, 1), (300, 576, 1), (192, 1536, 1), (65, 576, 3)])
+def test_quant_gemv_equals_dequantize_then_matmul(name: str, n: int, k: int, m: int) -> None:
+    qtype, code = TYPES[name]
+    rng = np.random.default_rng(n * 1000 + k + m)
+    rows = random_blocks(rng, qtype, n, k)
+    weight = torch.from_numpy(dequantize(rows, qtype).astype(np.float32))  # [n, k]
+    assert weight.shape == (n, k) and torch.isfinite(weight).all()
+    x = torch.randn(m, k, dtype=torch.float64).float()
+    bias = torch.randn(n)
+    blocks = QuantizedBlocks(torch.from_numpy(rows.copy()), code, n)
+    out = quantized_linear(x, blocks, bias)
+    expected = (x.double() @ weight.double().t() + bias.double()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_quant_gemv_refuses_bad_shapes_naming_them() -> None:
+    rng = np.random.default_rng(0)
+    blocks = QuantizedBlocks(torch.from_numpy(random_blocks(rng, GGMLQuantizationType.Q4_1, 4, 64)), 0, 4)
+    with pytest.raises(RuntimeError, match="K = 96 needs"):
+        quantized_linear(torch.randn(1, 96), blocks, None)
+    with pytest.raises(RuntimeError, match="quant_type must be 0"):
+        out = torch.empty(1, 4)
+        torch.ops.tokenmill_cpu.quant_gemv(out, torch.randn(1, 64), blocks.blocks, 5)
