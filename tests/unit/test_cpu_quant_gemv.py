@@ -9,7 +9,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.attention.cpu_kernels import cpu_kernels_available
-from tokenmill.model.layers.quantized_linear import QuantizedBlocks, quantized_linear
+from tokenmill.model.layers.quantized_linear import QuantizedBlocks, quantized_linear, split_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
 
@@ -29,7 +29,9 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int,
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n, k, m", [(1, 32, 1), (7, 64, 1), (300, 576, 1), (192, 1536, 1), (65, 576, 3)])
+@pytest.mark.parametrize(
+    "n, k, m", [(1, 32, 1), (7, 64, 1), (3, 288, 1), (300, 576, 1), (192, 1536, 1), (65, 576, 3)]
+)  # 288: 9 blocks, not a multiple of the 8 scales converted at a time
 def test_quant_gemv_equals_dequantize_then_matmul(name: str, n: int, k: int, m: int) -> None:
     qtype, code = TYPES[name]
     rng = np.random.default_rng(n * 1000 + k + m)
@@ -38,7 +40,7 @@ def test_quant_gemv_equals_dequantize_then_matmul(name: str, n: int, k: int, m: 
     assert weight.shape == (n, k) and torch.isfinite(weight).all()
     x = torch.randn(m, k, dtype=torch.float64).float()
     bias = torch.randn(n)
-    blocks = QuantizedBlocks(torch.from_numpy(rows.copy()), code, n)
+    blocks = QuantizedBlocks(torch.from_numpy(split_rows(rows, code)), code, n)
     out = quantized_linear(x, blocks, bias)
     expected = (x.double() @ weight.double().t() + bias.double()).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -46,7 +48,9 @@ def test_quant_gemv_equals_dequantize_then_matmul(name: str, n: int, k: int, m: 
 
 def test_quant_gemv_refuses_bad_shapes_naming_them() -> None:
     rng = np.random.default_rng(0)
-    blocks = QuantizedBlocks(torch.from_numpy(random_blocks(rng, GGMLQuantizationType.Q4_1, 4, 64)), 0, 4)
+    blocks = QuantizedBlocks(
+        torch.from_numpy(split_rows(random_blocks(rng, GGMLQuantizationType.Q4_1, 4, 64), 0)), 0, 4
+    )
     with pytest.raises(RuntimeError, match="K = 96 needs"):
         quantized_linear(torch.randn(1, 96), blocks, None)
     with pytest.raises(RuntimeError, match="quant_type must be 0"):

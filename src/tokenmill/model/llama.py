@@ -301,7 +301,7 @@ class CausalLM(nn.Module):
         """Keep GGUF blocks (loader.gguf_loader.iter_gguf_quantized) beside the matmul weights for
         one-row steps (layers/quantized_linear.py). A fused weight (qkv, gate_up) gets blocks only
         when all its parts come in the same type. Returns the bytes attached."""
-        from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach
+        from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach, split_rows
 
         by_name = {name: (code, rows) for name, code, rows in quantized}
         arch = self.arch
@@ -311,10 +311,11 @@ class CausalLM(nn.Module):
             parts = [by_name.get(name) for name in names]
             if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:  # type: ignore[index]
                 return None
-            rows = np.concatenate([p[1] for p in parts])  # type: ignore[index]  # a copy, off the mmap
+            code = parts[0][0]  # type: ignore[index]
+            rows = split_rows(np.concatenate([p[1] for p in parts]), code)  # type: ignore[index]
             if rows.shape[0] != out_features:
                 return None
-            return QuantizedBlocks(torch.from_numpy(rows), parts[0][0], out_features)  # type: ignore[index]
+            return QuantizedBlocks(torch.from_numpy(rows), code, out_features)
 
         fused = {
             "qkv_weight": (["q_proj", "k_proj", "v_proj"], arch.q_size + 2 * arch.kv_size),

@@ -7,16 +7,19 @@
 // float32 activations (no quantization of the activations, so the result is the float32 product of
 // the dequantized weights up to summation order).
 //
-// Layouts (ggml): Q4_1 block = {half d, half m, uint8 qs[16]}: weight j = d * q_j + m, with
-// q_j = qs[j] & 15 and q_{j+16} = qs[j] >> 4. Q8_0 block = {half d, int8 qs[32]}: weight = d * q.
-// `blocks` is [N, K / 32 * block_bytes] uint8: one row of blocks per output feature.
+// Blocks (ggml): Q4_1 = {half d, half m, uint8 qs[16]}: weight j = d * q_j + m, with
+// q_j = qs[j] & 15 and q_{j+16} = qs[j] >> 4. Q8_0 = {half d, int8 qs[32]}: weight = d * q.
+// `blocks` is [N, row_bytes] uint8, one row per output feature, each row split by kind so the
+// loads are aligned and the scales convert 8 at a time (layers/quantized_linear.split_rows):
+// Q4_1 rows = [qs of every block][d of every block][m of every block] (20 bytes a block),
+// Q8_0 rows = [qs of every block][d of every block] (34 bytes a block).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -29,14 +32,32 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1Bytes = 20;
 constexpr int64_t kQ8_0Bytes = 34;
+constexpr int64_t kMaxBlocks = 1024;  // K <= 32768: the per-row scale buffers live on the stack
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
+inline float half_to_float(uint16_t bits) {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+// count float16 values at p (unaligned) -> out.
+inline void load_halves(const uint8_t* p, int64_t count, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+  }
+#endif
+  for (; i < count; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, p + 2 * i, 2);
+    out[i] = half_to_float(bits);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -53,66 +74,99 @@ inline __m256 bytes_to_ps(__m128i bytes8_unsigned) {
 
 // One output: sum over blocks of d * (q . x) + m * sum(x), with the block sums of x precomputed.
 float q4_1_row(const uint8_t* row, const float* x, const float* x_block_sums, int64_t num_blocks) {
+  float d[kMaxBlocks], mins[kMaxBlocks];
+  load_halves(row + num_blocks * 16, num_blocks, d);
+  load_halves(row + num_blocks * 18, num_blocks, mins);
   float offset_sum = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t b = 0; b < num_blocks; ++b) offset_sum += mins[b] * x_block_sums[b];
+#if defined(__AVX512F__)
+  // 16 lanes: a block is two conversions of 16 quants (the low nibbles, then the high ones).
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, low_mask)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_mask)));
+    const __m512 qx = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+    // Two accumulators: consecutive blocks do not wait on each other's multiply-add.
+    if (b & 1) {
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc1);
+    } else {
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc0);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset_sum;
+#elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   const __m128i low_mask = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ4_1Bytes;
     const float* xb = x + b * kBlock;
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
     const __m128i lo = _mm_and_si128(qs, low_mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low_mask);
     __m256 qx = _mm256_mul_ps(bytes_to_ps(lo), _mm256_loadu_ps(xb));
     qx = _mm256_fmadd_ps(bytes_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8), qx);
     qx = _mm256_fmadd_ps(bytes_to_ps(hi), _mm256_loadu_ps(xb + 16), qx);
     qx = _mm256_fmadd_ps(bytes_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), qx);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(block)), qx, acc);
-    offset_sum += half_at(block + 2) * x_block_sums[b];
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qx, acc);
   }
   return hsum(acc) + offset_sum;
 #else
   float total = 0.f;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ4_1Bytes;
+    const uint8_t* qs = row + b * 16;
     const float* xb = x + b * kBlock;
     float qx = 0.f;
     for (int j = 0; j < 16; ++j) {
-      qx += static_cast<float>(block[4 + j] & 0x0F) * xb[j];
-      qx += static_cast<float>(block[4 + j] >> 4) * xb[j + 16];
+      qx += static_cast<float>(qs[j] & 0x0F) * xb[j];
+      qx += static_cast<float>(qs[j] >> 4) * xb[j + 16];
     }
-    total += half_at(block) * qx;
-    offset_sum += half_at(block + 2) * x_block_sums[b];
+    total += d[b] * qx;
   }
   return total + offset_sum;
 #endif
 }
 
 float q8_0_row(const uint8_t* row, const float* x, int64_t num_blocks) {
-#if defined(__AVX2__) && defined(__FMA__)
+  float d[kMaxBlocks];
+  load_halves(row + num_blocks * 32, num_blocks, d);
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m128i q_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32));
+    const __m128i q_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_lo));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_hi));
+    const __m512 qx = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+    if (b & 1) {
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc1);
+    } else {
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc0);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ8_0Bytes;
     const float* xb = x + b * kBlock;
     __m256 qx = _mm256_setzero_ps();
     for (int part = 0; part < 4; ++part) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * part));
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-      qx = _mm256_fmadd_ps(q, _mm256_loadu_ps(xb + 8 * part), qx);
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * part));
+      qx = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(xb + 8 * part), qx);
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(block)), qx, acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d[b]), qx, acc);
   }
   return hsum(acc);
 #else
   float total = 0.f;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ8_0Bytes;
+    const int8_t* qs = reinterpret_cast<const int8_t*>(row + b * 32);
     const float* xb = x + b * kBlock;
     float qx = 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      qx += static_cast<float>(static_cast<int8_t>(block[2 + j])) * xb[j];
-    }
-    total += half_at(block) * qx;
+    for (int j = 0; j < kBlock; ++j) qx += static_cast<float>(qs[j]) * xb[j];
+    total += d[b] * qx;
   }
   return total;
 #endif
@@ -131,7 +185,8 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, 
               "quant_gemv: blocks must be a contiguous uint8 [N, row_bytes] tensor");
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   const int64_t block_bytes = quant_type == 0 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(k % kBlock == 0, "quant_gemv: K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(k % kBlock == 0 && k / kBlock <= kMaxBlocks, "quant_gemv: K (", k,
+              ") must be a multiple of 32 and at most ", kMaxBlocks * kBlock);
   const int64_t num_blocks = k / kBlock;
   TORCH_CHECK(blocks.size(1) == num_blocks * block_bytes, "quant_gemv: blocks have ", blocks.size(1),
               " bytes a row; K = ", k, " needs ", num_blocks * block_bytes);
@@ -140,12 +195,11 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, 
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   std::vector<float> block_sums(quant_type == 0 ? m * num_blocks : 0);
-  for (int64_t r = 0; r < static_cast<int64_t>(block_sums.size()) / (num_blocks ? num_blocks : 1); ++r) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      float s = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) s += x_data[r * k + b * kBlock + j];
-      block_sums[r * num_blocks + b] = s;
-    }
+  for (int64_t i = 0; i < static_cast<int64_t>(block_sums.size()); ++i) {
+    const float* xb = x_data + (i / num_blocks) * k + (i % num_blocks) * kBlock;
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
+    block_sums[i] = s;
   }
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {

@@ -14,17 +14,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _BLOCKS_ATTR = "gguf_blocks"
 _PLAIN_ATTR = "plain_weight"  # layers/linear.py's float32 copy for one-row steps: no longer needed
 
 
+# Bytes of one block of 32 weights and, at its start, of its float16 scales (d; d and m for Q4_1).
+_BLOCK_BYTES = {0: 20, 1: 34}  # kernel code -> bytes: Q4_1, Q8_0
+_SCALE_BYTES = {0: 4, 1: 2}
+
+
 @dataclass(frozen=True, slots=True)
 class QuantizedBlocks:
-    blocks: torch.Tensor  # uint8 [out_features, row_bytes]: GGUF blocks, one row per output
+    blocks: torch.Tensor  # uint8 [out_features, row_bytes] in the kernel's layout (split_rows)
     quant_type: int  # the kernel's code: 0 = Q4_1, 1 = Q8_0
     out_features: int
+
+
+def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
+    """GGUF block rows [N, blocks * block_bytes] -> the kernel's layout: per row, every block's
+    quants, then every block's d (then every block's m, for Q4_1); same size, a new array."""
+    n = rows.shape[0]
+    block_bytes, scale_bytes = _BLOCK_BYTES[quant_type], _SCALE_BYTES[quant_type]
+    blocks = rows.reshape(n, -1, block_bytes)
+    scales = blocks[:, :, :scale_bytes].reshape(n, -1, scale_bytes // 2, 2).swapaxes(1, 2)
+    return np.concatenate([blocks[:, :, scale_bytes:].reshape(n, -1), scales.reshape(n, -1)], axis=1)
 
 
 def attach(weight: torch.Tensor, blocks: QuantizedBlocks) -> None:
