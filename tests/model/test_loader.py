@@ -176,8 +176,10 @@ _GGUF_NAMES = {
 }
 
 
-def _write_gguf_like_llama_cpp(src: Path, dst: Path) -> None:
-    """Convert the tiny tied llama checkpoint to GGUF (F32) the way llama.cpp does."""
+def _write_gguf_like_llama_cpp(src: Path, dst: Path, quantize_matmuls=None) -> None:
+    """Convert the tiny tied llama checkpoint to GGUF (F32) the way llama.cpp does; with
+    `quantize_matmuls` (a GGMLQuantizationType) the matmul weights and the embedding table are
+    stored in that type."""
     import gguf
 
     cfg = json.loads((src / "config.json").read_text())
@@ -215,7 +217,11 @@ def _write_gguf_like_llama_cpp(src: Path, dst: Path) -> None:
                 array = _llama_cpp_permute(array, heads)
             elif module == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, kv_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        if quantize_matmuls is not None and array.ndim == 2:
+            quantized = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), quantize_matmuls)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=quantize_matmuls)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -245,6 +251,34 @@ def test_gguf_loads_like_the_safetensors_it_came_from(tmp_path, tiny_llama_dir):
     ):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0, msg=name)
     torch.testing.assert_close(models[0].rotary.cos_cache, models[1].rotary.cos_cache, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_quantized_gguf_one_row_steps_match_the_float32_path(tmp_path, tiny_llama_dir, quant):
+    """A GGUF with quantized matmuls: one request decoding reads the blocks (un-permuted Q/K rows,
+    fused qkv / gate_up, the tied table as lm_head) and gets the float32 path's tokens and
+    logprobs."""
+    from gguf.constants import GGMLQuantizationType
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.model.layers.quantized_linear import quantized_blocks
+
+    gguf_path = tmp_path / f"tiny-llama-{quant}.gguf"
+    _write_gguf_like_llama_cpp(tiny_llama_dir, gguf_path, GGMLQuantizationType[quant])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompt = {"prompt_token_ids": [5, 17, 300, 42, 7]}
+    results = []
+    for quantized in (True, False):
+        llm = LLM(str(gguf_path), tokenizer=str(tiny_llama_dir), device="cpu", cpu_quantized_gemv=quantized)
+        model = llm.engine.runner.model
+        expected_code = {"Q4_1": 0, "Q8_0": 1}[quant] if quantized else None
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            blocks = quantized_blocks(getattr(model.layers[1], name))
+            assert (blocks.quant_type if blocks else None) == expected_code, name
+        out = llm.generate(prompt, params)[0].outputs[0]
+        results.append((out.token_ids, [next(iter(lp.values())).logprob for lp in out.logprobs]))
+    assert results[0][0] == results[1][0]
+    assert max(abs(a - b) for a, b in zip(results[0][1], results[1][1], strict=True)) < 1e-4
 
 
 # --- default model ------------------------------------------------------------------------------
