@@ -308,11 +308,11 @@ class CausalLM(nn.Module):
         attached = 0
 
         def blocks_for(names: list[str], out_features: int) -> QuantizedBlocks | None:
-            parts = [by_name.get(name) for name in names]
-            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:  # type: ignore[index]
+            parts = [by_name[name] for name in names if name in by_name]
+            if len(parts) != len(names) or len({code for code, _ in parts}) != 1:
                 return None
-            code = parts[0][0]  # type: ignore[index]
-            rows = split_rows(np.concatenate([p[1] for p in parts]), code)  # type: ignore[index]
+            code = parts[0][0]
+            rows = split_rows(np.concatenate([rows for _, rows in parts]), code)  # a copy, off the mmap
             if rows.shape[0] != out_features:
                 return None
             return QuantizedBlocks(torch.from_numpy(rows), code, out_features)
