@@ -30,8 +30,19 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int,
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize(
-    "n, k, m", [(1, 32, 1), (7, 64, 1), (3, 288, 1), (300, 576, 1), (192, 1536, 1), (65, 576, 3)]
-)  # 288: 9 blocks, not a multiple of the 8 scales converted at a time
+    "n, k, m",
+    [
+        (1, 32, 1),
+        (7, 64, 1),
+        (3, 288, 1),
+        (300, 576, 1),
+        (192, 1536, 1),
+        (65, 576, 2),
+        (65, 576, 3),
+        (9, 64, 4),
+        (33, 96, 7),
+    ],
+)  # 288: 9 blocks, not a multiple of the 8 scales converted at a time; 7 rows: passes of 4 and 3
 def test_quant_gemv_equals_dequantize_then_matmul(name: str, n: int, k: int, m: int) -> None:
     qtype, code = TYPES[name]
     rng = np.random.default_rng(n * 1000 + k + m)
@@ -56,3 +67,20 @@ def test_quant_gemv_refuses_bad_shapes_naming_them() -> None:
     with pytest.raises(RuntimeError, match="quant_type must be 0"):
         out = torch.empty(1, 4)
         torch.ops.tokenmill_cpu.quant_gemv(out, torch.randn(1, 64), blocks.blocks, 5)
+
+
+def test_steps_of_more_rows_than_this_build_serves_keep_the_float32_weights() -> None:
+    from tokenmill.model.layers.quantized_linear import attach, blocks_for_rows, rows_limit
+
+    limit = rows_limit()
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):
+        assert limit == 4  # the kernels are built with -march=native: the AVX-512 path
+    weight = torch.zeros(4, 64)
+    rng = np.random.default_rng(1)
+    blocks = QuantizedBlocks(
+        torch.from_numpy(split_rows(random_blocks(rng, GGMLQuantizationType.Q8_0, 4, 64), 1)), 1, 4
+    )
+    attach(weight, blocks)
+    assert blocks_for_rows(weight, limit + 1) is None
+    if limit:
+        assert blocks_for_rows(weight, 1) is blocks and blocks_for_rows(weight, limit) is blocks

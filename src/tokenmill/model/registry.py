@@ -145,6 +145,15 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
     if not available:
         logger.warning("GGUF weights stay float32 for one-row steps (%s)", why)
         return
+    from tokenmill.model.layers.quantized_linear import rows_limit
+
+    if rows_limit() < 1:
+        logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
+        return
     attached = model.attach_quantized_weights(iter_gguf_quantized(path, arch))
     if attached:
-        logger.info("one-row matmuls read the GGUF's quantized blocks (%.0f MiB)", attached / 2**20)
+        logger.info(
+            "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB)",
+            rows_limit(),
+            attached / 2**20,
+        )

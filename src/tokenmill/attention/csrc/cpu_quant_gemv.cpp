@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -72,6 +73,8 @@ inline __m256 bytes_to_ps(__m128i bytes8_unsigned) {
 }
 #endif
 
+#if !defined(__AVX512F__)
+// (Without AVX-512: one activation row at a time.)
 // One output: sum over blocks of d * (q . x) + m * sum(x), with the block sums of x precomputed.
 float q4_1_row(const uint8_t* row, const float* x, const float* x_block_sums, int64_t num_blocks) {
   float d[kMaxBlocks], mins[kMaxBlocks];
@@ -79,25 +82,7 @@ float q4_1_row(const uint8_t* row, const float* x, const float* x_block_sums, in
   load_halves(row + num_blocks * 18, num_blocks, mins);
   float offset_sum = 0.f;
   for (int64_t b = 0; b < num_blocks; ++b) offset_sum += mins[b] * x_block_sums[b];
-#if defined(__AVX512F__)
-  // 16 lanes: a block is two conversions of 16 quants (the low nibbles, then the high ones).
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, low_mask)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_mask)));
-    const __m512 qx = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-    // Two accumulators: consecutive blocks do not wait on each other's multiply-add.
-    if (b & 1) {
-      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc1);
-    } else {
-      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc0);
-    }
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset_sum;
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   const __m128i low_mask = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -131,23 +116,7 @@ float q4_1_row(const uint8_t* row, const float* x, const float* x_block_sums, in
 float q8_0_row(const uint8_t* row, const float* x, int64_t num_blocks) {
   float d[kMaxBlocks];
   load_halves(row + num_blocks * 32, num_blocks, d);
-#if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    const __m128i q_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32));
-    const __m128i q_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_lo));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_hi));
-    const __m512 qx = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-    if (b & 1) {
-      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc1);
-    } else {
-      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), qx, acc0);
-    }
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* xb = x + b * kBlock;
@@ -171,6 +140,51 @@ float q8_0_row(const uint8_t* row, const float* x, int64_t num_blocks) {
   return total;
 #endif
 }
+#endif  // !__AVX512F__
+
+#if defined(__AVX512F__)
+// R (<= 4) activation rows against one weight row: each block is dequantized and scaled once for
+// all R rows, so a few rows cost little more than one (the dequantizing is most of the work).
+// Two accumulators a row (low and high halves of each block) keep the multiply-add chains short.
+template <int R>
+void quant_rows_avx512(const uint8_t* row, int64_t quant_type, const float* x, int64_t k,
+                       const float* x_block_sums, int64_t num_blocks, float* y, int64_t n) {
+  float d[kMaxBlocks], mins[kMaxBlocks];
+  const bool q4 = quant_type == 0;
+  load_halves(row + num_blocks * (q4 ? 16 : 32), num_blocks, d);
+  if (q4) load_halves(row + num_blocks * 18, num_blocks, mins);
+  __m512 acc_lo[R], acc_hi[R];
+  for (int r = 0; r < R; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512 lo, hi;
+    if (q4) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, low_mask)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_mask)));
+    } else {
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32))));
+      hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16))));
+    }
+    const __m512 scale = _mm512_set1_ps(d[b]);
+    lo = _mm512_mul_ps(lo, scale);
+    hi = _mm512_mul_ps(hi, scale);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k + b * kBlock;
+      acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc_lo[r]);
+      acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc_hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float offset_sum = 0.f;
+    if (q4) {
+      for (int64_t b = 0; b < num_blocks; ++b) offset_sum += mins[b] * x_block_sums[r * num_blocks + b];
+    }
+    y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r])) + offset_sum;
+  }
+}
+#endif
 
 // out [M, N] float32 = x [M, K] float32 @ dequant(blocks [N, K/32 * block_bytes])^T.
 // quant_type: 0 = Q4_1, 1 = Q8_0.
@@ -204,19 +218,47 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, 
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = w + row * num_blocks * block_bytes;
+#if defined(__AVX512F__)
+      for (int64_t r = 0; r < m; r += 4) {  // up to 4 activation rows per pass over the weight row
+        const float* xr = x_data + r * k;
+        const float* sums = block_sums.data() + (quant_type == 0 ? r * num_blocks : 0);
+        float* yr = y + r * n + row;
+        switch (std::min<int64_t>(4, m - r)) {
+          case 1: quant_rows_avx512<1>(wrow, quant_type, xr, k, sums, num_blocks, yr, n); break;
+          case 2: quant_rows_avx512<2>(wrow, quant_type, xr, k, sums, num_blocks, yr, n); break;
+          case 3: quant_rows_avx512<3>(wrow, quant_type, xr, k, sums, num_blocks, yr, n); break;
+          default: quant_rows_avx512<4>(wrow, quant_type, xr, k, sums, num_blocks, yr, n); break;
+        }
+      }
+#else
       for (int64_t r = 0; r < m; ++r) {
         y[r * n + row] = quant_type == 0
                              ? q4_1_row(wrow, x_data + r * k, block_sums.data() + r * num_blocks, num_blocks)
                              : q8_0_row(wrow, x_data + r * k, num_blocks);
       }
+#endif
     }
   });
+}
+
+// How many activation rows this build serves at the cost of about one: 4 with AVX-512 (a block is
+// dequantized once for up to 4 rows), 1 with AVX2, 0 for the scalar fallback, which is slower than
+// a float32 matmul, so the caller keeps float32 weights then.
+int64_t quant_gemv_rows() {
+#if defined(__AVX512F__)
+  return 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type) -> ()");
+  m.def("quant_gemv_rows() -> int", &quant_gemv_rows);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemv", &quant_gemv); }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.quantized_linear import quantized_blocks, quantized_linear
+from tokenmill.model.layers.quantized_linear import blocks_for_rows, quantized_linear
 
 _PACKED_ATTR = "onednn_packed"
 _PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for single-row calls
@@ -63,10 +63,10 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or oneDNN's linear for a weight packed by this module (its plain original, where
-    kept, for a single row); a single float32 row goes to the weight's GGUF blocks where it has them
+    kept, for a single row); a few float32 rows go to the weight's GGUF blocks where it has them
     (layers/quantized_linear.py)."""
-    if x.shape[0] == 1 and x.dtype == torch.float32:
-        blocks = quantized_blocks(weight)
+    if x.dtype == torch.float32:
+        blocks = blocks_for_rows(weight, x.shape[0])
         if blocks is not None:
             return quantized_linear(x, blocks, bias)
     if getattr(weight, _PACKED_ATTR, False):

@@ -1,9 +1,10 @@
 """One-row matmuls straight from GGUF-quantized weights, on the CPU.
 
-A request decoding alone multiplies one row of activations by every weight matrix, so the step
-costs what reading the weights costs: 540 MB a token for SmolLM2-135M as float32, against 96 MB
+A request decoding alone multiplies one row of activations by every weight matrix (a few requests:
+a few rows), so the step costs what reading the weights costs: 540 MB a token for SmolLM2-135M as float32, against 96 MB
 as the GGUF's own Q4_1 / Q8_0 blocks. Where a GGUF model's weights come in those types, CausalLM
-keeps the blocks beside the float32 weights (attach) and `linear` sends one-row products to the
+keeps the blocks beside the float32 weights (attach) and `linear` sends products of up to
+`rows_limit()` rows to the
 C++ kernel (attention/csrc/cpu_quant_gemv.cpp), which dequantizes each block of 32 in registers
 and multiplies it with the float32 activations: the float32 product of the dequantized weights up
 to summation order. Larger batches keep the float32 (oneDNN-packed) path, where the arithmetic,
@@ -18,6 +19,21 @@ import numpy as np
 import torch
 
 _BLOCKS_ATTR = "gguf_blocks"
+# Steps of up to `rows_limit()` rows use the blocks. With AVX-512 the kernel dequantizes each block
+# once for up to 4 rows, which is most of its work: a 3072 x 576 Q4_1 matmul on one core took 325 /
+# 406 / 486 / 591 us for 1-4 rows against ~820 us for the float32 oneDNN path at any of those, and
+# 1112 against 952 at 8 rows (BENCHMARKS.md). An AVX2 build serves one row; a scalar one none.
+_rows_limit: int | None = None
+
+
+def rows_limit() -> int:
+    """Rows a step may have to use the blocks on this build of the kernels (0: never)."""
+    global _rows_limit
+    if _rows_limit is None:
+        _rows_limit = int(torch.ops.tokenmill_cpu.quant_gemv_rows())
+    return _rows_limit
+
+
 _PLAIN_ATTR = "plain_weight"  # layers/linear.py's float32 copy for one-row steps: no longer needed
 
 
@@ -44,7 +60,8 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
 
 
 def attach(weight: torch.Tensor, blocks: QuantizedBlocks) -> None:
-    """Route `weight`'s one-row products to `blocks`; drop the plain float32 copy kept for them."""
+    """Route `weight`'s few-row products to `blocks`; drop the plain float32 copy kept for one-row
+    ones. Only call it where rows_limit() >= 1."""
     setattr(weight, _BLOCKS_ATTR, blocks)
     if hasattr(weight, _PLAIN_ATTR):
         delattr(weight, _PLAIN_ATTR)
@@ -52,6 +69,12 @@ def attach(weight: torch.Tensor, blocks: QuantizedBlocks) -> None:
 
 def quantized_blocks(weight: torch.Tensor) -> QuantizedBlocks | None:
     return getattr(weight, _BLOCKS_ATTR, None)
+
+
+def blocks_for_rows(weight: torch.Tensor, rows: int) -> QuantizedBlocks | None:
+    """The weight's blocks when a product of `rows` rows should use them."""
+    blocks = getattr(weight, _BLOCKS_ATTR, None)
+    return blocks if blocks is not None and rows <= rows_limit() else None
 
 
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
