@@ -69,6 +69,19 @@ def _gemv_split_k_kernel(
         )
         acc += w.to(tl.float32) * x[:, None]
     partial = tl.sum(acc, axis=0)
+    split_k_finish(
+        partial, y_ptr, bias_ptr, partial_ptr, counter_ptr, cols, col_ok, pid_n, pid_k, N, SPLIT_K, HAS_BIAS
+    )
+
+
+@triton.jit
+def split_k_finish(
+    partial, y_ptr, bias_ptr, partial_ptr, counter_ptr, cols, col_ok, pid_n, pid_k, N,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """A split-K GEMV program's end: with one split it writes its columns; otherwise it writes its
+    partial sums to the workspace, and the last program of the column block to arrive sums them,
+    writes the output and resets the block's counter."""
     if SPLIT_K == 1:
         if HAS_BIAS:
             partial += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from decode_layer_microbench import time_graph  # benchmarks/ is on sys.path when run as a script
+from gemv_microbench import split_k_finish
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -87,21 +89,9 @@ def _gemv_pdl_kernel(
         partial += tl.sum(acc, axis=0)
     if PDL:
         gdc_launch_dependents()
-    if SPLIT_K == 1:
-        tl.store(y_ptr + cols, partial.to(y_ptr.dtype.element_ty), mask=col_ok)
-    else:
-        tl.store(partial_ptr + pid_k * N + cols, partial, mask=col_ok)
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            splits = tl.arange(0, SPLIT_K)
-            parts = tl.load(
-                partial_ptr + splits[:, None] * N + cols[None, :],
-                mask=col_ok[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            tl.store(y_ptr + cols, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=col_ok)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    split_k_finish(
+        partial, y_ptr, y_ptr, partial_ptr, counter_ptr, cols, col_ok, pid_n, pid_k, N, SPLIT_K, False
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,25 +130,8 @@ def busy(y_prev, x, iters: int, pdl: bool) -> None:
 
 
 def graph_us(calls, reps: int = 20) -> float:
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
+    """us per replay of one CUDA graph of `calls` (median of 5 timings of `reps` replays)."""
+    return time_graph(lambda: [call() for call in calls], reps) * 1000
 
 
 SHAPES = {  # name: (N, K, primary duration in us it stands in for)
