@@ -23,7 +23,13 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.layers.linear import linear, onednn_packing_available, pack_parameter, pack_weight
+from tokenmill.model.layers.linear import (
+    drop_plain_copy,
+    linear,
+    onednn_packing_available,
+    pack_parameter,
+    pack_weight,
+)
 from tokenmill.model.layers.mlp import swiglu_mlp
 from tokenmill.model.layers.rmsnorm import rms_norm
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
@@ -318,24 +324,27 @@ class CausalLM(nn.Module):
             return QuantizedBlocks(torch.from_numpy(rows), code, out_features)
 
         fused = {
-            "qkv_weight": (["q_proj", "k_proj", "v_proj"], arch.q_size + 2 * arch.kv_size),
-            "o_weight": (["o_proj"], arch.hidden_size),
-            "gate_up_weight": (["gate_proj", "up_proj"], 2 * arch.intermediate_size),
-            "down_weight": (["down_proj"], arch.hidden_size),
-        }
-        for i, layer in enumerate(self.layers):
-            for attr, (parts, out_features) in fused.items():
-                module = "mlp" if parts[0].endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
-                names = [f"model.layers.{i}.{module}.{part}.weight" for part in parts]
-                blocks = blocks_for(names, out_features)
-                if blocks is not None:
-                    attach(getattr(layer, attr), blocks)
-                    attached += blocks.blocks.nbytes
-        tied = self.lm_head is self.embed_tokens
-        blocks = blocks_for(["model.embed_tokens.weight" if tied else "lm_head.weight"], arch.vocab_size)
-        if blocks is not None:
-            attach(self._packed_lm_head if self._packed_lm_head is not None else self.lm_head, blocks)
-            attached += blocks.blocks.nbytes
+            "qkv_weight": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], arch.q_size + 2 * arch.kv_size),
+            "o_weight": (["self_attn.o_proj"], arch.hidden_size),
+            "gate_up_weight": (["mlp.gate_proj", "mlp.up_proj"], 2 * arch.intermediate_size),
+            "down_weight": (["mlp.down_proj"], arch.hidden_size),
+        }  # fmt: skip
+        targets: list[tuple[torch.Tensor, QuantizedBlocks | None]] = [
+            (
+                getattr(layer, attr),
+                blocks_for([f"model.layers.{i}.{part}.weight" for part in parts], out_features),
+            )
+            for i, layer in enumerate(self.layers)
+            for attr, (parts, out_features) in fused.items()
+        ]
+        lm_head_name = "model.embed_tokens.weight" if self.lm_head is self.embed_tokens else "lm_head.weight"
+        lm_head = self._packed_lm_head if self._packed_lm_head is not None else self.lm_head
+        targets.append((lm_head, blocks_for([lm_head_name], arch.vocab_size)))
+        for weight, blocks in targets:
+            if blocks is not None:
+                attach(weight, blocks)
+                drop_plain_copy(weight)  # the blocks serve its one-row steps now
+                attached += blocks.blocks.nbytes
         return attached
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,13 @@ def pack_parameter(module: torch.nn.Module, name: str, *, keep_plain: bool = Fal
     setattr(module, name, packed)
 
 
+def drop_plain_copy(weight: torch.Tensor) -> None:
+    """Free the plain copy kept beside a packed weight for single-row calls (when something else,
+    such as GGUF blocks, serves those now)."""
+    if hasattr(weight, _PLAIN_ATTR):
+        delattr(weight, _PLAIN_ATTR)
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     return getattr(weight, _PACKED_ATTR, False)
 

@@ -34,9 +34,6 @@ def rows_limit() -> int:
     return _rows_limit
 
 
-_PLAIN_ATTR = "plain_weight"  # layers/linear.py's float32 copy for one-row steps: no longer needed
-
-
 # Bytes of one block of 32 weights and, at its start, of its float16 scales (d; d and m for Q4_1).
 _BLOCK_BYTES = {0: 20, 1: 34}  # kernel code -> bytes: Q4_1, Q8_0
 _SCALE_BYTES = {0: 4, 1: 2}
@@ -60,11 +57,8 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
 
 
 def attach(weight: torch.Tensor, blocks: QuantizedBlocks) -> None:
-    """Route `weight`'s few-row products to `blocks`; drop the plain float32 copy kept for one-row
-    ones. Only call it where rows_limit() >= 1."""
+    """Route `weight`'s few-row products to `blocks`. Only call it where rows_limit() >= 1."""
     setattr(weight, _BLOCKS_ATTR, blocks)
-    if hasattr(weight, _PLAIN_ATTR):
-        delattr(weight, _PLAIN_ATTR)
 
 
 def quantized_blocks(weight: torch.Tensor) -> QuantizedBlocks | None:
