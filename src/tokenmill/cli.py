@@ -62,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-quantized-gemv",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="CPU, float32, GGUF models: one-row matmuls (one request decoding) read the file's "
+        help="CPU, float32, GGUF models: matmuls of up to 4 rows (a few requests decoding) read the file's "
         "Q4_1 / Q8_0 weights directly instead of their float32 copies (several times fewer bytes)",
     )
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")

@@ -18,7 +18,7 @@ class ModelConfig:
     served_model_name: str | None = None
     # CPU, float32: prepack matmul weights for oneDNN (model/layers/linear.py); off = plain F.linear.
     cpu_weight_packing: bool = True
-    # CPU, float32, GGUF: one-row matmuls read the file's Q4_1 / Q8_0 blocks (layers/quantized_linear.py).
+    # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks (layers/quantized_linear.py).
     cpu_quantized_gemv: bool = True
 
 

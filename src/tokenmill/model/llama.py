@@ -305,7 +305,7 @@ class CausalLM(nn.Module):
 
     def attach_quantized_weights(self, quantized: Iterable[tuple[str, int, np.ndarray]]) -> int:
         """Keep GGUF blocks (loader.gguf_loader.iter_gguf_quantized) beside the matmul weights for
-        one-row steps (layers/quantized_linear.py). A fused weight (qkv, gate_up) gets blocks only
+        steps of a few rows (layers/quantized_linear.py). A fused weight (qkv, gate_up) gets blocks only
         when all its parts come in the same type. Returns the bytes attached."""
         from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach, split_rows
 

@@ -143,7 +143,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
 
     available, why = cpu_kernels_available()
     if not available:
-        logger.warning("GGUF weights stay float32 for one-row steps (%s)", why)
+        logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
         return
     from tokenmill.model.layers.quantized_linear import rows_limit
 

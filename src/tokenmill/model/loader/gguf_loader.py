@@ -139,6 +139,15 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _unpermute_if_qk(rows: np.ndarray, hf_name: str, arch: ArchConfig) -> np.ndarray:
+    """A permuted file's Q or K weight / bias rows back in HF order; any other tensor as it is."""
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_qk(rows, arch.num_heads)
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_qk(rows, arch.num_kv_heads)
+    return rows
+
+
 def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time."""
     gguf_file = open_gguf(str(path))
@@ -148,10 +157,8 @@ def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str,
         if hf_name is None:
             continue
         weight = gguf_file.dequantize(tensor)
-        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_qk(weight, arch.num_heads)
-        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_qk(weight, arch.num_kv_heads)
+        if permuted:
+            weight = _unpermute_if_qk(weight, hf_name, arch)
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if not weight.flags.writeable:  # F32 tensors come straight from the read-only memory map
             weight = weight.copy()
@@ -183,8 +190,6 @@ def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[st
         ):
             continue
         rows = gguf_file.raw(tensor)
-        if permuted and hf_name.endswith("q_proj.weight"):
-            rows = unpermute_qk(rows, arch.num_heads)
-        elif permuted and hf_name.endswith("k_proj.weight"):
-            rows = unpermute_qk(rows, arch.num_kv_heads)
+        if permuted:  # whole rows move, so the quantized blocks un-permute like the floats
+            rows = _unpermute_if_qk(rows, hf_name, arch)
         yield hf_name, QUANT_GEMV_TYPES[tensor.ggml_type], rows
