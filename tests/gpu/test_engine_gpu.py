@@ -158,6 +158,8 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, mo
     from tokenmill.model import llama
 
     path = str(request.getfixturevalue(model))
+    # The deferred norm (its own test below) rounds differently from separate norm launches.
+    monkeypatch.setattr(llama, "_DEFER_NORM", False)
     results = []
     for fused in (True, False):
         monkeypatch.setattr(llama, "_FUSE_DECODE_ROPE", fused)
@@ -172,6 +174,49 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, mo
         del llm
         gc.collect()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deferred_norm_decode_steps_match_transformers(model, dtype, request, monkeypatch):
+    """Single-request decode steps of a model with its norm weights folded into qkv / gate_up
+    (the tiny checkpoints' norm weights are random, not ones) skip the norm launches: the
+    attention launch and silu_mul apply 1/rms, o_proj and down add into the residual. fp32
+    greedy tokens equal transformers' (CPU) token for token; bf16 the first 32 equal
+    transformers' bf16 on the GPU, with close logprobs."""
+    from tokenmill.model import llama
+
+    path = str(request.getfixturevalue(model))
+    calls = []
+    deferred = llama.DecoderLayer._forward_deferred_norm
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return deferred(self, *args, **kwargs)
+
+    monkeypatch.setattr(llama.DecoderLayer, "_forward_deferred_norm", counted)
+    llm = _llm(path, dtype=dtype)
+    assert all(layer.norms_folded for layer in llm.engine.runner.model.layers)
+    prompts = _prompts(llm.info.vocab_size, 3, seed=18, min_len=8)
+    diffs = []
+    for prompt in prompts:  # one at a time: single-request steps are the deferred ones
+        if dtype == "float32":
+            completion = _greedy(llm, [prompt], 24)[0]
+            assert completion.token_ids == hf_greedy(path, prompt, 24)[0], f"{len(prompt)}-token prompt"
+            continue
+        completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
+        tokens, expected_lps, margins = _hf_greedy_bf16(path, prompt, 32)
+        if completion.token_ids != tokens:
+            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
+            pytest.fail(f"diverged at token {i}; transformers' top-2 logprob margin there {margins[i]:.4f}")
+        diffs += [
+            abs(pos[t].logprob - lp)
+            for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
+        ]
+    if diffs:
+        assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
+    assert calls, "no step took the deferred-norm path"
+    assert _graph_replays(llm) > 0
 
 
 def test_async_scheduling_is_the_cuda_default(tiny_llama_dir):

@@ -473,6 +473,83 @@ def test_decode_with_rope_equals_rope_store_then_attention(
     assert relative_error(fused[:n], expected[:n]) < TOLERANCE[dtype]
 
 
+def _inverse_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(rows.float().pow(2).mean(-1) + eps)
+
+
+@interpreted_only
+@interpreter_loops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_rope_scales_by_the_deferred_norm(dtype: torch.dtype) -> None:
+    """With `norm_source` (the un-normalized residual rows q/k/v were projected from), the launch
+    scales q, k and v by 1/rms(row) first: the same cache and output as passing them scaled."""
+    num_heads, num_kv_heads, head_dim, hidden, eps, block_size = 8, 2, 16, 48, 1e-5, 4
+    contexts = [21, 0, 7]
+    q, k, v, kv_cache, meta = make_batch(
+        [1, 1, 1], contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, num_padding_tokens=1
+    )
+    positions = torch.tensor(contexts + [0])
+    cos, sin = _rope_tables(head_dim, dtype)
+    residual = (torch.randn(4, hidden, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    qkv = torch.cat([q, k, v], dim=1)
+    heads_qk = num_heads + num_kv_heads
+    # What the deferred norm should amount to: every row of the projection scaled by 1/rms.
+    scaled = (qkv.float() * _inverse_rms(residual, eps)[:, None, None]).to(dtype)
+    backend = triton_paged.TritonPagedBackend(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, num_kv_splits=2
+    )
+    results = []
+    for rows, source in ((qkv, residual), (scaled, None)):
+        cache = kv_cache.clone()
+        out = backend.forward_decode_with_rope(
+            rows[:, :num_heads], rows[:, num_heads:heads_qk], rows[:, heads_qk:], positions, cos, sin,
+            cache, meta, norm_source=source, norm_eps=eps,
+        )  # fmt: skip
+        results.append((out[: meta.num_actual_tokens].float(), cache.float()))
+    (out, cache), (expected_out, expected_cache) = results
+    # Both round q/k/v once after the scale; only 1/rms may differ in its last bit (reduction order).
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-3}
+    torch.testing.assert_close(cache, expected_cache, **tolerance)
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    with pytest.raises(ValueError, match="norm_source"):
+        backend.forward_decode_with_rope(
+            q, k, v, positions, cos, sin, kv_cache.clone(), meta, norm_source=residual[:2], norm_eps=eps
+        )
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_unweighted_norm_for_folded_norm_weights(dtype: torch.dtype) -> None:
+    """A model with its norm weights folded into the matmuls (W' = w * W): silu_mul given the
+    residual rows turns h @ W' into the MLP activation of RMSNorm(h) * w @ W, and add_rms_norm
+    without a weight gives the normalized rows that W' expects."""
+    from tokenmill.model.layers.triton_ops import add_rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(4)
+    rows, hidden, intermediate, eps = 5, 64, 96, 1e-6
+    residual = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
+    norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    gate_up_weight = (torch.randn(2 * intermediate, hidden, generator=gen) * 0.1).to(dtype)
+    folded = gate_up_weight * norm_weight  # one rounding, as CausalLM.fold_norm_weights does
+
+    normed = add_rms_norm(residual.clone(), None, eps)
+    expected_normed = (residual.float() * _inverse_rms(residual, eps)[:, None]).to(dtype)
+    one_ulp = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(normed, expected_normed, **one_ulp)
+
+    act = silu_mul((residual.float() @ folded.float().t()).to(dtype), norm_source=residual, eps=eps)
+    reference_gate_up = (expected_normed * norm_weight).float() @ gate_up_weight.float().t()
+    expected_act = (
+        torch.nn.functional.silu(reference_gate_up[:, :intermediate]) * reference_gate_up[:, intermediate:]
+    )
+    assert relative_error(act, expected_act) < TOLERANCE[dtype]
+    # Without the residual rows it is the plain activation of its input.
+    plain = silu_mul(reference_gate_up.to(dtype))
+    assert relative_error(plain, expected_act) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="norm_source"):
+        silu_mul(reference_gate_up.to(dtype), norm_source=residual[:2], eps=eps)
+
+
 @interpreted_only
 def test_decode_with_rope_refuses_mixed_batches() -> None:
     q, k, v, kv_cache, meta = make_batch([3, 1], [2, 5], 2, 1, 16, 4, torch.float32)

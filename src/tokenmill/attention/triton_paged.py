@@ -178,15 +178,29 @@ class TritonPagedBackend(AttentionBackend):
         sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        norm_source: torch.Tensor | None = None,
+        norm_eps: float = 0.0,
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch per layer.
 
         Same result as rotating q and k (triton_ops.rope_inplace), storing k/v and calling
         forward(); q, k and v are left as they were. Mixed batches must use forward().
+        With `norm_source` [num_tokens, hidden], q/k/v are first scaled by 1/rms of those rows
+        (the deferred input RMSNorm: see DecodeRope).
         """
         if not meta.is_decode_only:
             raise ValueError("forward_decode_with_rope serves decode-only batches; use forward()")
-        rope = DecodeRope(k, v, positions, cos_cache, sin_cache, meta.slot_mapping)
+        rope = DecodeRope(
+            k,
+            v,
+            positions,
+            cos_cache,
+            sin_cache,
+            meta.slot_mapping,
+            norm_source=norm_source,
+            norm_eps=norm_eps,
+        )
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=True, rope=rope)
 
     def _forward(

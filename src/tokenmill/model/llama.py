@@ -43,6 +43,10 @@ _triton_ops = None
 # (TritonPagedBackend.forward_decode_with_rope). TOKENMILL_FUSED_DECODE_ROPE=0 keeps the separate
 # RoPE + KV-store launch, for same-run comparisons.
 _FUSE_DECODE_ROPE = os.environ.get("TOKENMILL_FUSED_DECODE_ROPE", "1") != "0"
+# Those steps also skip both RMSNorm launches of a layer when the norm weights are folded into
+# the matmuls (CausalLM.fold_norm_weights): see DecoderLayer._forward_deferred_norm.
+# TOKENMILL_DEFERRED_NORM=0 normalizes in launches of their own, for same-run comparisons.
+_DEFER_NORM = os.environ.get("TOKENMILL_DEFERRED_NORM", "1") != "0"
 
 
 # CPU: below this many bytes of matmul weights, keep plain copies beside the oneDNN-packed ones
@@ -80,6 +84,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param((hidden,), device, dtype)
         self.gate_up_weight = _param((2 * inter, hidden), device, dtype)
         self.down_weight = _param((hidden, inter), device, dtype)
+        # Set by CausalLM.fold_norm_weights: qkv_weight and gate_up_weight carry the input and
+        # post-attention norm weights, and the norms must run without them.
+        self.norms_folded = False
 
     def forward(
         self,
@@ -89,6 +96,8 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.norms_folded:
+            raise RuntimeError("this layer's norm weights are folded into its matmuls: use forward_fused")
         arch = self.arch
         eps = arch.rms_norm_eps
         num_tokens = x.shape[0]
@@ -127,7 +136,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
 
-        Returns this layer's MLP output; the caller adds it to x inside the next fused norm.
+        Returns this layer's MLP output; the caller adds it to x inside the next fused norm. (None
+        when the layer added it itself: the deferred-norm path.)
         """
         ops = _fused_ops()
         arch = self.arch
@@ -135,18 +145,24 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = arch.q_size, arch.kv_size
-
-        qkv = F.linear(ops.add_rms_norm(x, self.input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        cos, sin = rotary.cos_cache, rotary.sin_cache
         # The Triton backend's cache takes the rotated keys and the values from the RoPE launch.
         fuse_store = self.attn_backend.name == "triton"
-        if (
+        fuse_rope = (
             fuse_store
             and self.q_norm is None
             and _FUSE_DECODE_ROPE
             and self.attn_backend.fuses_decode_rope(meta)
-        ):
+        )
+        if fuse_rope and self.norms_folded and _DEFER_NORM:
+            if pending is not None:
+                raise RuntimeError("the deferred-norm path needs the residual stream complete (pending=None)")
+            return self._forward_deferred_norm(x, positions, rotary, kv_cache, meta)
+
+        input_norm = None if self.norms_folded else self.input_norm
+        qkv = F.linear(ops.add_rms_norm(x, input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        cos, sin = rotary.cos_cache, rotary.sin_cache
+        if fuse_rope:
             # Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
             # launch; q and k go in un-rotated.
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
@@ -156,9 +172,51 @@ class DecoderLayer(nn.Module):
         else:
             attn = self._rope_and_attend(qkv, v, positions, rotary, kv_cache, meta, fuse_store)
         attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
-        normed = ops.add_rms_norm(x, self.post_attention_norm, eps, attn_out)
+        post_norm = None if self.norms_folded else self.post_attention_norm
+        normed = ops.add_rms_norm(x, post_norm, eps, attn_out)
         gate_up = F.linear(normed, self.gate_up_weight)
         return F.linear(ops.silu_mul(gate_up), self.down_weight)
+
+    def _forward_deferred_norm(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream, complete; updated in place
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """forward_fused for small decode-only steps of a layer with folded norm weights: no norm
+        launches. RMSNorm(h) * w @ W = (h @ (w * W)) / rms(h), so the matmuls read the residual
+        rows themselves and the kernels that consume their outputs (the attention launch for
+        q/k/v, silu_mul for gate/up) apply 1/rms(h). The residual adds happen in the o_proj and
+        down matmuls (cuBLAS with beta = 1). Per layer that is 6 launches (plus cuBLAS's split-K
+        reduces) instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200."""
+        ops = _fused_ops()
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+        qkv = F.linear(x, self.qkv_weight)  # no bias: fold_norm_weights folds only bias-free models
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        attn = self.attn_backend.forward_decode_with_rope(
+            qk[:, :heads],
+            qk[:, heads:],
+            v,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            kv_cache,
+            meta,
+            norm_source=x,
+            norm_eps=eps,
+        )
+        # Weights are stored in-major (store_matmul_weights_k_major): .t() is the row-major
+        # [in, out] operand F.linear would hand cuBLAS too.
+        x.addmm_(attn.reshape(num_tokens, q_size), self.o_weight.t())
+        gate_up = F.linear(x, self.gate_up_weight)
+        x.addmm_(ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight.t())
 
     def _rope_and_attend(
         self,
@@ -253,6 +311,26 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, signed_sin, kv_cache, meta)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+
+    def fold_norm_weights(self) -> bool:
+        """Fold each layer's input and post-attention RMSNorm weights into the qkv and gate_up
+        weights (W <- W * w along the input dimension, rounded once), so that a decode step can
+        skip the norm launches (DecoderLayer._forward_deferred_norm); the other CUDA paths then
+        normalize without a weight. CUDA only. Models with a q/k/v or o_proj bias or Q/K norms
+        keep their weights as they are (the deferred path has no place for those); returns
+        whether the weights were folded.
+        """
+        arch = self.arch
+        if self.embed_tokens.device.type != "cuda" or arch.qk_norm or arch.attention_bias or arch.o_proj_bias:
+            return False
+        with torch.no_grad():
+            for layer in self.layers:
+                if layer.norms_folded:
+                    continue
+                layer.qkv_weight.mul_(layer.input_norm)
+                layer.gate_up_weight.mul_(layer.post_attention_norm)
+                layer.norms_folded = True
+        return True
 
     def store_matmul_weights_k_major(self) -> None:
         """Keep each matmul weight's logical [out, in] shape but store it transposed (in-major).

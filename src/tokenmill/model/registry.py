@@ -124,6 +124,7 @@ def load_model(
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
     if device.type == "cuda":
         model.store_matmul_weights_k_major()
+        model.fold_norm_weights()
     elif model_config.cpu_weight_packing:
         model.pack_cpu_matmul_weights()
     if (

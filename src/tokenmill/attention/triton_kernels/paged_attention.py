@@ -28,18 +28,23 @@ straight from the qkv projection. Every program rotates its own q rows and the r
 key in registers; the cache loop reads positions [0, seq_len - 1) from the pages and takes the
 new token's key and value from registers; the one program whose split covers the last position
 writes them to their cache slot. No program reads that slot in the same launch, so there is no
-read-after-write race, and the separate RoPE/KV-store launch per layer goes away.
+read-after-write race, and the separate RoPE/KV-store launch per layer goes away. With
+`rope.norm_source`, q/k/v are projections of the un-normalized residual rows (the input
+RMSNorm's weight folded into the qkv weight) and every program first scales them by 1/rms of
+the token's row, so the norm needs no launch either.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.rounding import rope_rows
+from tokenmill.attention.triton_kernels.rms import inverse_rms
+from tokenmill.attention.triton_kernels.rounding import rope_rows, round_like
 
 LOG2_E = 1.4426950408889634
 
@@ -157,6 +162,10 @@ def _paged_attention_kernel(
     cos_ptr,
     sin_ptr,
     slot_mapping_ptr,
+    norm_source_ptr,  # NORM_SCALE only: the residual rows q/k/v were projected from, un-normalized
+    stride_norm_source,
+    hidden,
+    norm_eps,
     scale_log2,  # softmax scale * log2(e): scores live in base 2 so exp2 does the softmax
     num_reqs,
     num_kv_splits,
@@ -194,6 +203,8 @@ def _paged_attention_kernel(
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,  # splits the merge reads per round
     ROPE_KV: tl.constexpr,  # DECODE only: rotate q and k here, store k/v, new token from registers
+    NORM_SCALE: tl.constexpr,  # ROPE_KV only: q/k/v still need the input RMSNorm's 1/rms factor
+    HIDDEN_PAD: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
@@ -261,17 +272,26 @@ def _paged_attention_kernel(
             mask=row_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
         k_row = k_ptr + token * stride_k_token + kv_head * stride_k_head
-        k_new = rope_rows(
-            tl.load(k_row + dims, mask=dim_valid, other=0.0),
-            tl.load(k_row + partner, mask=dim_valid, other=0.0),
-            cos,
-            sin,
-        ).to(key_cache_ptr.dtype.element_ty)
-        v_new = tl.load(
+        k_raw = tl.load(k_row + dims, mask=dim_valid, other=0.0)
+        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
+        v_raw = tl.load(
             v_ptr + token * stride_v_token + kv_head * stride_v_head + dims, mask=dim_valid, other=0.0
-        ).to(value_cache_ptr.dtype.element_ty)
+        )
+        if NORM_SCALE:
+            # q/k/v were projected from the un-normalized residual row with the norm weight folded
+            # into the projection: scaling by 1/rms makes them the projection of the normed row,
+            # rounded where the projection's output is rounded.
+            inv_rms = inverse_rms(norm_source_ptr + token * stride_norm_source, hidden, norm_eps, HIDDEN_PAD)
+            dtype = q.dtype
+            q = round_like(q.to(tl.float32) * inv_rms, dtype).to(dtype)
+            q_partner = round_like(q_partner.to(tl.float32) * inv_rms, dtype).to(dtype)
+            k_raw = round_like(k_raw.to(tl.float32) * inv_rms, dtype).to(dtype)
+            k_partner = round_like(k_partner.to(tl.float32) * inv_rms, dtype).to(dtype)
+            v_raw = round_like(v_raw.to(tl.float32) * inv_rms, dtype).to(dtype)
+        q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
+        k_new = rope_rows(k_raw, k_partner, cos, sin).to(key_cache_ptr.dtype.element_ty)
+        v_new = v_raw.to(value_cache_ptr.dtype.element_ty)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     q_pos = context_len + q_tok
@@ -516,14 +536,20 @@ def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> 
     in tests/gpu/test_engine_gpu.py, so they are not used.)"""
     block_n = 64 if head_dim_pad <= 128 else 32
     merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
+    small = _SMALL_DECODE_TILES and num_reqs == 1
     return TileConfig(
         block_q=1,
         block_m=max(16, group_pad),
-        block_n=block_n,
+        block_n=32 if small else block_n,
         num_warps=4,
-        num_stages=3,
+        num_stages=2 if small else 3,
         merge_chunk=merge_chunk,
     )
+
+
+# Experiment switch (same-run comparisons on the GPU): 32-token, 2-stage decode tiles for
+# single-request steps.
+_SMALL_DECODE_TILES = os.environ.get("TOKENMILL_SMALL_DECODE_TILES", "0") == "1"
 
 
 def prefill_tile_config(group_pad: int, head_dim_pad: int, max_query_len: int) -> TileConfig:
@@ -552,6 +578,11 @@ class DecodeRope:
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = write nowhere
+    # Set when q/k/v are projections of the un-normalized residual rows [num_tokens, hidden]
+    # through weights with the input RMSNorm's weight folded in: the launch scales them by
+    # 1/rms(row) (with this eps) before anything else, so the norm needs no launch of its own.
+    norm_source: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
 
 def paged_attention(
@@ -655,6 +686,11 @@ def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_cache: torch.Tensor, decod
         raise ValueError(f"slot_mapping and positions must be ({num_tokens},), one per token")
     if rope.cos_cache.shape[-1] != head_dim or rope.cos_cache.stride() != rope.sin_cache.stride():
         raise ValueError("cos_cache and sin_cache must be [max_positions, head_dim] with equal strides")
+    source = rope.norm_source
+    if source is not None and (source.dim() != 2 or source.shape[0] != num_tokens or source.stride(-1) != 1):
+        raise ValueError(
+            f"norm_source must be [{num_tokens}, hidden] with contiguous rows, got {tuple(source.shape)}"
+        )
 
 
 @dataclass(slots=True)
@@ -692,6 +728,8 @@ class _Launch:
             )  # fmt: skip
         else:  # unused by the kernel
             k, v, positions, cos, sin, slots = q, q, self.seq_lens, q, q, self.seq_lens
+        norm_source = rope.norm_source if rope is not None else None
+        hidden = norm_source.shape[1] if norm_source is not None else 1
         _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
             self.partial_out,
@@ -709,6 +747,10 @@ class _Launch:
             cos,
             sin,
             slots,
+            norm_source if norm_source is not None else q,
+            norm_source.stride(0) if norm_source is not None else 0,
+            hidden,
+            rope.norm_eps if rope is not None else 0.0,
             self.scale * LOG2_E,
             self.num_reqs,
             num_kv_splits,
@@ -746,6 +788,8 @@ class _Launch:
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
             MERGE_CHUNK=min(config.merge_chunk, triton.next_power_of_2(num_kv_splits)),
             ROPE_KV=rope is not None,
+            NORM_SCALE=norm_source is not None,
+            HIDDEN_PAD=triton.next_power_of_2(hidden),
             HALF=head_dim // 2,
             ON_GPU=q.device.type == "cuda",
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton_kernels.rms import inverse_rms
 from tokenmill.attention.triton_kernels.rounding import round_like as _round_like
 
 
@@ -32,6 +33,7 @@ def _add_rms_norm_kernel(
     hidden,
     eps,
     HAS_DELTA: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -45,16 +47,18 @@ def _add_rms_norm_kernel(
         tl.store(x_ptr + row * stride_x + cols, xf.to(dtype), mask=mask)
     variance = tl.sum(xf * xf, axis=0) / hidden
     normed = _round_like(xf / tl.sqrt_rn(variance + eps), dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, delta: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm of `x + delta` over the last dimension; with `delta`, `x` is updated in place to the sum.
 
-    x, delta: [T, hidden] (rows may be strided, the last dimension contiguous).
+    x, delta: [T, hidden] (rows may be strided, the last dimension contiguous). `weight` None:
+    no weight multiply (a model whose norm weights are folded into the next matmul).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(
@@ -71,13 +75,14 @@ def add_rms_norm(
         x,
         delta if delta is not None else x,
         out,
-        weight,
+        weight if weight is not None else x,
         x.stride(0),
         delta.stride(0) if delta is not None else 0,
         out.stride(0),
         hidden,
         eps,
         HAS_DELTA=delta is not None,
+        HAS_WEIGHT=weight is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )
@@ -220,28 +225,76 @@ def rope_and_store_kv(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, intermediate, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    norm_source_ptr,
+    stride_in,
+    stride_out,
+    stride_norm_source,
+    intermediate,
+    hidden,
+    eps,
+    NORM_SCALE: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0)
+    dtype = gate.dtype
     g = gate.to(tl.float32)
-    act = _round_like(g / (1.0 + tl.exp(-g)), gate.dtype)
-    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    u = up.to(tl.float32)
+    if NORM_SCALE:
+        # gate_up was computed from the un-normalized residual row (see silu_mul): apply the
+        # RMSNorm's 1/rms here, rounding where the projection's output would have been rounded.
+        inv_rms = inverse_rms(norm_source_ptr + row * stride_norm_source, hidden, eps, HIDDEN_PAD)
+        g = _round_like(g * inv_rms, dtype)
+        u = _round_like(u * inv_rms, dtype)
+    act = _round_like(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(out_ptr + row * stride_out + cols, (act * u).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2 * intermediate] (gate columns first) -> [T, intermediate]."""
+def silu_mul(
+    gate_up: torch.Tensor, norm_source: torch.Tensor | None = None, eps: float = 0.0
+) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * intermediate] (gate columns first) -> [T, intermediate].
+
+    With `norm_source` [T, hidden], gate_up is `h @ W'` for the residual rows h and a weight W'
+    with the RMSNorm weight folded in (CausalLM.fold_norm_weights): each row is first scaled by
+    1 / rms(h) (eps as the norm's), which makes it the projection of RMSNorm(h), and the norm
+    needs no launch of its own.
+    """
     num_rows, width = gate_up.shape
     if gate_up.stride(-1) != 1 or width % 2:
         raise ValueError(f"silu_mul needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}")
+    if norm_source is not None and (
+        norm_source.dim() != 2 or norm_source.shape[0] != num_rows or norm_source.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"norm_source must be [{num_rows}, hidden] with contiguous rows, got {tuple(norm_source.shape)}"
+        )
     intermediate = width // 2
     out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows == 0:
         return out
+    hidden = norm_source.shape[1] if norm_source is not None else 1
     block = min(1024, triton.next_power_of_2(intermediate))
     _silu_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), intermediate, BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        norm_source if norm_source is not None else gate_up,
+        gate_up.stride(0),
+        out.stride(0),
+        norm_source.stride(0) if norm_source is not None else 0,
+        intermediate,
+        hidden,
+        eps,
+        NORM_SCALE=norm_source is not None,
+        HIDDEN_PAD=triton.next_power_of_2(hidden),
+        BLOCK=block,
+        num_warps=4,
     )
     return out

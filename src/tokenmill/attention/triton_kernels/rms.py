@@ -1,0 +1,19 @@
+"""The RMSNorm factor, for kernels that apply a norm deferred past the matmul after it."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def inverse_rms(row_ptr, length, eps, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(row^2) + eps) of one contiguous row, in fp32: what RMSNorm divides by.
+
+    A model whose norm weights are folded into the next matmul's weight (CausalLM.fold_norm_weights)
+    multiplies the un-normalized residual row h by that weight; scaling the product by this
+    factor gives the projection of RMSNorm(h), since the norm is a per-row scale.
+    """
+    cols = tl.arange(0, BLOCK)
+    values = tl.load(row_ptr + cols, mask=cols < length, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt_rn(tl.sum(values * values, axis=0) / length + eps)
