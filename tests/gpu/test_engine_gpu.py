@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import random
 
@@ -79,6 +80,15 @@ def _hf_bf16_cuda(path: str):
 
 def _hf_greedy_bf16(path: str, prompt: list[int], max_new: int) -> tuple[list[int], list[float], list[float]]:
     """Greedy tokens, their logprobs, and each step's margin between the two best logprobs."""
+    tokens, chosen, margins, _ = _hf_greedy_bf16_with_ties(path, prompt, max_new)
+    return tokens, chosen, margins
+
+
+def _hf_greedy_bf16_with_ties(
+    path: str, prompt: list[int], max_new: int
+) -> tuple[list[int], list[float], list[float], list[bool]]:
+    """_hf_greedy_bf16, and for each step whether its two best logits lie within one bf16 ulp of
+    each other (a tie at the precision the logits are rounded to)."""
     model = _hf_bf16_cuda(path)
     ids = torch.tensor([prompt], device="cuda")
     with torch.inference_mode():
@@ -96,7 +106,12 @@ def _hf_greedy_bf16(path: str, prompt: list[int], max_new: int) -> tuple[list[in
     logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
     top2 = [lp.topk(2).values.tolist() for lp in logprobs]
     chosen = [lp[t].item() for lp, t in zip(logprobs, tokens, strict=True)]
-    return tokens, chosen, [a - b for a, b in top2]
+    ties = []
+    for step in out.logits:
+        best, second = step[0].float().topk(2).values.tolist()
+        ulp = 2.0 ** (math.floor(math.log2(max(abs(best), 1e-30))) - 7)  # bf16: 8 significant bits
+        ties.append(best - second <= ulp)
+    return tokens, chosen, [a - b for a, b in top2], ties
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
@@ -176,14 +191,19 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, mo
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deferred_norm_decode_steps_match_transformers(model, dtype, request, monkeypatch):
-    """Single-request decode steps of a model with its norm weights folded into qkv / gate_up
-    (the tiny checkpoints' norm weights are random, not ones) skip the norm launches: the
-    attention launch and silu_mul apply 1/rms, o_proj and down add into the residual. fp32
-    greedy tokens equal transformers' (CPU) token for token; bf16 the first 32 equal
-    transformers' bf16 on the GPU, with close logprobs."""
+def test_single_request_decode_steps_match_transformers(model, dtype, request, monkeypatch):
+    """Single-request decode steps take their own path: 32-token attention tiles, RoPE + KV
+    store inside the attention launch (not Qwen3: its Q/K norm), and for models whose norm
+    weights are folded into qkv / gate_up (Llama, Mistral: no q/k/v bias, no Q/K norm; the tiny
+    checkpoints' norm weights are random, not ones) no norm launches: the attention launch and
+    silu_mul apply 1/rms, o_proj and down add into the residual. fp32 greedy tokens equal
+    transformers' (CPU) token for token; bf16 the first 32 equal transformers' bf16 on the GPU,
+    with close logprobs, except that a step where transformers' two best logits are within one
+    bf16 ulp may pick the other one (these paths round in a different order from
+    transformers': the deferred norm projects the un-normalized row, then scales; it met such a
+    tie on the tiny Mistral), after which the sequences are compared no further."""
     from tokenmill.model import llama
 
     path = str(request.getfixturevalue(model))
@@ -196,7 +216,8 @@ def test_deferred_norm_decode_steps_match_transformers(model, dtype, request, mo
 
     monkeypatch.setattr(llama.DecoderLayer, "_forward_deferred_norm", counted)
     llm = _llm(path, dtype=dtype)
-    assert all(layer.norms_folded for layer in llm.engine.runner.model.layers)
+    folds = model in ("tiny_llama_dir", "tiny_mistral_dir")
+    assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
     prompts = _prompts(llm.info.vocab_size, 3, seed=18, min_len=8)
     diffs = []
     for prompt in prompts:  # one at a time: single-request steps are the deferred ones
@@ -205,17 +226,23 @@ def test_deferred_norm_decode_steps_match_transformers(model, dtype, request, mo
             assert completion.token_ids == hf_greedy(path, prompt, 24)[0], f"{len(prompt)}-token prompt"
             continue
         completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
-        tokens, expected_lps, margins = _hf_greedy_bf16(path, prompt, 32)
+        tokens, expected_lps, margins, ties = _hf_greedy_bf16_with_ties(path, prompt, 32)
+        compared = 32
         if completion.token_ids != tokens:
             i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
-            pytest.fail(f"diverged at token {i}; transformers' top-2 logprob margin there {margins[i]:.4f}")
+            if not ties[i]:
+                pytest.fail(
+                    f"diverged at token {i}; transformers' top-2 logprob margin there {margins[i]:.4f}"
+                )
+            compared = i
+        assert compared >= 4, "diverged within the first 4 tokens"
         diffs += [
             abs(pos[t].logprob - lp)
-            for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
+            for pos, t, lp in zip(completion.logprobs[:compared], tokens, expected_lps, strict=False)
         ]
     if diffs:
         assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
-    assert calls, "no step took the deferred-norm path"
+    assert bool(calls) == folds, f"{len(calls)} calls of the deferred-norm path"
     assert _graph_replays(llm) > 0
 
 

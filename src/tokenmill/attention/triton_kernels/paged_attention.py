@@ -36,7 +36,6 @@ the token's row, so the norm needs no launch either.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -530,13 +529,17 @@ def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> 
     """The decode launch's tiles. They must not depend on whether the RoPE + KV store is fused
     in: the fused and the plain launch of one batch take the same tiles in the same order, so
     they agree bit for bit. The merge reads up to 32 splits per round while that stays within
-    16K fp32 values. (32-token tiles with 2 stages measured faster at batch 1 on an H200 with the
-    fused launch, 8.1-8.2 against 9.4-9.5 us a layer in benchmarks/decode_layer_microbench.py,
-    but with them the tiny Qwen3 checkpoint's bf16 greedy output no longer matched transformers'
-    in tests/gpu/test_engine_gpu.py, so they are not used.)"""
+    16K fp32 values.
+
+    Single-request steps take 32-token tiles with 2 stages: on an H200 (Llama-3.1-8B shapes,
+    `bench latency`, same machine) 224.5 against 223.2 tok/s with 64-token / 3-stage tiles, and
+    8.1-8.2 against 9.4-9.5 us a layer in benchmarks/decode_layer_microbench.py. (With them at
+    batches up to 8, the tiny Qwen3 checkpoint's bf16 greedy output once differed from
+    transformers' in the 4-request test of tests/gpu/test_engine_gpu.py; larger batches keep
+    64-token tiles, which also measured faster from batch 8 on.)"""
+    small = num_reqs == 1 and head_dim_pad <= 128
     block_n = 64 if head_dim_pad <= 128 else 32
     merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
-    small = _SMALL_DECODE_TILES and num_reqs == 1
     return TileConfig(
         block_q=1,
         block_m=max(16, group_pad),
@@ -545,11 +548,6 @@ def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> 
         num_stages=2 if small else 3,
         merge_chunk=merge_chunk,
     )
-
-
-# Experiment switch (same-run comparisons on the GPU): 32-token, 2-stage decode tiles for
-# single-request steps.
-_SMALL_DECODE_TILES = os.environ.get("TOKENMILL_SMALL_DECODE_TILES", "0") == "1"
 
 
 def prefill_tile_config(group_pad: int, head_dim_pad: int, max_query_len: int) -> TileConfig:
