@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.pdl import launch_options, uses_pdl, wait_for_previous_kernel
 from tokenmill.attention.triton_kernels.rms import inverse_rms
 from tokenmill.attention.triton_kernels.rounding import rope_rows, round_like
 
@@ -209,7 +208,6 @@ def _paged_attention_kernel(
     ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (pdl.py): q/k/v come from the kernel before; wait for it
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -255,9 +253,6 @@ def _paged_attention_kernel(
     token_row = (q_start + q_tok).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    # Everything above read only the step's metadata (staged before the step's first kernel);
-    # q/k/v (and the norm source) are the previous kernel's output.
-    wait_for_previous_kernel(PDL)
     q = tl.load(
         q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
@@ -733,7 +728,6 @@ class _Launch:
             k, v, positions, cos, sin, slots = q, q, self.seq_lens, q, q, self.seq_lens
         norm_source = rope.norm_source if rope is not None else None
         hidden = norm_source.shape[1] if norm_source is not None else 1
-        pdl = uses_pdl(q)
         _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
             self.partial_out,
@@ -799,10 +793,8 @@ class _Launch:
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
             UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            PDL=pdl,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            **launch_options(pdl),
         )
 
     def merge(self, num_kv_splits: int, min_tiles: int, config: TileConfig) -> None:

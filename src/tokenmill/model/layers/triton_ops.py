@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.pdl import launch_options, uses_pdl, wait_for_previous_kernel
 from tokenmill.attention.triton_kernels.rms import inverse_rms
 from tokenmill.attention.triton_kernels.rounding import round_like as _round_like
 
@@ -36,13 +35,11 @@ def _add_rms_norm_kernel(
     HAS_DELTA: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = x_ptr.dtype.element_ty
-    wait_for_previous_kernel(PDL)  # x or delta is the previous kernel's output
     xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         delta = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)
@@ -87,9 +84,7 @@ def add_rms_norm(
         HAS_DELTA=delta is not None,
         HAS_WEIGHT=weight is not None,
         BLOCK=block,
-        PDL=uses_pdl(x),
         num_warps=min(16, max(1, block // 256)),
-        **launch_options(uses_pdl(x)),
     )
     return out
 
@@ -243,23 +238,19 @@ def _silu_mul_kernel(
     NORM_SCALE: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
-    if NORM_SCALE:
-        # gate_up was computed from the un-normalized residual row (see silu_mul): apply the
-        # RMSNorm's 1/rms here, rounding where the projection's output would have been rounded.
-        # The row was written before the gate_up matmul, so with PDL this overlaps its tail.
-        inv_rms = inverse_rms(norm_source_ptr + row * stride_norm_source, hidden, eps, HIDDEN_PAD)
-    wait_for_previous_kernel(PDL)  # gate_up is the previous kernel's output
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0)
     dtype = gate.dtype
     g = gate.to(tl.float32)
     u = up.to(tl.float32)
     if NORM_SCALE:
+        # gate_up was computed from the un-normalized residual row (see silu_mul): apply the
+        # RMSNorm's 1/rms here, rounding where the projection's output would have been rounded.
+        inv_rms = inverse_rms(norm_source_ptr + row * stride_norm_source, hidden, eps, HIDDEN_PAD)
         g = _round_like(g * inv_rms, dtype)
         u = _round_like(u * inv_rms, dtype)
     act = _round_like(g / (1.0 + tl.exp(-g)), dtype)
@@ -304,8 +295,6 @@ def silu_mul(
         NORM_SCALE=norm_source is not None,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
         BLOCK=block,
-        PDL=uses_pdl(gate_up),
         num_warps=4,
-        **launch_options(uses_pdl(gate_up)),
     )
     return out
