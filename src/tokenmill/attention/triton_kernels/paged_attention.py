@@ -73,6 +73,88 @@ def _split_plan(kv_end, num_kv_splits, min_tiles_per_split, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _load_tile(
+    tile,
+    cached_end,  # positions < cached_end are read from the pages
+    block_table_row,
+    key_cache_ptr,
+    value_cache_ptr,
+    kv_head,
+    dims,
+    dim_valid,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One KV tile's keys (transposed, [head_dim, BLOCK_N]) and values ([BLOCK_N, head_dim])."""
+    kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cached = kv_pos < cached_end
+    block = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=cached, other=0)
+    kv_offset = (
+        block.to(tl.int64) * stride_cache_block
+        + (kv_pos % PAGE_SIZE) * stride_cache_slot
+        + kv_head * stride_cache_head
+    )
+    key_t = tl.load(
+        key_cache_ptr + kv_offset[None, :] + dims[:, None],
+        mask=cached[None, :] & dim_valid[:, None],
+        other=0.0,
+    )
+    value = tl.load(
+        value_cache_ptr + kv_offset[:, None] + dims[None, :],
+        mask=cached[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    return key_t, value
+
+
+@triton.jit
+def _attend_loaded(
+    q,
+    m_i,
+    l_i,
+    acc,
+    key_t,
+    value,
+    tile,
+    kv_end,  # positions < kv_end are visible
+    q_pos,
+    k_new,  # NEW_TOKEN: the key and value of position kv_end - 1, in registers
+    v_new,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    NEW_TOKEN: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax update for one loaded KV tile: returns the new (m_i, l_i, acc)."""
+    kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_valid = kv_pos < kv_end
+    if NEW_TOKEN:
+        is_new = kv_pos == kv_end - 1
+        key_t = tl.where(is_new[None, :], k_new[:, None], key_t)
+        value = tl.where(is_new[:, None], v_new[None, :], value)
+    if UPCAST_DOT:
+        key_t = key_t.to(tl.float32)
+        value = value.to(tl.float32)
+    scores = tl.dot(q, key_t, input_precision=DOT_PRECISION) * scale_log2
+    if DECODE:
+        visible = kv_valid[None, :]
+    else:
+        visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -102,44 +184,14 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, acc)."""
-    kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_valid = kv_pos < kv_end
-    cached = kv_pos < cached_end
-    block = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=cached, other=0)
-    kv_offset = (
-        block.to(tl.int64) * stride_cache_block
-        + (kv_pos % PAGE_SIZE) * stride_cache_slot
-        + kv_head * stride_cache_head
-    )
-    key_t = tl.load(
-        key_cache_ptr + kv_offset[None, :] + dims[:, None],
-        mask=cached[None, :] & dim_valid[:, None],
-        other=0.0,
-    )
-    value = tl.load(
-        value_cache_ptr + kv_offset[:, None] + dims[None, :],
-        mask=cached[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    if NEW_TOKEN:
-        is_new = kv_pos == kv_end - 1
-        key_t = tl.where(is_new[None, :], k_new[:, None], key_t)
-        value = tl.where(is_new[:, None], v_new[None, :], value)
-    if UPCAST_DOT:
-        key_t = key_t.to(tl.float32)
-        value = value.to(tl.float32)
-    scores = tl.dot(q, key_t, input_precision=DOT_PRECISION) * scale_log2
-    if DECODE:
-        visible = kv_valid[None, :]
-    else:
-        visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    p = tl.math.exp2(scores - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    key_t, value = _load_tile(
+        tile, cached_end, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid,
+        stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N,
+    )  # fmt: skip
+    return _attend_loaded(
+        q, m_i, l_i, acc, key_t, value, tile, kv_end, q_pos, k_new, v_new, scale_log2, BLOCK_N, DECODE,
+        NEW_TOKEN, UPCAST_DOT, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "min_tiles_per_split"])
@@ -253,6 +305,15 @@ def _paged_attention_kernel(
     token_row = (q_start + q_tok).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    if ROPE_KV:
+        # Start the first tile's page-table and K/V loads before anything else, so their memory
+        # round trips overlap those of q/k/v, the 1/rms reduction and RoPE instead of following
+        # them. Positions up to kv_end - 2 are in the pages; the new token comes from registers.
+        first_key_t, first_value = _load_tile(
+            tile_begin, kv_end - 1, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
+            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N,
+        )  # fmt: skip
     q = tl.load(
         q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
@@ -299,29 +360,37 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    loop_begin = tile_begin
     loop_end = tile_end
     if ROPE_KV:
-        # The split that ends at the last tile runs that tile after the loop, with this step's
-        # token from registers; the loop keeps plain loads (software-pipelined).
+        # The first tile was loaded up front; it takes the new token from registers if it is
+        # also the last one. A split that ends at the last tile otherwise runs that tile after
+        # the loop, likewise; the loop keeps plain loads (software-pipelined).
+        m_i, l_i, acc = _attend_loaded(
+            q, m_i, l_i, acc, first_key_t, first_value, tile_begin, kv_end, q_pos, k_new, v_new, scale_log2,
+            BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
         owns_last = tile_end == num_tiles
-        loop_end = tile_end - owns_last.to(tl.int32)
+        last_after_loop = owns_last & (tile_begin != num_tiles - 1)
+        loop_begin = tile_begin + 1
+        loop_end = tile_end - last_after_loop.to(tl.int32)
     else:
         k_new = dims  # (unused)
         v_new = dims
-    for tile in range(tile_begin, loop_end):
+    for tile in range(loop_begin, loop_end):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr, value_cache_ptr,
             kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block, stride_cache_slot,
             stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, UPCAST_DOT, DOT_PRECISION,
         )  # fmt: skip
     if ROPE_KV:  # noqa: SIM102 (owns_last exists only when ROPE_KV)
-        if owns_last:  # exactly one split per (request, KV head)
+        if last_after_loop:
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, num_tiles - 1, kv_end, kv_end - 1, q_pos, block_table_row, key_cache_ptr,
                 value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block,
                 stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
             )  # fmt: skip
+        if owns_last:  # exactly one split per (request, KV head)
             slot = tl.load(slot_mapping_ptr + q_start)
             if slot >= 0:  # -1: a CUDA-graph padding request, written nowhere
                 slot_offset = (
