@@ -133,7 +133,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
 
         Returns this layer's MLP output; the caller adds it to x inside the next fused norm. (None
