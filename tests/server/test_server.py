@@ -365,7 +365,9 @@ def test_sigterm_drains_then_aborts_and_reaps_the_engine(tmp_path, default_model
         )
 
     threads = [
-        threading.Thread(target=complete, args=("short", 4)),
+        # 24 tokens: long enough (~1 s here) that both are seen running at once; with 4 the
+        # short one could finish between two polls of the metric (seen once in CI).
+        threading.Thread(target=complete, args=("short", 24)),
         threading.Thread(target=complete, args=("long", 400)),
     ]
     for thread in threads:
@@ -387,7 +389,7 @@ def test_sigterm_drains_then_aborts_and_reaps_the_engine(tmp_path, default_model
     assert proc.process.wait(60) == 0, proc.log()
     assert time.monotonic() - started < 6 + 15, "the drain outlived --shutdown-timeout by far"
     short, long = results["short"], results["long"]
-    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4  # type: ignore[attr-defined]
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 24  # type: ignore[attr-defined]
     assert long.choices[0].finish_reason == "abort"  # type: ignore[attr-defined]
     engine = [pid for pid, cmd in engine_cmdlines.items() if _is_engine(cmd)]
     assert len(engine) == 1 and not _alive(engine[0]), "the engine process outlived the server"
