@@ -140,11 +140,8 @@ class DecoderLayer(nn.Module):
         when the layer added it itself: the deferred-norm path.)
         """
         ops = _fused_ops()
-        arch = self.arch
-        eps = arch.rms_norm_eps
-        num_tokens = x.shape[0]
-        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        q_size, kv_size = arch.q_size, arch.kv_size
+        eps = self.arch.rms_norm_eps
+        num_tokens, q_size = x.shape[0], self.arch.q_size
         # The Triton backend's cache takes the rotated keys and the values from the RoPE launch.
         fuse_store = self.attn_backend.name == "triton"
         fuse_rope = (
@@ -160,17 +157,10 @@ class DecoderLayer(nn.Module):
 
         input_norm = None if self.norms_folded else self.input_norm
         qkv = F.linear(ops.add_rms_norm(x, input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        cos, sin = rotary.cos_cache, rotary.sin_cache
         if fuse_rope:
-            # Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
-            # launch; q and k go in un-rotated.
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
-            attn = self.attn_backend.forward_decode_with_rope(
-                qk[:, :heads], qk[:, heads:], v, positions, cos, sin, kv_cache, meta
-            )
+            attn = self._attend_with_rope_in_launch(qkv, positions, rotary, kv_cache, meta)
         else:
-            attn = self._rope_and_attend(qkv, v, positions, rotary, kv_cache, meta, fuse_store)
+            attn = self._rope_and_attend(qkv, positions, rotary, kv_cache, meta, fuse_store)
         attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
         post_norm = None if self.norms_folded else self.post_attention_norm
         normed = ops.add_rms_norm(x, post_norm, eps, attn_out)
@@ -193,36 +183,42 @@ class DecoderLayer(nn.Module):
         reduces) instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200, and
         Llama-3.1-8B decodes at 223.2 instead of 218.6 tok/s (benchmarks/BENCHMARKS.md)."""
         ops = _fused_ops()
-        arch = self.arch
-        eps = arch.rms_norm_eps
-        num_tokens = x.shape[0]
-        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        q_size, kv_size = arch.q_size, arch.kv_size
+        eps = self.arch.rms_norm_eps
+        num_tokens, q_size = x.shape[0], self.arch.q_size
         qkv = F.linear(x, self.qkv_weight)  # no bias: fold_norm_weights folds only bias-free models
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        attn = self.attn_backend.forward_decode_with_rope(
-            qk[:, :heads],
-            qk[:, heads:],
-            v,
-            positions,
-            rotary.cos_cache,
-            rotary.sin_cache,
-            kv_cache,
-            meta,
-            norm_source=x,
-            norm_eps=eps,
-        )
+        attn = self._attend_with_rope_in_launch(qkv, positions, rotary, kv_cache, meta, norm_source=x)
         # Weights are stored in-major (store_matmul_weights_k_major): .t() is the row-major
         # [in, out] operand F.linear would hand cuBLAS too.
         x.addmm_(attn.reshape(num_tokens, q_size), self.o_weight.t())
         gate_up = F.linear(x, self.gate_up_weight)
         x.addmm_(ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight.t())
 
+    def _attend_with_rope_in_launch(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        norm_source: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
+        launch; q and k go in un-rotated. With `norm_source` (the deferred-norm path) qkv is the
+        projection of those un-normalized rows and the launch applies their 1/rms too."""
+        arch = self.arch
+        num_tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        return self.attn_backend.forward_decode_with_rope(
+            qk[:, :heads], qk[:, heads:], v, positions, rotary.cos_cache, rotary.sin_cache, kv_cache, meta,
+            norm_source=norm_source, norm_eps=arch.rms_norm_eps,
+        )  # fmt: skip
+
     def _rope_and_attend(
         self,
         qkv: torch.Tensor,
-        v: torch.Tensor,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
@@ -236,6 +232,7 @@ class DecoderLayer(nn.Module):
         num_tokens = qkv.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = arch.q_size, arch.kv_size
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
         cos, sin = rotary.cos_cache, rotary.sin_cache
         if self.q_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm, eps)

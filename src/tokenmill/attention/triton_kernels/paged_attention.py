@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.rms import inverse_rms
-from tokenmill.attention.triton_kernels.rounding import rope_rows, round_like
+from tokenmill.attention.triton_kernels.rms import inverse_rms, scale_rounded
+from tokenmill.attention.triton_kernels.rounding import rope_rows
 
 LOG2_E = 1.4426950408889634
 
@@ -343,12 +343,11 @@ def _paged_attention_kernel(
             # into the projection: scaling by 1/rms makes them the projection of the normed row,
             # rounded where the projection's output is rounded.
             inv_rms = inverse_rms(norm_source_ptr + token * stride_norm_source, hidden, norm_eps, HIDDEN_PAD)
-            dtype = q.dtype
-            q = round_like(q.to(tl.float32) * inv_rms, dtype).to(dtype)
-            q_partner = round_like(q_partner.to(tl.float32) * inv_rms, dtype).to(dtype)
-            k_raw = round_like(k_raw.to(tl.float32) * inv_rms, dtype).to(dtype)
-            k_partner = round_like(k_partner.to(tl.float32) * inv_rms, dtype).to(dtype)
-            v_raw = round_like(v_raw.to(tl.float32) * inv_rms, dtype).to(dtype)
+            q = scale_rounded(q, inv_rms)
+            q_partner = scale_rounded(q_partner, inv_rms)
+            k_raw = scale_rounded(k_raw, inv_rms)
+            k_partner = scale_rounded(k_partner, inv_rms)
+            v_raw = scale_rounded(v_raw, inv_rms)
         q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
         k_new = rope_rows(k_raw, k_partner, cos, sin).to(key_cache_ptr.dtype.element_ty)
         v_new = v_raw.to(value_cache_ptr.dtype.element_ty)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton_kernels.rounding import round_like
+
 
 @triton.jit
 def inverse_rms(row_ptr, length, eps, BLOCK: tl.constexpr):
@@ -17,3 +19,10 @@ def inverse_rms(row_ptr, length, eps, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     values = tl.load(row_ptr + cols, mask=cols < length, other=0.0).to(tl.float32)
     return 1.0 / tl.sqrt_rn(tl.sum(values * values, axis=0) / length + eps)
+
+
+@triton.jit
+def scale_rounded(x, factor):
+    """x * factor (e.g. inverse_rms) computed in fp32 and rounded back to x's dtype, as a
+    projection's output of the normalized row would have been rounded."""
+    return round_like(x.to(tl.float32) * factor, x.dtype).to(x.dtype)
