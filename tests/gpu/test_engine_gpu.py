@@ -198,7 +198,8 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
     store inside the attention launch (not Qwen3: its Q/K norm), and for models whose norm
     weights are folded into qkv / gate_up (Llama, Mistral: no q/k/v bias, no Q/K norm; the tiny
     checkpoints' norm weights are random, not ones) no norm launches: the attention launch and
-    silu_mul apply 1/rms, o_proj and down add into the residual. fp32 greedy tokens equal
+    silu_mul apply 1/rms, o_proj and down add into the residual; in bf16 every matmul of these
+    steps is the row GEMV (layers/gemv.py), fp32 keeps cuBLAS. fp32 greedy tokens equal
     transformers' (CPU) token for token; bf16 the first 32 equal transformers' bf16 on the GPU,
     with close logprobs, except that a step where transformers' two best logits are within two
     bf16 ulps may pick the other one, after which the sequences are compared no further. (These
@@ -216,6 +217,16 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
         return deferred(self, *args, **kwargs)
 
     monkeypatch.setattr(llama.DecoderLayer, "_forward_deferred_norm", counted)
+    from tokenmill.model.layers import gemv
+
+    gemv_calls = []
+    row_gemv = gemv.row_gemv
+
+    def counted_gemv(*args, **kwargs):
+        gemv_calls.append(1)
+        return row_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "row_gemv", counted_gemv)
     llm = _llm(path, dtype=dtype)
     folds = model in ("tiny_llama_dir", "tiny_mistral_dir")
     assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
@@ -244,6 +255,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
     if diffs:
         assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
     assert bool(calls) == folds, f"{len(calls)} calls of the deferred-norm path"
+    assert bool(gemv_calls) == (dtype == "bfloat16"), f"{len(gemv_calls)} row GEMV calls"
     assert _graph_replays(llm) > 0
 
 
@@ -370,3 +382,38 @@ def test_greedy_sample_kernel_at_real_vocab_size(rows):
     assert out[0, : rows - 1 if rows > 1 else 1].tolist() == expected[: rows - 1 if rows > 1 else 1].tolist()
     assert out[0, 0].item() == 100
     assert out[1].tolist() == [0] * (rows - 1) + [1] if rows > 1 else out[1].tolist() == [0]
+
+
+def test_row_gemv_at_llama_8b_shapes():
+    """The row GEMV at the decode matmuls' real shapes (its long K slices and 8-warp programs only
+    run here), in a CUDA graph as decode steps run it: within one bf16 ulp of a float32 matmul
+    rounded once, residual added in place, lm_head's float32 logits close to float32; the engine
+    hands it exactly the one-row bf16 matmuls."""
+    from tokenmill.model.layers.gemv import row_gemv, use_row_gemv
+
+    rows = 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    one_ulp = {"rtol": 2**-7, "atol": 1e-4}
+    for n, k, adds in [(6144, 4096, False), (4096, 4096, True), (28672, 4096, False), (4096, 14336, True)]:
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        residual = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16)
+        expected = x.float() @ weight.float().t() + (residual.float() if adds else 0)
+        out = residual.clone()
+        row_gemv(x, weight, residual=out if adds else None, out=out)  # warm-up: compile outside the capture
+        out.copy_(residual)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            row_gemv(x, weight, residual=out if adds else None, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected.to(torch.bfloat16), **one_ulp)
+    lm_head = (torch.randn(128256, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    hidden = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = row_gemv(hidden, lm_head, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ lm_head.float().t(), rtol=1e-4, atol=1e-3)
+    assert use_row_gemv(hidden, lm_head)
+    assert not use_row_gemv(torch.cat([hidden, hidden]), lm_head)  # two rows: cuBLAS
+    assert not use_row_gemv(hidden.float(), lm_head.float())  # float32: cuBLAS
+    assert not use_row_gemv(hidden, lm_head.t().contiguous().t())  # in-major: cuBLAS

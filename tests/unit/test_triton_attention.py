@@ -596,3 +596,46 @@ def test_splits_without_tiles_and_min_kv_per_split(fused_merge: bool, min_kv_per
     assert partial_lse[1, :, 1:].isnan().all() and not partial_lse[1, :, 0].isnan().any()
     used = 5 if min_kv_per_split == 0 else 3
     assert not partial_lse[0, :, :used].isnan().any() and partial_lse[0, :, used:].isnan().all()
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_features", [64, 96])  # 96: K not a multiple of the K slice (masked loads)
+def test_row_gemv_matches_a_float32_matmul_rounded_once(dtype: torch.dtype, in_features: int) -> None:
+    """The row GEMV (one-row decode matmuls on CUDA) computes residual + x @ W.T + bias in float32
+    and rounds once, as cuBLAS's epilogue does: within one ulp of that (the sum order differs),
+    with the residual updated in place when it is also the output, and float32 output (lm_head's
+    logits) without rounding to the input dtype."""
+    from tokenmill.model.layers.gemv import row_gemv
+
+    gen = torch.Generator().manual_seed(in_features)
+    out_features = 24
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.2).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    residual = torch.randn(1, out_features, generator=gen).to(dtype)
+    product = x.float() @ weight.float().t()
+    one_ulp = {"rtol": 2**-7 if dtype == torch.bfloat16 else 2**-10, "atol": 1e-5}
+
+    torch.testing.assert_close(row_gemv(x, weight), product.to(dtype), **one_ulp)
+    with_bias = row_gemv(x, weight, bias)
+    torch.testing.assert_close(with_bias, (product + bias.float()).to(dtype), **one_ulp)
+    in_place = residual.clone()
+    assert row_gemv(x, weight, residual=in_place, out=in_place) is in_place
+    torch.testing.assert_close(in_place, (product + residual.float()).to(dtype), **one_ulp)
+    logits = row_gemv(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, product, rtol=1e-5, atol=1e-5)
+
+
+def test_row_gemv_refuses_what_it_cannot_do() -> None:
+    from tokenmill.model.layers.gemv import row_gemv, row_gemv_config, use_row_gemv
+
+    for n, k in [(6144, 4096), (4096, 14336), (128256, 4096), (24, 96)]:
+        assert row_gemv_config(n, k)[0] <= triton.next_power_of_2(k)
+    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        row_gemv(torch.zeros(2, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="contiguous"):
+        row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16).t())
+    assert not use_row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), weight)  # CPU: F.linear

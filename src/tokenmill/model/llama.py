@@ -26,6 +26,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import (
     drop_plain_copy,
     linear,
+    linear_add_,
     onednn_packing_available,
     pack_parameter,
     pack_weight,
@@ -156,16 +157,16 @@ class DecoderLayer(nn.Module):
             return self._forward_deferred_norm(x, positions, rotary, kv_cache, meta)
 
         input_norm = None if self.norms_folded else self.input_norm
-        qkv = F.linear(ops.add_rms_norm(x, input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
+        qkv = linear(ops.add_rms_norm(x, input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
         if fuse_rope:
             attn = self._attend_with_rope_in_launch(qkv, positions, rotary, kv_cache, meta)
         else:
             attn = self._rope_and_attend(qkv, positions, rotary, kv_cache, meta, fuse_store)
-        attn_out = F.linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
+        attn_out = linear(attn.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
         post_norm = None if self.norms_folded else self.post_attention_norm
         normed = ops.add_rms_norm(x, post_norm, eps, attn_out)
-        gate_up = F.linear(normed, self.gate_up_weight)
-        return F.linear(ops.silu_mul(gate_up), self.down_weight)
+        gate_up = linear(normed, self.gate_up_weight)
+        return linear(ops.silu_mul(gate_up), self.down_weight)
 
     def _forward_deferred_norm(
         self,
@@ -179,19 +180,17 @@ class DecoderLayer(nn.Module):
         launches. RMSNorm(h) * w @ W = (h @ (w * W)) / rms(h), so the matmuls read the residual
         rows themselves and the kernels that consume their outputs (the attention launch for
         q/k/v, silu_mul for gate/up) apply 1/rms(h). The residual adds happen in the o_proj and
-        down matmuls (cuBLAS with beta = 1). Per layer that is 6 launches (plus cuBLAS's split-K
+        down matmuls (`linear_add_`). Per layer that is 6 launches (plus cuBLAS's split-K
         reduces) instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200, and
         Llama-3.1-8B decodes at 223.2 instead of 218.6 tok/s (benchmarks/BENCHMARKS.md)."""
         ops = _fused_ops()
         eps = self.arch.rms_norm_eps
         num_tokens, q_size = x.shape[0], self.arch.q_size
-        qkv = F.linear(x, self.qkv_weight)  # no bias: fold_norm_weights folds only bias-free models
+        qkv = linear(x, self.qkv_weight)  # no bias: fold_norm_weights folds only bias-free models
         attn = self._attend_with_rope_in_launch(qkv, positions, rotary, kv_cache, meta, norm_source=x)
-        # Weights are stored in-major (store_matmul_weights_k_major): .t() is the row-major
-        # [in, out] operand F.linear would hand cuBLAS too.
-        x.addmm_(attn.reshape(num_tokens, q_size), self.o_weight.t())
-        gate_up = F.linear(x, self.gate_up_weight)
-        x.addmm_(ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight.t())
+        linear_add_(x, attn.reshape(num_tokens, q_size), self.o_weight)
+        gate_up = linear(x, self.gate_up_weight)
+        linear_add_(x, ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight)
 
     def _attend_with_rope_in_launch(
         self,
@@ -337,6 +336,8 @@ class CausalLM(nn.Module):
         its kernels for that layout read weights faster: on an H200 (benchmarks/gemv_microbench.py,
         batch 1) down_proj 30.0 vs 32.6 us, lm_head 234 vs 255 us, the rest within 2 %. A tied
         lm_head stays as it is: it is also the embedding table, gathered by rows.
+        Only with the row GEMV off (layers/linear.py): it reads the out-major layout, and beats
+        cuBLAS in either one at the few-row steps where the layout mattered.
         """
         weights = [
             p
@@ -425,9 +426,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return linear(
-            hidden, self._packed_lm_head if self._packed_lm_head is not None else self.lm_head
-        ).float()
+        head = self._packed_lm_head if self._packed_lm_head is not None else self.lm_head
+        return linear(hidden, head, out_dtype=torch.float32)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -18,6 +18,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.layers.linear import ROW_GEMV
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.loader.dummy import init_dummy_weights
@@ -123,7 +124,8 @@ def load_model(
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
     if device.type == "cuda":
-        model.store_matmul_weights_k_major()
+        if not ROW_GEMV:
+            model.store_matmul_weights_k_major()
         model.fold_norm_weights()
     elif model_config.cpu_weight_packing:
         model.pack_cpu_matmul_weights()

@@ -17,6 +17,8 @@ Parameter's data) and is marked, so `linear` knows to route it; only `linear` ma
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,26 @@ _PACKED_ATTR = "onednn_packed"
 _PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for single-row calls
 # The row count oneDNN tunes the blocked layout for; the packed weight serves any row count.
 _PACK_BATCH_HINT = 64
+
+# On CUDA, matmuls of a few 16-bit rows go to our row GEMV (layers/gemv.py), which needs the
+# weights out-major, as checkpoints store them. TOKENMILL_ROW_GEMV=0 sends every matmul to cuBLAS
+# with the weights stored in-major instead (CausalLM.store_matmul_weights_k_major), the layout its
+# few-row kernels read fastest: the engine as it was before the row GEMV, for same-run comparisons.
+ROW_GEMV = os.environ.get("TOKENMILL_ROW_GEMV", "1") != "0"
+_gemv = None
+
+
+def _row_gemv_for(x: torch.Tensor, weight: torch.Tensor):
+    """The gemv module when it serves this CUDA matmul, else None (imported lazily: triton is
+    optional on CPU-only installs)."""
+    global _gemv
+    if not ROW_GEMV:
+        return None
+    if _gemv is None:
+        from tokenmill.model.layers import gemv
+
+        _gemv = gemv
+    return _gemv if _gemv.use_row_gemv(x, weight) else None
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:
@@ -68,10 +90,35 @@ def is_packed(weight: torch.Tensor) -> bool:
     return getattr(weight, _PACKED_ATTR, False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's linear for a weight packed by this module (its plain original, where
-    kept, for a single row); a few float32 rows go to the weight's GGUF blocks where it has them
-    (layers/quantized_linear.py)."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """F.linear, or on CUDA our row GEMV for a few rows; on the CPU oneDNN's linear for a weight
+    packed by this module (its plain original, where kept, for a single row), and a few float32
+    rows go to the weight's GGUF blocks where it has them (layers/quantized_linear.py).
+    `out_dtype` converts the result (the row GEMV writes it directly, without a cast launch)."""
+    if x.is_cuda:
+        gemv = _row_gemv_for(x, weight)
+        if gemv is not None:
+            return gemv.row_gemv(x, weight, bias, out_dtype=out_dtype)
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+    y = _cpu_linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def linear_add_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`residual += x @ weight.T` in place, the add inside the matmul's launch (cuBLAS: beta = 1)."""
+    gemv = _row_gemv_for(x, weight) if x.is_cuda else None
+    if gemv is not None:
+        return gemv.row_gemv(x, weight, residual=residual, out=residual)
+    return residual.addmm_(x, weight.t())
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype == torch.float32:
         blocks = blocks_for_rows(weight, x.shape[0])
         if blocks is not None:
