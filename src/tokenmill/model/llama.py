@@ -26,7 +26,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import (
     drop_plain_copy,
     linear,
-    linear_add_,
+    linear_add,
     onednn_packing_available,
     pack_parameter,
     pack_weight,
@@ -128,17 +128,18 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(
         self,
-        x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+        x: torch.Tensor,  # [T, hidden] residual stream
         pending: torch.Tensor | None,  # the previous layer's MLP output, not yet added to x
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
 
-        Returns this layer's MLP output; the caller adds it to x inside the next fused norm. (None
-        when the layer added it itself: the deferred-norm path.)
+        Returns the residual stream (x updated in place, or a new tensor) and this layer's MLP
+        output, which the caller adds to it inside the next fused norm (None when the layer added
+        it itself: the deferred-norm path).
         """
         ops = _fused_ops()
         eps = self.arch.rms_norm_eps
@@ -154,7 +155,7 @@ class DecoderLayer(nn.Module):
         if fuse_rope and self.norms_folded and _DEFER_NORM:
             if pending is not None:
                 raise RuntimeError("the deferred-norm path needs the residual stream complete (pending=None)")
-            return self._forward_deferred_norm(x, positions, rotary, kv_cache, meta)
+            return self._forward_deferred_norm(x, positions, rotary, kv_cache, meta), None
 
         input_norm = None if self.norms_folded else self.input_norm
         qkv = linear(ops.add_rms_norm(x, input_norm, eps, pending), self.qkv_weight, self.qkv_bias)
@@ -166,31 +167,31 @@ class DecoderLayer(nn.Module):
         post_norm = None if self.norms_folded else self.post_attention_norm
         normed = ops.add_rms_norm(x, post_norm, eps, attn_out)
         gate_up = linear(normed, self.gate_up_weight)
-        return linear(ops.silu_mul(gate_up), self.down_weight)
+        return x, linear(ops.silu_mul(gate_up), self.down_weight)
 
     def _forward_deferred_norm(
         self,
-        x: torch.Tensor,  # [T, hidden] residual stream, complete; updated in place
+        x: torch.Tensor,  # [T, hidden] residual stream, complete
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> None:
+    ) -> torch.Tensor:
         """forward_fused for small decode-only steps of a layer with folded norm weights: no norm
         launches. RMSNorm(h) * w @ W = (h @ (w * W)) / rms(h), so the matmuls read the residual
         rows themselves and the kernels that consume their outputs (the attention launch for
         q/k/v, silu_mul for gate/up) apply 1/rms(h). The residual adds happen in the o_proj and
-        down matmuls (`linear_add_`). Per layer that is 6 launches (plus cuBLAS's split-K
-        reduces) instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200, and
+        down matmuls (`linear_add`), which return the residual stream. Per layer that is 6
+        launches instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200, and
         Llama-3.1-8B decodes at 223.2 instead of 218.6 tok/s (benchmarks/BENCHMARKS.md)."""
         ops = _fused_ops()
         eps = self.arch.rms_norm_eps
         num_tokens, q_size = x.shape[0], self.arch.q_size
         qkv = linear(x, self.qkv_weight)  # no bias: fold_norm_weights folds only bias-free models
         attn = self._attend_with_rope_in_launch(qkv, positions, rotary, kv_cache, meta, norm_source=x)
-        linear_add_(x, attn.reshape(num_tokens, q_size), self.o_weight)
+        x = linear_add(x, attn.reshape(num_tokens, q_size), self.o_weight)
         gate_up = linear(x, self.gate_up_weight)
-        linear_add_(x, ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight)
+        return linear_add(x, ops.silu_mul(gate_up, norm_source=x, eps=eps), self.down_weight)
 
     def _attend_with_rope_in_launch(
         self,
@@ -302,7 +303,7 @@ class CausalLM(nn.Module):
         if x.is_cuda:
             pending = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                pending = layer.forward_fused(x, pending, positions, self.rotary, kv_cache, meta)
+                x, pending = layer.forward_fused(x, pending, positions, self.rotary, kv_cache, meta)
             return _fused_ops().add_rms_norm(x, self.norm, self.arch.rms_norm_eps, pending)
         cos, signed_sin = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
