@@ -216,6 +216,9 @@ def sweep_decode_tiles(copy_gbs: float, reps: int) -> None:
         "b=8 ctx=4096": ([4095] * 8, (4, 8)),
         "b=64 ctx~U": (torch.randint(1, 4096, (64,), generator=gen).tolist(), (1, 4)),
         "b=64 ctx=4096": ([4095] * 64, (1,)),
+        # The offline throughput benchmark's decode steps: 512-token prompts, 256 new tokens.
+        "b=64 ctx~U(512,768)": (torch.randint(512, 768, (64,), generator=gen).tolist(), (1, 2, 4)),
+        "b=256 ctx~U(512,768)": (torch.randint(512, 768, (256,), generator=gen).tolist(), (1, 2)),
     }
     configs = [
         TileConfig(block_q=1, block_m=16, block_n=n, num_warps=w, num_stages=st)
@@ -262,6 +265,66 @@ def sweep_decode_tiles(copy_gbs: float, reps: int) -> None:
         print(f"{label:24} " + " ".join(f"{c:18.2f}" for c in cells), flush=True)
 
 
+def sweep_split_minimum(copy_gbs: float, num_sms: int, reps: int) -> None:
+    """The engine's decode launch (default tiles, the split count CUDA graphs fix for a
+    4096-token context limit, merge inside the launch) over the run-time minimum of KV tokens a
+    split gets (`min_kv_per_split`; 0 = every planned split): fraction of copy bandwidth."""
+    gen = torch.Generator().manual_seed(1)
+    cases = {
+        "b=1 ctx=640": [639],
+        "b=1 ctx=4096": [4095],
+        "b=8 ctx=4096": [4095] * 8,
+        "b=16 ctx~U(512,768)": torch.randint(512, 768, (16,), generator=gen).tolist(),
+        "b=64 ctx~U(512,768)": torch.randint(512, 768, (64,), generator=gen).tolist(),
+        "b=64 ctx~U(1,4096)": torch.randint(1, 4096, (64,), generator=gen).tolist(),
+        "b=64 ctx=4096": [4095] * 64,
+        "b=256 ctx~U(512,768)": torch.randint(512, 768, (256,), generator=gen).tolist(),
+    }
+    minimums = (0, 256, 512, 1024, 2048)
+    print(f"\n{'case (graph splits)':28} " + " ".join(f"{f'min {m}':>15}" for m in minimums))
+    for name, contexts in cases.items():
+        planned = choose_num_kv_splits(len(contexts), KV_HEADS, 4096, num_sms)
+        # Also twice and four times the planned splits: with a minimum, short contexts still
+        # take few of them while long ones spread wider.
+        for splits in (planned, 2 * planned, 4 * planned) if len(contexts) >= 16 else (planned,):
+            cells = _split_minimum_row(contexts, splits, minimums, copy_gbs, reps)
+            print(f"{f'{name} (S={splits})':28} " + " ".join(f"{c:>15}" for c in cells), flush=True)
+
+
+def _split_minimum_row(
+    contexts: list[int], splits: int, minimums: tuple[int, ...], copy_gbs: float, reps: int
+) -> list[str]:
+    meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
+    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        for _ in range(copies)
+    ]
+    batch = len(contexts)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
+    partial_out = torch.empty(batch, HEADS, splits, HEAD_DIM, device="cuda")
+    partial_lse = torch.empty(batch, HEADS, splits, device="cuda")
+    counters = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device="cuda") if splits > 1 else None
+    cells = []
+    for minimum in minimums:
+
+        def forward(cache, minimum=minimum):
+            paged_attention(
+                out, q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                num_reqs=meta.num_reqs, max_query_len=1, decode_only=True, scale=HEAD_DIM**-0.5,
+                num_kv_splits=splits, partial_out=partial_out, partial_lse=partial_lse,
+                split_counters=counters, min_kv_per_split=minimum, all_decode=True,
+            )  # fmt: skip
+            return out
+
+        ms = graph_time_per_forward(forward, caches, reps)
+        cells.append(f"{kv_bytes / ms / 1e6 / copy_gbs:.2f} ({ms * 1e3:.1f} us)")
+    return cells
+
+
 def sweep_prefill_tiles(reps: int) -> None:
     """Prefill flavour alone (4 x 2048 new tokens on 0/0/2048/2048 cached) over a few tile configs."""
     query_lens, context_lens = [2048] * 4, [0, 0, 2048, 2048]
@@ -294,6 +357,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
     parser.add_argument("--sweep", action="store_true", help="only sweep the decode kernel's tile configs")
+    parser.add_argument(
+        "--sweep-split-minimum",
+        action="store_true",
+        help="only sweep the run-time minimum of KV tokens per split",
+    )
     args = parser.parse_args()
     reps = 10 if args.quick else 30
     torch.manual_seed(0)
@@ -301,6 +369,9 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}")
     print(f"device-to-device copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    if args.sweep_split_minimum:
+        sweep_split_minimum(copy_gbs, props.multi_processor_count, reps)
+        return
     if args.sweep:
         sweep_decode_tiles(copy_gbs, reps)
         sweep_prefill_tiles(reps)

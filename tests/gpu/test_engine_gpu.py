@@ -130,7 +130,18 @@ def test_fp32_greedy_matches_transformers(tiny_model, enforce_eager):
     llm.engine.check_invariants()
 
 
-def test_bf16_greedy_and_logprobs_match_transformers(tiny_model):
+def test_bf16_greedy_and_logprobs_match_transformers(tiny_model, monkeypatch):
+    """Four requests at once: their decode steps' matmuls run the skinny GEMM (2-8 rows)."""
+    from tokenmill.model.layers import skinny_gemm
+
+    skinny_calls = []
+    original = skinny_gemm.skinny_gemm
+
+    def counted(*args, **kwargs):
+        skinny_calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", counted)
     llm = _llm(tiny_model)  # dtype auto = bfloat16 on CUDA
     assert llm.info.dtype == "bfloat16"
     prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
@@ -150,6 +161,7 @@ def test_bf16_greedy_and_logprobs_match_transformers(tiny_model):
             for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
         ]
     assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
+    assert 4 in skinny_calls, f"row counts of skinny GEMM calls: {sorted(set(skinny_calls))}"
 
 
 def test_bf16_greedy_identical_with_and_without_graphs_and_async_scheduling(tiny_llama_dir):
@@ -414,6 +426,36 @@ def test_row_gemv_at_llama_8b_shapes():
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ lm_head.float().t(), rtol=1e-4, atol=1e-3)
     assert use_row_gemv(hidden, lm_head)
-    assert not use_row_gemv(torch.cat([hidden, hidden]), lm_head)  # two rows: cuBLAS
+    assert not use_row_gemv(torch.cat([hidden, hidden]), lm_head)  # two rows: the skinny GEMM
     assert not use_row_gemv(hidden.float(), lm_head.float())  # float32: cuBLAS
     assert not use_row_gemv(hidden, lm_head.t().contiguous().t())  # in-major: cuBLAS
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_skinny_gemm_at_llama_8b_shapes(rows):
+    """The skinny GEMM (2-8 rows) at the decode matmuls' real shapes with their configs, in a
+    CUDA graph: within one bf16 ulp of a float32 matmul rounded once; lm_head's float32 logits
+    close to float32; each row's result independent of how many rows share the launch (so a
+    graph's padding rows change nothing)."""
+    from tokenmill.model.layers.skinny_gemm import skinny_gemm, use_skinny_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    one_ulp = {"rtol": 2**-7, "atol": 1e-4}
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        assert use_skinny_gemm(x, weight)
+        skinny_gemm(x, weight)  # warm-up: compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = skinny_gemm(x, weight)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, (x.float() @ weight.float().t()).to(torch.bfloat16), **one_ulp)
+        assert torch.equal(skinny_gemm(x[:1].repeat(2, 1), weight)[0], out[0])
+    lm_head = (torch.randn(128256, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    hidden = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = skinny_gemm(hidden, lm_head, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ lm_head.float().t(), rtol=1e-4, atol=1e-3)
+    assert not use_skinny_gemm(torch.cat([hidden] * 2)[:9], lm_head)  # 9 rows: cuBLAS

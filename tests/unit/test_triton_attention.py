@@ -639,3 +639,29 @@ def test_row_gemv_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16).t())
     assert not use_row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), weight)  # CPU: F.linear
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("shape", [(64, 128), (24, 96)])  # (24, 96): N and K not multiples of the tiles
+def test_skinny_gemm_matches_a_float32_matmul_rounded_once(rows: int, shape: tuple[int, int]) -> None:
+    """The skinny GEMM (2-8-row decode matmuls on CUDA): x @ W.T + bias in float32, rounded once,
+    within one ulp; float32 output without rounding. float16: the interpreter's tl.dot does not
+    take bfloat16 (the GPU test covers it)."""
+    from tokenmill.model.layers.skinny_gemm import skinny_gemm
+
+    dtype = torch.float16
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.2).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    product = x.float() @ weight.float().t()
+    one_ulp = {"rtol": 2**-10, "atol": 1e-4}
+    torch.testing.assert_close(skinny_gemm(x, weight), product.to(dtype), **one_ulp)
+    torch.testing.assert_close(skinny_gemm(x, weight, bias), (product + bias.float()).to(dtype), **one_ulp)
+    logits = skinny_gemm(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, product, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gemm(x[:1], weight)

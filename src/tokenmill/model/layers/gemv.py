@@ -9,7 +9,7 @@ float32 accumulator and reduces once at the end: N programs fill the GPU without
 so one launch, no workspace. On an H200 at batch 1 (same call, us per matmul, cuBLAS with the
 weights in-major, its faster layout there): qkv 12.9 vs 15.9, o_proj with the residual add 10.0
 vs 12.6, gate_up 52.5 vs 58.5, down with the residual add 27.9 vs 34.0, lm_head 227.5 vs 247.7;
-a step's projections 3.71 vs 3.88 ms, 0.956 of copy bandwidth. From two rows on cuBLAS wins.
+a step's projections 3.71 vs 3.88 ms, 0.956 of copy bandwidth. From two rows on, skinny_gemm.py.
 
 The residual add (`residual`) and the bias happen in float32 before the one rounding to the
 output dtype, as cuBLAS's epilogue (beta = 1, bias) does.
@@ -65,14 +65,13 @@ def row_gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return min(block_k, triton.next_power_of_2(k)), warps, 1
 
 
-def use_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `row_gemv` serves this matmul: one 16-bit CUDA row against a contiguous [N, K]
-    weight of its dtype. (From two rows on cuBLAS's tiled kernels win, which reuse each weight
-    load across the rows; float32 keeps cuBLAS too, the oracle tests' path.)"""
+def serves_out_major_16bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What our few-row CUDA matmuls (this module, skinny_gemm.py) take: a 16-bit CUDA x [M, K]
+    contiguous in K against a contiguous [N, K] weight of its dtype. (float32 keeps cuBLAS: the
+    oracle tests' path.)"""
     return (
         x.is_cuda
         and x.dim() == 2
-        and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -80,6 +79,11 @@ def use_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and x.stride(1) == 1
     )
+
+
+def use_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `row_gemv` serves this matmul: one row (from two on, skinny_gemm.py)."""
+    return serves_out_major_16bit(x, weight) and x.shape[0] == 1
 
 
 def row_gemv(

@@ -29,25 +29,37 @@ _PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for sin
 # The row count oneDNN tunes the blocked layout for; the packed weight serves any row count.
 _PACK_BATCH_HINT = 64
 
-# On CUDA, matmuls of a few 16-bit rows go to our row GEMV (layers/gemv.py), which needs the
-# weights out-major, as checkpoints store them. TOKENMILL_ROW_GEMV=0 sends every matmul to cuBLAS
-# with the weights stored in-major instead (CausalLM.store_matmul_weights_k_major), the layout its
-# few-row kernels read fastest: the engine as it was before the row GEMV, for same-run comparisons.
+# On CUDA, matmuls of one 16-bit row go to our row GEMV (layers/gemv.py) and of 2-8 rows to our
+# skinny GEMM (layers/skinny_gemm.py); both need the weights out-major, as checkpoints store them.
+# TOKENMILL_ROW_GEMV=0 sends every matmul to cuBLAS with the weights stored in-major instead
+# (CausalLM.store_matmul_weights_k_major), the layout its few-row kernels read fastest: the engine
+# as it was before these kernels, for same-run comparisons. TOKENMILL_SKINNY_GEMM=0 keeps the row
+# GEMV and out-major weights but sends 2+ rows to cuBLAS.
 ROW_GEMV = os.environ.get("TOKENMILL_ROW_GEMV", "1") != "0"
-_gemv = None
+SKINNY_GEMM = ROW_GEMV and os.environ.get("TOKENMILL_SKINNY_GEMM", "1") != "0"
+_few_row_kernels = None
 
 
-def _row_gemv_for(x: torch.Tensor, weight: torch.Tensor):
-    """The gemv module when it serves this CUDA matmul, else None (imported lazily: triton is
-    optional on CPU-only installs)."""
-    global _gemv
-    if not ROW_GEMV:
+def _kernels():
+    """(gemv, skinny_gemm), imported on first use: triton is optional on CPU-only installs."""
+    global _few_row_kernels
+    if _few_row_kernels is None:
+        from tokenmill.model.layers import gemv, skinny_gemm
+
+        _few_row_kernels = (gemv, skinny_gemm)
+    return _few_row_kernels
+
+
+def _few_row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype):
+    """Our kernel's result for a CUDA matmul of 1-8 rows that one of them serves, else None."""
+    if not ROW_GEMV or x.dim() != 2:
         return None
-    if _gemv is None:
-        from tokenmill.model.layers import gemv
-
-        _gemv = gemv
-    return _gemv if _gemv.use_row_gemv(x, weight) else None
+    gemv, skinny = _kernels()
+    if gemv.use_row_gemv(x, weight):
+        return gemv.row_gemv(x, weight, bias, out_dtype=out_dtype)
+    if SKINNY_GEMM and skinny.use_skinny_gemm(x, weight):
+        return skinny.skinny_gemm(x, weight, bias, out_dtype=out_dtype)
+    return None
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:
@@ -96,14 +108,15 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """F.linear, or on CUDA our row GEMV for a few rows; on the CPU oneDNN's linear for a weight
-    packed by this module (its plain original, where kept, for a single row), and a few float32
-    rows go to the weight's GGUF blocks where it has them (layers/quantized_linear.py).
-    `out_dtype` converts the result (the row GEMV writes it directly, without a cast launch)."""
+    """F.linear, or on CUDA our row GEMV / skinny GEMM for 1 / 2-8 rows; on the CPU oneDNN's
+    linear for a weight packed by this module (its plain original, where kept, for a single
+    row), and a few float32 rows go to the weight's GGUF blocks where it has them
+    (layers/quantized_linear.py). `out_dtype` converts the result (our kernels write it
+    directly, without a cast launch)."""
     if x.is_cuda:
-        gemv = _row_gemv_for(x, weight)
-        if gemv is not None:
-            return gemv.row_gemv(x, weight, bias, out_dtype=out_dtype)
+        y = _few_row_matmul(x, weight, bias, out_dtype)
+        if y is not None:
+            return y
         y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
     y = _cpu_linear(x, weight, bias)
@@ -115,9 +128,10 @@ def linear_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     tensor: writing into the residual it reads made o_proj 12.3 instead of 10.0 us and down 32.0
     instead of 27.9 on an H200 (benchmarks/row_gemv_microbench.py). cuBLAS (beta = 1) updates
     `residual` in place and returns it: out of place it would copy the residual first."""
-    gemv = _row_gemv_for(x, weight) if x.is_cuda else None
-    if gemv is not None:
-        return gemv.row_gemv(x, weight, residual=residual)
+    if x.is_cuda and ROW_GEMV:
+        gemv, _ = _kernels()
+        if gemv.use_row_gemv(x, weight):
+            return gemv.row_gemv(x, weight, residual=residual)
     return residual.addmm_(x, weight.t())
 
 
