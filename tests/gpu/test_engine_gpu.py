@@ -78,17 +78,12 @@ def _hf_bf16_cuda(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
 
 
-def _hf_greedy_bf16(path: str, prompt: list[int], max_new: int) -> tuple[list[int], list[float], list[float]]:
-    """Greedy tokens, their logprobs, and each step's margin between the two best logprobs."""
-    tokens, chosen, margins, _ = _hf_greedy_bf16_with_ties(path, prompt, max_new)
-    return tokens, chosen, margins
-
-
 def _hf_greedy_bf16_with_ties(
     path: str, prompt: list[int], max_new: int
 ) -> tuple[list[int], list[float], list[float], list[bool]]:
-    """_hf_greedy_bf16, and for each step whether its two best logits lie within two bf16 ulps
-    (at the best logit's magnitude) of each other: a tie at the precision the logits carry."""
+    """transformers' bf16 greedy tokens on the GPU, their logprobs, each step's margin between the
+    two best logprobs, and whether its two best logits lie within two bf16 ulps (at the best
+    logit's magnitude) of each other: a tie at the precision the logits carry."""
     model = _hf_bf16_cuda(path)
     ids = torch.tensor([prompt], device="cuda")
     with torch.inference_mode():
@@ -114,6 +109,32 @@ def _hf_greedy_bf16_with_ties(
     return tokens, chosen, [a - b for a, b in top2], ties
 
 
+def _bf16_logprob_diffs_allowing_ties(path: str, prompt: list[int], completion, max_new: int) -> list[float]:
+    """Compares a bf16 greedy completion (with logprobs) against transformers' bf16 on the GPU:
+    the tokens are identical, except that at a step whose two best transformers logits lie
+    within two bf16 ulps (a tie at the precision the logits carry: any other summation order may
+    break it the other way) ours may take the other one, after which the sequences are compared
+    no further; at least the first 4 tokens must agree. Returns |logprob differences| over the
+    compared tokens."""
+    tokens, expected_lps, margins, ties = _hf_greedy_bf16_with_ties(path, prompt, max_new)
+    compared = max_new
+    if completion.token_ids != tokens:
+        i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
+        if not ties[i]:
+            pytest.fail(
+                f"diverged at token {i}: ours {completion.token_ids[i]}, transformers {tokens[i]}; "
+                f"transformers' top-2 logprob margin there {margins[i]:.4f}; logprob of its token: "
+                f"ours {completion.logprobs[i].get(tokens[i])}, transformers {expected_lps[i]:.4f}"
+            )
+        compared = i
+    assert compared >= 4, "diverged within the first 4 tokens"
+    assert completion.logprobs is not None
+    return [
+        abs(pos[t].logprob - lp)
+        for pos, t, lp in zip(completion.logprobs[:compared], tokens, expected_lps, strict=False)
+    ]
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_fp32_greedy_matches_transformers(tiny_model, enforce_eager):
     llm = _llm(tiny_model, dtype="float32", enforce_eager=enforce_eager)
@@ -131,7 +152,10 @@ def test_fp32_greedy_matches_transformers(tiny_model, enforce_eager):
 
 
 def test_bf16_greedy_and_logprobs_match_transformers(tiny_model, monkeypatch):
-    """Four requests at once: their decode steps' matmuls run the skinny GEMM (2-8 rows)."""
+    """Four requests at once (their decode steps' matmuls run the skinny GEMM, 2-8 rows): the
+    first 32 greedy tokens equal transformers' bf16 ones, up to a tie (see
+    _bf16_logprob_diffs_allowing_ties; the tiny Qwen2 met an exact one, margin 0, at token 14 of
+    one prompt on an H200 with the skinny GEMM), and the logprobs stay close."""
     from tokenmill.model.layers import skinny_gemm
 
     skinny_calls = []
@@ -147,19 +171,7 @@ def test_bf16_greedy_and_logprobs_match_transformers(tiny_model, monkeypatch):
     prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
     diffs = []
     for prompt, completion in zip(prompts, _greedy(llm, prompts, 32, logprobs=0), strict=True):
-        tokens, expected_lps, margins = _hf_greedy_bf16(tiny_model, prompt, 32)
-        if completion.token_ids != tokens:
-            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
-            pytest.fail(
-                f"diverged at token {i}: ours {completion.token_ids[i]}, transformers {tokens[i]}; "
-                f"transformers' top-2 logprob margin there {margins[i]:.4f}; logprob of its token: "
-                f"ours {completion.logprobs[i].get(tokens[i])}, transformers {expected_lps[i]:.4f}"
-            )
-        assert completion.logprobs is not None
-        diffs += [
-            abs(pos[t].logprob - lp)
-            for pos, t, lp in zip(completion.logprobs, tokens, expected_lps, strict=True)
-        ]
+        diffs += _bf16_logprob_diffs_allowing_ties(tiny_model, prompt, completion, 32)
     assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
     assert 4 in skinny_calls, f"row counts of skinny GEMM calls: {sorted(set(skinny_calls))}"
 
@@ -250,20 +262,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
             assert completion.token_ids == hf_greedy(path, prompt, 24)[0], f"{len(prompt)}-token prompt"
             continue
         completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
-        tokens, expected_lps, margins, ties = _hf_greedy_bf16_with_ties(path, prompt, 32)
-        compared = 32
-        if completion.token_ids != tokens:
-            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
-            if not ties[i]:
-                pytest.fail(
-                    f"diverged at token {i}; transformers' top-2 logprob margin there {margins[i]:.4f}"
-                )
-            compared = i
-        assert compared >= 4, "diverged within the first 4 tokens"
-        diffs += [
-            abs(pos[t].logprob - lp)
-            for pos, t, lp in zip(completion.logprobs[:compared], tokens, expected_lps, strict=False)
-        ]
+        diffs += _bf16_logprob_diffs_allowing_ties(path, prompt, completion, 32)
     if diffs:
         assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
     assert bool(calls) == folds, f"{len(calls)} calls of the deferred-norm path"
@@ -458,4 +457,4 @@ def test_skinny_gemm_at_llama_8b_shapes(rows):
     logits = skinny_gemm(hidden, lm_head, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ lm_head.float().t(), rtol=1e-4, atol=1e-3)
-    assert not use_skinny_gemm(torch.cat([hidden] * 2)[:9], lm_head)  # 9 rows: cuBLAS
+    assert not use_skinny_gemm(hidden[:1].repeat(9, 1), lm_head)  # 9 rows: cuBLAS
