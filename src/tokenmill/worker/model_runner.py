@@ -155,6 +155,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
+        if self.device.type == "cuda":
+            from tokenmill.worker.kernel_warmup import warm_up_eager_steps
+
+            warm_up_eager_steps(self)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), up to %d tokens in flight",
             num_blocks, self.block_size, num_blocks * per_block / 2**30, num_blocks * self.block_size,

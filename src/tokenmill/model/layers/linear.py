@@ -55,6 +55,8 @@ def _few_row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not ROW_GEMV or x.dim() != 2:
         return None
     gemv, skinny = _kernels()
+    if x.shape[0] > skinny.MAX_ROWS:  # the common prefill case: out at the cheapest check
+        return None
     if gemv.use_row_gemv(x, weight):
         return gemv.row_gemv(x, weight, bias, out_dtype=out_dtype)
     if SKINNY_GEMM and skinny.use_skinny_gemm(x, weight):
