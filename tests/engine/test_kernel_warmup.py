@@ -37,6 +37,7 @@ def test_warm_up_runs_each_shape_once_and_leaves_the_engine_as_it_was(tiny_llama
         (1, 1, False), ("logits", 1),  # a one-token prefill
         (3, 1, False), ("logits", 1),
         (6, 3, False), ("logits", 3),  # a 4-token chunk with two decodes
+        (8, 1, False), ("logits", 1),
         (17, 2, False), ("logits", 2),
         (1, 1, True), ("logits", 1),  # decode-only, eager: one request, then three
         (3, 3, True), ("logits", 3),

@@ -639,6 +639,11 @@ def test_row_gemv_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16).t())
     assert not use_row_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), weight)  # CPU: F.linear
+    row = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual must hold 8"):
+        row_gemv(row, weight, residual=torch.zeros(1, 9, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias must hold 8"):
+        row_gemv(row, weight, bias=torch.zeros(16, dtype=torch.bfloat16)[::2])
 
 
 @interpreted_only

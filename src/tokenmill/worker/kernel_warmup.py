@@ -28,7 +28,8 @@ WARMUP_STEPS: tuple[tuple[int, ...], ...] = (
     (1,),  # a one-token prefill: every matmul one row, outside the graphs
     (3,),  # a 3-token prefill: 3-row matmuls
     (4, 1, 1),  # a short prefill chunk with two decodes: a mixed batch of 6 rows
-    (16, 1),  # a mixed batch of 17 rows (cuBLAS)
+    (8,),  # prefill attention tiles are sized by the longest chunk: 8 tokens take 32 rows,
+    (16, 1),  # 16 take 64 (a mixed batch of 17 rows, cuBLAS); the profile run compiled 128
 )
 
 

@@ -107,6 +107,11 @@ def row_gemv(
     n = weight.shape[0]
     if not weight.is_contiguous() or weight.shape[1] != k:
         raise ValueError(f"row_gemv needs a contiguous [N, {k}] weight, got {tuple(weight.shape)}")
+    for name, t in (("bias", bias), ("residual", residual), ("out", out)):
+        if t is not None and (t.numel() != n or not t.is_contiguous() or t.device != x.device):
+            raise ValueError(
+                f"row_gemv's {name} must hold {n} contiguous values on {x.device}, got {tuple(t.shape)}"
+            )
     if out is None:
         out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_k, warps, stages = config or row_gemv_config(n, k)
