@@ -50,3 +50,18 @@ def test_warm_up_runs_each_shape_once_and_leaves_the_engine_as_it_was(tiny_llama
         llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
         == hf_greedy(str(tiny_llama_dir), prompt, 6)[0]
     )
+
+
+def test_warm_up_skips_shapes_longer_than_the_context_limit(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=8)
+    runner = llm.engine.runner
+    lengths = []
+    real_forward = runner.model.forward
+
+    def forward(input_ids, positions, kv_caches, meta):
+        lengths.append(int(meta.seq_lens_cpu.max()))
+        return real_forward(input_ids, positions, kv_caches, meta)
+
+    monkeypatch.setattr(runner.model, "forward", forward)
+    warm_up_eager_steps(runner)
+    assert lengths and max(lengths) <= 8

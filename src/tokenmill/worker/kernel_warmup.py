@@ -40,18 +40,22 @@ def warm_up_eager_steps(runner) -> None:
     started = time.perf_counter()
     arch = runner.arch
     device = runner.device
-    longest = max(max(step) for step in WARMUP_STEPS)
+    # With --enforce-eager, decode-only steps run eagerly too: one request (the fused RoPE and
+    # deferred-norm path) and three, each with a 4-token context.
+    decode_only_steps = [(4,), (4, 4, 4)] if runner.graph_runner is None else []
+    # (Positions past max_model_len have no RoPE table entries.)
+    steps = [(lens, False) for lens in WARMUP_STEPS] + [(lens, True) for lens in decode_only_steps]
+    steps = [(lens, decode_only) for lens, decode_only in steps if max(lens) <= runner.max_model_len]
+    if not steps:
+        return
+    longest = max(max(lens) for lens, _ in steps)
     blocks_per_req = -(-longest // runner.block_size)
-    max_reqs = max(len(step) for step in WARMUP_STEPS)
+    max_reqs = max(len(lens) for lens, _ in steps)
     caches = allocate_kv_caches(
         arch.num_layers, blocks_per_req * max_reqs, runner.block_size, arch.num_kv_heads, arch.head_dim,
         runner.dtype, device,
     )  # fmt: skip
-    # With --enforce-eager, decode-only steps run eagerly too: one request (the fused RoPE and
-    # deferred-norm path) and three, each with a 4-token context.
-    decode_only_steps = [(4,), (4, 4, 4)] if runner.graph_runner is None else []
-    for lens in [*WARMUP_STEPS, *decode_only_steps]:
-        is_decode_only = lens in decode_only_steps
+    for lens, is_decode_only in steps:
         query_lens = [1] * len(lens) if is_decode_only else list(lens)
         num_tokens = sum(query_lens)
         qsl = np.zeros(len(lens) + 1, np.int32)
@@ -84,6 +88,6 @@ def warm_up_eager_steps(runner) -> None:
     del caches
     logger.info(
         "warmed up %d eager step shapes in %.1f s",
-        len(WARMUP_STEPS) + len(decode_only_steps),
+        len(steps),
         time.perf_counter() - started,
     )

@@ -107,6 +107,10 @@ def skinny_gemm(
     n = weight.shape[0]
     if not weight.is_contiguous() or weight.shape[1] != k:
         raise ValueError(f"skinny_gemm needs a contiguous [N, {k}] weight, got {tuple(weight.shape)}")
+    if bias is not None and (bias.numel() != n or not bias.is_contiguous() or bias.device != x.device):
+        raise ValueError(
+            f"skinny_gemm's bias must hold {n} contiguous values on {x.device}, got {tuple(bias.shape)}"
+        )
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or skinny_gemm_config(n, k)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
