@@ -97,7 +97,8 @@ def row_gemv(
 ) -> torch.Tensor:
     """`residual + x @ weight.T + bias` for one row x [1, K] and weight [N, K] contiguous: [1, N].
 
-    `out` may be `residual` itself (each program reads its residual element before writing it).
+    `out` may be `residual` itself (each program reads its residual element before writing it),
+    though on an H200 that is slower than a new tensor (see linear.linear_add).
     `out_dtype` (default x's) lets lm_head write float32 logits without a cast launch.
     `config` overrides (BLOCK_K, num_warps, num_stages), for the microbenchmark's sweep.
     """
