@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
-
-from tokenmill.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +17,7 @@ def profile_peak_memory(runner) -> int:
     """Runs the largest step the scheduler may produce (max_num_batched_tokens tokens, logits for
     max_num_seqs rows) against a tiny KV cache, and returns the peak bytes torch allocated."""
     from tokenmill.worker.kv_cache import allocate_kv_caches
+    from tokenmill.worker.scratch_step import scratch_step
 
     sched = runner.config.scheduler
     arch = runner.arch
@@ -36,24 +34,8 @@ def profile_peak_memory(runner) -> int:
         runner.dtype,
         runner.device,
     )
-    qsl = np.zeros(len(lens) + 1, np.int32)
-    np.cumsum(lens, out=qsl[1:])
-    device = runner.device
-    meta = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        num_reqs=len(lens),
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks_per_seq, dtype=torch.int32, device=device).repeat(len(lens), 1),
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
-        query_start_loc_cpu=torch.from_numpy(qsl),
-        seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
-        is_decode_only=False,
-    )
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    input_ids = torch.randint(0, arch.vocab_size, (num_tokens,), device=device)
+    positions, meta = scratch_step(lens, lens, blocks_per_seq, runner.device, decode_only=False)
+    input_ids = torch.randint(0, arch.vocab_size, (num_tokens,), device=runner.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     hidden = runner.model(input_ids, positions, temp_caches, meta)

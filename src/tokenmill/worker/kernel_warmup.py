@@ -6,8 +6,8 @@ would otherwise pay that inside a user's request. The memory profile runs one la
 the graphs cover decode-only batches; serving also runs eager steps with 1-8 rows (a short
 prefill chunk, e.g. after a prefix-cache hit: the row GEMV without a residual, the skinny GEMM
 with the non-deferred layer path), mixed prefill + decode batches, and with --enforce-eager
-decode-only steps. Each shape below runs once against a one-request-sized scratch KV cache;
-slot -1 writes nothing.
+decode-only steps. Each shape below runs once against a one-request-sized scratch KV cache
+(worker/scratch_step.py); slot -1 writes nothing.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
-
-from tokenmill.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +33,7 @@ WARMUP_STEPS: tuple[tuple[int, ...], ...] = (
 @torch.inference_mode()
 def warm_up_eager_steps(runner) -> None:
     from tokenmill.worker.kv_cache import allocate_kv_caches
+    from tokenmill.worker.scratch_step import scratch_step
 
     started = time.perf_counter()
     arch = runner.arch
@@ -50,38 +48,22 @@ def warm_up_eager_steps(runner) -> None:
         return
     longest = max(max(lens) for lens, _ in steps)
     blocks_per_req = -(-longest // runner.block_size)
-    max_reqs = max(len(lens) for lens, _ in steps)
     caches = allocate_kv_caches(
-        arch.num_layers, blocks_per_req * max_reqs, runner.block_size, arch.num_kv_heads, arch.head_dim,
-        runner.dtype, device,
-    )  # fmt: skip
+        arch.num_layers,
+        blocks_per_req,
+        runner.block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        runner.dtype,
+        device,
+    )
     for lens, is_decode_only in steps:
         query_lens = [1] * len(lens) if is_decode_only else list(lens)
-        num_tokens = sum(query_lens)
-        qsl = np.zeros(len(lens) + 1, np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
-        seq_lens = np.asarray(lens, np.int32)
-        meta = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=len(lens),
-            max_query_len=max(query_lens),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(qsl).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=torch.arange(blocks_per_req * len(lens), dtype=torch.int32, device=device).view(
-                len(lens), blocks_per_req
-            ),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
-            query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-            is_decode_only=is_decode_only,
-        )
-        positions = torch.cat(
-            [torch.arange(s - q, s, device=device) for q, s in zip(query_lens, lens, strict=True)]
-        )
+        positions, meta = scratch_step(query_lens, list(lens), blocks_per_req, device, is_decode_only)
+        num_tokens = meta.num_actual_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         hidden = runner.model(input_ids, positions, caches, meta)
-        last_rows = torch.from_numpy(qsl[1:] - 1).to(device=device, dtype=torch.long)
+        last_rows = (meta.query_start_loc[1:] - 1).long()
         runner.model.compute_logits(hidden[last_rows])
     if device.type == "cuda":
         torch.cuda.synchronize()
