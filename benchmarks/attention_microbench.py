@@ -87,6 +87,20 @@ def make_decode_batch(contexts: list[int], seed: int) -> tuple[AttentionMetadata
     return meta, num_blocks
 
 
+def decode_inputs(contexts: list[int]) -> tuple[AttentionMetadata, list[torch.Tensor], int]:
+    """A decode batch's metadata, enough distinct caches that together they exceed L2, and the
+    bytes of K/V one forward reads."""
+    meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
+    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        for _ in range(copies)
+    ]
+    kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
+    return meta, caches, kv_bytes
+
+
 def graph_time_per_forward(
     forward: Callable[[torch.Tensor], torch.Tensor], caches: list[torch.Tensor], reps: int
 ) -> float:
@@ -105,18 +119,11 @@ def graph_time_per_forward(
 
 
 def bench_decode(name: str, contexts: list[int], copy_gbs: float, num_sms: int, reps: int) -> list[dict]:
-    meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
+    meta, caches, kv_bytes = decode_inputs(contexts)
     batch = len(contexts)
-    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
-    caches = [
-        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        for _ in range(copies)
-    ]
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
-    kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
     io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
     max_blocks = meta.block_tables.shape[1]
     planned = choose_num_kv_splits(batch, KV_HEADS, max_blocks * BLOCK, num_sms)
@@ -231,15 +238,8 @@ def sweep_decode_tiles(copy_gbs: float, reps: int) -> None:
     print(f"\n{header:24} " + " ".join(f"{c:>18}" for c in columns))
     prepared = []
     for contexts, splits_list in cases.values():
-        meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
-        cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-        copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
-        caches = [
-            torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-            for _ in range(copies)
-        ]
+        meta, caches, kv_bytes = decode_inputs(contexts)
         q = torch.randn(len(contexts), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
         for splits in splits_list:
             partial_out = torch.empty(len(contexts), HEADS, splits, HEAD_DIM, device="cuda")
             partial_lse = torch.empty(len(contexts), HEADS, splits, device="cuda")
@@ -294,17 +294,10 @@ def sweep_split_minimum(copy_gbs: float, num_sms: int, reps: int) -> None:
 def _split_minimum_row(
     contexts: list[int], splits: int, minimums: tuple[int, ...], copy_gbs: float, reps: int
 ) -> list[str]:
-    meta, num_blocks = make_decode_batch(contexts, seed=len(contexts))
-    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
-    caches = [
-        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        for _ in range(copies)
-    ]
+    meta, caches, kv_bytes = decode_inputs(contexts)
     batch = len(contexts)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    kv_bytes = sum(s * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize for s in meta.seq_lens_cpu.tolist())
     partial_out = torch.empty(batch, HEADS, splits, HEAD_DIM, device="cuda")
     partial_lse = torch.empty(batch, HEADS, splits, device="cuda")
     counters = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device="cuda") if splits > 1 else None
