@@ -65,3 +65,19 @@ def test_warm_up_skips_shapes_longer_than_the_context_limit(tiny_llama_dir, monk
     monkeypatch.setattr(runner.model, "forward", forward)
     warm_up_eager_steps(runner)
     assert lengths and max(lengths) <= 8
+
+
+def test_scratch_step_batches_as_the_memory_profile_and_warm_up_need():
+    """worker/scratch_step.py builds both the memory profile's prefill (query = whole sequence)
+    and the warm-up's mixed batches (a 1-token query at the end of its sequence is a decode)."""
+    from tokenmill.worker.scratch_step import scratch_step
+
+    positions, meta = scratch_step([5, 3], [5, 3], 2, torch.device("cpu"), decode_only=False)
+    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert meta.query_start_loc.tolist() == [0, 5, 8] and meta.seq_lens.tolist() == [5, 3]
+    assert (meta.num_actual_tokens, meta.num_reqs, meta.max_query_len, meta.max_seq_len) == (8, 2, 5, 5)
+    assert meta.block_tables.tolist() == [[0, 1], [0, 1]]
+    assert meta.slot_mapping.tolist() == [-1] * 8 and not meta.is_decode_only
+
+    positions, meta = scratch_step([1, 1], [4, 6], 2, torch.device("cpu"), decode_only=True)
+    assert positions.tolist() == [3, 5] and meta.max_query_len == 1 and meta.is_decode_only
