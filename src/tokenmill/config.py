@@ -16,15 +16,35 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template (or a path to one) overriding the tokenizer's
     served_model_name: str | None = None
-    # CPU, float32: prepack matmul weights for oneDNN (model/layers/linear.py); off = plain F.linear.
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Which kernel paths the engine takes. Every benchmark result and the start-up log record it;
+    tests set it instead of patching module globals. Defaults are the fastest measured paths."""
+
+    # CUDA, 16-bit: one-row matmuls on our Triton row GEMV (weights stay out-major); off = cuBLAS
+    # with in-major weights, the engine before that kernel.
+    row_gemv: bool = True
+    # CUDA, 16-bit: 2-8-row matmuls on our Triton skinny GEMM (needs row_gemv's out-major weights).
+    skinny_gemm: bool = True
+    # CUDA: single-request decode steps rotate q/k and store K/V inside the attention launch.
+    fused_decode_rope: bool = True
+    # CUDA: those steps also fold the RMSNorm weights into the matmuls and skip the norm launches.
+    deferred_norm: bool = True
+    # Triton attention: at run time each KV split gets at least this many tokens (0 = as planned).
+    min_kv_tokens_per_split: int = 0
+    # CPU, float32: prepack matmul weights for oneDNN; off = plain F.linear.
     cpu_weight_packing: bool = True
-    # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks (layers/quantized_linear.py).
+    # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks.
     cpu_quantized_gemv: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
+    # auto = the model's dtype; the KV store and attention kernels read it from the cache tensors.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # override the pool size in blocks
     kv_cache_memory: int | None = None  # CPU: pool size in bytes
     gpu_memory_utilization: float = 0.9
@@ -44,6 +64,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # GPU: no CUDA graphs
     attention_backend: str = "auto"  # auto | torch | cpu | triton

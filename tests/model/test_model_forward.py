@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.config import ModelConfig
+from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.model.layers.linear import is_packed, onednn_packing_available
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.registry import load_model, resolve_model
@@ -96,13 +96,14 @@ class PagedHarness:
 
 
 def _load(path: Path, dtype: torch.dtype = torch.float32, *, cpu_weight_packing: bool = True) -> CausalLM:
-    config = ModelConfig(model=str(path), cpu_weight_packing=cpu_weight_packing)
+    config = ModelConfig(model=str(path))
     resolved = resolve_model(config)
     arch = resolved.arch
     backend = TorchReferenceBackend(
         arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE
     )
-    return load_model(config, arch, "cpu", dtype, backend, resolved=resolved)
+    kernel = KernelConfig(cpu_weight_packing=cpu_weight_packing)
+    return load_model(config, arch, "cpu", dtype, backend, resolved=resolved, kernel=kernel)
 
 
 _HF_LOGITS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}

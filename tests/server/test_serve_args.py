@@ -28,7 +28,7 @@ def test_no_arguments_serve_the_default_model_on_loopback_port_8000(monkeypatch)
     assert (server.config.host, server.config.port) == ("127.0.0.1", 8000)
     assert config.model.model is None and state.model_names == [DEFAULT_MODEL_NAME]
     assert config.cache.enable_prefix_caching and state.api_key is None
-    assert config.model.cpu_weight_packing and config.model.cpu_quantized_gemv
+    assert config.kernel.cpu_weight_packing and config.kernel.cpu_quantized_gemv
     assert server.shutdown_timeout == 30.0
 
 
@@ -59,7 +59,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
     assert (config.cache.num_kv_blocks, config.cache.kv_cache_memory) == (33, 2 * 2**30)
     assert config.cache.gpu_memory_utilization == 0.5 and not config.cache.enable_prefix_caching
     assert (config.model.load_format, config.model.dtype, config.model.seed) == ("dummy", "bfloat16", 11)
-    assert not config.model.cpu_weight_packing and not config.model.cpu_quantized_gemv
+    assert not config.kernel.cpu_weight_packing and not config.kernel.cpu_quantized_gemv
     assert config.model.chat_template == TEMPLATE  # read from the file
     assert server.shutdown_timeout == 4.5
     admission = state.admission

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.engine_core import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU,
@@ -81,8 +81,6 @@ def build_engine_config(
             seed=seed,
             chat_template=chat_template,
             served_model_name=served_model_name,
-            cpu_weight_packing=cpu_weight_packing,
-            cpu_quantized_gemv=cpu_quantized_gemv,
         ),
         cache=CacheConfig(
             block_size=block_size,
@@ -96,6 +94,7 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             policy=scheduling_policy,  # type: ignore[arg-type]
         ),
+        kernel=KernelConfig(cpu_weight_packing=cpu_weight_packing, cpu_quantized_gemv=cpu_quantized_gemv),
         device=str(resolved_device),
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,

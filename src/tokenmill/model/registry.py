@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.config import ModelConfig
+from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import ROW_GEMV
@@ -107,12 +107,14 @@ def load_model(
     attn_backend: AttentionBackend,
     *,
     resolved: ResolvedModel | None = None,
+    kernel: KernelConfig | None = None,
 ) -> CausalLM:
     """Build the CausalLM for `arch` on `device` and fill its weights (or random ones for dummy).
 
     Pass `resolved` when you already have it, to skip resolving again.
     """
     resolved = resolved or resolve_model(model_config)
+    kernel = kernel or KernelConfig()
     device = torch.device(device)
     dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     max_positions = model_config.max_model_len or arch.max_position_embeddings
@@ -127,14 +129,14 @@ def load_model(
         if not ROW_GEMV:
             model.store_matmul_weights_k_major()
         model.fold_norm_weights()
-    elif model_config.cpu_weight_packing:
+    elif kernel.cpu_weight_packing:
         model.pack_cpu_matmul_weights()
     if (
         device.type == "cpu"
         and dtype == torch.float32
         and resolved.format == "gguf"
         and model_config.load_format != "dummy"
-        and model_config.cpu_quantized_gemv
+        and kernel.cpu_quantized_gemv
     ):
         _attach_gguf_blocks(model, resolved.path, arch)
     return model.eval()

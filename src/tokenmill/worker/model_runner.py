@@ -101,7 +101,8 @@ class ModelRunner:
         )
         started = time.perf_counter()
         self.model = load_model(
-            config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved
+            config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved,
+            kernel=config.kernel,
         )
         logger.info(
             "model loaded in %.1f s (%s, %s, %s)",
