@@ -21,7 +21,6 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.model.registry import ResolvedModel, resolve_model
-from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import PendingStep
@@ -35,17 +34,6 @@ logger = logging.getLogger(__name__)
 # A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
-
-
-def needs_host_history(params: SamplingParams) -> bool:
-    """True when sampling a token needs the previous ones on the host (no step overlap then)."""
-    return (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-        or params.min_tokens > 0
-        or params.prompt_logprobs is not None
-    )
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -109,7 +97,7 @@ class EngineCore:
             max_tokens=req.max_tokens,
         )
         self.scheduler.add_request(request)
-        if needs_host_history(req.sampling_params):
+        if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -136,10 +124,11 @@ class EngineCore:
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
             return self._annotate(outputs)
         now = time.monotonic()
-        for s in scheduler_output.scheduled:
-            rid = s.request_id
-            if s.is_new and rid not in self._queue_times and rid not in self._reported_queue_time:
-                self._queue_times[rid] = max(0.0, now - s.request.arrival_time)
+        requests = self.scheduler.requests
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.request_id
+            if rid not in self._queue_times and rid not in self._reported_queue_time:
+                self._queue_times[rid] = max(0.0, now - requests[rid].arrival_time)
         if self.async_scheduling:
             pending = self._launch(scheduler_output)
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
@@ -177,9 +166,10 @@ class EngineCore:
 
     @staticmethod
     def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
-        logger.exception("model step failed; ending the %d requests in it", len(scheduler_output.scheduled))
+        request_ids = scheduler_output.num_scheduled_tokens
+        logger.exception("model step failed; ending the %d requests in it", len(request_ids))
         reason = f"model execution failed: {type(exc).__name__}: {exc}"
-        return ModelRunnerOutput(errored={s.request_id: reason for s in scheduler_output.scheduled})
+        return ModelRunnerOutput(errored=dict.fromkeys(request_ids, reason))
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Attach each request's queue time to its first output; forget ended requests."""
