@@ -65,19 +65,24 @@ def _time_forward(runner, so, requests, repeats: int) -> float:
     updated by the runner), repeated back to back."""
     graphs = runner.graph_runner
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    num_computed_tokens = so.batch_num_computed_tokens()
     num_scheduled_tokens = list(so.num_scheduled_tokens.values())
     with torch.inference_mode():
         if graphs is not None:
             key = graphs.graph_key(len(requests), 1)
             batch = build_host_batch(
-                requests, num_scheduled_tokens, runner.block_size, block_table_width=runner.max_blocks_per_req
+                requests,
+                num_computed_tokens,
+                num_scheduled_tokens,
+                runner.block_size,
+                block_table_width=runner.max_blocks_per_req,
             )
             runner.build_metadata(batch, padded_reqs=key[0])
 
             def forward():
                 graphs.replay(key)
         else:
-            batch = build_host_batch(requests, num_scheduled_tokens, runner.block_size)
+            batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, runner.block_size)
             ids, pos, meta = runner.build_metadata(batch)
 
             def forward():

@@ -92,12 +92,11 @@ class FakeRunner:
         for request_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(request_id, None)
         cached = so.scheduled_cached_reqs
-        for request_id, new_block_ids, start in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
+        assert set(cached.new_block_ids) <= set(cached.request_ids)
+        for request_id, start in zip(cached.request_ids, cached.num_computed_tokens, strict=True):
             # is_new exactly when the runner holds no state for it (first time, or after preemption).
             assert request_id in self.states, (request_id, False)
-            self.states[request_id].block_ids.extend(new_block_ids)
+            self.states[request_id].block_ids.extend(cached.new_block_ids.get(request_id, []))
             self.states[request_id].num_computed_tokens = start
         for new in so.scheduled_new_reqs:
             assert new.request_id not in self.states, (new.request_id, True)

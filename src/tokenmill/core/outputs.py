@@ -35,13 +35,15 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 class CachedRequestData(msgspec.Struct, array_like=True):
     """Requests the runner already holds state for, scheduled again: only what changed.
 
-    Parallel lists (one entry per request, in the step's order), which cost less to build and to
-    encode than one struct per request in the per-step hot path.
+    Parallel lists (one entry per request, in the step's order), which cost less to build, read
+    and encode than one struct per request in the per-step hot path.
     """
 
     request_ids: list[str] = []
-    new_block_ids: list[list[int]] = []  # blocks appended since the request's previous step
     num_computed_tokens: list[int] = []  # before this step
+    # Blocks appended to a request's table since its previous step, only for the few requests
+    # that got any (a decode step crosses a block boundary once every block_size tokens).
+    new_block_ids: dict[str, list[int]] = {}
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -82,9 +84,13 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
 
     def num_computed_tokens_by_request(self) -> dict[str, int]:
         """request id -> tokens computed before this step (off the hot path: tests, prompt logprobs)."""
-        cached = self.scheduled_cached_reqs
-        starts = dict(zip(cached.request_ids, cached.num_computed_tokens, strict=True))
-        starts.update((new.request_id, new.num_computed_tokens) for new in self.scheduled_new_reqs)
+        return dict(zip(self.scheduled_req_ids, self.batch_num_computed_tokens(), strict=True))
+
+    def batch_num_computed_tokens(self) -> list[int]:
+        """Tokens computed before this step, per request in batch order."""
+        starts = self.scheduled_cached_reqs.num_computed_tokens
+        if self.scheduled_new_reqs:
+            starts = starts + [new.num_computed_tokens for new in self.scheduled_new_reqs]
         return starts
 
 

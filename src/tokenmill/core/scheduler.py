@@ -32,7 +32,6 @@ from collections.abc import Iterable
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -119,6 +118,7 @@ class Scheduler:
         output = SchedulerOutput()
         # Filled in batch order: running (cached) requests first, then admitted (new) ones.
         num_scheduled = output.num_scheduled_tokens
+        cached = output.scheduled_cached_reqs
         preempted = output.preempted_req_ids
         running = self.running
         max_model_len = self.max_model_len
@@ -132,26 +132,41 @@ class Scheduler:
                 i += 1
                 continue
             num_known = len(request.all_token_ids) + placeholders
+            drafts = request.spec_token_ids
             # Drafts follow the last known token; none while a token is still in flight (async
             # scheduling with speculative decoding would need placeholder drafts: not supported yet).
-            drafts = request.spec_token_ids if not placeholders else ()
-            num_new = min(num_known + len(drafts) - num_computed, budget, max_model_len - num_computed)
+            if drafts and not placeholders:
+                num_new = min(num_known + len(drafts) - num_computed, budget, max_model_len - num_computed)
+                num_drafts = max(num_computed + num_new - num_known, 0)
+            else:
+                num_new = min(num_known - num_computed, budget, max_model_len - num_computed)
+                num_drafts = 0
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            num_drafts = max(num_computed + num_new - num_known, 0)
-            new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            if num_drafts:
+                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            else:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, preempted)
                 if new_block_ids is None:
                     continue  # it was preempted or ended; it left `running`, which ends the loop
-            if request.spec_token_ids:
+            request_id = request.request_id
+            if drafts:
                 if num_drafts:
-                    scheduled_drafts = request.spec_token_ids[:num_drafts]
-                    output.scheduled_spec_decode_tokens[request.request_id] = scheduled_drafts
+                    output.scheduled_spec_decode_tokens[request_id] = drafts[:num_drafts]
                 request.spec_token_ids = []  # the request moves on: unscheduled drafts are stale
-            self._schedule_cached(output.scheduled_cached_reqs, request, num_new, new_block_ids)
-            num_scheduled[request.request_id] = num_new
+            # The runner holds its state: send only what changed. (Inlined: this runs for every
+            # running request every step.)
+            cached.request_ids.append(request_id)
+            cached.num_computed_tokens.append(num_computed)
+            if new_block_ids:
+                cached.new_block_ids[request_id] = new_block_ids
+            if num_computed + num_new >= num_known:  # the chunk samples: the id comes with the results
+                request.num_output_placeholders = placeholders + 1
+            request.num_computed_tokens = num_computed + num_new  # progress counts at schedule time
+            num_scheduled[request_id] = num_new
             budget -= num_new
             i += 1
 
@@ -207,21 +222,6 @@ class Scheduler:
             return True
         return request.num_tokens + placeholders >= self.max_model_len
 
-    def _advance(self, request: Request, num_new: int) -> None:
-        """Count the step's progress now, as vLLM v1 does (the runner reports tokens later)."""
-        if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1  # the chunk samples: the id comes with the step's results
-        request.num_computed_tokens += num_new
-
-    def _schedule_cached(
-        self, cached: CachedRequestData, request: Request, num_new: int, new_block_ids: list[int]
-    ) -> None:
-        """A running request the runner holds state for: send only what changed."""
-        cached.request_ids.append(request.request_id)
-        cached.new_block_ids.append(new_block_ids)
-        cached.num_computed_tokens.append(request.num_computed_tokens)  # before the step
-        self._advance(request, num_new)
-
     def _schedule_new(self, request: Request, num_new: int) -> NewRequestData:
         """First scheduled, or resumed after preemption: everything the runner needs, once."""
         new = NewRequestData(
@@ -233,7 +233,11 @@ class Scheduler:
             request.num_computed_tokens,  # before the step
             list(request.output_token_ids),
         )
-        self._advance(request, num_new)
+        # As vLLM v1, progress is counted at schedule time; a chunk that reaches the last token
+        # samples, and the id comes with the step's results.
+        if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+        request.num_computed_tokens += num_new
         return new
 
     def _preempt_until_allocated(

@@ -33,14 +33,15 @@ class HostBatch:
 
 def build_host_batch(
     requests: list[RequestState],
+    num_computed_tokens: list[int],
     num_scheduled_tokens: list[int],
     block_size: int,
     block_table_width: int | None = None,
 ) -> HostBatch:
-    """The step's inputs from the runner's request states (batch order) and the tokens each
-    computes, starting at its `num_computed_tokens`."""
+    """The step's inputs: per request (batch order) its state, the tokens computed before the
+    step and the tokens it computes now."""
     num_reqs = len(requests)
-    starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_reqs)
+    starts = np.asarray(num_computed_tokens, dtype=np.int64)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
     seq_lens = starts + query_lens
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -52,8 +53,8 @@ def build_host_batch(
     sampling_req_indices: list[int] = []
     placeholder_rows: list[int] = []
     placeholder_req_ids: list[str] = []
-    for i, (r, num_new) in enumerate(zip(requests, num_scheduled_tokens, strict=True)):
-        start = r.num_computed_tokens
+    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, strict=True)
+    for i, (r, start, num_new) in enumerate(rows):
         token_ids = r.token_ids
         if num_new == 1:
             if start < len(token_ids):

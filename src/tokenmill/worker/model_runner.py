@@ -76,16 +76,23 @@ class PendingStep:
         logprob_rows = None
         if self._sampled is not None and self._metadata is not None:
             logprob_rows = self._sampled.to_token_logprobs(self._metadata)
-        for i, state in enumerate(self._sampling_states):
-            if bad_rows[i]:
-                output.errored[state.request_id] = (
-                    "the model produced non-finite (NaN or inf) logits for this request"
-                )
-                continue
-            token_id = token_ids[i]
-            state.append_sampled(token_id)
-            output.req_ids.append(state.request_id)
-            output.sampled_token_ids.append([token_id])
+        states = self._sampling_states
+        if not any(bad_rows):  # the common case, in comprehensions: this runs every step
+            output.req_ids = [state.request_id for state in states]
+            output.sampled_token_ids = [[token_id] for token_id in token_ids]
+            for state, token_id in zip(states, token_ids, strict=True):
+                state.token_ids.append(token_id)  # the runner's own token history
+        else:
+            for i, state in enumerate(states):
+                if bad_rows[i]:
+                    output.errored[state.request_id] = (
+                        "the model produced non-finite (NaN or inf) logits for this request"
+                    )
+                    continue
+                token_id = token_ids[i]
+                state.token_ids.append(token_id)
+                output.req_ids.append(state.request_id)
+                output.sampled_token_ids.append([token_id])
         if logprob_rows is not None:
             output.logprobs = [
                 [lp] if lp is not None else None for i, lp in enumerate(logprob_rows) if not bad_rows[i]
@@ -314,28 +321,35 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not requests:
             return PendingStep(output)
-        num_scheduled_tokens = list(so.num_scheduled_tokens.values())  # batch order
-        graph_key = self._graph_key(so, requests)
+        num_computed_tokens = so.batch_num_computed_tokens()  # batch order, as the requests
+        num_scheduled_tokens = list(so.num_scheduled_tokens.values())
+        graph_key = self._graph_key(so, requests, num_computed_tokens)
         if graph_key is not None:
             # Decode-only step: pad to a captured batch size and replay its graph.
             num_reqs = len(requests)
             batch = build_host_batch(
-                requests, num_scheduled_tokens, self.block_size, block_table_width=self.max_blocks_per_req
+                requests,
+                num_computed_tokens,
+                num_scheduled_tokens,
+                self.block_size,
+                block_table_width=self.max_blocks_per_req,
             )
             self.build_metadata(batch, padded_reqs=graph_key[0])
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
             return self._sample(requests, batch, None, output, logits=logits)
-        batch = build_host_batch(requests, num_scheduled_tokens, self.block_size)
+        batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)
         input_ids, positions, meta = self.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.
-        self._prompt_logprobs(requests, num_scheduled_tokens, batch, hidden, output)
+        self._prompt_logprobs(requests, num_computed_tokens, num_scheduled_tokens, batch, hidden, output)
         if batch.sampling_req_indices:
             return self._sample(requests, batch, hidden, output)
         self._last_sampled = None
         return PendingStep(output)
 
-    def _graph_key(self, so: SchedulerOutput, requests: list[RequestState]) -> tuple[int, int] | None:
+    def _graph_key(
+        self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
+    ) -> tuple[int, int] | None:
         """The captured graph (padded batch size, tokens per request) that runs this step, if any:
         only steps where every request decodes one token take a graph today."""
         graphs = self.graph_runner
@@ -345,7 +359,9 @@ class ModelRunner:
         if (
             so.total_num_scheduled_tokens == num_reqs
             and num_reqs <= graphs.max_size
-            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests)
+            and all(
+                start >= r.num_prompt_tokens for r, start in zip(requests, num_computed_tokens, strict=True)
+            )
         ):
             return graphs.graph_key(num_reqs, 1)
         return None
@@ -417,6 +433,7 @@ class ModelRunner:
     def _prompt_logprobs(
         self,
         requests: list[RequestState],
+        num_computed_tokens: list[int],
         num_scheduled_tokens: list[int],
         batch: HostBatch,
         hidden: torch.Tensor,
@@ -424,9 +441,9 @@ class ModelRunner:
     ) -> None:
         for i, r in enumerate(requests):
             k = r.sampling_params.prompt_logprobs
-            if k is None or r.num_computed_tokens >= r.num_prompt_tokens:
+            start = num_computed_tokens[i]
+            if k is None or start >= r.num_prompt_tokens:
                 continue
-            start = r.num_computed_tokens
             end = min(start + num_scheduled_tokens[i], r.num_prompt_tokens)
             # The logits at prompt position p score prompt token p + 1.
             last_scored = min(end, r.num_prompt_tokens - 1)

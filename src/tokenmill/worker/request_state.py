@@ -1,7 +1,7 @@
 """The runner's own per-request state (its persistent batch), kept across steps.
 
 Built from a request's `NewRequestData` the first step it is scheduled, updated from the
-scheduler's diffs (new block ids, num_computed_tokens) and from the tokens the runner itself
+scheduler's diffs (new block ids) and from the tokens the runner itself
 samples. The runner never reads the scheduler's `core.Request`, so the scheduler output can come
 from another process.
 """
@@ -19,11 +19,9 @@ class RequestState:
         "eos_token_ids",
         "prompt_token_ids",
         "num_prompt_tokens",
-        "output_token_ids",
         "token_ids",
         "num_tokens",
         "block_ids",
-        "num_computed_tokens",
         "is_plain_greedy",
     )
 
@@ -33,27 +31,22 @@ class RequestState:
         self.eos_token_ids = new.eos_token_ids
         self.prompt_token_ids = new.prompt_token_ids  # read only
         self.num_prompt_tokens = len(new.prompt_token_ids)
-        self.output_token_ids = list(new.output_token_ids)
-        # Prompt + output tokens whose ids the host has (the sampling metadata reads the output
-        # list, the batch builder this one).
+        # Prompt + output tokens whose ids the host has.
         self.token_ids = [*new.prompt_token_ids, *new.output_token_ids]
         # Those plus the tokens sampled by launched steps whose ids have not reached the host yet
         # (async scheduling): a chunk that reaches num_tokens samples a new token.
         self.num_tokens = len(self.token_ids)
         self.block_ids = list(new.block_ids)  # own copy: the diffs extend it
-        self.num_computed_tokens = new.num_computed_tokens  # before the current step
         self.is_plain_greedy = new.sampling_params.is_plain_greedy
 
-    def append_sampled(self, token_id: int) -> None:
-        """A token this request sampled has reached the host."""
-        self.token_ids.append(token_id)
-        self.output_token_ids.append(token_id)
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output tokens on the host (a copy; only sampling with penalties or min_tokens
+        reads them, and then every earlier token is on the host)."""
+        return self.token_ids[self.num_prompt_tokens :]
 
     def __repr__(self) -> str:
-        return (
-            f"RequestState({self.request_id!r}, tokens={len(self.token_ids)}/{self.num_tokens}, "
-            f"computed={self.num_computed_tokens})"
-        )
+        return f"RequestState({self.request_id!r}, tokens={len(self.token_ids)}/{self.num_tokens})"
 
 
 class RequestStates:
@@ -82,16 +75,10 @@ class RequestStates:
             states.pop(request_id, None)
         for request_id in so.preempted_req_ids:
             states.pop(request_id, None)
-        batch: list[RequestState] = []
         cached = so.scheduled_cached_reqs
-        for request_id, new_block_ids, num_computed in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            state = states[request_id]
-            if new_block_ids:
-                state.block_ids.extend(new_block_ids)
-            state.num_computed_tokens = num_computed
-            batch.append(state)
+        batch = [states[request_id] for request_id in cached.request_ids]
+        for request_id, new_block_ids in cached.new_block_ids.items():
+            states[request_id].block_ids.extend(new_block_ids)
         for new in so.scheduled_new_reqs:
             state = states[new.request_id] = RequestState(new)
             batch.append(state)
