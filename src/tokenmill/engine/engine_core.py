@@ -117,8 +117,8 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids:
-                self.runner.execute(scheduler_output)  # lets the runner drop finished requests' state
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                self.runner.execute(scheduler_output)  # lets the runner drop those requests' state
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
