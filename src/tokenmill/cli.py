@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "serve":
-        from tokenmill.server.api_server import run_server
+        from tokenmill.server.launch import run_server
 
         return run_server(args) or 0
     if args.command == "generate":
