@@ -257,3 +257,21 @@ def test_tokenmill_variables_are_read_only_through_the_registry():
     assert sorted(set(offenders) - pending) == []
     named = set(re.findall(r"TOKENMILL_[A-Z_]+[A-Z]", "".join(p.read_text() for p in root.rglob("*.py"))))
     assert named <= set(envs.REGISTRY), named - set(envs.REGISTRY)
+
+
+def test_bench_throughput_from_a_config_file_writes_the_engine_config(tiny_llama_dir, tmp_path):
+    from tokenmill.bench import throughput
+
+    path = tmp_path / "bench.yaml"
+    path.write_text(
+        f"model: {tiny_llama_dir}\ndevice: cpu\nattention-backend: torch\nmax-model-len: 64\n"
+        "num-prompts: 2\ninput-len: 4\noutput-len: 2\nwarmup: false\n"
+        'kernel-config: {"fused_decode_rope": false}\n'
+    )
+    args = parse(["bench", "throughput", "--config", str(path), "--result-dir", str(tmp_path / "out")])
+    throughput.main(args)
+    (result,) = (tmp_path / "out").glob("throughput-*.json")
+    config = json.loads(result.read_text())["config"]
+    assert config["model"] == str(tiny_llama_dir) and config["num_prompts"] == 2
+    assert config["engine_config"]["kernel"]["fused_decode_rope"] is False
+    assert config["engine_config"]["model"]["max_model_len"] == 64
