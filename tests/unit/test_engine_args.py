@@ -204,10 +204,13 @@ def test_env_registry_types_defaults_and_description(monkeypatch):
 def test_step_budget_default_depends_on_the_device(monkeypatch):
     import tokenmill.worker.device as device
 
-    assert build_engine_config(device="cpu").scheduler.max_num_batched_tokens == 512
+    config = build_engine_config(device="cpu")
+    assert config.scheduler.max_num_batched_tokens == 512 and config.async_scheduling is False
     monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cuda"))
     config = build_engine_config(device="cuda")
     assert config.device == "cuda" and config.scheduler.max_num_batched_tokens == 8192
+    assert config.async_scheduling is True  # on for CUDA unless asked otherwise
+    assert build_engine_config(device="cuda", async_scheduling=False).async_scheduling is False
     assert (
         build_engine_config(device="cuda", max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100
     )
@@ -221,7 +224,7 @@ def test_start_up_log_lists_every_non_default_option_and_the_kernel_paths(caplog
     assert record.levelno == logging.INFO
     assert "max_num_seqs=8" in message and "enable_prefix_caching=False" in message
     assert "device='cpu'" in message and "block_size" not in message.split(";")[0]  # defaults left out
-    assert "max_num_batched_tokens=512" in message  # the resolved default
+    assert "max_num_batched_tokens=512, async_scheduling=False" in message  # the resolved defaults
     assert "row_gemv=True" in message and "cpu_quantized_gemv=True" in message
 
 
