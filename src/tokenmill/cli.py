@@ -12,11 +12,13 @@ from tokenmill.args import EngineArgs
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per reply")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    parser.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of this request's sampling (default: none)"
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -73,7 +75,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    chat.add_argument("--system", default=None)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat)
 

@@ -89,6 +89,21 @@ def test_every_field_is_a_flag_with_help_on_every_command(command):
     assert EngineArgs.from_cli_args(args) == EngineArgs(device="cpu")
 
 
+def test_every_flag_of_the_engine_commands_has_help():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    bench = commands["bench"]._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    parsers = {"tokenmill": parser, **commands, "bench throughput": bench["throughput"]}
+    parsers["bench latency"] = bench["latency"]
+    missing = [
+        f"{name} {action.option_strings[0]}"
+        for name, sub in parsers.items()
+        for action in sub._actions
+        if action.option_strings and not (action.help or "").strip()
+    ]
+    assert missing == []
+
+
 def test_cli_llm_kwargs_and_yaml_give_the_same_config(tmp_path):
     from_cli = config_from_cli(["generate", "hi"], CLI)
     from_kwargs = build_engine_config(device="cpu", **KWARGS)

@@ -16,13 +16,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.args import EngineArgs
 
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--baseline", choices=["none", "hf-generate"], default="none")
-    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--result-dir", default="benchmarks/results")
-    parser.add_argument("--result-name", default=None)
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens decoded (EOS ignored)")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs; the fastest is reported")
+    parser.add_argument(
+        "--baseline",
+        choices=["none", "hf-generate"],
+        default="none",
+        help="also time transformers' generate() on the same weights and prompt",
+    )
+    parser.add_argument(
+        "--save-result", action=argparse.BooleanOptionalAction, default=True, help="write the result JSON"
+    )
+    parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
+    parser.add_argument(
+        "--result-name", default=None, help="file name of the result JSON (default: <benchmark>-<UTC time>)"
+    )
 
 
 def copy_bandwidth(device: str) -> float:

@@ -18,9 +18,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.args import EngineArgs
 
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64, help="random prompts, all submitted at once")
+    parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument(
+        "--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)"
+    )
     parser.add_argument(
         "--baseline",
         choices=["none", "hf-generate", "hf-generate-batch"],
@@ -31,10 +33,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-num-prompts", type=int, default=None, help="prompts for the baseline (default: all)"
     )
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--result-dir", default="benchmarks/results")
-    parser.add_argument("--result-name", default=None)
+    parser.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first a short untimed run that compiles the kernels the timed one needs",
+    )
+    parser.add_argument(
+        "--save-result", action=argparse.BooleanOptionalAction, default=True, help="write the result JSON"
+    )
+    parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
+    parser.add_argument(
+        "--result-name", default=None, help="file name of the result JSON (default: <benchmark>-<UTC time>)"
+    )
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
