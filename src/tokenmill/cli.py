@@ -76,7 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.engine.chat_template import load_chat_template
+    from tokenmill.chat_template import load_chat_template
 
     return {
         "tokenizer": args.tokenizer,

@@ -50,7 +50,7 @@ def build_engine_config(
     cpu_weight_packing: bool = True,
     cpu_quantized_gemv: bool = True,
 ) -> EngineConfig:
-    from tokenmill.worker.device import resolve_device
+    from tokenmill.device import resolve_device
 
     resolved_device = resolve_device(device)
     if max_num_batched_tokens is None:
@@ -276,7 +276,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        from tokenmill.engine.chat_template import render_chat
+        from tokenmill.chat_template import render_chat
 
         return render_chat(
             self.tokenizer,
