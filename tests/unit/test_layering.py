@@ -1,6 +1,6 @@
 """The package order holds: no module imports a package above its own, and core/ stays torch-free.
 
-Low to high (docs: DESIGN.md "Layout (target)"): the small top-level modules < core < kernels <
+Low to high (issue 13, "Layout"; README.md): the small top-level modules < core < kernels <
 attention < model < sample < worker < engine < server, bench < cli. Every import counts, at module
 level or inside a function or an `if TYPE_CHECKING:` block: a lazy import still ties the lower
 package to the higher one. The scan reads the source (AST), so it needs neither torch nor triton.
