@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
+from tokenmill.device import resolve_dtype
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import ROW_GEMV
@@ -29,7 +30,6 @@ from tokenmill.model.loader.safetensors_loader import (
     read_hf_config,
     safetensors_files,
 )
-from tokenmill.worker.device import resolve_dtype
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
