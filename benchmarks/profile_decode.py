@@ -26,6 +26,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.results import write_result
+from tokenmill.bench.timing import cuda_ms
 from tokenmill.worker.batch_inputs import build_host_batch
 
 
@@ -64,7 +65,6 @@ def _time_forward(runner, so, requests, repeats: int) -> float:
     """GPU ms of one forward (+ logits) on the inputs of `so` (its request states already
     updated by the runner), repeated back to back."""
     graphs = runner.graph_runner
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     num_computed_tokens = so.batch_num_computed_tokens()
     num_scheduled_tokens = list(so.num_scheduled_tokens.values())
     with torch.inference_mode():
@@ -91,12 +91,7 @@ def _time_forward(runner, so, requests, repeats: int) -> float:
         # Repeats rewrite the same KV slots with the same values: the engine's own step follows.
         forward()
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            forward()
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+        return cuda_ms(forward, reps=repeats)
 
 
 def forward_device_ms(llm: LLM, repeats: int = 20) -> float:

@@ -58,7 +58,7 @@ _KEEP_PLAIN_WEIGHTS_BYTES = 1 << 30
 def _fused_ops():
     global _triton_ops
     if _triton_ops is None:
-        from tokenmill.model.layers import triton_ops
+        from tokenmill.kernels.triton import elementwise as triton_ops
 
         _triton_ops = triton_ops
     return _triton_ops
@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
+        """The CUDA path: same math as forward() in a few fused launches (see kernels/triton/elementwise.py).
 
         Returns the residual stream (x updated in place, or a new tensor) and this layer's MLP
         output, which the caller adds to it inside the next fused norm (None when the layer added
@@ -334,7 +334,7 @@ class CausalLM(nn.Module):
         """Keep each matmul weight's logical [out, in] shape but store it transposed (in-major).
 
         F.linear then hands cuBLAS a plain row-major [in, out] operand, and at decode batch sizes
-        its kernels for that layout read weights faster: on an H200 (benchmarks/gemv_microbench.py,
+        its kernels for that layout read weights faster: on an H200 (BENCHMARKS.md, gemv_microbench,
         batch 1) down_proj 30.0 vs 32.6 us, lm_head 234 vs 255 us, the rest within 2 %. A tied
         lm_head stays as it is: it is also the embedding table, gathered by rows.
         Only with the row GEMV off (layers/linear.py): it reads the out-major layout, and beats

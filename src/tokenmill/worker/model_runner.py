@@ -15,11 +15,11 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
 from tokenmill.worker.request_state import RequestState, RequestStates
 
@@ -391,7 +391,7 @@ class ModelRunner:
         if all(r.is_plain_greedy for r in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
             if logits.is_cuda:
-                from tokenmill.sample.greedy_triton import greedy_sample
+                from tokenmill.kernels.triton.greedy import greedy_sample
 
                 packed = greedy_sample(logits)  # ids and non-finite flags in two launches
                 sampled_ids = packed[0]
