@@ -31,7 +31,7 @@ def profile_peak_memory(runner) -> int:
         runner.block_size,
         arch.num_kv_heads,
         arch.head_dim,
-        runner.dtype,
+        runner.kv_cache_dtype,
         runner.device,
     )
     positions, meta = scratch_step(lens, lens, blocks_per_seq, runner.device, decode_only=False)

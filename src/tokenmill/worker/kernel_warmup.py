@@ -54,7 +54,7 @@ def warm_up_eager_steps(runner) -> None:
         runner.block_size,
         arch.num_kv_heads,
         arch.head_dim,
-        runner.dtype,
+        runner.kv_cache_dtype,
         device,
     )
     for lens, is_decode_only in steps:

@@ -13,6 +13,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M in fp32
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto` is the model's dtype; otherwise a float type by name. (FP8 names are refused by the
+    engine arguments until the KV store and attention kernels read scaled FP8.)"""
+    if name == "auto":
+        return model_dtype
+    from tokenmill.device import resolve_dtype
+
+    return resolve_dtype(name, torch.device("cpu"))
+
+
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

@@ -20,7 +20,12 @@ from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
+from tokenmill.worker.kv_cache import (
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    num_blocks_for_cpu,
+    resolve_kv_cache_dtype,
+)
 from tokenmill.worker.request_state import RequestState, RequestStates
 
 logger = logging.getLogger(__name__)
@@ -109,6 +114,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        # The KV store and attention kernels read the element type from the cache tensors.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         backend_cls = get_attention_backend(config.attention_backend, self.device)
         self.attn_backend = backend_cls(
             self.arch.num_heads,
@@ -160,8 +167,9 @@ class ModelRunner:
     def initialize_kv_cache(self) -> int:
         """Size and allocate the KV pool; returns the number of blocks."""
         per_block = kv_bytes_per_block(
-            self.arch.num_layers, self.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype
-        )
+            self.arch.num_layers, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            self.kv_cache_dtype,
+        )  # fmt: skip
         min_blocks = -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
             from tokenmill.worker.gpu_memory import num_blocks_for_gpu
@@ -171,7 +179,7 @@ class ModelRunner:
             num_blocks = num_blocks_for_cpu(self.config.cache, per_block, min_blocks)
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
-            self.dtype, self.device,
+            self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -181,8 +189,9 @@ class ModelRunner:
 
             warm_up_eager_steps(self)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB), up to %d tokens in flight",
-            num_blocks, self.block_size, num_blocks * per_block / 2**30, num_blocks * self.block_size,
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s), up to %d tokens in flight",
+            num_blocks, self.block_size, num_blocks * per_block / 2**30,
+            str(self.kv_cache_dtype).removeprefix("torch."), num_blocks * self.block_size,
         )  # fmt: skip
         return num_blocks
 

@@ -1,0 +1,45 @@
+"""`kv_cache_dtype`: its own option, carried to the KV pool the attention kernels read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 2, 30, 18]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+POOL_BYTES = 8 * 2**20
+
+
+def _llm(model_dir, **kwargs) -> LLM:
+    return LLM(str(model_dir), device="cpu", max_model_len=128, kv_cache_memory=POOL_BYTES, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_auto_is_the_model_dtype_and_naming_it_changes_nothing(tiny_llama_dir, backend):
+    auto = _llm(tiny_llama_dir, attention_backend=backend)
+    runner = auto.engine.runner
+    assert all(cache.dtype == torch.float32 for cache in runner.kv_caches)
+    named = _llm(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="float32")
+    assert named.engine.info.num_kv_blocks == auto.engine.info.num_kv_blocks
+    tokens = [out.outputs[0].token_ids for out in auto.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    again = [out.outputs[0].token_ids for out in named.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    assert tokens == again
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_16_bit_cache_under_a_float32_model_holds_twice_the_blocks_and_generates(tiny_llama_dir, backend):
+    fp32 = _llm(tiny_llama_dir, attention_backend=backend)
+    bf16 = _llm(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16")
+    assert all(cache.dtype == torch.bfloat16 for cache in bf16.engine.runner.kv_caches)
+    assert bf16.engine.info.num_kv_blocks == 2 * fp32.engine.info.num_kv_blocks
+    outputs = bf16.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [12, 12]
+    bf16.engine.check_invariants()
+    assert bf16.engine.scheduler.kv.usage == 0.0  # every block back in the pool
+
+
+def test_fp8_is_refused_naming_the_values_that_work(tiny_llama_dir):
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported yet.*auto, float32, bfloat16, float16"):
+        _llm(tiny_llama_dir, kv_cache_dtype="fp8")
