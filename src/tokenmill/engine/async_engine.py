@@ -144,7 +144,7 @@ class AsyncEngine:
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self, ready_timeout_s: float = 1800.0) -> None:
-        from tokenmill.model.registry import resolve_model
+        from tokenmill.model.resolve import resolve_model
 
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
@@ -179,8 +179,7 @@ class AsyncEngine:
         )  # fmt: skip
 
     def _load_tokenizer(self, resolved: Any) -> tuple[Any, list[int]]:
-        from tokenmill.engine.llm import load_tokenizer_or_none
-        from tokenmill.model.tokenizer import eos_token_ids
+        from tokenmill.model.tokenizer import eos_token_ids, load_tokenizer_or_none
 
         tokenizer = load_tokenizer_or_none(resolved, self.config.model.chat_template)
         # The same EOS set as the offline LLM, so both stop at the same token.

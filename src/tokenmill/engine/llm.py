@@ -19,6 +19,7 @@ from tokenmill.engine.engine_core import (
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
+from tokenmill.model.tokenizer import load_tokenizer_or_none  # noqa: F401  (re-exported: older import path)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -102,30 +103,13 @@ def build_engine_config(
     )
 
 
-def load_tokenizer_or_none(resolved: Any, chat_template: str | None) -> Any:
-    """The model's tokenizer; a dummy-weights model without tokenizer files runs on token ids alone."""
-    from tokenmill.model.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(resolved, chat_template)
-    except (OSError, ValueError) as exc:
-        if resolved.format != "dummy":
-            raise
-        logger.warning(
-            "no tokenizer for %s (%s); prompts must be token ids and outputs are not detokenized",
-            resolved.path,
-            exc,
-        )
-        return None
-
-
 class LLM:
     """An engine in this process. `model=None` loads the default model (SmolLM2-135M-Instruct)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         import torch
 
-        from tokenmill.model.registry import resolve_model
+        from tokenmill.model.resolve import resolve_model
         from tokenmill.model.tokenizer import eos_token_ids
 
         self.config = build_engine_config(model, **kwargs)
