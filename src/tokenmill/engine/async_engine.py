@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.core_client import AsyncEngineCoreClient
 from tokenmill.engine.core_process_client import DEFAULT_HANG_TIMEOUT_S, CoreProcessClient
 from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor
@@ -61,7 +62,7 @@ class AsyncEngine:
         config: EngineConfig,
         *,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-        client: CoreProcessClient | None = None,
+        client: AsyncEngineCoreClient | None = None,
     ) -> None:
         self.config = config
         self.client = (
@@ -88,7 +89,7 @@ class AsyncEngine:
 
         # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
-        self.client.spawn()
+        self.client.launch()
         # The tokenizer (importing transformers takes a while) loads while the engine starts.
         tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, resolved))
         try:

@@ -23,10 +23,12 @@ it holds one `CoreProcessClient` per engine-core process, and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenmill.core.outputs import EngineCoreOutput
-from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.engine.messages import EngineCoreRequest, EngineInfo, StepOutputs
+from tokenmill.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine_core import EngineCore
@@ -42,6 +44,64 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ends these sequences in the engine core; it frees their blocks at its next step."""
+
+
+def _no_waiters() -> int:
+    return 0
+
+
+class AsyncEngineCoreClient(EngineCoreClient):
+    """A client for a frontend on an asyncio loop (the API server's AsyncEngine).
+
+    Life cycle: `launch()`, `await wait_until_ready()` (then `info` is set), `start_loops()` once
+    the frontend can take outputs, `await shutdown()`. Outputs are pushed, not pulled: the client
+    calls `on_outputs` with every StepOutputs it receives and `on_dead` once the engine is gone; the
+    frontend sets both, and `num_waiting` (how many user requests wait on the engine, so an idle
+    engine is never declared hung), before `start_loops()`.
+    """
+
+    def __init__(self) -> None:
+        self.on_outputs: Callable[[StepOutputs], None] = lambda message: None
+        self.on_dead: Callable[[EngineDeadError], None] = lambda error: None
+        self.num_waiting: Callable[[], int] = _no_waiters
+
+    @abstractmethod
+    def launch(self) -> None:
+        """Starts the engine core(s); they load the model from here on. Returns at once."""
+
+    @abstractmethod
+    async def wait_until_ready(self, ready_timeout_s: float) -> None:
+        """Waits until the engine core serves; raises if it fails or exits first."""
+
+    @abstractmethod
+    def start_loops(self) -> None:
+        """Starts receiving outputs (into `on_outputs`) and watching the engine core(s)."""
+
+    @abstractmethod
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Sends the requests; raises EngineDeadError if the engine is gone."""
+
+    @abstractmethod
+    async def call_utility(self, method: str, timeout_s: float = 30.0) -> dict[str, float]:
+        """An out-of-band call answered by the engine core: get_stats, check_invariants."""
+
+    @abstractmethod
+    def mark_dead(self, reason: str) -> None:
+        """Declares the engine gone: `on_dead` runs, waiting utility calls fail, later calls too."""
+
+    @abstractmethod
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops the engine core(s) and frees everything; the engine is dead afterwards."""
+
+    @property
+    @abstractmethod
+    def engine_pid(self) -> int | None:
+        """The engine-core process's pid (None while none runs)."""
+
+    @property
+    @abstractmethod
+    def hang_timeout_s(self) -> float:
+        """Silence (seconds) after which a waited-on engine is declared hung; 0: never."""
 
 
 class InprocClient(EngineCoreClient):

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -25,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import EngineCoreClient
+from tokenmill.engine.core_client import AsyncEngineCoreClient
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -80,26 +79,19 @@ def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: st
     return process
 
 
-def _no_waiters() -> int:
-    return 0
-
-
-class CoreProcessClient(EngineCoreClient):
-    """Life cycle: `spawn()`, `await wait_until_ready()`, `start_loops()` once the frontend can take
-    outputs, `await shutdown()`. The frontend sets the three callbacks before `start_loops()`."""
+class CoreProcessClient(AsyncEngineCoreClient):
+    """One engine-core process (`python -m tokenmill.engine.core_process`); see AsyncEngineCoreClient
+    for the life cycle and the frontend's callbacks."""
 
     def __init__(self, config: EngineConfig, *, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
         if hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the check), got {hang_timeout_s}")
+        super().__init__()
         self.config = config
-        self.hang_timeout_s = hang_timeout_s
+        self._hang_timeout_s = hang_timeout_s
         self.last_heard = time.monotonic()  # when the engine process last sent anything
         self.info = None
         self.dead = None
-        self.on_outputs: Callable[[StepOutputs], None] = lambda message: None
-        self.on_dead: Callable[[EngineDeadError], None] = lambda error: None
-        # How many user requests wait on the engine: an idle engine is not declared hung.
-        self.num_waiting: Callable[[], int] = _no_waiters
         self._ids = 0
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -120,8 +112,12 @@ class CoreProcessClient(EngineCoreClient):
 
     # -- life cycle ---------------------------------------------------------------------------
 
-    def spawn(self) -> None:
-        """Binds the sockets and starts the engine process; it loads the model from here on."""
+    @property
+    def hang_timeout_s(self) -> float:
+        return self._hang_timeout_s
+
+    def launch(self) -> None:
+        """Binds the sockets and spawns the engine process; it loads the model from here on."""
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
         self._to_engine.bind(input_addr)
@@ -133,7 +129,6 @@ class CoreProcessClient(EngineCoreClient):
         logger.info("engine process %d started; loading the model", self._process.pid)
 
     async def wait_until_ready(self, ready_timeout_s: float) -> None:
-        """Waits for the engine's EngineReady (then `info` is set); raises if it fails or exits."""
         assert self._process is not None
         deadline = time.monotonic() + ready_timeout_s
         while True:
@@ -153,7 +148,6 @@ class CoreProcessClient(EngineCoreClient):
                 raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
 
     def start_loops(self) -> None:
-        """Starts reading the engine's messages (into `on_outputs`) and watching it."""
         self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
 
@@ -325,8 +319,7 @@ class CoreProcessClient(EngineCoreClient):
                 logger.error("the hung engine process %s did not exit after SIGKILL", pid)
 
     def mark_dead(self, reason: str) -> None:
-        """The engine is gone (or declared so): every waiting request and utility call fails, and
-        every later one at once. The first reason given is the one kept."""
+        """The first reason given is the one kept."""
         if self.dead is None:
             self.dead = reason
         error = EngineDeadError(f"the engine is not available: {self.dead}")
