@@ -24,8 +24,8 @@ import torch
 import triton
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.triton_kernels.paged_attention import TileConfig, paged_attention
 from tokenmill.attention.triton_paged import MAX_KV_SPLITS, TritonPagedBackend, choose_num_kv_splits
+from tokenmill.kernels.triton.paged_attention import TileConfig, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
 DTYPE = torch.bfloat16

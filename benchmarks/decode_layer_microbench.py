@@ -5,7 +5,7 @@ graph runs the attention part of 32 layers, each on its own qkv rows and its own
 caches together larger than L2 at batch 64, as a model's are), replayed many times: microseconds
 per layer, launch gaps included, the way the engine's decode graphs run it.
 
-- unfused: the separate RoPE + KV-store launch (triton_ops.rope_and_store_kv), then the
+- unfused: the separate RoPE + KV-store launch (kernels/triton/elementwise.rope_and_store_kv), then the
   attention launch (TritonPagedBackend.forward);
 - fused: TritonPagedBackend.forward_decode_with_rope, one launch (when the tree has it);
 - then, fused only, sweeps of the split count, the run-time minimum KV per split, and the decode
@@ -28,10 +28,10 @@ import torch
 
 from tokenmill.attention import triton_paged
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.triton_kernels import paged_attention as pa
 from tokenmill.attention.triton_paged import TritonPagedBackend
+from tokenmill.kernels.triton import paged_attention as pa
+from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 from tokenmill.model.layers.rotary import RotaryEmbedding
-from tokenmill.model.layers.triton_ops import rope_and_store_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS = 32

@@ -1,4 +1,4 @@
-"""Batch-1 decode matmuls of Llama-3.1-8B: cuBLAS against the row GEMV (layers/gemv.py).
+"""Batch-1 decode matmuls of Llama-3.1-8B: cuBLAS against the row GEMV (kernels/triton/gemv.py).
 
 The split-K Triton GEMV of gemv_microbench.py read in-major weights ([in, out] row-major, as
 CausalLM used to store them for cuBLAS) and needed K splits plus a reduction to fill the GPU.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gemv_microbench import graph_ms  # benchmarks/ is on sys.path when run as a script
 
 from tokenmill.bench.latency import copy_bandwidth
-from tokenmill.model.layers.gemv import row_gemv, row_gemv_config
+from tokenmill.kernels.triton.gemv import row_gemv, row_gemv_config
 
 SHAPES = {  # name: (out, in, adds a residual, copies)
     "qkv": (6144, 4096, False, 32),

@@ -1,7 +1,7 @@
 """Decode matmuls of 2-8 rows (a few requests decoding): cuBLAS against a Triton skinny GEMM.
 
-The row GEMV (layers/gemv.py) serves one row; from two rows on it re-reads x per output column
-and loses to cuBLAS. The skinny GEMM (layers/skinny_gemm.py; this script carried its own copy of
+The row GEMV (kernels/triton/gemv.py) serves one row; from two rows on it re-reads x per output column
+and loses to cuBLAS. The skinny GEMM (kernels/triton/skinny_gemm.py; this script carried its own copy of
 the kernel, the same loads, dot and store, until the engine had one) gives each program BLOCK_N
 output columns (out-major weight rows) and all rows of x padded to 16, multiplies
 [BLOCK_N, BLOCK_K] weight tiles by [BLOCK_K, 16] x tiles on the tensor cores (tl.dot) with
@@ -23,7 +23,7 @@ import triton
 from gemv_microbench import graph_ms  # benchmarks/ is on sys.path when run as a script
 
 from tokenmill.bench.latency import copy_bandwidth
-from tokenmill.model.layers.skinny_gemm import skinny_gemm
+from tokenmill.kernels.triton.skinny_gemm import skinny_gemm
 
 SHAPES = {  # name: (out, in, copies)
     "qkv": (6144, 4096, 32),

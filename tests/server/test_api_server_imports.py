@@ -82,7 +82,7 @@ BUILD_SERVER = (
 import asyncio, json, sys
 
 from tokenmill.cli import build_parser
-from tokenmill.server.api_server import build_server
+from tokenmill.server.launch import build_server
 
 server = build_server(build_parser().parse_args(["serve", sys.argv[1], "--device", "cpu"]))
 asyncio.run(server.tm_state.engine.shutdown())
@@ -107,8 +107,9 @@ def test_serving_a_request_imports_no_torch_and_no_model_code_in_the_api_process
 
 @pytest.mark.xfail(
     strict=True,
-    reason="build_engine_config resolves device='auto' with torch (worker.device.resolve_device) in the "
-    "API process; the engine-options seam (issue 13 item 1) moves that out. Remove this mark then.",
+    reason="EngineArgs.create_engine_config resolves the device with torch (worker.device.resolve_device) "
+    "in the API process, for the device-dependent defaults; resolving them without torch removes it. "
+    "Remove this mark then.",
 )
 def test_building_the_server_as_serve_does_imports_no_torch(tiny_llama_dir):
     assert _engine_side_modules_after(BUILD_SERVER, tiny_llama_dir) == []

@@ -29,14 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A step's token budget bounds how long one step can hold every running request. On the CPU a
-# prefill runs at a few hundred tokens/s on the engine's one thread (SmolLM2-135M: ~310 tok/s), so
-# 2048 tokens meant steps of ~6 s during which no stream moved, and a burst of 8 prompts got
-# their first tokens together after all 8 prefills. 512 keeps a step near 1.6 s; in the serve
-# A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
-DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
-DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
-
 
 def needs_host_history(params: SamplingParams) -> bool:
     """True when sampling a token needs the previous ones on the host (no step overlap then)."""

@@ -58,7 +58,7 @@ _KEEP_PLAIN_WEIGHTS_BYTES = 1 << 30
 def _fused_ops():
     global _triton_ops
     if _triton_ops is None:
-        from tokenmill.model.layers import triton_ops
+        from tokenmill.kernels.triton import elementwise as triton_ops
 
         _triton_ops = triton_ops
     return _triton_ops
@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The CUDA path: same math as forward() in a few fused launches (see layers/triton_ops.py).
+        """The CUDA path: same math as forward() in a few fused launches (see kernels/triton/elementwise.py).
 
         Returns the residual stream (x updated in place, or a new tensor) and this layer's MLP
         output, which the caller adds to it inside the next fused norm (None when the layer added

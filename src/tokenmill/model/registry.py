@@ -68,7 +68,7 @@ def load_model(
 
 def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
     """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build."""
-    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     available, why = cpu_kernels_available()
     if not available:

@@ -348,7 +348,7 @@ class ModelRunner:
         if all(self._is_plain_greedy(s) for s in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
             if logits.is_cuda:
-                from tokenmill.sample.greedy_triton import greedy_sample
+                from tokenmill.kernels.triton.greedy import greedy_sample
 
                 packed = greedy_sample(logits)  # ids and non-finite flags in two launches
                 sampled_ids = packed[0]

@@ -29,8 +29,8 @@ _PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for sin
 # The row count oneDNN tunes the blocked layout for; the packed weight serves any row count.
 _PACK_BATCH_HINT = 64
 
-# On CUDA, matmuls of one 16-bit row go to our row GEMV (layers/gemv.py) and of 2-8 rows to our
-# skinny GEMM (layers/skinny_gemm.py); both need the weights out-major, as checkpoints store them.
+# On CUDA, matmuls of one 16-bit row go to our row GEMV (kernels/triton/gemv.py) and of 2-8 rows to our
+# skinny GEMM (kernels/triton/skinny_gemm.py); both need the weights out-major, as checkpoints store them.
 # TOKENMILL_ROW_GEMV=0 sends every matmul to cuBLAS with the weights stored in-major instead
 # (CausalLM.store_matmul_weights_k_major), the layout its few-row kernels read fastest: the engine
 # as it was before these kernels, for same-run comparisons. TOKENMILL_SKINNY_GEMM=0 keeps the row
@@ -44,7 +44,7 @@ def _kernels():
     """(gemv, skinny_gemm), imported on first use: triton is optional on CPU-only installs."""
     global _few_row_kernels
     if _few_row_kernels is None:
-        from tokenmill.model.layers import gemv, skinny_gemm
+        from tokenmill.kernels.triton import gemv, skinny_gemm
 
         _few_row_kernels = (gemv, skinny_gemm)
     return _few_row_kernels

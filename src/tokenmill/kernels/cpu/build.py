@@ -4,7 +4,7 @@ and matrix-vector products from GGUF-quantized weights (csrc/cpu_quant_gemv.cpp)
 torch's extension builder compiles them with the machine's C++ compiler into
 `$TOKENMILL_CACHE/kernels/<key>` (once per source, torch version and CPU: `-march=native`), and
 later processes load the built library in well under a second. `python -m
-tokenmill.attention.cpu_kernels` builds them ahead of time (scripts/setup.sh does).
+tokenmill.kernels.cpu.build` builds them ahead of time (scripts/setup.sh does).
 """
 
 from __future__ import annotations
