@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from tokenmill.attention import triton_paged
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.triton_paged import TritonPagedBackend
+from tokenmill.bench.timing import graph_replay_ms
 from tokenmill.kernels.triton import paged_attention as pa
 from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -102,27 +102,7 @@ class Layers:
 
 def time_graph(fn: Callable[[], None], reps: int) -> float:
     """ms per call of fn, captured once as a CUDA graph and replayed `reps` times (median of 5)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    return graph_replay_ms(fn, reps=reps, rounds=5, warmup=2)
 
 
 def measure(layers: Layers, fused: bool, reps: int, splits=None, min_kv=None, config=None) -> float:

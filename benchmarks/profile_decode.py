@@ -26,6 +26,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.results import write_result
+from tokenmill.bench.timing import cuda_ms
 from tokenmill.worker.batch_inputs import build_host_batch
 
 
@@ -63,7 +64,6 @@ def wall_per_step(llm: LLM, steps: int) -> float:
 def _time_forward(runner, so, repeats: int) -> float:
     """GPU ms of one forward (+ logits) on the inputs of `so`, repeated back to back."""
     graphs = runner.graph_runner
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.inference_mode():
         if graphs is not None:
             size = graphs.padded_size(len(so.scheduled))
@@ -82,12 +82,7 @@ def _time_forward(runner, so, repeats: int) -> float:
         # Repeats rewrite the same KV slots with the same values: the engine's own step follows.
         forward()
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            forward()
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+        return cuda_ms(forward, reps=repeats)
 
 
 def forward_device_ms(llm: LLM, repeats: int = 20) -> float:

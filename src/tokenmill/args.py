@@ -173,8 +173,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig: values checked, device-dependent defaults resolved, logged once."""
-        from tokenmill.engine.chat_template import load_chat_template
-        from tokenmill.worker.device import resolve_device
+        from tokenmill.chat_template import load_chat_template
+        from tokenmill.device import resolve_device
 
         resolved_device = resolve_device(self.device)
         max_num_batched_tokens = self.max_num_batched_tokens

@@ -18,6 +18,7 @@ import pytest
 # Never imported by the API server process, nor anything under them.
 ENGINE_SIDE_MODULES = (
     "torch",
+    "tokenmill.device",
     "tokenmill.model.llama",
     "tokenmill.model.layers",
     "tokenmill.model.registry",
@@ -107,7 +108,7 @@ def test_serving_a_request_imports_no_torch_and_no_model_code_in_the_api_process
 
 @pytest.mark.xfail(
     strict=True,
-    reason="EngineArgs.create_engine_config resolves the device with torch (worker.device.resolve_device) "
+    reason="EngineArgs.create_engine_config resolves the device with torch (tokenmill.device.resolve_device) "
     "in the API process, for the device-dependent defaults; resolving them without torch removes it. "
     "Remove this mark then.",
 )

@@ -217,7 +217,7 @@ def test_env_registry_types_defaults_and_description(monkeypatch):
 
 
 def test_step_budget_default_depends_on_the_device(monkeypatch):
-    import tokenmill.worker.device as device
+    import tokenmill.device as device
 
     config = build_engine_config(device="cpu")
     assert config.scheduler.max_num_batched_tokens == 512 and config.async_scheduling is False

@@ -183,7 +183,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        from tokenmill.engine.chat_template import render_chat
+        from tokenmill.chat_template import render_chat
 
         return render_chat(
             self.tokenizer,

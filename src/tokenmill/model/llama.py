@@ -334,7 +334,7 @@ class CausalLM(nn.Module):
         """Keep each matmul weight's logical [out, in] shape but store it transposed (in-major).
 
         F.linear then hands cuBLAS a plain row-major [in, out] operand, and at decode batch sizes
-        its kernels for that layout read weights faster: on an H200 (benchmarks/gemv_microbench.py,
+        its kernels for that layout read weights faster: on an H200 (BENCHMARKS.md, gemv_microbench,
         batch 1) down_proj 30.0 vs 32.6 us, lm_head 234 vs 255 us, the rest within 2 %. A tied
         lm_head stays as it is: it is also the embedding table, gathered by rows.
         Only with the row GEMV off (layers/linear.py): it reads the out-major layout, and beats

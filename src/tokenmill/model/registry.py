@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
+from tokenmill.device import resolve_dtype
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import ROW_GEMV
 from tokenmill.model.llama import CausalLM
@@ -18,7 +19,6 @@ from tokenmill.model.loader.dummy import init_dummy_weights
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
-from tokenmill.worker.device import resolve_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenmill.model.loader.default_model import cache_dir
 from tokenmill.model.loader.gguf_metadata import gguf_metadata
 from tokenmill.model.resolve import ResolvedModel
+from tokenmill.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def load_tokenizer(resolved: ResolvedModel, chat_template_override: str | None =
     else:
         tokenizer = _load_hf_tokenizer(source)
     if chat_template_override:
-        from tokenmill.engine.chat_template import load_chat_template
+        from tokenmill.chat_template import load_chat_template
 
         tokenizer.chat_template = load_chat_template(chat_template_override)
     return tokenizer

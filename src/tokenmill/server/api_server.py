@@ -317,7 +317,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         def tokenize_body() -> tuple[list[int], list[str] | None]:
             if isinstance(body, TokenizeChatRequest):
-                from tokenmill.engine.chat_template import render_chat
+                from tokenmill.chat_template import render_chat
 
                 tokens = render_chat(
                     tokenizer,

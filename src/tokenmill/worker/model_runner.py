@@ -11,11 +11,11 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
 
 logger = logging.getLogger(__name__)

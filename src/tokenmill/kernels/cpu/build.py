@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
@@ -44,8 +46,6 @@ def _cpu_model() -> str:
 
 
 def build_directory() -> Path:
-    from tokenmill.model.loader.default_model import cache_dir
-
     key = hashlib.sha256()
     for part in (
         *(source.read_bytes() for source in _SOURCES),
