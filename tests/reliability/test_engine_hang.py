@@ -38,7 +38,7 @@ from tokenmill.engine.messages import StepOutputs
 
 COMPLETIONS = "/v1/completions"
 FAKE_HANG_S = 0.8  # above the 0.5 s between the idle engine's stats, as any real timeout is
-ENGINE_LOG = "tokenmill.engine.async_engine"
+ENGINE_LOG = "tokenmill.engine.core_process_client"
 
 
 def hang_logged(caplog: pytest.LogCaptureFixture, timeout_s: float) -> bool:
@@ -133,18 +133,18 @@ def test_a_stalled_event_loop_is_not_an_engine_hang():
 
     async def scenario() -> None:
         engine = FakeEngine(hang_timeout_s=1.0)
-        address = f"ipc://{engine._ipc_dir}/output"
-        engine._from_engine.bind(address)
+        address = f"ipc://{engine.client._ipc_dir}/output"
+        engine.client._from_engine.bind(address)
         context = zmq.Context()
         sender = context.socket(zmq.PUSH)
         sender.connect(address)
         try:
             engine._streams["waiting"] = _Stream(queue=asyncio.Queue(), child_ids=["waiting"])
-            engine.last_heard = time.monotonic() - 10
-            assert engine._is_hung()
+            engine.client.last_heard = time.monotonic() - 10
+            assert engine.client._is_hung()
             sender.send(msgspec.msgpack.encode(StepOutputs(stats={"num_running": 1})))
-            await wait_until(lambda: bool(engine._from_engine.getsockopt(zmq.EVENTS) & zmq.POLLIN))
-            assert not engine._is_hung()
+            await wait_until(lambda: bool(engine.client._from_engine.getsockopt(zmq.EVENTS) & zmq.POLLIN))
+            assert not engine.client._is_hung()
         finally:
             sender.close(linger=0)
             context.term()

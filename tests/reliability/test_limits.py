@@ -113,7 +113,7 @@ def test_admission_is_released_however_a_request_ends():
         # The engine dies with requests waiting.
         pending = asyncio.create_task(fs.client.post(COMPLETIONS, json={"prompt": "hi"}))
         await wait_until(lambda: admission.num_waiting_seqs == 1)
-        fs.engine._mark_dead("the engine process exited with code -9")
+        fs.engine.client.mark_dead("the engine process exited with code -9")
         assert_openai_error(await pending, 503)
         assert (admission.num_waiting_seqs, admission.num_waiting_tokens) == (0, 0)
 

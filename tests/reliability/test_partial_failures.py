@@ -184,7 +184,7 @@ def test_engine_death_with_requests_in_flight_leaves_no_token_clock_entries():
         fs.engine.core.paused = True  # one more, still waiting for its first token
         tasks.append(asyncio.create_task(fs.client.post(COMPLETIONS, json=running)))
         await wait_until(lambda: len(fs.engine.core.added) == 14)
-        fs.engine._mark_dead("the engine process exited with code -9")
+        fs.engine.client.mark_dead("the engine process exited with code -9")
         responses = await asyncio.gather(*tasks)
         for r, (_, body) in zip(responses, [*bodies, (COMPLETIONS, running)], strict=True):
             if body.get("stream"):

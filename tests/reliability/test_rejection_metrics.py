@@ -68,7 +68,7 @@ def test_every_refusal_is_counted_by_reason_and_admitted_requests_are_not():
         fs.engine.core.paused = True
         in_engine = asyncio.create_task(fs.client.post(COMPLETIONS, json={"prompt": "hi"}, headers=KEY))
         await wait_until(lambda: len(fs.engine.core.added) == 2)
-        fs.engine._mark_dead("killed by the test")
+        fs.engine.client.mark_dead("killed by the test")
         assert_openai_error(await in_engine, 503)
         assert await rejected(fs) == expected
         # New requests to a dead engine are refused as unavailable.

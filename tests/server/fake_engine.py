@@ -1,8 +1,9 @@
 """The real AsyncEngine with its engine process replaced by a scripted in-process core.
 
 Everything on the API side is real — input and output processors, request fan-out over n,
-queues, aborts, metrics callbacks, msgpack encoding of every message — only the model is fake:
-each step gives every running sequence the next token of a fixed reply, then EOS.
+queues, aborts, metrics callbacks, msgpack encoding of every message, the core-process client's
+watchdog — only the engine process is fake (FakeCoreClient sends to a FakeCore instead of a
+socket): each step gives every running sequence the next token of a fixed reply, then EOS.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from transformers import PreTrainedTokenizerFast
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
-from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S, AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core_process import STATS_INTERVAL_S
+from tokenmill.engine.core_process_client import DEFAULT_HANG_TIMEOUT_S, CoreProcessClient
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -99,8 +101,8 @@ class _Seq:
 class FakeCore:
     """Plays the engine process: takes client messages, and each step emits one token per sequence."""
 
-    def __init__(self, engine: FakeEngine, reply_ids: list[int], eos_id: int) -> None:
-        self.engine = engine
+    def __init__(self, client: FakeCoreClient, reply_ids: list[int], eos_id: int) -> None:
+        self.client = client
         self.reply_ids = reply_ids
         self.eos_id = eos_id
         self.running: dict[str, _Seq] = {}
@@ -190,7 +192,7 @@ class FakeCore:
 
     def _deliver(self, message: object) -> None:
         # Through msgpack and back, as over the real socket.
-        self.engine._handle_message(self._decoder.decode(self._encoder.encode(message)))
+        self.client._handle_message(self._decoder.decode(self._encoder.encode(message)))
 
     async def run(self, step_s: float) -> None:
         """Like the engine process's loop: outputs after each step with work, stats every
@@ -208,6 +210,26 @@ class FakeCore:
                 last_stats = time.monotonic()
 
 
+class FakeCoreClient(CoreProcessClient):
+    """The core-process client with a FakeCore where the engine process would be."""
+
+    def __init__(self, hang_timeout_s: float, step_s: float) -> None:
+        super().__init__(EngineConfig(), hang_timeout_s=hang_timeout_s)
+        self.step_s = step_s
+        self.core: FakeCore | None = None  # set by FakeEngine, which knows the tokenizer
+        self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+
+    def start_loops(self) -> None:
+        assert self.core is not None
+        self.last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self.core.run(self.step_s)), asyncio.create_task(self._watchdog())]
+
+    def _try_send(self, data: bytes) -> bool:
+        assert self.core is not None
+        self.core.receive(self._client_decoder.decode(data))
+        return True
+
+
 class FakeEngine(AsyncEngine):
     def __init__(
         self,
@@ -217,7 +239,8 @@ class FakeEngine(AsyncEngine):
         step_s: float = 0.001,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     ) -> None:
-        super().__init__(EngineConfig(), hang_timeout_s=hang_timeout_s)
+        client = FakeCoreClient(hang_timeout_s, step_s)
+        super().__init__(EngineConfig(), client=client)
         self.step_s = step_s
         self.tokenizer = tiny_tokenizer()
         self.eos_token_ids = [self.tokenizer.eos_token_id]
@@ -232,15 +255,9 @@ class FakeEngine(AsyncEngine):
             dtype="none",
         )
         reply_ids = self.tokenizer.encode(REPLY, add_special_tokens=False)
-        self.core = FakeCore(self, reply_ids, self.tokenizer.eos_token_id)
-        self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.core = client.core = FakeCore(client, reply_ids, self.tokenizer.eos_token_id)
 
     async def start(self, ready_timeout_s: float = 0.0) -> None:
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.last_heard = time.monotonic()
-        self._tasks = [asyncio.create_task(self.core.run(self.step_s)), asyncio.create_task(self._watchdog())]
-
-    def _try_send(self, data: bytes) -> bool:
-        self.core.receive(self._client_decoder.decode(data))
-        return True
+        self.client.start_loops()

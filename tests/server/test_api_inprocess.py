@@ -272,7 +272,7 @@ def test_503_while_starting_draining_and_after_engine_death():
         state.draining = True
         await all_unavailable()
         state.draining = False
-        engine._mark_dead("the engine process exited with code -9")
+        engine.client.mark_dead("the engine process exited with code -9")
         await all_unavailable()
         assert "exited" in (await client.get("/health")).json()["reason"]
         assert engine.core.added == []
@@ -288,7 +288,7 @@ def test_engine_death_fails_in_flight_requests_at_once():
             client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True})
         )
         await wait_until(lambda: len(engine.core.added) == 2)
-        engine._mark_dead("the engine process exited with code -9")
+        engine.client.mark_dead("the engine process exited with code -9")
         r = await plain
         assert r.status_code == 503 and "exited" in r.json()["error"]["message"]
         events = sse_events((await streamed).text)

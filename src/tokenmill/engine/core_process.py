@@ -1,9 +1,9 @@
 """The engine core's own process: a busy loop of ZMQ input -> EngineCore.step() -> ZMQ output.
 
-Started by AsyncEngine as `python -m tokenmill.engine.core_process --input-addr ipc://... ...` with
-the msgpack of its EngineConfig on stdin: no multiprocessing, so nothing is ever unpickled, neither
-the start-up arguments nor anything on the sockets (msgspec msgpack only, over ipc:// paths in a
-directory only this user can enter).
+Started by the API server's CoreProcessClient (core_process_client.py) as `python -m
+tokenmill.engine.core_process --input-addr ipc://... ...` with the msgpack of its EngineConfig on
+stdin: no multiprocessing, so nothing is ever unpickled, neither the start-up arguments nor anything
+on the sockets (msgspec msgpack only, over ipc:// paths in a directory only this user can enter).
 """
 
 from __future__ import annotations

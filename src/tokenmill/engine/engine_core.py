@@ -19,11 +19,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
-from tokenmill.model.registry import ResolvedModel, resolve_model
+from tokenmill.model.resolve import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import PendingStep
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,11 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
-        from tokenmill.worker.model_runner import ModelRunner  # torch stays out of light imports
-
         self.resolved = resolved if resolved is not None else resolve_model(config.model)
         arch = self.resolved.arch
         max_model_len = resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings)
-        self.runner = ModelRunner(config, self.resolved, max_model_len)
-        num_blocks = self.runner.initialize_kv_cache()
+        self.executor: Executor = Executor.get_class(config)(config, self.resolved, max_model_len)
+        num_blocks = self.executor.initialize_kv_cache()
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, config.cache, num_blocks)
         self.config = config
@@ -60,17 +59,17 @@ class EngineCore:
             vocab_size=arch.vocab_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-            device=str(self.runner.device),
-            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=self.executor.device,
+            dtype=self.executor.dtype,
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
-            else self.runner.device.type == "cuda"
+            else self.executor.device_type == "cuda"
         )
         # The launched step whose results the host has not processed yet (async scheduling).
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
@@ -110,7 +109,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
-                self.runner.execute(scheduler_output)  # lets the runner drop those requests' state
+                self.executor.execute_model(scheduler_output)  # lets the runner drop those requests' state
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
@@ -132,15 +131,15 @@ class EngineCore:
                 self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
             runner_output = self._failed_step(scheduler_output, exc)
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         return self._annotate(outputs)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> PendingStep | ModelRunnerOutput:
+    def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput:
         try:
-            return self.runner.execute_async(scheduler_output)
+            return self.executor.execute_model_async(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
             return self._failed_step(scheduler_output, exc)
 
@@ -175,6 +174,15 @@ class EngineCore:
                 self._reported_queue_time.discard(out.request_id)
                 self._needs_history.discard(out.request_id)
         return outputs
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner of a one-process executor (benchmarks and tests reach the model through
+        it); an executor of several workers has no single runner."""
+        return self.executor.driver_runner  # type: ignore[attr-defined]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def fail_request(self, request_id: str, message: str) -> None:
         self._pending.extend(

@@ -12,10 +12,13 @@ from tqdm import tqdm
 
 from tokenmill.args import EngineArgs
 from tokenmill.config import EngineConfig
+from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
+from tokenmill.model.tokenizer import load_tokenizer_or_none  # noqa: F401  (re-exported: older import path)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,30 +30,17 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
     return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
 
 
-def load_tokenizer_or_none(resolved: Any, chat_template: str | None) -> Any:
-    """The model's tokenizer; a dummy-weights model without tokenizer files runs on token ids alone."""
-    from tokenmill.model.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(resolved, chat_template)
-    except (OSError, ValueError) as exc:
-        if resolved.format != "dummy":
-            raise
-        logger.warning(
-            "no tokenizer for %s (%s); prompts must be token ids and outputs are not detokenized",
-            resolved.path,
-            exc,
-        )
-        return None
-
-
 class LLM:
-    """An engine in this process. `model=None` loads the default model (SmolLM2-135M-Instruct)."""
+    """An engine in this process. `model=None` loads the default model (SmolLM2-135M-Instruct).
+
+    The frontend pieces are those of the API server's AsyncEngine (fan_out for n > 1, the input and
+    output processors); the engine core is reached through an InprocClient and stepped here.
+    `engine` is the EngineCore itself, for benchmarks and tests that look inside it."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         import torch
 
-        from tokenmill.model.registry import resolve_model
+        from tokenmill.model.resolve import resolve_model
         from tokenmill.model.tokenizer import eos_token_ids
 
         self.config = build_engine_config(model, **kwargs)
@@ -58,6 +48,7 @@ class LLM:
         self.resolved = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
         self.engine = EngineCore(self.config, self.resolved)
+        self.client = InprocClient(self.engine)
         self.info = self.engine.info
         eos = (
             eos_token_ids(self.tokenizer, self.resolved)
@@ -104,17 +95,15 @@ class LLM:
             text, token_ids = self.input_processor.tokenize(prompt)
             request_id = str(next(self._ids))
             children = []
-            for index in range(params.n):
-                child_params = self._child_params(params, index)
-                child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            for child in fan_out(request_id, params):
                 core_req = self.input_processor.make_request(
-                    child_id,
+                    child.request_id,
                     token_ids,
-                    child_params,
+                    child.params,
                     priority=priority[i] if priority else 0,
                     cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                 )
-                children.append((child_id, index, core_req))
+                children.append((child.request_id, child.index, core_req))
             staged.append((request_id, text, token_ids, params, children))
 
         order = []
@@ -124,15 +113,8 @@ class LLM:
                 self.output_processor.add_request(
                     child_id, request_id, index, text, token_ids, core_req.sampling_params
                 )
-                self.engine.add_request(core_req)
+                self.client.add_requests([core_req])
         return self._run_to_completion(order, {rid: p.n for rid, _, _, p, _ in staged}, use_tqdm)
-
-    @staticmethod
-    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-        if params.n == 1:
-            return params
-        seed = None if params.seed is None else params.seed + index
-        return dataclasses.replace(params, n=1, seed=seed)
 
     @staticmethod
     def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -151,10 +133,10 @@ class LLM:
         progress = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
         try:
             while self.output_processor.has_unfinished():
-                core_outputs = self.engine.step()
+                core_outputs = self.client.get_output()
                 processed = self.output_processor.process_outputs(core_outputs)
                 if processed.reqs_to_abort:
-                    self.engine.abort_requests(processed.reqs_to_abort)
+                    self.client.abort_requests(processed.reqs_to_abort)
                 for out in processed.request_outputs:
                     if not out.finished:
                         continue
@@ -169,16 +151,16 @@ class LLM:
                     if done_children[out.request_id] == num_children[out.request_id]:
                         progress.update(1)
             # Drain aborts of stop-string matches so their blocks are freed before we return.
-            while self.engine.has_work():
-                self.engine.step()
+            while self.client.has_work():
+                self.client.get_output()
         except BaseException:
             # Leave the engine clean for the next call (e.g. KeyboardInterrupt mid-generation).
             pending = list(self.output_processor.states)
             for rid in pending:
                 self.output_processor.abort_request(rid)
-            self.engine.abort_requests(pending)
-            while self.engine.has_work():
-                self.engine.step()
+            self.client.abort_requests(pending)
+            while self.client.has_work():
+                self.client.get_output()
             raise
         finally:
             progress.close()
@@ -247,17 +229,17 @@ def stream_generate(llm: LLM, prompt: PromptInput, params: SamplingParams):
     llm.output_processor.add_request(
         request_id, request_id, 0, text, token_ids, core_req.sampling_params, stream=True
     )
-    llm.engine.add_request(core_req)
+    llm.client.add_requests([core_req])
     try:
         while llm.output_processor.has_unfinished():
-            processed = llm.output_processor.process_outputs(llm.engine.step())
+            processed = llm.output_processor.process_outputs(llm.client.get_output())
             if processed.reqs_to_abort:
-                llm.engine.abort_requests(processed.reqs_to_abort)
+                llm.client.abort_requests(processed.reqs_to_abort)
             for out in processed.request_outputs:
                 if out.outputs[0].text:
                     yield out.outputs[0].text
     finally:
         if llm.output_processor.states.pop(request_id, None) is not None:
-            llm.engine.abort_requests([request_id])
-        while llm.engine.has_work():
-            llm.engine.step()
+            llm.client.abort_requests([request_id])
+        while llm.client.has_work():
+            llm.client.get_output()

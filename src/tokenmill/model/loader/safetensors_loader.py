@@ -2,43 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_hf_config(model_dir: Path) -> dict:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
-    with config_path.open() as f:
-        return json.load(f)
-
-
-def read_generation_eos(model_dir: Path) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (often more than config.json lists, e.g. <|eot_id|>)."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return ()
-    with path.open() as f:
-        eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        with index.open() as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
+from tokenmill.model.loader.hf_config import (  # noqa: F401  (re-exported: older import paths)
+    INDEX_FILE,
+    read_generation_eos,
+    read_hf_config,
+    safetensors_files,
+)
 
 
 def iter_safetensors_weights(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,87 @@
+"""The executor: what `EngineCore` calls to run a scheduled step on the model runner(s).
+
+The engine core schedules and keeps the requests' bookkeeping; the executor owns the devices.
+With one device it is one `ModelRunner` in this process (`UniProcExecutor`). A tensor-parallel
+executor would start one worker process per GPU, send each step's `SchedulerOutput` (msgspec, like
+everything that crosses a process boundary here) to all of them and return the driver rank's
+output; a Ray executor does the same through Ray actors. Either is one new subclass plus one line in
+`Executor.get_class`: `EngineCore` only sees the methods below.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from tokenmill.model.resolve import ResolvedModel
+
+
+class PendingOutput(Protocol):
+    """A launched step: `result()` waits for the device and returns its sampled tokens."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.max_model_len = max_model_len
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor class for `config`. Today every engine runs on one device in its own
+        process; a `tensor_parallel_size > 1` (or a Ray backend) would pick its class here."""
+        from tokenmill.engine.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor
+
+    # -- what the engine core needs to know -----------------------------------------------------
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The (driver) device, e.g. "cpu" or "cuda:0"."""
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":", 1)[0]
+
+    @property
+    @abstractmethod
+    def dtype(self) -> str:
+        """The model's dtype, e.g. "bfloat16"."""
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def initialize_kv_cache(self) -> int:
+        """Sizes and allocates the KV pool on every device (the same number of blocks on each);
+        returns the number of blocks."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises if a worker is gone or broken."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Frees the devices' memory (KV pool, graphs, weights) but keeps the processes; the
+        executor cannot run steps afterwards."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Releases everything and ends the workers; idempotent."""
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and waits for its sampled tokens."""
+
+    @abstractmethod
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launches one step and returns before the device is done (async scheduling)."""

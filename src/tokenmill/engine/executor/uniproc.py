@@ -1,0 +1,56 @@
+"""One ModelRunner in the engine core's own process: the executor of every engine today."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.executor.abstract import Executor, PendingOutput
+
+if TYPE_CHECKING:
+    from tokenmill.model.resolve import ResolvedModel
+    from tokenmill.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> None:
+        from tokenmill.worker.model_runner import ModelRunner  # torch stays out of light imports
+
+        super().__init__(config, resolved, max_model_len)
+        self.driver_runner: ModelRunner = ModelRunner(config, resolved, max_model_len)
+        self._shut_down = False
+
+    @property
+    def device(self) -> str:
+        return str(self.driver_runner.device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.driver_runner.dtype).removeprefix("torch.")
+
+    @property
+    def device_type(self) -> str:
+        return self.driver_runner.device.type
+
+    def initialize_kv_cache(self) -> int:
+        return self.driver_runner.initialize_kv_cache()
+
+    def check_health(self) -> None:
+        pass  # the runner lives in this process: if it were gone, so would be the caller
+
+    def release(self) -> None:
+        self.driver_runner.release()
+
+    def shutdown(self) -> None:
+        if not self._shut_down:
+            self._shut_down = True
+            self.driver_runner.release()
+
+    # The runner's methods are looked up at each call (not bound once), so a test that wraps
+    # `engine.runner.execute` to inject a fault still sees its wrapper called.
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_runner.execute(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.driver_runner.execute_async(scheduler_output)
