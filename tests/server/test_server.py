@@ -353,7 +353,7 @@ def test_engine_death_fails_requests_fast(server, model_id):
 
 
 def test_sigterm_drains_then_aborts_and_reaps_the_engine(tmp_path, default_model_path):
-    proc = start_server(str(tmp_path), "--max-model-len", "512", "--device", "cpu", "--shutdown-timeout", "6")
+    proc = start_server(str(tmp_path), "--max-model-len", "2048", "--device", "cpu", "--shutdown-timeout", "6")
     engine_pids = proc.child_pids()
     engine_cmdlines = {pid: _cmdline(pid) for pid in engine_pids}
     results: dict[str, object] = {}
@@ -368,7 +368,9 @@ def test_sigterm_drains_then_aborts_and_reaps_the_engine(tmp_path, default_model
         # 24 tokens: long enough (~1 s here) that both are seen running at once; with 4 the
         # short one could finish between two polls of the metric (seen once in CI).
         threading.Thread(target=complete, args=("short", 24)),
-        threading.Thread(target=complete, args=("long", 400)),
+        # 1,500 tokens outlast the 6 s drain on any CPU seen so far: 400 did once the quantized
+        # GEMV made two streams decode at ~70 tok/s each (the drain then ended it as "length").
+        threading.Thread(target=complete, args=("long", 1500)),
     ]
     for thread in threads:
         thread.start()
