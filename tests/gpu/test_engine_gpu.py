@@ -11,6 +11,7 @@ The tiny checkpoints (tiny_llama_dir, ...) come from the shared tests/conftest.p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -22,6 +23,7 @@ import torch
 
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import KernelConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,12 +48,25 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
-def _llm(path: str, **kwargs) -> LLM:
+def _llm(path: str, kernel: KernelConfig | None = None, **kwargs) -> LLM:
     kwargs.setdefault("device", "cuda")
     kwargs.setdefault("max_model_len", 256)
     kwargs.setdefault("num_kv_blocks", 256)
     kwargs.setdefault("max_num_seqs", 32)
-    return LLM(path, **kwargs)
+    if kernel is None:
+        return LLM(path, **kwargs)
+    # LLM(...) takes no kernel options of its own yet: give the engine config this KernelConfig.
+    from unittest import mock
+
+    from tokenmill.engine import llm as llm_module
+
+    build = llm_module.build_engine_config
+
+    def build_with_kernel(*args, **kw):
+        return dataclasses.replace(build(*args, **kw), kernel=kernel)
+
+    with mock.patch.object(llm_module, "build_engine_config", build_with_kernel):
+        return LLM(path, **kwargs)
 
 
 def _prompts(vocab_size: int, count: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
@@ -191,18 +206,14 @@ def test_bf16_greedy_identical_with_and_without_graphs_and_async_scheduling(tiny
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, monkeypatch):
+def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request):
     """Decode steps rotate q/k and store K/V inside the attention launch; with that switched off
     (the separate RoPE + KV-store launch) greedy tokens and logprobs are the same, bit for bit."""
-    from tokenmill.model import llama
-
     path = str(request.getfixturevalue(model))
-    # The deferred norm (its own test below) rounds differently from separate norm launches.
-    monkeypatch.setattr(llama, "_DEFER_NORM", False)
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(llama, "_FUSE_DECODE_ROPE", fused)
-        llm = _llm(path)
+        # The deferred norm (its own test below) rounds differently from separate norm launches.
+        llm = _llm(path, kernel=KernelConfig(fused_decode_rope=fused, deferred_norm=False))
         # One request at a time: single-request decode steps are the ones the fused launch serves.
         prompts = _prompts(llm.info.vocab_size, 3, seed=15)
         completions = [_greedy(llm, [prompt], 24, logprobs=0)[0] for prompt in prompts]
