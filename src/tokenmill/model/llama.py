@@ -25,7 +25,7 @@ from tokenmill.config import KernelConfig
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.attention import SelfAttention
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs, select_layer_ops
-from tokenmill.model.layers.linear import LinearBase, ReplicatedLinear, ShardId
+from tokenmill.model.layers.linear import LinearBase, ReplicatedLinear, ShardId, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.rmsnorm import RMSNorm
@@ -61,6 +61,10 @@ class DecoderLayer(nn.Module):
         # Set by fold_norm_weights: qkv_proj and gate_up_proj carry the input and post-attention
         # norm weights, and the norms must run without them.
         self.norms_folded = False
+        bind_hot_path(
+            self, attn=self.self_attn, mlp=self.mlp, input_norm=self.input_layernorm.weight,
+            post_norm=self.post_attention_layernorm.weight,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -78,13 +82,10 @@ class DecoderLayer(nn.Module):
             if pending is not None:
                 raise RuntimeError("the deferred-norm path needs the residual stream complete (pending=None)")
             return self._forward_deferred_norm(x, rope, kv_cache, meta), None
-        ops, eps = self.ops, self.eps
-        input_norm = None if self.norms_folded else self.input_layernorm.weight
-        attn_out = self.self_attn(
-            ops.add_rms_norm(x, input_norm, eps, pending), rope, kv_cache, meta, fuse_rope
-        )
-        post_norm = None if self.norms_folded else self.post_attention_layernorm.weight
-        return x, self.mlp(ops.add_rms_norm(x, post_norm, eps, attn_out))
+        ops, eps, folded = self.ops, self.eps, self.norms_folded
+        normed = ops.add_rms_norm(x, None if folded else self._input_norm, eps, pending)
+        attn_out = self._attn(normed, rope, kv_cache, meta, fuse_rope)
+        return x, self._mlp(ops.add_rms_norm(x, None if folded else self._post_norm, eps, attn_out))
 
     def _forward_deferred_norm(
         self,

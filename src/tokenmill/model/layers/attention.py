@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs
-from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.rmsnorm import RMSNorm, rms_norm
 
@@ -61,6 +61,7 @@ class SelfAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
         # The backend's cache takes the rotated keys and the values from the RoPE launch.
         self.store_kv_in_rope = ops.stores_kv_in_rope and attn_backend.accepts_kv_stored_by_rope
+        bind_hot_path(self, qkv=self.qkv_proj, o=self.o_proj)
 
     def forward(
         self,
@@ -71,12 +72,15 @@ class SelfAttention(nn.Module):
         fuse_rope: bool,  # this step goes through the backend's forward_decode_with_rope
     ) -> torch.Tensor:
         """o_proj(attention(...)) [T, hidden], not yet added to the residual stream."""
-        qkv = self.qkv_proj(normed)
+        qkv = self._qkv(normed)
         if fuse_rope:
             attn = self.attend_with_rope_in_launch(qkv, rope, kv_cache, meta)
         else:
             attn = self.rope_and_attend(qkv, rope, kv_cache, meta)
-        return self.o_proj(attn.reshape(qkv.shape[0], self.q_size))
+        return self._o(attn.reshape(qkv.shape[0], self.q_size))
+
+    # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
+    __call__ = forward
 
     def attend_with_rope_in_launch(
         self,

@@ -72,12 +72,13 @@ class LinearBase(nn.Module):
             if bias
             else None
         )
+        # The same tensor as a plain attribute: nn.Module resolves a parameter through __getattr__,
+        # a cost the CPU decode path (several calls per layer per step) notices. Loads and folds write
+        # into the parameter's storage, so the reference stays right.
+        object.__setattr__(self, "_applied_bias", self.bias)
 
     def _bias_rows(self) -> int:
         return self.out_features
-
-    def _bias_for_apply(self) -> torch.Tensor | None:
-        return self.bias
 
     # Called a few times per layer per step: nn.Module.__call__'s hook dispatch is skipped on purpose
     # (a wrapping LinearMethod, not a hook, is how behaviour is added to a linear layer).
@@ -87,7 +88,7 @@ class LinearBase(nn.Module):
         residual: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        return self.method.apply(self, x, self._bias_for_apply(), residual, out_dtype)
+        return self.method.apply(self, x, self._applied_bias, residual, out_dtype)
 
     forward = __call__
 
@@ -194,10 +195,17 @@ class RowParallelLinear(LinearBase):
             input_size, output_size, in_features, output_size, bias=bias, method=method,
             tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
         )  # fmt: skip
-        self._applied_bias_rank = 0
 
-    def _bias_for_apply(self) -> torch.Tensor | None:
-        return self.bias if self.tp_rank == self._applied_bias_rank else None
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        bias = self._applied_bias if self.tp_rank == 0 else None  # added once to the sum of the partials
+        return self.method.apply(self, x, bias, residual, out_dtype)
+
+    forward = __call__
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
@@ -295,6 +303,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             "v": (q_rows + kv_rows, kv_rows, kv_chunk),
         }
         self._shard_sizes = dict(zip(self.shard_ids, self.output_sizes, strict=True))
+
+
+def bind_hot_path(module: nn.Module, **refs: nn.Module | torch.Tensor | None) -> None:
+    """Also keep `refs` (submodules, parameters) as plain attributes `_<name>` of `module`. nn.Module
+    finds submodules and parameters through its Python __getattr__, a cost the CPU decode step
+    notices at ~10 lookups per layer; plain attributes skip it. Only for objects that stay in place
+    (weights are loaded and folded into their storage; behaviour changes by swapping linear methods,
+    not modules)."""
+    for name, ref in refs.items():
+        object.__setattr__(module, f"_{name}", ref)
 
 
 def linear_layers(model: nn.Module) -> Iterator[LinearBase]:
