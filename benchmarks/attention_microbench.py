@@ -17,15 +17,15 @@ import argparse
 import json
 import math
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
 import triton
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.triton_kernels.paged_attention import TileConfig, paged_attention
 from tokenmill.attention.triton_paged import MAX_KV_SPLITS, TritonPagedBackend, choose_num_kv_splits
+from tokenmill.bench.timing import capture_graph, cuda_ms
+from tokenmill.kernels.triton.paged_attention import TileConfig, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
 DTYPE = torch.bfloat16
@@ -34,17 +34,7 @@ L2_FLUSH_BYTES = 256 * 2**20  # distinct caches per graph add up to at least thi
 
 def time_events(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
     """Median milliseconds of fn over reps, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_ms(fn, rounds=reps, warmup=warmup)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -105,17 +95,12 @@ def graph_time_per_forward(
     forward: Callable[[torch.Tensor], torch.Tensor], caches: list[torch.Tensor], reps: int
 ) -> float:
     """ms per forward: one graph runs forward over every cache, replayed `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+
+    def every_cache() -> None:
         for cache in caches:
             forward(cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for cache in caches:
-            forward(cache)
-    return time_events(graph.replay, reps) / len(caches)
+
+    return time_events(capture_graph(every_cache).replay, reps) / len(caches)
 
 
 def bench_decode(name: str, contexts: list[int], copy_gbs: float, num_sms: int, reps: int) -> list[dict]:

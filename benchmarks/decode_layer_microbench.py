@@ -5,7 +5,7 @@ graph runs the attention part of 32 layers, each on its own qkv rows and its own
 caches together larger than L2 at batch 64, as a model's are), replayed many times: microseconds
 per layer, launch gaps included, the way the engine's decode graphs run it.
 
-- unfused: the separate RoPE + KV-store launch (triton_ops.rope_and_store_kv), then the
+- unfused: the separate RoPE + KV-store launch (kernels/triton/elementwise.rope_and_store_kv), then the
   attention launch (TritonPagedBackend.forward);
 - fused: TritonPagedBackend.forward_decode_with_rope, one launch (when the tree has it);
 - then, fused only, sweeps of the split count, the run-time minimum KV per split, and the decode
@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
 
 from tokenmill.attention import triton_paged
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.triton_kernels import paged_attention as pa
 from tokenmill.attention.triton_paged import TritonPagedBackend
+from tokenmill.bench.timing import graph_replay_ms
+from tokenmill.kernels.triton import paged_attention as pa
+from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 from tokenmill.model.layers.rotary import RotaryEmbedding
-from tokenmill.model.layers.triton_ops import rope_and_store_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS = 32
@@ -102,27 +102,7 @@ class Layers:
 
 def time_graph(fn: Callable[[], None], reps: int) -> float:
     """ms per call of fn, captured once as a CUDA graph and replayed `reps` times (median of 5)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    return graph_replay_ms(fn, reps=reps, rounds=5, warmup=2)
 
 
 def measure(layers: Layers, fused: bool, reps: int, splits=None, min_kv=None, config=None) -> float:

@@ -28,7 +28,8 @@ if has tests; then
 fi
 
 if has gemv; then
-  timeout "${GEMV_TIMEOUT:-90}" python3 benchmarks/gemv_microbench.py 2>&1 | tee "$OUT/gemv.log" | tail -4
+  # cuBLAS against the row GEMV per batch-1 shape, then a whole step's projections (the last lines)
+  timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/row_gemv_microbench.py 2>&1 | tee "$OUT/gemv.log" | tail -3
 fi
 
 if has latency; then

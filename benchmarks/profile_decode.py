@@ -26,6 +26,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.results import write_result
+from tokenmill.bench.timing import cuda_ms
 from tokenmill.worker.batch_inputs import build_host_batch
 
 
@@ -60,20 +61,28 @@ def wall_per_step(llm: LLM, steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def _time_forward(runner, so, repeats: int) -> float:
-    """GPU ms of one forward (+ logits) on the inputs of `so`, repeated back to back."""
+def _time_forward(runner, so, requests, repeats: int) -> float:
+    """GPU ms of one forward (+ logits) on the inputs of `so` (its request states already
+    updated by the runner), repeated back to back."""
     graphs = runner.graph_runner
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    num_computed_tokens = so.batch_num_computed_tokens()
+    num_scheduled_tokens = list(so.num_scheduled_tokens.values())
     with torch.inference_mode():
         if graphs is not None:
-            size = graphs.padded_size(len(so.scheduled))
-            batch = build_host_batch(so, runner.block_size, block_table_width=runner.max_blocks_per_req)
-            runner.build_metadata(batch, padded_reqs=size)
+            key = graphs.graph_key(len(requests), 1)
+            batch = build_host_batch(
+                requests,
+                num_computed_tokens,
+                num_scheduled_tokens,
+                runner.block_size,
+                block_table_width=runner.max_blocks_per_req,
+            )
+            runner.build_metadata(batch, padded_reqs=key[0])
 
             def forward():
-                graphs.replay(size)
+                graphs.replay(key)
         else:
-            batch = build_host_batch(so, runner.block_size)
+            batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, runner.block_size)
             ids, pos, meta = runner.build_metadata(batch)
 
             def forward():
@@ -82,29 +91,26 @@ def _time_forward(runner, so, repeats: int) -> float:
         # Repeats rewrite the same KV slots with the same values: the engine's own step follows.
         forward()
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            forward()
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+        return cuda_ms(forward, reps=repeats)
 
 
 def forward_device_ms(llm: LLM, repeats: int = 20) -> float:
     """Times the forward of the engine's next decode step, then lets the step run as usual."""
     runner = llm.engine.runner
     timing: dict[str, float] = {}
-    real_execute = runner.execute_async  # what both the sync and the async engine call
+    # What both the sync and the async engine reach, once the runner has applied the step's
+    # scheduler output to its request states.
+    real_launch = runner.launch
 
-    def timed_execute(so):
-        timing["ms"] = _time_forward(runner, so, repeats)
-        return real_execute(so)
+    def timed_launch(so, requests):
+        timing["ms"] = _time_forward(runner, so, requests, repeats)
+        return real_launch(so, requests)
 
-    runner.execute_async = timed_execute
+    runner.launch = timed_launch
     try:
         llm.engine.step()
     finally:
-        del runner.execute_async  # back to the class's method
+        del runner.launch  # back to the class's method
     return timing["ms"]
 
 

@@ -1,7 +1,8 @@
-"""Batch-1 decode matmuls of Llama-3.1-8B: cuBLAS against the row GEMV (layers/gemv.py).
+"""Batch-1 decode matmuls of Llama-3.1-8B: cuBLAS against the row GEMV (kernels/triton/gemv.py).
 
-The split-K Triton GEMV of gemv_microbench.py read in-major weights ([in, out] row-major, as
-CausalLM used to store them for cuBLAS) and needed K splits plus a reduction to fill the GPU.
+The split-K Triton GEMV of gemv_microbench.py (dropped; BENCHMARKS.md keeps its figures) read
+in-major weights ([in, out] row-major, as CausalLM used to store them for cuBLAS) and needed K
+splits plus a reduction to fill the GPU.
 With the weight out-major ([out, in], each output's row contiguous) one program streams a whole
 row with wide loads and reduces in registers: N programs, one launch, no workspace. Earlier
 versions of this file timed the same scheme in CUDA C compiled through NVRTC (commit b5a3534; no
@@ -15,19 +16,20 @@ cuBLAS with the weight in-major and out-major, the row GEMV with its default con
 (`row_gemv_config`) and the best few of a sweep. Then one decode step's projections (4 x 32
 layers + lm_head) in one graph: cuBLAS in-major against the row GEMV's defaults.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/row_gemv_microbench.py
+    PYTHONPATH=src python3 benchmarks/row_gemv_microbench.py
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
 import torch.nn.functional as F
-from gemv_microbench import graph_ms  # benchmarks/ is on sys.path when run as a script
 
 from tokenmill.bench.latency import copy_bandwidth
-from tokenmill.model.layers.gemv import row_gemv, row_gemv_config
+from tokenmill.bench.timing import graph_ms
+from tokenmill.kernels.triton.gemv import row_gemv, row_gemv_config
 
 SHAPES = {  # name: (out, in, adds a residual, copies)
     "qkv": (6144, 4096, False, 32),
@@ -40,6 +42,7 @@ SWEEP = list(itertools.product((512, 1024, 2048), (4, 8), (1, 2, 3)))
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     bandwidth = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per matmul (fraction of copy bandwidth)")

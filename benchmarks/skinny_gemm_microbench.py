@@ -1,7 +1,7 @@
 """Decode matmuls of 2-8 rows (a few requests decoding): cuBLAS against a Triton skinny GEMM.
 
-The row GEMV (layers/gemv.py) serves one row; from two rows on it re-reads x per output column
-and loses to cuBLAS. The skinny GEMM (layers/skinny_gemm.py; this script carried its own copy of
+The row GEMV (kernels/triton/gemv.py) serves one row; from two rows on it re-reads x per output column
+and loses to cuBLAS. The skinny GEMM (kernels/triton/skinny_gemm.py; this script carried its own copy of
 the kernel, the same loads, dot and store, until the engine had one) gives each program BLOCK_N
 output columns (out-major weight rows) and all rows of x padded to 16, multiplies
 [BLOCK_N, BLOCK_K] weight tiles by [BLOCK_K, 16] x tiles on the tensor cores (tl.dot) with
@@ -10,20 +10,21 @@ registers: no split, one launch. This script sweeps its (BLOCK_N, BLOCK_K, num_w
 num_stages), timed like row_gemv_microbench.py: one CUDA graph of 32 matmuls over distinct
 weights (lm_head: 4), us per matmul, fraction of copy bandwidth.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/skinny_gemm_microbench.py
+    PYTHONPATH=src python3 benchmarks/skinny_gemm_microbench.py
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
 import torch.nn.functional as F
 import triton
-from gemv_microbench import graph_ms  # benchmarks/ is on sys.path when run as a script
 
 from tokenmill.bench.latency import copy_bandwidth
-from tokenmill.model.layers.skinny_gemm import skinny_gemm
+from tokenmill.bench.timing import graph_ms
+from tokenmill.kernels.triton.skinny_gemm import skinny_gemm
 
 SHAPES = {  # name: (out, in, copies)
     "qkv": (6144, 4096, 32),
@@ -43,6 +44,7 @@ CONFIGS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     bandwidth = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per matmul (fraction of copy bandwidth)")

@@ -12,4 +12,4 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
 # Build the C++ CPU attention kernels now (once per machine, about 20 s) rather than at first use.
-python -m tokenmill.attention.cpu_kernels || echo "setup: the CPU attention kernels did not build (see above); tokenmill will use the slower torch attention backend" >&2
+python -m tokenmill.kernels.cpu.build || echo "setup: the CPU attention kernels did not build (see above); tokenmill will use the slower torch attention backend" >&2

@@ -21,7 +21,9 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
     """Which kernel paths the engine takes. Every benchmark result and the start-up log record it;
-    tests set it instead of patching module globals. Defaults are the fastest measured paths."""
+    tests set it instead of patching module globals. Defaults are the fastest measured paths.
+    EngineArgs builds it (args.py): --kernel-config keys, else $TOKENMILL_ROW_GEMV and the like when
+    set, else these defaults; cpu_weight_packing and cpu_quantized_gemv have flags of their own."""
 
     # CUDA, 16-bit: one-row matmuls on our Triton row GEMV (weights stay out-major); off = cuBLAS
     # with in-major weights, the engine before that kernel.

@@ -51,6 +51,31 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    # The flags below are the one place where "what does sampling this request need" is derived;
+    # the engine, the model runner and the sampling metadata all read them.
+
+    @property
+    def has_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty: the logits depend on earlier tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads the request's earlier output tokens (penalties, the min_tokens ban)."""
+        return self.has_penalties or self.min_tokens > 0
+
+    @property
+    def needs_host_history(self) -> bool:
+        """A step needs the previous step's tokens on the host first (no step overlap then):
+        the output history above, or prompt logprobs (computed with host syncs)."""
+        return self.needs_output_history or self.prompt_logprobs is not None
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the argmax or asks for more than the token: no
+        penalties, no min_tokens ban, no logprobs. Such a batch samples with one argmax."""
+        return self.is_greedy and self.logprobs is None and not self.needs_output_history
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)

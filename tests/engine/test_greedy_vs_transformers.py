@@ -137,7 +137,7 @@ def test_n_greater_than_one_shares_prompt_blocks(make_llm, tiny_model):
 def test_each_cpu_attention_backend_matches_transformers(tiny_llama_dir, backend):
     # `auto` picks the C++ kernels on CPU; the torch reference (gather + SDPA) stays selectable and
     # correct. A small budget makes prefill chunks short enough for the kernels to take them too.
-    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     if backend == "cpu" and not cpu_kernels_available()[0]:
         pytest.skip(cpu_kernels_available()[1])
@@ -148,7 +148,7 @@ def test_each_cpu_attention_backend_matches_transformers(tiny_llama_dir, backend
 
 
 def test_auto_attention_backend_on_cpu(tiny_llama_dir):
-    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
     expected = "cpu" if cpu_kernels_available()[0] else "torch"

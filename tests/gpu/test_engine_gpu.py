@@ -11,7 +11,6 @@ The tiny checkpoints (tiny_llama_dir, ...) come from the shared tests/conftest.p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import math
@@ -23,7 +22,6 @@ import torch
 
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import KernelConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,25 +46,12 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
-def _llm(path: str, kernel: KernelConfig | None = None, **kwargs) -> LLM:
+def _llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("device", "cuda")
     kwargs.setdefault("max_model_len", 256)
     kwargs.setdefault("num_kv_blocks", 256)
     kwargs.setdefault("max_num_seqs", 32)
-    if kernel is None:
-        return LLM(path, **kwargs)
-    # LLM(...) takes no kernel options of its own yet: give the engine config this KernelConfig.
-    from unittest import mock
-
-    from tokenmill.engine import llm as llm_module
-
-    build = llm_module.build_engine_config
-
-    def build_with_kernel(*args, **kw):
-        return dataclasses.replace(build(*args, **kw), kernel=kernel)
-
-    with mock.patch.object(llm_module, "build_engine_config", build_with_kernel):
-        return LLM(path, **kwargs)
+    return LLM(path, **kwargs)
 
 
 def _prompts(vocab_size: int, count: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
@@ -171,7 +156,7 @@ def test_bf16_greedy_and_logprobs_match_transformers(tiny_model, monkeypatch):
     first 32 greedy tokens equal transformers' bf16 ones, up to a tie (see
     _bf16_logprob_diffs_allowing_ties; the tiny Qwen2 met an exact one, margin 0, at token 14 of
     one prompt on an H200 with the skinny GEMM), and the logprobs stay close."""
-    from tokenmill.model.layers import skinny_gemm
+    from tokenmill.kernels.triton import skinny_gemm
 
     skinny_calls = []
     original = skinny_gemm.skinny_gemm
@@ -213,7 +198,7 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request):
     results = []
     for fused in (True, False):
         # The deferred norm (its own test below) rounds differently from separate norm launches.
-        llm = _llm(path, kernel=KernelConfig(fused_decode_rope=fused, deferred_norm=False))
+        llm = _llm(path, kernel_config={"fused_decode_rope": fused, "deferred_norm": False})
         # One request at a time: single-request decode steps are the ones the fused launch serves.
         prompts = _prompts(llm.info.vocab_size, 3, seed=15)
         completions = [_greedy(llm, [prompt], 24, logprobs=0)[0] for prompt in prompts]
@@ -234,7 +219,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
     weights are folded into qkv / gate_up (Llama, Mistral: no q/k/v bias, no Q/K norm; the tiny
     checkpoints' norm weights are random, not ones) no norm launches: the attention launch and
     silu_mul apply 1/rms, o_proj and down add into the residual; in bf16 every matmul of these
-    steps is the row GEMV (layers/gemv.py), fp32 keeps cuBLAS. fp32 greedy tokens equal
+    steps is the row GEMV (kernels/triton/gemv.py), fp32 keeps cuBLAS. fp32 greedy tokens equal
     transformers' (CPU) token for token; bf16 the first 32 equal transformers' bf16 on the GPU,
     with close logprobs, except that a step where transformers' two best logits are within two
     bf16 ulps may pick the other one, after which the sequences are compared no further. (These
@@ -252,7 +237,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
         return deferred(self, *args, **kwargs)
 
     monkeypatch.setattr(llama.DecoderLayer, "_forward_deferred_norm", counted)
-    from tokenmill.model.layers import gemv
+    from tokenmill.kernels.triton import gemv
 
     gemv_calls = []
     row_gemv = gemv.row_gemv
@@ -350,8 +335,8 @@ def test_kv_pool_is_sized_by_profiling(tiny_llama_dir):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kernels_round_like_transformers(dtype):
+    from tokenmill.kernels.triton.elementwise import add_rms_norm, rope_inplace, silu_mul
     from tokenmill.model.layers.rotary import RotaryEmbedding
-    from tokenmill.model.layers.triton_ops import add_rms_norm, rope_inplace, silu_mul
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, device="cuda", dtype=dtype, generator=gen)
@@ -391,7 +376,7 @@ def test_fused_kernels_round_like_transformers(dtype):
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_greedy_sample_kernel_at_real_vocab_size(rows):
-    from tokenmill.sample.greedy_triton import greedy_sample
+    from tokenmill.kernels.triton.greedy import greedy_sample
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     # bf16 logits upcast, as the lm_head gives them: many exact ties, which go to the first index.
@@ -411,7 +396,7 @@ def test_row_gemv_at_llama_8b_shapes():
     run here), in a CUDA graph as decode steps run it: within one bf16 ulp of a float32 matmul
     rounded once, residual added in place, lm_head's float32 logits close to float32; the engine
     hands it exactly the one-row bf16 matmuls."""
-    from tokenmill.model.layers.gemv import row_gemv, use_row_gemv
+    from tokenmill.kernels.triton.gemv import row_gemv, use_row_gemv
 
     rows = 1
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -447,7 +432,7 @@ def test_skinny_gemm_at_llama_8b_shapes(rows):
     CUDA graph: within one bf16 ulp of a float32 matmul rounded once; lm_head's float32 logits
     close to float32; each row's result independent of how many rows share the launch (so a
     graph's padding rows change nothing)."""
-    from tokenmill.model.layers.skinny_gemm import skinny_gemm, use_skinny_gemm
+    from tokenmill.kernels.triton.skinny_gemm import skinny_gemm, use_skinny_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     one_ulp = {"rtol": 2**-7, "atol": 1e-4}

@@ -20,8 +20,8 @@ if torch.cuda.is_available():
     # switch on TRITON_INTERPRET (they then rerun themselves in a subprocess).
     import triton  # noqa: F401
 
-    from tokenmill.attention.triton_kernels.paged_attention import paged_attention
     from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.kernels.triton.paged_attention import paged_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -292,7 +292,7 @@ def _rope_tables(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 def _fused_and_unfused(heads, kv_heads, head_dim, dtype, contexts, num_kv_splits=None):
     """forward_decode_with_rope on un-rotated q/k/v (laid out as one qkv row, as the model has
     them), and the separate RoPE + KV-store launch then forward(): outputs, caches, rotated q."""
-    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 
     q, k, v, kv_cache, meta = make_batch(
         [1] * len(contexts), contexts, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim
@@ -400,7 +400,7 @@ def test_decode_with_rope_in_a_cuda_graph_with_padding_requests() -> None:
     graph.replay()
     torch.cuda.synchronize()
 
-    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 
     qk = qkv[:batch, : HEADS + KV_HEADS].clone()
     rope_and_store_kv(qk, HEADS, v_l, positions[:batch], cos, sin, before, meta_l.slot_mapping)

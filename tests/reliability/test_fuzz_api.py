@@ -15,7 +15,6 @@ TOKENMILL_FUZZ_RANDOM=1 TOKENMILL_FUZZ_EXAMPLES=2000 pytest tests/reliability/te
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import httpx
@@ -31,16 +30,17 @@ from tests.reliability.server_tools import (
     response_error_problem,
     wait_idle,
 )
+from tokenmill import envs
 
 MODEL = SHARED_MODEL
-EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "0")) or None
+EXAMPLES = envs.TOKENMILL_FUZZ_EXAMPLES.get() or None
 
 
 def fuzz_settings(default_examples: int) -> settings:
     return settings(
         max_examples=EXAMPLES or default_examples,
         deadline=None,
-        derandomize=not os.environ.get("TOKENMILL_FUZZ_RANDOM"),
+        derandomize=not envs.TOKENMILL_FUZZ_RANDOM.get(),
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )

@@ -20,7 +20,6 @@ TOKENMILL_FUZZ_RANDOM=1 TOKENMILL_FUZZ_EXAMPLES=500 pytest tests/reliability/tes
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -36,12 +35,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tests.reliability.server_tools import openai_error_problem
 from tests.server.fake_engine import FakeEngine, fake_server_state
+from tokenmill import envs
 from tokenmill.server.api_server import create_app
 from tokenmill.server.state import ServerState
 
 # Per operation, positive and negative cases together: about 15 s for the whole file on 2 cores.
 DEFAULT_EXAMPLES = 60
-EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "0")) or DEFAULT_EXAMPLES
+EXAMPLES = envs.TOKENMILL_FUZZ_EXAMPLES.get() or DEFAULT_EXAMPLES
 # A request still unanswered after this long is a hang, and fails the test.
 CALL_TIMEOUT_S = 10.0
 
@@ -165,7 +165,7 @@ def test_no_server_error_for_any_generated_request(api: Api, label: str) -> None
     @given(case=strategy(api, label))
     @settings(
         max_examples=EXAMPLES,
-        derandomize=not os.environ.get("TOKENMILL_FUZZ_RANDOM"),
+        derandomize=not envs.TOKENMILL_FUZZ_RANDOM.get(),
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],

@@ -25,11 +25,11 @@ import pytest
 import tokenmill
 from tests.reliability.fake_server import FakeServer, assert_openai_error, run
 from tests.server.server_process import ServerProcess, free_port
+from tokenmill.chat_template import render_chat
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
 from tokenmill.core.block_hash import hash_block_tokens
 from tokenmill.engine import async_engine
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.chat_template import render_chat
 from tokenmill.engine.core_process import main as engine_main
 from tokenmill.errors import InvalidRequestError
 

@@ -8,7 +8,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenmill.attention.cpu_kernels import cpu_kernels_available
+from tokenmill.kernels.cpu.build import cpu_kernels_available
 from tokenmill.model.layers.quantized_linear import QuantizedBlocks, quantized_linear, split_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")

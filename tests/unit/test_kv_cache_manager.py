@@ -157,3 +157,17 @@ def test_check_invariants_catches_leaks_and_bad_ref_counts() -> None:
     kv.pool.cached_blocks[b"x" * 32] = kv.pool.blocks[3]
     with pytest.raises(AssertionError, match="prefix cache maps a hash"):
         kv.check_invariants()
+
+
+def test_lookahead_slots_are_allocated_but_not_cached() -> None:
+    kv = KVCacheManager(6, BLOCK)
+    request = make_request("a", list(range(7)))
+    assert admit(kv, request) == [0, 1]  # positions 0..6
+    request.append_output_token_ids([7])  # 8 tokens: two full blocks once position 7 is computed
+    # Position 7 plus 5 draft slots (8..12): blocks up to position 12, four in all.
+    assert kv.allocate_slots(request, 1, num_lookahead_tokens=5) == [2, 3]
+    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    # Only blocks full of the request's own tokens enter the prefix cache, never draft slots.
+    assert [b.block_id for b in kv.pool.blocks if b.block_hash is not None] == [0, 1]
+    assert kv.allocate_slots(make_request("big", list(range(100, 109))), 9) is None  # 2 free blocks
+    kv.check_invariants()

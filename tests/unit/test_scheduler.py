@@ -14,6 +14,7 @@ token it sampled in the previous step (as the real one does on the device).
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,6 +41,41 @@ def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> 
             return tokens[len(prompt) :]
 
 
+class Scheduled(NamedTuple):
+    """One request's share of a step, read from a SchedulerOutput (new data or a diff)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    is_new: bool  # the step carries its full data: the runner holds no state for it
+
+
+def scheduled(so: SchedulerOutput) -> list[Scheduled]:
+    """The step's requests in batch order: the cached ones, then the new ones."""
+    cached = so.scheduled_cached_reqs
+    rows = [
+        Scheduled(rid, start, so.num_scheduled_tokens[rid], False)
+        for rid, start in zip(cached.request_ids, cached.num_computed_tokens, strict=True)
+    ]
+    rows += [
+        Scheduled(new.request_id, new.num_computed_tokens, so.num_scheduled_tokens[new.request_id], True)
+        for new in so.scheduled_new_reqs
+    ]
+    assert [r.request_id for r in rows] == list(so.num_scheduled_tokens), "batch order"
+    return rows
+
+
+class FakeState:
+    """What the fake runner keeps per request, like the real one: it never reads core.Request."""
+
+    def __init__(self, prompt: list[int], output: list[int], block_ids: list[int]) -> None:
+        self.num_prompt_tokens = len(prompt)
+        self.tokens = [*prompt, *output]  # known on the "host"
+        self.num_tokens = len(self.tokens)  # plus those sampled but not delivered yet
+        self.block_ids = list(block_ids)
+        self.num_computed_tokens = 0
+
+
 class FakeRunner:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -47,50 +83,93 @@ class FakeRunner:
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token id) written there
         self.fail_next: set[str] = set()  # request ids to report as errored in the next step
         self.script: dict[str, list[int]] = {}  # request id -> tokens to sample instead of next_token
-        self.known: set[str] = set()  # requests the runner holds state for
-        self.last_sampled: dict[str, int] = {}  # the previous step's tokens, not yet on the "host"
+        self.states: dict[str, FakeState] = {}  # requests the runner holds state for
+        # The previous step's tokens, not yet on the "host": they reach the states only during
+        # the next step (as with async scheduling), the step itself feeds them "on the device".
+        self.last_sampled: dict[str, list[int]] = {}
+
+    def _apply(self, so: SchedulerOutput) -> dict[str, FakeState]:
+        for request_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(request_id, None)
+        cached = so.scheduled_cached_reqs
+        assert set(cached.new_block_ids) <= set(cached.request_ids)
+        for request_id, start in zip(cached.request_ids, cached.num_computed_tokens, strict=True):
+            # is_new exactly when the runner holds no state for it (first time, or after preemption).
+            assert request_id in self.states, (request_id, False)
+            self.states[request_id].block_ids.extend(cached.new_block_ids.get(request_id, []))
+            self.states[request_id].num_computed_tokens = start
+        for new in so.scheduled_new_reqs:
+            assert new.request_id not in self.states, (new.request_id, True)
+            state = FakeState(new.prompt_token_ids, new.output_token_ids, new.block_ids)
+            state.num_computed_tokens = new.num_computed_tokens
+            self.states[new.request_id] = state
+        return {rid: self.states[rid] for rid in so.num_scheduled_tokens}
+
+    def _next(self, request_id: str, state: FakeState, context: list[int]) -> int:
+        script = self.script.get(request_id)
+        return script[len(context) - state.num_prompt_tokens] if script else next_token(context)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         config = self.scheduler.config
-        self.known -= so.finished_req_ids | so.preempted_req_ids
-        assert so.total_num_scheduled_tokens == sum(s.num_new_tokens for s in so.scheduled)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
-        assert len(so.scheduled) <= config.max_num_seqs
-        assert len({s.request_id for s in so.scheduled}) == len(so.scheduled)
+        assert len(so.num_scheduled_tokens) <= config.max_num_seqs
+        scheduled(so)  # checks the batch order
+        states = self._apply(so)
         contexts: dict[str, list[int]] = {}
-        for s in so.scheduled:
-            end = s.num_computed_tokens + s.num_new_tokens
-            tokens = list(s.request.all_token_ids)
-            if end > len(tokens):  # async: the one token still in flight, fed from the last step
-                assert s.num_new_tokens == 1 and end == len(tokens) + 1, (s.request_id, end, len(tokens))
-                tokens.append(self.last_sampled[s.request_id])
-            contexts[s.request_id] = tokens
-            assert s.num_new_tokens > 0 and end <= config.max_model_len
-            assert len(s.block_ids) * self.block_size >= end
-            # is_new exactly when the runner holds no state for it (first time, or after preemption).
-            assert s.is_new == (s.request_id not in self.known), (s.request_id, s.is_new)
-            self.known.add(s.request_id)
-            for pos in range(s.num_computed_tokens, end):
-                self.slots[self._slot(s.block_ids, pos)] = (pos, tokens[pos])
+        for request_id, state in states.items():
+            num_new = so.num_scheduled_tokens[request_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            tokens = list(state.tokens)
+            in_flight = self.last_sampled.get(request_id)
+            if in_flight:  # async: the token still in flight, fed from the last step
+                tokens += in_flight
+            drafts = so.scheduled_spec_decode_tokens.get(request_id, [])
+            if drafts:  # they follow the last token, which the scheduler already has (no async)
+                assert end == len(tokens) + len(drafts), (request_id, end, len(tokens))
+                tokens += drafts
+            elif end > len(state.tokens):
+                assert num_new == 1 and end == len(tokens), (request_id, end, len(tokens))
+            contexts[request_id] = tokens
+            assert num_new > 0 and end <= config.max_model_len
+            assert len(state.block_ids) * self.block_size >= end
+            for pos in range(start, end):
+                self.slots[self._slot(state.block_ids, pos)] = (pos, tokens[pos])
+        for request_id, tokens in self.last_sampled.items():  # they reach the host now
+            if request_id in self.states:
+                self.states[request_id].tokens += tokens
         output = ModelRunnerOutput()
         self.last_sampled = {}
-        for s in so.scheduled:  # every layer stores the whole batch's K/V before attention reads
-            tokens = contexts[s.request_id]
-            for pos in range(s.num_computed_tokens + s.num_new_tokens):
-                assert self.slots.get(self._slot(s.block_ids, pos)) == (pos, tokens[pos]), (
-                    f"{s.request_id} reads wrong KV at position {pos}"
+        for request_id, state in states.items():  # every layer stores the whole batch's K/V first
+            tokens = contexts[request_id]
+            end = state.num_computed_tokens + so.num_scheduled_tokens[request_id]
+            for pos in range(end):
+                assert self.slots.get(self._slot(state.block_ids, pos)) == (pos, tokens[pos]), (
+                    f"{request_id} reads wrong KV at position {pos}"
                 )
-            if s.request_id in self.fail_next:
-                output.errored[s.request_id] = "non-finite logits"
-                if s.samples_token:  # a real runner still has a (garbage) row for it on the device
-                    self.last_sampled[s.request_id] = 0
-            elif s.samples_token:
-                script = self.script.get(s.request_id)
-                num_outputs = len(tokens) - s.request.num_prompt_tokens
-                token = script[num_outputs] if script else next_token(tokens)
-                output.req_ids.append(s.request_id)
-                output.sampled_token_ids.append(token)
-                self.last_sampled[s.request_id] = token
+            samples = end >= state.num_tokens
+            if request_id in self.fail_next:
+                output.errored[request_id] = "non-finite logits"
+                if samples:  # a real runner still has a (garbage) row for it on the device
+                    self.last_sampled[request_id] = [0]
+                    state.num_tokens += 1
+            elif samples:
+                # Greedy verification of the drafts: keep them while they are what the model
+                # would pick, then one more token of the model's own.
+                drafts = so.scheduled_spec_decode_tokens.get(request_id, [])
+                context = tokens[: len(tokens) - len(drafts)]
+                sampled: list[int] = []
+                for draft in drafts:
+                    if draft != self._next(request_id, state, context):
+                        break
+                    sampled.append(draft)
+                    context = [*context, draft]
+                sampled.append(self._next(request_id, state, context))
+                output.req_ids.append(request_id)
+                output.sampled_token_ids.append(sampled)
+                self.last_sampled[request_id] = sampled
+                state.num_tokens += len(sampled)
         self.fail_next.clear()
         return output
 
@@ -122,9 +201,11 @@ class Harness:
         self.finals: dict[str, EngineCoreOutput] = {}
         self.outputs: list[EngineCoreOutput] = []
         self.steps: list[SchedulerOutput] = []
+        self.added: dict[str, Request] = {}
 
     def add(self, request: Request) -> Request:
         self.scheduler.add_request(request)
+        self.added[request.request_id] = request
         return request
 
     def record(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
@@ -194,7 +275,7 @@ def make_request(
 
 
 def scheduled_counts(so: SchedulerOutput) -> dict[str, int]:
-    return {s.request_id: s.num_new_tokens for s in so.scheduled}
+    return dict(so.num_scheduled_tokens)
 
 
 # -- the basic path --------------------------------------------------------------------------
@@ -204,14 +285,14 @@ def test_one_request_prefill_then_decode_to_max_tokens() -> None:
     h = Harness()
     request = h.add(make_request("a", 10, max_tokens=3))
     so = h.scheduler.schedule()
-    [s] = so.scheduled
+    [s] = scheduled(so)
     assert (s.num_computed_tokens, s.num_new_tokens, s.is_new) == (0, 10, True)
     assert request.num_computed_tokens == 10 and request.status == RequestStatus.RUNNING
     assert request.num_cached_tokens == 0
     [out] = h.record(h.scheduler.update_from_output(so, h.runner.execute(so)))
     assert out.new_token_ids == [next_token(list(range(1, 11)))] and not out.finished
     so = h.scheduler.schedule()
-    assert [(s.num_computed_tokens, s.num_new_tokens, s.is_new) for s in so.scheduled] == [(10, 1, False)]
+    assert [(s.num_computed_tokens, s.num_new_tokens, s.is_new) for s in scheduled(so)] == [(10, 1, False)]
     h.record(h.scheduler.update_from_output(so, h.runner.execute(so)))
     h.run()
     assert h.tokens["a"] == reference_output(list(range(1, 11)), 3, 256)
@@ -241,7 +322,7 @@ def test_max_num_seqs_caps_the_batch() -> None:
     for i in range(5):
         h.add(make_request(f"r{i}", 5 + i, max_tokens=3))
     h.run()
-    assert max(len(so.scheduled) for so in h.steps) == 2
+    assert max(len(scheduled(so)) for so in h.steps) == 2
     for i in range(5):
         assert h.tokens[f"r{i}"] == reference_output(list(range(1, 6 + i)), 3, 256)
 
@@ -281,7 +362,9 @@ def test_preemption_when_blocks_run_out_keeps_outputs_identical() -> None:
         assert h.tokens[request_id] == reference_output(prompt, 12, 256), request_id
         assert h.finals[request_id].finish_reason == "length"
     # A preempted request comes back as new, recomputing from token 0.
-    resumed = [s for so in h.steps for s in so.scheduled if s.request.num_preemptions and s.is_new]
+    resumed = [
+        s for so in h.steps for s in scheduled(so) if h.added[s.request_id].num_preemptions and s.is_new
+    ]
     assert any(s.num_computed_tokens == 0 for s in resumed)
     assert h.scheduler.get_stats()["num_preemptions_total"] == h.scheduler.num_preemptions_total
 
@@ -307,7 +390,7 @@ def test_priority_policy_orders_admission_and_preempts_the_lowest_priority() -> 
     h.add(make_request("high", 3, max_tokens=1, priority=0, arrival_time=2.0))
     h.add(make_request("high-later", 3, max_tokens=1, priority=0, arrival_time=3.0))
     h.run()
-    order = [so.scheduled[0].request_id for so in h.steps if so.scheduled]
+    order = [scheduled(so)[0].request_id for so in h.steps if not so.is_empty]
     assert order == ["high", "high-later", "low"]
 
     h = Harness(num_blocks=6, block_size=4, policy="priority")
@@ -467,7 +550,7 @@ def test_logprobs_are_passed_through() -> None:
     so = h.scheduler.schedule()
     lp = TokenLogprobs(token_ids=[7], logprobs=[-0.5], rank=1)
     [out] = h.scheduler.update_from_output(
-        so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[7], logprobs=[lp])
+        so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]], logprobs=[[lp]])
     )
     assert out.new_logprobs == [lp] and out.new_token_ids == [7] and out.finish_reason == "length"
 
@@ -482,8 +565,8 @@ def test_prompt_logprobs_are_not_sent_twice_after_preemption() -> None:
             break
         so = h.scheduler.schedule()
         runner_output = h.runner.execute(so)
-        for s in so.scheduled:  # the real runner's convention: a chunk at s scores tokens s+1..
-            if s.request is wants and s.num_computed_tokens < wants.num_prompt_tokens:
+        for s in scheduled(so):  # the real runner's convention: a chunk at s scores tokens s+1..
+            if s.request_id == "wants" and s.num_computed_tokens < wants.num_prompt_tokens:
                 start = s.num_computed_tokens
                 last = min(start + s.num_new_tokens, wants.num_prompt_tokens - 1)
                 entries: list[TokenLogprobs | None] = [None] if start == 0 else []
@@ -494,6 +577,168 @@ def test_prompt_logprobs_are_not_sent_twice_after_preemption() -> None:
                 received += [e.token_ids[0] if e else None for e in out.new_prompt_logprobs]
     assert wants.num_preemptions > 0
     assert received == [None, *range(1, 12)]
+
+
+# -- draft tokens (speculative decoding) ------------------------------------------------------
+
+
+def true_drafts(request: Request, k: int, script: list[int] | None = None) -> list[int]:
+    """The next k tokens the fake model will pick: drafts a perfect proposer would make."""
+    tokens = list(request.all_token_ids)
+    drafts = []
+    for _ in range(k):
+        n_out = len(tokens) - request.num_prompt_tokens
+        if script is not None and n_out >= len(script):
+            break
+        token = script[n_out] if script is not None else next_token(tokens)
+        tokens.append(token)
+        drafts.append(token)
+    return drafts
+
+
+def wrong(tokens: list[int]) -> list[int]:
+    return [(t + 1) % VOCAB for t in tokens]
+
+
+def run_with_drafts(h: Harness, propose, max_steps: int = 500) -> None:
+    """Run to completion, giving every decoding request the proposer's drafts before each step."""
+    for _ in range(max_steps):
+        if not h.scheduler.has_unfinished_requests():
+            return
+        for request in h.scheduler.running:
+            if request.num_computed_tokens == request.num_tokens - 1:  # decoding
+                request.spec_token_ids = propose(request)
+        h.step()
+    raise AssertionError("requests still unfinished")
+
+
+def test_drafts_all_accepted_advance_several_tokens_a_step() -> None:
+    h = Harness()
+    prompt = list(range(1, 11))
+    request = h.add(make_request("a", prompt, max_tokens=13))
+    run_with_drafts(h, lambda r: true_drafts(r, 3))
+    assert h.tokens["a"] == reference_output(prompt, 13, 256)
+    assert h.finals["a"].finish_reason == "length"
+    # Prefill (1 token), then 4 tokens a step: 1 + 4 + 4 + 4 = 13, the last run cut by max_tokens.
+    assert [len(out.new_token_ids) for out in h.outputs] == [1, 4, 4, 4]
+    drafted = [so for so in h.steps if so.scheduled_spec_decode_tokens]
+    assert drafted and all(so.num_scheduled_tokens["a"] == 4 for so in drafted)
+    assert request.num_computed_tokens == request.num_tokens - 1 or request.is_finished
+
+
+@pytest.mark.parametrize("num_right", [0, 1, 2])
+def test_rejected_drafts_roll_num_computed_tokens_back(num_right: int) -> None:
+    h = Harness()
+    prompt = list(range(1, 8))
+    request = h.add(make_request("a", prompt, max_tokens=10))
+    h.step()  # prefill
+    while not request.is_finished:
+        # Three drafts, of which the first num_right are what the model picks.
+        true = true_drafts(request, 3)
+        drafts = true[:num_right] + wrong(true[num_right:])
+        request.spec_token_ids = list(drafts)
+        num_tokens_before = request.num_tokens
+        outputs = h.step()
+        assert h.steps[-1].scheduled_spec_decode_tokens == {"a": drafts}
+        assert h.steps[-1].num_scheduled_tokens == {"a": 4}
+        if not request.is_finished:
+            # a accepted + 1 more appended; the k - a rejected positions are computed again.
+            assert [len(o.new_token_ids) for o in outputs] == [num_right + 1]
+            assert request.num_tokens == num_tokens_before + num_right + 1
+            assert request.num_computed_tokens == request.num_tokens - 1
+    assert h.tokens["a"] == reference_output(prompt, 10, 256)
+
+
+@pytest.mark.parametrize(
+    ("script", "kwargs", "expected", "reason"),
+    [
+        ([5, 6, 2, 7, 8, 9], {}, [5, 6, 2], "stop"),  # EOS in the middle of an accepted run
+        ([5, 6, 9, 7, 8, 3], {"stop_token_ids": [9]}, [5, 6, 9], "stop"),
+        ([5, 6, 7, 8, 9, 3], {"max_tokens": 3}, [5, 6, 7], "length"),
+        ([5, 2, 2, 7, 8, 3], {"min_tokens": 3}, [5, 2, 2], "stop"),  # the first EOS is too early
+    ],
+)
+def test_a_stop_inside_an_accepted_run_cuts_it_there(script, kwargs, expected, reason) -> None:
+    h = Harness()
+    request = h.add(make_request("a", 4, eos=(2,), **{"max_tokens": 10, **kwargs}))  # type: ignore[arg-type]
+    h.runner.script["a"] = script
+    h.step()  # prefill: samples script[0]
+    request.spec_token_ids = true_drafts(request, 4, script)
+    assert request.spec_token_ids == script[1:5]
+    h.step()  # all four drafts accepted, plus one more: the stop comes inside the run
+    assert request.is_finished
+    assert h.tokens["a"] == expected and h.finals["a"].finish_reason == reason
+    h.scheduler.check_invariants()
+    assert h.scheduler.kv.usage == 0
+
+
+def test_drafts_are_cut_by_the_token_budget() -> None:
+    h = Harness(max_num_batched_tokens=3)
+    prompt = list(range(1, 9))
+    request = h.add(make_request("a", prompt, max_tokens=20))
+    for _ in range(3):  # the 8-token prompt in chunks of 3
+        h.step()
+    assert request.num_tokens == 9 and request.num_computed_tokens == 8
+    request.spec_token_ids = true_drafts(request, 5)
+    h.step()
+    # The budget (3 tokens) leaves room for 2 drafts after the last known token.
+    assert h.steps[-1].scheduled_spec_decode_tokens == {"a": reference_output(prompt, 3, 256)[1:]}
+    assert h.steps[-1].num_scheduled_tokens == {"a": 3}
+    assert request.spec_token_ids == []  # the unscheduled ones were stale after this step
+    h.run()
+    assert h.tokens["a"] == reference_output(prompt, 20, 256)
+
+
+def test_drafts_are_cut_at_max_model_len() -> None:
+    h = Harness(max_model_len=12)
+    prompt = list(range(1, 10))
+    request = h.add(make_request("a", prompt, max_tokens=None))
+    h.step()  # prefill: 10 tokens, 9 computed
+    request.spec_token_ids = true_drafts(request, 5)
+    h.step()
+    # Positions 9..11 fit in max_model_len: 1 known token + 2 drafts; the request ends at 12
+    # tokens, inside the run (2 drafts accepted + 1 more, of which the last is cut).
+    assert h.steps[-1].scheduled_spec_decode_tokens == {"a": reference_output(prompt, 3, 256)[1:]}
+    assert h.finals["a"].finish_reason == "length"
+    assert h.tokens["a"] == reference_output(prompt, 100, 12) and len(h.tokens["a"]) == 3
+
+
+@pytest.mark.parametrize("accept", ["all", "some", "none"])
+def test_preempting_requests_with_drafts_leaks_no_block(accept: str) -> None:
+    prompts = {f"r{i}": list(range(10 * i + 1, 10 * i + 8)) for i in range(4)}
+    h = Harness(num_blocks=9, block_size=4, enable_prefix_caching=False)
+    for request_id, prompt in prompts.items():
+        h.add(make_request(request_id, prompt, max_tokens=12))
+
+    def propose(request: Request) -> list[int]:
+        drafts = true_drafts(request, 3)
+        if accept == "some":
+            return drafts[:1] + wrong(drafts[1:])
+        return drafts if accept == "all" else wrong(drafts)
+
+    run_with_drafts(h, propose)
+    assert h.scheduler.num_preemptions_total > 0
+    assert any(so.scheduled_spec_decode_tokens for so in h.steps)
+    for request_id, prompt in prompts.items():
+        assert h.tokens[request_id] == reference_output(prompt, 12, 256), request_id
+    h.scheduler.check_invariants()
+    assert h.scheduler.kv.num_free_blocks == 9 and h.scheduler.kv.usage == 0
+
+
+def test_lookahead_slots_are_reserved_but_never_cached() -> None:
+    h = Harness(block_size=4)
+    prompt = list(range(1, 8))  # 7 tokens
+    request = h.add(make_request("a", prompt, max_tokens=10))
+    h.step()  # prefill: 2 blocks, 8 tokens known
+    request.spec_token_ids = wrong(true_drafts(request, 4))  # all rejected: positions 8..11
+    h.step()
+    # The step computed positions 7..11: 3 blocks, the third holding only drafts.
+    assert len(h.scheduler.kv.get_block_ids("a")) == 3
+    assert request.num_computed_tokens == 8 and request.num_tokens == 9
+    cached = [b for b in h.scheduler.kv.pool.blocks if b.block_hash is not None]
+    assert len(cached) == 2  # the two full blocks of real tokens, never one with drafts
+    h.run()
+    assert h.tokens["a"] == reference_output(prompt, 10, 256)
 
 
 # -- properties ------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import torch
 
 from tokenmill.attention import torch_ref
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.cpu_kernels import cpu_kernels_available
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.kernels.cpu.build import cpu_kernels_available
 
 BLOCK_SIZE = 4
 
@@ -277,7 +277,8 @@ def test_cpu_kernel_rejects_a_slot_outside_the_cache():
 
 
 def test_auto_falls_back_to_the_reference_when_the_kernels_cannot_build(monkeypatch, caplog):
-    from tokenmill.attention import backend, cpu_kernels
+    from tokenmill.attention import backend
+    from tokenmill.kernels.cpu import build as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "cpu_kernels_available", lambda: (False, "no compiler here"))
     with caplog.at_level("WARNING"):
@@ -365,7 +366,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     import os
     import time
 
-    from tokenmill.attention.cpu_kernels import clear_stale_lock
+    from tokenmill.kernels.cpu.build import clear_stale_lock
 
     lock = tmp_path / "lock"
     lock.touch()

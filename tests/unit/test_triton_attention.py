@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from tokenmill.attention import triton_paged  # noqa: E402
 from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
-from tokenmill.attention.triton_kernels.kv_store import store_kv  # noqa: E402
+from tokenmill.kernels.triton.kv_store import store_kv  # noqa: E402
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def test_mixed_batch_with_splits_matches_naive() -> None:
 def test_every_real_row_is_written(num_kv_splits: int, query_lens: list[int], fused_merge: bool) -> None:
     """Split partials merged by a second launch, or inside the attention launch by the last
     program of each (request, KV head), which leaves the counters at zero for the next call."""
-    from tokenmill.attention.triton_kernels.paged_attention import paged_attention
+    from tokenmill.kernels.triton.paged_attention import paged_attention
 
     block_size, num_kv_heads, head_dim = 4, 1, 16
     q, k, v, kv_cache, meta = make_batch(
@@ -354,7 +354,7 @@ def test_cases_pass_in_an_interpreter_subprocess() -> None:
 def test_rope_and_store_kv_equals_rope_then_store(dtype: torch.dtype, first_kv_head: int) -> None:
     """The fused RoPE + KV-store launch of the CUDA decoder path: the same rotated q/k as
     rope_inplace, and the same cache as store_kv afterwards; slot -1 (graph padding) writes nothing."""
-    from tokenmill.model.layers.triton_ops import rope_and_store_kv, rope_inplace
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv, rope_inplace
 
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 5, 2, 16, 4, 6
@@ -389,7 +389,7 @@ def test_rope_and_store_kv_equals_rope_then_store(dtype: torch.dtype, first_kv_h
 
 @interpreted_only
 def test_greedy_sample_matches_torch_argmax_and_flags_non_finite_rows() -> None:
-    from tokenmill.sample import greedy_triton
+    from tokenmill.kernels.triton import greedy as greedy_triton
 
     gen = torch.Generator().manual_seed(5)
     vocab = 3 * greedy_triton.BLOCK + 17  # a partial last slice
@@ -430,7 +430,7 @@ def test_decode_with_rope_equals_rope_store_then_attention(
     """The decode-only launch that rotates q/k, stores K/V and attends: the same cache and the
     same output, bit for bit, as the separate RoPE + KV-store launch followed by the attention
     launch; q, k and v are left un-rotated; padding rows (slot -1) write nothing."""
-    from tokenmill.model.layers.triton_ops import rope_and_store_kv
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 
     block_size = 4
     contexts = [21, 0, 7]  # 0: the new token is the whole context; 7: ends a block exactly
@@ -523,7 +523,7 @@ def test_silu_mul_and_unweighted_norm_for_folded_norm_weights(dtype: torch.dtype
     """A model with its norm weights folded into the matmuls (W' = w * W): silu_mul given the
     residual rows turns h @ W' into the MLP activation of RMSNorm(h) * w @ W, and add_rms_norm
     without a weight gives the normalized rows that W' expects."""
-    from tokenmill.model.layers.triton_ops import add_rms_norm, silu_mul
+    from tokenmill.kernels.triton.elementwise import add_rms_norm, silu_mul
 
     gen = torch.Generator().manual_seed(4)
     rows, hidden, intermediate, eps = 5, 64, 96, 1e-6
@@ -567,7 +567,7 @@ def test_splits_without_tiles_and_min_kv_per_split(fused_merge: bool, min_kv_per
     """8 splits of 16-token tiles over contexts of 71, 6 and 34 tokens: splits past the last tile
     exit without writing anything, and the merge (in-launch or separate) reads only the splits
     that had tiles; `min_kv_per_split` thins them out further at run time."""
-    from tokenmill.attention.triton_kernels.paged_attention import TileConfig, paged_attention
+    from tokenmill.kernels.triton.paged_attention import TileConfig, paged_attention
 
     block_size, num_kv_heads, head_dim, splits = 8, 2, 16, 8
     q, k, v, kv_cache, meta = make_batch(
@@ -606,7 +606,7 @@ def test_row_gemv_matches_a_float32_matmul_rounded_once(dtype: torch.dtype, in_f
     and rounds once, as cuBLAS's epilogue does: within one ulp of that (the sum order differs),
     with the residual updated in place when it is also the output, and float32 output (lm_head's
     logits) without rounding to the input dtype."""
-    from tokenmill.model.layers.gemv import row_gemv
+    from tokenmill.kernels.triton.gemv import row_gemv
 
     gen = torch.Generator().manual_seed(in_features)
     out_features = 24
@@ -629,7 +629,7 @@ def test_row_gemv_matches_a_float32_matmul_rounded_once(dtype: torch.dtype, in_f
 
 
 def test_row_gemv_refuses_what_it_cannot_do() -> None:
-    from tokenmill.model.layers.gemv import row_gemv, row_gemv_config, use_row_gemv
+    from tokenmill.kernels.triton.gemv import row_gemv, row_gemv_config, use_row_gemv
 
     for n, k in [(6144, 4096), (4096, 14336), (128256, 4096), (24, 96)]:
         assert row_gemv_config(n, k)[0] <= triton.next_power_of_2(k)
@@ -653,7 +653,7 @@ def test_skinny_gemm_matches_a_float32_matmul_rounded_once(rows: int, shape: tup
     """The skinny GEMM (2-8-row decode matmuls on CUDA): x @ W.T + bias in float32, rounded once,
     within one ulp; float32 output without rounding. float16: the interpreter's tl.dot does not
     take bfloat16 (the GPU test covers it)."""
-    from tokenmill.model.layers.skinny_gemm import skinny_gemm
+    from tokenmill.kernels.triton.skinny_gemm import skinny_gemm
 
     dtype = torch.float16
     out_features, in_features = shape

@@ -119,7 +119,7 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
         if device.type == "cuda":
             name = "triton"
         elif device.type == "cpu":
-            from tokenmill.attention.cpu_kernels import cpu_kernels_available
+            from tokenmill.kernels.cpu.build import cpu_kernels_available
 
             available, why = cpu_kernels_available()
             if not available:

@@ -2,7 +2,7 @@
 
 The torch reference backend gathers every request's context into a contiguous buffer before
 its SDPA call; on a decode step that copy moves about as many bytes as the model's weights.
-Here one C++ kernel (attention/csrc/cpu_paged_attention.cpp) walks each request's block table
+Here one C++ kernel (kernels/cpu/csrc/cpu_paged_attention.cpp) walks each request's block table
 instead, and another writes the step's K/V into their slots.
 
 For long query chunks (prefills) the gather is paid once for many query rows and torch's SDPA
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.kernels.cpu.build import load_cpu_kernels
 
 # Requests whose query chunk is longer than this use the reference (gather + SDPA) path.
 _MAX_KERNEL_QUERY_LEN = 16

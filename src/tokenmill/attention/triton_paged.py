@@ -21,8 +21,8 @@ import torch
 import triton
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.attention.triton_kernels.kv_store import store_kv
-from tokenmill.attention.triton_kernels.paged_attention import DecodeRope, paged_attention
+from tokenmill.kernels.triton.kv_store import store_kv
+from tokenmill.kernels.triton.paged_attention import DecodeRope, paged_attention
 
 MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
@@ -186,7 +186,7 @@ class TritonPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch per layer.
 
-        Same result as rotating q and k (triton_ops.rope_inplace), storing k/v and calling
+        Same result as rotating q and k (kernels/triton/elementwise.rope_inplace), storing k/v and calling
         forward(); q, k and v are left as they were. Mixed batches must use forward().
         With `norm_source` [num_tokens, hidden], q/k/v are first scaled by 1/rms of those rows
         (the deferred input RMSNorm: see DecodeRope).

@@ -13,16 +13,25 @@ from typing import Any
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.cli import add_engine_args
+    from tokenmill.args import EngineArgs
 
-    add_engine_args(parser)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--baseline", choices=["none", "hf-generate"], default="none")
-    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--result-dir", default="benchmarks/results")
-    parser.add_argument("--result-name", default=None)
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens decoded (EOS ignored)")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs; the fastest is reported")
+    parser.add_argument(
+        "--baseline",
+        choices=["none", "hf-generate"],
+        default="none",
+        help="also time transformers' generate() on the same weights and prompt",
+    )
+    parser.add_argument(
+        "--save-result", action=argparse.BooleanOptionalAction, default=True, help="write the result JSON"
+    )
+    parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
+    parser.add_argument(
+        "--result-name", default=None, help="file name of the result JSON (default: <benchmark>-<UTC time>)"
+    )
 
 
 def copy_bandwidth(device: str) -> float:
@@ -112,12 +121,13 @@ def embedding_bytes(llm: Any) -> float:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from tokenmill.bench.results import write_result
-    from tokenmill.cli import engine_kwargs_from_args
+    from tokenmill.args import EngineArgs
+    from tokenmill.bench.results import engine_options, write_result
     from tokenmill.engine.llm import LLM
 
-    kwargs = engine_kwargs_from_args(args)
-    llm = LLM(args.model, **kwargs)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**engine_args.as_kwargs())
+    engine_config = llm.config  # recorded in the result; the baseline below deletes llm
     rng = np.random.default_rng(args.seed)
     # A fresh prompt for every run: a repeated one would hit the prefix cache and TTFT would time
     # a one-block prefill. The baseline below gets the last run's prompt.
@@ -187,7 +197,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        **{k: v for k, v in kwargs.items() if v is not None},
+        **engine_options(engine_args, engine_config),
     }
     if args.save_result:
         print(

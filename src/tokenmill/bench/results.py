@@ -6,6 +6,7 @@ hardware (`device`), from which code (`commit`) and how to run it again (`comman
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -16,7 +17,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tokenmill import envs
+
+if TYPE_CHECKING:
+    from tokenmill.args import EngineArgs
+    from tokenmill.config import EngineConfig
 
 DEFAULT_RESULTS_DIR = "benchmarks/results"
 
@@ -51,6 +58,13 @@ def write_result(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
     return path
+
+
+def engine_options(engine_args: EngineArgs, engine_config: EngineConfig) -> dict[str, Any]:
+    """A result's engine settings: the options as given (flat, as results always had them) and the
+    resolved EngineConfig under "engine_config", its `kernel` saying which kernel paths ran."""
+    given = {k: v for k, v in engine_args.as_kwargs().items() if v is not None and k != "model"}
+    return {**given, "engine_config": dataclasses.asdict(engine_config)}
 
 
 def command_line() -> str:
@@ -109,7 +123,7 @@ def git_commit() -> str:
     $TOKENMILL_COMMIT overrides it: a copy of the tree without .git (the GPU machine gets one) is
     told the commit it was taken from.
     """
-    override = os.environ.get("TOKENMILL_COMMIT")
+    override = envs.TOKENMILL_COMMIT.get()
     if override:
         return override
     repo = Path(__file__).resolve().parent

@@ -15,12 +15,14 @@ import numpy as np
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.cli import add_engine_args
+    from tokenmill.args import EngineArgs
 
-    add_engine_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64, help="random prompts, all submitted at once")
+    parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument(
+        "--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)"
+    )
     parser.add_argument(
         "--baseline",
         choices=["none", "hf-generate", "hf-generate-batch"],
@@ -31,10 +33,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-num-prompts", type=int, default=None, help="prompts for the baseline (default: all)"
     )
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--result-dir", default="benchmarks/results")
-    parser.add_argument("--result-name", default=None)
+    parser.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first a short untimed run that compiles the kernels the timed one needs",
+    )
+    parser.add_argument(
+        "--save-result", action=argparse.BooleanOptionalAction, default=True, help="write the result JSON"
+    )
+    parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
+    parser.add_argument(
+        "--result-name", default=None, help="file name of the result JSON (default: <benchmark>-<UTC time>)"
+    )
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -68,12 +79,13 @@ def run_tokenmill(
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.bench.results import write_result
-    from tokenmill.cli import engine_kwargs_from_args
+    from tokenmill.args import EngineArgs
+    from tokenmill.bench.results import engine_options, write_result
     from tokenmill.engine.llm import LLM
 
-    kwargs = engine_kwargs_from_args(args)
-    llm = LLM(args.model, **kwargs)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**engine_args.as_kwargs())
+    engine_config = llm.config  # recorded in the result; the baseline below deletes llm
     prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, seed=args.seed)
     if args.warmup:
         # Enough prompts for a mixed prefill + decode step: compiles the kernel variants the run needs.
@@ -118,7 +130,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_num_prompts": len(prompts[: args.baseline_num_prompts or len(prompts)])
         if args.baseline != "none"
         else 0,
-        **{k: v for k, v in kwargs.items() if v is not None},
+        **engine_options(engine_args, engine_config),
     }
     if args.save_result:
         path = write_result("throughput", config, metrics, out_dir=args.result_dir, name=args.result_name)

@@ -77,10 +77,16 @@ class KVCacheManager:
     # -- allocation -------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_block_ids: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_block_ids: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Grow the request's blocks to cover its computed tokens, the prefix-cache hit
-        `new_computed_block_ids` (from get_computed_blocks) and `num_new_tokens` more.
+        `new_computed_block_ids` (from get_computed_blocks), `num_new_tokens` more, and
+        `num_lookahead_tokens` slots after them (draft tokens: their KV is written this step but
+        they are not the request's tokens, so no block of theirs enters the prefix cache).
 
         Returns the newly allocated block ids (maybe empty), or None, changing nothing, when the
         pool has too few free blocks.
@@ -93,7 +99,11 @@ class KVCacheManager:
         block_ids = self._block_ids.get(request_id)
         num_hits = len(new_computed_block_ids) if new_computed_block_ids else 0
         num_total = request.num_computed_tokens + num_hits * block_size + num_new_tokens
-        num_needed = -(-num_total // block_size) - num_hits - (len(block_ids) if block_ids is not None else 0)
+        num_needed = (
+            -(-(num_total + num_lookahead_tokens) // block_size)
+            - num_hits
+            - (len(block_ids) if block_ids is not None else 0)
+        )
         hits = [pool.blocks[i] for i in new_computed_block_ids] if new_computed_block_ids else []
         num_revived = sum(1 for block in hits if block.ref_count == 0)  # hits now on the free list
         if num_needed > pool.num_free_blocks - num_revived:

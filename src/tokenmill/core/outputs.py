@@ -1,6 +1,12 @@
 """What flows out of the scheduler (to the model runner) and back, and out of the engine core.
 
-`EngineCoreOutput` is a msgspec struct: the same object is used in-process and sent over ZMQ
+The step contract is serializable: `SchedulerOutput` and everything in it are msgspec structs
+holding plain ids and numbers (never a live `core.Request`), so the same object serves an
+in-process runner and one in another process (tensor-parallel workers). A request's full data
+travels once, the first step it is scheduled (and again when it resumes after preemption); after
+that only what changed. The runner keeps its own per-request state from these.
+
+`EngineCoreOutput` is a msgspec struct too: the same object is used in-process and sent over ZMQ
 (msgpack, never pickle) to the API server.
 """
 
@@ -10,38 +16,82 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tokenmill.core.request import Request
+from tokenmill.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute tokens [num_computed_tokens, +num_new_tokens)."""
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the runner holds no state for: first scheduled, or resumed after preemption."""
 
-    request: Request
-    num_computed_tokens: int  # before this step
-    num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table (the list the KV manager owns)
-    is_new: bool  # first scheduled, or resumed after preemption: the runner (re)builds its state
-    # The chunk reaches the request's last token (known, or still in flight): a new one is sampled.
-    samples_token: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]  # the whole block table (a copy: the KV manager's list keeps growing)
+    num_computed_tokens: int  # before this step (a prefix-cache hit; 0 after a preemption)
+    # Tokens sampled before a preemption: the runner's token history is prompt + these.
+    output_token_ids: list[int] = []
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Requests the runner already holds state for, scheduled again: only what changed.
+
+    Parallel lists (one entry per request, in the step's order), which cost less to build, read
+    and encode than one struct per request in the per-step hot path.
+    """
+
+    request_ids: list[str] = []
+    num_computed_tokens: list[int] = []  # before this step
+    # Blocks appended to a request's table since its previous step, only for the few requests
+    # that got any (a decode step crosses a block boundary once every block_size tokens).
+    new_block_ids: dict[str, list[int]] = {}
+
+
+class SchedulerOutput(msgspec.Struct, omit_defaults=True):
+    """One step: which requests compute how many tokens, and what the runner must know first.
+
+    The batch order is the cached requests in order, then the new ones in order: exactly the
+    order of `num_scheduled_tokens` (a dict keeps it, msgpack too).
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # request id -> tokens it computes this step (including its scheduled draft tokens).
+    num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
+    # request id -> draft tokens scheduled for verification after its last known token (a
+    # speculative-decoding proposer sets them; empty today). They are counted in
+    # num_scheduled_tokens; the runner returns the accepted ones plus one more.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Structured output: a packed allowed-token bitmask, one row per request of
+    # `structured_output_request_ids` in that order. None today.
+    grammar_bitmask: bytes | None = None
+    structured_output_request_ids: list[str] = []
     # Requests that ended (finished, aborted, errored) since the previous step: the runner drops
-    # their per-request state (sampling generators, cached metadata).
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
+    # their per-request state (sampling generators, token history).
+    finished_req_ids: set[str] = set()
+    # Requests preempted by this schedule: the runner drops their token state; they come back
+    # as new requests (with their output so far) when they resume.
+    preempted_req_ids: set[str] = set()
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """The step's requests in batch order."""
+        return list(self.num_scheduled_tokens)
+
+    def num_computed_tokens_by_request(self) -> dict[str, int]:
+        """request id -> tokens computed before this step (off the hot path: tests, prompt logprobs)."""
+        return dict(zip(self.scheduled_req_ids, self.batch_num_computed_tokens(), strict=True))
+
+    def batch_num_computed_tokens(self) -> list[int]:
+        """Tokens computed before this step, per request in batch order."""
+        starts = self.scheduled_cached_reqs.num_computed_tokens
+        if self.scheduled_new_reqs:
+            starts = starts + [new.num_computed_tokens for new in self.scheduled_new_reqs]
+        return starts
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -56,10 +106,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class ModelRunnerOutput:
     """Result of one step, in plain Python lists (one host sync brought them back)."""
 
-    # Requests that sampled a token this step, in the order they were scheduled.
+    # Requests that sampled this step, in the order they were scheduled, and the tokens each
+    # produced: one today; with k draft tokens scheduled, the accepted drafts plus one more (1..k+1).
     req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] | None = None  # parallel to req_ids
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Parallel to req_ids: per request, the logprobs of each of its sampled tokens (or None).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     # Prompt logprobs of this step's chunk, per request that asked (first prompt position: None).
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # Requests that failed this step (e.g. NaN logits): request id -> reason. They end with

@@ -61,6 +61,7 @@ class Request:
         "error",
         "block_hashes",
         "max_tokens",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -97,6 +98,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Resolved output limit (sampling_params.max_tokens, or what the context leaves).
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        # Draft tokens proposed after the last known token (speculative decoding sets them; the
+        # scheduler moves them into the next step it schedules the request in).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

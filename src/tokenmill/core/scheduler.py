@@ -15,84 +15,31 @@ step N, while step N runs on the device. A request that samples in step N then h
 placeholder: step N+1 computes the token step N sampled (the runner feeds it on the device), and
 its id reaches the host with step N's results. A request whose in-flight token is its last by
 length is not scheduled again; one that stops on EOS or a stop token wastes one step's row.
+
+Draft tokens (speculative decoding): a request's `spec_token_ids` are scheduled as extra tokens
+after its last known one, within the budget, with lookahead KV slots reserved for them. The
+runner returns 1..k+1 tokens for k drafts (the accepted ones and one more); `update_from_output`
+appends them one by one under the stop conditions and rolls `num_computed_tokens` back over the
+rejected drafts, whose KV is garbage. Drafts are not scheduled while a token is in flight.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
-    ScheduledRequest,
+    NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
 from tokenmill.core.request import Request, RequestStatus
-
-SortKey = tuple[int, float, int]  # (priority, arrival_time, admission sequence number): lower first
-
-
-class FcfsQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def add(self, request: Request, key: SortKey) -> None:
-        self._queue.append(request)
-
-    def add_preempted(self, request: Request, key: SortKey) -> None:
-        self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
-
-    def remove(self, request_ids: set[str]) -> None:
-        self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-
-class PriorityQueue:
-    """Waiting requests by (priority, arrival time); preempted ones keep their original place."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[SortKey, Request]] = []
-
-    def add(self, request: Request, key: SortKey) -> None:
-        heapq.heappush(self._heap, (key, request))
-
-    add_preempted = add
-
-    def peek(self) -> Request:
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request_ids: set[str]) -> None:
-        self._heap = [entry for entry in self._heap if entry[1].request_id not in request_ids]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[1] for entry in self._heap)
+from tokenmill.core.request_queue import FcfsQueue, PriorityQueue, SortKey
 
 
 class Scheduler:
@@ -168,8 +115,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: set[str] = set()
+        output = SchedulerOutput()
+        # Filled in batch order: running (cached) requests first, then admitted (new) ones.
+        num_scheduled = output.num_scheduled_tokens
+        cached = output.scheduled_cached_reqs
+        preempted = output.preempted_req_ids
         running = self.running
         max_model_len = self.max_model_len
 
@@ -181,17 +131,42 @@ class Scheduler:
             if placeholders and self._in_flight_token_is_last(request, placeholders):
                 i += 1
                 continue
-            num_new = min(
-                len(request.all_token_ids) + placeholders - num_computed, budget, max_model_len - num_computed
-            )
+            num_known = len(request.all_token_ids) + placeholders
+            drafts = request.spec_token_ids
+            # Drafts follow the last known token; none while a token is still in flight (async
+            # scheduling with speculative decoding would need placeholder drafts: not supported yet).
+            if drafts and not placeholders:
+                num_new = min(num_known + len(drafts) - num_computed, budget, max_model_len - num_computed)
+                num_drafts = max(num_computed + num_new - num_known, 0)
+            else:
+                num_new = min(num_known - num_computed, budget, max_model_len - num_computed)
+                num_drafts = 0
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            if self.kv.allocate_slots(request, num_new) is None and not self._preempt_until_allocated(
-                request, num_new, preempted
-            ):
-                continue  # it was preempted or ended; it left `running`, which ends the loop
-            scheduled.append(self._schedule(request, num_new, is_new=False))
+            if num_drafts:
+                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            else:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, preempted)
+                if new_block_ids is None:
+                    continue  # it was preempted or ended; it left `running`, which ends the loop
+            request_id = request.request_id
+            if drafts:
+                if num_drafts:
+                    output.scheduled_spec_decode_tokens[request_id] = drafts[:num_drafts]
+                request.spec_token_ids = []  # the request moves on: unscheduled drafts are stale
+            # The runner holds its state: send only what changed. (Inlined: this runs for every
+            # running request every step.)
+            cached.request_ids.append(request_id)
+            cached.num_computed_tokens.append(num_computed)
+            if new_block_ids:
+                cached.new_block_ids[request_id] = new_block_ids
+            if num_computed + num_new >= num_known:  # the chunk samples: the id comes with the results
+                request.num_output_placeholders = placeholders + 1
+            request.num_computed_tokens = num_computed + num_new  # progress counts at schedule time
+            num_scheduled[request_id] = num_new
             budget -= num_new
             i += 1
 
@@ -225,24 +200,21 @@ class Scheduler:
                 bisect.insort(running, request, key=lambda r: keys[r.request_id])
             else:
                 running.append(request)
-            scheduled.append(self._schedule(request, num_new, is_new=True))
+            output.scheduled_new_reqs.append(self._schedule_new(request, num_new))
+            num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        output = SchedulerOutput(
-            scheduled=scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=preempted,
-        )
+        output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        output.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
-        self._unlaunched = {s.request.request_id for s in scheduled}
+        self._unlaunched = set(num_scheduled)
         return output
 
     def launched(self, scheduler_output: SchedulerOutput) -> None:
         """The runner has queued this step's work on the device: its KV writes happen before any
         later step's, even if its requests end now, so their full blocks may stay in the prefix
         cache (async scheduling ends requests while their last step is in flight)."""
-        self._unlaunched.difference_update(s.request.request_id for s in scheduler_output.scheduled)
+        self._unlaunched.difference_update(scheduler_output.num_scheduled_tokens)
 
     def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
         """True when the tokens still in flight already reach max_tokens or max_model_len."""
@@ -250,27 +222,30 @@ class Scheduler:
             return True
         return request.num_tokens + placeholders >= self.max_model_len
 
-    def _schedule(self, request: Request, num_new: int, *, is_new: bool) -> ScheduledRequest:
-        samples = (
-            request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders
-        )
-        scheduled = ScheduledRequest(
-            request,
+    def _schedule_new(self, request: Request, num_new: int) -> NewRequestData:
+        """First scheduled, or resumed after preemption: everything the runner needs, once."""
+        new = NewRequestData(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_ids,
+            list(self.kv.get_block_ids(request.request_id)),
             request.num_computed_tokens,  # before the step
-            num_new,
-            self.kv.get_block_ids(request.request_id),  # the live block table
-            is_new,
-            samples,
+            list(request.output_token_ids),
         )
-        if samples:
-            request.num_output_placeholders += 1  # the id comes with the step's results
-        request.num_computed_tokens += num_new  # as vLLM v1: progress is counted at schedule time
-        return scheduled
+        # As vLLM v1, progress is counted at schedule time; a chunk that reaches the last token
+        # samples, and the id comes with the step's results.
+        if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+        request.num_computed_tokens += num_new
+        return new
 
-    def _preempt_until_allocated(self, request: Request, num_new: int, preempted: set[str]) -> bool:
-        """Preempt from the tail of `running` until the request's blocks fit.
+    def _preempt_until_allocated(
+        self, request: Request, num_new: int, num_drafts: int, preempted: set[str]
+    ) -> list[int] | None:
+        """Preempt from the tail of `running` until the request's blocks fit; the new block ids.
 
-        False when the request itself was preempted, or ended because it alone overflows the pool.
+        None when the request itself was preempted, or ended because it alone overflows the pool.
         """
         running = self.running
         while True:
@@ -279,19 +254,21 @@ class Scheduler:
                 self._end_in_schedule(
                     request, self._too_big_message(request, request.num_computed_tokens + num_new)
                 )
-                return False
+                return None
             victim = running.pop()
             self._preempt(victim)
             preempted.add(victim.request_id)
             if victim is request:
-                return False
-            if self.kv.allocate_slots(request, num_new) is not None:
-                return True
+                return None
+            new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            if new_block_ids is not None:
+                return new_block_ids
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposals for a position it will reach again by recompute
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_preempted(request, self._keys[request.request_id])
@@ -317,7 +294,7 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, end errored requests; one output per
         request that got a token, prompt logprobs, or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._unlaunched.difference_update(s.request.request_id for s in scheduler_output.scheduled)
+        self._unlaunched.difference_update(scheduler_output.num_scheduled_tokens)
         for request_id, message in runner_output.errored.items():
             # The step's KV for it may be garbage: keep it out of the prefix cache.
             outputs.extend(
@@ -326,9 +303,10 @@ class Scheduler:
 
         prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         any_finished = False
         finished_waiting: set[str] = set()
-        for index, (request_id, token_id) in enumerate(
+        for index, (request_id, token_ids) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = self.requests.get(request_id)
@@ -338,16 +316,29 @@ class Scheduler:
             # token: the step ran on its KV before any reuse of its blocks (same device stream),
             # and the recompute covers it.
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
-            request.append_output_token_ids([token_id])
+            drafts = spec_tokens.get(request_id) if spec_tokens else None
+            if drafts and token_ids and request.status == RequestStatus.RUNNING:
+                # k drafts were computed; the runner returns the a accepted ones plus one more.
+                # The KV of the k - a rejected ones is garbage: compute those positions again.
+                num_rejected = len(drafts) + 1 - len(token_ids)
+                if num_rejected > 0:
+                    request.num_computed_tokens -= num_rejected
+            if len(token_ids) == 1:  # the common case: one token
+                request.append_output_token_ids(token_ids)
+                status = self._check_stop(request, token_ids[0])
+                new_token_ids = token_ids
+            else:
+                new_token_ids, status = self._append_run(request, token_ids)
+                if not new_token_ids:
+                    continue
             token_logprobs = logprobs[index] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                new_token_ids=new_token_ids,
+                new_logprobs=token_logprobs[: len(new_token_ids)] if token_logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs.pop(request_id, None),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
-            status = self._check_stop(request, token_id)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
                     any_finished = True
@@ -373,6 +364,16 @@ class Scheduler:
             self.waiting.remove(finished_waiting)
         return outputs
 
+    def _append_run(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens in order, checking stop conditions after each: a stop (EOS, stop token,
+        max_tokens, max_model_len) cuts the run right there. Returns the appended tokens."""
+        for count, token_id in enumerate(token_ids, start=1):
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                return token_ids[:count], status
+        return list(token_ids), None
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -394,7 +395,7 @@ class Scheduler:
         recomputes its prompt and would send them again)."""
         if not runner_output.prompt_logprobs:
             return {}
-        chunk_starts = {s.request_id: s.num_computed_tokens for s in scheduler_output.scheduled}
+        chunk_starts = scheduler_output.num_computed_tokens_by_request()
         new: dict[str, list[TokenLogprobs | None]] = {}
         for request_id, entries in runner_output.prompt_logprobs.items():
             if request_id not in self.requests or request_id not in chunk_starts:

@@ -21,31 +21,11 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.model.registry import ResolvedModel, resolve_model
-from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import PendingStep
 
 logger = logging.getLogger(__name__)
-
-# A step's token budget bounds how long one step can hold every running request. On the CPU a
-# prefill runs at a few hundred tokens/s on the engine's one thread (SmolLM2-135M: ~310 tok/s), so
-# 2048 tokens meant steps of ~6 s during which no stream moved, and a burst of 8 prompts got
-# their first tokens together after all 8 prefills. 512 keeps a step near 1.6 s; in the serve
-# A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
-DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
-DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
-
-
-def needs_host_history(params: SamplingParams) -> bool:
-    """True when sampling a token needs the previous ones on the host (no step overlap then)."""
-    return (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-        or params.min_tokens > 0
-        or params.prompt_logprobs is not None
-    )
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -109,7 +89,7 @@ class EngineCore:
             max_tokens=req.max_tokens,
         )
         self.scheduler.add_request(request)
-        if needs_host_history(req.sampling_params):
+        if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -129,17 +109,18 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids:
-                self.runner.execute(scheduler_output)  # lets the runner drop finished requests' state
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                self.runner.execute(scheduler_output)  # lets the runner drop those requests' state
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
             return self._annotate(outputs)
         now = time.monotonic()
-        for s in scheduler_output.scheduled:
-            rid = s.request_id
-            if s.is_new and rid not in self._queue_times and rid not in self._reported_queue_time:
-                self._queue_times[rid] = max(0.0, now - s.request.arrival_time)
+        requests = self.scheduler.requests
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.request_id
+            if rid not in self._queue_times and rid not in self._reported_queue_time:
+                self._queue_times[rid] = max(0.0, now - requests[rid].arrival_time)
         if self.async_scheduling:
             pending = self._launch(scheduler_output)
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
@@ -177,9 +158,10 @@ class EngineCore:
 
     @staticmethod
     def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
-        logger.exception("model step failed; ending the %d requests in it", len(scheduler_output.scheduled))
+        request_ids = scheduler_output.num_scheduled_tokens
+        logger.exception("model step failed; ending the %d requests in it", len(request_ids))
         reason = f"model execution failed: {type(exc).__name__}: {exc}"
-        return ModelRunnerOutput(errored={s.request_id: reason for s in scheduler_output.scheduled})
+        return ModelRunnerOutput(errored=dict.fromkeys(request_ids, reason))
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Attach each request's queue time to its first output; forget ended requests."""

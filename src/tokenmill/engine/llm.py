@@ -10,12 +10,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
-from tokenmill.engine.engine_core import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU,
-    EngineCore,
-)
+from tokenmill.args import EngineArgs
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
@@ -25,81 +22,9 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def build_engine_config(
-    model: str | None = None,
-    *,
-    tokenizer: str | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    num_kv_blocks: int | None = None,
-    kv_cache_memory: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enable_prefix_caching: bool = True,
-    block_size: int = 16,
-    load_format: str = "auto",
-    dtype: str = "auto",
-    seed: int = 0,
-    device: str = "auto",
-    enforce_eager: bool = False,
-    scheduling_policy: str = "fcfs",
-    attention_backend: str = "auto",
-    chat_template: str | None = None,
-    served_model_name: str | None = None,
-    async_scheduling: bool | None = None,
-    cpu_weight_packing: bool = True,
-    cpu_quantized_gemv: bool = True,
-) -> EngineConfig:
-    from tokenmill.worker.device import resolve_device
-
-    resolved_device = resolve_device(device)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU
-            if resolved_device.type == "cuda"
-            else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
-        )
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    if num_kv_blocks is not None and num_kv_blocks < 1:
-        raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if scheduling_policy not in ("fcfs", "priority"):
-        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
-    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
-        raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {load_format!r}")
-    return EngineConfig(
-        model=ModelConfig(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            load_format=load_format,  # type: ignore[arg-type]
-            max_model_len=max_model_len,
-            seed=seed,
-            chat_template=chat_template,
-            served_model_name=served_model_name,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            policy=scheduling_policy,  # type: ignore[arg-type]
-        ),
-        kernel=KernelConfig(cpu_weight_packing=cpu_weight_packing, cpu_quantized_gemv=cpu_quantized_gemv),
-        device=str(resolved_device),
-        enforce_eager=enforce_eager,
-        attention_backend=attention_backend,
-        async_scheduling=async_scheduling,
-    )
+def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """The EngineConfig of `LLM(model, **kwargs)`; the options are EngineArgs' fields."""
+    return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
 
 
 def load_tokenizer_or_none(resolved: Any, chat_template: str | None) -> Any:
@@ -276,7 +201,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        from tokenmill.engine.chat_template import render_chat
+        from tokenmill.chat_template import render_chat
 
         return render_chat(
             self.tokenizer,

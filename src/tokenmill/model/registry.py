@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
+from tokenmill.device import resolve_dtype
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.linear import process_weights_after_loading
@@ -31,7 +32,6 @@ from tokenmill.model.loader.safetensors_loader import (
     read_hf_config,
     safetensors_files,
 )
-from tokenmill.worker.device import resolve_dtype
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
@@ -146,7 +146,7 @@ def load_model(
 
 def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
     """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build."""
-    from tokenmill.attention.cpu_kernels import cpu_kernels_available
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     available, why = cpu_kernels_available()
     if not available:

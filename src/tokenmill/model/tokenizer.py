@@ -33,7 +33,7 @@ def load_tokenizer(resolved: ResolvedModel, chat_template_override: str | None =
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(source))
     if chat_template_override:
-        from tokenmill.engine.chat_template import load_chat_template
+        from tokenmill.chat_template import load_chat_template
 
         tokenizer.chat_template = load_chat_template(chat_template_override)
     return tokenizer

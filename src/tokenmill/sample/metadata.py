@@ -158,11 +158,11 @@ class SamplingMetadata:
             presence.append(p.presence_penalty)
             frequency.append(p.frequency_penalty)
             repetition.append(p.repetition_penalty)
-            penalized = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            repeats = p.repetition_penalty != 1.0
-            any_penalty = any_penalty or penalized or repeats
-            output_sets.append(row.output_token_ids if penalized or repeats else ())
-            prompt_sets.append(row.prompt_token_ids if repeats else ())
+            has_penalties = p.has_penalties
+            any_penalty = any_penalty or has_penalties
+            output_sets.append(row.output_token_ids if has_penalties else ())
+            # Only the repetition penalty reads the prompt too.
+            prompt_sets.append(row.prompt_token_ids if p.repetition_penalty != 1.0 else ())
             if len(row.output_token_ids) < p.min_tokens:
                 stop_ids = set(p.stop_token_ids)
                 if not p.ignore_eos:

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import gc
 import hmac
 import logging
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -22,9 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.errors import InvalidRequestError, TokenmillError
-from tokenmill.metrics import METRICS_CONTENT_TYPE, ServerMetrics
-from tokenmill.server.admission import AdmissionControl
-from tokenmill.server.http_protocol import make_uvicorn_config
+from tokenmill.metrics import METRICS_CONTENT_TYPE
 from tokenmill.server.openapi import document_request_bodies
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -47,10 +39,6 @@ from tokenmill.server.state import ServerState, ServiceUnavailableError
 logger = logging.getLogger("tokenmill.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# After the drain, uvicorn waits this long for responses still being written before cancelling them.
-GRACEFUL_SHUTDOWN_S = 10
-# After aborting what outlived --shutdown-timeout, how long the aborts may take to reach the clients.
-ABORT_GRACE_S = 5.0
 
 
 class PayloadTooLargeError(TokenmillError):
@@ -329,7 +317,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         def tokenize_body() -> tuple[list[int], list[str] | None]:
             if isinstance(body, TokenizeChatRequest):
-                from tokenmill.engine.chat_template import render_chat
+                from tokenmill.chat_template import render_chat
 
                 tokens = render_chat(
                     tokenizer,
@@ -454,157 +442,14 @@ async def _respond(
     return Response(work.result().model_dump_json(), media_type="application/json")
 
 
-async def drain(state: ServerState, timeout_s: float) -> None:
-    """Stops admitting requests, lets in-flight ones finish for up to `timeout_s`, then aborts the
-    rest (their clients get finish_reason "abort") and waits briefly for those to be delivered."""
-    state.draining = True
-    engine = state.engine
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while engine.num_unfinished and not engine.dead and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    if engine.num_unfinished and not engine.dead:
-        logger.warning("aborting %d requests still running after the shutdown timeout", engine.num_unfinished)
-        await engine.abort_all()
-        grace = loop.time() + ABORT_GRACE_S
-        while engine.num_unfinished and not engine.dead and loop.time() < grace:
-            await asyncio.sleep(0.02)
+def __getattr__(name: str) -> Any:
+    # The server launch lives in launch.py, which imports create_app from here; re-exported
+    # lazily so `from tokenmill.server.api_server import build_server, run_server, drain` works.
+    if name in ("build_server", "run_server", "drain"):
+        from tokenmill.server import launch
+
+        return getattr(launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn that drains on SIGINT / SIGTERM: stop admitting, let in-flight requests finish up to
-    the shutdown timeout, abort the rest (finish_reason "abort"), then exit. A second signal exits now.
-
-    handle_exit deliberately does not record the signal the way uvicorn's does: uvicorn re-raises
-    recorded signals once serve() returns, which would kill this process before it reaps the engine.
-    """
-
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
-        super().__init__(config)
-        self.tm_state = state
-        self.shutdown_timeout = shutdown_timeout
-        self._drain_task: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        state = self.tm_state
-        if state.draining or self.should_exit or not state.ready or self._loop is None:
-            # A second signal, or nothing to drain yet (still starting): stop now.
-            self.force_exit = state.draining or self.should_exit
-            self.should_exit = True
-            return
-        logger.warning(
-            "received %s: draining for up to %.0f s", signal.Signals(sig).name, self.shutdown_timeout
-        )
-        state.draining = True  # from here on /health is 503 and new requests get 503
-        # A Python signal handler runs between bytecodes of the loop's thread; schedule through
-        # call_soon_threadsafe so the loop wakes up for it at once.
-        self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        async def drain_then_exit() -> None:
-            try:
-                await drain(self.tm_state, self.shutdown_timeout)
-            finally:
-                self.should_exit = True
-
-        self._drain_task = asyncio.get_running_loop().create_task(drain_then_exit())
-
-
-def build_server(args: argparse.Namespace) -> _DrainingServer:
-    """The server `tokenmill serve` runs, every flag in place; nothing started yet. Raises
-    ValueError naming the flag when an engine flag is invalid."""
-    from tokenmill.cli import engine_kwargs_from_args
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.llm import build_engine_config
-    from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
-
-    model = args.model
-    model_tag = getattr(args, "model_tag", None)  # `tokenmill serve MODEL`
-    if model_tag is not None:
-        if model is not None and model != model_tag:
-            raise ValueError(f"the model is given twice, {model_tag!r} and --model {model!r}; give it once")
-        model = model_tag
-    config = build_engine_config(model, **engine_kwargs_from_args(args))
-    model_root = model or DEFAULT_MODEL_NAME
-    names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
-    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    state = ServerState(
-        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
-        model_names=names,
-        model_root=model_root,
-        metrics=ServerMetrics(names[0]),
-        api_key=api_key,
-        max_n=args.max_n,
-        max_body_bytes=args.max_body_bytes,
-        request_timeout=args.request_timeout,
-        max_queue_time=args.max_queue_time,
-        client_read_timeout=args.client_read_timeout,
-        stream_write_timeout=args.stream_write_timeout or None,
-        max_header_bytes=args.max_header_bytes,
-        admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
-        enable_debug_endpoints=args.enable_debug_endpoints,
-    )
-    uv_config = make_uvicorn_config(
-        create_app(state),
-        host=args.host,
-        port=args.port,
-        max_header_bytes=state.max_header_bytes,
-        client_read_timeout=args.client_read_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    return _DrainingServer(uv_config, state, args.shutdown_timeout)
-
-
-def run_server(args: argparse.Namespace) -> int:
-    try:
-        server = build_server(args)
-    except ValueError as exc:
-        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
-        return 2
-    exit_code = asyncio.run(_serve(server, server.tm_state))
-    # Everything is stopped by now: the engine process asked to stop and reaped, sockets closed,
-    # the IPC directory removed. What is left is the interpreter's own teardown, whose final
-    # garbage-collection passes walk every object the imports of torch and transformers made:
-    # ~1.2 s of CPU on the 2-core machine, more than the whole rest of an idle shutdown. Freezing
-    # moves those objects out of the collector's reach; the OS frees the memory at exit anyway, and
-    # atexit handlers, logging's flush and stream flushing still run.
-    gc.freeze()
-    return exit_code
-
-
-async def _serve(server: _DrainingServer, state: ServerState) -> int:
-    async def start_engine() -> None:
-        try:
-            await state.engine.start()
-        except Exception as exc:
-            state.startup_error = f"the engine failed to start: {exc}"
-            logger.error("engine start-up failed: %s", exc)
-            server.should_exit = True
-            return
-        state.attach_engine()
-        state.ready = True
-        print(
-            f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "
-            f"(model {state.model_names[0]})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    print("tokenmill: loading the model; /health answers 503 until it is ready", file=sys.stderr, flush=True)
-    starter = asyncio.create_task(start_engine())
-    try:
-        await server.serve()
-    finally:
-        starter.cancel()
-        await asyncio.gather(starter, return_exceptions=True)
-        await state.engine.shutdown()
-    return 1 if state.startup_error else 0
-
-
-__all__ = ["build_server", "create_app", "drain", "run_server", "ServiceUnavailableError"]
+__all__ = ["create_app", "ServiceUnavailableError"]  # and, lazily, build_server, run_server, drain

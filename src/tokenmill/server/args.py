@@ -1,4 +1,4 @@
-"""Flags of `tokenmill serve` beyond the engine's."""
+"""Flags of `tokenmill serve` beyond the engine's (those, --served-model-name among them, are EngineArgs')."""
 
 from __future__ import annotations
 
@@ -55,9 +55,8 @@ def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_int_in(1, 65535), default=8000)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=_int_in(1, 65535), default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer <key>' (or $TOKENMILL_API_KEY)"
     )

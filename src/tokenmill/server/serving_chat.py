@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tokenmill.engine.chat_template import render_chat
+from tokenmill.chat_template import render_chat
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.server.protocol import (
     SSE_DONE,

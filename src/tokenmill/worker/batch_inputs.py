@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.core.outputs import SchedulerOutput
+from tokenmill.worker.request_state import RequestState
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class HostBatch:
     # Rows of the flattened batch whose logits are needed: the last row of every request that
     # samples, then the prompt-logprob rows.
     sample_rows: np.ndarray  # [S] int64, one per sampling request, in scheduled order
-    sampling_req_indices: list[int]  # index into SchedulerOutput.scheduled for each sample row
+    sampling_req_indices: list[int]  # index into the step's requests (batch order) for each sample row
     # Async scheduling: rows whose input token the previous step sampled and the host has not
     # seen yet (input_ids holds 0 there); the runner copies those ids in on the device.
     placeholder_rows: list[int]
@@ -31,11 +31,18 @@ class HostBatch:
     max_seq_len: int
 
 
-def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: int | None = None) -> HostBatch:
-    scheduled = so.scheduled
-    num_reqs = len(scheduled)
-    starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+def build_host_batch(
+    requests: list[RequestState],
+    num_computed_tokens: list[int],
+    num_scheduled_tokens: list[int],
+    block_size: int,
+    block_table_width: int | None = None,
+) -> HostBatch:
+    """The step's inputs: per request (batch order) its state, the tokens computed before the
+    step and the tokens it computes now."""
+    num_reqs = len(requests)
+    starts = np.asarray(num_computed_tokens, dtype=np.int64)
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
     seq_lens = starts + query_lens
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
@@ -46,21 +53,23 @@ def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: in
     sampling_req_indices: list[int] = []
     placeholder_rows: list[int] = []
     placeholder_req_ids: list[str] = []
-    for i, s in enumerate(scheduled):
-        req = s.request
-        if s.num_new_tokens == 1:
-            if s.num_computed_tokens < len(req.all_token_ids):
-                input_ids.append(req.all_token_ids[s.num_computed_tokens])
+    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, strict=True)
+    for i, (r, start, num_new) in enumerate(rows):
+        token_ids = r.token_ids
+        if num_new == 1:
+            if start < len(token_ids):
+                input_ids.append(token_ids[start])
             else:  # the token the previous step sampled for it, still on the device
                 placeholder_rows.append(len(input_ids))
-                placeholder_req_ids.append(req.request_id)
+                placeholder_req_ids.append(r.request_id)
                 input_ids.append(0)
         else:
-            end = s.num_computed_tokens + s.num_new_tokens
-            if end > len(req.all_token_ids):  # only a 1-token decode can wait on an in-flight token
-                raise RuntimeError(f"{req!r}: a {s.num_new_tokens}-token chunk reaches past its known tokens")
-            input_ids.extend(req.all_token_ids[s.num_computed_tokens : end])
-        if s.samples_token:
+            end = start + num_new
+            if end > len(token_ids):  # only a 1-token decode can wait on an in-flight token
+                raise RuntimeError(f"{r!r}: a {num_new}-token chunk reaches past its known tokens")
+            input_ids.extend(token_ids[start:end])
+        # The chunk reaches the request's last token (known, or still in flight): it samples.
+        if start + num_new >= r.num_tokens:
             sample_rows.append(int(query_start_loc[i + 1]) - 1)
             sampling_req_indices.append(i)
 
@@ -74,9 +83,9 @@ def build_host_batch(so: SchedulerOutput, block_size: int, block_table_width: in
     needed_width = -(-max_seq_len // block_size)
     width = max(needed_width, 1) if block_table_width is None else block_table_width
     block_tables = np.zeros((num_reqs, width), dtype=np.int32)
-    for i, s in enumerate(scheduled):
+    for i, r in enumerate(requests):
         num_blocks = -(-int(seq_lens[i]) // block_size)
-        block_tables[i, :num_blocks] = s.block_ids[:num_blocks]
+        block_tables[i, :num_blocks] = r.block_ids[:num_blocks]
 
     block_idx = block_tables[req_of_token, positions // block_size].astype(np.int64)
     slot_mapping = block_idx * block_size + positions % block_size

@@ -1,5 +1,8 @@
 """CUDA graphs for decode-only steps: capture once per batch size, pad to the next size, replay.
 
+Graphs are keyed by (batch size, tokens per request). Only one token per request is captured
+today; a multi-token decode (verifying draft tokens) can add captures under its own key.
+
 Decode at small batch is launch-bound: one graph replay replaces hundreds of kernel launches and
 all of the Python that issues them. Inputs live in the runner's persistent buffers, so a replay
 needs only the copies that fill them.
@@ -18,6 +21,8 @@ from tokenmill.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
+GraphKey = tuple[int, int]  # (padded batch size, tokens per request)
+
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
@@ -33,9 +38,10 @@ class CudaGraphRunner:
         self.buffers = buffers
         self.kv_caches = kv_caches
         self.sizes = default_capture_sizes(min(max_num_seqs, buffers.max_num_reqs))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.metas: dict[int, AttentionMetadata] = {}
+        self.tokens_per_req = 1  # the only query length captured today
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool = None
         self.num_replays = 0  # for tests and stats: how many steps took the graph path
 
@@ -46,6 +52,14 @@ class CudaGraphRunner:
     def padded_size(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
+
+    def graph_key(self, num_reqs: int, tokens_per_req: int) -> GraphKey | None:
+        """The captured graph for `num_reqs` requests of `tokens_per_req` query tokens each,
+        padded to the next captured batch size; None when there is none."""
+        if tokens_per_req != self.tokens_per_req:
+            return None
+        size = self.padded_size(num_reqs)
+        return None if size is None else (size, tokens_per_req)
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
         b = self.buffers
@@ -86,9 +100,10 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
-            self.graphs[size] = graph
-            self.outputs[size] = out
-            self.metas[size] = meta
+            key = (size, self.tokens_per_req)
+            self.graphs[key] = graph
+            self.outputs[key] = out
+            self.metas[key] = meta
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (batch sizes %s..%s) in %.1f s",
@@ -98,9 +113,10 @@ class CudaGraphRunner:
             time.perf_counter() - started,
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Logits [size, vocab]; the caller has staged the inputs into the buffers."""
-        self.attn_backend.prepare_for_replay(self.metas[size])
-        self.graphs[size].replay()
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Logits [size * tokens per request, vocab] of the graph `key` (from `graph_key`); the
+        caller has staged the inputs into the buffers."""
+        self.attn_backend.prepare_for_replay(self.metas[key])
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[size]
+        return self.outputs[key]

@@ -1,4 +1,8 @@
-"""Runs one scheduler step on the model: flattened batch in, sampled tokens out."""
+"""Runs one scheduler step on the model: flattened batch in, sampled tokens out.
+
+The runner keeps its own state per request (`RequestStates`), built from the scheduler output's
+new-request data and diffs and from the tokens it samples; it never sees the scheduler's requests.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,14 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_cpu
+from tokenmill.worker.request_state import RequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +50,16 @@ class PendingStep:
     def __init__(
         self,
         output: ModelRunnerOutput,
-        sampling_req_ids: list[str] | None = None,
+        sampling_states: list[RequestState] | None = None,
         packed: torch.Tensor | None = None,
         ready: torch.cuda.Event | None = None,
         sampled: SamplerOutput | None = None,
         metadata: SamplingMetadata | None = None,
     ) -> None:
         self._output = output
-        self._sampling_req_ids = sampling_req_ids or []
+        # The sampling requests' states (not ids): a token reaches the state it was sampled for,
+        # even if the runner dropped that state since (ended, preempted) and an id was reused.
+        self._sampling_states = sampling_states or []
         self._packed = packed  # [2, rows] on the host: sampled ids, then non-finite flags
         self._ready = ready
         self._sampled = sampled
@@ -69,16 +76,27 @@ class PendingStep:
         logprob_rows = None
         if self._sampled is not None and self._metadata is not None:
             logprob_rows = self._sampled.to_token_logprobs(self._metadata)
-        for i, request_id in enumerate(self._sampling_req_ids):
-            if bad_rows[i]:
-                output.errored[request_id] = (
-                    "the model produced non-finite (NaN or inf) logits for this request"
-                )
-                continue
-            output.req_ids.append(request_id)
-            output.sampled_token_ids.append(token_ids[i])
+        states = self._sampling_states
+        if not any(bad_rows):  # the common case, in comprehensions: this runs every step
+            output.req_ids = [state.request_id for state in states]
+            output.sampled_token_ids = [[token_id] for token_id in token_ids]
+            for state, token_id in zip(states, token_ids, strict=True):
+                state.token_ids.append(token_id)  # the runner's own token history
+        else:
+            for i, state in enumerate(states):
+                if bad_rows[i]:
+                    output.errored[state.request_id] = (
+                        "the model produced non-finite (NaN or inf) logits for this request"
+                    )
+                    continue
+                token_id = token_ids[i]
+                state.token_ids.append(token_id)
+                output.req_ids.append(state.request_id)
+                output.sampled_token_ids.append([token_id])
         if logprob_rows is not None:
-            output.logprobs = [lp for i, lp in enumerate(logprob_rows) if not bad_rows[i]]
+            output.logprobs = [
+                [lp] if lp is not None else None for i, lp in enumerate(logprob_rows) if not bad_rows[i]
+            ]
         return output
 
 
@@ -112,8 +130,10 @@ class ModelRunner:
             self.dtype,
         )
         self.sampler = Sampler()
+        self.requests = RequestStates()
+        # Per-request RNGs of seeded requests; kept across a preemption (the stream goes on), dropped
+        # when the request ends.
         self.generators: dict[str, torch.Generator] = {}
-        self._plain_greedy: dict[str, bool] = {}
         self._staged_sample_rows: torch.Tensor | None = None
         # The last step's sampled ids (device) and each sampling request's row in them: the next
         # step may be launched before the host sees them (async scheduling) and feeds them in.
@@ -262,31 +282,14 @@ class ModelRunner:
             src, dst = torch.tensor(src_rows), torch.tensor(dst_rows)
         input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
-    def _is_plain_greedy(self, s: ScheduledRequest) -> bool:
-        """Greedy with nothing that changes the argmax or asks for more than the token: no
-        penalties, no min_tokens ban, no logprobs. Cached per request (its params never change)."""
-        flag = self._plain_greedy.get(s.request_id)
-        if flag is None:
-            p = s.request.sampling_params
-            flag = (
-                p.is_greedy
-                and p.logprobs is None
-                and p.min_tokens == 0
-                and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0
-                and p.repetition_penalty == 1.0
-            )
-            self._plain_greedy[s.request_id] = flag
-        return flag
-
-    def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
-        seed = s.request.sampling_params.seed
+    def _generator_for(self, state: RequestState) -> torch.Generator | None:
+        seed = state.sampling_params.seed
         if seed is None:
             return None
-        generator = self.generators.get(s.request_id)
+        generator = self.generators.get(state.request_id)
         if generator is None:
             generator = make_generator(seed, self.device)
-            self.generators[s.request_id] = generator
+            self.generators[state.request_id] = generator
         return generator
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -298,36 +301,74 @@ class ModelRunner:
         """Launch one step; its sampled ids come back through the returned PendingStep."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
-            self._plain_greedy.pop(req_id, None)
+        requests = self.requests.update(so)
+        # Checked after the update, so that the requests ended here still leave the runner: the
+        # engine ends the requests of a step that raises.
+        if so.scheduled_spec_decode_tokens:
+            raise NotImplementedError(
+                "the step carries draft tokens, but the model runner cannot verify them yet "
+                "(speculative decoding is not implemented)"
+            )
+        if so.grammar_bitmask is not None:
+            raise NotImplementedError(
+                "the step carries a grammar bitmask, but the model runner cannot apply it yet "
+                "(structured output is not implemented)"
+            )
+        return self.launch(so, requests)
+
+    def launch(self, so: SchedulerOutput, requests: list[RequestState]) -> PendingStep:
+        """Build, run and sample the step whose request states are already updated."""
         output = ModelRunnerOutput()
-        if so.is_empty:
+        if not requests:
             return PendingStep(output)
-        graphs = self.graph_runner
-        num_reqs = len(so.scheduled)
-        if (
-            graphs is not None
-            and so.total_num_scheduled_tokens == num_reqs
-            and num_reqs <= graphs.max_size
-            and all(s.num_computed_tokens >= s.request.num_prompt_tokens for s in so.scheduled)
-        ):
+        num_computed_tokens = so.batch_num_computed_tokens()  # batch order, as the requests
+        num_scheduled_tokens = list(so.num_scheduled_tokens.values())
+        graph_key = self._graph_key(so, requests, num_computed_tokens)
+        if graph_key is not None:
             # Decode-only step: pad to a captured batch size and replay its graph.
-            padded = graphs.padded_size(num_reqs)
-            batch = build_host_batch(so, self.block_size, block_table_width=self.max_blocks_per_req)
-            self.build_metadata(batch, padded_reqs=padded)
-            logits = graphs.replay(padded)[:num_reqs]
-            return self._sample(so, batch, None, output, logits=logits)
-        batch = build_host_batch(so, self.block_size)
+            num_reqs = len(requests)
+            batch = build_host_batch(
+                requests,
+                num_computed_tokens,
+                num_scheduled_tokens,
+                self.block_size,
+                block_table_width=self.max_blocks_per_req,
+            )
+            self.build_metadata(batch, padded_reqs=graph_key[0])
+            logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
+            return self._sample(requests, batch, None, output, logits=logits)
+        batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)
         input_ids, positions, meta = self.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self._prompt_logprobs(so, batch, hidden, output)  # syncs: the engine does not overlap these
+        # Syncs: the engine does not overlap steps with prompt logprobs.
+        self._prompt_logprobs(requests, num_computed_tokens, num_scheduled_tokens, batch, hidden, output)
         if batch.sampling_req_indices:
-            return self._sample(so, batch, hidden, output)
+            return self._sample(requests, batch, hidden, output)
         self._last_sampled = None
         return PendingStep(output)
 
+    def _graph_key(
+        self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
+    ) -> tuple[int, int] | None:
+        """The captured graph (padded batch size, tokens per request) that runs this step, if any:
+        only steps where every request decodes one token take a graph today."""
+        graphs = self.graph_runner
+        if graphs is None:
+            return None
+        num_reqs = len(requests)
+        if (
+            so.total_num_scheduled_tokens == num_reqs
+            and num_reqs <= graphs.max_size
+            and all(
+                start >= r.num_prompt_tokens for r, start in zip(requests, num_computed_tokens, strict=True)
+            )
+        ):
+            return graphs.graph_key(num_reqs, 1)
+        return None
+
     def _sample(
         self,
-        so: SchedulerOutput,
+        requests: list[RequestState],
         batch: HostBatch,
         hidden: torch.Tensor | None,
         output: ModelRunnerOutput,
@@ -341,14 +382,16 @@ class ModelRunner:
                 rows = torch.from_numpy(batch.sample_rows)
             # lm_head only on the rows that sample: a prefill chunk needs one row, not thousands.
             logits = self.model.compute_logits(hidden[rows])
-        sampling_reqs = [so.scheduled[i] for i in batch.sampling_req_indices]
+        sampling_reqs = [requests[i] for i in batch.sampling_req_indices]
+        for r in sampling_reqs:
+            r.num_tokens += 1  # its id reaches the host with PendingStep.result()
         metadata = None
         sampled = None
         packed = None
-        if all(self._is_plain_greedy(s) for s in sampling_reqs):
+        if all(r.is_plain_greedy for r in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
             if logits.is_cuda:
-                from tokenmill.sample.greedy_triton import greedy_sample
+                from tokenmill.kernels.triton.greedy import greedy_sample
 
                 packed = greedy_sample(logits)  # ids and non-finite flags in two launches
                 sampled_ids = packed[0]
@@ -357,13 +400,13 @@ class ModelRunner:
         else:
             infos = [
                 RowSamplingInfo(
-                    params=s.request.sampling_params,
-                    prompt_token_ids=s.request.prompt_token_ids,
-                    output_token_ids=s.request.output_token_ids,
-                    generator=self._generator_for(s),
-                    eos_token_ids=s.request.eos_token_ids,
+                    params=r.sampling_params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids,
+                    generator=self._generator_for(r),
+                    eos_token_ids=r.eos_token_ids,
                 )
-                for s in sampling_reqs
+                for r in sampling_reqs
             ]
             metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
             sampled = self.sampler(logits, metadata)
@@ -373,8 +416,7 @@ class ModelRunner:
         if packed is None:
             nonfinite = ~torch.isfinite(logits.sum(dim=-1))
             packed = torch.stack([sampled_ids, nonfinite.long()])
-        sampling_req_ids = [s.request_id for s in sampling_reqs]
-        self._last_sampled = (sampled_ids, {rid: i for i, rid in enumerate(sampling_req_ids)})
+        self._last_sampled = (sampled_ids, {r.request_id: i for i, r in enumerate(sampling_reqs)})
         ready = None
         if self.buffers is not None:
             # Into pinned memory without waiting; two buffers in turn, since the next step's copy
@@ -386,25 +428,30 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
             packed = host
-        return PendingStep(output, sampling_req_ids, packed, ready, sampled, metadata)
+        return PendingStep(output, sampling_reqs, packed, ready, sampled, metadata)
 
     def _prompt_logprobs(
-        self, so: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor, output: ModelRunnerOutput
+        self,
+        requests: list[RequestState],
+        num_computed_tokens: list[int],
+        num_scheduled_tokens: list[int],
+        batch: HostBatch,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
     ) -> None:
-        for i, s in enumerate(so.scheduled):
-            req = s.request
-            k = req.sampling_params.prompt_logprobs
-            if k is None or s.num_computed_tokens >= req.num_prompt_tokens:
+        for i, r in enumerate(requests):
+            k = r.sampling_params.prompt_logprobs
+            start = num_computed_tokens[i]
+            if k is None or start >= r.num_prompt_tokens:
                 continue
-            start = s.num_computed_tokens
-            end = min(start + s.num_new_tokens, req.num_prompt_tokens)
+            end = min(start + num_scheduled_tokens[i], r.num_prompt_tokens)
             # The logits at prompt position p score prompt token p + 1.
-            last_scored = min(end, req.num_prompt_tokens - 1)
+            last_scored = min(end, r.num_prompt_tokens - 1)
             entries: list[TokenLogprobs | None] = [None] if start == 0 else []
             if last_scored > start:
                 row0 = int(batch.query_start_loc[i])
                 logits = self.model.compute_logits(hidden[row0 : row0 + last_scored - start])
-                targets = torch.tensor(req.prompt_token_ids[start + 1 : last_scored + 1], device=self.device)
+                targets = torch.tensor(r.prompt_token_ids[start + 1 : last_scored + 1], device=self.device)
                 token_lp, rank, top_ids, top_lps = compute_token_logprobs(logits, targets, k)
                 token_lp, rank = token_lp.tolist(), rank.tolist()
                 top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
@@ -414,4 +461,4 @@ class ModelRunner:
                             token_ids=[target, *top_ids[j]], logprobs=[token_lp[j], *top_lps[j]], rank=rank[j]
                         )
                     )
-            output.prompt_logprobs[s.request_id] = entries
+            output.prompt_logprobs[r.request_id] = entries

@@ -1,6 +1,6 @@
 """The CUDA linear method: our row GEMV for one 16-bit row, our skinny GEMM for 2-8, cuBLAS otherwise.
 
-Both our kernels (layers/gemv.py, layers/skinny_gemm.py) need the weights out-major, as
+Both our kernels (kernels/triton/gemv.py, kernels/triton/skinny_gemm.py) need the weights out-major, as
 checkpoints store them. With KernelConfig.row_gemv off every matmul goes to cuBLAS with the weights
 stored in-major instead, the layout its few-row kernels read fastest: the engine as it was before
 these kernels, for same-run comparisons. With skinny_gemm off the row GEMV and out-major weights
@@ -23,7 +23,7 @@ def _kernels():
     Their functions are looked up on the module at each call (tests count calls by patching them)."""
     global _few_row_kernels
     if _few_row_kernels is None:
-        from tokenmill.model.layers import gemv, skinny_gemm
+        from tokenmill.kernels.triton import gemv, skinny_gemm
 
         _few_row_kernels = (gemv, skinny_gemm)
     return _few_row_kernels
@@ -42,7 +42,7 @@ class CudaLinearMethod(LinearMethod):
             return
         # Keep the weight's logical [out, in] shape but store it transposed (in-major): F.linear then
         # hands cuBLAS a plain row-major [in, out] operand, and at decode batch sizes its kernels for
-        # that layout read weights faster: on an H200 (benchmarks/gemv_microbench.py, batch 1)
+        # that layout read weights faster: on an H200 (BENCHMARKS.md, gemv_microbench, batch 1)
         # down_proj 30.0 vs 32.6 us, lm_head 234 vs 255 us, the rest within 2 %. A tied lm_head stays
         # as it is: it is also the embedding table, gathered by rows. Only with the row GEMV off: it
         # reads the out-major layout, and beats cuBLAS in either one at the few-row steps where the

@@ -2,7 +2,7 @@
 
 The decoder (model/llama.py) is written once against these: add the pending residual and
 RMSNorm, rotate q/k, silu(gate) * up. On the CPU they are plain PyTorch ops; on CUDA our fused
-Triton launches (layers/triton_ops.py), which also declare that they can store K/V in the RoPE
+Triton launches (kernels/triton/elementwise.py), which also declare that they can store K/V in the RoPE
 launch. The residual add is deferred into the next norm (`pending`) on both: the CPU adds it
 there in its own op, CUDA inside the norm's launch.
 """
@@ -74,7 +74,8 @@ class TritonLayerOps:
     stores_kv_in_rope = True
 
     def __init__(self) -> None:
-        from tokenmill.model.layers import triton_ops  # triton is optional on CPU-only installs
+        # Imported here: triton is optional on CPU-only installs.
+        from tokenmill.kernels.triton import elementwise as triton_ops
 
         self._ops = triton_ops
 

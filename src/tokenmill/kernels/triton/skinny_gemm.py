@@ -7,7 +7,7 @@ Triton's software pipeline keeps several weight tiles in flight, and reduces ove
 registers: no K split, one launch. On an H200 (benchmarks/skinny_gemm_microbench.py, us per
 matmul at 2 / 8 rows, cuBLAS with the same out-major weights): qkv 14.2 / 14.4 vs 15.3 / 14.8,
 o_proj 10.6 / 10.6 vs 12.4 / 12.2, gate_up 54.7 / 55.6 vs 54.8 / 55.3, down 29.3 / 29.5 vs
-31.2 / 30.8, lm_head 232 / 234 vs 242 / 241. (One row: layers/gemv.py's row GEMV is faster.)
+31.2 / 30.8, lm_head 232 / 234 vs 242 / 241. (One row: gemv.py's row GEMV is faster.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.model.layers.gemv import serves_out_major_16bit
+from tokenmill.kernels.triton.gemv import serves_out_major_16bit
 
 MIN_ROWS, MAX_ROWS = 2, 8
 _BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked to zero

@@ -31,7 +31,7 @@ def rope_rows(x, x_partner, cos, sin):
     `x_partner` holds x's other half at each dimension (x[d + half] for d < half, x[d - half]
     after), and cos / sin the table rows ([cos, cos] and [-sin, sin], fp32). So
     out = round(x * cos) + round(rotate_half(x) * |sin|): the same two rounded products as
-    `_rope_kernel` in model/layers/triton_ops.py, bit for bit.
+    `_rope_kernel` in kernels/triton/elementwise.py, bit for bit.
     """
     dtype = x.dtype
     out = round_like(x.to(tl.float32) * cos, dtype) + round_like(x_partner.to(tl.float32) * sin, dtype)

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.rms import inverse_rms, scale_rounded
-from tokenmill.attention.triton_kernels.rounding import rope_rows
+from tokenmill.kernels.triton.rms import inverse_rms, scale_rounded
+from tokenmill.kernels.triton.rounding import rope_rows
 
 LOG2_E = 1.4426950408889634
 

@@ -4,7 +4,7 @@ and matrix-vector products from GGUF-quantized weights (csrc/cpu_quant_gemv.cpp)
 torch's extension builder compiles them with the machine's C++ compiler into
 `$TOKENMILL_CACHE/kernels/<key>` (once per source, torch version and CPU: `-march=native`), and
 later processes load the built library in well under a second. `python -m
-tokenmill.attention.cpu_kernels` builds them ahead of time (scripts/setup.sh does).
+tokenmill.kernels.cpu.build` builds them ahead of time (scripts/setup.sh does).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tokenmill.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,6 @@ def _cpu_model() -> str:
 
 
 def build_directory() -> Path:
-    from tokenmill.model.loader.default_model import cache_dir
-
     key = hashlib.sha256()
     for part in (
         *(source.read_bytes() for source in _SOURCES),

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton_kernels.rms import inverse_rms
-from tokenmill.attention.triton_kernels.rounding import round_like as _round_like
+from tokenmill.kernels.triton.rms import inverse_rms
+from tokenmill.kernels.triton.rounding import round_like as _round_like
 
 
 @triton.jit

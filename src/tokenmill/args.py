@@ -1,0 +1,313 @@
+"""The engine's options, declared once: `EngineArgs`.
+
+Each field is one option with its default and its help text. From the dataclass come the CLI flags
+(`add_cli_args`), the `LLM(...)` keyword arguments (`from_kwargs`), `--config FILE.yaml` (through
+the flags, see arg_parser.py) and the frozen `EngineConfig` (`create_engine_config`), which checks
+the values, resolves what depends on the device and logs the result once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tokenmill import envs
+from tokenmill.arg_parser import add_config_file_arg, close_names, parse_bytes
+from tokenmill.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+# A step's token budget bounds how long one step can hold every running request. On the CPU a
+# prefill runs at a few hundred tokens/s on the engine's one thread (SmolLM2-135M: ~310 tok/s), so
+# 2048 tokens meant steps of ~6 s during which no stream moved, and a burst of 8 prompts got
+# their first tokens together after all 8 prefills. 512 keeps a step near 1.6 s; in the serve
+# A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
+DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # parsed, refused until an FP8 KV store exists
+
+# KernelConfig fields with an option of their own; --kernel-config sets the others.
+_KERNEL_FIELDS_WITH_OWN_OPTION = ("cpu_weight_packing", "cpu_quantized_gemv")
+# The environment variables that set a KernelConfig field's default (benchmark A/B scripts use them).
+_KERNEL_ENV_DEFAULTS: dict[str, envs.EnvVar[bool | None]] = {
+    "row_gemv": envs.TOKENMILL_ROW_GEMV,
+    "skinny_gemm": envs.TOKENMILL_SKINNY_GEMM,
+    "fused_decode_rope": envs.TOKENMILL_FUSED_DECODE_ROPE,
+    "deferred_norm": envs.TOKENMILL_DEFERRED_NORM,
+}
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, parse: Any = None) -> Any:
+    """A field of EngineArgs: its default, its help text, and for the CLI its choices / value parser."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"row_gemv\": false}}', got {text!r}"
+        )
+    return value
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every engine option. `LLM(model, **kwargs)` and the CLI flags (`--max-num-seqs` for
+    `max_num_seqs`) are these fields; `create_engine_config()` turns them into an EngineConfig."""
+
+    model: str | None = _option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _option(None, "tokenizer directory (default: the model's)")
+    served_model_name: str | None = _option(
+        None, "name(s) the model is served as, comma-separated; the first is its own (default: the model)"
+    )
+    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's)")
+    max_num_seqs: int = _option(256, "most sequences running in one step")
+    max_num_batched_tokens: int | None = _option(
+        None,
+        "tokens per scheduler step, prefill chunks and decodes together "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU} on the CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU} on a GPU)",
+    )
+    num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")
+    kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)
+    gpu_memory_utilization: float = _option(0.9, "GPU: fraction of the GPU's memory the engine may use")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompts' shared prefixes")
+    block_size: int = _option(16, "tokens per KV cache block")
+    kv_cache_dtype: str = _option(
+        "auto",
+        "KV cache element type; auto: the model's dtype (fp8 is parsed but not supported yet)",
+        choices=KV_CACHE_DTYPES + FP8_KV_CACHE_DTYPES,
+    )
+    load_format: str = _option(
+        "auto", "weights format; dummy: random weights at the model's shapes",
+        choices=("auto", "safetensors", "gguf", "dummy"),
+    )  # fmt: skip
+    dtype: str = _option(
+        "auto", "weights and activations; auto: float32 on the CPU, bfloat16 on a GPU", choices=DTYPES
+    )
+    seed: int = _option(0, "random seed of the weights (dummy) and of sampling without a request seed")
+    device: str = _option("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
+    enforce_eager: bool = _option(False, "GPU: no CUDA graphs")
+    async_scheduling: bool | None = _option(
+        None, "prepare and launch the next step while the device runs this one (default: on for CUDA)"
+    )
+    scheduling_policy: str = _option(
+        "fcfs", "fcfs: first come first served; priority: by each request's priority",
+        choices=("fcfs", "priority"),
+    )  # fmt: skip
+    attention_backend: str = _option(
+        "auto",
+        "auto: triton on CUDA, the C++ paged kernels (cpu) on CPU; torch: the reference (gather + SDPA)",
+        choices=("auto", "torch", "cpu", "triton"),
+    )
+    chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
+    cpu_weight_packing: bool = _option(
+        True, "CPU, float32: prepack matmul weights for oneDNN (faster at batch sizes above 1)"
+    )
+    cpu_quantized_gemv: bool = _option(
+        True,
+        "CPU, float32, GGUF models: matmuls of up to 4 rows (a few requests decoding) read the file's "
+        "Q4_1 / Q8_0 weights directly instead of their float32 copies (several times fewer bytes)",
+    )
+    kernel_config: dict[str, Any] | None = _option(
+        None,
+        "JSON object of kernel-path choices, e.g. '{\"row_gemv\": false}'; keys: "
+        + ", ".join(f.name for f in fields(KernelConfig) if f.name not in _KERNEL_FIELDS_WITH_OWN_OPTION)
+        + " (defaults: the fastest measured paths, or $TOKENMILL_ROW_GEMV and the like when set)",
+        parse=_json_object,
+    )
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`LLM(...)`'s keyword arguments; an unknown one is an error naming it and close valid names."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(
+                    f"unknown engine option {key!r}{close_names(key, names)} (valid options: {', '.join(names)})"
+                )
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (`--max-num-seqs`), plus `--config FILE.yaml`."""
+        group = parser.add_argument_group("engine options")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            base = _base_type(hints[f.name])
+            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+            if base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = f.metadata["parse"] or base
+                if f.metadata["choices"]:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(flag, **kwargs)
+        add_config_file_arg(group)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The `LLM(**kwargs)` that gives these options."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    # -- the config -----------------------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen EngineConfig: values checked, device-dependent defaults resolved, logged once."""
+        from tokenmill.chat_template import load_chat_template
+        from tokenmill.device import resolve_device
+
+        resolved_device = resolve_device(self.device)
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU
+                if resolved_device.type == "cuda"
+                else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+            )
+        self._check(max_num_batched_tokens)
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        config = EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                load_format=self.load_format,  # type: ignore[arg-type]
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                chat_template=load_chat_template(self.chat_template),
+                served_model_name=names[0] if names else None,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=self.scheduling_policy,  # type: ignore[arg-type]
+            ),
+            kernel=self.create_kernel_config(),
+            device=str(resolved_device),
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            # Overlapping steps pays off where the device runs apart from the host: on for CUDA.
+            async_scheduling=(
+                self.async_scheduling if self.async_scheduling is not None else resolved_device.type == "cuda"
+            ),
+        )
+        self._log(config)
+        return config
+
+    def _check(self, max_num_batched_tokens: int) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}"
+            )
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "
+                f"use one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        for f in fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    def create_kernel_config(self) -> KernelConfig:
+        """KernelConfig: --kernel-config's keys, else $TOKENMILL_ROW_GEMV and the like when set,
+        else KernelConfig's defaults; skinny GEMM needs row GEMV's out-major weights, so it is off
+        whenever row GEMV is."""
+        kernel_fields = {f.name: f for f in fields(KernelConfig)}
+        valid = [name for name in kernel_fields if name not in _KERNEL_FIELDS_WITH_OWN_OPTION]
+        chosen = dict(self.kernel_config or {})
+        for key, value in chosen.items():
+            if key in _KERNEL_FIELDS_WITH_OWN_OPTION:
+                raise ValueError(
+                    f"kernel_config key {key!r} has an option of its own: "
+                    f"--{key.replace('_', '-')} / --no-{key.replace('_', '-')} ({key}=...)"
+                )
+            if key not in kernel_fields:
+                raise ValueError(
+                    f"unknown kernel_config key {key!r}{close_names(key, valid)} (valid keys: {', '.join(valid)})"
+                )
+            expected = type(kernel_fields[key].default)
+            if type(value) is not expected or (expected is int and value < 0):
+                raise ValueError(
+                    f"kernel_config {key!r} must be a{' non-negative' if expected is int else ''} "
+                    f"{expected.__name__}, got {value!r}"
+                )
+        values: dict[str, Any] = {}
+        for name, var in _KERNEL_ENV_DEFAULTS.items():
+            from_env = var.get()
+            if from_env is not None:
+                values[name] = from_env
+        values.update(chosen)
+        kernel = KernelConfig(
+            **values, cpu_weight_packing=self.cpu_weight_packing, cpu_quantized_gemv=self.cpu_quantized_gemv
+        )
+        if not kernel.row_gemv and kernel.skinny_gemm:
+            kernel = dataclasses.replace(kernel, skinny_gemm=False)
+        return kernel
+
+    def non_default_options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def _log(self, config: EngineConfig) -> None:
+        options = ", ".join(f"{name}={_short(value)}" for name, value in self.non_default_options().items())
+        logger.info(
+            "engine options: %s; resolved: device=%s, max_num_batched_tokens=%d, async_scheduling=%s; "
+            "kernel paths: %s",
+            options or "all defaults",
+            config.device,
+            config.scheduler.max_num_batched_tokens,
+            config.async_scheduling,
+            ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(config.kernel).items()),
+        )
+
+
+def _base_type(hint: Any) -> type:
+    """`int | None` -> int; `dict[str, Any] | None` -> dict."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

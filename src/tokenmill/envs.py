@@ -1,0 +1,142 @@
+"""Every `TOKENMILL_*` environment variable, in one typed registry.
+
+Each variable is declared once here with its type, default and help, and read through `.get()` at
+the moment it is used (never at import), so a test or a benchmark script that sets a variable after
+importing tokenmill still takes effect. `tokenmill envs` (or `describe()`) lists them.
+
+An unset or empty variable means its default; a value that does not parse is an error naming the
+variable, rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _parse_str(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+    type_name: str
+
+    def get(self) -> T:
+        """The variable's value now: parsed, or the default when unset or empty."""
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(
+                f"environment variable {self.name}={raw!r} is not a valid {self.type_name}: {exc}"
+            ) from None
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _register(name: str, parse: Callable[[str], T], default: T, help: str, type_name: str) -> EnvVar[T]:
+    if not name.startswith("TOKENMILL_") or name in REGISTRY:
+        raise ValueError(f"environment variable {name!r} must start with TOKENMILL_ and be declared once")
+    var = EnvVar(name, parse, default, help, type_name)
+    REGISTRY[name] = var
+    return var
+
+
+def _bool(name: str, default: bool | None, help: str) -> EnvVar[bool | None]:
+    return _register(name, parse_bool, default, help, "bool")
+
+
+def _str(name: str, default: str | None, help: str) -> EnvVar[str | None]:
+    return _register(name, _parse_str, default, help, "string")
+
+
+def _int(name: str, default: int | None, help: str) -> EnvVar[int | None]:
+    return _register(name, int, default, help, "int")
+
+
+TOKENMILL_CACHE = _str(
+    "TOKENMILL_CACHE",
+    None,
+    "directory for the default model and compiled CPU kernels (unset: ~/.cache/tokenmill)",
+)
+TOKENMILL_API_KEY = _str(
+    "TOKENMILL_API_KEY",
+    None,
+    "`tokenmill serve`: require 'Authorization: Bearer <key>' when --api-key is not given",
+)
+TOKENMILL_COMMIT = _str(
+    "TOKENMILL_COMMIT",
+    None,
+    "benchmark results: the commit to record, for a copy of the tree without .git (unset: git HEAD)",
+)
+# The kernel switches, when set, are the defaults of the matching KernelConfig fields (EngineArgs
+# reads them when it builds the config), so same-run A/B scripts that set them keep working;
+# --kernel-config overrides them. Unset: KernelConfig's own default (on).
+TOKENMILL_ROW_GEMV = _bool(
+    "TOKENMILL_ROW_GEMV",
+    None,
+    "default of kernel_config row_gemv: CUDA 16-bit one-row matmuls on the Triton row GEMV "
+    "(0: cuBLAS with in-major weights; also turns skinny_gemm off)",
+)
+TOKENMILL_SKINNY_GEMM = _bool(
+    "TOKENMILL_SKINNY_GEMM",
+    None,
+    "default of kernel_config skinny_gemm: CUDA 16-bit 2-8-row matmuls on the Triton skinny GEMM",
+)
+TOKENMILL_FUSED_DECODE_ROPE = _bool(
+    "TOKENMILL_FUSED_DECODE_ROPE",
+    None,
+    "default of kernel_config fused_decode_rope: single-request decode rotates q/k inside attention",
+)
+TOKENMILL_DEFERRED_NORM = _bool(
+    "TOKENMILL_DEFERRED_NORM",
+    None,
+    "default of kernel_config deferred_norm: single-request decode folds RMSNorm into the matmuls",
+)
+TOKENMILL_FUZZ_EXAMPLES = _int(
+    "TOKENMILL_FUZZ_EXAMPLES",
+    None,
+    "reliability tests: examples per fuzzed endpoint (unset: the test's own default)",
+)
+TOKENMILL_FUZZ_RANDOM = _bool(
+    "TOKENMILL_FUZZ_RANDOM",
+    False,
+    "reliability tests: draw fresh random examples instead of the derandomized fixed set",
+)
+
+
+def describe() -> str:
+    """One line per variable: name, type, default and help; `*` marks the ones set now."""
+    lines = []
+    for var in REGISTRY.values():
+        mark = "*" if var.is_set() else " "
+        default = "unset" if var.default is None else repr(var.default)
+        lines.append(f"{mark} {var.name} ({var.type_name}, default {default}): {var.help}")
+    return "\n".join(lines)

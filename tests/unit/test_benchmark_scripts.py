@@ -1,0 +1,50 @@
+"""Every script in benchmarks/ imports and answers --help on a machine without a GPU.
+
+They only run on a GPU (or, cpu_weight_packing_ab, for minutes), so CI cannot run them; this keeps
+them from rotting when the modules they import move. One subprocess runs them all: torch imports once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import tokenmill
+
+ROOT = Path(tokenmill.__file__).parents[2]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+_RUN_EACH_WITH_HELP = """
+import contextlib, io, runpy, sys
+failures = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        failures.append(f"{path}: returned without printing help")
+    except SystemExit as exc:
+        if exc.code not in (0, None) or "usage:" not in out.getvalue():
+            failures.append(f"{path}: exit {exc.code!r}, output {out.getvalue()[:200]!r}")
+    except Exception as exc:
+        failures.append(f"{path}: {type(exc).__name__}: {exc}")
+print("\\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
+
+
+def test_the_benchmark_scripts_parse_help_on_the_cpu() -> None:
+    assert SCRIPTS, "no scripts found in benchmarks/"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_EACH_WITH_HELP, *map(str, SCRIPTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
