@@ -35,6 +35,15 @@ from tokenmill.model.loader.safetensors_loader import (
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
+# ArchConfig.architecture (the family) -> the module that implements it; a new family is one model
+# file plus a line here (docs/adding-a-model.md).
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": CausalLM,
+    "mistral": CausalLM,
+    "qwen2": CausalLM,
+    "qwen3": CausalLM,
+}
+
 logger = logging.getLogger(__name__)
 
 
@@ -121,7 +130,12 @@ def load_model(
     dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     max_positions = model_config.max_model_len or arch.max_position_embeddings
     linear_method = select_linear_method(device, dtype, kernel)
-    model = CausalLM(
+    model_class = MODEL_CLASSES.get(arch.architecture)
+    if model_class is None:
+        raise ValueError(
+            f"no model class for the {arch.architecture!r} family; known: {', '.join(MODEL_CLASSES)}"
+        )
+    model = model_class(
         arch, attn_backend, device=device, dtype=dtype, max_positions=max_positions, kernel=kernel,
         linear_method=linear_method,
     )  # fmt: skip
