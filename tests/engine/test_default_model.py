@@ -161,11 +161,11 @@ def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_
 
     model = llm.engine.runner.model
     for layer in model.layers:
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            weight = getattr(layer, name)
-            assert quantized_blocks(weight).quant_type == 0, name  # Q4_1 in this file
-            assert not hasattr(weight, "plain_weight"), name
-    assert quantized_blocks(model._packed_lm_head).quant_type == 1  # the tied table is Q8_0
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear = layer.get_submodule(name)
+            assert quantized_blocks(linear).quant_type == 0, name  # Q4_1 in this file
+            assert getattr(linear, "plain_weight", None) is None, name
+    assert quantized_blocks(model.lm_head).quant_type == 1  # the tied table is Q8_0
     prompt = llm.get_tokenizer().encode("The three primary colors are")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
@@ -179,5 +179,5 @@ def test_quantized_one_row_steps_can_be_turned_off(default_model_path):
     from tokenmill.model.layers.quantized_linear import quantized_blocks
 
     plain = LLM(None, device="cpu", max_model_len=128, cpu_quantized_gemv=False)
-    layer = plain.engine.runner.model.layers[0]
-    assert quantized_blocks(layer.qkv_weight) is None and hasattr(layer.qkv_weight, "plain_weight")
+    qkv_proj = plain.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert quantized_blocks(qkv_proj) is None and getattr(qkv_proj, "plain_weight", None) is not None

@@ -191,18 +191,14 @@ def test_bf16_greedy_identical_with_and_without_graphs_and_async_scheduling(tiny
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request, monkeypatch):
+def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request):
     """Decode steps rotate q/k and store K/V inside the attention launch; with that switched off
     (the separate RoPE + KV-store launch) greedy tokens and logprobs are the same, bit for bit."""
-    from tokenmill.model import llama
-
     path = str(request.getfixturevalue(model))
-    # The deferred norm (its own test below) rounds differently from separate norm launches.
-    monkeypatch.setattr(llama, "_DEFER_NORM", False)
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(llama, "_FUSE_DECODE_ROPE", fused)
-        llm = _llm(path)
+        # The deferred norm (its own test below) rounds differently from separate norm launches.
+        llm = _llm(path, kernel_config={"fused_decode_rope": fused, "deferred_norm": False})
         # One request at a time: single-request decode steps are the ones the fused launch serves.
         prompts = _prompts(llm.info.vocab_size, 3, seed=15)
         completions = [_greedy(llm, [prompt], 24, logprobs=0)[0] for prompt in prompts]

@@ -272,8 +272,8 @@ def test_quantized_gguf_one_row_steps_match_the_float32_path(tmp_path, tiny_llam
         llm = LLM(str(gguf_path), tokenizer=str(tiny_llama_dir), device="cpu", cpu_quantized_gemv=quantized)
         model = llm.engine.runner.model
         expected_code = {"Q4_1": 0, "Q8_0": 1}[quant] if quantized else None
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            blocks = quantized_blocks(getattr(model.layers[1], name))
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            blocks = quantized_blocks(model.layers[1].get_submodule(name))
             assert (blocks.quant_type if blocks else None) == expected_code, name
         out = llm.generate(prompt, params)[0].outputs[0]
         results.append((out.token_ids, [next(iter(lp.values())).logprob for lp in out.logprobs]))

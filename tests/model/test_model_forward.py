@@ -16,7 +16,9 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import KernelConfig, ModelConfig
-from tokenmill.model.layers.linear import is_packed, onednn_packing_available
+from tokenmill.model.layers.cuda_linear import CudaLinearMethod
+from tokenmill.model.layers.linear import use_linear_method
+from tokenmill.model.layers.onednn_linear import OneDNNLinearMethod, is_packed, onednn_packing_available
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.registry import load_model, resolve_model
 
@@ -144,15 +146,20 @@ def test_cpu_weight_packing_matches_transformers(tiny_model_dir, packing):
     """CPU matmuls through oneDNN-packed weights (with or without the plain copies used for
     single-row steps) or plain F.linear: the same logits as transformers."""
     model = _load(tiny_model_dir, cpu_weight_packing=packing == "packed_and_plain")
+    if packing == "packed_only" and onednn_packing_available(torch.float32):
+        use_linear_method(model, OneDNNLinearMethod(keep_plain_bytes=0))
     if packing == "packed_only":
-        assert model.pack_cpu_matmul_weights(keep_plain_bytes=0) == onednn_packing_available(torch.float32)
+        assert is_packed(model.layers[0].self_attn.qkv_proj) == onednn_packing_available(torch.float32)
     if packing != "plain" and onednn_packing_available(torch.float32):
-        assert all(is_packed(layer.qkv_weight) and is_packed(layer.down_weight) for layer in model.layers)
-        assert "layers.0.qkv_weight" not in dict(model.named_parameters())  # replaced, not duplicated
-        kept = getattr(model.layers[0].qkv_weight, "plain_weight", None)
+        assert all(
+            is_packed(layer.self_attn.qkv_proj) and is_packed(layer.mlp.down_proj) for layer in model.layers
+        )
+        # replaced, not duplicated
+        assert "layers.0.self_attn.qkv_proj.weight" not in dict(model.named_parameters())
+        kept = getattr(model.layers[0].self_attn.qkv_proj, "plain_weight", None)
         assert (kept is not None) == (packing == "packed_and_plain")
     else:
-        assert not is_packed(model.layers[0].qkv_weight)
+        assert not is_packed(model.layers[0].self_attn.qkv_proj)
     prompt = _prompt(model.arch.vocab_size, 41, seed=2)
     harness = PagedHarness(model, seed=1)
     r = harness.add(prompt)
@@ -164,9 +171,9 @@ def test_cpu_weight_packing_matches_transformers(tiny_model_dir, packing):
 def test_k_major_weight_storage_matches_transformers(tiny_model_dir):
     """The GPU stores matmul weights transposed in memory (same logical shape): same logits."""
     model = _load(tiny_model_dir, cpu_weight_packing=False)
-    model.store_matmul_weights_k_major()
-    layer = model.layers[0]
-    assert layer.down_weight.stride() == (1, layer.down_weight.shape[0])
+    use_linear_method(model, CudaLinearMethod(row_gemv=False))  # the GPU's layout for cuBLAS
+    down = model.layers[0].mlp.down_proj
+    assert down.weight.stride() == (1, down.weight.shape[0])
     prompt = _prompt(model.arch.vocab_size, 41, seed=1)
     harness = PagedHarness(model, seed=1)
     r = harness.add(prompt)

@@ -70,17 +70,19 @@ def test_quant_gemv_refuses_bad_shapes_naming_them() -> None:
 
 
 def test_steps_of_more_rows_than_this_build_serves_keep_the_float32_weights() -> None:
-    from tokenmill.model.layers.quantized_linear import attach, blocks_for_rows, rows_limit
+    from tokenmill.model.layers.linear import ReplicatedLinear
+    from tokenmill.model.layers.quantized_linear import attach_quantized_blocks, rows_limit
 
     limit = rows_limit()
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):
         assert limit == 4  # the kernels are built with -march=native: the AVX-512 path
-    weight = torch.zeros(4, 64)
+    layer = ReplicatedLinear(64, 4)
     rng = np.random.default_rng(1)
     blocks = QuantizedBlocks(
         torch.from_numpy(split_rows(random_blocks(rng, GGMLQuantizationType.Q8_0, 4, 64), 1)), 1, 4
     )
-    attach(weight, blocks)
-    assert blocks_for_rows(weight, limit + 1) is None
+    attach_quantized_blocks(layer, blocks)
+    blocks_for_rows = layer.method.blocks_for_rows
+    assert blocks_for_rows(limit + 1) is None
     if limit:
-        assert blocks_for_rows(weight, 1) is blocks and blocks_for_rows(weight, limit) is blocks
+        assert blocks_for_rows(1) is blocks and blocks_for_rows(limit) is blocks

@@ -263,16 +263,13 @@ def test_tokenmill_variables_are_read_only_through_the_registry():
     import tokenmill
 
     root = Path(tokenmill.__file__).parent
-    # The linear-layers refactor (issue 13, item 2) moves these two files' kernel switches onto
-    # config.kernel; until it lands they still read their variables at import.
-    pending = {"model/layers/linear.py", "model/llama.py"}
     direct = re.compile(r"""(environ\.get|environ\[|getenv)\(?\s*["']TOKENMILL_""")
     offenders = [
         str(path.relative_to(root))
         for path in root.rglob("*.py")
         if path.name != "envs.py" and direct.search(path.read_text())
     ]
-    assert sorted(set(offenders) - pending) == []
+    assert offenders == []
     named = set(re.findall(r"TOKENMILL_[A-Z_]+[A-Z]", "".join(p.read_text() for p in root.rglob("*.py"))))
     assert named <= set(envs.REGISTRY), named - set(envs.REGISTRY)
 

@@ -46,6 +46,12 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Capabilities the model's forward asks about instead of checking names or devices.
+    # Whether forward(kv_already_stored=True) may follow a RoPE launch that stored K/V itself (into
+    # the cache layout above, at meta.slot_mapping).
+    accepts_kv_stored_by_rope: bool = False
+    # Whether forward_decode_with_rope also applies a deferred input RMSNorm (norm_source).
+    fused_decode_rope_applies_norm: bool = False
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
@@ -71,6 +77,31 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are unspecified
         """Write k/v at meta.slot_mapping (unless a fused kernel already did), then paged
         attention for every query row."""
+
+    def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether this step may go through forward_decode_with_rope (RoPE, the KV store and
+        attention in one launch). None here."""
+        return False
+
+    def forward_decode_with_rope(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        v: torch.Tensor,
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_cache: torch.Tensor,  # RotaryEmbedding's tables
+        sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        norm_source: torch.Tensor | None = None,
+        norm_eps: float = 0.0,
+    ) -> torch.Tensor:
+        """A decode-only step's RoPE, KV store and attention in one launch: only for backends whose
+        supports_fused_decode_rope says so."""
+        raise NotImplementedError(
+            f"the {self.name} attention backend does not fuse RoPE into decode attention"
+        )
 
     # CUDA-graph hooks (mini-sglang style): a backend that keeps its own buffers sizes them once
     # before capture and refreshes them before each replay. The torch reference needs neither.

@@ -10,7 +10,7 @@ context length and capture allocates nothing of ours.
 
 Small decode-only steps can skip the model's separate RoPE + KV-store launch:
 `forward_decode_with_rope` takes q and k un-rotated and does RoPE, the KV store and attention in
-one launch per layer (`fuses_decode_rope` says when the model should call it).
+one launch per layer (`supports_fused_decode_rope` says when the model should call it).
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class _SplitScratch:
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    accepts_kv_stored_by_rope = True  # its cache takes K/V from the RoPE launch (rope_and_store_kv)
+    fused_decode_rope_applies_norm = True  # DecodeRope's norm_source
 
     def __init__(
         self,
@@ -164,7 +166,7 @@ class TritonPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored)
 
-    def fuses_decode_rope(self, meta: AttentionMetadata) -> bool:
+    def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step should go through forward_decode_with_rope (decode-only, small)."""
         return meta.is_decode_only and meta.num_reqs <= FUSED_ROPE_MAX_REQS
 

@@ -113,7 +113,7 @@ def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[fl
 def embedding_bytes(llm: Any) -> float:
     """Bytes of an untied input embedding table (0 when tied: lm_head reads it anyway)."""
     model = llm.engine.runner.model
-    if model.lm_head is model.embed_tokens:
+    if model.lm_head.weight_is_shared:
         return 0.0
     return float(model.embed_tokens.numel() * model.embed_tokens.element_size())
 

@@ -13,12 +13,23 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.device import resolve_dtype
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.layers.linear import ROW_GEMV
+from tokenmill.model.layers.linear import process_weights_after_loading
+from tokenmill.model.layers.linear_select import select_linear_method
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.dummy import init_dummy_weights
+from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
+
+# ArchConfig.architecture (the family) -> the module that implements it; a new family is one model
+# file plus a line here (docs/adding-a-model.md).
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": CausalLM,
+    "mistral": CausalLM,
+    "qwen2": CausalLM,
+    "qwen3": CausalLM,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +53,24 @@ def load_model(
     device = torch.device(device)
     dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     max_positions = model_config.max_model_len or arch.max_position_embeddings
-    model = CausalLM(arch, attn_backend, device=device, dtype=dtype, max_positions=max_positions)
+    linear_method = select_linear_method(device, dtype, kernel)
+    model_class = MODEL_CLASSES.get(arch.architecture)
+    if model_class is None:
+        raise ValueError(
+            f"no model class for the {arch.architecture!r} family; known: {', '.join(MODEL_CLASSES)}"
+        )
+    model = model_class(
+        arch, attn_backend, device=device, dtype=dtype, max_positions=max_positions, kernel=kernel,
+        linear_method=linear_method,
+    )  # fmt: skip
     if resolved.format == "dummy" or model_config.load_format == "dummy":
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
         model.load_weights(iter_gguf_weights(resolved.path, arch))
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
-    if device.type == "cuda":
-        if not ROW_GEMV:
-            model.store_matmul_weights_k_major()
-        model.fold_norm_weights()
-    elif kernel.cpu_weight_packing:
-        model.pack_cpu_matmul_weights()
+    process_weights_after_loading(model)
+    model.fold_norm_weights()  # where the linear methods can (CUDA)
     if (
         device.type == "cpu"
         and dtype == torch.float32
@@ -79,7 +95,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
         return
-    attached = model.attach_quantized_weights(iter_gguf_quantized(path, arch))
+    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch))
     if attached:
         logger.info(
             "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB)",

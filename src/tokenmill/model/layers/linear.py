@@ -1,150 +1,344 @@
-"""Matmuls against weights prepacked for oneDNN on the CPU.
+"""Linear layers that own their weights: replicated, column-parallel, row-parallel, merged gate/up and QKV.
 
-On the CPU, F.linear over a plain [out, in] float32 weight goes to MKL's sgemm, which is slow in
-the middle of the decode batch range (a 3072x576 matmul at 16 rows took 1.96 ms against 0.46 ms
-for the same weight prepacked; lm_head at 64 rows 55 ms against 41: best-of-7 timings of single
-matmuls on the 2-core dev machine; the end-to-end A/B is in BENCHMARKS.md). oneDNN's linear takes a weight reordered once into its blocked
-layout, the same size as the original, and works for any number of rows.
+Each layer holds the weight of its tensor-parallel shard (`tp_rank` of `tp_size`, 0 of 1 by
+default) and a `method` (layers/linear_method.py) that creates, loads, post-processes and applies
+it. Sharding follows the usual split: a column-parallel layer keeps a slice of the output rows
+(its outputs concatenate to the full one), a row-parallel layer a slice of the input columns (its
+partial outputs sum to the full one; only rank 0 adds the bias). The gather and the all-reduce
+come with the tensor-parallel executor; here each shard computes its part.
 
-But each oneDNN call costs ~40 us more than MKL's on one thread, which a single-row matmul (one
-request decoding) feels: a token's matmuls took 38.3 ms packed against 32.0 ms plain on one
-thread. So a packed weight may keep its plain original beside it for single-row calls; the
-caller decides whether that memory is worth it (CausalLM keeps them up to a budget).
-
-A packed weight replaces the module's parameter (an opaque oneDNN tensor cannot be a
-Parameter's data) and is marked, so `linear` knows to route it; only `linear` may read it.
+A layer's weight loader takes a whole checkpoint tensor, checks its shape against the unsharded
+one, and copies this rank's part into the right rows (merged layers: of the shard named by
+`shard_id`, "q" / "k" / "v" or 0 / 1) or columns.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from tokenmill.model.layers.quantized_linear import blocks_for_rows, quantized_linear
+from tokenmill.model.layers.linear_method import LinearMethod
 
-_PACKED_ATTR = "onednn_packed"
-_PLAIN_ATTR = "plain_weight"  # the original [out, in] weight, when kept for single-row calls
-# The row count oneDNN tunes the blocked layout for; the packed weight serves any row count.
-_PACK_BATCH_HINT = 64
-
-# On CUDA, matmuls of one 16-bit row go to our row GEMV (kernels/triton/gemv.py) and of 2-8 rows to our
-# skinny GEMM (kernels/triton/skinny_gemm.py); both need the weights out-major, as checkpoints store them.
-# TOKENMILL_ROW_GEMV=0 sends every matmul to cuBLAS with the weights stored in-major instead
-# (CausalLM.store_matmul_weights_k_major), the layout its few-row kernels read fastest: the engine
-# as it was before these kernels, for same-run comparisons. TOKENMILL_SKINNY_GEMM=0 keeps the row
-# GEMV and out-major weights but sends 2+ rows to cuBLAS.
-ROW_GEMV = os.environ.get("TOKENMILL_ROW_GEMV", "1") != "0"
-SKINNY_GEMM = ROW_GEMV and os.environ.get("TOKENMILL_SKINNY_GEMM", "1") != "0"
-_few_row_kernels = None
+ShardId = str | int | None
 
 
-def _kernels():
-    """(gemv, skinny_gemm), imported on first use: triton is optional on CPU-only installs."""
-    global _few_row_kernels
-    if _few_row_kernels is None:
-        from tokenmill.kernels.triton import gemv, skinny_gemm
-
-        _few_row_kernels = (gemv, skinny_gemm)
-    return _few_row_kernels
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
+    return total // parts
 
 
-def _few_row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype):
-    """Our kernel's result for a CUDA matmul of 1-8 rows that one of them serves, else None."""
-    if not ROW_GEMV or x.dim() != 2:
-        return None
-    gemv, skinny = _kernels()
-    if x.shape[0] > skinny.MAX_ROWS:  # the common prefill case: out at the cheapest check
-        return None
-    if gemv.use_row_gemv(x, weight):
-        return gemv.row_gemv(x, weight, bias, out_dtype=out_dtype)
-    if SKINNY_GEMM and skinny.use_skinny_gemm(x, weight):
-        return skinny.skinny_gemm(x, weight, bias, out_dtype=out_dtype)
-    return None
+class LinearBase(nn.Module):
+    """`y = x @ W.T + b` for this rank's shard W [out_features, in_features] (local sizes)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        method: LinearMethod | None,
+        tp_rank: int,
+        tp_size: int,
+        device,
+        dtype: torch.dtype | None,
+        shared_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside the tensor-parallel size {tp_size}")
+        self.input_size, self.output_size = input_size, output_size  # unsharded
+        self.in_features, self.out_features = in_features, out_features  # this rank's shard
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.method = method or LinearMethod()
+        dtype = dtype or torch.float32
+        # A weight shared with another module (a tied lm_head's: the embedding table) is used as it
+        # is: methods neither free nor re-lay it out.
+        self.weight_is_shared = shared_weight is not None
+        if shared_weight is not None:
+            if tuple(shared_weight.shape) != (out_features, in_features):
+                raise ValueError(
+                    f"shared weight shape {tuple(shared_weight.shape)} != ({out_features}, {in_features})"
+                )
+            self.weight = shared_weight
+        else:
+            self.method.create_weights(self, in_features, out_features, device=device, dtype=dtype)
+        self.bias = (
+            nn.Parameter(torch.empty(self._bias_rows(), device=device, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+        # The same tensor as a plain attribute: nn.Module resolves a parameter through __getattr__,
+        # a cost the CPU decode path (several calls per layer per step) notices. Loads and folds write
+        # into the parameter's storage, so the reference stays right.
+        object.__setattr__(self, "_applied_bias", self.bias)
+
+    def _bias_rows(self) -> int:
+        return self.out_features
+
+    # Called a few times per layer per step: nn.Module.__call__'s hook dispatch is skipped on purpose
+    # (a wrapping LinearMethod, not a hook, is how behaviour is added to a linear layer).
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        return self.method.apply(self, x, self._applied_bias, residual, out_dtype)
+
+    forward = __call__
+
+    # -- loading ------------------------------------------------------------------------------------
+
+    def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's part of the checkpoint tensor `loaded` (of shard `shard_id` for merged
+        layers) into the parameter `param_name` ("weight" or "bias")."""
+        param = getattr(self, param_name, None)
+        if param is None:
+            raise ValueError(f"no such {param_name}")
+        target, source = self._shard(param_name, param.data, loaded, shard_id)
+        self.method.load_weight(self, target, source)
+
+    def _shard(
+        self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slice of `param` to fill, the part of `loaded` that goes there)."""
+        _check_shape(loaded, param.shape)
+        return param, loaded
+
+    def fold_input_scale(self, scale: torch.Tensor) -> None:
+        """W <- W * scale along the input dimension, rounded once (the deferred RMSNorm's fold)."""
+        if not self.method.folds_input_scale:
+            raise ValueError(f"{type(self.method).__name__} cannot fold a scale into its weights")
+        with torch.no_grad():
+            self.weight.mul_(scale)
 
 
-def onednn_packing_available(dtype: torch.dtype) -> bool:
-    """float32 on a CPU build with oneDNN (bf16 packing only pays with AMX/AVX512-BF16; not tried)."""
-    return (
-        dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+def _check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}")
 
 
-def pack_weight(weight: torch.Tensor, *, keep_plain: bool = False) -> torch.Tensor:
-    """The oneDNN-packed copy of an [out, in] CPU weight, marked for `linear` (with the original
-    kept for single-row calls when `keep_plain`)."""
-    plain = weight.detach().contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(plain, _PACK_BATCH_HINT)
-    setattr(packed, _PACKED_ATTR, True)
-    if keep_plain:
-        setattr(packed, _PLAIN_ATTR, plain)
-    return packed
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (lm_head until it is vocab-parallel)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+        shared_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, output_size, input_size, output_size, bias=bias, method=method,
+            tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype, shared_weight=shared_weight,
+        )  # fmt: skip
 
 
-def pack_parameter(module: torch.nn.Module, name: str, *, keep_plain: bool = False) -> None:
-    """Replace the weight parameter `name` of `module` by its packed form (same number of bytes,
-    twice that with `keep_plain`)."""
-    packed = pack_weight(getattr(module, name), keep_plain=keep_plain)
-    del module._parameters[name]  # without keep_plain the original is freed
-    setattr(module, name, packed)
+class ColumnParallelLinear(LinearBase):
+    """Output rows split over the ranks: rank r holds rows [r * out, (r + 1) * out)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        out_features = _divide(output_size, tp_size, "output size")
+        super().__init__(
+            input_size, output_size, input_size, out_features, bias=bias, method=method,
+            tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
+        )  # fmt: skip
+
+    def _shard(
+        self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_shape(loaded, (self.output_size, *param.shape[1:]))
+        rows = self.out_features
+        return param, loaded.narrow(0, self.tp_rank * rows, rows)
 
 
-def drop_plain_copy(weight: torch.Tensor) -> None:
-    """Free the plain copy kept beside a packed weight for single-row calls (when something else,
-    such as GGUF blocks, serves those now)."""
-    if hasattr(weight, _PLAIN_ATTR):
-        delattr(weight, _PLAIN_ATTR)
+class RowParallelLinear(LinearBase):
+    """Input columns split over the ranks; the partial outputs sum to the full one. The bias is
+    whole on every rank and added by rank 0 only."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        in_features = _divide(input_size, tp_size, "input size")
+        super().__init__(
+            input_size, output_size, in_features, output_size, bias=bias, method=method,
+            tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        bias = self._applied_bias if self.tp_rank == 0 else None  # added once to the sum of the partials
+        return self.method.apply(self, x, bias, residual, out_dtype)
+
+    forward = __call__
+
+    def _shard(
+        self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if param_name == "bias":
+            _check_shape(loaded, param.shape)
+            return param, loaded
+        _check_shape(loaded, (self.output_size, self.input_size))
+        cols = self.in_features
+        return param, loaded.narrow(1, self.tp_rank * cols, cols)
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    return getattr(weight, _PACKED_ATTR, False)
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel layers over one input in one matmul (gate and up): each rank holds its
+    slice of every part, parts in order. Shard ids are the parts' indices."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = tuple(output_sizes)
+        local = [_divide(size, tp_size, f"output size of part {i}") for i, size in enumerate(output_sizes)]
+        super().__init__(
+            input_size, sum(output_sizes), input_size, sum(local), bias=bias, method=method,
+            tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
+        )  # fmt: skip
+        self.shard_ids: tuple[ShardId, ...] = tuple(range(len(output_sizes)))
+        # shard id -> (first local row, local rows, this rank's chunk index within the loaded part)
+        offsets = [sum(local[:i]) for i in range(len(local))]
+        self._shard_rows = {i: (offsets[i], local[i], tp_rank) for i in range(len(local))}
+        self._shard_sizes: dict[ShardId, int] = dict(enumerate(self.output_sizes))
+
+    def _shard(
+        self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard_id not in self._shard_rows:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer's shards: {list(self._shard_rows)}")
+        _check_shape(loaded, (self._shard_sizes[shard_id], *param.shape[1:]))
+        start, rows, chunk = self._shard_rows[shard_id]
+        return param.narrow(0, start, rows), loaded.narrow(0, chunk * rows, rows)
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """F.linear, or on CUDA our row GEMV / skinny GEMM for 1 / 2-8 rows; on the CPU oneDNN's
-    linear for a weight packed by this module (its plain original, where kept, for a single
-    row), and a few float32 rows go to the weight's GGUF blocks where it has them
-    (layers/quantized_linear.py). `out_dtype` converts the result (our kernels write it
-    directly, without a cast launch)."""
-    if x.is_cuda:
-        y = _few_row_matmul(x, weight, bias, out_dtype)
-        if y is not None:
-            return y
-        y = F.linear(x, weight, bias)
-        return y if out_dtype is None else y.to(out_dtype)
-    y = _cpu_linear(x, weight, bias)
-    return y if out_dtype is None else y.to(out_dtype)
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matmul, split by heads. With fewer KV heads than ranks each KV
+    head is replicated on tp_size / num_kv_heads consecutive ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_heads = _divide(num_heads, tp_size, "number of attention heads")  # per rank
+        if tp_size >= num_kv_heads:
+            if tp_size % num_kv_heads:
+                raise ValueError(
+                    f"the tensor-parallel size {tp_size} is not a multiple of the number of KV heads "
+                    f"({num_kv_heads}), which it must be to replicate them"
+                )
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // num_kv_heads
+        else:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        self.head_dim = head_dim
+        q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # The parent splits each part by tp_size; give it the sizes whose split is this rank's.
+        super().__init__(
+            hidden_size, (q_rows * tp_size, kv_rows * tp_size, kv_rows * tp_size), bias=bias,
+            method=method, tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
+        )  # fmt: skip
+        kv_size = num_kv_heads * head_dim
+        self.output_sizes = (num_heads * head_dim, kv_size, kv_size)  # unsharded
+        self.output_size = sum(self.output_sizes)
+        kv_chunk = tp_rank // self.num_kv_head_replicas
+        self.shard_ids = ("q", "k", "v")
+        self._shard_rows = {
+            "q": (0, q_rows, tp_rank),
+            "k": (q_rows, kv_rows, kv_chunk),
+            "v": (q_rows + kv_rows, kv_rows, kv_chunk),
+        }
+        self._shard_sizes = dict(zip(self.shard_ids, self.output_sizes, strict=True))
 
 
-def linear_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`residual + x @ weight.T` with the add inside the matmul's launch. The row GEMV writes a new
-    tensor: writing into the residual it reads made o_proj 12.3 instead of 10.0 us and down 32.0
-    instead of 27.9 on an H200 (benchmarks/row_gemv_microbench.py). cuBLAS (beta = 1) updates
-    `residual` in place and returns it: out of place it would copy the residual first."""
-    if x.is_cuda and ROW_GEMV:
-        gemv, _ = _kernels()
-        if gemv.use_row_gemv(x, weight):
-            return gemv.row_gemv(x, weight, residual=residual)
-    return residual.addmm_(x, weight.t())
+def bind_hot_path(module: nn.Module, **refs: nn.Module | torch.Tensor | None) -> None:
+    """Also keep `refs` (submodules, parameters) as plain attributes `_<name>` of `module`. nn.Module
+    finds submodules and parameters through its Python __getattr__, a cost the CPU decode step
+    notices at ~10 lookups per layer; plain attributes skip it. Only for objects that stay in place
+    (weights are loaded and folded into their storage; behaviour changes by swapping linear methods,
+    not modules)."""
+    for name, ref in refs.items():
+        object.__setattr__(module, f"_{name}", ref)
 
 
-def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        blocks = blocks_for_rows(weight, x.shape[0])
-        if blocks is not None:
-            return quantized_linear(x, blocks, bias)
-    if getattr(weight, _PACKED_ATTR, False):
-        plain = getattr(weight, _PLAIN_ATTR, None)
-        if plain is not None and x.shape[0] == 1:
-            return F.linear(x, plain, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def linear_layers(model: nn.Module) -> Iterator[LinearBase]:
+    return (module for module in model.modules() if isinstance(module, LinearBase))
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each linear layer's method put the loaded weights in the form it multiplies, once per
+    method over all the layers it serves."""
+    by_method: dict[int, tuple[LinearMethod, list[LinearBase]]] = {}
+    for layer in linear_layers(model):
+        by_method.setdefault(id(layer.method), (layer.method, []))[1].append(layer)
+    for method, layers in by_method.values():
+        method.process_layers_after_loading(layers)
+
+
+def use_linear_method(model: nn.Module, method: LinearMethod) -> None:
+    """Give every linear layer of a loaded model (with plainly loaded weights) `method`, and let it
+    process the weights."""
+    for layer in linear_layers(model):
+        layer.method = method
+    process_weights_after_loading(model)
+
+
+def wrap_linear_methods(model: nn.Module, wrap: Callable[[LinearBase, LinearMethod], LinearMethod]) -> None:
+    """Replace each linear layer's method by `wrap(layer, method)` (e.g. a WrappingLinearMethod: a
+    LoRA adapter, a counter); the weights are already processed and stay as they are."""
+    for layer in linear_layers(model):
+        layer.method = wrap(layer, layer.method)

@@ -1,18 +1,46 @@
-"""The SwiGLU MLP with gate and up projections fused into one matmul."""
+"""The SwiGLU MLP: gate and up projections in one matmul, then down(silu(gate) * up)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from tokenmill.model.layers.linear import linear
+from tokenmill.model.layers.layer_ops import LayerOps
+from tokenmill.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, bind_hot_path
+from tokenmill.model.layers.linear_method import LinearMethod
 
 
-def swiglu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)); `gate_up_weight` is [2 * intermediate, hidden], gate rows first."""
-    gate_up = linear(x, gate_up_weight)
-    intermediate = gate_up_weight.shape[0] // 2
-    gate = gate_up[..., :intermediate]
-    up = gate_up[..., intermediate:]
-    # silu in place on the gate half of a buffer we own, then one multiply into a fresh contiguous tensor
-    return linear(F.silu(gate, inplace=True) * up, down_weight)
+class SwiGLUMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        ops: LayerOps,
+        *,
+        linear_method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        shard = {
+            "method": linear_method,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "device": device,
+            "dtype": dtype,
+        }
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, (intermediate_size, intermediate_size), **shard
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **shard)
+        self.ops = ops
+        bind_hot_path(self, gate_up=self.gate_up_proj, down=self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), not yet added to the residual stream."""
+        return self._down(self.ops.silu_mul(self._gate_up(x)))
+
+    # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
+    __call__ = forward

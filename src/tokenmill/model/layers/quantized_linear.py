@@ -2,9 +2,9 @@
 
 A request decoding alone multiplies one row of activations by every weight matrix (a few requests:
 a few rows), so the step costs what reading the weights costs: 540 MB a token for SmolLM2-135M as float32, against 96 MB
-as the GGUF's own Q4_1 / Q8_0 blocks. Where a GGUF model's weights come in those types, CausalLM
-keeps the blocks beside the float32 weights (attach) and `linear` sends products of up to
-`rows_limit()` rows to the
+as the GGUF's own Q4_1 / Q8_0 blocks. Where a GGUF model's weights come in those types, the layer's
+method is wrapped in a GGUFBlocksMethod holding the blocks (attach_quantized_blocks), which sends
+products of up to `rows_limit()` rows to the
 C++ kernel (kernels/cpu/csrc/cpu_quant_gemv.cpp), which dequantizes each block of 32 in registers
 and multiplies it with the float32 activations: the float32 product of the dequantized weights up
 to summation order. Larger batches keep the float32 (oneDNN-packed) path, where the arithmetic,
@@ -14,11 +14,16 @@ not the bytes, is the cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-_BLOCKS_ATTR = "gguf_blocks"
+from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod
+
+if TYPE_CHECKING:
+    from tokenmill.model.layers.linear import LinearBase
+
 # Steps of up to `rows_limit()` rows use the blocks. With AVX-512 the kernel dequantizes each block
 # once for up to 4 rows, which is most of its work: a 3072 x 576 Q4_1 matmul on one core took 325 /
 # 406 / 486 / 591 us for 1-4 rows against ~820 us for the float32 oneDNN path at any of those, and
@@ -56,21 +61,6 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
     return np.concatenate([blocks[:, :, scale_bytes:].reshape(n, -1), scales.reshape(n, -1)], axis=1)
 
 
-def attach(weight: torch.Tensor, blocks: QuantizedBlocks) -> None:
-    """Route `weight`'s few-row products to `blocks`. Only call it where rows_limit() >= 1."""
-    setattr(weight, _BLOCKS_ATTR, blocks)
-
-
-def quantized_blocks(weight: torch.Tensor) -> QuantizedBlocks | None:
-    return getattr(weight, _BLOCKS_ATTR, None)
-
-
-def blocks_for_rows(weight: torch.Tensor, rows: int) -> QuantizedBlocks | None:
-    """The weight's blocks when a product of `rows` rows should use them."""
-    blocks = getattr(weight, _BLOCKS_ATTR, None)
-    return blocks if blocks is not None and rows <= rows_limit() else None
-
-
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]."""
     out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
@@ -78,3 +68,48 @@ def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tenso
     if bias is not None:
         out += bias
     return out
+
+
+class GGUFBlocksMethod(WrappingLinearMethod):
+    """Products of up to rows_limit() float32 rows from one layer's GGUF blocks; the rest (and
+    everything but apply) go to the float method it wraps."""
+
+    def __init__(self, inner: LinearMethod, blocks: QuantizedBlocks) -> None:
+        super().__init__(inner)
+        self.blocks = blocks
+
+    def blocks_for_rows(self, rows: int) -> QuantizedBlocks | None:
+        """The blocks when a product of `rows` rows should use them."""
+        return self.blocks if rows <= rows_limit() else None
+
+    def apply(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.shape[0] <= rows_limit():
+            y = quantized_linear(x, self.blocks, bias)
+            if residual is not None:
+                return residual.add_(y)
+            return y if out_dtype is None else y.to(out_dtype)
+        return self.inner.apply(layer, x, bias, residual, out_dtype)
+
+
+def attach_quantized_blocks(layer: LinearBase, blocks: QuantizedBlocks) -> None:
+    """Route `layer`'s few-row products to `blocks` and free the float copy kept for single rows
+    (the blocks serve those now). Only call it where rows_limit() >= 1."""
+    layer.method = GGUFBlocksMethod(layer.method, blocks)
+    layer.method.release_single_row_copy(layer)
+
+
+def quantized_blocks(layer: LinearBase) -> QuantizedBlocks | None:
+    """The GGUF blocks `layer` multiplies few rows with, if any."""
+    method = layer.method
+    while isinstance(method, WrappingLinearMethod):
+        if isinstance(method, GGUFBlocksMethod):
+            return method.blocks
+        method = method.inner
+    return None

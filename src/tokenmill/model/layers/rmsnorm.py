@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,3 +18,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     normed = F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
     return normed * weight
+
+
+class RMSNorm(nn.Module):
+    """Holds an RMSNorm weight (named like the checkpoints' `*norm.weight`); the decoder's ops
+    (layers/layer_ops.py) apply it, fused with the residual add where they can."""
+
+    def __init__(self, size: int, eps: float, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,138 @@
+"""The self-attention block: the q/k/v projection, optional Q/K RMSNorm, RoPE, the attention
+backend over the paged KV cache, and the output projection.
+
+Which launches a step takes is decided by what the backend and the ops declare, not by device or
+backend names: ops that can store K/V in the RoPE launch do so when the backend accepts K/V
+stored that way (`accepts_kv_stored_by_rope`); a backend that supports it for this step
+(`supports_fused_decode_rope(meta)`) does RoPE, the KV store and attention in one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.arch import ArchConfig
+from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs
+from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear, bind_hot_path
+from tokenmill.model.layers.linear_method import LinearMethod
+from tokenmill.model.layers.rmsnorm import RMSNorm, rms_norm
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        attn_backend: AttentionBackend,
+        ops: LayerOps,
+        *,
+        linear_method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        shard = {
+            "method": linear_method,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "device": device,
+            "dtype": dtype,
+        }
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            bias=arch.attention_bias,
+            **shard,
+        )
+        eps = arch.rms_norm_eps
+        self.q_norm = RMSNorm(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, **shard)
+        self.attn_backend = attn_backend
+        self.ops = ops
+        self.eps = eps
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
+        # The backend's cache takes the rotated keys and the values from the RoPE launch.
+        self.store_kv_in_rope = ops.stores_kv_in_rope and attn_backend.accepts_kv_stored_by_rope
+        bind_hot_path(self, qkv=self.qkv_proj, o=self.o_proj)
+
+    def forward(
+        self,
+        normed: torch.Tensor,  # [T, hidden], the input RMSNorm's output
+        rope: RopeInputs,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        fuse_rope: bool,  # this step goes through the backend's forward_decode_with_rope
+    ) -> torch.Tensor:
+        """o_proj(attention(...)) [T, hidden], not yet added to the residual stream."""
+        qkv = self._qkv(normed)
+        if fuse_rope:
+            attn = self.attend_with_rope_in_launch(qkv, rope, kv_cache, meta)
+        else:
+            attn = self.rope_and_attend(qkv, rope, kv_cache, meta)
+        return self._o(attn.reshape(qkv.shape[0], self.q_size))
+
+    # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
+    __call__ = forward
+
+    def attend_with_rope_in_launch(
+        self,
+        qkv: torch.Tensor,
+        rope: RopeInputs,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        norm_source: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
+        launch; q and k go in un-rotated. With `norm_source` (the deferred-norm path) qkv is the
+        projection of those un-normalized rows and the launch applies their 1/rms too."""
+        num_tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = self.q_size, self.kv_size
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        return self.attn_backend.forward_decode_with_rope(
+            qk[:, :heads], qk[:, heads:], v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, meta,
+            norm_source=norm_source, norm_eps=self.eps,
+        )  # fmt: skip
+
+    def rope_and_attend(
+        self, qkv: torch.Tensor, rope: RopeInputs, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Q/K norm and RoPE (with the KV store where the ops and backend allow), then the
+        backend's attention."""
+        ops = self.ops
+        num_tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = self.q_size, self.kv_size
+        store = self.store_kv_in_rope
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        if self.q_norm is not None:
+            eps = self.eps
+            q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm.weight, eps)
+            k = rms_norm(
+                qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim),
+                self.k_norm.weight,
+                eps,
+            )
+            q = ops.rotate(q, rope)
+            if store:
+                k = ops.rotate_and_store_kv(k, 0, v, rope, kv_cache, meta.slot_mapping)
+            else:
+                k = ops.rotate(k, rope)
+        else:
+            # q and k sit side by side in each qkv row: rotate both with one set of ops.
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+            if store:
+                qk = ops.rotate_and_store_kv(qk, heads, v, rope, kv_cache, meta.slot_mapping)
+            else:
+                qk = ops.rotate(qk, rope)
+            q, k = qk[:, :heads], qk[:, heads:]
+        return self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=store)

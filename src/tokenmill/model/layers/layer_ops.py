@@ -1,0 +1,116 @@
+"""The elementwise ops around a decoder layer's matmuls, one set per device, chosen once at load.
+
+The decoder (model/llama.py) is written once against these: add the pending residual and
+RMSNorm, rotate q/k, silu(gate) * up. On the CPU they are plain PyTorch ops; on CUDA our fused
+Triton launches (kernels/triton/elementwise.py), which also declare that they can store K/V in the RoPE
+launch. The residual add is deferred into the next norm (`pending`) on both: the CPU adds it
+there in its own op, CUDA inside the norm's launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.layers.rmsnorm import rms_norm
+from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(slots=True)
+class RopeInputs:
+    """One step's RoPE inputs: the positions and the full tables (for launches that gather
+    themselves), and the rows gathered for the positions where the ops want them."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_cache: torch.Tensor  # RotaryEmbedding's tables
+    sin_cache: torch.Tensor
+    cos: torch.Tensor | None = None  # [T, 1, head_dim], gathered
+    signed_sin: torch.Tensor | None = None
+
+
+class TorchLayerOps:
+    # Whether rotate_and_store_kv exists: RoPE and the KV store in one launch.
+    stores_kv_in_rope = False
+
+    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeInputs:
+        cos, signed_sin = rotary(positions)
+        return RopeInputs(positions, rotary.cos_cache, rotary.sin_cache, cos, signed_sin)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x += pending (in place, when given), then RMSNorm(x) (scaled by `weight` unless None)."""
+        if pending is not None:
+            x.add_(pending)
+        if weight is None:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+            return normed if x.dtype == torch.float32 else normed.to(x.dtype)
+        return rms_norm(x, weight, eps)
+
+    def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated (a new tensor here; CUDA rotates in place)."""
+        return apply_rotary(x, rope.cos, rope.signed_sin)
+
+    def rotate_and_store_kv(
+        self, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope: RopeInputs,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError("the PyTorch ops store K/V through the attention backend")
+
+    def silu_mul(
+        self, gate_up: torch.Tensor, norm_source: torch.Tensor | None = None, eps: float = 0.0
+    ) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2 * intermediate], gate columns first."""
+        if norm_source is not None:
+            raise NotImplementedError("the PyTorch ops have no deferred RMSNorm")
+        intermediate = gate_up.shape[-1] // 2
+        # silu in place on the gate half of a buffer we own, then one multiply into a fresh tensor
+        return F.silu(gate_up[..., :intermediate], inplace=True) * gate_up[..., intermediate:]
+
+
+class TritonLayerOps:
+    stores_kv_in_rope = True
+
+    def __init__(self) -> None:
+        # Imported here: triton is optional on CPU-only installs.
+        from tokenmill.kernels.triton import elementwise as triton_ops
+
+        self._ops = triton_ops
+
+    def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeInputs:
+        return RopeInputs(positions, rotary.cos_cache, rotary.sin_cache)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._ops.add_rms_norm(x, weight, eps, pending)
+
+    def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        self._ops.rope_inplace(x, rope.positions, rope.cos_cache, rope.sin_cache)
+        return x
+
+    def rotate_and_store_kv(
+        self, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope: RopeInputs,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rotate qk [T, q heads + kv heads, head_dim] in place and store its K heads and v."""
+        self._ops.rope_and_store_kv(
+            qk, num_q_heads, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, slot_mapping
+        )
+        return qk
+
+    def silu_mul(
+        self, gate_up: torch.Tensor, norm_source: torch.Tensor | None = None, eps: float = 0.0
+    ) -> torch.Tensor:
+        if norm_source is None:
+            return self._ops.silu_mul(gate_up)
+        return self._ops.silu_mul(gate_up, norm_source=norm_source, eps=eps)
+
+
+LayerOps = TorchLayerOps | TritonLayerOps
+
+
+def select_layer_ops(device: torch.device | str) -> LayerOps:
+    return TritonLayerOps() if torch.device(device).type == "cuda" else TorchLayerOps()

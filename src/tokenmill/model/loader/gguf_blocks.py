@@ -1,0 +1,51 @@
+"""Attach a GGUF file's Q4_1 / Q8_0 blocks to the linear layers they belong to, for few-row steps.
+
+Any model family whose CausalLM maps checkpoint names to linear layers (`linear_for_weight`) gets
+this for free: a merged layer (qkv, gate_up) gets blocks only when all its parts come, in the
+same type; the blocks are concatenated in the layer's shard order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tokenmill.model.layers.linear import LinearBase, ShardId
+from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach_quantized_blocks, split_rows
+
+
+class _MapsWeightsToLinears(Protocol):
+    def linear_for_weight(self, name: str) -> tuple[LinearBase, ShardId] | None: ...
+
+
+def attach_gguf_blocks(model: _MapsWeightsToLinears, quantized: Iterable[tuple[str, int, np.ndarray]]) -> int:
+    """Give each linear layer whose whole weight comes quantized (loader.gguf_loader.iter_gguf_quantized)
+    a GGUFBlocksMethod over its blocks. Only unsharded layers (tp_size 1). Returns the bytes attached."""
+    parts: dict[int, tuple[LinearBase, dict[ShardId, tuple[int, np.ndarray]]]] = {}
+    for name, code, rows in quantized:
+        target = model.linear_for_weight(name)
+        if target is None:
+            continue
+        layer, shard_id = target
+        parts.setdefault(id(layer), (layer, {}))[1][shard_id] = (code, rows)
+    attached = 0
+    for layer, shards in parts.values():
+        blocks = _blocks_for(layer, shards)
+        if blocks is not None:
+            attach_quantized_blocks(layer, blocks)
+            attached += blocks.blocks.nbytes
+    return attached
+
+
+def _blocks_for(layer: LinearBase, shards: dict[ShardId, tuple[int, np.ndarray]]) -> QuantizedBlocks | None:
+    order: tuple[ShardId, ...] = getattr(layer, "shard_ids", (None,))
+    if layer.tp_size != 1 or set(shards) != set(order) or len({code for code, _ in shards.values()}) != 1:
+        return None
+    code = shards[order[0]][0]
+    rows = split_rows(np.concatenate([shards[s][1] for s in order]), code)  # a copy, off the mmap
+    if rows.shape[0] != layer.out_features:
+        return None
+    return QuantizedBlocks(torch.from_numpy(rows), code, layer.out_features)
