@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -171,20 +172,20 @@ class EngineArgs:
 
     # -- the config -----------------------------------------------------------------------------
 
-    def create_engine_config(self) -> EngineConfig:
-        """The frozen EngineConfig: values checked, device-dependent defaults resolved, logged once."""
-        from tokenmill.chat_template import load_chat_template
-        from tokenmill.device import resolve_device
+    def create_engine_config(self, *, resolve_device: bool = True) -> EngineConfig:
+        """The frozen EngineConfig: values checked, device-dependent defaults resolved, logged once.
 
-        resolved_device = resolve_device(self.device)
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU
-                if resolved_device.type == "cuda"
-                else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
-            )
-        self._check(max_num_batched_tokens)
+        `resolve_device=False` is for the API server process, which must not import torch: the
+        device stays as asked ("auto" included) and the defaults that depend on it (step budget,
+        async scheduling) stay None; the engine core resolves them (`resolve_device_defaults`) and
+        reports them back in its EngineInfo."""
+        from tokenmill.chat_template import load_chat_template
+
+        _check_device_name(self.device)
+        if self.max_num_batched_tokens is not None:
+            self._check(self.max_num_batched_tokens)
+        else:
+            self._check(1)
         names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
         config = EngineConfig(
             model=ModelConfig(
@@ -207,18 +208,17 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
             ),
             kernel=self.create_kernel_config(),
-            device=str(resolved_device),
+            device=self.device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
-            # Overlapping steps pays off where the device runs apart from the host: on for CUDA.
-            async_scheduling=(
-                self.async_scheduling if self.async_scheduling is not None else resolved_device.type == "cuda"
-            ),
+            async_scheduling=self.async_scheduling,
         )
+        if resolve_device:
+            config = resolve_device_defaults(config)
         self._log(config)
         return config
 
@@ -290,15 +290,45 @@ class EngineArgs:
 
     def _log(self, config: EngineConfig) -> None:
         options = ", ".join(f"{name}={_short(value)}" for name, value in self.non_default_options().items())
+        if config.async_scheduling is None:  # left to the engine core (the API server has no torch)
+            resolved = "device and its defaults resolved by the engine core"
+        else:
+            resolved = (
+                f"resolved: device={config.device}, max_num_batched_tokens="
+                f"{config.scheduler.max_num_batched_tokens}, async_scheduling={config.async_scheduling}"
+            )
         logger.info(
-            "engine options: %s; resolved: device=%s, max_num_batched_tokens=%d, async_scheduling=%s; "
-            "kernel paths: %s",
+            "engine options: %s; %s; kernel paths: %s",
             options or "all defaults",
-            config.device,
-            config.scheduler.max_num_batched_tokens,
-            config.async_scheduling,
+            resolved,
             ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(config.kernel).items()),
         )
+
+
+def _check_device_name(name: str) -> None:
+    """The device names resolve_device takes, checked without torch (the API server has none)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError(f"unknown device {name!r}; expected auto, cpu or cuda[:N]")
+
+
+def resolve_device_defaults(config: EngineConfig) -> EngineConfig:
+    """The config with device "auto" resolved and the defaults that depend on the device filled
+    in: the step budget (512 tokens on the CPU, 8192 on a GPU) and async scheduling (on for CUDA,
+    where the device runs apart from the host). Idempotent; imports torch, so the engine core
+    calls it, not the API server."""
+    from tokenmill.device import resolve_device
+
+    device = resolve_device(config.device)
+    on_gpu = device.type == "cuda"
+    budget = config.scheduler.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU if on_gpu else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+    return dataclasses.replace(
+        config,
+        device=str(device),
+        scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
+        async_scheduling=config.async_scheduling if config.async_scheduling is not None else on_gpu,
+    )
 
 
 def _base_type(hint: Any) -> type:

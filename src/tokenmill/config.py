@@ -56,7 +56,8 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None until args.resolve_device_defaults fills in the device's default (the engine core does).
+    max_num_batched_tokens: int | None = 2048
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_model_len: int = 2048  # resolved against the model before the scheduler is built
 

@@ -16,3 +16,23 @@ def test_cpu_step_budget_defaults_to_512_tokens_and_a_given_one_wins(tiny_llama_
     assert config.scheduler.max_num_batched_tokens == 2048
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         build_engine_config(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=0)
+
+
+def test_the_api_server_leaves_the_device_to_the_engine_core(tiny_llama_dir):
+    # `tokenmill serve` builds its config without torch: device "auto" and the step budget stay
+    # unresolved until the engine core resolves them (and reports them in EngineInfo).
+    from tokenmill.args import EngineArgs, resolve_device_defaults
+    from tokenmill.engine.engine_core import EngineCore
+
+    config = EngineArgs(model=str(tiny_llama_dir)).create_engine_config(resolve_device=False)
+    assert (config.device, config.scheduler.max_num_batched_tokens, config.async_scheduling) == ("auto", None, None)
+    import torch
+
+    expected = ("cuda", 8192, True) if torch.cuda.is_available() else ("cpu", 512, False)
+    resolved = resolve_device_defaults(config)
+    assert (resolved.device, resolved.scheduler.max_num_batched_tokens, resolved.async_scheduling) == expected
+    assert resolve_device_defaults(resolved) == resolved
+    core = EngineCore(config)
+    assert (core.info.device.split(":")[0], core.info.max_num_batched_tokens, core.async_scheduling) == expected
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        EngineArgs(model=str(tiny_llama_dir), device="tpu").create_engine_config(resolve_device=False)

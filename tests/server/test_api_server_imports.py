@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 # Never imported by the API server process, nor anything under them.
 ENGINE_SIDE_MODULES = (
     "torch",
@@ -106,11 +104,5 @@ def test_serving_a_request_imports_no_torch_and_no_model_code_in_the_api_process
     assert _engine_side_modules_after(SERVE_ONE_REQUEST, tiny_llama_dir) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EngineArgs.create_engine_config resolves the device with torch (tokenmill.device.resolve_device) "
-    "in the API process, for the device-dependent defaults; resolving them without torch removes it. "
-    "Remove this mark then.",
-)
 def test_building_the_server_as_serve_does_imports_no_torch(tiny_llama_dir):
     assert _engine_side_modules_after(BUILD_SERVER, tiny_llama_dir) == []

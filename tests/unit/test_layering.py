@@ -55,11 +55,6 @@ ALLOWED_UPWARD: dict[str, str] = {
     # The public facade: `tokenmill.LLM` is resolved lazily (module __getattr__), so that importing
     # tokenmill imports no torch.
     "tokenmill -> tokenmill.engine.llm": "lazy public facade",
-    # `tokenmill serve` / `bench` reuse the CLI's engine-flag helpers today; the engine-options change
-    # of issue 13 (args.py, server/launch.py) removes these imports and the server <-> cli cycle.
-    "tokenmill.server.api_server -> tokenmill.cli": "engine flags; goes with EngineArgs",
-    "tokenmill.bench.latency -> tokenmill.cli": "engine flags; goes with EngineArgs",
-    "tokenmill.bench.throughput -> tokenmill.cli": "engine flags; goes with EngineArgs",
 }
 
 TIER_OF = {name: rank for rank, names in enumerate(TIERS) for name in names}

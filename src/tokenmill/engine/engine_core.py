@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from tokenmill.args import resolve_device_defaults
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
@@ -44,6 +45,14 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
+        # The API server leaves the device and its defaults unresolved (it has no torch).
+        unresolved = config
+        config = resolve_device_defaults(config)
+        if config != unresolved:
+            logger.info(
+                "engine core: device=%s, max_num_batched_tokens=%d, async_scheduling=%s",
+                config.device, config.scheduler.max_num_batched_tokens, config.async_scheduling,
+            )  # fmt: skip
         self.resolved = resolved if resolved is not None else resolve_model(config.model)
         arch = self.resolved.arch
         max_model_len = resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings)
@@ -63,11 +72,7 @@ class EngineCore:
             dtype=self.executor.dtype,
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
-        self.async_scheduling = (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else self.executor.device_type == "cuda"
-        )
+        self.async_scheduling = bool(config.async_scheduling)  # resolved above
         # The launched step whose results the host has not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps

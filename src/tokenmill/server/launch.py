@@ -103,7 +103,9 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         if model is not None and model != model_tag:
             raise ValueError(f"the model is given twice, {model_tag!r} and --model {model!r}; give it once")
         model = model_tag
-    config = dataclasses.replace(EngineArgs.from_cli_args(args), model=model).create_engine_config()
+    # The device and its defaults are resolved in the engine process: this one never imports torch.
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=model)
+    config = engine_args.create_engine_config(resolve_device=False)
     model_root = model or DEFAULT_MODEL_NAME
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_key = args.api_key or envs.TOKENMILL_API_KEY.get() or None
