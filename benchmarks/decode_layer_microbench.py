@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.attention import triton_paged
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.triton_paged import TritonPagedBackend
 from tokenmill.bench.timing import graph_replay_ms
+from tokenmill.config import KernelConfig
 from tokenmill.kernels.triton import paged_attention as pa
 from tokenmill.kernels.triton.elementwise import rope_and_store_kv
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -107,20 +107,19 @@ def time_graph(fn: Callable[[], None], reps: int) -> float:
 
 def measure(layers: Layers, fused: bool, reps: int, splits=None, min_kv=None, config=None) -> float:
     """us per layer."""
-    saved_min, saved_config = getattr(triton_paged, "RUNTIME_MIN_KV_PER_SPLIT", None), pa.decode_tile_config
+    saved_config = pa.decode_tile_config
     try:
-        if min_kv is not None:
-            triton_paged.RUNTIME_MIN_KV_PER_SPLIT = min_kv
         if config is not None:
             pa.decode_tile_config = lambda group_pad, head_dim_pad, num_reqs=0: config
-        backend = TritonPagedBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK, num_kv_splits=splits)
+        kernel = KernelConfig(min_kv_tokens_per_split=min_kv or 0)
+        backend = TritonPagedBackend(
+            HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, BLOCK, num_kv_splits=splits, kernel=kernel
+        )
         backend.prepare_for_capture(
             max_num_reqs=layers.meta.num_reqs, max_blocks_per_req=MAX_MODEL_LEN // BLOCK
         )
         return 1000 * time_graph(lambda: layers.step(backend, fused), reps) / LAYERS
     finally:
-        if saved_min is not None:
-            triton_paged.RUNTIME_MIN_KV_PER_SPLIT = saved_min
         pa.decode_tile_config = saved_config
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.config import KernelConfig
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -53,8 +55,19 @@ class AttentionBackend(ABC):
     # Whether forward_decode_with_rope also applies a deferred input RMSNorm (norm_source).
     fused_decode_rope_applies_norm: bool = False
 
+    # Whether a decode step on this backend can be captured as a CUDA graph (no host reads, fixed
+    # buffers refreshed by prepare_for_replay).
+    supports_cuda_graphs: bool = False
+
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        *,
+        kernel: KernelConfig | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -63,6 +76,12 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.block_size = block_size
+        self.kernel = kernel or KernelConfig()  # the kernel-path choices a backend may read
+
+    def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        """Whether this backend reads and writes a KV cache of `kv_cache_dtype` under a model of
+        `model_dtype`. The reference and C++ backends convert on store and load."""
+        return kv_cache_dtype.is_floating_point and kv_cache_dtype.itemsize >= 2
 
     @abstractmethod
     def forward(

@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.config import KernelConfig
 from tokenmill.kernels.cpu.build import load_cpu_kernels
 
 # Requests whose query chunk is longer than this use the reference (gather + SDPA) path.
@@ -26,9 +27,16 @@ class CpuPagedBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        *,
+        kernel: KernelConfig | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, kernel=kernel)
         load_cpu_kernels()
         self._reference = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.max_kernel_query_len = _MAX_KERNEL_QUERY_LEN

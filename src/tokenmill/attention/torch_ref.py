@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.config import KernelConfig
 
 # A mixed batch is padded to num_reqs * max_query_len query rows. When that is much more than
 # the real number of rows (a long prefill next to many decodes) the batch is split in two
@@ -34,9 +35,16 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        *,
+        kernel: KernelConfig | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, kernel=kernel)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
         self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
         # attend_requests' plans: (the step's metadata, the requests, their plans), shared by all layers

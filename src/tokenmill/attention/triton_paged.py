@@ -21,6 +21,7 @@ import torch
 import triton
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.config import KernelConfig
 from tokenmill.kernels.triton.kv_store import store_kv
 from tokenmill.kernels.triton.paged_attention import DecodeRope, paged_attention
 
@@ -33,10 +34,6 @@ MIN_TOKENS_PER_SPLIT = 128
 # 0.60 to 0.70 of copy bandwidth, batch 8 at 4K from 0.61 to 0.71, batch 64 at mixed lengths up to
 # 4K from 0.60 to 0.72, and cost batch 64 at a uniform 4K 1.00 -> 0.98.
 PROGRAMS_PER_SM = 4
-# The split count is fixed per batch size before graph capture (for the longest context); at run
-# time each split still gets at least this many KV tokens, so a short context uses fewer splits
-# (fewer partials to write and merge). 0 = split as planned.
-RUNTIME_MIN_KV_PER_SPLIT = 0
 # forward_decode_with_rope is used for decode steps of at most this many requests. Measured on an
 # H200 (benchmarks/decode_layer_microbench.py, Llama-3.1-8B shapes, us per layer, fused vs the
 # separate RoPE + KV-store launch and attention, with these tiles): batch 1 at 640-token context
@@ -106,6 +103,7 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     accepts_kv_stored_by_rope = True  # its cache takes K/V from the RoPE launch (rope_and_store_kv)
     fused_decode_rope_applies_norm = True  # DecodeRope's norm_source
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -116,9 +114,10 @@ class TritonPagedBackend(AttentionBackend):
         block_size: int,
         *,
         num_kv_splits: int | None = None,
+        kernel: KernelConfig | None = None,
     ) -> None:
         """`num_kv_splits` forces the split count for every step (tests and benchmarks)."""
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, kernel=kernel)
         if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_KV_SPLITS:
             raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
         self.forced_num_kv_splits = num_kv_splits
@@ -165,6 +164,10 @@ class TritonPagedBackend(AttentionBackend):
         kv_already_stored: bool = False,
     ) -> torch.Tensor:
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored)
+
+    def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        # The kernels multiply q with K tiles loaded in the cache's dtype: they must match.
+        return kv_cache_dtype == model_dtype
 
     def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step should go through forward_decode_with_rope (decode-only, small)."""
@@ -249,7 +252,9 @@ class TritonPagedBackend(AttentionBackend):
             partial_out=partial_out,
             partial_lse=partial_lse,
             split_counters=split_counters,
-            min_kv_per_split=RUNTIME_MIN_KV_PER_SPLIT,
+            # The split count is fixed per batch size before graph capture (for the longest context);
+            # at run time each split still gets at least this many KV tokens (0 = split as planned).
+            min_kv_per_split=self.kernel.min_kv_tokens_per_split,
             rope=rope,
             # One row per request (decode-only, no zero-row padding requests): the host copy says so.
             all_decode=meta.is_decode_only and int(meta.query_start_loc_cpu[-1]) == meta.num_reqs,

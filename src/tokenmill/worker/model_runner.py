@@ -123,7 +123,14 @@ class ModelRunner:
             self.arch.head_dim,
             self.arch.head_dim**-0.5,
             self.block_size,
+            kernel=config.kernel,
         )
+        if not self.attn_backend.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype):
+            raise ValueError(
+                f"the {self.attn_backend.name} attention backend cannot keep a "
+                f"{str(self.kv_cache_dtype).removeprefix('torch.')} KV cache for a "
+                f"{str(self.dtype).removeprefix('torch.')} model; use kv_cache_dtype=auto"
+            )
         started = time.perf_counter()
         self.model = load_model(
             config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved,
@@ -198,8 +205,9 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         from tokenmill.worker.cuda_graphs import CudaGraphRunner
 
-        if self.attn_backend.name != "triton":
-            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
+        if not self.attn_backend.supports_cuda_graphs:
+            logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eagerly",
+                           self.attn_backend.name)
             return
         self.graph_runner = CudaGraphRunner(
             self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs
