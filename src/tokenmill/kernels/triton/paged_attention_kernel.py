@@ -1,0 +1,280 @@
+"""The paged attention kernel itself; paged_attention.py launches it and describes what it does."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.paged_attention_merge import _merge_group
+from tokenmill.kernels.triton.paged_attention_tiles import (
+    _attend_loaded,
+    _attend_tile,
+    _find_request,
+    _load_tile,
+    _split_plan,
+)
+from tokenmill.kernels.triton.rms import inverse_rms, scale_rounded
+from tokenmill.kernels.triton.rounding import rope_rows
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "min_tiles_per_split"])
+def _paged_attention_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    split_counter_ptr,  # int32 [num_reqs, num_kv_heads], zero between launches (FUSED_MERGE)
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    # ROPE_KV only: this step's un-rotated keys and values, RoPE tables, positions and slots.
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_mapping_ptr,
+    norm_source_ptr,  # NORM_SCALE only: the residual rows q/k/v were projected from, un-normalized
+    stride_norm_source,
+    hidden,
+    norm_eps,
+    scale_log2,  # softmax scale * log2(e): scores live in base 2 so exp2 does the softmax
+    num_reqs,
+    num_kv_splits,
+    min_tiles_per_split,  # >= 1
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_table,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_partial_req,
+    stride_partial_head,
+    stride_partial_split,
+    stride_lse_req,
+    stride_lse_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD (at least 16 rows for tl.dot)
+    BLOCK_N: tl.constexpr,  # KV tokens per tile
+    DECODE: tl.constexpr,  # program axis 0 is the request; only requests with query_len == 1
+    ALL_DECODE: tl.constexpr,  # DECODE, and every request has query_len 1 (no query_start_loc reads)
+    USE_SPLITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,  # the last split program of a (request, KV head) merges
+    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,  # splits the merge reads per round
+    ROPE_KV: tl.constexpr,  # DECODE only: rotate q and k here, store k/v, new token from registers
+    NORM_SCALE: tl.constexpr,  # ROPE_KV only: q/k/v still need the input RMSNorm's 1/rms factor
+    HIDDEN_PAD: tl.constexpr,
+    HALF: tl.constexpr,  # HEAD_DIM // 2
+    ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
+    UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE:
+        req = pid_q
+        q_block_local = 0
+    else:
+        req = _find_request(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q, SCAN_CHUNK=128)
+        q_block_local = pid_q - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+    if ALL_DECODE:
+        q_start = req  # every request has one row: query_start_loc is 0, 1, 2, ...
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if DECODE:
+        if q_len != 1:  # a prefill chunk, or a CUDA-graph padding request with no rows
+            return
+    else:
+        if q_len == 1:  # the decode launch serves it
+            return
+        if q_block_local * BLOCK_Q >= q_len:
+            return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    # This q block sees KV positions [0, kv_end); split `split` takes its share of the tiles.
+    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    tiles_per_split, num_active = _split_plan(kv_end, num_kv_splits, min_tiles_per_split, BLOCK_N)
+    if split >= num_active:  # no tiles for this split (only decodes split): nothing to add
+        return
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_block_local * BLOCK_Q + rows // GROUP_PAD
+    group_idx = rows % GROUP_PAD
+    head = kv_head * GROUP + group_idx
+    row_valid = (q_tok < q_len) & (group_idx < GROUP)
+    token_row = (q_start + q_tok).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    if ROPE_KV:
+        # Start the first tile's page-table and K/V loads before anything else, so their memory
+        # round trips overlap those of q/k/v, the 1/rms reduction and RoPE instead of following
+        # them. Positions up to kv_end - 2 are in the pages; the new token comes from registers.
+        first_key_t, first_value = _load_tile(
+            tile_begin, kv_end - 1, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
+            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N,
+        )  # fmt: skip
+    q = tl.load(
+        q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if ROPE_KV:
+        # One decode token per request: its position, the RoPE table rows, the rotated q rows of
+        # this KV head's group, and the rotated key and the value of this KV head.
+        token = q_start.to(tl.int64)
+        table_row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
+        cos = tl.load(cos_ptr + table_row + dims, mask=dim_valid, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table_row + dims, mask=dim_valid, other=0.0).to(tl.float32)
+        partner = tl.where(dims < HALF, dims + HALF, dims - HALF)  # rotate_half's source dims
+        q_partner = tl.load(
+            q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + partner[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        k_row = k_ptr + token * stride_k_token + kv_head * stride_k_head
+        k_raw = tl.load(k_row + dims, mask=dim_valid, other=0.0)
+        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
+        v_raw = tl.load(
+            v_ptr + token * stride_v_token + kv_head * stride_v_head + dims, mask=dim_valid, other=0.0
+        )
+        if NORM_SCALE:
+            # q/k/v were projected from the un-normalized residual row with the norm weight folded
+            # into the projection: scaling by 1/rms makes them the projection of the normed row,
+            # rounded where the projection's output is rounded.
+            inv_rms = inverse_rms(norm_source_ptr + token * stride_norm_source, hidden, norm_eps, HIDDEN_PAD)
+            q = scale_rounded(q, inv_rms)
+            q_partner = scale_rounded(q_partner, inv_rms)
+            k_raw = scale_rounded(k_raw, inv_rms)
+            k_partner = scale_rounded(k_partner, inv_rms)
+            v_raw = scale_rounded(v_raw, inv_rms)
+        q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
+        k_new = rope_rows(k_raw, k_partner, cos, sin).to(key_cache_ptr.dtype.element_ty)
+        v_new = v_raw.to(value_cache_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    q_pos = context_len + q_tok
+
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows with no key yet.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    loop_begin = tile_begin
+    loop_end = tile_end
+    if ROPE_KV:
+        # The first tile was loaded up front; it takes the new token from registers if it is
+        # also the last one. A split that ends at the last tile otherwise runs that tile after
+        # the loop, likewise; the loop keeps plain loads (software-pipelined).
+        m_i, l_i, acc = _attend_loaded(
+            q, m_i, l_i, acc, first_key_t, first_value, tile_begin, kv_end, q_pos, k_new, v_new, scale_log2,
+            BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+        owns_last = tile_end == num_tiles
+        last_after_loop = owns_last & (tile_begin != num_tiles - 1)
+        loop_begin = tile_begin + 1
+        loop_end = tile_end - last_after_loop.to(tl.int32)
+    else:
+        k_new = dims  # (unused)
+        v_new = dims
+    for tile in range(loop_begin, loop_end):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr, value_cache_ptr,
+            kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block, stride_cache_slot,
+            stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+    if ROPE_KV:  # noqa: SIM102 (owns_last exists only when ROPE_KV)
+        if last_after_loop:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, num_tiles - 1, kv_end, kv_end - 1, q_pos, block_table_row, key_cache_ptr,
+                value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block,
+                stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
+            )  # fmt: skip
+        if owns_last:  # exactly one split per (request, KV head)
+            slot = tl.load(slot_mapping_ptr + q_start)
+            if slot >= 0:  # -1: a CUDA-graph padding request, written nowhere
+                slot_offset = (
+                    (slot // PAGE_SIZE) * stride_cache_block
+                    + (slot % PAGE_SIZE) * stride_cache_slot
+                    + kv_head * stride_cache_head
+                )
+                tl.store(key_cache_ptr + slot_offset + dims, k_new, mask=dim_valid)
+                tl.store(value_cache_ptr + slot_offset + dims, v_new, mask=dim_valid)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if USE_SPLITS:
+        # Partials are per request (only decodes split): [num_reqs, heads, splits, head_dim].
+        req64 = req.to(tl.int64)
+        partial_row = req64 * stride_partial_req + head * stride_partial_head + split * stride_partial_split
+        tl.store(partial_out_ptr + partial_row[:, None] + dims[None, :], result, mask=store_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(
+            partial_lse_ptr + req64 * stride_lse_req + head * stride_lse_head + split,
+            lse,
+            mask=row_valid,
+        )
+        if FUSED_MERGE:
+            if ON_GPU:
+                # Every thread's partial stores are ordered before the count, GPU-wide.
+                tl.inline_asm_elementwise(
+                    "fence.acq_rel.gpu;\n\tmov.u32 $0, 0;",
+                    "=r,r",
+                    [split],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
+            tl.debug_barrier()
+            counter = split_counter_ptr + req64 * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == num_active - 1:
+                _merge_group(
+                    out_ptr,
+                    partial_out_ptr,
+                    partial_lse_ptr,
+                    q_start.to(tl.int64),
+                    req64,
+                    kv_head,
+                    num_active,
+                    stride_out_token,
+                    stride_out_head,
+                    stride_partial_req,
+                    stride_partial_head,
+                    stride_partial_split,
+                    stride_lse_req,
+                    stride_lse_head,
+                    GROUP,
+                    GROUP_PAD,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    SPLITS_PAD,
+                    MERGE_CHUNK,
+                )
+                tl.atomic_xchg(counter, 0)
+    else:
+        out_offset = token_row[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offset, result.to(out_ptr.dtype.element_ty), mask=store_mask)

@@ -1,0 +1,135 @@
+"""The split-KV merge of the paged attention kernel: `_merge_group` (run by the attention launch
+itself with split counters) and `_merge_splits_kernel` (its own launch). See paged_attention.py."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.paged_attention_tiles import _split_plan
+
+
+@triton.jit
+def _merge_group(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    token,  # int64 row of the decode token in out
+    req64,
+    kv_head,
+    num_active,  # the splits that had tiles (the first num_active of them)
+    stride_out_token,
+    stride_out_head,
+    stride_partial_req,
+    stride_partial_head,
+    stride_partial_split,
+    stride_lse_req,
+    stride_lse_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """Combine the split partials of the GROUP query heads of one KV head of one decode request.
+
+    The partials are read MERGE_CHUNK splits at a time ([group, chunk, head_dim] per load), so
+    a merge costs a few memory round trips rather than one per split."""
+    g = tl.arange(0, GROUP_PAD)
+    g_valid = g < GROUP
+    heads = kv_head * GROUP + g
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    lse_base = partial_lse_ptr + req64 * stride_lse_req + heads * stride_lse_head
+    # .cg: written by other SMs; read through L2, never a stale L1 line.
+    lse = tl.load(
+        lse_base[:, None] + splits[None, :],
+        mask=g_valid[:, None] & (splits < num_active)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    lse_max = tl.max(lse, axis=1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row with no keys at all
+    denom = tl.sum(tl.math.exp2(lse - lse_max[:, None]), axis=1)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    partial_base = partial_out_ptr + req64 * stride_partial_req + heads * stride_partial_head
+    chunk = tl.arange(0, MERGE_CHUNK)
+    for s0 in range(0, num_active, MERGE_CHUNK):
+        s = s0 + chunk
+        gs_valid = g_valid[:, None] & (s < num_active)[None, :]
+        weight = tl.math.exp2(
+            tl.load(lse_base[:, None] + s[None, :], mask=gs_valid, other=float("-inf"), cache_modifier=".cg")
+            - lse_max[:, None]
+        )
+        part = tl.load(
+            partial_base[:, None, None] + s[None, :, None] * stride_partial_split + dims[None, None, :],
+            mask=gs_valid[:, :, None] & dim_valid[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        merged += tl.sum(part * weight[:, :, None], axis=1)
+    merged = merged / denom[:, None]
+    tl.store(
+        out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+        merged.to(out_ptr.dtype.element_ty),
+        mask=g_valid[:, None] & dim_valid[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["num_kv_splits", "min_tiles_per_split"])
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_kv_splits,
+    min_tiles_per_split,
+    stride_out_token,
+    stride_out_head,
+    stride_partial_req,
+    stride_partial_head,
+    stride_partial_split,
+    stride_lse_req,
+    stride_lse_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the attention launch's, for its split plan
+):
+    """The merge as a launch of its own, one program per (request, KV head), for callers that
+    pass no split counters; the same `_merge_group` the attention launch runs otherwise."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:  # not served by the decode launch
+        return
+    _, num_active = _split_plan(tl.load(seq_lens_ptr + req), num_kv_splits, min_tiles_per_split, BLOCK_N)
+    _merge_group(
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_start.to(tl.int64),
+        req.to(tl.int64),
+        kv_head,
+        num_active,
+        stride_out_token,
+        stride_out_head,
+        stride_partial_req,
+        stride_partial_head,
+        stride_partial_split,
+        stride_lse_req,
+        stride_lse_head,
+        GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        SPLITS_PAD,
+        MERGE_CHUNK,
+    )
