@@ -422,3 +422,16 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="the thread count is the user's then")
+def test_a_cpu_engine_on_device_auto_leaves_one_core_to_the_api_server(tmp_path, default_model_path):
+    # `serve` leaves device "auto" to the engine process (the API server has no torch): the engine
+    # must resolve it before choosing its thread count, as it did when the API server resolved it.
+    proc = start_server(str(tmp_path), "--max-model-len", "256")
+    try:
+        cores = len(os.sched_getaffinity(0))
+        expected = f"engine on CPU: {max(1, cores - 1)} torch threads of {cores} cores"
+        assert expected in proc.log(), proc.log()
+    finally:
+        proc.stop()

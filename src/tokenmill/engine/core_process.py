@@ -115,8 +115,12 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
 
     try:
         try:
-            _init_torch(config)
+            from tokenmill.args import resolve_device_defaults
             from tokenmill.engine.engine_core import EngineCore
+
+            # The API server leaves device "auto" to this process; the thread count depends on it.
+            config = resolve_device_defaults(config)
+            _init_torch(config)
 
             core = EngineCore(config)
         except Exception as exc:
