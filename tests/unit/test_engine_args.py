@@ -89,12 +89,13 @@ def test_every_field_is_a_flag_with_help_on_every_command(command):
     assert EngineArgs.from_cli_args(args) == EngineArgs(device="cpu")
 
 
-def test_every_flag_of_the_engine_commands_has_help():
+def test_every_flag_of_every_command_has_help():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     bench = commands["bench"]._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     parsers = {"tokenmill": parser, **commands, "bench throughput": bench["throughput"]}
     parsers["bench latency"] = bench["latency"]
+    parsers["bench serve"] = bench["serve"]
     missing = [
         f"{name} {action.option_strings[0]}"
         for name, sub in parsers.items()

@@ -50,8 +50,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)"
     )
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--host", default="127.0.0.1", help="the server's host")
+    server.add_argument("--port", type=int, default=8000, help="the server's port")
     server.add_argument(
         "--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions"
     )
@@ -64,20 +64,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=("random", "prefix-repetition"), default="random")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument(
+        "--dataset-name",
+        choices=("random", "prefix-repetition"),
+        default="random",
+        help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache)",
+    )
+    data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
+    data.add_argument("--random-output-len", type=int, default=128, help="max_tokens (random dataset)")
     data.add_argument(
         "--random-range-ratio",
         type=float,
         default=0.0,
         help="lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1",
     )
-    data.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument(
+        "--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix"
+    )
+    data.add_argument(
+        "--prefix-repetition-suffix-len", type=int, default=256, help="tokens after the prefix, per prompt"
+    )
+    data.add_argument(
+        "--prefix-repetition-num-prefixes", type=int, default=10, help="distinct shared prefixes"
+    )
+    data.add_argument(
+        "--prefix-repetition-output-len", type=int, default=128, help="max_tokens (prefix-repetition)"
+    )
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -93,10 +106,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--ignore-eos", action="store_true", help="ask the server to always generate max tokens"
     )
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     load.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--disable-tqdm", action="store_true")
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
+    load.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
     report = parser.add_argument_group("report")
     report.add_argument(
@@ -107,7 +120,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     report.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 90,99")
     report.add_argument("--save-result", action="store_true", help="write a JSON result per run")
-    report.add_argument("--result-dir", default=DEFAULT_RESULTS_DIR)
+    report.add_argument("--result-dir", default=DEFAULT_RESULTS_DIR, help="where --save-result writes")
     report.add_argument("--result-filename", default=None, help="base file name (a sweep appends -c<N>)")
     report.add_argument(
         "--plot",
