@@ -9,7 +9,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.kernels.cpu.build import cpu_kernels_available
-from tokenmill.model.layers.quantized_linear import QuantizedBlocks, quantized_linear, split_rows
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, quantized_linear, split_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
 
@@ -70,8 +70,9 @@ def test_quant_gemv_refuses_bad_shapes_naming_them() -> None:
 
 
 def test_steps_of_more_rows_than_this_build_serves_keep_the_float32_weights() -> None:
+    from tokenmill.kernels.cpu.quant_gemv import rows_limit
     from tokenmill.model.layers.linear import ReplicatedLinear
-    from tokenmill.model.layers.quantized_linear import attach_quantized_blocks, rows_limit
+    from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
 
     limit = rows_limit()
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):

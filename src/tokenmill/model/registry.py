@@ -90,7 +90,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:
     if not available:
         logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
         return
-    from tokenmill.model.layers.quantized_linear import rows_limit
+    from tokenmill.kernels.cpu.quant_gemv import rows_limit
 
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")

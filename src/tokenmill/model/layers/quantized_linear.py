@@ -13,61 +13,15 @@ not the bytes, is the cost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, quantized_linear, rows_limit
 from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.linear import LinearBase
-
-# Steps of up to `rows_limit()` rows use the blocks. With AVX-512 the kernel dequantizes each block
-# once for up to 4 rows, which is most of its work: a 3072 x 576 Q4_1 matmul on one core took 325 /
-# 406 / 486 / 591 us for 1-4 rows against ~820 us for the float32 oneDNN path at any of those, and
-# 1112 against 952 at 8 rows (BENCHMARKS.md). An AVX2 build serves one row; a scalar one none.
-_rows_limit: int | None = None
-
-
-def rows_limit() -> int:
-    """Rows a step may have to use the blocks on this build of the kernels (0: never)."""
-    global _rows_limit
-    if _rows_limit is None:
-        _rows_limit = int(torch.ops.tokenmill_cpu.quant_gemv_rows())
-    return _rows_limit
-
-
-# Bytes of one block of 32 weights and, at its start, of its float16 scales (d; d and m for Q4_1).
-_BLOCK_BYTES = {0: 20, 1: 34}  # kernel code -> bytes: Q4_1, Q8_0
-_SCALE_BYTES = {0: 4, 1: 2}
-
-
-@dataclass(frozen=True, slots=True)
-class QuantizedBlocks:
-    blocks: torch.Tensor  # uint8 [out_features, row_bytes] in the kernel's layout (split_rows)
-    quant_type: int  # the kernel's code: 0 = Q4_1, 1 = Q8_0
-    out_features: int
-
-
-def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
-    """GGUF block rows [N, blocks * block_bytes] -> the kernel's layout: per row, every block's
-    quants, then every block's d (then every block's m, for Q4_1); same size, a new array."""
-    n = rows.shape[0]
-    block_bytes, scale_bytes = _BLOCK_BYTES[quant_type], _SCALE_BYTES[quant_type]
-    blocks = rows.reshape(n, -1, block_bytes)
-    scales = blocks[:, :, :scale_bytes].reshape(n, -1, scale_bytes // 2, 2).swapaxes(1, 2)
-    return np.concatenate([blocks[:, :, scale_bytes:].reshape(n, -1), scales.reshape(n, -1)], axis=1)
-
-
-def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]."""
-    out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
-    torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
-    if bias is not None:
-        out += bias
-    return out
 
 
 class GGUFBlocksMethod(WrappingLinearMethod):

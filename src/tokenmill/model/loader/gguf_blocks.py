@@ -13,8 +13,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, split_rows
 from tokenmill.model.layers.linear import LinearBase, ShardId
-from tokenmill.model.layers.quantized_linear import QuantizedBlocks, attach_quantized_blocks, split_rows
+from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
 
 
 class _MapsWeightsToLinears(Protocol):

@@ -10,7 +10,7 @@
 // Blocks (ggml): Q4_1 = {half d, half m, uint8 qs[16]}: weight j = d * q_j + m, with
 // q_j = qs[j] & 15 and q_{j+16} = qs[j] >> 4. Q8_0 = {half d, int8 qs[32]}: weight = d * q.
 // `blocks` is [N, row_bytes] uint8, one row per output feature, each row split by kind so the
-// loads are aligned and the scales convert 8 at a time (layers/quantized_linear.split_rows):
+// loads are aligned and the scales convert 8 at a time (kernels/cpu/quant_gemv.split_rows):
 // Q4_1 rows = [qs of every block][d of every block][m of every block] (20 bytes a block),
 // Q8_0 rows = [qs of every block][d of every block] (34 bytes a block).
 
