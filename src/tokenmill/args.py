@@ -182,10 +182,7 @@ class EngineArgs:
         from tokenmill.chat_template import load_chat_template
 
         _check_device_name(self.device)
-        if self.max_num_batched_tokens is not None:
-            self._check(self.max_num_batched_tokens)
-        else:
-            self._check(1)
+        self._check()
         names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
         config = EngineConfig(
             model=ModelConfig(
@@ -222,11 +219,11 @@ class EngineArgs:
         self._log(config)
         return config
 
-    def _check(self, max_num_batched_tokens: int) -> None:
+    def _check(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
