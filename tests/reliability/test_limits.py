@@ -159,8 +159,8 @@ def test_request_timeout_returns_what_was_generated_with_finish_reason_abort():
     async def scenario(fs: FakeServer) -> None:
         body = {"prompt": "hi", "max_tokens": 120, "ignore_eos": True}
         started = time.monotonic()
-        r = await fs.client.post(COMPLETIONS, json=body)  # the server's --request-timeout: 0.3 s
-        assert 0.25 < time.monotonic() - started < 2
+        r = await fs.client.post(COMPLETIONS, json=body)  # the server's --request-timeout: 0.6 s
+        assert 0.55 < time.monotonic() - started < 2
         choice = r.json()["choices"][0]
         assert r.status_code == 200 and choice["finish_reason"] == "abort"
         assert choice["text"] and 0 < r.json()["usage"]["completion_tokens"] < 120
@@ -168,7 +168,7 @@ def test_request_timeout_returns_what_was_generated_with_finish_reason_abort():
         # The request's own request_timeout may shorten the server's, never lengthen it.
         started = time.monotonic()
         r = await fs.client.post(CHAT, json=chat_body(max_tokens=80, ignore_eos=True, request_timeout=0.05))
-        assert r.json()["choices"][0]["finish_reason"] == "abort" and time.monotonic() - started < 0.25
+        assert r.json()["choices"][0]["finish_reason"] == "abort" and time.monotonic() - started < 0.45
         started = time.monotonic()
         r = await fs.client.post(CHAT, json=chat_body(max_tokens=80, ignore_eos=True, request_timeout=60))
         assert r.json()["choices"][0]["finish_reason"] == "abort" and time.monotonic() - started < 2
@@ -189,7 +189,9 @@ def test_request_timeout_returns_what_was_generated_with_finish_reason_abort():
         assert sorted(fs.engine.core.aborted) == sorted(fs.engine.core.added)
         assert fs.engine.num_unfinished == 0 and not fs.engine.core.running
 
-    run(scenario, step_s=0.01, request_timeout=0.3)
+    # 0.6 s, not 0.3: the 0.05 s request_timeout's reply (~0.055 s) once took 0.29 s in a fresh-clone
+    # CI run (cause not traced), past the old 0.25 s bound; it must still end well before the server's.
+    run(scenario, step_s=0.01, request_timeout=0.6)
 
 
 def test_max_queue_time_aborts_requests_that_never_start():
