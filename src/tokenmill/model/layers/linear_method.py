@@ -72,10 +72,17 @@ class LinearMethod:
     ) -> torch.Tensor:
         """`x @ W.T + bias`, converted to `out_dtype`; with `residual`, `residual + that` (in place
         in `residual` where the method can, and returned)."""
-        y = F.linear(x, layer.weight, bias)
-        if residual is not None:
-            return residual.add_(y)
-        return y if out_dtype is None else y.to(out_dtype)
+        return finish_product(F.linear(x, layer.weight, bias), residual, out_dtype)
+
+
+def finish_product(
+    y: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """What `apply` returns for a product `y` computed without an epilogue: `residual + y` in place
+    in `residual`, else `y` converted to `out_dtype`."""
+    if residual is not None:
+        return residual.add_(y)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class WrappingLinearMethod(LinearMethod):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.layers.linear import LinearBase
-from tokenmill.model.layers.linear_method import LinearMethod
+from tokenmill.model.layers.linear_method import LinearMethod, finish_product
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,4 @@ class OneDNNLinearMethod(LinearMethod):
             y = F.linear(x, plain, bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-        if residual is not None:
-            return residual.add_(y)
-        return y if out_dtype is None else y.to(out_dtype)
+        return finish_product(y, residual, out_dtype)

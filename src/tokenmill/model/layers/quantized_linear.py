@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, quantized_linear, rows_limit
-from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod
+from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod, finish_product
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.linear import LinearBase
@@ -45,10 +45,7 @@ class GGUFBlocksMethod(WrappingLinearMethod):
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         if x.dtype == torch.float32 and x.shape[0] <= rows_limit():
-            y = quantized_linear(x, self.blocks, bias)
-            if residual is not None:
-                return residual.add_(y)
-            return y if out_dtype is None else y.to(out_dtype)
+            return finish_product(quantized_linear(x, self.blocks, bias), residual, out_dtype)
         return self.inner.apply(layer, x, bias, residual, out_dtype)
 
 
