@@ -6,10 +6,74 @@ Pure Python (no torch): the scheduler and the API server both read these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One output constraint (exactly one of the first six fields), vLLM's `structured_outputs`.
+
+    Plain data (msgspec carries it to the engine core, where a grammar backend compiles it). The
+    API server fills it from `response_format`, `structured_outputs`, `guided_*` and forced tool
+    choices; offline users pass it in `SamplingParams(structured_outputs=...)`.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON Schema (object or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF / GBNF
+    json_object: bool | None = None  # any JSON object
+    structural_tag: str | None = None  # JSON text of a structural tag (triggers + schemas)
+    # Compact JSON (no free whitespace between tokens): keeps a sampled model from rambling in
+    # whitespace; vLLM's `disable_any_whitespace`.
+    disable_any_whitespace: bool = False
+    # The constraint starts once the output contains this token sequence (a reasoning model's
+    # end-of-thinking marker, set by the server's reasoning parser); empty: from the first token.
+    start_after_token_ids: list[int] = field(default_factory=list)
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is ("json", "regex", ...)."""
+        for name in self.KINDS:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                return name
+        raise AssertionError("validate() guarantees one constraint")
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+    def validate(self) -> None:
+        given = [n for n in self.KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {', '.join(given) if given else 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                param="structured_outputs.choice",
+            )
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a non-empty string", param=f"structured_outputs.{name}"
+                )
 
 
 @dataclass(slots=True)
@@ -34,6 +98,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Logits processors (vLLM's names): added to the logits of these token ids; only these ids may
+    # be sampled; token sequences that must not be generated (their last token is banned while the
+    # output ends with the others).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,19 +133,33 @@ class SamplingParams:
     @property
     def needs_output_history(self) -> bool:
         """Sampling reads the request's earlier output tokens (penalties, the min_tokens ban)."""
-        return self.has_penalties or self.min_tokens > 0
+        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
     @property
     def needs_host_history(self) -> bool:
         """A step needs the previous step's tokens on the host first (no step overlap then):
-        the output history above, or prompt logprobs (computed with host syncs)."""
-        return self.needs_output_history or self.prompt_logprobs is not None
+        the output history above, prompt logprobs (computed with host syncs), or a grammar (its
+        matcher must see the previous token before it can fill this step's mask)."""
+        return (
+            self.needs_output_history or self.prompt_logprobs is not None or self.structured_outputs is not None
+        )
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """logit_bias, allowed_token_ids or bad words change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes the argmax or asks for more than the token: no
-        penalties, no min_tokens ban, no logprobs. Such a batch samples with one argmax."""
-        return self.is_greedy and self.logprobs is None and not self.needs_output_history
+        penalties, no min_tokens ban, no logits processors, no logprobs. Such a batch samples with one
+        argmax. (A grammar does not count: its mask is applied to the logits before any sampling.)"""
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and not self.needs_output_history
+            and not self.has_logits_processors
+        )
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
