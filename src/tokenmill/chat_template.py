@@ -67,7 +67,17 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return normalized
 
 
-def render_chat(
+def template_text(tokenizer: Any, chat_template: str | None) -> str:
+    """The template a render would use: the request's, else the tokenizer's (or "" if none)."""
+    if chat_template is not None:
+        return chat_template
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates: all of them count
+        return "\n".join(template.values())
+    return template
+
+
+def render_chat_text(
     tokenizer: Any,
     messages: Any,
     *,
@@ -75,7 +85,9 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+) -> str:
     normalized = _normalize_messages(messages)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -85,16 +97,30 @@ def render_chat(
     if continue_final_message and add_generation_prompt:
         add_generation_prompt = False  # continuing the last message and opening a new one contradict
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             normalized,
             chat_template=chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
             **(chat_template_kwargs or {}),
         )
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise InvalidRequestError(
             f"the chat template could not render these messages: {exc}", param="messages"
         ) from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Any,
+    *,
+    add_special_tokens: bool = False,
+    **kwargs: Any,
+) -> list[int]:
+    """Messages -> prompt token ids (render_chat_text's keywords; special tokens only when asked,
+    since templates write them)."""
+    text = render_chat_text(tokenizer, messages, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill import __version__
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE
+from tokenmill.server.chat_prompt import render_chat_prompt
 from tokenmill.server.openapi import document_request_bodies
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -317,15 +318,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         def tokenize_body() -> tuple[list[int], list[str] | None]:
             if isinstance(body, TokenizeChatRequest):
-                from tokenmill.chat_template import render_chat
-
-                tokens = render_chat(
-                    tokenizer,
-                    body.messages_for_template(),
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                )
+                tokens = render_chat_prompt(state, body).token_ids
             else:
                 tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             return tokens, tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None

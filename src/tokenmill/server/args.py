@@ -139,3 +139,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds an idle kept-alive connection stays open",
     )
+    add_tool_and_reasoning_args(parser)
+
+
+def add_tool_and_reasoning_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let requests with tools and tool_choice 'auto' (the default with tools) have the model "
+        "decide whether to call one; needs --tool-call-parser to read the calls from its output",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how this model writes tool calls: hermes, llama3_json, mistral or pythonic",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="how this model marks its reasoning (deepseek_r1, qwen3): moved into reasoning_content, "
+        "and output constraints apply after it",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in requests (else such a request is refused with 400)",
+    )

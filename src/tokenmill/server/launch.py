@@ -124,6 +124,11 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         max_header_bytes=args.max_header_bytes,
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
         enable_debug_endpoints=args.enable_debug_endpoints,
+        scheduling_policy=config.scheduler.policy,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     uv_config = make_uvicorn_config(
         create_app(state),

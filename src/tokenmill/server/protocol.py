@@ -1,6 +1,7 @@
 """OpenAI-compatible request and response bodies (pydantic v2), plus tokenmill's extras.
 
-Requests ignore unknown fields (OpenAI clients send extras freely) and reject non-finite floats.
+Requests accept unknown fields (OpenAI clients send extras freely) and log each name once; fields
+tokenmill knows but cannot honour are refused by name (400); non-finite floats are rejected.
 Shape and type errors surface as pydantic `ValidationError`s; `parse_request` turns them into an
 `InvalidRequestError` whose `param` names the field. Range checks on sampling values live in
 `SamplingParams.validate`, reached through `to_sampling_params`.
@@ -16,14 +17,22 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
-from tokenmill.server.protocol_base import MAX_MESSAGES, OpenAIModel, RequestModel, SamplingFields, random_id
+from tokenmill.server.protocol_base import (
+    MAX_MESSAGES,
+    OpenAIModel,
+    RequestModel,
+    SamplingFields,
+    random_id,
+    refuse,
+)
 
 # Re-exported: the input limits and shared request parts live in protocol_base.py.
 from tokenmill.server.protocol_base import MAX_N as MAX_N
 from tokenmill.server.protocol_base import MAX_STOP_SEQUENCE_CHARS as MAX_STOP_SEQUENCE_CHARS
 from tokenmill.server.protocol_base import MAX_STOP_SEQUENCES as MAX_STOP_SEQUENCES
-from tokenmill.server.protocol_base import ResponseFormat as ResponseFormat
 from tokenmill.server.protocol_base import StreamOptions as StreamOptions
+from tokenmill.server.protocol_structured import ResponseFormat as ResponseFormat
+from tokenmill.server.protocol_tools import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
 
 # --------------------------------------------------------------------------- chat requests
 
@@ -45,6 +54,9 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (some templates show it)
 
     def text(self) -> str:
         if self.content is None:
@@ -59,6 +71,15 @@ class ChatTemplateFields(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # A template of the request's own: only with --trust-request-chat-template (it runs in the
+    # server, sandboxed, but costs what it costs to render).
+    chat_template: str | None = Field(default=None, min_length=1, max_length=65536)
+    tools: list[ChatTool] | None = Field(default=None, min_length=1, max_length=256)
+    # Retrieval documents for templates that take them (a list of objects, usually title + text).
+    documents: list[dict[str, Any]] | None = None
+    # Chat templates read it (gpt-oss style); refused when the model's template does not.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    add_special_tokens: bool = False  # the chat template already adds them
 
     @model_validator(mode="after")
     def _one_of_generation_prompt_or_continue(self) -> ChatTemplateFields:
@@ -68,28 +89,62 @@ class ChatTemplateFields(RequestModel):
             raise ValueError("continue_final_message needs the last message to be from the assistant")
         return self
 
-    def messages_for_template(self) -> list[dict[str, str]]:
+    def messages_for_template(self) -> list[dict[str, Any]]:
         """Messages as plain dicts with string content, the shape chat templates expect."""
         out = []
         for m in self.messages:
-            entry = {"role": m.role, "content": m.text()}
+            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 entry["name"] = m.name
+            if m.tool_calls:
+                entry["tool_calls"] = [call.for_template() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                entry["reasoning_content"] = m.reasoning_content
             out.append(entry)
         return out
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Refused by name: OpenAI's deprecated function calling and its multimodal / hosted options.
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    @model_validator(mode="after")
+    def _refuse_unsupported_chat_fields(self) -> ChatCompletionRequest:
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise refuse(name, "the deprecated function-calling fields are not served; use tools and tool_choice")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise refuse("modalities", "this server produces text only; send [\"text\"] or leave it out")
+        for name in ("audio", "prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise refuse(name, "this server serves text generation from one model, nothing else")
+        return self
+
+    def to_sampling_params(
+        self, default_max_tokens: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
 
 # --------------------------------------------------------------------------- completions requests
@@ -133,12 +188,23 @@ class CompletionRequest(SamplingFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_tokens or default_max_tokens
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
+
+    @field_validator("prompt_embeds")
+    @classmethod
+    def _refuse_prompt_embeds(cls, embeds: Any) -> Any:
+        if embeds is not None:
+            raise ValueError("prompt_embeds is not supported; send text or token ids")
+        return embeds
+
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        defaults = defaults or {}
+        max_tokens = self.max_tokens or defaults.get("max_tokens") or default_max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echoed prompt tokens carry logprobs too
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 # --------------------------------------------------------------------------- responses
@@ -205,6 +271,8 @@ class ChatCompletionLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIModel):
@@ -222,11 +290,21 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's extra: the prompt's logprobs when the request asked (prompt_logprobs); position 0: null.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class PromptLogprob(OpenAIModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):
@@ -281,7 +359,6 @@ class TokenizeCompletionRequest(RequestModel):
 
 class TokenizeChatRequest(ChatTemplateFields):
     model: str | None = None
-    add_special_tokens: bool = False  # the chat template already adds them
     return_token_strs: bool = False
 
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.server.protocol_structured import StructuredOutputFields
+from tokenmill.server.request_model import OpenAIModel as OpenAIModel
+from tokenmill.server.request_model import RequestModel as RequestModel
+from tokenmill.server.request_model import refuse
 
 # Input limits: requests beyond them are refused with 400 before they reach the engine.
 MAX_N = 64
@@ -25,34 +29,21 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI's schema marks most fields nullable and clients do send `"n": null`: null = unset.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
 # --------------------------------------------------------------------------- shared request parts
 
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    # Every chunk carries the usage so far (vLLM's extra), not only the last one.
+    continuous_usage_stats: bool = False
 
 
-class ResponseFormat(RequestModel):
-    type: str = "text"
+# Sampling fields the server fills from the model's generation config when a request leaves them
+# unset (request field -> SamplingParams field).
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
-class SamplingFields(RequestModel):
+class SamplingFields(StructuredOutputFields):
     """Fields shared by chat and completions requests."""
 
     model: str | None = None
@@ -66,9 +57,19 @@ class SamplingFields(RequestModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
+    # OpenAI fields that change nothing in a self-hosted engine: accepted (docs/API.md lists them).
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # OpenAI / vLLM fields tokenmill knows and cannot honour: refused by name (see _refuse_unsupported).
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
     # Extras (vLLM's names).
     top_k: int | None = Field(default=None, le=_INT64_MAX)  # msgpack to the engine holds 64 bits
     min_p: float | None = None
@@ -83,6 +84,13 @@ class SamplingFields(RequestModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     request_timeout: float | None = Field(default=None, gt=0)  # seconds
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = None
+    # Keep only the last N prompt tokens (vLLM's; -1: as many as the context allows).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # Logprob tokens as "token_id:N" (clients that cannot handle partial UTF-8 tokens).
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -99,17 +107,20 @@ class SamplingFields(RequestModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _reject_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
-        if logit_bias:
-            raise ValueError("logit_bias is not supported; send null or {}")
+    def _check_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return logit_bias
 
-    @field_validator("response_format")
+    @field_validator("bad_words")
     @classmethod
-    def _only_text_format(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
-        if fmt is not None and fmt.type != "text":
-            raise ValueError(f"response_format type {fmt.type!r} is not supported; only 'text' is")
-        return fmt
+    def _check_bad_words(cls, words: list[str] | None) -> list[str] | None:
+        if words is not None and any(not w.strip() for w in words):
+            raise ValueError("bad_words must be non-empty strings")
+        return words
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -117,31 +128,62 @@ class SamplingFields(RequestModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingFields:
+        if self.best_of is not None and self.best_of != self.n:
+            raise refuse("best_of", f"tokenmill returns every sequence it samples; send n={self.best_of} instead")
+        if self.use_beam_search:
+            raise refuse("use_beam_search", "beam search is not implemented; sample with n instead")
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            raise refuse("length_penalty", "it only applies to beam search, which is not implemented")
+        for name in ("logits_processors", "kv_transfer_params", "vllm_xargs"):
+            if getattr(self, name) not in (None, [], {}):
+                raise refuse(name, "this server has no such plug-in")
+        return self
+
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """`max_tokens` is the request's (None: unset); `defaults` the model's generation config
+        values for fields the request leaves unset (DEFAULTABLE_FIELDS)."""
+        defaults = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=pick(max_tokens, "max_tokens", None),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            structured_outputs=self.structured_outputs_params(),
         )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tokenmill.chat_template import render_chat
+from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs
+from tokenmill.server.chat_output import ChatOutputParsing, has_content
+from tokenmill.server.chat_prompt import render_chat_prompt
+from tokenmill.server.chat_tools import plan_tools
 from tokenmill.server.protocol import (
     SSE_DONE,
     ChatCompletionLogprob,
@@ -18,52 +21,50 @@ from tokenmill.server.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    PromptLogprob,
+    UsageInfo,
     random_id,
     sse_event,
 )
+from tokenmill.server.request_fields import finish_sampling_params, generation_defaults
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
     PreparedPrompt,
     RunStatus,
     admit,
+    check_constraint_compiles,
     fail_fast,
     finish_event,
     generate_all,
     make_usage,
     raise_if_never_started,
     stream_failure_event,
+    token_namer,
     tokenize_off_loop,
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
 
 
-def prepare_chat_prompt(state: ServerState, request: ChatCompletionRequest) -> PreparedPrompt:
-    token_ids = render_chat(
-        state.tokenizer("messages"),
-        request.messages_for_template(),
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
-        chat_template_kwargs=request.chat_template_kwargs,
-    )
-    return PreparedPrompt(text=None, token_ids=token_ids)
-
-
 def _chat_logprobs(
-    state: ServerState, positions: list[PositionLogprobs], token_ids: list[int], k: int
+    state: ServerState,
+    positions: list[PositionLogprobs],
+    token_ids: list[int],
+    k: int,
+    as_token_ids: bool = False,
 ) -> ChatCompletionLogprobs:
-    decode = state.engine.output_processor.decode_token  # type: ignore[union-attr]
+    name = token_namer(state, as_token_ids)
     content = []
     for token_id, position in zip(token_ids, positions, strict=False):
-        token = decode(token_id)
+        token = name(token_id, None)
         chosen = position.get(token_id)
         ranked = sorted(
             (lp.rank, tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k
         )
         top = [
             ChatCompletionLogprob(
-                token=lp.decoded_token or decode(tid),
+                token=name(tid, lp.decoded_token),
                 logprob=lp.logprob,
                 bytes=list((lp.decoded_token or "").encode()),
             )
@@ -80,17 +81,48 @@ def _chat_logprobs(
     return ChatCompletionLogprobs(content=content)
 
 
+def _prompt_logprobs(
+    state: ServerState, positions: list[PositionLogprobs | None] | None, as_token_ids: bool
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of a chat response: per prompt position, token id -> logprob."""
+    if positions is None:
+        return None
+    name = token_namer(state, as_token_ids)
+    return [
+        None
+        if position is None
+        else {
+            str(tid): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=name(tid, lp.decoded_token))
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]
+
+
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
     """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
-    params = request.to_sampling_params(None)  # type: ignore[arg-type]  # None: up to the context length
+    params = request.to_sampling_params(None, generation_defaults(state))  # None: up to the context length
+    finish_sampling_params(state, request, params)
+    tool_plan = plan_tools(state, request)
+    constraint_param = request.constraint_param
+    if tool_plan.constraint is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(
+                f"tool_choice {tool_plan.choice_name} already constrains the output; leave out {constraint_param}",
+                param=constraint_param,
+            )
+        params.structured_outputs = tool_plan.constraint
+        constraint_param = "tool_choice"
     num_chars = sum(len(m.text()) for m in request.messages)
-    prompt = await tokenize_off_loop(num_chars, prepare_chat_prompt, state, request)
+    chat_prompt = await tokenize_off_loop(num_chars, render_chat_prompt, state, request)
+    parsing = ChatOutputParsing.build(state, request, tool_plan, chat_prompt.text, params)
+    prompt = PreparedPrompt(text=None, token_ids=chat_prompt.token_ids)
     validate_prompts(state, [prompt], params, request.priority, request.cache_salt)
-    request_id = random_id("chatcmpl")
+    request_id = request.request_id or random_id("chatcmpl")
     model = request.model or state.model_names[0]
     choices = [ChoiceState(index=j) for j in range(params.n)]
-    status = admit(state, [prompt], params, request.request_timeout)
+    status = admit(state, [prompt], params, request.request_timeout, constraint_param)
     outputs = generate_all(
         state,
         request_id,
@@ -102,10 +134,13 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     )
     top_k = request.top_logprobs or 0
     if request.stream:
-        events = _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k)
+        if params.structured_outputs is not None:
+            outputs = await check_constraint_compiles(outputs, status)
+        events = _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k, parsing)
         return EventStream(events, status)
 
     cached = 0
+    prompt_positions = None
     try:
         async for _, out in outputs:
             completion = out.outputs[0]
@@ -114,27 +149,39 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
             choice.token_ids.extend(completion.token_ids)
             if completion.logprobs:
                 choice.logprobs.extend(completion.logprobs)
+            if out.prompt_logprobs:
+                prompt_positions = out.prompt_logprobs
             if out.finished:
                 choice.finish_reason = completion.finish_reason
                 choice.stop_reason = completion.stop_reason
                 choice.error = out.error
                 cached = max(cached, out.num_cached_tokens)
-                fail_fast(choice, len(choices))
+                fail_fast(choice, len(choices), constraint_param)
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]  # left early: aborts the rest
     raise_if_never_started(status, choices)
-    response_choices = [
-        ChatCompletionResponseChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_chat_logprobs(state, c.logprobs, c.token_ids, top_k) if request.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    response_choices = []
+    for c in choices:
+        parsed = parsing.parse(c.text)
+        response_choices.append(
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatResponseMessage(
+                    content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=parsed.tool_calls
+                ),
+                logprobs=_chat_logprobs(state, c.logprobs, c.token_ids, top_k, request.return_tokens_as_token_ids)
+                if request.logprobs
+                else None,
+                finish_reason=parsing.finish_reason(c.finish_reason, bool(parsed.tool_calls)),
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in choices
-    ]
     return ChatCompletionResponse(
-        id=request_id, model=model, choices=response_choices, usage=make_usage([prompt], choices, cached)
+        id=request_id,
+        model=model,
+        choices=response_choices,
+        usage=make_usage([prompt], choices, cached),
+        prompt_logprobs=_prompt_logprobs(state, prompt_positions, request.return_tokens_as_token_ids),
     )
 
 
@@ -148,12 +195,15 @@ async def _stream(
     outputs: AsyncIterator,
     status: RunStatus,
     top_k: int,
+    parsing: ChatOutputParsing,
 ) -> AsyncIterator[str]:
-    def chunk(index: int, delta: DeltaMessage, **fields) -> str:
+    def chunk(index: int, delta: DeltaMessage, usage: UsageInfo | None = None, **fields) -> str:
         choice = ChatCompletionStreamChoice(index=index, delta=delta, **fields)
-        return sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+        return sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
 
     cached = 0
+    streams = [parsing.stream() for _ in choices]
+    continuous_usage = request.continuous_usage_stats
     try:
         for choice in choices:
             yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
@@ -161,12 +211,18 @@ async def _stream(
             completion = out.outputs[0]
             choice = choices[completion.index]
             choice.token_ids.extend(completion.token_ids)
+            stream = streams[completion.index]
+            delta = stream.feed(completion.text) if completion.text else DeltaMessage()
+            if out.finished:
+                delta = stream.finish(delta)
             wants_logprobs = request.logprobs and bool(completion.logprobs)
-            if not completion.text and not out.finished and not wants_logprobs:
+            if not out.finished and not wants_logprobs and not has_content(delta):
                 continue
             logprobs = None
             if wants_logprobs:
-                logprobs = _chat_logprobs(state, list(completion.logprobs), completion.token_ids, top_k)
+                logprobs = _chat_logprobs(
+                    state, list(completion.logprobs), completion.token_ids, top_k, request.return_tokens_as_token_ids
+                )
             if out.finished:
                 cached = max(cached, out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
@@ -175,9 +231,12 @@ async def _stream(
                     yield event
             yield chunk(
                 choice.index,
-                DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
+                delta,
+                make_usage([prompt], choices, cached) if continuous_usage else None,
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason if out.finished else None,
+                finish_reason=parsing.finish_reason(completion.finish_reason, stream.tools_called)
+                if out.finished
+                else None,
                 stop_reason=completion.stop_reason if out.finished else None,
             )
         if request.include_usage_in_stream:

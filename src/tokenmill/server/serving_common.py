@@ -62,6 +62,8 @@ class RunStatus:
     timed_out: bool = False
     # (prompt index, sample index) of the sequences the queue-time limit aborted before they started.
     queue_expired: set[tuple[int, int]] = field(default_factory=set)
+    # The request field its output constraint came from: the engine's compile errors name it.
+    constraint_param: str | None = None
 
     def release(self) -> None:
         self.ticket.release()
@@ -72,7 +74,11 @@ class RunStatus:
 
 
 def admit(
-    state: ServerState, prompts: list[PreparedPrompt], params: SamplingParams, requested_timeout: float | None
+    state: ServerState,
+    prompts: list[PreparedPrompt],
+    params: SamplingParams,
+    requested_timeout: float | None,
+    constraint_param: str | None = None,
 ) -> RunStatus:
     """Admission control (429 when too much is waiting), then the request's deadlines."""
     ticket = state.admission.admit([len(p.token_ids) for p in prompts], params.n)
@@ -80,7 +86,36 @@ def admit(
         ticket=ticket,
         timeout_s=request_timeout(state, requested_timeout),
         queue_timeout_s=state.max_queue_time,
+        constraint_param=constraint_param,
     )
+
+
+async def check_constraint_compiles(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], status: RunStatus
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """For a stream with an output constraint: waits for the first output before the response starts,
+    so that a constraint the engine cannot compile is a 400 like any other bad field, not an error
+    event inside a 200 stream. Returns the outputs, the first one included."""
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        return outputs
+    _, out = first
+    if out.finished and out.outputs[0].finish_reason == "error":
+        error = sequence_error(out.outputs[0].index, out.error, status.constraint_param)
+        if isinstance(error, InvalidRequestError):
+            await outputs.aclose()  # type: ignore[attr-defined]
+            raise error
+
+    async def chained() -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        try:
+            yield first
+            async for item in outputs:
+                yield item
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+
+    return chained()
 
 
 class EventStream:
@@ -206,6 +241,15 @@ async def generate_all(
         await asyncio.gather(*tasks, *timers, return_exceptions=True)
 
 
+def token_namer(state: ServerState, as_token_ids: bool) -> Callable[[int, str | None], str]:
+    """How logprobs name a token: its text, or "token_id:N" (return_tokens_as_token_ids, for
+    clients that cannot take tokens that are partial UTF-8)."""
+    if as_token_ids:
+        return lambda token_id, _decoded: f"token_id:{token_id}"
+    decode = state.engine.output_processor.decode_token  # type: ignore[union-attr]
+    return lambda token_id, decoded: decoded if decoded is not None else decode(token_id)
+
+
 def make_usage(prompts: list[PreparedPrompt], choices: list[ChoiceState], cached_tokens: int) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -251,7 +295,7 @@ def finish_event(status: RunStatus, prompt_index: int, choice_index: int, out: R
     """The error event that goes before a sequence's last chunk when it did not end normally."""
     completion = out.outputs[0]
     if completion.finish_reason == "error":
-        return exception_event(sequence_error(choice_index, out.error))
+        return exception_event(sequence_error(choice_index, out.error, status.constraint_param))
     if completion.finish_reason == "abort":
         if (prompt_index, completion.index) in status.queue_expired:
             return queue_timeout_event(status)
@@ -276,11 +320,16 @@ REQUEST_ERROR_MARKERS = (
     ("more than max_model_len", "prompt"),  # the prompt alone is longer than the context
     ("but the whole pool has", "max_tokens"),  # more KV blocks than the whole pool
 )
+# The engine's error for a constraint it cannot compile (engine/structured_output): a 400 naming
+# the field the constraint came from.
+CONSTRAINT_ERROR_PREFIX = "invalid structured output: "
 
 
-def sequence_error(choice_index: int, reason: str | None) -> TokenmillError:
+def sequence_error(choice_index: int, reason: str | None, constraint_param: str | None = None) -> TokenmillError:
     """What one choice that ended with finish_reason "error" tells its client: the same status,
     type, param and message in a stream's error event and as a non-streaming response."""
+    if reason and reason.startswith(CONSTRAINT_ERROR_PREFIX):
+        return InvalidRequestError(reason, param=constraint_param or "structured_outputs")
     message = f"choice {choice_index} failed: {reason or 'unknown error'}"
     for marker, param in REQUEST_ERROR_MARKERS:
         if reason and marker in reason:
@@ -288,16 +337,16 @@ def sequence_error(choice_index: int, reason: str | None) -> TokenmillError:
     return GenerationError(message)
 
 
-def fail_fast(choice: ChoiceState, num_choices: int) -> None:
+def fail_fast(choice: ChoiceState, num_choices: int, constraint_param: str | None = None) -> None:
     """Non-streaming: a response cannot carry both an error and choices, so a choice that ended with
     finish_reason "error" makes the whole response its error, at once. The handler's loop closes
     generate_all as this leaves it, which aborts the other sequences in the engine instead of
     generating them for nobody."""
     if choice.finish_reason != "error":
         return
-    error = sequence_error(choice.index, choice.error)
+    error = sequence_error(choice.index, choice.error, constraint_param)
     others = num_choices - 1
-    if others:
+    if others and not (choice.error or "").startswith(CONSTRAINT_ERROR_PREFIX):
         what = "choice was" if others == 1 else "choices were"
         error.message += f"; the request's {others} other {what} discarded"
     raise error

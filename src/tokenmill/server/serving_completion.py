@@ -13,21 +13,25 @@ from tokenmill.server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    UsageInfo,
     random_id,
     sse_event,
 )
+from tokenmill.server.request_fields import finish_sampling_params, generation_defaults, truncate_prompt
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
     PreparedPrompt,
     RunStatus,
     admit,
+    check_constraint_compiles,
     fail_fast,
     finish_event,
     generate_all,
     make_usage,
     raise_if_never_started,
     stream_failure_event,
+    token_namer,
     tokenize_off_loop,
     validate_prompts,
 )
@@ -41,7 +45,13 @@ def prepare_prompts(state: ServerState, request: CompletionRequest) -> list[Prep
     assert processor is not None
     prepared = []
     for prompt in request.prompts():
-        text, token_ids = processor.tokenize(prompt)
+        if isinstance(prompt, str) and not request.add_special_tokens and prompt:
+            text, token_ids = prompt, state.tokenizer("prompt").encode(prompt, add_special_tokens=False)
+        else:
+            text, token_ids = processor.tokenize(prompt)
+        if request.truncate_prompt_tokens is not None:
+            token_ids = truncate_prompt(token_ids, request.truncate_prompt_tokens, state.max_model_len)
+            text = None  # the text no longer matches the tokens the model sees
         prepared.append(PreparedPrompt(text=text, token_ids=token_ids))
     return prepared
 
@@ -52,12 +62,13 @@ def _completion_logprobs(
     token_ids: list[int],
     k: int,
     start_offset: int,
+    as_token_ids: bool = False,
 ) -> CompletionLogprobs:
-    decode = state.engine.output_processor.decode_token  # type: ignore[union-attr]
+    name = token_namer(state, as_token_ids)
     result = CompletionLogprobs()
     offset = start_offset
     for token_id, position in zip(token_ids, positions, strict=False):
-        token = decode(token_id)
+        token = name(token_id, None)
         result.tokens.append(token)
         result.text_offset.append(offset)
         offset += len(token)
@@ -70,7 +81,7 @@ def _completion_logprobs(
         top = {}
         for tid, lp in position.items():
             if tid == token_id or (lp.rank is not None and lp.rank <= k):
-                top[lp.decoded_token if lp.decoded_token is not None else decode(tid)] = lp.logprob
+                top[name(tid, lp.decoded_token)] = lp.logprob
         result.top_logprobs.append(top)
     return result
 
@@ -78,7 +89,8 @@ def _completion_logprobs(
 async def create_completion(state: ServerState, request: CompletionRequest):
     """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
-    params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+    params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, generation_defaults(state))
+    finish_sampling_params(state, request, params)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:
@@ -86,12 +98,12 @@ async def create_completion(state: ServerState, request: CompletionRequest):
     num_chars = sum(len(p) for p in request.prompts() if isinstance(p, str))
     prompts = await tokenize_off_loop(num_chars, prepare_prompts, state, request)
     validate_prompts(state, prompts, params, request.priority, request.cache_salt)
-    request_id = random_id("cmpl")
+    request_id = request.request_id or random_id("cmpl")
     model = request.model or state.model_names[0]
     n = params.n
     # OpenAI numbers the choices of prompt i as i * n + j.
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
-    status = admit(state, prompts, params, request.request_timeout)
+    status = admit(state, prompts, params, request.request_timeout, request.constraint_param)
     outputs = generate_all(
         state,
         request_id,
@@ -102,6 +114,8 @@ async def create_completion(state: ServerState, request: CompletionRequest):
         status=status,
     )
     if request.stream:
+        if params.structured_outputs is not None:
+            outputs = await check_constraint_compiles(outputs, status)
         return EventStream(
             _stream(state, request, request_id, model, prompts, choices, outputs, status), status
         )
@@ -123,7 +137,7 @@ async def create_completion(state: ServerState, request: CompletionRequest):
                 choice.stop_reason = completion.stop_reason
                 choice.error = out.error
                 cached[i] = max(cached[i], out.num_cached_tokens)
-                fail_fast(choice, len(choices))
+                fail_fast(choice, len(choices), status.constraint_param)
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]  # left early: aborts the rest
     raise_if_never_started(status, choices)
@@ -144,11 +158,13 @@ async def create_completion(state: ServerState, request: CompletionRequest):
                     prompt.token_ids + choice.token_ids,
                     request.logprobs,
                     0,
+                    request.return_tokens_as_token_ids,
                 )
             else:
                 logprobs = _completion_logprobs(
-                    state, list(choice.logprobs), choice.token_ids, request.logprobs, 0
-                )
+                    state, list(choice.logprobs), choice.token_ids, request.logprobs, 0,
+                    request.return_tokens_as_token_ids,
+                )  # fmt: skip
         response_choices.append(
             CompletionResponseChoice(
                 index=choice.index,
@@ -177,8 +193,8 @@ async def _stream(
     outputs: AsyncIterator,
     status: RunStatus,
 ) -> AsyncIterator[str]:
-    def chunk(choice: CompletionResponseChoice) -> str:
-        return sse_event(CompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+    def chunk(choice: CompletionResponseChoice, usage: UsageInfo | None = None) -> str:
+        return sse_event(CompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
 
     n = request.n
     cached = [0] * len(prompts)
@@ -204,6 +220,7 @@ async def _stream(
                     completion.token_ids,
                     request.logprobs,
                     text_offsets[choice.index],
+                    request.return_tokens_as_token_ids,
                 )
             text_offsets[choice.index] += len(completion.text)
             if out.finished:
@@ -219,7 +236,8 @@ async def _stream(
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason if out.finished else None,
                     stop_reason=completion.stop_reason if out.finished else None,
-                )
+                ),
+                make_usage(prompts, choices, sum(cached)) if request.continuous_usage_stats else None,
             )
         if request.include_usage_in_stream:
             usage = make_usage(prompts, choices, sum(cached))

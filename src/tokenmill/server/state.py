@@ -38,6 +38,14 @@ class ServerState:
     # Bound on a request's target plus headers (--max-header-bytes); beyond it 431 (or 400 from h11).
     max_header_bytes: int = 64 * 2**10
     enable_debug_endpoints: bool = False  # GET /debug/invariants (--enable-debug-endpoints)
+    # The model's sampling defaults for fields a request leaves unset (--generation-config).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    scheduling_policy: str = "fcfs"  # priority is honoured only under "priority"
+    # Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser, --reasoning-parser).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
     admission: AdmissionControl = field(default_factory=AdmissionControl)
     ready: bool = False
     draining: bool = False

@@ -1,0 +1,59 @@
+"""Request fields both generation endpoints honour on the server side, before the engine: the
+model's sampling defaults, priority, bad words, prompt truncation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol_base import SamplingFields
+from tokenmill.server.state import ServerState
+
+
+def check_priority(state: ServerState, priority: int) -> None:
+    """A priority only means something to a priority scheduler; under FCFS it would be ignored."""
+    if priority != 0 and state.scheduling_policy != "priority":
+        raise InvalidRequestError(
+            f"priority {priority} needs the server started with --scheduling-policy priority "
+            f"(it schedules {state.scheduling_policy}); leave priority out or send 0",
+            param="priority",
+        )
+
+
+def bad_words_token_ids(state: ServerState, words: list[str]) -> list[list[int]]:
+    """Each bad word as token sequences: as written and after a space (how it appears mid-text)."""
+    tokenizer = state.tokenizer("bad_words")
+    sequences: list[list[int]] = []
+    for word in words:
+        for variant in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def finish_sampling_params(state: ServerState, request: SamplingFields, params: SamplingParams) -> SamplingParams:
+    """The server-side parts of a request's sampling: priority checked, bad words tokenized."""
+    check_priority(state, request.priority)
+    if request.bad_words:
+        params.bad_words_token_ids = bad_words_token_ids(state, request.bad_words)
+        params.validate()
+    return params
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the context allows,
+    leaving one position to generate)."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max(1, max_model_len - 1)
+    if keep == 0:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or >= 1", param="truncate_prompt_tokens")
+    return token_ids[-keep:]
+
+
+def generation_defaults(state: ServerState) -> dict[str, Any]:
+    """The model's sampling defaults (--generation-config) for fields a request leaves unset."""
+    return state.default_sampling
