@@ -177,6 +177,10 @@ class CallArrayFollower:
         self.calls_done = 0
 
     @property
+    def next_index(self) -> int:
+        return self._next_index
+
+    @property
     def partial_call(self) -> bool:
         """A call has started going out but is not complete: it cannot be taken back."""
         return self._call is not None and self._call.named
