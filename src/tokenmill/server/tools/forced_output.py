@@ -11,7 +11,12 @@ from collections.abc import Callable
 from typing import Literal
 
 from tokenmill.server.tools.ids import openai_tool_call_id
-from tokenmill.server.tools.json_calls import BAD, ArgumentsFollower, CallArrayFollower, arguments_json, call_from_object
+from tokenmill.server.tools.json_calls import (
+    ArgumentsFollower,
+    CallArrayFollower,
+    arguments_json,
+    call_from_object,
+)
 from tokenmill.server.tools.parser_base import ToolCallStream
 from tokenmill.server.tools.text_scan import skip_ws
 from tokenmill.server.tools.types import ExtractedToolCalls, ToolCall, ToolCallDelta
@@ -61,7 +66,10 @@ class ForcedToolCallStream(ToolCallStream):
     """
 
     def __init__(
-        self, kind: ForcedKind, function_name: str | None = None, new_id: Callable[[], str] = openai_tool_call_id
+        self,
+        kind: ForcedKind,
+        function_name: str | None = None,
+        new_id: Callable[[], str] = openai_tool_call_id,
     ) -> None:
         super().__init__(new_id)
         if kind == "named" and not function_name:
@@ -88,6 +96,8 @@ class ForcedToolCallStream(ToolCallStream):
             if self.kind == "named":
                 self._follower = ArgumentsFollower(start, 0, self._calls)
             else:
-                self._follower = CallArrayFollower(start, 0, REQUIRED_ARGUMENT_KEYS, self._new_id, self._calls)
+                self._follower = CallArrayFollower(
+                    start, 0, REQUIRED_ARGUMENT_KEYS, self._new_id, self._calls
+                )
         if self._follower.step(self.text, final) is not None:
             self._done = True  # complete (what follows is the grammar's trailing blanks), or BAD

@@ -30,7 +30,9 @@ def forced_tool_schema(choice: ToolChoice) -> dict[str, Any] | None:
     return None
 
 
-def required_calls_schema(tools: tuple[FunctionTool, ...], parallel_tool_calls: bool = True) -> dict[str, Any]:
+def required_calls_schema(
+    tools: tuple[FunctionTool, ...], parallel_tool_calls: bool = True
+) -> dict[str, Any]:
     definitions: dict[str, dict[str, Any]] = {key: {} for key in DEFINITION_KEYS}
     branches = []
     for tool in tools:

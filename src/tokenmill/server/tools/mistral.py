@@ -15,8 +15,8 @@ from tokenmill.server.tools.ids import mistral_tool_call_id
 from tokenmill.server.tools.json_calls import (
     BAD,
     ArgumentsFollower,
-    arguments_json,
     CallArrayFollower,
+    arguments_json,
     call_from_object,
     decode_value,
 )

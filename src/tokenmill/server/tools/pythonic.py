@@ -143,9 +143,9 @@ class PythonicStream(ToolCallStream):
             if self._state == "start":
                 lead = skip_ws(text, 0)
                 rest = text[lead:]
-                if not final and (PY_START.startswith(rest) or rest.startswith(PY_START)):
-                    if skip_ws(text, lead + len(PY_START)) >= len(text):
-                        return  # blanks, a growing <|python_start|>, or nothing after it yet
+                waiting = PY_START.startswith(rest) or rest.startswith(PY_START)
+                if not final and waiting and skip_ws(text, lead + len(PY_START)) >= len(text):
+                    return  # blanks, a growing <|python_start|>, or nothing after it yet
                 start = _list_start(text)
                 if start is None:
                     self._state, self._pos = "plain", 0

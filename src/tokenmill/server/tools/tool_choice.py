@@ -65,14 +65,20 @@ def parse_tools(tools: Any) -> tuple[FunctionTool, ...]:
         tool = _plain(raw)
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise InvalidRequestError(f"{where} must be an object like {{'type': 'function', 'function': {{...}}}}", param=where)
+            raise InvalidRequestError(
+                f"{where} must be an object like {{'type': 'function', 'function': {{...}}}}", param=where
+            )
         if tool.get("type", "function") != "function":
             raise InvalidRequestError(
-                f"{where}.type is {tool.get('type')!r}; only 'function' tools are supported", param=f"{where}.type"
+                f"{where}.type is {tool.get('type')!r}; only 'function' tools are supported",
+                param=f"{where}.type",
             )
         function = _plain(tool.get("function"))
         if not isinstance(function, dict):
-            raise InvalidRequestError(f"{where}.function is missing: give an object with at least a 'name'", param=f"{where}.function")
+            raise InvalidRequestError(
+                f"{where}.function is missing: give an object with at least a 'name'",
+                param=f"{where}.function",
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequestError(f"{where}.function.name is missing", param=f"{where}.function.name")
@@ -83,16 +89,21 @@ def parse_tools(tools: Any) -> tuple[FunctionTool, ...]:
             )
         if name in seen:
             raise InvalidRequestError(
-                f"{where}.function.name {name!r} is given twice: tool names must be unique", param=f"{where}.function.name"
+                f"{where}.function.name {name!r} is given twice: tool names must be unique",
+                param=f"{where}.function.name",
             )
         seen.add(name)
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise InvalidRequestError(f"{where}.function.description must be a string", param=f"{where}.function.description")
+            raise InvalidRequestError(
+                f"{where}.function.description must be a string", param=f"{where}.function.description"
+            )
         parameters = _check_parameters(function.get("parameters"), f"{where}.function.parameters")
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequestError(f"{where}.function.strict must be true or false", param=f"{where}.function.strict")
+            raise InvalidRequestError(
+                f"{where}.function.strict must be true or false", param=f"{where}.function.strict"
+            )
         parsed.append(FunctionTool(name, description, parameters, strict))
     return tuple(parsed)
 
@@ -102,22 +113,28 @@ def _check_parameters(parameters: Any, where: str) -> dict[str, Any] | None:
         return None
     if not isinstance(parameters, dict):
         raise InvalidRequestError(
-            f"{where} must be a JSON Schema object such as {{'type': 'object', 'properties': {{...}}}}", param=where
+            f"{where} must be a JSON Schema object such as {{'type': 'object', 'properties': {{...}}}}",
+            param=where,
         )
     kind = parameters.get("type", "object")
     if kind != "object":
         raise InvalidRequestError(
-            f"{where} has type {kind!r}: the arguments of a call are a JSON object, so use type 'object'", param=where
+            f"{where} has type {kind!r}: the arguments of a call are a JSON object, so use type 'object'",
+            param=where,
         )
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.SchemaError as e:
         path = "".join(f"[{p!r}]" for p in e.path)
-        raise InvalidRequestError(f"{where} is not a valid JSON Schema: {e.message} (at {path or 'the top'})", param=where) from None
+        raise InvalidRequestError(
+            f"{where} is not a valid JSON Schema: {e.message} (at {path or 'the top'})", param=where
+        ) from None
     return parameters
 
 
-def resolve_tool_choice(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolChoice:
+def resolve_tool_choice(
+    tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None
+) -> ToolChoice:
     """Checks the three request fields and resolves the defaults OpenAI applies: "auto" with
     tools, "none" without."""
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
@@ -135,7 +152,9 @@ def resolve_tool_choice(tools: Any = None, tool_choice: Any = None, parallel_too
                 param="tool_choice",
             )
         if choice != "none" and not parsed:
-            raise InvalidRequestError(f"tool_choice {choice!r} needs tools: give a non-empty 'tools' list", param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice {choice!r} needs tools: give a non-empty 'tools' list", param="tool_choice"
+            )
         return ToolChoice(choice, parsed, parallel_tool_calls=parallel)  # type: ignore[arg-type]
     if not isinstance(choice, dict) or choice.get("type", "function") != "function":
         raise InvalidRequestError(
@@ -145,12 +164,17 @@ def resolve_tool_choice(tools: Any = None, tool_choice: Any = None, parallel_too
     function = _plain(choice.get("function"))
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
-        raise InvalidRequestError("tool_choice.function.name is missing: name the function to call", param="tool_choice")
+        raise InvalidRequestError(
+            "tool_choice.function.name is missing: name the function to call", param="tool_choice"
+        )
     if not parsed:
-        raise InvalidRequestError(f"tool_choice names function {name!r} but no tools are given", param="tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice names function {name!r} but no tools are given", param="tool_choice"
+        )
     if not any(t.name == name for t in parsed):
         known = ", ".join(repr(t.name) for t in parsed)
         raise InvalidRequestError(
-            f"tool_choice names function {name!r}, which is not among the tools ({known})", param="tool_choice"
+            f"tool_choice names function {name!r}, which is not among the tools ({known})",
+            param="tool_choice",
         )
     return ToolChoice("named", parsed, function_name=name, parallel_tool_calls=parallel)
