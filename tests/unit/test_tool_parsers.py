@@ -221,3 +221,14 @@ def test_feed_after_finish_is_an_error():
     stream.finish()
     with pytest.raises(RuntimeError):
         stream.feed("x")
+
+
+def test_stream_reports_whether_tools_were_called():
+    stream = get_tool_parser("llama3_json").stream()
+    stream.feed('{"name": "f", "parameters": {}}')
+    stream.finish()
+    assert stream.tools_called
+    plain = get_tool_parser("llama3_json").stream()
+    plain.feed("hello")
+    plain.finish()
+    assert not plain.tools_called

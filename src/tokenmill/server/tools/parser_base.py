@@ -33,6 +33,11 @@ class ToolCallStream(ABC):
         self._next_index = 0  # the index the next call to start will get
         self._finished = False
 
+    @property
+    def tools_called(self) -> bool:
+        """A call has gone out (finish_reason "tool_calls"); final once finish() has run."""
+        return self.num_calls > 0
+
     def feed(self, delta_text: str) -> StreamDelta:
         if self._finished:
             raise RuntimeError("feed() after finish()")
