@@ -208,3 +208,29 @@ def test_make_request_tokenizes_bad_words(tiny_tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         _processor(None).make_request("r", [1, 2], SamplingParams(bad_words=["paris"]))
     assert info.value.param == "bad_words"
+
+
+# --- CUDA ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_processors_match_the_cpu_and_never_sync():
+    logits = random_logits(4, seed=4)
+    rows = [
+        row(temperature=0.0, logit_bias={3: 100.0, 4: -5.0}),
+        row(temperature=0.0, allowed_token_ids=[9, 10, 11]),
+        row(temperature=0.0, output=[7, 8], bad_words_token_ids=[[8, 1], [2]]),
+        row(temperature=0.0),
+    ]
+    expected = sample(logits, rows)
+    device = torch.device("cuda")
+    on_device = logits.to(device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = SamplingMetadata.build(rows, device, VOCAB)
+        out = Sampler()(on_device, md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.tolist() == expected
