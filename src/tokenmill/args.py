@@ -16,6 +16,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from tokenmill import envs
@@ -115,6 +116,13 @@ class EngineArgs:
         choices=("auto", "torch", "cpu", "triton"),
     )
     chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
+    generation_config: str = _option(
+        "auto",
+        "default sampling parameters of requests that set none: auto: the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; for the "
+        "default model its card's recommendation); vllm: tokenmill's own defaults; or a directory "
+        "holding a generation_config.json",
+    )
     cpu_weight_packing: bool = _option(
         True, "CPU, float32: prepack matmul weights for oneDNN (faster at batch sizes above 1)"
     )
@@ -194,6 +202,7 @@ class EngineArgs:
                 seed=self.seed,
                 chat_template=load_chat_template(self.chat_template),
                 served_model_name=names[0] if names else None,
+                generation_config=self.generation_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -241,6 +250,7 @@ class EngineArgs:
                 f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "
                 f"use one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        _check_generation_config(self.generation_config)
         for f in fields(self):
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
@@ -299,6 +309,20 @@ class EngineArgs:
             options or "all defaults",
             resolved,
             ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(config.kernel).items()),
+        )
+
+
+def _check_generation_config(value: str) -> None:
+    """auto, vllm, or a directory with a generation_config.json: a typo fails at start-up, not
+    silently as "no defaults"."""
+    if value in ("auto", "vllm"):
+        return
+    path = Path(value).expanduser()
+    if not (path / "generation_config.json").is_file():
+        what = "has no generation_config.json" if path.is_dir() else "is not a directory"
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a directory holding a generation_config.json; "
+            f"{value!r} {what}"
         )
 
 

@@ -10,29 +10,49 @@ from typing import Any
 from tokenmill.arg_parser import ArgumentParser
 from tokenmill.args import EngineArgs
 
+# What a sampling flag the user leaves out takes when the model has no default for it either
+# (--generation-config): greedy replies of up to 256 tokens.
+_CLI_SAMPLING_FALLBACKS: dict[str, Any] = {"max_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+_FROM_MODEL = "(default: the model's generation config, else %s)"
+
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per reply")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    # Defaults are None so that the model's generation-config defaults can fill what is not given.
+    fallback = _CLI_SAMPLING_FALLBACKS
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens to generate per reply " + _FROM_MODEL % fallback["max_tokens"],
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy " + _FROM_MODEL % "0")
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling mass, 1: off " + _FROM_MODEL % "1"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k likeliest tokens, 0: off " + _FROM_MODEL % "0"
+    )
     parser.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of this request's sampling (default: none)"
     )
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from tokenmill.engine.llm import LLM, stream_generate
+def _sampling_params(args: argparse.Namespace, llm: Any) -> Any:
+    """The flags given, else the model's defaults (--generation-config), else the CLI's fallbacks."""
     from tokenmill.sampling_params import SamplingParams
 
+    fields = {**_CLI_SAMPLING_FALLBACKS, **llm.default_sampling_fields}
+    for name in _CLI_SAMPLING_FALLBACKS:
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    return SamplingParams(**fields, seed=args.sampling_seed)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM, stream_generate
+
     llm = LLM(**EngineArgs.from_cli_args(args).as_kwargs())
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
-    )
+    params = _sampling_params(args, llm)
     prompt: Any = args.prompt
     if args.chat:
         prompt = {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": args.prompt}])}
@@ -45,12 +65,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM, stream_generate
-    from tokenmill.sampling_params import SamplingParams
 
     llm = LLM(**EngineArgs.from_cli_args(args).as_kwargs())
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
-    )
+    params = _sampling_params(args, llm)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -16,6 +16,10 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # a Jinja template (or a path to one) overriding the tokenizer's
     served_model_name: str | None = None
+    # Where requests' default sampling parameters come from: "auto" (the model's
+    # generation_config.json, or the default model's recommended values), "vllm" (ours only), or
+    # a directory holding a generation_config.json. See model/generation_defaults.py.
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

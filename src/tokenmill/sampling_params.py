@@ -11,6 +11,8 @@ from typing import Any
 from tokenmill.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# OpenAI's bound on logit_bias values: +100 forces a token, -100 bans it in practice.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -104,6 +106,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's `bad_words`: words as text. The input processor tokenizes them (each with and without
+    # a leading space) into bad_words_token_ids before the request reaches the engine core.
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -116,6 +121,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            # JSON objects have only string keys: accept "123" for token 123 (the API's form).
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     @property
@@ -133,7 +143,9 @@ class SamplingParams:
     @property
     def needs_output_history(self) -> bool:
         """Sampling reads the request's earlier output tokens (penalties, the min_tokens ban)."""
-        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
+        return (
+            self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids) or bool(self.bad_words)
+        )
 
     @property
     def needs_host_history(self) -> bool:
@@ -147,7 +159,12 @@ class SamplingParams:
     @property
     def has_logits_processors(self) -> bool:
         """logit_bias, allowed_token_ids or bad words change this request's logits."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+        return (
+            bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+            or bool(self.bad_words)
+        )
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -197,3 +214,44 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        self._validate_logits_processors(bad)
+
+    def _validate_logits_processors(self, bad: Any) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(_is_token_id(k) for k in self.logit_bias):
+                raise bad("logit_bias", "must map non-negative integer token ids to biases")
+            for value in self.logit_bias.values():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise bad("logit_bias", "values must be numbers")
+                if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(_is_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
+        if self.bad_words_token_ids is not None and (
+            not isinstance(self.bad_words_token_ids, list)
+            or not all(
+                isinstance(word, list) and word and all(_is_token_id(t) for t in word)
+                for word in self.bad_words_token_ids
+            )
+        ):
+            raise bad("bad_words_token_ids", "must be a list of non-empty lists of non-negative integers")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", "must be a list of non-empty strings")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key as a token id: "123" -> 123; anything else is left for validate() to refuse."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,33 @@ class InputProcessor:
                 )
         return ids
 
+    def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` (text) moved into `bad_words_token_ids`: the engine core has no tokenizer."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer; send bad_words_token_ids instead of bad_words", param="bad_words"
+            )
+        token_ids = list(params.bad_words_token_ids or [])
+        token_ids += bad_words_to_token_ids(self.tokenizer, params.bad_words)
+        return dataclasses.replace(params, bad_words=None, bad_words_token_ids=token_ids)
+
+    def _check_vocab_range(self, params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        fields: dict[str, Sequence[int]] = {
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": list(params.logit_bias or ()),
+            "allowed_token_ids": params.allowed_token_ids or (),
+            "bad_words_token_ids": [t for word in params.bad_words_token_ids or () for t in word],
+        }
+        for name, token_ids in fields.items():
+            for t in token_ids:
+                if t >= vocab:
+                    raise InvalidRequestError(
+                        f"{name} must be < vocab size {vocab}, got {t}", param=name
+                    )
+
     def make_request(
         self,
         request_id: str,
@@ -97,12 +125,8 @@ class InputProcessor:
                 f"{self.kv_capacity_tokens}; lower max_tokens or shorten the prompt",
                 param="max_tokens",
             )
-        for t in params.stop_token_ids:
-            if t >= self.info.vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids must be < vocab size {self.info.vocab_size}, got {t}",
-                    param="stop_token_ids",
-                )
+        params = self._with_bad_words_tokenized(params)
+        self._check_vocab_range(params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -113,3 +137,21 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def bad_words_to_token_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """Token sequences of `words`, as vLLM forms them: each word (leading spaces stripped) once as
+    it would start the text, and once with a leading space as it would appear mid-text, when that
+    is a different sequence of the same length (BPE tokenizers fold the space into the first
+    token). Words are encoded without special tokens; ones that encode to nothing are skipped.
+    """
+    result: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        result.append(list(bare))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            result.append(list(spaced))
+    return result

@@ -40,12 +40,15 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         import torch
 
+        from tokenmill.model.generation_defaults import generation_defaults
         from tokenmill.model.resolve import resolve_model
         from tokenmill.model.tokenizer import eos_token_ids
 
         self.config = build_engine_config(model, **kwargs)
         torch.manual_seed(self.config.model.seed)
         self.resolved = resolve_model(self.config.model)
+        # The model's sampling defaults (--generation-config), for calls that pass no SamplingParams.
+        self.default_sampling_fields = generation_defaults(self.config.model, self.resolved)
         self.tokenizer = load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
         self.engine = EngineCore(self.config, self.resolved)
         self.client = InprocClient(self.engine)
@@ -62,6 +65,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams: tokenmill's defaults with
+        the model's generation config on top (see `--generation-config`), as vLLM's LLM does."""
+        return SamplingParams(**self.default_sampling_fields)
+
     # -- generate -----------------------------------------------------------------------------
 
     def generate(
@@ -74,7 +82,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenmill.sample.logits_processors import AllowedTokens, LogitBias, bad_word_bans
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -102,9 +103,14 @@ class SamplingMetadata:
     output_tokens: TokenSets | None  # output tokens of rows with any penalty
     prompt_tokens: TokenSets | None  # prompt tokens of rows with a repetition penalty
 
-    # (row, token) pairs forced to -inf: stop tokens of rows still under min_tokens.
+    # (row, token) pairs forced to -inf: stop tokens of rows still under min_tokens, and the
+    # tokens that would complete a bad word.
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
+
+    # Logits processors (None when no row uses them): logit_bias and allowed_token_ids.
+    logit_bias: LogitBias | None
+    allowed_tokens: AllowedTokens | None
 
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its own RNG
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, params.logprobs
@@ -140,6 +146,12 @@ class SamplingMetadata:
         prompt_sets: list[Sequence[int]] = []
         banned_rows: list[int] = []
         banned_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        restricted: list[bool] = []
+        allowed_rows: list[int] = []
+        allowed_ids: list[int] = []
         generators: dict[int, torch.Generator] = {}
         num_logprobs: list[int | None] = []
         any_penalty = False
@@ -163,13 +175,28 @@ class SamplingMetadata:
             output_sets.append(row.output_token_ids if has_penalties else ())
             # Only the repetition penalty reads the prompt too.
             prompt_sets.append(row.prompt_token_ids if p.repetition_penalty != 1.0 else ())
+            banned: set[int] = set()
             if len(row.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
+                banned.update(p.stop_token_ids)
                 if not p.ignore_eos:
-                    stop_ids.update(row.eos_token_ids)
-                stop_ids = {t for t in stop_ids if 0 <= t < vocab_size}
-                banned_rows.extend([i] * len(stop_ids))
-                banned_ids.extend(sorted(stop_ids))
+                    banned.update(row.eos_token_ids)
+            if p.bad_words_token_ids:
+                banned |= bad_word_bans(p.bad_words_token_ids, row.output_token_ids)
+            # Out-of-vocab ids are dropped: they would be a device-side assert in index_put_.
+            banned = {t for t in banned if 0 <= t < vocab_size}
+            banned_rows.extend([i] * len(banned))
+            banned_ids.extend(sorted(banned))
+            if p.logit_bias:
+                for token_id, value in p.logit_bias.items():
+                    if 0 <= token_id < vocab_size:
+                        bias_rows.append(i)
+                        bias_ids.append(token_id)
+                        bias_values.append(float(value))
+            restricted.append(p.allowed_token_ids is not None)
+            if p.allowed_token_ids is not None:
+                allowed = {t for t in p.allowed_token_ids if 0 <= t < vocab_size}
+                allowed_rows.extend([i] * len(allowed))
+                allowed_ids.extend(sorted(allowed))
             if row.generator is not None and not is_greedy:
                 generators[i] = row.generator
             num_logprobs.append(p.logprobs)
@@ -185,6 +212,16 @@ class SamplingMetadata:
 
         def col(values: list[float]) -> torch.Tensor:
             return host_to_device(values, torch.float32, device).unsqueeze(1)
+
+        def ids(values: list[int]) -> torch.Tensor:
+            return host_to_device(values, torch.int64, device)
+
+        logit_bias = None
+        if bias_rows:
+            logit_bias = LogitBias(ids(bias_rows), ids(bias_ids), host_to_device(bias_values, torch.float32, device))
+        allowed_tokens = None
+        if any(restricted):
+            allowed_tokens = AllowedTokens(host_to_device(restricted, torch.bool, device), ids(allowed_rows), ids(allowed_ids))
 
         return SamplingMetadata(
             num_rows=n,
@@ -207,6 +244,8 @@ class SamplingMetadata:
             prompt_tokens=TokenSets.build(prompt_sets, vocab_size, device) if any(prompt_sets) else None,
             banned_rows=host_to_device(banned_rows, torch.int64, device) if banned_rows else None,
             banned_token_ids=host_to_device(banned_ids, torch.int64, device) if banned_rows else None,
+            logit_bias=logit_bias,
+            allowed_tokens=allowed_tokens,
             generators=generators,
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,

@@ -36,7 +36,7 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def ban_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Forces the banned (row, token) pairs (stop tokens under min_tokens) to -inf."""
+    """Forces the banned (row, token) pairs (stop tokens under min_tokens, bad words) to -inf."""
     if md.banned_rows is None:
         return logits
     # torch.full, not torch.tensor(-inf, device=...): the latter is a synchronizing host copy.

