@@ -73,6 +73,8 @@ class AsyncEngine:
         self.client.num_waiting = lambda: len(self._streams)
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
+        # The model's sampling defaults (--generation-config), for fields a request leaves unset.
+        self.default_sampling: dict[str, Any] = {}
         self.eos_token_ids: list[int] = []
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
@@ -89,6 +91,9 @@ class AsyncEngine:
 
         # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
+        from tokenmill.model.generation_defaults import generation_defaults
+
+        self.default_sampling = generation_defaults(self.config.model, resolved)
         self.client.launch()
         # The tokenizer (importing transformers takes a while) loads while the engine starts.
         tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, resolved))

@@ -13,9 +13,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, DeltaMessage
 from tokenmill.server.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from tokenmill.server.reasoning import get_reasoning_parser
 from tokenmill.server.state import ServerState
-from tokenmill.server.tools import get_tool_parser
-from tokenmill.server.tools import tool_choice as forced_calls
-from tokenmill.server.tools.types import StreamDelta
+from tokenmill.server.tools import ForcedToolCallStream, StreamDelta, get_tool_parser, parse_forced_output
 
 
 @dataclass(slots=True)
@@ -50,10 +48,10 @@ def _to_delta_calls(deltas: list[Any]) -> list[DeltaToolCall] | None:
 class ChatOutputParsing:
     """One request's way of reading its choices (each choice streams through its own `stream()`)."""
 
-    def __init__(self, plan: ToolPlan, reasoning: Any, reasoning_in_output: bool, tool_parser: Any) -> None:
+    def __init__(self, plan: ToolPlan, reasoning: Any, in_reasoning: bool, tool_parser: Any) -> None:
         self.plan = plan
         self.reasoning = reasoning  # a reasoning parser, or None
-        self.reasoning_in_output = reasoning_in_output  # False: the prompt already ended the thinking
+        self.in_reasoning = in_reasoning  # the output starts inside the reasoning
         self.tool_parser = tool_parser  # for "auto"
 
     @classmethod
@@ -61,6 +59,7 @@ class ChatOutputParsing:
         cls, state: ServerState, request: ChatCompletionRequest, plan: ToolPlan, prompt_text: str, params: SamplingParams
     ) -> ChatOutputParsing:
         reasoning = get_reasoning_parser(state.reasoning_parser) if state.reasoning_parser else None
+        in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(prompt_text)
         in_output = reasoning is not None and not reasoning.reasoning_ended_in_prompt(prompt_text)
         if in_output and params.structured_outputs is not None:
             # The constraint is on the answer: it starts once the model has closed its reasoning.
@@ -69,27 +68,27 @@ class ChatOutputParsing:
         tool_parser = get_tool_parser(state.tool_call_parser) if plan.mode == "auto" else None
         if tool_parser is not None and tool_parser.needs_special_tokens:
             params.skip_special_tokens = False  # its markers are special tokens
-        return cls(plan, reasoning, in_output, tool_parser)
+        return cls(plan, reasoning, in_reasoning, tool_parser)
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         return "tool_calls" if tools_called and reason == "stop" else reason
 
     def parse(self, text: str) -> ParsedChoice:
         reasoning, content = None, text
-        if self.reasoning_in_output:
-            reasoning, content = self.reasoning.extract(text)
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(text, in_reasoning=self.in_reasoning)
         if self.plan.mode in ("required", "named"):
-            calls = forced_calls.parse_forced_output(self.plan.mode, content or "", self.plan.function_name)
-            return ParsedChoice(None, reasoning, [_to_tool_call(c) for c in calls])
+            forced = parse_forced_output(self.plan.mode, content or "", function_name=self.plan.function_name)
+            return ParsedChoice(forced.content, reasoning, [_to_tool_call(c) for c in forced.calls])
         if self.tool_parser is not None and content:
             extracted = self.tool_parser.extract(content)
             return ParsedChoice(extracted.content, reasoning, [_to_tool_call(c) for c in extracted.calls])
         return ParsedChoice(content, reasoning)
 
     def stream(self) -> ChoiceStream:
-        reasoning = self.reasoning.stream() if self.reasoning_in_output else None
+        reasoning = self.reasoning.stream(in_reasoning=self.in_reasoning) if self.reasoning is not None else None
         if self.plan.mode in ("required", "named"):
-            tools = forced_calls.ForcedCallStream(self.plan.mode, self.plan.function_name)
+            tools = ForcedToolCallStream(self.plan.mode, self.plan.function_name)
         elif self.tool_parser is not None:
             tools = self.tool_parser.stream()
         else:
@@ -115,7 +114,7 @@ class ChoiceStream:
 
     def finish(self, delta: DeltaMessage) -> DeltaMessage:
         """The held-back rest of the output, added to the last delta."""
-        if self._reasoning is not None and hasattr(self._reasoning, "finish"):
+        if self._reasoning is not None:
             reasoning_rest, content_rest = self._reasoning.finish()
             delta.reasoning_content = (delta.reasoning_content or "") + (reasoning_rest or "") or None
             if content_rest:

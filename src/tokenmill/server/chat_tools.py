@@ -10,25 +10,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.state import ServerState
-from tokenmill.server.tools import tool_choice as forced_calls
-
-ToolMode = Literal["off", "none", "auto", "required", "named"]
+from tokenmill.server.tools import ToolChoice, forced_tool_schema, resolve_tool_choice
 
 
 @dataclass(slots=True)
 class ToolPlan:
-    mode: ToolMode
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    function_name: str | None = None  # the named function
-    parallel_tool_calls: bool = True
+    choice: ToolChoice
     constraint: StructuredOutputsParams | None = None  # forced modes only
+
+    @property
+    def mode(self) -> str:
+        return self.choice.mode
+
+    @property
+    def function_name(self) -> str | None:
+        return self.choice.function_name
 
     @property
     def choice_name(self) -> str:
@@ -36,37 +38,16 @@ class ToolPlan:
 
 
 def plan_tools(state: ServerState, request: ChatCompletionRequest) -> ToolPlan:
-    choice = request.tool_choice
-    if not request.tools:
-        if choice is not None and choice != "none":
-            raise InvalidRequestError("tool_choice needs tools; send tools or leave tool_choice out", param="tool_choice")
-        return ToolPlan("off")
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-    named = None if choice is None or isinstance(choice, str) else choice.model_dump(exclude_none=True)
-    # Checks names, duplicates, parameter schemas and the named function (400s naming the field).
-    forced_calls.validate_tools(tools, named if named is not None else choice)
-    if choice == "none":
-        return ToolPlan("none", tools)
-    if choice is None or choice == "auto":
-        if not (state.enable_auto_tool_choice and state.tool_call_parser):
-            raise InvalidRequestError(
-                '"auto" tool choice (the default when tools are given) needs the server started with '
-                "--enable-auto-tool-choice and --tool-call-parser; send tool_choice \"required\", a named "
-                'function or "none" instead',
-                param="tool_choice",
-            )
-        return ToolPlan("auto", tools, parallel_tool_calls=request.parallel_tool_calls)
-    if choice == "required":
-        schema = forced_calls.required_schema(tools, parallel_tool_calls=request.parallel_tool_calls)
-        return ToolPlan(
-            "required",
-            tools,
-            parallel_tool_calls=request.parallel_tool_calls,
-            constraint=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+    choice = resolve_tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls)
+    if choice.mode == "auto" and not (state.enable_auto_tool_choice and state.tool_call_parser):
+        raise InvalidRequestError(
+            '"auto" tool choice (the default when tools are given) needs the server started with '
+            '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "required", a named '
+            'function or "none" instead',
+            param="tool_choice",
         )
-    assert named is not None
-    name = named["function"]["name"]
-    schema = forced_calls.named_schema(tools, name)
-    return ToolPlan(
-        "named", tools, function_name=name, constraint=StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    )
+    if not choice.forced:
+        return ToolPlan(choice)
+    schema = forced_tool_schema(choice)
+    # Compact JSON: a sampled model cannot wander off into whitespace between the arguments.
+    return ToolPlan(choice, StructuredOutputsParams(json=schema, disable_any_whitespace=True))

@@ -109,6 +109,7 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     model_root = model or DEFAULT_MODEL_NAME
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_key = args.api_key or envs.TOKENMILL_API_KEY.get() or None
+    check_tool_and_reasoning_args(args)
     state = ServerState(
         engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
         model_names=names,
@@ -142,6 +143,23 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     return _DrainingServer(uv_config, state, args.shutdown_timeout)
 
 
+def check_tool_and_reasoning_args(args: argparse.Namespace) -> None:
+    """Parser names checked before anything starts (ValueError naming the flag)."""
+    from tokenmill.server.reasoning import REASONING_PARSERS
+    from tokenmill.server.tools import TOOL_PARSERS
+
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser {args.tool_call_parser!r} is unknown; choose one of {', '.join(TOOL_PARSERS)}"
+        )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to read the model's calls")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser {args.reasoning_parser!r} is unknown; choose one of {', '.join(REASONING_PARSERS)}"
+        )
+
+
 def run_server(args: argparse.Namespace) -> int:
     try:
         server = build_server(args)
@@ -168,6 +186,7 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
             logger.error("engine start-up failed: %s", exc)
             server.should_exit = True
             return
+        state.default_sampling = state.engine.default_sampling
         state.attach_engine()
         state.ready = True
         print(

@@ -436,6 +436,12 @@ def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequestE
     """The problems in `exc` as one 400 whose `param` names the first bad field (e.g. `messages.0.role`)."""
     errors = exc.errors(include_url=False)
     first = errors[0]
+    raised = (first.get("ctx") or {}).get("error")
+    if isinstance(raised, InvalidRequestError) and raised.param:
+        # A validator that knows which field it refuses (a nested one may name a sub-field).
+        prefix = _error_param(tuple(first["loc"]))
+        param = raised.param if prefix is None or raised.param.startswith(prefix) else f"{prefix}.{raised.param}"
+        return InvalidRequestError(raised.message, param=param)
     if first["type"] == "json_invalid":
         return InvalidRequestError(f"request body is not valid JSON: {first['msg']}")
     if first["type"] == "model_type" and not first["loc"]:

@@ -185,5 +185,6 @@ class SamplingFields(StructuredOutputFields):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words else None,  # tokenized by the input processor
             structured_outputs=self.structured_outputs_params(),
         )

@@ -21,24 +21,9 @@ def check_priority(state: ServerState, priority: int) -> None:
         )
 
 
-def bad_words_token_ids(state: ServerState, words: list[str]) -> list[list[int]]:
-    """Each bad word as token sequences: as written and after a space (how it appears mid-text)."""
-    tokenizer = state.tokenizer("bad_words")
-    sequences: list[list[int]] = []
-    for word in words:
-        for variant in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(variant, add_special_tokens=False)
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
-
-
 def finish_sampling_params(state: ServerState, request: SamplingFields, params: SamplingParams) -> SamplingParams:
-    """The server-side parts of a request's sampling: priority checked, bad words tokenized."""
+    """The server-side parts of a request's sampling: priority checked."""
     check_priority(state, request.priority)
-    if request.bad_words:
-        params.bad_words_token_ids = bad_words_token_ids(state, request.bad_words)
-        params.validate()
     return params
 
 
