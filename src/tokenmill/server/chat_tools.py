@@ -38,7 +38,7 @@ class ToolPlan:
 
 
 def plan_tools(state: ServerState, request: ChatCompletionRequest) -> ToolPlan:
-    choice = resolve_tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls)
+    choice = resolve_tool_choice(request.tools or None, request.tool_choice, request.parallel_tool_calls)
     if choice.mode == "auto" and not (state.enable_auto_tool_choice and state.tool_call_parser):
         raise InvalidRequestError(
             '"auto" tool choice (the default when tools are given) needs the server started with '

@@ -74,7 +74,7 @@ class ChatTemplateFields(RequestModel):
     # A template of the request's own: only with --trust-request-chat-template (it runs in the
     # server, sandboxed, but costs what it costs to render).
     chat_template: str | None = Field(default=None, min_length=1, max_length=65536)
-    tools: list[ChatTool] | None = Field(default=None, min_length=1, max_length=256)
+    tools: list[ChatTool] | None = Field(default=None, max_length=256)  # [] = no tools
     # Retrieval documents for templates that take them (a list of objects, usually title + text).
     documents: list[dict[str, Any]] | None = None
     # Chat templates read it (gpt-oss style); refused when the model's template does not.
