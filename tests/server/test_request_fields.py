@@ -55,6 +55,8 @@ def chat(**fields) -> dict:
         (CHAT, chat(guided_whitespace_pattern=" "), "guided_whitespace_pattern"),
         (CHAT, chat(guided_choice=[]), "guided_choice"),
         (CHAT, chat(tool_choice="required"), "tool_choice"),
+        (CHAT, chat(return_token_ids=True), "return_token_ids"),
+        (CHAT, chat(mm_processor_kwargs={"a": 1}), "mm_processor_kwargs"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_embeds": "abc"}, "prompt_embeds"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [10**9]}, "allowed_token_ids"),
@@ -238,5 +240,24 @@ def test_engine_compile_errors_are_400_naming_the_field():
             assert r.json()["error"]["param"] == "structured_outputs"
         ok = await client.post(CHAT, json=chat())
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == REPLY[:5]
+
+    run(scenario)
+
+
+def test_chat_echo_returns_the_continued_message_whole():
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        messages = [*MESSAGES, {"role": "assistant", "content": "Once"}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "echo": True,
+                "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+        r = await client.post(CHAT, json=body)
+        assert r.json()["choices"][0]["message"]["content"] == "Once" + REPLY[:4]
+        r = await client.post(CHAT, json={**body, "stream": True})
+        text = "".join(
+            json.loads(e)["choices"][0]["delta"].get("content") or "" for e in sse_events(r.text)[:-1]
+        )
+        assert text == "Once" + REPLY[:4]
+        # The last message is the user's: nothing to echo.
+        r = await client.post(CHAT, json=chat(echo=True, max_tokens=4))
+        assert r.json()["choices"][0]["message"]["content"] == REPLY[:4]
 
     run(scenario)

@@ -206,6 +206,11 @@ def test_reasoning_parser_splits_reasoning_whole_and_streamed():
         assert message.content == "Sunny."
         content, reasoning, _, _ = await streamed(client)
         assert (reasoning, content) == ("Paris is in France.", "Sunny.")
+        hidden = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_body={"include_reasoning": False}
+        )
+        assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
+        assert hidden.choices[0].message.content == "Sunny."
         # A constraint applies to the answer: it starts after the end-of-thinking tokens.
         await client.chat.completions.create(
             model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}

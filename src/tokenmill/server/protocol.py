@@ -117,6 +117,12 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # false: the reasoning is dropped from the reply
+    # The reply starts with the last message's content when that message is the assistant's
+    # (vLLM's echo for chat: the continued message comes back whole).
+    echo: bool = False
+    return_token_ids: bool = False
+    mm_processor_kwargs: Any = None
     # Refused by name: OpenAI's deprecated function calling and its multimodal / hosted options.
     functions: Any = None
     function_call: Any = None
@@ -132,10 +138,17 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
                 raise refuse(name, "the deprecated function-calling fields are not served; use tools and tool_choice")
         if self.modalities is not None and self.modalities != ["text"]:
             raise refuse("modalities", "this server produces text only; send [\"text\"] or leave it out")
-        for name in ("audio", "prediction", "web_search_options"):
+        for name in ("audio", "prediction", "web_search_options", "mm_processor_kwargs"):
             if getattr(self, name) is not None:
                 raise refuse(name, "this server serves text generation from one model, nothing else")
+        if self.return_token_ids:
+            raise refuse("return_token_ids", "use logprobs with return_tokens_as_token_ids, or /tokenize")
         return self
+
+    def echoed_text(self) -> str:
+        """What echo puts before the reply: the last message's text if the assistant wrote it."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def to_sampling_params(
         self, default_max_tokens: int | None, defaults: dict[str, Any] | None = None

@@ -161,8 +161,13 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         await outputs.aclose()  # type: ignore[attr-defined]  # left early: aborts the rest
     raise_if_never_started(status, choices)
     response_choices = []
+    echoed = request.echoed_text()
     for c in choices:
         parsed = parsing.parse(c.text)
+        if echoed:
+            parsed.content = echoed + (parsed.content or "")
+        if not request.include_reasoning:
+            parsed.reasoning = None
         response_choices.append(
             ChatCompletionResponseChoice(
                 index=c.index,
@@ -205,8 +210,9 @@ async def _stream(
     streams = [parsing.stream() for _ in choices]
     continuous_usage = request.continuous_usage_stats
     try:
+        echoed = request.echoed_text()
         for choice in choices:
-            yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
+            yield chunk(choice.index, DeltaMessage(role="assistant", content=echoed))
         async for _, out in outputs:
             completion = out.outputs[0]
             choice = choices[completion.index]
@@ -215,6 +221,8 @@ async def _stream(
             delta = stream.feed(completion.text) if completion.text else DeltaMessage()
             if out.finished:
                 delta = stream.finish(delta)
+            if not request.include_reasoning:
+                delta.reasoning_content = None
             wants_logprobs = request.logprobs and bool(completion.logprobs)
             if not out.finished and not wants_logprobs and not has_content(delta):
                 continue
