@@ -320,6 +320,85 @@ def test_disconnects_free_everything(server, model_id):
     assert aborted and float(aborted.group(1)) >= 2
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_structured_outputs_and_forced_tool_calls_on_the_real_model(server, client, model_id):
+    """The grammar holds on the real model at temperature 1 (constraint enforcement end to end);
+    bad constraints are 400s; nothing is left running or holding KV blocks afterwards."""
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    reply = client.chat.completions.create(
+        model=model_id, messages=messages, temperature=1.0, n=4, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        extra_body={"seed": 3},
+    )  # fmt: skip
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    choice = client.chat.completions.create(
+        model=model_id, messages=messages, temperature=1.0, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    ).choices[0]  # fmt: skip
+    assert choice.message.content in ("yes", "no")
+    ask = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        whole = client.chat.completions.create(
+            model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=1.0, max_tokens=120
+        )
+        calls = whole.choices[0].message.tool_calls
+        assert calls and whole.choices[0].finish_reason == "tool_calls"
+        for call in calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        names, arguments = {}, {}
+        for chunk in client.chat.completions.create(
+            model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=1.0,
+            max_tokens=120, stream=True,
+        ):  # fmt: skip
+            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                if call.function.name:
+                    names[call.index] = call.function.name
+                arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+        assert names and set(names.values()) == {"get_weather"}
+        for text in arguments.values():
+            jsonschema.validate(json.loads(text), WEATHER_TOOL["function"]["parameters"])
+    for bad in ({"guided_regex": "(unclosed"}, {"guided_grammar": "root ::= nothing_defined"}):
+        for stream in (False, True):
+            r = httpx.post(
+                f"{server.base_url}/v1/chat/completions",
+                json={"model": model_id, "messages": messages, "max_tokens": 5, "stream": stream, **bad},
+                timeout=60,
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == next(iter(bad)), r.text
+    _wait_idle(server)
+
+
 def test_engine_death_fails_requests_fast(server, model_id):
     """Runs last on the shared server: it kills that server's engine."""
     engine = [pid for pid in server.child_pids() if _is_engine(_cmdline(pid))]
