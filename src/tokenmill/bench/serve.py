@@ -22,6 +22,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from tokenmill.bench import structured
 from tokenmill.bench.datasets import (
     LocalTokenSource,
     SampleRequest,
@@ -66,9 +67,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
-        choices=("random", "prefix-repetition"),
+        choices=("random", "prefix-repetition", "json-schema"),
         default="random",
-        help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache)",
+        help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache); "
+        "json-schema: structured output, each prompt plain then constrained by its JSON schema",
     )
     data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
@@ -91,6 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--prefix-repetition-output-len", type=int, default=128, help="max_tokens (prefix-repetition)"
     )
+
+    structured.add_cli_args(parser)
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -264,6 +268,11 @@ def _print_failures(results: list[RequestResult]) -> None:
 
 async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
     """Run every requested concurrency; return one `ServeRun` per run (results printed and saved as asked)."""
+    if args.dataset_name == "json-schema":
+        # Imported here: that module drives its phases with this one's load generator.
+        from tokenmill.bench.structured_serve import run_structured
+
+        return await run_structured(args)
     slos = parse_goodput(args.goodput)  # refuse bad flags before sending anything
     concurrencies = parse_concurrencies(args.max_concurrency)
     percentiles = tuple(float(p) for p in str(args.metric_percentiles).split(",") if p.strip())
