@@ -182,9 +182,11 @@ def test_one_valid_and_one_invalid_reply_is_half_valid(
     assert con["grammar_mask_per_step"]["mean_s"] == pytest.approx(0.0005)
     assert con["server_metrics_note"] is None
 
-    # The same prompts went out plain, then constrained with disable_any_whitespace.
-    plain, constrained = fake_server.payloads[:2], fake_server.payloads[2:]
-    assert [p["prompt"] for p in plain] == [p["prompt"] for p in constrained]
+    # The same prompts went out for one token (priming the prefix cache), plain, then constrained
+    # with disable_any_whitespace.
+    prime, plain, constrained = fake_server.payloads[:2], fake_server.payloads[2:4], fake_server.payloads[4:]
+    assert [p["max_tokens"] for p in prime] == [1, 1]
+    assert [p["prompt"] for p in prime] == [p["prompt"] for p in plain] == [p["prompt"] for p in constrained]
     assert all("structured_outputs" not in p and p["max_tokens"] == 300 for p in plain)
     for p in constrained:
         assert p["structured_outputs"]["disable_any_whitespace"] is True and p["max_tokens"] == 300
@@ -209,7 +211,7 @@ def test_response_format_token_id_prompts_and_no_metrics(
     assert record["config"]["structured_output_field"] == "response_format"
     for p in fake_server.payloads:
         assert isinstance(p["prompt"], list) and len(p["prompt"]) == 64
-    for p in fake_server.payloads[2:]:
+    for p in fake_server.payloads[4:]:
         spec = p["response_format"]["json_schema"]
         assert p["response_format"]["type"] == "json_schema" and spec["strict"] is True
         assert spec["name"] in {c.name for c in SCHEMAS} and "structured_outputs" not in p

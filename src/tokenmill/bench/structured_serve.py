@@ -6,6 +6,8 @@ phase: output tok/s, TPOT and TTFT p50/p99; for the constrained phase also the s
 that parse and validate against their schema, and the server's grammar compile and per-step
 mask times from /metrics (null, with a note, when the server does not export them). Warm-ups are
 plain requests, so the constrained phase's compile times include each schema's first compile.
+Before the phases every prompt is sent once for one token, so both phases find their prompts in
+the prefix cache alike.
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ def _config(args: argparse.Namespace, base_url: str, model: str, max_concurrency
         "compile_metric": COMPILE_METRIC,
         "mask_metric": MASK_METRIC,
         "phase_order": ["unconstrained", "constrained"],
+        "prefix_cache_primed": True,
     }
 
 
@@ -245,6 +248,19 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
             if not any(r.success for r in results):
                 serve._print_failures(results)
                 raise RuntimeError("every warm-up request failed; is the server healthy?")
+
+        # Each prompt once, for one token: the prefix cache then holds every prompt before either
+        # phase, so the phase that went second would not get its prefills for free.
+        print(f"Priming the prefix cache with {len(requests)} one-token requests...")
+        limit_key = "max_completion_tokens" if chat else "max_tokens"
+        prime_payloads = [{**p, limit_key: 1} for p in plain_payloads]
+        prime_limit = max((c for c in concurrencies if c is not None), default=None)
+        results, _ = await serve.run_load(
+            session, url, headers, requests, prime_payloads, np.zeros(len(requests)), prime_limit, False
+        )
+        if not any(r.success for r in results):
+            serve._print_failures(results)
+            raise RuntimeError("every priming request failed; is the server healthy?")
 
         runs = []
         for max_concurrency in concurrencies:
