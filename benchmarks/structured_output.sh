@@ -21,7 +21,9 @@ INPUT_LEN=${INPUT_LEN:-0}
 OUTPUT_LEN=${OUTPUT_LEN:-512}
 FIELD=${FIELD:-structured_outputs}
 mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# On the GPU machine the packages its image lacks (jsonschema, xgrammar, ...) are installed in /tmp/site.
+if [ "$TARGET" = gpu ]; then SITE=/tmp/site:; else SITE=; fi
+export PYTHONPATH=${PYTHONPATH:-${SITE}src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOKENMILL=("$PY" -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')
 
 if [ "$TARGET" = gpu ]; then

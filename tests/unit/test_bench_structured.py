@@ -171,6 +171,7 @@ def test_one_valid_and_one_invalid_reply_is_half_valid(
     assert (con["schema_valid"], con["schema_invalid"]) == (1, 1)
     assert con["schema_valid_rate"] == m["schema_valid_rate"] == 0.5
     assert con["finish_reasons"] == {"stop": 2}
+    assert con["max_output_tokens"] > 1  # the example object, in 4-character pieces
     assert list(con["invalid_reasons"]) == ["schema: required at /"]
     assert m["tpot_ratio_p50"] == pytest.approx(con["median_tpot_ms"] / m["unconstrained"]["median_tpot_ms"])
     assert m["tpot_ratio_p99"] > 0 and m["output_throughput_ratio"] > 0

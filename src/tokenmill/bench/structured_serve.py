@@ -84,6 +84,8 @@ def _validity(items: list[StructuredRequest], results: list[RequestResult]) -> d
         "schema_valid_rate": valid / len(results) if results else None,
         "schema_valid_rate_by_schema": {k: sum(v) / len(v) for k, v in sorted(per_schema.items())},
         "invalid_reasons": dict(reasons.most_common(10)),
+        # The longest reply, against max_tokens: how much headroom the bound on the schemas left.
+        "max_output_tokens": max((r.output_tokens for r in results if r.success), default=0),
         "finish_reasons": dict(finish),
     }
 
@@ -143,6 +145,7 @@ def format_summary(metrics: dict[str, Any]) -> str:
     rate = con["schema_valid_rate"]
     lines.append(f"Schema-valid replies: {con['schema_valid']}/{con['schema_valid'] + con['schema_invalid']}"
                  + ("" if rate is None else f" ({rate:.1%})"))  # fmt: skip
+    lines.append(f"Longest constrained reply: {con['max_output_tokens']} tokens")
     if con["invalid_reasons"]:
         lines.append(f"Invalid: {json.dumps(con['invalid_reasons'])}")
     for key in ("grammar_compile", "grammar_mask_per_step"):
