@@ -87,10 +87,12 @@ class FakeStructuredServer:
         pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        chat = "messages" in payload
         for i, piece in enumerate(pieces):
             await asyncio.sleep(0.002)
+            content = {"delta": {"content": piece}} if chat else {"text": piece}
             finish = "stop" if i == len(pieces) - 1 else None
-            await resp.write(self._event({"choices": [{"index": 0, "text": piece, "finish_reason": finish}]}))
+            await resp.write(self._event({"choices": [{"index": 0, **content, "finish_reason": finish}]}))
         usage = {"prompt_tokens": 30, "completion_tokens": len(pieces), "total_tokens": 30 + len(pieces)}
         await resp.write(self._event({"choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
@@ -107,6 +109,7 @@ class FakeStructuredServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
         self._runner = web.AppRunner(app)
         self._thread.start()
 
@@ -216,6 +219,14 @@ def test_response_format_token_id_prompts_and_no_metrics(
         spec = p["response_format"]["json_schema"]
         assert p["response_format"]["type"] == "json_schema" and spec["strict"] is True
         assert spec["name"] in {c.name for c in SCHEMAS} and "structured_outputs" not in p
+
+
+def test_chat_endpoint_sends_text_messages(fake_server: FakeStructuredServer, tmp_path: Path) -> None:
+    record = run_bench(fake_server, tmp_path, "--endpoint", "/v1/chat/completions")
+    assert record["metrics"]["constrained"]["schema_valid_rate"] == 0.5
+    for p in fake_server.payloads:
+        assert "JSON Schema" in p["messages"][0]["content"]
+    assert [p["max_completion_tokens"] for p in fake_server.payloads] == [1, 1, 300, 300, 300, 300]
 
 
 def test_check_output() -> None:
