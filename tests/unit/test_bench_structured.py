@@ -35,8 +35,9 @@ class FakeStructuredServer:
     constrained request and an object missing every property (invalid) after. /metrics exports the
     two grammar histograms, grown by each constrained request, when `with_metrics`."""
 
-    def __init__(self, with_metrics: bool = True) -> None:
+    def __init__(self, with_metrics: bool = True, reject_constrained: bool = False) -> None:
         self.with_metrics = with_metrics
+        self.reject_constrained = reject_constrained
         self.payloads: list[dict[str, Any]] = []
         self.constrained_seen = 0
         self.base_url = ""
@@ -76,6 +77,8 @@ class FakeStructuredServer:
         constraint = payload.get("structured_outputs") or payload.get("response_format")
         if constraint is None:
             text = " w0 w1 w2 w3"
+        elif self.reject_constrained:  # a server without structured output refusing the field
+            return web.json_response({"error": {"message": "json_schema is not supported"}}, status=400)
         else:
             schema = constraint.get("json") or constraint["json_schema"]["schema"]
             self.constrained_seen += 1
@@ -137,7 +140,9 @@ def fake_server(request: pytest.FixtureRequest) -> Iterator[FakeStructuredServer
     server.stop()
 
 
-def run_bench(server: FakeStructuredServer, tmp_path: Path, *extra: str) -> dict[str, Any]:
+def run_bench(
+    server: FakeStructuredServer, tmp_path: Path, *extra: str, exit_code: int = 0
+) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
     args = parser.parse_args([
@@ -145,7 +150,7 @@ def run_bench(server: FakeStructuredServer, tmp_path: Path, *extra: str) -> dict
         "--max-concurrency", "1", "--structured-output-len", "300", "--disable-tqdm", "--save-result",
         "--result-dir", str(tmp_path), "--result-filename", "so", *extra,
     ])  # fmt: skip
-    assert serve.main(args) == 0
+    assert serve.main(args) == exit_code
     return json.loads((tmp_path / "so.json").read_text())
 
 
@@ -227,6 +232,18 @@ def test_chat_endpoint_sends_text_messages(fake_server: FakeStructuredServer, tm
     for p in fake_server.payloads:
         assert "JSON Schema" in p["messages"][0]["content"]
     assert [p["max_completion_tokens"] for p in fake_server.payloads] == [1, 1, 300, 300, 300, 300]
+
+
+@pytest.mark.parametrize("fake_server", [{"reject_constrained": True}], indirect=True)
+def test_refused_constraints_are_invalid_and_leave_no_ratio(
+    fake_server: FakeStructuredServer, tmp_path: Path
+) -> None:
+    m = run_bench(fake_server, tmp_path, exit_code=1)["metrics"]  # nothing constrained completed
+    assert m["unconstrained"]["completed"] == 2 and m["constrained"]["failed"] == 2
+    assert m["schema_valid_rate"] == 0.0 and m["constrained"]["invalid_reasons"] == {"request failed": 2}
+    assert (
+        m["tpot_ratio_p50"] is None and m["tpot_ratio_p99"] is None and m["output_throughput_ratio"] is None
+    )
 
 
 def test_check_output() -> None:

@@ -115,13 +115,19 @@ def _ratio(a: Any, b: Any) -> float | None:
 def combine(
     plain: dict[str, Any], constrained: dict[str, Any], validity: dict[str, Any], timings: dict[str, Any]
 ) -> dict[str, Any]:
-    """One result's metrics: both phases in full, and the comparison on top."""
+    """One result's metrics: both phases in full, and the comparison on top (null ratios when a
+    phase completed nothing: its latencies are placeholders, not measurements)."""
+    both = plain["completed"] > 0 and constrained["completed"] > 0
+
+    def ratio(key: str) -> float | None:
+        return _ratio(constrained[key], plain[key]) if both else None
+
     return {
         "unconstrained": plain,
         "constrained": {**constrained, **validity, **timings},
-        "tpot_ratio_p50": _ratio(constrained["median_tpot_ms"], plain["median_tpot_ms"]),
-        "tpot_ratio_p99": _ratio(constrained["p99_tpot_ms"], plain["p99_tpot_ms"]),
-        "output_throughput_ratio": _ratio(constrained["output_throughput"], plain["output_throughput"]),
+        "tpot_ratio_p50": ratio("median_tpot_ms"),
+        "tpot_ratio_p99": ratio("p99_tpot_ms"),
+        "output_throughput_ratio": ratio("output_throughput"),
         "schema_valid_rate": validity["schema_valid_rate"],
     }
 
@@ -131,8 +137,10 @@ def format_summary(metrics: dict[str, Any]) -> str:
     lines = ["{s:{c}^66}".format(s=" Structured output vs plain ", c="=")]
     lines.append(f"{'':<28}{'plain':>12}{'constrained':>14}{'ratio':>12}")
 
+    both = plain["completed"] > 0 and con["completed"] > 0
+
     def row(label: str, key: str, fmt: str = ".2f") -> None:
-        ratio = _ratio(con[key], plain[key])
+        ratio = _ratio(con[key], plain[key]) if both else None
         ratio_text = "" if ratio is None else f"{ratio:.3f}"
         lines.append(f"{label:<28}{plain[key]:>12{fmt}}{con[key]:>14{fmt}}{ratio_text:>12}")
 
