@@ -260,7 +260,7 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
     return config
 
 
-def _print_failures(results: list[RequestResult]) -> None:
+def print_failures(results: list[RequestResult]) -> None:
     errors = Counter(r.error for r in results if not r.success)
     for error, count in errors.most_common(5):
         print(f"  {count} failed: {error}", file=sys.stderr)
@@ -315,7 +315,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
                 np.zeros(len(warm)), warm_limit, show_progress=False,
             )  # fmt: skip
             if not any(r.success for r in results):
-                _print_failures(results)
+                print_failures(results)
                 raise RuntimeError("every warm-up request failed; is the server healthy?")
 
         runs = []
@@ -331,7 +331,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
             print(format_report(metrics, max_concurrency, args.request_rate))
-            _print_failures(results)
+            print_failures(results)
             runs.append(ServeRun(max_concurrency, metrics, latency_samples(results)))
             if args.save_result:
                 name = base_name if len(concurrencies) == 1 else f"{base_name}-c{max_concurrency or 'inf'}"

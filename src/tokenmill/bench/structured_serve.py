@@ -7,7 +7,8 @@ that parse and validate against their schema, and the server's grammar compile a
 mask times from /metrics (null, with a note, when the server does not export them). Warm-ups are
 plain requests, so the constrained phase's compile times include each schema's first compile.
 Before the phases every prompt is sent once for one token, so both phases find their prompts in
-the prefix cache alike.
+the prefix cache alike. In a sweep (--max-concurrency 8,64) only the first concurrency's compile
+times are first compiles: later ones find the server's compiled grammars cached, if it keeps them.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
                 np.zeros(len(warm)), warm_limit, show_progress=False,
             )  # fmt: skip
             if not any(r.success for r in results):
-                serve._print_failures(results)
+                serve.print_failures(results)
                 raise RuntimeError("every warm-up request failed; is the server healthy?")
 
         # Each prompt once, for one token: the prefix cache then holds every prompt before either
@@ -270,7 +271,7 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
             session, url, headers, requests, prime_payloads, np.zeros(len(requests)), prime_limit, False
         )
         if not any(r.success for r in results):
-            serve._print_failures(results)
+            serve.print_failures(results)
             raise RuntimeError("every priming request failed; is the server healthy?")
 
         runs = []
@@ -292,7 +293,7 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
                     after = await scrape(session, base_url, headers)
                 metrics = compute_metrics(results, duration, None, percentiles)
                 print(format_report(metrics, max_concurrency, args.request_rate))
-                serve._print_failures(results)
+                serve.print_failures(results)
                 phases[phase] = (results, metrics)
 
             con_results, con_metrics = phases["constrained"]
@@ -303,6 +304,7 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
                 _server_timings(before, after),
             )
             metrics["max_concurrency"] = max_concurrency
+            # What `bench serve` judges a run by: here both phases must have completed something.
             metrics["completed"] = min(phases[p][1]["completed"] for p in phases)
             print(format_summary(metrics))
             runs.append(ServeRun(max_concurrency, metrics, latency_samples(con_results)))
