@@ -44,6 +44,8 @@ class TokenSource(Protocol):
 
     async def token_pool(self) -> list[int]: ...
 
+    async def encode(self, text: str) -> list[int]: ...
+
     async def decode(self, token_ids: list[int]) -> str: ...
 
 
@@ -58,6 +60,9 @@ class LocalTokenSource:
     async def token_pool(self) -> list[int]:
         special = set(self.tokenizer.all_special_ids)
         return [i for i in range(len(self.tokenizer)) if i not in special]
+
+    async def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -89,6 +94,10 @@ class ServerTokenSource:
         if len(pool) < 16:
             raise RuntimeError(f"/tokenize gave only {len(pool)} distinct ids for the pool text")
         return pool
+
+    async def encode(self, text: str) -> list[int]:
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        return (await self._post("/tokenize", body))["tokens"]
 
     async def decode(self, token_ids: list[int]) -> str:
         body = {"model": self.model, "tokens": token_ids}

@@ -22,6 +22,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from tokenmill.bench import structured
 from tokenmill.bench.datasets import (
     LocalTokenSource,
     SampleRequest,
@@ -66,9 +67,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
-        choices=("random", "prefix-repetition"),
+        choices=("random", "prefix-repetition", "json-schema"),
         default="random",
-        help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache)",
+        help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache); "
+        "json-schema: structured output, each prompt plain then constrained by its JSON schema",
     )
     data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
@@ -91,6 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--prefix-repetition-output-len", type=int, default=128, help="max_tokens (prefix-repetition)"
     )
+
+    structured.add_cli_args(parser)
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -256,7 +260,7 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
     return config
 
 
-def _print_failures(results: list[RequestResult]) -> None:
+def print_failures(results: list[RequestResult]) -> None:
     errors = Counter(r.error for r in results if not r.success)
     for error, count in errors.most_common(5):
         print(f"  {count} failed: {error}", file=sys.stderr)
@@ -264,6 +268,11 @@ def _print_failures(results: list[RequestResult]) -> None:
 
 async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
     """Run every requested concurrency; return one `ServeRun` per run (results printed and saved as asked)."""
+    if args.dataset_name == "json-schema":
+        # Imported here: that module drives its phases with this one's load generator.
+        from tokenmill.bench.structured_serve import run_structured
+
+        return await run_structured(args)
     slos = parse_goodput(args.goodput)  # refuse bad flags before sending anything
     concurrencies = parse_concurrencies(args.max_concurrency)
     percentiles = tuple(float(p) for p in str(args.metric_percentiles).split(",") if p.strip())
@@ -306,7 +315,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
                 np.zeros(len(warm)), warm_limit, show_progress=False,
             )  # fmt: skip
             if not any(r.success for r in results):
-                _print_failures(results)
+                print_failures(results)
                 raise RuntimeError("every warm-up request failed; is the server healthy?")
 
         runs = []
@@ -322,7 +331,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
             print(format_report(metrics, max_concurrency, args.request_rate))
-            _print_failures(results)
+            print_failures(results)
             runs.append(ServeRun(max_concurrency, metrics, latency_samples(results)))
             if args.save_result:
                 name = base_name if len(concurrencies) == 1 else f"{base_name}-c{max_concurrency or 'inf'}"

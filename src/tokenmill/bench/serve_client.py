@@ -55,6 +55,11 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+def _chunk_finish_reason(chunk: dict[str, Any]) -> str | None:
+    choices = chunk.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None
+
+
 async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """The `data:` payloads of a server-sent event stream, as they arrive."""
     buffer = b""
@@ -80,6 +85,7 @@ async def send_request(
     start = last = time.perf_counter()
     result.start_time = start
     num_text_chunks = 0
+    pieces: list[str] = []
     usage: dict[str, Any] | None = None
     saw_done = False
     try:
@@ -96,7 +102,8 @@ async def send_request(
                     err = chunk["error"]
                     result.error = f"error chunk: {err.get('message', err) if isinstance(err, dict) else err}"
                     return result
-                if _chunk_text(chunk, chat):
+                if text := _chunk_text(chunk, chat):
+                    pieces.append(text)
                     now = time.perf_counter()
                     if num_text_chunks == 0:
                         result.ttft = now - start
@@ -104,12 +111,15 @@ async def send_request(
                         result.itl.append(now - last)
                     last = now
                     num_text_chunks += 1
+                if reason := _chunk_finish_reason(chunk):
+                    result.finish_reason = reason
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency = time.perf_counter() - start
+    result.generated_text = "".join(pieces)
     if not saw_done:
         result.error = "stream ended without data: [DONE]"
         return result

@@ -32,6 +32,9 @@ class RequestResult:
     latency: float = 0.0  # seconds, request sent to end of stream
     start_time: float = 0.0  # perf_counter when sent
     error: str = ""
+    # What was generated and why it ended: the structured-output workload validates the text.
+    generated_text: str = ""
+    finish_reason: str | None = None
 
     @property
     def tpot(self) -> float | None:
