@@ -76,7 +76,9 @@ class FakeStructuredServer:
         self.payloads.append(payload)
         constraint = payload.get("structured_outputs") or payload.get("response_format")
         if constraint is None:
-            text = " w0 w1 w2 w3"
+            # A plain reply: 3 pieces, or exactly the limit when told to ignore EOS.
+            limit = payload.get("max_tokens") or payload.get("max_completion_tokens")
+            text = "".join(f" w{i:02d}" for i in range(limit)) if payload.get("ignore_eos") else " w0 w1 w2 w3"
         elif self.reject_constrained:  # a server without structured output refusing the field
             return web.json_response({"error": {"message": "json_schema is not supported"}}, status=400)
         else:
@@ -174,7 +176,8 @@ def test_one_valid_and_one_invalid_reply_is_half_valid(
             "p99_ttft_ms",
         ):
             assert p[key] > 0, (phase, key)
-    assert m["unconstrained"]["total_output_tokens"] == 2 * 3  # " w0 w1 w2 w3" in 4-char pieces
+    # Each plain request generated exactly as many tokens as its prompt's constrained reply.
+    assert m["unconstrained"]["total_output_tokens"] == m["constrained"]["total_output_tokens"]
     con = m["constrained"]
     assert (con["schema_valid"], con["schema_invalid"]) == (1, 1)
     assert con["schema_valid_rate"] == m["schema_valid_rate"] == 0.5
@@ -191,12 +194,13 @@ def test_one_valid_and_one_invalid_reply_is_half_valid(
     assert con["grammar_mask_per_step"]["mean_s"] == pytest.approx(0.0005)
     assert con["server_metrics_note"] is None
 
-    # The same prompts went out for one token (priming the prefix cache), plain, then constrained
-    # with disable_any_whitespace.
-    prime, plain, constrained = fake_server.payloads[:2], fake_server.payloads[2:4], fake_server.payloads[4:]
+    # The same prompts went out for one token (priming the prefix cache), constrained with
+    # disable_any_whitespace, then plain with the constrained replies' lengths.
+    prime, constrained, plain = fake_server.payloads[:2], fake_server.payloads[2:4], fake_server.payloads[4:]
     assert [p["max_tokens"] for p in prime] == [1, 1]
     assert [p["prompt"] for p in prime] == [p["prompt"] for p in plain] == [p["prompt"] for p in constrained]
-    assert all("structured_outputs" not in p and p["max_tokens"] == 300 for p in plain)
+    assert all("structured_outputs" not in p and p["ignore_eos"] for p in plain)
+    assert sorted(p["max_tokens"] for p in plain) == sorted([1, con["max_output_tokens"]])
     for p in constrained:
         assert p["structured_outputs"]["disable_any_whitespace"] is True and p["max_tokens"] == 300
         jsonschema.validate(
@@ -220,7 +224,7 @@ def test_response_format_token_id_prompts_and_no_metrics(
     assert record["config"]["structured_output_field"] == "response_format"
     for p in fake_server.payloads:
         assert isinstance(p["prompt"], list) and len(p["prompt"]) == 64
-    for p in fake_server.payloads[4:]:
+    for p in fake_server.payloads[2:4]:
         spec = p["response_format"]["json_schema"]
         assert p["response_format"]["type"] == "json_schema" and spec["strict"] is True
         assert spec["name"] in {c.name for c in SCHEMAS} and "structured_outputs" not in p
@@ -231,7 +235,9 @@ def test_chat_endpoint_sends_text_messages(fake_server: FakeStructuredServer, tm
     assert record["metrics"]["constrained"]["schema_valid_rate"] == 0.5
     for p in fake_server.payloads:
         assert "JSON Schema" in p["messages"][0]["content"]
-    assert [p["max_completion_tokens"] for p in fake_server.payloads] == [1, 1, 300, 300, 300, 300]
+    limits = [p["max_completion_tokens"] for p in fake_server.payloads]
+    longest = record["metrics"]["constrained"]["max_output_tokens"]
+    assert limits[:4] == [1, 1, 300, 300] and sorted(limits[4:]) == [1, longest]  # plain: the constrained lengths
 
 
 @pytest.mark.parametrize("fake_server", [{"reject_constrained": True}], indirect=True)

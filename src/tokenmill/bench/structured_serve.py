@@ -193,9 +193,23 @@ def _config(args: argparse.Namespace, base_url: str, model: str, max_concurrency
         "disable_any_whitespace": not args.structured_any_whitespace,
         "compile_metric": COMPILE_METRIC,
         "mask_metric": MASK_METRIC,
-        "phase_order": ["unconstrained", "constrained"],
+        "phase_order": ["constrained", "unconstrained"],
+        "unconstrained_lengths": "each prompt's constrained reply length, ignore_eos",
         "prefix_cache_primed": True,
     }
+
+
+def matched_plain_payloads(
+    plain_payloads: list[dict[str, Any]], constrained: list[RequestResult], limit_key: str
+) -> list[dict[str, Any]]:
+    """The plain requests, each limited to (and forced to reach, ignore_eos) the output length of
+    the same prompt's constrained reply; a failed constrained request keeps its plain limit."""
+    matched = []
+    for payload, result in zip(plain_payloads, constrained, strict=True):
+        if result.success and result.output_tokens > 0:
+            payload = {**payload, limit_key: result.output_tokens, "ignore_eos": True}
+        matched.append(payload)
+    return matched
 
 
 async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
@@ -278,7 +292,14 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
         for max_concurrency in concurrencies:
             phases: dict[str, tuple[list[RequestResult], dict[str, Any]]] = {}
             before = after = None
-            for phase, payloads in (("unconstrained", plain_payloads), ("constrained", constrained_payloads)):
+            # Constrained first; then the same prompts unconstrained, each generating exactly as many
+            # tokens as its constrained reply (ignore_eos), so both phases decode the same lengths
+            # at the same contexts and their TPOTs compare the constraint, not the reply lengths.
+            for phase in ("constrained", "unconstrained"):
+                if phase == "constrained":
+                    payloads = constrained_payloads
+                else:
+                    payloads = matched_plain_payloads(plain_payloads, phases["constrained"][0], limit_key)
                 offsets = serve.arrival_offsets(
                     len(requests), args.request_rate, args.burstiness, np.random.default_rng(args.seed + 1)
                 )
