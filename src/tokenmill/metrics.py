@@ -16,6 +16,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Summary,
     disable_created_metrics,
     generate_latest,
 )
@@ -122,6 +123,22 @@ class ServerMetrics:
             "num_preemptions_total": self._num_preemptions,
         }
         self._last_totals: dict[str, float] = {}
+        # Structured output: sum and count of grammar compile times and of per-step bitmask fills,
+        # from the engine's (seconds total, count) stats pairs.
+        self._engine_summaries = {
+            ("structured_output_compile_seconds_total", "structured_output_compiles"): Summary(
+                PREFIX + "structured_output_compile_seconds",
+                "Time compiling structured-output grammars (cache misses).",
+                labels,
+                registry=self.registry,
+            ).labels(model_name),
+            ("structured_output_mask_seconds_total", "structured_output_mask_steps"): Summary(
+                PREFIX + "structured_output_mask_seconds",
+                "Host time filling the grammar bitmask, per step with constrained requests.",
+                labels,
+                registry=self.registry,
+            ).labels(model_name),
+        }
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -174,6 +191,22 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last_totals[key] = total
+        for (sum_key, count_key), summary in self._engine_summaries.items():
+            if sum_key not in stats or count_key not in stats:
+                continue
+            total_sum, total_count = float(stats[sum_key]), float(stats[count_key])
+            last_sum = self._last_totals.get(sum_key, 0.0)
+            last_count = self._last_totals.get(count_key, 0.0)
+            if total_count < last_count:  # the engine restarted
+                last_sum = last_count = 0.0
+            count = total_count - last_count
+            if count > 0:
+                # Only the totals cross the process boundary: add them to the summary's sum and
+                # count directly (observe() takes one value at a time).
+                summary._sum.inc(max(total_sum - last_sum, 0.0))  # noqa: SLF001
+                summary._count.inc(count)  # noqa: SLF001
+            self._last_totals[sum_key] = total_sum
+            self._last_totals[count_key] = total_count
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector, for GET /metrics."""

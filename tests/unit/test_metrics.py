@@ -95,3 +95,28 @@ def test_engine_totals_become_counter_deltas_and_gauges() -> None:
     assert value(m, "tokenmill:prefix_cache_queries_total") == 180
     m.update_engine_stats({"prefix_cache_queries": 35})
     assert value(m, "tokenmill:prefix_cache_queries_total") == 185
+
+
+def test_structured_output_engine_stats_become_sum_and_count() -> None:
+    metrics = ServerMetrics("m")
+    metrics.update_engine_stats(
+        {
+            "structured_output_compile_seconds_total": 0.5,
+            "structured_output_compiles": 2.0,
+            "structured_output_mask_seconds_total": 0.03,
+            "structured_output_mask_steps": 10.0,
+        }
+    )
+    metrics.update_engine_stats(
+        {
+            "structured_output_compile_seconds_total": 0.75,
+            "structured_output_compiles": 3.0,
+            "structured_output_mask_seconds_total": 0.04,
+            "structured_output_mask_steps": 12.0,
+        }
+    )
+    text = metrics.render().decode()
+    assert 'tokenmill:structured_output_compile_seconds_count{model_name="m"} 3.0' in text
+    assert 'tokenmill:structured_output_compile_seconds_sum{model_name="m"} 0.75' in text
+    assert 'tokenmill:structured_output_mask_seconds_count{model_name="m"} 12.0' in text
+    assert 'tokenmill:structured_output_mask_seconds_sum{model_name="m"} 0.04' in text
