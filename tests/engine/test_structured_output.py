@@ -478,3 +478,26 @@ def test_model_without_tokenizer_errors_clearly(tiny_llama_dir, tmp_path):
     assert out.outputs[0].finish_reason == "error"
     assert out.error.startswith(INVALID_PREFIX) and "tokenizer" in out.error, out.error
     _no_blocks_held(llm)
+
+
+def test_async_scheduling_keeps_constraints_and_unconstrained_greedy_output(tiny_llama_dir):
+    prompts = ["the model token", "cache block page", "hello world", "a b c d"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    constrained = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=60, structured_outputs=SO(regex=TINY_REGEX)),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=60,
+            structured_outputs=SO(json=TINY_SCHEMA, disable_any_whitespace=True),
+        ),
+    ]
+    results = {}
+    for mode in (False, True):
+        llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, block_size=4, async_scheduling=mode)
+        plain_only = llm.generate(prompts[:2], greedy)
+        outputs = llm.generate(prompts, [greedy, greedy, *constrained])
+        assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in plain_only]
+        _tiny_outputs_valid(outputs[2:], ["regex", "json"])
+        _no_blocks_held(llm)
+        results[mode] = [o.outputs[0].token_ids for o in outputs]
+    assert results[False] == results[True]
