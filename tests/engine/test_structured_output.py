@@ -407,11 +407,21 @@ def test_constraints_hold_under_preemption_chunked_prefill_and_n(tiny_llama_dir)
             )
         )
         kinds.append(kind)
+    # ignore_eos: the grammar's own end stops the request.
+    params.append(
+        SamplingParams(
+            temperature=1.0, seed=99, max_tokens=100, ignore_eos=True, structured_outputs=specs["regex"]
+        )
+    )
+    prompts.append("hello world")
+    kinds.append("regex")
     params.append(SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     prompts.append("hello world")
     kinds.append("plain")
     outputs = llm.generate(prompts, params)
-    assert llm.engine.get_stats()["num_preemptions_total"] > 0
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions_total"] > 0
+    assert stats["structured_output_compiles"] == 3  # one per distinct spec: n > 1 and repeats hit the cache
     assert [len(o.outputs) for o in outputs[:-1]] == [p.n for p in params[:-1]]
     _tiny_outputs_valid(outputs[:-1], kinds[:-1])
     assert len(outputs[-1].outputs[0].token_ids) == 30
