@@ -41,12 +41,16 @@ class GrammarMasker:
         host.fill_(-1)  # every token allowed in the rows of unconstrained requests
         host_np = host.numpy()
         src = 0
+        masked_rows: list[int] = []
         for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
             dst = row_of[request_id]
             host_np[dst : dst + count] = rows[src : src + count]
+            masked_rows.extend(range(dst, dst + count))
             src += count
         if logits.is_cuda:
+            # All rows (the unconstrained ones allow everything): row indices would be one more
+            # host-to-device copy from pageable memory.
             bitmask = host.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
         else:
-            bitmask = host
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+            xgr.apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1], indices=masked_rows)
