@@ -43,7 +43,8 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         text = spec if isinstance(spec, str) else None
         try:
             obj = json.loads(spec) if isinstance(spec, str) else spec
-            text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            # Not sort_keys: the order of "properties" is the order the output's fields come in.
+            text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError):
             text = spec if isinstance(spec, str) else repr(spec)
     elif kind == "choice":
