@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.core.request import Request
+from tokenmill.engine.structured_output import bitmask as bitmask_module
 from tokenmill.engine.structured_output.bitmask import BitmaskFiller
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -70,7 +71,8 @@ def test_a_step_with_no_allowed_token_errors_the_request():
     assert _accept(grammar, request, 3) == grammar.error  # the sampled token comes back: it ends
 
 
-def test_filler_rows_and_growth():
+def test_filler_rows_and_growth(monkeypatch):
+    monkeypatch.setattr(bitmask_module, "BATCH_FILL_MIN_ROWS", 1000)  # the fake matchers fill one by one
     grammars = []
     for i in range(20):
         grammar, _ = _grammar({i, 99}, start_after=[])
@@ -80,3 +82,23 @@ def test_filler_rows_and_growth():
     assert output.rows_per_request == [1] * 20 and output.num_words == 4
     for i in range(20):
         assert rows[i, i // 32] & (1 << (i % 32))
+
+
+def test_batch_fill_equals_row_by_row_fill_with_real_matchers():
+    import xgrammar as xgr
+
+    vocab = [chr(c) for c in range(32, 127)] + ["ab", "12", '{"', "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"(ab|[0-9]{2,4})x")
+    request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="x")))
+    grammars = []
+    for i, prefix in enumerate(["", "a", "ab", "1", "12", "123", "1234", "abx", "99", "5"] * 2):
+        grammar = RequestGrammar(compiled, request)
+        assert grammar.matcher.accept_string(prefix) or not prefix
+        grammars.append((f"r{i}", grammar))
+    batch = BitmaskFiller(len(vocab)).fill(grammars)
+    filler = BitmaskFiller(len(vocab))
+    row_by_row = np.zeros((len(grammars), filler.num_words), dtype=np.int32)
+    for row, (_, grammar) in enumerate(grammars):
+        grammar.fill(row_by_row, row)
+    assert batch.bitmask == row_by_row.tobytes()

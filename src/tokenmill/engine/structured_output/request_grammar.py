@@ -62,9 +62,12 @@ class RequestGrammar:
         (the request ends with it when its sampled token comes back)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if not bitmask[row].any():
-            self.error = (
-                f"structured output: the grammar allows no token after {self.num_accepted} constrained tokens"
-            )
+            self.no_token_allowed()
+
+    def no_token_allowed(self) -> None:
+        self.error = (
+            f"structured output: the grammar allows no token after {self.num_accepted} constrained tokens"
+        )
 
 
 def _ends_with(tokens: list[int], suffix: list[int]) -> bool:
