@@ -511,3 +511,44 @@ def test_async_scheduling_keeps_constraints_and_unconstrained_greedy_output(tiny
         _no_blocks_held(llm)
         results[mode] = [o.outputs[0].token_ids for o in outputs]
     assert results[False] == results[True]
+
+
+def test_served_engine_core_process_carries_constraints_errors_and_stats(tiny_llama_dir):
+    """Through the engine-core process (msgspec over ZMQ), as `tokenmill serve` runs it."""
+    import asyncio
+
+    from tokenmill.args import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    config = EngineArgs(
+        model=str(tiny_llama_dir), device="cpu", max_model_len=128, block_size=8
+    ).create_engine_config(resolve_device=False)
+
+    async def run() -> tuple[list, list, dict]:
+        engine = AsyncEngine(config)
+        await engine.start()
+        try:
+
+            async def final(rid: str, params: SamplingParams):
+                last = None
+                async for out in engine.generate(rid, None, [5, 6, 7], params, stream=False):
+                    last = out
+                return last
+
+            good = SamplingParams(
+                temperature=1.0, seed=3, max_tokens=40, structured_outputs=SO(regex=TINY_REGEX)
+            )
+            bad = SamplingParams(max_tokens=5, structured_outputs=SO(regex="[a-"))
+            outs = await asyncio.gather(final("good", good), final("bad", bad))
+            for _ in range(50):  # stats arrive with the engine's step outputs
+                if engine.stats.get("structured_output_compiles"):
+                    break
+                await asyncio.sleep(0.05)
+            return outs[0].outputs, [outs[1].error, outs[1].outputs[0].finish_reason], dict(engine.stats)
+        finally:
+            await engine.shutdown()
+
+    good_outputs, (error, reason), stats = asyncio.run(run())
+    assert good_outputs[0].finish_reason == "stop" and re.fullmatch(TINY_REGEX, good_outputs[0].text)
+    assert reason == "error" and error.startswith(INVALID_PREFIX + "regex: "), error
+    assert stats.get("structured_output_compiles", 0) >= 1, stats
