@@ -81,6 +81,10 @@ def _int(name: str, default: int | None, help: str) -> EnvVar[int | None]:
     return _register(name, int, default, help, "int")
 
 
+def _float(name: str, default: float | None, help: str) -> EnvVar[float | None]:
+    return _register(name, float, default, help, "float")
+
+
 TOKENMILL_CACHE = _str(
     "TOKENMILL_CACHE",
     None,
@@ -119,6 +123,12 @@ TOKENMILL_DEFERRED_NORM = _bool(
     "TOKENMILL_DEFERRED_NORM",
     None,
     "default of kernel_config deferred_norm: single-request decode folds RMSNorm into the matmuls",
+)
+TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT = _float(
+    "TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT",
+    10.0,
+    "seconds a structured-output grammar (JSON schema, regex, EBNF, ...) may take to compile; a "
+    "request whose grammar takes longer ends with an 'invalid structured output' error",
 )
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",

@@ -8,7 +8,7 @@ stats and are turned into counter increments here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,8 +19,17 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenmill.stats_histogram import buckets_from_stats
 
 PREFIX = "tokenmill:"
+# Histograms kept in the engine process and reported in its stats (core/stats_histogram.py).
+ENGINE_HISTOGRAMS = {
+    "structured_output_compile_seconds": "Time compiling a structured-output grammar (cache misses).",
+    "structured_output_mask_seconds": "Host time filling the grammar bitmask of one step with constrained requests.",
+}
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
@@ -122,6 +131,10 @@ class ServerMetrics:
             "num_preemptions_total": self._num_preemptions,
         }
         self._last_totals: dict[str, float] = {}
+        # Histograms the engine keeps itself (grammar compiles, per-step bitmask fills): their
+        # latest buckets, exported as they are.
+        self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS)
+        self.registry.register(self._engine_histograms)
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -174,7 +187,32 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last_totals[key] = total
+        self._engine_histograms.update(stats)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector, for GET /metrics."""
         return generate_latest(self.registry)
+
+
+class EngineHistograms(Collector):
+    """Prometheus histograms whose buckets the engine counts (only plain numbers cross the process
+    boundary); each scrape reports the latest ones."""
+
+    def __init__(self, model_name: str, histograms: Mapping[str, str]) -> None:
+        self.model_name = model_name
+        self.histograms = dict(histograms)
+        self._latest: dict[str, tuple[list[tuple[str, float]], float]] = {}
+
+    def update(self, stats: Mapping[str, float]) -> None:
+        for name in self.histograms:
+            found = buckets_from_stats(dict(stats), name)
+            if found is not None:
+                self._latest[name] = found
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        for name, documentation in self.histograms.items():
+            family = HistogramMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+            if name in self._latest:
+                buckets, total = self._latest[name]
+                family.add_metric([self.model_name], buckets, total)
+            yield family

@@ -13,6 +13,9 @@ from tokenmill.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 # OpenAI's bound on logit_bias values: +100 forces a token, -100 bans it in practice.
 MAX_LOGIT_BIAS = 100.0
+# The longest constraint text (a JSON schema's JSON, a regex, a grammar, all choices together)
+# the engine compiles: larger specs are refused before any compile work.
+MAX_STRUCTURED_OUTPUT_SPEC_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -76,6 +79,30 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(
                     f"structured_outputs.{name} must be a non-empty string", param=f"structured_outputs.{name}"
                 )
+        kind = given[0]
+        size = _spec_size(getattr(self, kind))
+        if size > MAX_STRUCTURED_OUTPUT_SPEC_BYTES:
+            raise InvalidRequestError(
+                f"structured_outputs.{kind} is {size} bytes long; the limit is "
+                f"{MAX_STRUCTURED_OUTPUT_SPEC_BYTES} bytes",
+                param=f"structured_outputs.{kind}",
+            )
+
+
+def _spec_size(spec: Any) -> int:
+    """Bytes of a constraint's text (a schema object counts as its JSON text)."""
+    if isinstance(spec, str):
+        return len(spec.encode("utf-8", "surrogatepass"))
+    if isinstance(spec, list):
+        return sum(_spec_size(item) for item in spec)
+    if isinstance(spec, dict):
+        import json
+
+        try:
+            return len(json.dumps(spec, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        except (TypeError, ValueError):
+            return 0
+    return 0
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ TIERS: list[set[str]] = [
         "paths",
         "chat_template",
         "metrics",
+        "stats_histogram",
     },
     {"core"},
     {"kernels"},

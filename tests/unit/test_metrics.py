@@ -95,3 +95,30 @@ def test_engine_totals_become_counter_deltas_and_gauges() -> None:
     assert value(m, "tokenmill:prefix_cache_queries_total") == 180
     m.update_engine_stats({"prefix_cache_queries": 35})
     assert value(m, "tokenmill:prefix_cache_queries_total") == 185
+
+
+def test_structured_output_engine_histograms_are_exported_with_their_buckets() -> None:
+    from tokenmill.stats_histogram import StatsHistogram
+
+    compile_ = StatsHistogram("structured_output_compile_seconds", (0.01, 0.1, 1.0))
+    mask = StatsHistogram("structured_output_mask_seconds", (0.001, 0.01))
+    metrics = ServerMetrics("m")
+    text = metrics.render().decode()
+    assert "tokenmill:structured_output_compile_seconds_count" not in text  # nothing observed yet
+    for value in (0.005, 0.05, 0.5):
+        compile_.observe(value)
+    for value in (0.0005,) * 9 + (0.005,):
+        mask.observe(value)
+    metrics.update_engine_stats(compile_.stats() | mask.stats())
+    metrics.update_engine_stats({"num_running": 0})  # a report without them keeps the last values
+    text = metrics.render().decode()
+    for line in (
+        'tokenmill:structured_output_compile_seconds_bucket{le="0.01",model_name="m"} 1.0',
+        'tokenmill:structured_output_compile_seconds_bucket{le="0.1",model_name="m"} 2.0',
+        'tokenmill:structured_output_compile_seconds_bucket{le="+Inf",model_name="m"} 3.0',
+        'tokenmill:structured_output_compile_seconds_count{model_name="m"} 3.0',
+        'tokenmill:structured_output_compile_seconds_sum{model_name="m"} 0.555',
+        'tokenmill:structured_output_mask_seconds_bucket{le="0.001",model_name="m"} 9.0',
+        'tokenmill:structured_output_mask_seconds_count{model_name="m"} 10.0',
+    ):
+        assert line in text, (line, text)

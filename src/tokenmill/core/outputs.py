@@ -62,9 +62,10 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     # speculative-decoding proposer sets them; empty today). They are counted in
     # num_scheduled_tokens; the runner returns the accepted ones plus one more.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-    # Structured output: a packed allowed-token bitmask, one row per request of
-    # `structured_output_request_ids` in that order. None today.
-    grammar_bitmask: bytes | None = None
+    # Structured output: the requests that sample under a grammar this step, in batch order. A
+    # step that lists any is run in two phases: the runner launches the forward and the logits
+    # and waits; the engine core fills the grammar bitmask meanwhile and hands it over
+    # (`GrammarOutput`); the runner masks the logits and samples. Empty: today's one-phase step.
     structured_output_request_ids: list[str] = []
     # Requests that ended (finished, aborted, errored) since the previous step: the runner drops
     # their per-request state (sampling generators, token history).
@@ -92,6 +93,25 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
         if self.scheduled_new_reqs:
             starts = starts + [new.num_computed_tokens for new in self.scheduled_new_reqs]
         return starts
+
+
+class GrammarOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The allowed-token bitmask of one step's constrained requests (the second phase's input).
+
+    `bitmask` packs int32 words (little-endian), `num_words` per row, bit j of word w allowing
+    token 32 * w + j; `rows_per_request[i]` rows belong to `request_ids[i]`, in order: one row
+    today (the token it samples), k + 1 with k draft tokens. A request of the step with no rows
+    here samples unconstrained (its grammar has not started yet, or it is complete).
+    """
+
+    request_ids: list[str] = []
+    rows_per_request: list[int] = []
+    num_words: int = 0
+    bitmask: bytes = b""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -10,13 +10,15 @@ from tokenmill.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Its structured-output grammar is compiling: not schedulable yet, and no one waits behind it.
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is terminal.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -62,6 +64,7 @@ class Request:
         "block_hashes",
         "max_tokens",
         "spec_token_ids",
+        "use_structured_output",
     )
 
     def __init__(
@@ -101,6 +104,9 @@ class Request:
         # Draft tokens proposed after the last known token (speculative decoding sets them; the
         # scheduler moves them into the next step it schedules the request in).
         self.spec_token_ids: list[int] = []
+        # A grammar constrains its output (the engine core's structured-output manager keeps the
+        # matcher, by request id).
+        self.use_structured_output = sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,10 @@ after its last known one, within the budget, with lookahead KV slots reserved fo
 runner returns 1..k+1 tokens for k drafts (the accepted ones and one more); `update_from_output`
 appends them one by one under the stop conditions and rolls `num_computed_tokens` back over the
 rejected drafts, whose KV is garbage. Drafts are not scheduled while a token is in flight.
+
+Structured output (see core/structured_output.py): a constrained request waits in
+WAITING_FOR_GRAMMAR, outside the queue, until its grammar compiles; each step lists the
+constrained requests that sample, and each token they get passes their grammar.
 """
 
 from __future__ import annotations
@@ -40,11 +44,16 @@ from tokenmill.core.outputs import (
 )
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FcfsQueue, PriorityQueue, SortKey
+from tokenmill.core.structured_output import StructuredOutputHooks
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        structured_output: StructuredOutputHooks | None = None,
     ) -> None:
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(
@@ -66,6 +75,9 @@ class Scheduler:
         # reported (`update_from_output`): if one ends now its KV may never be written.
         self._unlaunched: set[str] = set()
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already emitted
+        self.structured_output = structured_output
+        # Constrained requests whose grammar is still compiling, in arrival order.
+        self.waiting_for_grammar: list[Request] = []
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -76,6 +88,15 @@ class Scheduler:
         key = (request.priority, request.arrival_time, next(self._sequence))
         self._keys[request.request_id] = key
         self.requests[request.request_id] = request
+        if request.use_structured_output:
+            if self.structured_output is None:
+                self._finish(request, RequestStatus.FINISHED_ERROR, "structured output is not available here")
+                self._pending_outputs.append(self._final_output(request))
+                return
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+            self.structured_output.start(request)
+            return
         self.waiting.add(request, key)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
@@ -108,12 +129,14 @@ class Scheduler:
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_preemptions_total": self.num_preemptions_total,
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self.waiting) + len(self.waiting_for_grammar),
         }
 
     # -- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._poll_grammars()
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput()
         # Filled in batch order: running (cached) requests first, then admitted (new) ones.
@@ -165,6 +188,8 @@ class Scheduler:
                 cached.new_block_ids[request_id] = new_block_ids
             if num_computed + num_new >= num_known:  # the chunk samples: the id comes with the results
                 request.num_output_placeholders = placeholders + 1
+                if request.use_structured_output:
+                    output.structured_output_request_ids.append(request_id)
             request.num_computed_tokens = num_computed + num_new  # progress counts at schedule time
             num_scheduled[request_id] = num_new
             budget -= num_new
@@ -200,7 +225,9 @@ class Scheduler:
                 bisect.insort(running, request, key=lambda r: keys[r.request_id])
             else:
                 running.append(request)
-            output.scheduled_new_reqs.append(self._schedule_new(request, num_new))
+            output.scheduled_new_reqs.append(
+                self._schedule_new(request, num_new, output.structured_output_request_ids)
+            )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
@@ -216,13 +243,29 @@ class Scheduler:
         cache (async scheduling ends requests while their last step is in flight)."""
         self._unlaunched.difference_update(scheduler_output.num_scheduled_tokens)
 
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar is ready into the queue; end those whose compile failed."""
+        hooks = self.structured_output
+        assert hooks is not None
+        still: list[Request] = []
+        for request in self.waiting_for_grammar:
+            state = hooks.poll(request)
+            if state is False:
+                still.append(request)
+            elif state is True:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request, self._keys[request.request_id])
+            else:
+                self._end_in_schedule(request, str(state))
+        self.waiting_for_grammar = still
+
     def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
         """True when the tokens still in flight already reach max_tokens or max_model_len."""
         if request.max_tokens is not None and request.num_output_tokens + placeholders >= request.max_tokens:
             return True
         return request.num_tokens + placeholders >= self.max_model_len
 
-    def _schedule_new(self, request: Request, num_new: int) -> NewRequestData:
+    def _schedule_new(self, request: Request, num_new: int, structured_ids: list[str]) -> NewRequestData:
         """First scheduled, or resumed after preemption: everything the runner needs, once."""
         new = NewRequestData(
             request.request_id,
@@ -237,6 +280,8 @@ class Scheduler:
         # samples, and the id comes with the step's results.
         if request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
+            if request.use_structured_output:
+                structured_ids.append(request.request_id)
         request.num_computed_tokens += num_new
         return new
 
@@ -347,6 +392,7 @@ class Scheduler:
                 self._finish(request, status)
                 output.finish_reason = status.finish_reason
                 output.stop_reason = request.stop_reason
+                output.error = request.error
             outputs.append(output)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             request = self.requests.get(request_id)
@@ -375,6 +421,13 @@ class Scheduler:
         return list(token_ids), None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.use_structured_output and self.structured_output is not None:
+            error = self.structured_output.accept_token(request, token_id)
+            if error is not None:
+                request.error = error
+                return RequestStatus.FINISHED_ERROR
+            if self.structured_output.is_terminated(request):
+                return RequestStatus.FINISHED_STOPPED
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
@@ -420,8 +473,13 @@ class Scheduler:
         running_ids = {rid for rid, r in requests.items() if r.status == RequestStatus.RUNNING}
         if running_ids:
             self.running = [r for r in self.running if r.request_id not in running_ids]
-        if len(running_ids) < len(requests):
-            self.waiting.remove(set(requests) - running_ids)
+        compiling_ids = {rid for rid, r in requests.items() if r.status == RequestStatus.WAITING_FOR_GRAMMAR}
+        if compiling_ids:
+            self.waiting_for_grammar = [
+                r for r in self.waiting_for_grammar if r.request_id not in compiling_ids
+            ]
+        if len(running_ids) + len(compiling_ids) < len(requests):
+            self.waiting.remove(set(requests) - running_ids - compiling_ids)
         outputs = []
         for request in requests.values():
             # A step that was scheduled but not launched may never write this request's KV.
@@ -442,6 +500,8 @@ class Scheduler:
         del self._keys[request_id]
         self._prompt_logprobs_sent.pop(request_id, None)
         self._finished_req_ids.add(request_id)
+        if request.use_structured_output and self.structured_output is not None:
+            self.structured_output.free(request_id)
 
     def _final_output(self, request: Request) -> EngineCoreOutput:
         return EngineCoreOutput(
@@ -458,11 +518,18 @@ class Scheduler:
         """Raise AssertionError if the queues, the requests and the KV blocks disagree."""
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
+        compiling_ids = [r.request_id for r in self.waiting_for_grammar]
         assert len(set(running_ids)) == len(running_ids), f"a request is in `running` twice: {running_ids}"
         assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-        assert len(running_ids) + len(waiting_ids) == len(self.requests), (
-            f"{len(self.requests)} live requests but {len(running_ids)} running + {len(waiting_ids)} waiting"
+        assert not set(compiling_ids) & (set(running_ids) | set(waiting_ids)), (
+            "a request waiting for its grammar is also running or waiting"
         )
+        assert len(running_ids) + len(waiting_ids) + len(compiling_ids) == len(self.requests), (
+            f"{len(self.requests)} live requests but {len(running_ids)} running + {len(waiting_ids)} "
+            f"waiting + {len(compiling_ids)} waiting for a grammar"
+        )
+        for request in self.waiting_for_grammar:
+            assert request.status == RequestStatus.WAITING_FOR_GRAMMAR, f"{request!r} waits for a grammar"
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, f"{request!r} is in `running`"
             # One per step in flight: at most two with async scheduling.

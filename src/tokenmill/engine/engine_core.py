@@ -5,6 +5,11 @@ for the previous one's sampled tokens: scheduling, batch building and the host s
 previous step's results all happen while the device computes, so it never waits for Python.
 Requests whose sampling needs every earlier token on the host (penalties, min_tokens) or that
 ask for prompt logprobs make the engine wait for the previous step before scheduling.
+
+Structured output: grammars compile on the manager's thread pool while their requests wait (the
+scheduler skips them); a step with constrained requests runs in two phases, the runner launching
+the forward and logits, the manager filling the grammar bitmask on the host meanwhile, then the
+runner masking and sampling (`_launch_constrained`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.model.resolve import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
@@ -59,7 +65,12 @@ class EngineCore:
         self.executor: Executor = Executor.get_class(config)(config, self.resolved, max_model_len)
         num_blocks = self.executor.initialize_kv_cache()
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        self.scheduler = Scheduler(self.scheduler_config, config.cache, num_blocks)
+        # Builds nothing until the first constrained request (then the tokenizer and xgrammar, on
+        # a compile thread).
+        self.structured_output = StructuredOutputManager(self._load_tokenizer, arch.vocab_size)
+        self.scheduler = Scheduler(
+            self.scheduler_config, config.cache, num_blocks, structured_output=self.structured_output
+        )
         self.config = config
         self.info = EngineInfo(
             max_model_len=max_model_len,
@@ -78,6 +89,11 @@ class EngineCore:
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
+
+    def _load_tokenizer(self):  # noqa: ANN202 - a transformers tokenizer, or None
+        from tokenmill.model.tokenizer import load_tokenizer_or_none
+
+        return load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -118,6 +134,9 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
             outputs.extend(self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput()))
+            if not outputs and self.scheduler.waiting_for_grammar:
+                # Nothing to run until a grammar compiles: wait for it rather than spin.
+                self.structured_output.wait_for_compiles(timeout=0.005)
             return self._annotate(outputs)
         now = time.monotonic()
         requests = self.scheduler.requests
@@ -136,7 +155,10 @@ class EngineCore:
                 self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            if scheduler_output.structured_output_request_ids:
+                runner_output = self._launch_constrained(scheduler_output).result()
+            else:
+                runner_output = self.executor.execute_model(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
             runner_output = self._failed_step(scheduler_output, exc)
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
@@ -144,9 +166,21 @@ class EngineCore:
 
     def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput:
         try:
-            return self.executor.execute_model_async(scheduler_output)
+            if scheduler_output.structured_output_request_ids:
+                return self._launch_constrained(scheduler_output)
+            pending = self.executor.execute_model_async(scheduler_output)
+            assert pending is not None, "only a step with constrained requests waits for a bitmask"
+            return pending
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
             return self._failed_step(scheduler_output, exc)
+
+    def _launch_constrained(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch the forward, fill the grammar bitmask while the device runs it, then sample."""
+        pending = self.executor.execute_model_async(scheduler_output)
+        if pending is not None:  # nothing waited for a mask (no request sampled)
+            return pending
+        grammar_output = self.structured_output.grammar_output(scheduler_output)
+        return self.executor.sample_tokens(grammar_output)
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         """Wait for the launched step's sampled tokens and apply them."""
@@ -187,6 +221,7 @@ class EngineCore:
         return self.executor.driver_runner  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def fail_request(self, request_id: str, message: str) -> None:
@@ -195,7 +230,7 @@ class EngineCore:
         )
 
     def get_stats(self) -> dict[str, float]:
-        return self.scheduler.get_stats()
+        return self.scheduler.get_stats() | self.structured_output.get_stats()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

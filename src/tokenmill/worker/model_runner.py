@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
+from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
@@ -105,6 +107,17 @@ class PendingStep:
         return output
 
 
+@dataclass(slots=True)
+class _DeferredSample:
+    """A constrained step between its phases: the logits are launched, sampling waits for the mask."""
+
+    requests: list[RequestState]
+    batch: HostBatch
+    output: ModelRunnerOutput
+    logits: torch.Tensor
+    sampling_reqs: list[RequestState]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int) -> None:
         self.config = config
@@ -144,6 +157,10 @@ class ModelRunner:
             self.dtype,
         )
         self.sampler = Sampler()
+        self.grammar_masker = GrammarMasker(self.device)
+        # A step with constrained requests between its two phases: launched up to the logits, it
+        # waits for `sample_tokens(grammar_output)`.
+        self._awaiting_grammar: _DeferredSample | None = None
         self.requests = RequestStates()
         # Per-request RNGs of seeded requests; kept across a preemption (the stream goes on), dropped
         # when the request ends.
@@ -310,12 +327,26 @@ class ModelRunner:
         return generator
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its results."""
-        return self.execute_async(so).result()
+        """Run one step and wait for its results. A step with constrained requests needs its
+        grammar bitmask: the engine runs those through execute_async and sample_tokens."""
+        pending = self.execute_async(so)
+        if pending is None:
+            self._awaiting_grammar = None
+            raise RuntimeError(
+                "the step has structured-output requests: run it with execute_async() and then "
+                "sample_tokens(grammar_output)"
+            )
+        return pending.result()
 
     @torch.inference_mode()
-    def execute_async(self, so: SchedulerOutput) -> PendingStep:
-        """Launch one step; its sampled ids come back through the returned PendingStep."""
+    def execute_async(self, so: SchedulerOutput) -> PendingStep | None:
+        """Launch one step; its sampled ids come back through the returned PendingStep.
+
+        A step that lists structured-output requests stops after the logits and returns None:
+        `sample_tokens(grammar_output)` masks them and samples (the first phase's device work
+        overlaps the host's mask fill).
+        """
+        self._awaiting_grammar = None  # a step whose second phase never came (it failed) is dropped
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
         requests = self.requests.update(so)
@@ -326,15 +357,55 @@ class ModelRunner:
                 "the step carries draft tokens, but the model runner cannot verify them yet "
                 "(speculative decoding is not implemented)"
             )
-        if so.grammar_bitmask is not None:
-            raise NotImplementedError(
-                "the step carries a grammar bitmask, but the model runner cannot apply it yet "
-                "(structured output is not implemented)"
-            )
         return self.launch(so, requests)
 
-    def launch(self, so: SchedulerOutput, requests: list[RequestState]) -> PendingStep:
-        """Build, run and sample the step whose request states are already updated."""
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingStep:
+        """The second phase of a constrained step: mask the waiting logits and sample."""
+        deferred = self._awaiting_grammar
+        if deferred is None:
+            raise RuntimeError("sample_tokens() without a step waiting for its grammar bitmask")
+        self._awaiting_grammar = None
+        logits = deferred.logits
+        nonfinite = None
+        if grammar_output is not None and not grammar_output.is_empty:
+            # Non-finite logits are the model's fault only before the mask's -inf.
+            nonfinite = ~torch.isfinite(logits.sum(dim=-1))
+            row_of = {r.request_id: i for i, r in enumerate(deferred.sampling_reqs)}
+            self.grammar_masker.apply(logits, grammar_output, row_of)
+        return self._sample(
+            deferred.requests, deferred.batch, None, deferred.output, logits=logits, nonfinite=nonfinite
+        )
+
+    def _sample_or_wait(
+        self,
+        so: SchedulerOutput,
+        requests: list[RequestState],
+        batch: HostBatch,
+        hidden: torch.Tensor | None,
+        output: ModelRunnerOutput,
+        logits: torch.Tensor | None = None,
+    ) -> PendingStep | None:
+        if not so.structured_output_request_ids:
+            return self._sample(requests, batch, hidden, output, logits=logits)
+        if logits is None:
+            logits = self._compute_sample_logits(batch, hidden)
+        sampling_reqs = [requests[i] for i in batch.sampling_req_indices]
+        self._awaiting_grammar = _DeferredSample(requests, batch, output, logits, sampling_reqs)
+        return None
+
+    def _compute_sample_logits(self, batch: HostBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        assert hidden is not None
+        if self.buffers is not None:
+            rows = self._staged_sample_rows
+        else:
+            rows = torch.from_numpy(batch.sample_rows)
+        # lm_head only on the rows that sample: a prefill chunk needs one row, not thousands.
+        return self.model.compute_logits(hidden[rows])
+
+    def launch(self, so: SchedulerOutput, requests: list[RequestState]) -> PendingStep | None:
+        """Build, run and sample the step whose request states are already updated (a step with
+        constrained requests stops after the logits: see execute_async)."""
         output = ModelRunnerOutput()
         if not requests:
             return PendingStep(output)
@@ -353,14 +424,14 @@ class ModelRunner:
             )
             self.build_metadata(batch, padded_reqs=graph_key[0])
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
-            return self._sample(requests, batch, None, output, logits=logits)
+            return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)
         input_ids, positions, meta = self.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.
         self._prompt_logprobs(requests, num_computed_tokens, num_scheduled_tokens, batch, hidden, output)
         if batch.sampling_req_indices:
-            return self._sample(requests, batch, hidden, output)
+            return self._sample_or_wait(so, requests, batch, hidden, output)
         self._last_sampled = None
         return PendingStep(output)
 
@@ -390,15 +461,12 @@ class ModelRunner:
         hidden: torch.Tensor | None,
         output: ModelRunnerOutput,
         logits: torch.Tensor | None = None,
+        nonfinite: torch.Tensor | None = None,
     ) -> PendingStep:
+        """Sample the step's logits. `nonfinite` ([rows] bool): the model's non-finite rows, taken
+        before a grammar mask put -inf into the logits (None: computed here from the logits)."""
         if logits is None:
-            assert hidden is not None
-            if self.buffers is not None:
-                rows = self._staged_sample_rows
-            else:
-                rows = torch.from_numpy(batch.sample_rows)
-            # lm_head only on the rows that sample: a prefill chunk needs one row, not thousands.
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self._compute_sample_logits(batch, hidden)
         sampling_reqs = [requests[i] for i in batch.sampling_req_indices]
         for r in sampling_reqs:
             r.num_tokens += 1  # its id reaches the host with PendingStep.result()
@@ -407,7 +475,7 @@ class ModelRunner:
         packed = None
         if all(r.is_plain_greedy for r in sampling_reqs):
             # The common case (and every benchmark): one argmax, no per-row metadata to build.
-            if logits.is_cuda:
+            if logits.is_cuda and nonfinite is None:
                 from tokenmill.kernels.triton.greedy import greedy_sample
 
                 packed = greedy_sample(logits)  # ids and non-finite flags in two launches
@@ -431,7 +499,8 @@ class ModelRunner:
         # NaN / inf logits end only their own request; the flag rides along with the one host sync.
         # (A row's sum is finite exactly when all its logits are, and needs no [rows, vocab] mask.)
         if packed is None:
-            nonfinite = ~torch.isfinite(logits.sum(dim=-1))
+            if nonfinite is None:
+                nonfinite = ~torch.isfinite(logits.sum(dim=-1))
             packed = torch.stack([sampled_ids, nonfinite.long()])
         self._last_sampled = (sampled_ids, {r.request_id: i for i, r in enumerate(sampling_reqs)})
         ready = None

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from tokenmill.model.resolve import ResolvedModel
@@ -83,5 +83,14 @@ class Executor(ABC):
         """Runs one step and waits for its sampled tokens."""
 
     @abstractmethod
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launches one step and returns before the device is done (async scheduling)."""
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
+        """Launches one step and returns before the device is done (async scheduling).
+
+        A step that lists structured-output requests (`structured_output_request_ids`) runs in
+        two phases: this launches the forward and the logits and returns None; the engine core
+        fills the grammar bitmask meanwhile and calls `sample_tokens` with it."""
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        """The second phase of a constrained step: mask the logits (on every worker that samples)
+        and sample."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 
 if TYPE_CHECKING:
@@ -52,5 +52,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_runner.execute(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
         return self.driver_runner.execute_async(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingOutput:
+        return self.driver_runner.sample_tokens(grammar_output)

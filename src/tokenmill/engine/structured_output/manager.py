@@ -1,0 +1,144 @@
+"""The engine core's structured-output manager: the scheduler's hooks and the step's bitmask.
+
+It implements `core.structured_output.StructuredOutputHooks` for the scheduler (compile on
+`start`, readiness and the compile-time bound on `poll`, matcher updates on `accept_token`), and
+`grammar_output(scheduler_output)`, which the engine core calls between the two phases of a step
+with constrained requests: the device computes the forward while this fills the mask.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from tokenmill import envs
+from tokenmill.core.outputs import GrammarOutput, SchedulerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.structured_output import INVALID_PREFIX
+from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
+from tokenmill.engine.structured_output.bitmask import BitmaskFiller
+from tokenmill.engine.structured_output.request_grammar import RequestGrammar
+from tokenmill.stats_histogram import StatsHistogram
+
+
+class _Compiling:
+    __slots__ = ("future", "started", "cached")
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.started = time.monotonic()
+        self.cached = future.done()  # compiled for an earlier request: its compile time is not ours
+
+
+# Seconds per step's bitmask fill: tens of microseconds a request; a GPU decode step is ~10 ms.
+MASK_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._backend: XgrammarBackend | None = None  # built on the first constrained request
+        self._filler: BitmaskFiller | None = None
+        self._compiling: dict[str, _Compiling] = {}
+        self.grammars: dict[str, RequestGrammar] = {}
+        # Host time filling one step's bitmask.
+        self.mask_seconds = StatsHistogram("structured_output_mask_seconds", MASK_BUCKETS)
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        if self._backend is None:
+            self._backend = XgrammarBackend(self._load_tokenizer, self.vocab_size)
+        return self._backend
+
+    # -- the scheduler's hooks --------------------------------------------------------------------
+
+    def start(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        self._compiling[request.request_id] = _Compiling(self.backend.submit(params))
+
+    def poll(self, request: Request) -> str | None | bool:
+        compiling = self._compiling.get(request.request_id)
+        if compiling is None:
+            return request.request_id in self.grammars
+        bound = envs.TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT.get()
+        future = compiling.future
+        if not future.done():
+            if time.monotonic() - compiling.started > bound:
+                del self._compiling[request.request_id]
+                return self._too_slow(request, bound)
+            return False
+        del self._compiling[request.request_id]
+        try:
+            compiled, seconds = future.result()
+        except GrammarCompileError as exc:
+            return str(exc)
+        except Exception as exc:  # a bug, not the user's constraint
+            return f"structured output: compiling the grammar failed: {type(exc).__name__}: {exc}"
+        if seconds > bound and not compiling.cached:  # finished between two polls, but too late
+            return self._too_slow(request, bound)
+        try:
+            self.grammars[request.request_id] = RequestGrammar(compiled, request)
+        except Exception as exc:
+            return f"{INVALID_PREFIX}cannot start the grammar matcher: {exc}"
+        return True
+
+    @staticmethod
+    def _too_slow(request: Request, bound: float) -> str:
+        params = request.sampling_params.structured_outputs
+        kind = params.kind if params is not None else "grammar"
+        return (
+            f"{INVALID_PREFIX}compiling the {kind} constraint took longer than {bound:g} s "
+            f"({envs.TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT.name}); simplify it"
+        )
+
+    def accept_token(self, request: Request, token_id: int) -> str | None:
+        grammar = self.grammars.get(request.request_id)
+        if grammar is None:
+            return "structured output: the request has no grammar state"
+        return grammar.accept(request.output_token_ids, token_id)
+
+    def is_terminated(self, request: Request) -> bool:
+        grammar = self.grammars.get(request.request_id)
+        return grammar is not None and grammar.is_terminated
+
+    def free(self, request_id: str) -> None:
+        self._compiling.pop(request_id, None)
+        self.grammars.pop(request_id, None)
+
+    # -- the engine core --------------------------------------------------------------------------
+
+    def grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
+        """The bitmask rows of the step's constrained requests whose next token is constrained."""
+        started = time.perf_counter()
+        grammars = self.grammars
+        rows = []
+        for request_id in scheduler_output.structured_output_request_ids:
+            grammar = grammars.get(request_id)
+            if grammar is not None and grammar.needs_mask:
+                rows.append((request_id, grammar))
+        if self._filler is None:
+            self._filler = BitmaskFiller(self.vocab_size)
+        output = self._filler.fill(rows)
+        self.mask_seconds.observe(time.perf_counter() - started)
+        return output
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a pending compile finishes or `timeout` passes (an idle engine core waits
+        here instead of spinning while the only requests left are compiling)."""
+        futures = [c.future for c in self._compiling.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def get_stats(self) -> dict[str, float]:
+        if self._backend is None:  # nothing constrained yet: nothing to report
+            return {}
+        return self._backend.compile_seconds.stats() | self.mask_seconds.stats()
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()

@@ -1,0 +1,75 @@
+"""One constrained request's grammar state: its xgrammar matcher and the start-after gate.
+
+The state lives as long as the request (a preemption keeps it: the output tokens stay, so the
+matcher is where it was). `start_after_token_ids` (a reasoning model's end-of-thinking marker)
+holds the constraint off until that sequence has appeared in the output; the token after it is
+the first one the grammar sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenmill.core.request import Request
+
+
+class RequestGrammar:
+    __slots__ = ("matcher", "start_after", "active", "error", "num_accepted")
+
+    def __init__(self, compiled: Any, request: Request) -> None:
+        import xgrammar as xgr
+
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        stop_tokens = list(request.eos_token_ids) or None
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens)
+        self.start_after = list(params.start_after_token_ids)
+        self.active = not self.start_after
+        self.error: str | None = None
+        self.num_accepted = 0
+        if not self.active:  # tokens before a preemption-free start may already hold the marker
+            self.active = _ends_with(request.output_token_ids, self.start_after)
+
+    @property
+    def needs_mask(self) -> bool:
+        """Its next token is constrained."""
+        return self.active and self.error is None and not self.matcher.is_terminated()
+
+    def accept(self, output_token_ids: list[int], token_id: int) -> str | None:
+        """Advance by the request's newest output token; an error message if it is not allowed."""
+        if self.error is not None:
+            return self.error
+        if not self.active:
+            self.active = _ends_with(output_token_ids, self.start_after)
+            return None
+        if not self.matcher.accept_token(token_id):
+            self.error = (
+                f"structured output: the grammar does not allow token {token_id} after "
+                f"{self.num_accepted} constrained tokens"
+            )
+            return self.error
+        self.num_accepted += 1
+        return None
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.active and self.matcher.is_terminated()
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`; no allowed token at all is an error
+        (the request ends with it when its sampled token comes back)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if not bitmask[row].any():
+            self.no_token_allowed()
+
+    def no_token_allowed(self) -> None:
+        self.error = (
+            f"structured output: the grammar allows no token after {self.num_accepted} constrained tokens"
+        )
+
+
+def _ends_with(tokens: list[int], suffix: list[int]) -> bool:
+    n = len(suffix)
+    return len(tokens) >= n and tokens[-n:] == suffix

@@ -1,0 +1,56 @@
+"""Applying a step's grammar bitmask to the logits on the device (xgrammar's kernels).
+
+The engine core fills the bitmask on the host (`engine/structured_output/`); this puts its rows
+at the logits rows of their requests (all tokens allowed elsewhere) and sets every disallowed
+logit to -inf in place, before any sampling. On CUDA the host rows go through a pinned buffer
+with a non-blocking copy, so the launch does not wait for the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.core.outputs import GrammarOutput
+
+
+class GrammarMasker:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: torch.Tensor | None = None  # [rows, words] int32, reused step after step
+
+    def _host_buffer(self, num_rows: int, num_words: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.empty((num_rows, num_words), dtype=torch.int32)
+        pinned = self._pinned
+        if pinned is None or pinned.shape[0] < num_rows or pinned.shape[1] != num_words:
+            # A constrained step waits for its previous step's tokens (the engine does not
+            # overlap such steps), so the last copy out of this buffer has finished.
+            pinned = torch.empty((max(num_rows, 64), num_words), dtype=torch.int32, pin_memory=True)
+            self._pinned = pinned
+        return pinned[:num_rows]
+
+    def apply(self, logits: torch.Tensor, grammar: GrammarOutput, row_of: dict[str, int]) -> None:
+        """Mask `logits` ([sampling rows, vocab]) in place; `row_of` maps a request id to its
+        first logits row (its rows_per_request rows follow it)."""
+        import xgrammar as xgr
+
+        num_rows, num_words = logits.shape[0], grammar.num_words
+        rows = np.frombuffer(grammar.bitmask, dtype="<i4").reshape(-1, num_words)
+        host = self._host_buffer(num_rows, num_words)
+        host.fill_(-1)  # every token allowed in the rows of unconstrained requests
+        host_np = host.numpy()
+        src = 0
+        masked_rows: list[int] = []
+        for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
+            dst = row_of[request_id]
+            host_np[dst : dst + count] = rows[src : src + count]
+            masked_rows.extend(range(dst, dst + count))
+            src += count
+        if logits.is_cuda:
+            # All rows (the unconstrained ones allow everything): row indices would be one more
+            # host-to-device copy from pageable memory.
+            bitmask = host.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+        else:
+            xgr.apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1], indices=masked_rows)

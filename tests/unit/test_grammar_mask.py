@@ -1,0 +1,33 @@
+"""The device-side grammar mask: host rows land on their requests' logits rows, other rows stay."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.core.outputs import GrammarOutput
+from tokenmill.sample.grammar_mask import GrammarMasker
+
+
+def _rows(allowed: list[list[int]], vocab: int) -> tuple[bytes, int]:
+    words = -(-vocab // 32)
+    bitmask = np.zeros((len(allowed), words), dtype=np.uint32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            bitmask[row, t // 32] |= np.uint32(1 << (t % 32))
+    return bitmask.view(np.int32).astype("<i4").tobytes(), words
+
+
+def test_mask_rows_go_to_their_requests_and_leave_the_others_alone():
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    data, words = _rows([[1, 69], [5], [40, 41]], vocab)
+    grammar = GrammarOutput(request_ids=["b", "d"], rows_per_request=[1, 2], num_words=words, bitmask=data)
+    # "d" has two rows (a draft token's and the bonus token's): rows 2 and 3.
+    GrammarMasker(torch.device("cpu")).apply(logits, grammar, {"a": 0, "b": 1, "d": 2})
+    assert torch.equal(logits[0], before[0])
+    for row, allowed in ((1, {1, 69}), (2, {5}), (3, {40, 41})):
+        finite = set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
+        assert finite == allowed
+        assert torch.equal(logits[row, sorted(allowed)], before[row, sorted(allowed)])
