@@ -196,8 +196,8 @@ def test_json_schemas_sampled_outputs_all_validate(llm):
         value = json.loads(_text(out))
         jsonschema.validate(value, schema)
     stats = llm.engine.get_stats()
-    assert stats["structured_output_compiles"] >= len(SCHEMAS)
-    assert stats["structured_output_mask_steps"] > 0 and stats["structured_output_mask_seconds_total"] > 0
+    assert stats["structured_output_compile_seconds_count"] >= len(SCHEMAS)
+    assert stats["structured_output_mask_seconds_count"] > 0 and stats["structured_output_mask_seconds_sum"] > 0
     llm.engine.check_invariants()
     assert llm.engine.get_stats()["kv_cache_usage"] == 0.0
 
@@ -421,7 +421,7 @@ def test_constraints_hold_under_preemption_chunked_prefill_and_n(tiny_llama_dir)
     outputs = llm.generate(prompts, params)
     stats = llm.engine.get_stats()
     assert stats["num_preemptions_total"] > 0
-    assert stats["structured_output_compiles"] == 3  # one per distinct spec: n > 1 and repeats hit the cache
+    assert stats["structured_output_compile_seconds_count"] == 3  # one per distinct spec: n > 1 and repeats hit the cache
     assert [len(o.outputs) for o in outputs[:-1]] == [p.n for p in params[:-1]]
     _tiny_outputs_valid(outputs[:-1], kinds[:-1])
     assert len(outputs[-1].outputs[0].token_ids) == 30
@@ -471,11 +471,11 @@ def test_engine_stats_count_compiles_and_mask_steps(tiny_llm):
     before = tiny_llm.engine.get_stats()
     tiny_llm.generate(["x"], SamplingParams(max_tokens=20, structured_outputs=SO(regex=r"[xyz]{3}")))
     after = tiny_llm.engine.get_stats()
-    assert after["structured_output_compiles"] == before["structured_output_compiles"] + 1
+    assert after["structured_output_compile_seconds_count"] == before["structured_output_compile_seconds_count"] + 1
     assert (
-        after["structured_output_compile_seconds_total"] > before["structured_output_compile_seconds_total"]
+        after["structured_output_compile_seconds_sum"] > before["structured_output_compile_seconds_sum"]
     )
-    assert after["structured_output_mask_steps"] >= before["structured_output_mask_steps"] + 3
+    assert after["structured_output_mask_seconds_count"] >= before["structured_output_mask_seconds_count"] + 3
 
 
 def test_model_without_tokenizer_errors_clearly(tiny_llama_dir, tmp_path):
@@ -541,7 +541,7 @@ def test_served_engine_core_process_carries_constraints_errors_and_stats(tiny_ll
             bad = SamplingParams(max_tokens=5, structured_outputs=SO(regex="[a-"))
             outs = await asyncio.gather(final("good", good), final("bad", bad))
             for _ in range(50):  # stats arrive with the engine's step outputs
-                if engine.stats.get("structured_output_compiles"):
+                if engine.stats.get("structured_output_compile_seconds_count"):
                     break
                 await asyncio.sleep(0.05)
             return outs[0].outputs, [outs[1].error, outs[1].outputs[0].finish_reason], dict(engine.stats)
@@ -551,4 +551,4 @@ def test_served_engine_core_process_carries_constraints_errors_and_stats(tiny_ll
     good_outputs, (error, reason), stats = asyncio.run(run())
     assert good_outputs[0].finish_reason == "stop" and re.fullmatch(TINY_REGEX, good_outputs[0].text)
     assert reason == "error" and error.startswith(INVALID_PREFIX + "regex: "), error
-    assert stats.get("structured_output_compiles", 0) >= 1, stats
+    assert stats.get("structured_output_compile_seconds_count", 0) >= 1, stats

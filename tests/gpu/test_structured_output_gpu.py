@@ -73,7 +73,7 @@ def test_constrained_and_unconstrained_requests_on_cuda_graphs(tiny_llama_dir, a
         assert out.outputs[0].finish_reason == "stop", (out.error, out.outputs[0].text)
         assert re.fullmatch(REGEX, out.outputs[0].text), out.outputs[0].text
     stats = llm.engine.get_stats()
-    assert stats["structured_output_mask_steps"] > 0
+    assert stats["structured_output_mask_seconds_count"] > 0
     llm.engine.check_invariants()
     assert not llm.engine.scheduler.kv.request_ids_with_blocks()
     llm.engine.shutdown()
