@@ -19,7 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from tokenmill.core.structured_output import INVALID_PREFIX
+from tokenmill.engine.structured_output.json_safe import json_safe_words
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.stats_histogram import StatsHistogram
 
@@ -83,6 +86,8 @@ class XgrammarBackend:
         self._init_error: str | None = None
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
+        # Set with the compiler: the tokens JSON constraints may produce (json_safe.py).
+        self.json_safe_words: np.ndarray | None = None
         # Compile times of cache misses (observed from pool threads; the histogram locks).
         self.compile_seconds = StatsHistogram("structured_output_compile_seconds", COMPILE_BUCKETS)
 
@@ -178,6 +183,7 @@ class XgrammarBackend:
             )
         started = time.perf_counter()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        self.json_safe_words = json_safe_words(info.decoded_vocab, self.vocab_size)
         compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         logger.info("structured output: xgrammar ready in %.2f s", time.perf_counter() - started)
         return compiler

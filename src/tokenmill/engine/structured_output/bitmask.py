@@ -37,8 +37,8 @@ class BitmaskFiller:
 
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], buffer)
-            for row in np.flatnonzero(~buffer[: len(grammars)].any(axis=1)):
-                grammars[row][1].no_token_allowed()
+            for row, (_, grammar) in enumerate(grammars):
+                grammar.restrict(buffer, row)
         else:
             for row, (_, grammar) in enumerate(grammars):
                 grammar.fill(buffer, row)

@@ -37,6 +37,10 @@ class _Compiling:
 MASK_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
 
 
+# Constraints whose output is JSON: they also never produce a raw control character (json_safe.py).
+JSON_KINDS = ("json", "json_object")
+
+
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
         self._load_tokenizer = load_tokenizer
@@ -82,7 +86,10 @@ class StructuredOutputManager:
         if seconds > bound and not compiling.cached:  # finished between two polls, but too late
             return self._too_slow(request, bound)
         try:
-            self.grammars[request.request_id] = RequestGrammar(compiled, request)
+            params = request.sampling_params.structured_outputs
+            json_kind = params is not None and params.kind in JSON_KINDS
+            extra = self.backend.json_safe_words if json_kind else None
+            self.grammars[request.request_id] = RequestGrammar(compiled, request, extra)
         except Exception as exc:
             return f"{INVALID_PREFIX}cannot start the grammar matcher: {exc}"
         return True

@@ -16,9 +16,9 @@ from tokenmill.core.request import Request
 
 
 class RequestGrammar:
-    __slots__ = ("matcher", "start_after", "active", "error", "num_accepted")
+    __slots__ = ("matcher", "start_after", "active", "error", "num_accepted", "extra_mask")
 
-    def __init__(self, compiled: Any, request: Request) -> None:
+    def __init__(self, compiled: Any, request: Request, extra_mask: np.ndarray | None = None) -> None:
         import xgrammar as xgr
 
         params = request.sampling_params.structured_outputs
@@ -29,6 +29,8 @@ class RequestGrammar:
         self.active = not self.start_after
         self.error: str | None = None
         self.num_accepted = 0
+        # A bitmask row ANDed into every row this grammar fills (JSON: no raw control characters).
+        self.extra_mask = extra_mask
         if not self.active:  # tokens before a preemption-free start may already hold the marker
             self.active = _ends_with(request.output_token_ids, self.start_after)
 
@@ -61,6 +63,12 @@ class RequestGrammar:
         """Write the allowed next tokens into `bitmask[row]`; no allowed token at all is an error
         (the request ends with it when its sampled token comes back)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.restrict(bitmask, row)
+
+    def restrict(self, bitmask: np.ndarray, row: int) -> None:
+        """Apply the extra mask to a filled row; no allowed token left is an error."""
+        if self.extra_mask is not None:
+            np.bitwise_and(bitmask[row], self.extra_mask, out=bitmask[row])
         if not bitmask[row].any():
             self.no_token_allowed()
 
