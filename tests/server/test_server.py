@@ -366,19 +366,22 @@ def test_structured_outputs_and_forced_tool_calls_on_the_real_model(server, clie
     ).choices[0]  # fmt: skip
     assert choice.message.content in ("yes", "no")
     ask = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    # parallel_tool_calls=False: one call, so max_tokens cannot cut a tiny model's list of calls short
+    # (a cut list keeps its complete calls, with finish_reason "length").
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         whole = client.chat.completions.create(
-            model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=1.0, max_tokens=120
-        )
+            model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=1.0,
+            max_tokens=120, parallel_tool_calls=False,
+        )  # fmt: skip
         calls = whole.choices[0].message.tool_calls
-        assert calls and whole.choices[0].finish_reason == "tool_calls"
+        assert calls and whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
         for call in calls:
             assert call.function.name == "get_weather"
             jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
         names, arguments = {}, {}
         for chunk in client.chat.completions.create(
             model=model_id, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=1.0,
-            max_tokens=120, stream=True,
+            max_tokens=120, stream=True, parallel_tool_calls=False,
         ):  # fmt: skip
             for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
                 if call.function.name:

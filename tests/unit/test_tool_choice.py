@@ -240,3 +240,13 @@ def test_unfinished_forced_output_is_content(kind, text):
     assert parse_forced_output(kind, text, function_name="get_weather").content == text
     for pieces in chunkings(text, random_cuts=2):
         run_stream(ForcedToolCallStream(kind, "get_weather"), pieces)
+
+
+def test_required_output_cut_by_max_tokens_keeps_its_complete_calls():
+    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}, {"name":"get_we'
+    extracted = parse_forced_output("required", text)
+    assert extracted.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in extracted.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]

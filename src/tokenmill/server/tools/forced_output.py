@@ -32,19 +32,43 @@ def parse_forced_output(
     function_name: str | None = None,
     new_id: Callable[[], str] = openai_tool_call_id,
 ) -> ExtractedToolCalls:
-    """The calls in a whole forced output. Output the grammar could not finish (max_tokens hit
-    mid-JSON) has no calls: it comes back as content, so the user still sees it."""
+    """The calls in a whole forced output. A "required" array that max_tokens cut short keeps its
+    complete calls (as its stream sent them); other output the grammar could not finish has no
+    calls: it comes back as content, so the user still sees it."""
     calls = _calls(kind, text, function_name)
     if calls is None:
         return ExtractedToolCalls(text or None)
     return ExtractedToolCalls(None, [ToolCall(new_id(), name, arguments) for name, arguments in calls])
 
 
+def _complete_elements(text: str) -> list[object]:
+    """The array elements that are whole in a truncated `[elem, elem, ...` text."""
+    decoder = json.JSONDecoder()
+    pos = skip_ws(text, 0)
+    if not text.startswith("[", pos):
+        return []
+    elements: list[object] = []
+    pos += 1
+    while True:
+        pos = skip_ws(text, pos)
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return elements
+        elements.append(value)
+        pos = skip_ws(text, pos)
+        if not text.startswith(",", pos):
+            return elements
+        pos += 1
+
+
 def _calls(kind: ForcedKind, text: str, function_name: str | None) -> list[tuple[str, str]] | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return None
+        if kind != "required":
+            return None
+        value = _complete_elements(text)
     if kind == "named":
         if function_name is None:
             raise ValueError("a named tool_choice needs function_name")
