@@ -177,11 +177,10 @@ class SamplingParams:
     @property
     def needs_host_history(self) -> bool:
         """A step needs the previous step's tokens on the host first (no step overlap then):
-        the output history above, prompt logprobs (computed with host syncs), or a grammar (its
-        matcher must see the previous token before it can fill this step's mask)."""
-        return (
-            self.needs_output_history or self.prompt_logprobs is not None or self.structured_outputs is not None
-        )
+        the output history above, or prompt logprobs (computed with host syncs). A grammar does
+        not: the engine launches a constrained step's forward first and fills its mask once the
+        previous step's tokens have advanced the grammar."""
+        return self.needs_output_history or self.prompt_logprobs is not None
 
     @property
     def has_logits_processors(self) -> bool:

@@ -9,7 +9,9 @@ ask for prompt logprobs make the engine wait for the previous step before schedu
 Structured output: grammars compile on the manager's thread pool while their requests wait (the
 scheduler skips them); a step with constrained requests runs in two phases, the runner launching
 the forward and logits, the manager filling the grammar bitmask on the host meanwhile, then the
-runner masking and sampling (`_launch_constrained`).
+runner masking and sampling (`_launch_constrained`). With async scheduling the previous step's
+tokens are applied between the two (they advance the grammars the mask is filled from), so
+constrained steps overlap like any other.
 """
 
 from __future__ import annotations
@@ -149,10 +151,18 @@ class EngineCore:
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
                 outputs.extend(self._finish_in_flight())
                 outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
-            else:
-                self.scheduler.launched(scheduler_output)
-                outputs.extend(self._finish_in_flight())  # computed while this step was prepared
-                self._in_flight = (scheduler_output, pending)
+                return self._annotate(outputs)
+            self.scheduler.launched(scheduler_output)
+            # Computed while this step was prepared. For a constrained step (its forward launched,
+            # its sampling waiting for the mask) this also advances the grammars by the previous
+            # step's tokens, which this step's mask must follow.
+            outputs.extend(self._finish_in_flight())
+            if pending is None:
+                pending = self._sample_constrained(scheduler_output)
+                if isinstance(pending, ModelRunnerOutput):
+                    outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
+                    return self._annotate(outputs)
+            self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
         try:
             if scheduler_output.structured_output_request_ids:
@@ -164,14 +174,24 @@ class EngineCore:
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         return self._annotate(outputs)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput:
+    def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput | None:
+        """Launch a step (async scheduling). None: a constrained step whose forward is launched and
+        whose sampling waits for `_sample_constrained` (after the previous step's tokens)."""
         try:
-            if scheduler_output.structured_output_request_ids:
-                return self._launch_constrained(scheduler_output)
             pending = self.executor.execute_model_async(scheduler_output)
-            assert pending is not None, "only a step with constrained requests waits for a bitmask"
-            return pending
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
+            return self._failed_step(scheduler_output, exc)
+        assert pending is not None or scheduler_output.structured_output_request_ids, (
+            "only a step with constrained requests waits for a bitmask"
+        )
+        return pending
+
+    def _sample_constrained(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput:
+        """Fill the step's grammar bitmask (the device runs its forward meanwhile) and sample."""
+        try:
+            grammar_output = self.structured_output.grammar_output(scheduler_output)
+            return self.executor.sample_tokens(grammar_output)
+        except Exception as exc:
             return self._failed_step(scheduler_output, exc)
 
     def _launch_constrained(self, scheduler_output: SchedulerOutput) -> PendingOutput:

@@ -17,15 +17,17 @@ from tokenmill.core.outputs import GrammarOutput
 class GrammarMasker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pinned: torch.Tensor | None = None  # [rows, words] int32, reused step after step
+        # [rows, words] int32, reused step after step: a constrained step's mask is written only
+        # after the engine has waited for the previous step's sampled tokens (async scheduling
+        # applies them between a step's forward and its mask), and that step's copy out of this
+        # buffer was queued before its sampling, so it has finished by then.
+        self._pinned: torch.Tensor | None = None
 
     def _host_buffer(self, num_rows: int, num_words: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.empty((num_rows, num_words), dtype=torch.int32)
         pinned = self._pinned
         if pinned is None or pinned.shape[0] < num_rows or pinned.shape[1] != num_words:
-            # A constrained step waits for its previous step's tokens (the engine does not
-            # overlap such steps), so the last copy out of this buffer has finished.
             pinned = torch.empty((max(num_rows, 64), num_words), dtype=torch.int32, pin_memory=True)
             self._pinned = pinned
         return pinned[:num_rows]
