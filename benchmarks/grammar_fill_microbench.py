@@ -1,22 +1,60 @@
-import json, time, os
+"""xgrammar's bitmask fill for one decode step of 64 constrained requests at a 128K vocabulary
+(Llama-3.1 logits width; SmolLM2's tokenizer), by BatchGrammarMatcher thread count, plus a
+one-by-one accept_token pass: the host work a constrained step adds.
+
+  python benchmarks/grammar_fill_microbench.py [TOKENIZER_DIR]   (default .gputok)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
 import xgrammar as xgr
 from transformers import AutoTokenizer
+
 from tokenmill.bench.json_schemas import SCHEMAS
-tok = AutoTokenizer.from_pretrained(".gputok")
-V = 128256
-info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V)
-comp = xgr.GrammarCompiler(info)
-t = time.perf_counter(); gs = [comp.compile_json_schema(json.dumps(c.schema), any_whitespace=False, separators=(",", ":")) for c in SCHEMAS]; ct = time.perf_counter() - t
-ms = []
-for i in range(64):
-    g = gs[i % len(gs)]; m = xgr.GrammarMatcher(g)
-    ex = json.dumps(SCHEMAS[i % len(gs)].example, separators=(",", ":"))
-    m.accept_string(ex[: (i * 7) % len(ex)]); ms.append(m)
-bm = xgr.allocate_token_bitmask(64, V).numpy()
-print("cpus", os.cpu_count(), "compile 14 schemas s", round(ct, 2))
-for threads in (1, 2, 4, 8, "auto"):
-    b = xgr.BatchGrammarMatcher(max_threads=threads)
-    b.batch_fill_next_token_bitmask(ms, bm)
-    t = time.perf_counter()
-    for _ in range(50): b.batch_fill_next_token_bitmask(ms, bm)
-    print("threads", threads, "fill 64 rows ms", round((time.perf_counter() - t) / 50 * 1000, 3))
+
+VOCAB = 128256
+ROWS = 64
+REPEATS = 50
+
+
+def main() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else ".gputok")
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)
+    compiler = xgr.GrammarCompiler(info)
+    started = time.perf_counter()
+    grammars = [
+        compiler.compile_json_schema(json.dumps(c.schema), any_whitespace=False, separators=(",", ":"))
+        for c in SCHEMAS
+    ]
+    compile_s = time.perf_counter() - started
+    matchers = []
+    for i in range(ROWS):
+        matcher = xgr.GrammarMatcher(grammars[i % len(grammars)])
+        example = json.dumps(SCHEMAS[i % len(grammars)].example, separators=(",", ":"))
+        matcher.accept_string(example[: (i * 7) % len(example)])  # somewhere inside the object
+        matchers.append(matcher)
+    bitmask = xgr.allocate_token_bitmask(ROWS, VOCAB).numpy()
+    print(f"cpus {os.cpu_count()}, {len(grammars)} schemas compiled in {compile_s:.2f} s")
+    for threads in (1, 2, 4, 8, "auto"):
+        batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        started = time.perf_counter()
+        for _ in range(REPEATS):
+            batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        print(f"threads {threads}: fill {ROWS} rows {(time.perf_counter() - started) / REPEATS * 1000:.3f} ms")
+    space = tokenizer.encode(" ", add_special_tokens=False)
+    forks = [m.fork() for m in matchers]
+    started = time.perf_counter()
+    for matcher in forks:
+        for token in space:
+            matcher.accept_token(token)
+    print(f"accept_token one by one: {(time.perf_counter() - started) * 1000:.3f} ms for {ROWS} requests")
+
+
+if __name__ == "__main__":
+    main()
