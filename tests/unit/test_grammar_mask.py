@@ -31,3 +31,14 @@ def test_mask_rows_go_to_their_requests_and_leave_the_others_alone():
         finite = set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
         assert finite == allowed
         assert torch.equal(logits[row, sorted(allowed)], before[row, sorted(allowed)])
+
+
+def test_logits_past_the_grammar_vocabulary_are_masked_in_constrained_rows_only():
+    # A model whose logits (200) outnumber its tokenizer's vocabulary (70): grammar rows cover 70.
+    logits = torch.randn(2, 200)
+    before = logits.clone()
+    data, words = _rows([[3, 69]], 70)
+    grammar = GrammarOutput(request_ids=["c"], rows_per_request=[1], num_words=words, bitmask=data)
+    GrammarMasker(torch.device("cpu")).apply(logits, grammar, {"p": 0, "c": 1})
+    assert torch.equal(logits[0], before[0])
+    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == {3, 69}

@@ -42,6 +42,7 @@ def _grammar(allowed: set[int], start_after: list[int]) -> tuple[RequestGrammar,
     grammar.active = not start_after
     grammar.error = None
     grammar.num_accepted = 0
+    grammar.extra_mask = None
     return grammar, request
 
 
@@ -102,3 +103,18 @@ def test_batch_fill_equals_row_by_row_fill_with_real_matchers():
     for row, (_, grammar) in enumerate(grammars):
         grammar.fill(row_by_row, row)
     assert batch.bitmask == row_by_row.tobytes()
+
+
+def test_a_json_row_loses_the_extra_masked_tokens_and_may_end_up_empty():
+    json_grammar, _ = _grammar({5, 40}, start_after=[])
+    json_grammar.extra_mask = np.full(4, -1, dtype=np.int32)
+    json_grammar.extra_mask[1] = 0  # tokens 32..63 forbidden
+    only_forbidden, _ = _grammar({33}, start_after=[])
+    only_forbidden.extra_mask = json_grammar.extra_mask
+    plain, _ = _grammar({40}, start_after=[])
+    output = BitmaskFiller(vocab_size=100).fill([("a", json_grammar), ("b", only_forbidden), ("c", plain)])
+    rows = np.frombuffer(output.bitmask, dtype="<i4").reshape(3, -1)
+    assert rows[0, 0] == 1 << 5 and rows[0, 1] == 0  # 40 masked out, 5 kept
+    assert json_grammar.error is None
+    assert only_forbidden.error is not None and "allows no token" in only_forbidden.error
+    assert rows[2, 1] == 1 << 8 and plain.error is None  # a grammar without the extra mask keeps 40

@@ -37,8 +37,10 @@ class GrammarMasker:
         first logits row (its rows_per_request rows follow it)."""
         import xgrammar as xgr
 
-        num_rows, num_words = logits.shape[0], grammar.num_words
-        rows = np.frombuffer(grammar.bitmask, dtype="<i4").reshape(-1, num_words)
+        num_rows, num_words = logits.shape[0], -(-logits.shape[-1] // 32)
+        # Grammar rows cover the tokenizer's vocabulary; logits past it stay masked (0 bits).
+        grammar_words = grammar.num_words
+        rows = np.frombuffer(grammar.bitmask, dtype="<i4").reshape(-1, grammar_words)
         host = self._host_buffer(num_rows, num_words)
         host.fill_(-1)  # every token allowed in the rows of unconstrained requests
         host_np = host.numpy()
@@ -46,7 +48,8 @@ class GrammarMasker:
         masked_rows: list[int] = []
         for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
             dst = row_of[request_id]
-            host_np[dst : dst + count] = rows[src : src + count]
+            host_np[dst : dst + count, :grammar_words] = rows[src : src + count]
+            host_np[dst : dst + count, grammar_words:] = 0
             masked_rows.extend(range(dst, dst + count))
             src += count
         if logits.is_cuda:

@@ -86,7 +86,9 @@ class XgrammarBackend:
         self._init_error: str | None = None
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
-        # Set with the compiler: the tokens JSON constraints may produce (json_safe.py).
+        # Set with the compiler: the vocabulary grammars see, and the tokens JSON constraints may
+        # produce (json_safe.py).
+        self.grammar_vocab_size = vocab_size
         self.json_safe_words: np.ndarray | None = None
         # Compile times of cache misses (observed from pool threads; the histogram locks).
         self.compile_seconds = StatsHistogram("structured_output_compile_seconds", COMPILE_BUCKETS)
@@ -182,8 +184,12 @@ class XgrammarBackend:
                 "and a grammar needs one to know what each token spells"
             )
         started = time.perf_counter()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        self.json_safe_words = json_safe_words(info.decoded_vocab, self.vocab_size)
+        # Grammars work on the tokenizer's vocabulary: logits rows past it (a model padded beyond
+        # its tokenizer) spell nothing and are masked whole, and xgrammar's per-step fill, which
+        # scales with the vocabulary it is given, skips them (2.4x cheaper for 49K of 128K).
+        self.grammar_vocab_size = min(self.vocab_size, len(tokenizer))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab_size)
+        self.json_safe_words = json_safe_words(info.decoded_vocab, self.grammar_vocab_size)
         compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         logger.info("structured output: xgrammar ready in %.2f s", time.perf_counter() - started)
         return compiler

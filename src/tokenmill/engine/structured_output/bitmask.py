@@ -14,6 +14,19 @@ from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 BATCH_FILL_MIN_ROWS = 8
 
 
+def restrict(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
+    """Apply each grammar's extra mask (JSON: no control characters) to its filled row, grouped by
+    mask (one vectorised AND for all JSON rows); a row left with no allowed token is an error."""
+    by_mask: dict[int, tuple[np.ndarray, list[int]]] = {}
+    for row, grammar in enumerate(grammars):
+        if grammar.extra_mask is not None:
+            by_mask.setdefault(id(grammar.extra_mask), (grammar.extra_mask, []))[1].append(row)
+    for mask, row_ids in by_mask.values():
+        rows[row_ids] &= mask
+    for row in np.flatnonzero(~rows.any(axis=1)):
+        grammars[row].no_token_allowed()
+
+
 class BitmaskFiller:
     """Keeps one preallocated [rows, words] int32 buffer (grown when a step needs more rows)."""
 
@@ -37,11 +50,10 @@ class BitmaskFiller:
 
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], buffer)
-            for row, (_, grammar) in enumerate(grammars):
-                grammar.restrict(buffer, row)
         else:
             for row, (_, grammar) in enumerate(grammars):
-                grammar.fill(buffer, row)
+                grammar.matcher.fill_next_token_bitmask(buffer, row)
+        restrict(buffer[: len(grammars)], [g for _, g in grammars])
         return GrammarOutput(
             request_ids=request_ids,
             rows_per_request=[1] * len(request_ids),

@@ -89,7 +89,9 @@ class StructuredOutputManager:
             params = request.sampling_params.structured_outputs
             json_kind = params is not None and params.kind in JSON_KINDS
             extra = self.backend.json_safe_words if json_kind else None
-            self.grammars[request.request_id] = RequestGrammar(compiled, request, extra)
+            self.grammars[request.request_id] = RequestGrammar(
+                compiled, request, extra, vocab_size=self.backend.grammar_vocab_size
+            )
         except Exception as exc:
             return f"{INVALID_PREFIX}cannot start the grammar matcher: {exc}"
         return True
@@ -129,7 +131,7 @@ class StructuredOutputManager:
             if grammar is not None and grammar.needs_mask:
                 rows.append((request_id, grammar))
         if self._filler is None:
-            self._filler = BitmaskFiller(self.vocab_size)
+            self._filler = BitmaskFiller(self.backend.grammar_vocab_size)
         output = self._filler.fill(rows)
         self.mask_seconds.observe(time.perf_counter() - started)
         return output

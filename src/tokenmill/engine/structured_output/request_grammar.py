@@ -18,12 +18,16 @@ from tokenmill.core.request import Request
 class RequestGrammar:
     __slots__ = ("matcher", "start_after", "active", "error", "num_accepted", "extra_mask")
 
-    def __init__(self, compiled: Any, request: Request, extra_mask: np.ndarray | None = None) -> None:
+    def __init__(
+        self, compiled: Any, request: Request, extra_mask: np.ndarray | None = None, vocab_size: int | None = None
+    ) -> None:
         import xgrammar as xgr
 
         params = request.sampling_params.structured_outputs
         assert params is not None
-        stop_tokens = list(request.eos_token_ids) or None
+        # The model's EOS ids that the grammar's vocabulary holds (a dummy-weights model served with
+        # a smaller tokenizer has EOS ids past it); none: the tokenizer's own EOS.
+        stop_tokens = [t for t in request.eos_token_ids if vocab_size is None or t < vocab_size] or None
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens)
         self.start_after = list(params.start_after_token_ids)
         self.active = not self.start_after
