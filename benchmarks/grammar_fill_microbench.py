@@ -7,9 +7,9 @@ one-by-one accept_token pass: the host work a constrained step adds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 import xgrammar as xgr
@@ -23,7 +23,10 @@ REPEATS = 50
 
 
 def main() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else ".gputok")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tokenizer", nargs="?", default=".gputok", help="a tokenizer directory")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)
     compiler = xgr.GrammarCompiler(info)
     started = time.perf_counter()
