@@ -363,7 +363,8 @@ def _no_blocks_held(llm: LLM) -> None:
     assert not llm.engine.structured_output.grammars
 
 
-def test_constraints_hold_under_preemption_chunked_prefill_and_n(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constraints_hold_under_preemption_chunked_prefill_and_n(tiny_llama_dir, async_scheduling):
     llm = LLM(
         str(tiny_llama_dir),
         device="cpu",
@@ -372,6 +373,7 @@ def test_constraints_hold_under_preemption_chunked_prefill_and_n(tiny_llama_dir)
         num_kv_blocks=40,
         max_num_batched_tokens=16,
         seed=0,
+        async_scheduling=async_scheduling,
     )
     rng_words = [
         "the",

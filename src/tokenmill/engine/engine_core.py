@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from tokenmill.args import resolve_device_defaults
@@ -88,6 +89,9 @@ class EngineCore:
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
         # The launched step whose results the host has not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # A constrained step (async scheduling) whose forward is launched and whose mask is being
+        # filled on the manager's thread; sampled before the next launch (`_sample_filled`).
+        self._filling: tuple[SchedulerOutput, Future] | None = None
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
@@ -121,15 +125,23 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self._pending)
+            or self._in_flight is not None
+            or self._filling is not None
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
-        if self._in_flight is not None and self._needs_history:
+        if self._needs_history and (self._in_flight is not None or self._filling is not None):
+            outputs.extend(self._sample_filled())
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
+        # The previous constrained step samples now, after this schedule ran beside its mask fill.
+        outputs.extend(self._sample_filled())
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 self.executor.execute_model(scheduler_output)  # lets the runner drop those requests' state
@@ -158,10 +170,10 @@ class EngineCore:
             # step's tokens, which this step's mask must follow.
             outputs.extend(self._finish_in_flight())
             if pending is None:
-                pending = self._sample_constrained(scheduler_output)
-                if isinstance(pending, ModelRunnerOutput):
-                    outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
-                    return self._annotate(outputs)
+                # Its mask fills on the manager's thread while this returns the outputs and the next
+                # step is scheduled; the next step() samples it before launching anything.
+                self._filling = (scheduler_output, self.structured_output.grammar_output_async(scheduler_output))
+                return self._annotate(outputs)
             self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
         try:
@@ -186,13 +198,19 @@ class EngineCore:
         )
         return pending
 
-    def _sample_constrained(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput:
-        """Fill the step's grammar bitmask (the device runs its forward meanwhile) and sample."""
+    def _sample_filled(self) -> list[EngineCoreOutput]:
+        """Sample the constrained step whose mask was filling: it becomes the step in flight (its
+        forward ran meanwhile). Outputs only if it failed."""
+        if self._filling is None:
+            return []
+        scheduler_output, future = self._filling
+        self._filling = None
         try:
-            grammar_output = self.structured_output.grammar_output(scheduler_output)
-            return self.executor.sample_tokens(grammar_output)
+            pending = self.executor.sample_tokens(future.result())
         except Exception as exc:
-            return self._failed_step(scheduler_output, exc)
+            return self.scheduler.update_from_output(scheduler_output, self._failed_step(scheduler_output, exc))
+        self._in_flight = (scheduler_output, pending)
+        return []
 
     def _launch_constrained(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Launch the forward, fill the grammar bitmask while the device runs it, then sample."""

@@ -47,6 +47,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._backend: XgrammarBackend | None = None  # built on the first constrained request
         self._filler: BitmaskFiller | None = None
+        self._fill_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiling: dict[str, _Compiling] = {}
         self.grammars: dict[str, RequestGrammar] = {}
         # Host time filling one step's bitmask.
@@ -121,6 +122,14 @@ class StructuredOutputManager:
 
     # -- the engine core --------------------------------------------------------------------------
 
+    def grammar_output_async(self, scheduler_output: SchedulerOutput) -> Future:
+        """`grammar_output` on the fill thread: the engine core goes on (its outputs, the next
+        schedule) while xgrammar fills the rows, and takes the result before its next launch. The
+        matchers are not touched meanwhile: tokens are accepted only after that."""
+        if self._fill_pool is None:
+            self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._fill_pool.submit(self.grammar_output, scheduler_output)
+
     def grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
         """The bitmask rows of the step's constrained requests whose next token is constrained."""
         started = time.perf_counter()
@@ -149,5 +158,7 @@ class StructuredOutputManager:
         return self._backend.compile_seconds.stats() | self.mask_seconds.stats()
 
     def shutdown(self) -> None:
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=False, cancel_futures=True)
         if self._backend is not None:
             self._backend.shutdown()
