@@ -123,22 +123,32 @@ class StructuredOutputManager:
     # -- the engine core --------------------------------------------------------------------------
 
     def grammar_output_async(self, scheduler_output: SchedulerOutput) -> Future:
-        """`grammar_output` on the fill thread: the engine core goes on (its outputs, the next
-        schedule) while xgrammar fills the rows, and takes the result before its next launch. The
-        matchers are not touched meanwhile: tokens are accepted only after that."""
+        """`grammar_output` with the fill on the manager's thread: the engine core goes on (its
+        outputs, the next schedule) while xgrammar fills the rows, and takes the result before its
+        next launch. The matchers are not touched meanwhile (tokens are accepted only after that).
+        Which rows need a mask is decided here, on the caller's thread: each matcher query is a
+        call that gives up the GIL, and a thread that must win the GIL back from a busy engine
+        loop after every one of 64 calls would take longer than the fill itself."""
+        started = time.perf_counter()
+        rows = self._rows(scheduler_output)
         if self._fill_pool is None:
             self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._fill_pool.submit(self.grammar_output, scheduler_output)
+        return self._fill_pool.submit(self._fill, rows, started)
 
     def grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
         """The bitmask rows of the step's constrained requests whose next token is constrained."""
-        started = time.perf_counter()
+        return self._fill(self._rows(scheduler_output), time.perf_counter())
+
+    def _rows(self, scheduler_output: SchedulerOutput) -> list[tuple[str, RequestGrammar]]:
         grammars = self.grammars
         rows = []
         for request_id in scheduler_output.structured_output_request_ids:
             grammar = grammars.get(request_id)
             if grammar is not None and grammar.needs_mask:
                 rows.append((request_id, grammar))
+        return rows
+
+    def _fill(self, rows: list[tuple[str, RequestGrammar]], started: float) -> GrammarOutput:
         if self._filler is None:
             self._filler = BitmaskFiller(self.backend.grammar_vocab_size)
         output = self._filler.fill(rows)
