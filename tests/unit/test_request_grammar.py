@@ -105,7 +105,8 @@ def test_batch_fill_equals_row_by_row_fill_with_real_matchers():
     assert batch.bitmask == row_by_row.tobytes()
 
 
-def test_a_json_row_loses_the_extra_masked_tokens_and_may_end_up_empty():
+def test_a_json_row_loses_the_extra_masked_tokens_and_may_end_up_empty(monkeypatch):
+    monkeypatch.setattr(bitmask_module, "BATCH_FILL_MIN_ROWS", 1000)  # the fake matchers fill one by one
     json_grammar, _ = _grammar({5, 40}, start_after=[])
     json_grammar.extra_mask = np.full(4, -1, dtype=np.int32)
     json_grammar.extra_mask[1] = 0  # tokens 32..63 forbidden
