@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from tests.unit.threaded_http_server import ThreadedHTTPServer
 from tokenmill.bench import serve
 from tokenmill.bench.datasets import length_range, prefix_repetition_requests, random_requests
 from tokenmill.bench.results import write_result
@@ -22,7 +22,7 @@ from tokenmill.bench.serve_metrics import RequestResult, compute_metrics, parse_
 TOKEN_DELAY_S = 0.004
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(ThreadedHTTPServer):
     """Streams `min(max_tokens, num_tokens)` one-word chunks with a small sleep before each."""
 
     def __init__(self, num_tokens: int = 6, fail_every: int = 0, drop_done: bool = False) -> None:
@@ -32,9 +32,7 @@ class FakeOpenAIServer:
         self.payloads: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
-        self.base_url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "root": "fake-model"}]})
@@ -83,34 +81,12 @@ class FakeOpenAIServer:
         finally:
             self.in_flight -= 1
 
-    @staticmethod
-    def _event(body: dict) -> bytes:
-        return f"data: {json.dumps(body)}\n\n".encode()
-
-    def start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
-        self._runner = web.AppRunner(app)
-        self._thread.start()
-
-        async def setup() -> str:
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            host, port = self._runner.addresses[0][:2]
-            return f"http://{host}:{port}"
-
-        self.base_url = asyncio.run_coroutine_threadsafe(setup(), self._loop).result(10)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 @pytest.fixture

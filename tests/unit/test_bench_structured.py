@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from tests.unit.threaded_http_server import ThreadedHTTPServer
 from tokenmill.bench import serve
 from tokenmill.bench.json_schemas import SCHEMAS
 from tokenmill.bench.prometheus_text import histogram_delta, parse_samples
@@ -30,7 +30,7 @@ from tokenmill.bench.structured import (
 EXAMPLES = {json.dumps(c.schema, sort_keys=True): c.example for c in SCHEMAS}
 
 
-class FakeStructuredServer:
+class FakeStructuredServer(ThreadedHTTPServer):
     """Plain requests get words; constrained ones get their schema's example (valid) on the first
     constrained request and an object missing every property (invalid) after. /metrics exports the
     two grammar histograms, grown by each constrained request, when `with_metrics`."""
@@ -40,9 +40,7 @@ class FakeStructuredServer:
         self.reject_constrained = reject_constrained
         self.payloads: list[dict[str, Any]] = []
         self.constrained_seen = 0
-        self.base_url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
@@ -104,34 +102,12 @@ class FakeStructuredServer:
         await resp.write_eof()
         return resp
 
-    @staticmethod
-    def _event(body: dict) -> bytes:
-        return f"data: {json.dumps(body)}\n\n".encode()
-
-    def start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
-        self._runner = web.AppRunner(app)
-        self._thread.start()
-
-        async def setup() -> str:
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            host, port = self._runner.addresses[0][:2]
-            return f"http://{host}:{port}"
-
-        self.base_url = asyncio.run_coroutine_threadsafe(setup(), self._loop).result(10)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 @pytest.fixture
