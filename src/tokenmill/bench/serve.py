@@ -233,8 +233,9 @@ async def build_requests(args: argparse.Namespace, source: TokenSource) -> list[
     )
 
 
-def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
-    config = {
+def base_run_config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
+    """The result file's `config` keys every `bench serve` workload shares."""
+    return {
         "base_url": base_url,
         "endpoint": args.endpoint,
         "model": model,
@@ -248,8 +249,12 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
         "temperature": args.temperature,
         "num_warmups": args.num_warmups,
         "seed": args.seed,
-        "goodput": parse_goodput(args.goodput),
     }
+
+
+def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
+    config = base_run_config(args, base_url, model, max_concurrency)
+    config["goodput"] = parse_goodput(args.goodput)
     if args.dataset_name == "random":
         config |= {
             k: getattr(args, k) for k in ("random_input_len", "random_output_len", "random_range_ratio")

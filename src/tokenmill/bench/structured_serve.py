@@ -173,20 +173,10 @@ def format_summary(metrics: dict[str, Any]) -> str:
 
 
 def _config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
-    return {
-        "base_url": base_url,
-        "endpoint": args.endpoint,
-        "model": model,
-        "tokenizer": args.tokenizer,
-        "dataset_name": args.dataset_name,
-        "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate,
-        "burstiness": args.burstiness,
-        "max_concurrency": max_concurrency,
-        "ignore_eos_unconstrained": args.ignore_eos,
-        "temperature": args.temperature,
-        "num_warmups": args.num_warmups,
-        "seed": args.seed,
+    config = serve.base_run_config(args, base_url, model, max_concurrency)
+    # --ignore-eos applies to the unconstrained phase only (a finished grammar allows only EOS).
+    config["ignore_eos_unconstrained"] = config.pop("ignore_eos")
+    return config | {
         "structured_output_len": args.structured_output_len,
         "structured_input_len": args.structured_input_len,
         "structured_output_field": args.structured_output_field,
