@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar, NamedTuple
 
+from tokenmill.server.tools.text_scan import text_before_marker
+
 START = "<think>"
 END = "</think>"
 
@@ -17,14 +19,6 @@ END = "</think>"
 class ReasoningDelta(NamedTuple):
     reasoning: str | None
     content: str | None
-
-
-def _partial_len(text: str, marker: str) -> int:
-    """How many trailing characters of `text` may be the start of `marker` (held back in streams)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def split_reasoning(text: str, in_reasoning: bool) -> ReasoningDelta:
@@ -85,13 +79,11 @@ class ReasoningStream:
                 else:
                     self._state = "reasoning" if self._in_reasoning else "content"
             elif self._state == "reasoning":
-                end = text.find(END, self._pos)
-                if end < 0:
-                    keep = 0 if final else _partial_len(text[self._pos :], END)
-                    reasoning.append(text[self._pos : len(text) - keep])
-                    self._pos = len(text) - keep
+                piece, end, found = text_before_marker(text, self._pos, END, final)
+                reasoning.append(piece)
+                if not found:
+                    self._pos = end
                     break
-                reasoning.append(text[self._pos : end])
                 self._pos, self._state = end + len(END), "content"
             else:
                 content.append(text[self._pos :])

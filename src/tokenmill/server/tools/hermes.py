@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tokenmill.server.tools.json_calls import BAD, CallFollower, call_from_object, decode_value
 from tokenmill.server.tools.parser_base import ToolCallStream, ToolParser
-from tokenmill.server.tools.text_scan import finish_content, partial_marker_len, skip_ws
+from tokenmill.server.tools.text_scan import finish_content, skip_ws, text_before_marker
 from tokenmill.server.tools.types import ExtractedToolCalls, ToolCall
 
 OPEN = "<tool_call>"
@@ -60,15 +60,13 @@ class HermesStream(ToolCallStream):
         text = self.text
         while True:
             if self._state == "content":
-                start = text.find(OPEN, self._pos)
-                if start < 0:
-                    keep = 0 if final else partial_marker_len(text[self._pos :], OPEN)
-                    self._emit_content(text[self._pos : len(text) - keep])
-                    self._pos = len(text) - keep
+                piece, end, found = text_before_marker(text, self._pos, OPEN, final)
+                self._emit_content(piece)
+                if not found:
+                    self._pos = end
                     return
-                self._emit_content(text[self._pos : start])
-                self._block_start = start
-                self._pos = start + len(OPEN)
+                self._block_start = end
+                self._pos = end + len(OPEN)
                 self._state = "open"
             elif self._state == "open":
                 pos = skip_ws(text, self._pos)

@@ -21,7 +21,7 @@ from tokenmill.server.tools.json_calls import (
     decode_value,
 )
 from tokenmill.server.tools.parser_base import ToolCallStream, ToolParser
-from tokenmill.server.tools.text_scan import finish_content, partial_marker_len, skip_ws
+from tokenmill.server.tools.text_scan import finish_content, skip_ws, text_before_marker
 from tokenmill.server.tools.types import ExtractedToolCalls, ToolCall, ToolCallDelta
 
 MARKER = "[TOOL_CALLS]"
@@ -92,14 +92,12 @@ class MistralStream(ToolCallStream):
         text = self.text
         while True:
             if self._state == "content":
-                start = text.find(MARKER, self._pos)
-                if start < 0:
-                    keep = 0 if final else partial_marker_len(text[self._pos :], MARKER)
-                    self._emit_content(text[self._pos : len(text) - keep])
-                    self._pos = len(text) - keep
+                piece, end, found = text_before_marker(text, self._pos, MARKER, final)
+                self._emit_content(piece)
+                if not found:
+                    self._pos = end
                     return
-                self._emit_content(text[self._pos : start])
-                self._block_start, self._pos, self._state = start, start + len(MARKER), "body"
+                self._block_start, self._pos, self._state = end, end + len(MARKER), "body"
             elif self._state == "body":
                 if not self._start_body(text, final):
                     return

@@ -26,6 +26,17 @@ def partial_marker_len(text: str, *markers: str) -> int:
     return longest
 
 
+def text_before_marker(text: str, pos: int, marker: str, final: bool) -> tuple[str, int, bool]:
+    """What a stream may release from `pos` while it looks for `marker`: (the text surely before
+    it, where that text ends, whether the marker starts there). Without the marker, a tail that
+    could still become it is held back unless the output is final."""
+    start = text.find(marker, pos)
+    if start >= 0:
+        return text[pos:start], start, True
+    end = len(text) - (0 if final else partial_marker_len(text[pos:], marker))
+    return text[pos:end], end, False
+
+
 def finish_content(parts: list[str], has_calls: bool) -> str | None:
     """The non-streaming content rule, kept equal to what ContentEmitter streams.
 
