@@ -1,13 +1,9 @@
-"""Request fields both generation endpoints honour on the server side, before the engine: the
-model's sampling defaults, priority, bad words, prompt truncation."""
+"""Request fields both generation endpoints honour on the server side, before the engine:
+priority and prompt truncation."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.protocol_base import SamplingFields
 from tokenmill.server.state import ServerState
 
 
@@ -21,12 +17,6 @@ def check_priority(state: ServerState, priority: int) -> None:
         )
 
 
-def finish_sampling_params(state: ServerState, request: SamplingFields, params: SamplingParams) -> SamplingParams:
-    """The server-side parts of a request's sampling: priority checked."""
-    check_priority(state, request.priority)
-    return params
-
-
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the context allows,
     leaving one position to generate)."""
@@ -37,8 +27,3 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
     if keep == 0:
         raise InvalidRequestError("truncate_prompt_tokens must be -1 or >= 1", param="truncate_prompt_tokens")
     return token_ids[-keep:]
-
-
-def generation_defaults(state: ServerState) -> dict[str, Any]:
-    """The model's sampling defaults (--generation-config) for fields a request leaves unset."""
-    return state.default_sampling

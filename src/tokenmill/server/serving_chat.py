@@ -26,7 +26,7 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import finish_sampling_params, generation_defaults
+from tokenmill.server.request_fields import check_priority
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
@@ -102,8 +102,8 @@ def _prompt_logprobs(
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
     """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
-    params = request.to_sampling_params(None, generation_defaults(state))  # None: up to the context length
-    finish_sampling_params(state, request, params)
+    params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
+    check_priority(state, request.priority)
     tool_plan = plan_tools(state, request)
     constraint_param = request.constraint_param
     if tool_plan.constraint is not None:

@@ -17,7 +17,7 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import finish_sampling_params, generation_defaults, truncate_prompt
+from tokenmill.server.request_fields import check_priority, truncate_prompt
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
@@ -89,8 +89,8 @@ def _completion_logprobs(
 async def create_completion(state: ServerState, request: CompletionRequest):
     """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
     state.check_model(request.model)
-    params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, generation_defaults(state))
-    finish_sampling_params(state, request, params)
+    params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
+    check_priority(state, request.priority)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:
