@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 from tests.server.fake_engine import tiny_tokenizer
 from tokenmill.core.request import Request
+from tokenmill.engine.structured_output.bitmask import BitmaskFiller
 from tokenmill.engine.structured_output.json_safe import json_safe_words
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -42,7 +43,6 @@ def test_a_length_limited_string_takes_no_tab_under_the_json_mask():
         grammar = RequestGrammar(compiled, request, extra)
         for token in tokenizer.encode('{"s":"', add_special_tokens=False):
             assert grammar.accept([], token) is None
-        bitmask = np.zeros((1, -(-len(tokenizer) // 32)), dtype=np.int32)
-        grammar.fill(bitmask, 0)
-        ids = allowed_ids(bitmask[0], len(tokenizer))
+        output = BitmaskFiller(len(tokenizer)).fill([("r", grammar)])
+        ids = allowed_ids(np.frombuffer(output.bitmask, dtype="<i4"), len(tokenizer))
         assert letter in ids and (tab in ids) == tab_allowed

@@ -63,20 +63,9 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self.active and self.matcher.is_terminated()
 
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]`; no allowed token at all is an error
-        (the request ends with it when its sampled token comes back)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        self.restrict(bitmask, row)
-
-    def restrict(self, bitmask: np.ndarray, row: int) -> None:
-        """Apply the extra mask to a filled row; no allowed token left is an error."""
-        if self.extra_mask is not None:
-            np.bitwise_and(bitmask[row], self.extra_mask, out=bitmask[row])
-        if not bitmask[row].any():
-            self.no_token_allowed()
-
     def no_token_allowed(self) -> None:
+        """Its filled row allows nothing (bitmask.restrict): the request ends when its sampled
+        token comes back."""
         self.error = (
             f"structured output: the grammar allows no token after {self.num_accepted} constrained tokens"
         )
