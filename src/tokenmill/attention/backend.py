@@ -27,6 +27,41 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
+class AttentionLayerSpec:
+    """What one layer's attention asks of the backend beyond plain causal softmax attention.
+
+    The backend instance is shared by every layer; the layer passes its spec with each call.
+    """
+
+    # A query at position p sees keys at positions p - sliding_window < k <= p (transformers'
+    # semantics: the window counts the query itself). None = every earlier position.
+    sliding_window: int | None = None
+    # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. None = no cap.
+    logits_soft_cap: float | None = None
+    # gpt-oss: one learned logit per query head [num_heads] (float32) that joins every softmax's
+    # denominator and attends to nothing. None = no sinks.
+    sinks: torch.Tensor | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
+
+    def features(self) -> list[str]:
+        """The non-plain features this spec uses, by name (for error messages)."""
+        named = []
+        if self.sliding_window is not None:
+            named.append("sliding window")
+        if self.logits_soft_cap is not None:
+            named.append("logit soft-capping")
+        if self.sinks is not None:
+            named.append("attention sinks")
+        return named
+
+
+PLAIN_ATTENTION = AttentionLayerSpec()
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     num_actual_tokens: int  # rows of q/k/v that are real (the rest is CUDA-graph padding)
     num_reqs: int
@@ -58,6 +93,8 @@ class AttentionBackend(ABC):
     # Whether a decode step on this backend can be captured as a CUDA graph (no host reads, fixed
     # buffers refreshed by prepare_for_replay).
     supports_cuda_graphs: bool = False
+    # Which AttentionLayerSpec features forward() honours (names as AttentionLayerSpec.features()).
+    supported_layer_features: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -93,9 +130,24 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         *,
         kv_already_stored: bool = False,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are unspecified
         """Write k/v at meta.slot_mapping (unless a fused kernel already did), then paged
-        attention for every query row."""
+        attention for every query row, as `layer` asks (see check_layer_spec)."""
+
+    def unsupported_layer_features(self, layer: AttentionLayerSpec) -> list[str]:
+        """The features `layer` needs that this backend does not honour (empty = it can run it)."""
+        return [f for f in layer.features() if f not in self.supported_layer_features]
+
+    def check_layer_spec(self, layer: AttentionLayerSpec, where: str = "this model") -> None:
+        """Raise ValueError naming what `layer` needs that this backend lacks; the model runner
+        calls it for every layer before the first step, so nothing is silently approximated."""
+        missing = self.unsupported_layer_features(layer)
+        if missing:
+            raise ValueError(
+                f"{where} needs {', '.join(missing)} in attention, which the {self.name} attention "
+                "backend does not implement; choose another --attention-backend"
+            )
 
     def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step may go through forward_decode_with_rope (RoPE, the KV store and
@@ -115,6 +167,7 @@ class AttentionBackend(ABC):
         *,
         norm_source: torch.Tensor | None = None,
         norm_eps: float = 0.0,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch: only for backends whose
         supports_fused_decode_rope says so."""

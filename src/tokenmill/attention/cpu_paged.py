@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.cpu.build import load_cpu_kernels
@@ -50,7 +55,10 @@ class CpuPagedBackend(AttentionBackend):
         meta: AttentionMetadata,
         *,
         kv_already_stored: bool = False,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
+        if not layer.is_plain:
+            self.check_layer_spec(layer)
         if q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU tensors, got {q.device}")
         num_tokens = meta.num_actual_tokens

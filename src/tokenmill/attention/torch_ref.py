@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.config import KernelConfig
 
 # A mixed batch is padded to num_reqs * max_query_len query rows. When that is much more than
@@ -59,7 +64,10 @@ class TorchReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         *,
         kv_already_stored: bool = False,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
+        if not layer.is_plain:
+            self.check_layer_spec(layer)
         num_tokens = meta.num_actual_tokens
         if num_tokens == 0 or meta.num_reqs == 0 or meta.query_start_loc_cpu.numel() < 2:
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.triton.kv_store import store_kv
 from tokenmill.kernels.triton.paged_attention import DecodeRope, paged_attention
@@ -162,7 +167,10 @@ class TritonPagedBackend(AttentionBackend):
         meta: AttentionMetadata,
         *,
         kv_already_stored: bool = False,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
+        if not layer.is_plain:
+            self.check_layer_spec(layer)
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored)
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
@@ -186,6 +194,7 @@ class TritonPagedBackend(AttentionBackend):
         *,
         norm_source: torch.Tensor | None = None,
         norm_eps: float = 0.0,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch per layer.
 
@@ -196,6 +205,8 @@ class TritonPagedBackend(AttentionBackend):
         """
         if not meta.is_decode_only:
             raise ValueError("forward_decode_with_rope serves decode-only batches; use forward()")
+        if not layer.is_plain:
+            self.check_layer_spec(layer)
         rope = DecodeRope(
             k,
             v,

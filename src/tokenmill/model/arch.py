@@ -44,6 +44,9 @@ class ArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
+    # Per layer, the attention's sliding window (None = full attention); () = every layer full.
+    # The KV cache groups layers by window (core/kv_cache_groups) and frees what slid out.
+    sliding_windows: tuple[int | None, ...] = field(default=(), hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -54,6 +57,9 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:

@@ -148,7 +148,8 @@ class ModelRunner:
         self.model = load_model(
             config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved,
             kernel=config.kernel,
-        )
+        )  # fmt: skip
+        self._check_attention_layers()
         logger.info(
             "model loaded in %.1f s (%s, %s, %s)",
             time.perf_counter() - started,
@@ -185,6 +186,17 @@ class ModelRunner:
                 self.max_blocks_per_req,
                 self.device,
             )
+
+    def _check_attention_layers(self) -> None:
+        """Every layer's sliding window / soft cap / sinks must be honoured by the backend: refuse
+        at load, naming the layer and the feature, rather than approximate them."""
+        from tokenmill.model.layers.attention import SelfAttention
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, SelfAttention):
+                self.attn_backend.check_layer_spec(
+                    module.layer_spec, where=f"{self.arch.architecture} layer {name}"
+                )
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -223,8 +235,10 @@ class ModelRunner:
         from tokenmill.worker.cuda_graphs import CudaGraphRunner
 
         if not self.attn_backend.supports_cuda_graphs:
-            logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eagerly",
-                           self.attn_backend.name)
+            logger.warning(
+                "the %s attention backend cannot be captured in CUDA graphs; running eagerly",
+                self.attn_backend.name,
+            )
             return
         self.graph_runner = CudaGraphRunner(
             self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs

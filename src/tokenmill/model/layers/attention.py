@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs
 from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear, bind_hot_path
@@ -28,6 +33,7 @@ class SelfAttention(nn.Module):
         ops: LayerOps,
         *,
         linear_method: LinearMethod | None = None,
+        layer_spec: AttentionLayerSpec = PLAIN_ATTENTION,
         tp_rank: int = 0,
         tp_size: int = 1,
         device=None,
@@ -54,6 +60,8 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, **shard)
         self.attn_backend = attn_backend
+        # This layer's sliding window / soft cap / sinks, passed to the backend with every call.
+        self.layer_spec = layer_spec
         self.ops = ops
         self.eps = eps
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
@@ -100,7 +108,7 @@ class SelfAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
         return self.attn_backend.forward_decode_with_rope(
             qk[:, :heads], qk[:, heads:], v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, meta,
-            norm_source=norm_source, norm_eps=self.eps,
+            norm_source=norm_source, norm_eps=self.eps, layer=self.layer_spec,
         )  # fmt: skip
 
     def rope_and_attend(
@@ -135,4 +143,6 @@ class SelfAttention(nn.Module):
             else:
                 qk = ops.rotate(qk, rope)
             q, k = qk[:, :heads], qk[:, heads:]
-        return self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=store)
+        return self.attn_backend.forward(
+            q, k, v, kv_cache, meta, kv_already_stored=store, layer=self.layer_spec
+        )
