@@ -34,6 +34,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # parsed, refused until an FP8 KV store exists
 
@@ -70,8 +71,21 @@ class EngineArgs:
     """Every engine option. `LLM(model, **kwargs)` and the CLI flags (`--max-num-seqs` for
     `max_num_seqs`) are these fields; `create_engine_config()` turns them into an EngineConfig."""
 
-    model: str | None = _option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    tokenizer: str | None = _option(None, "tokenizer directory (default: the model's)")
+    model: str | None = _option(
+        None,
+        "HF model directory, .gguf file, or Hugging Face Hub id ORG/NAME (ORG/NAME/FILE.gguf: one GGUF file "
+        "of a repository), fetched into the Hub's cache; a local path that exists wins "
+        "(default: SmolLM2-135M-Instruct)",
+    )
+    revision: str | None = _option(None, "Hub ids: the branch, tag or commit to load (default: main)")
+    download_dir: str | None = _option(
+        None,
+        "Hub ids: the cache directory to fetch into and look in (default: the Hugging Face cache, "
+        "$HF_HUB_CACHE or $HF_HOME/hub, shared with other Hugging Face tools); HF_TOKEN gives gated "
+        "and private repositories, HF_HUB_OFFLINE=1 uses only the cache",
+    )
+    tokenizer: str | None = _option(None, "tokenizer directory, .gguf file or Hub id (default: the model's)")
+    tokenizer_revision: str | None = _option(None, "a Hub tokenizer's branch, tag or commit (default: main)")
     served_model_name: str | None = _option(
         None, "name(s) the model is served as, comma-separated; the first is its own (default: the model)"
     )
@@ -94,9 +108,11 @@ class EngineArgs:
         choices=KV_CACHE_DTYPES + FP8_KV_CACHE_DTYPES,
     )
     load_format: str = _option(
-        "auto", "weights format; dummy: random weights at the model's shapes",
-        choices=("auto", "safetensors", "gguf", "dummy"),
-    )  # fmt: skip
+        "auto",
+        "weights format; auto: safetensors, else pytorch_model*.bin (pt, read with "
+        "torch.load(weights_only=True): tensors only), else GGUF; dummy: random weights at the model's shapes",
+        choices=LOAD_FORMATS,
+    )
     dtype: str = _option(
         "auto", "weights and activations; auto: float32 on the CPU, bfloat16 on a GPU", choices=DTYPES
     )
@@ -196,6 +212,9 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer,
+                revision=self.revision,
+                tokenizer_revision=self.tokenizer_revision,
+                download_dir=self.download_dir,
                 dtype=self.dtype,
                 load_format=self.load_format,  # type: ignore[arg-type]
                 max_model_len=self.max_model_len,
@@ -241,10 +260,8 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}"
-            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "

@@ -8,10 +8,18 @@ from typing import Literal
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the default model
-    tokenizer: str | None = None  # defaults to `model`
+    # HF directory, .gguf file, Hugging Face Hub id (ORG/NAME, ORG/NAME/FILE.gguf), or None for the
+    # default model. A local path that exists wins over a Hub id.
+    model: str | None = None
+    tokenizer: str | None = None  # a directory, .gguf file or Hub id; defaults to `model`
+    # Hub ids: the branch, tag or commit (None: main). The API server pins them to the commits it
+    # resolved before it starts the engine process (resolve.pin_snapshots).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # Hub ids: the cache directory (None: Hugging Face's, HF_HOME)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    # pt: PyTorch pytorch_model*.bin files, read with torch.load(weights_only=True)
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     chat_template: str | None = None  # a Jinja template (or a path to one) overriding the tokenizer's

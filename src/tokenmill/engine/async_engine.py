@@ -87,14 +87,17 @@ class AsyncEngine:
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self, ready_timeout_s: float = 1800.0) -> None:
-        from tokenmill.model.resolve import resolve_model
+        from tokenmill.model.resolve import pin_snapshots, resolve_model
 
-        # Resolve (and fetch, for the default model) before spawning, so the engine reuses the cache.
+        # Resolve (and fetch, for the default model and Hub ids) before spawning, so the engine
+        # reuses the cache; Hub revisions are pinned to the commits found here, so the engine
+        # process loads the very snapshot this process reads the tokenizer from.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
+        self.config = dataclasses.replace(self.config, model=pin_snapshots(self.config.model, resolved))
         from tokenmill.model.generation_defaults import generation_defaults
 
         self.default_sampling = generation_defaults(self.config.model, resolved)
-        self.client.launch()
+        self.client.launch(self.config)
         # The tokenizer (importing transformers takes a while) loads while the engine starts.
         tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, resolved))
         try:

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo, StepOutputs
 from tokenmill.errors import EngineDeadError
@@ -66,8 +67,9 @@ class AsyncEngineCoreClient(EngineCoreClient):
         self.num_waiting: Callable[[], int] = _no_waiters
 
     @abstractmethod
-    def launch(self) -> None:
-        """Starts the engine core(s); they load the model from here on. Returns at once."""
+    def launch(self, config: EngineConfig) -> None:
+        """Starts the engine core(s) on `config` (the frontend's, its Hub revisions pinned to the
+        snapshots it resolved); they load the model from here on. Returns at once."""
 
     @abstractmethod
     async def wait_until_ready(self, ready_timeout_s: float) -> None:

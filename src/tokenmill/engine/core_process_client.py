@@ -116,8 +116,9 @@ class CoreProcessClient(AsyncEngineCoreClient):
     def hang_timeout_s(self) -> float:
         return self._hang_timeout_s
 
-    def launch(self) -> None:
-        """Binds the sockets and spawns the engine process; it loads the model from here on."""
+    def launch(self, config: EngineConfig) -> None:
+        """Binds the sockets and spawns the engine process on `config`; it loads the model from here on."""
+        self.config = config
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
         self._to_engine.bind(input_addr)

@@ -19,6 +19,7 @@ from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.dummy import init_dummy_weights
 from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
+from tokenmill.model.loader.pt_loader import iter_pt_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
 
@@ -67,6 +68,8 @@ def load_model(
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
         model.load_weights(iter_gguf_weights(resolved.path, arch))
+    elif resolved.format == "pt":
+        model.load_weights(iter_pt_weights(Path(resolved.path)))
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
     process_weights_after_loading(model)

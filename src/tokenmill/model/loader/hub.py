@@ -1,0 +1,364 @@
+"""Hugging Face Hub ids to local snapshots, through `huggingface_hub`: its cache (shared with every
+other Hugging Face tool), its token (`HF_TOKEN` or `hf auth login`), its offline mode
+(`HF_HUB_OFFLINE=1`) and its progress bars.
+
+An id is `ORG/NAME`, or `ORG/NAME/FILE.gguf` for one GGUF file of a repository. Only the files a
+model needs are fetched: the top-level configs, tokenizer files, chat templates and weight indexes
+(`*.json`, `*.jinja`, `*.model`, `*.tiktoken`, `*.txt`), then one kind of weights: `*.safetensors`
+(the shards the index lists, when there is one), else `pytorch_model*.bin`, else the repository's one
+GGUF file; never `original/` consolidated copies, READMEs or images.
+
+Resolution pins a revision to the commit it found (`HubSnapshot.commit`): the API server resolves
+first and hands the engine process that commit, and a commit, being immutable, is looked up in the
+cache before the Hub is asked, so both processes load the same snapshot and the second asks nothing.
+
+Torch-free (the API server process resolves models); `huggingface_hub` is imported when an id is
+resolved, not with this module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tokenmill.errors import ModelNotFoundError
+from tokenmill.model.loader.hf_config import (
+    INDEX_FILE,
+    PT_INDEX_FILE,
+    PT_WEIGHTS_GLOB,
+    indexed_weight_files,
+    pytorch_bin_files,
+    safetensors_files,
+)
+
+logger = logging.getLogger(__name__)
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# Small top-level files a model or its tokenizer may need: config.json, generation_config.json,
+# tokenizer.json / tokenizer_config.json / special_tokens_map.json / vocab.json / merges.txt /
+# tokenizer.model / *.tiktoken, chat_template.jinja / .json, and the weight indexes.
+METADATA_GLOBS = ("*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+Purpose = Literal["model", "tokenizer"]
+
+
+@dataclass(frozen=True, slots=True)
+class HubModelId:
+    repo_id: str  # ORG/NAME
+    filename: str | None = None  # one .gguf file of the repository (ORG/NAME/FILE.gguf)
+
+    @classmethod
+    def parse(cls, name: str) -> HubModelId | None:
+        """The id `name` spells, or None when it cannot be one (an absolute path, `./x`, `a/b/c`)."""
+        parts = name.split("/")
+        if len(parts) < 2 or not _REPO_ID.fullmatch("/".join(parts[:2])):
+            return None
+        repo_id = "/".join(parts[:2])
+        if len(parts) == 2:
+            return cls(repo_id)
+        filename = "/".join(parts[2:])
+        if filename.endswith(".gguf") and all(parts[2:]) and ".." not in parts[2:]:
+            return cls(repo_id, filename)
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}/{self.filename}" if self.filename else self.repo_id
+
+
+@dataclass(frozen=True, slots=True)
+class HubSnapshot:
+    repo_id: str
+    commit: str  # the commit the revision resolved to: pass it as the revision to get this snapshot again
+    path: Path  # the snapshot directory in the cache, or the .gguf file in it
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    """What to fetch from a repository: `first` (configs, tokenizer, indexes), then `weights`, then
+    the files `weight_index` (one of `first`) lists."""
+
+    first: list[str]
+    weights: list[str] = field(default_factory=list)
+    weight_index: str | None = None
+    gguf_file: str | None = None  # the snapshot's model is this file, not the directory
+
+
+def download(
+    hub_id: HubModelId,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    load_format: str = "auto",
+    purpose: Purpose = "model",
+    check_metadata: Callable[[Path], None] | None = None,
+) -> HubSnapshot:
+    """The local snapshot of `hub_id` at `revision` (default: main) holding what `purpose` needs
+    (weights in `load_format`, or only a tokenizer), fetched into the cache unless it is there.
+    `check_metadata(directory)` runs once the configs are there and before any weight is fetched:
+    a model refused for its config (its architecture, its quantization) costs no download.
+
+    Raises ModelNotFoundError saying what went wrong and what to do: not on the Hub, gated or
+    private without a token, no such revision, or offline / unreachable and not in the cache."""
+    from huggingface_hub import constants
+
+    revision = revision or "main"
+    if _COMMIT.fullmatch(revision):  # immutable: the cache's copy is the Hub's
+        cached = _cached_snapshot(hub_id, revision, cache_dir, load_format, purpose)
+        if isinstance(cached, HubSnapshot):
+            return cached
+    if constants.HF_HUB_OFFLINE:
+        return _from_cache_or_explain(
+            hub_id, revision, cache_dir, load_format, purpose, "HF_HUB_OFFLINE is set, so the Hub was not asked"
+        )
+    info = _model_info(hub_id, revision, cache_dir, load_format, purpose)
+    if isinstance(info, HubSnapshot):  # the Hub was unreachable and the cache had it
+        return info
+    files = [sibling.rfilename for sibling in info.siblings or []]
+    plan = plan_files(files, hub_id, load_format, purpose)
+    directory = _snapshot_download(hub_id, info.sha, cache_dir, plan.first)
+    if check_metadata is not None:
+        check_metadata(directory)
+    weights = list(plan.weights)
+    if plan.weight_index is not None:
+        weights += indexed_weight_files(directory / plan.weight_index)
+    if weights:
+        directory = _snapshot_download(hub_id, info.sha, cache_dir, weights)
+    path = directory / plan.gguf_file if plan.gguf_file else directory
+    return HubSnapshot(hub_id.repo_id, info.sha, path)
+
+
+def plan_files(files: list[str], hub_id: HubModelId, load_format: str, purpose: Purpose = "model") -> FilePlan:
+    """Which of a repository's `files` to fetch: top-level metadata, then one kind of weights
+    (safetensors before pytorch_model*.bin before a GGUF file); only metadata for a tokenizer or
+    dummy weights, unless the model is a GGUF file, which carries its config and tokenizer."""
+    if hub_id.filename is not None:
+        if hub_id.filename not in files:
+            ggufs = [f for f in files if f.endswith(".gguf")]
+            raise ModelNotFoundError(
+                f"{hub_id.repo_id} has no file {hub_id.filename!r}; its GGUF files: {_listing(ggufs)}",
+                param="model",
+            )
+        return FilePlan(first=[], gguf_file=hub_id.filename)
+    top = [f for f in files if "/" not in f]
+    metadata = [f for f in top if any(fnmatch.fnmatchcase(f, glob) for glob in METADATA_GLOBS)]
+    safetensors = [f for f in top if f.endswith(".safetensors")]
+    pt_bins = [f for f in top if fnmatch.fnmatchcase(f, PT_WEIGHTS_GLOB)]
+    ggufs = [f for f in files if f.endswith(".gguf")]
+    has_config = "config.json" in top if purpose == "model" else any(f in top for f in _TOKENIZER_FILES)
+
+    if purpose == "tokenizer" or load_format == "dummy":
+        if has_config or not ggufs:
+            return FilePlan(first=metadata)
+        return _gguf_plan(hub_id, ggufs)
+    if load_format in ("auto", "safetensors") and safetensors:
+        if INDEX_FILE in top:
+            return FilePlan(first=metadata, weight_index=INDEX_FILE)
+        return FilePlan(first=metadata, weights=safetensors)
+    if load_format in ("auto", "pt") and pt_bins:
+        if PT_INDEX_FILE in top:
+            return FilePlan(first=metadata, weight_index=PT_INDEX_FILE)
+        return FilePlan(first=metadata, weights=pt_bins)
+    if (load_format == "gguf" or (load_format == "auto" and not has_config)) and ggufs:
+        return _gguf_plan(hub_id, ggufs)
+    wanted = {
+        "auto": "*.safetensors, pytorch_model*.bin or a .gguf file",
+        "safetensors": "*.safetensors",
+        "pt": "pytorch_model*.bin",
+        "gguf": ".gguf",
+    }.get(load_format, load_format)
+    raise ModelNotFoundError(
+        f"{hub_id.repo_id} holds no weights tokenmill loads with load_format={load_format!r} (looked for "
+        f"{wanted} files at the top of the repository; it has {_listing(files)})",
+        param="model",
+    )
+
+
+def _gguf_plan(hub_id: HubModelId, ggufs: list[str]) -> FilePlan:
+    if len(ggufs) != 1:
+        raise ModelNotFoundError(
+            f"{hub_id.repo_id} holds {len(ggufs)} GGUF files ({_listing(ggufs)}); name one as "
+            f"{hub_id.repo_id}/FILE.gguf",
+            param="model",
+        )
+    return FilePlan(first=[], gguf_file=ggufs[0])
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
+
+
+# -- talking to the Hub --------------------------------------------------------------------------
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when the Hub cannot be reached: OfflineModeIsEnabled (a
+    ConnectionError), OSError (its HTTP errors for 5xx answers, requests' connection errors), and
+    the transport errors of the HTTP client it is built on (httpx in recent versions), whose base
+    its `errors` module imports as HTTPError."""
+    from huggingface_hub import errors
+
+    return (OSError, getattr(errors, "HTTPError", OSError))
+
+
+@contextmanager
+def _hub_errors(hub_id: HubModelId, revision: str) -> Iterator[None]:
+    """The Hub's answers that no cache can fix, as errors saying what to do."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    token_state = "a token is set" if get_token() else "no token is set"
+    try:
+        yield
+    except GatedRepoError as exc:
+        raise ModelNotFoundError(
+            f"{hub_id.repo_id} is a gated repository and {token_state} that may read it: accept its "
+            f"conditions at https://huggingface.co/{hub_id.repo_id} with your Hugging Face account, then "
+            f"give that account's token (HF_TOKEN=hf_..., or `hf auth login`) ({_first_line(exc)})",
+            param="model",
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"{hub_id.repo_id} has no revision {revision!r} on the Hugging Face Hub; pass a branch, tag or "
+            f"commit it has with --revision ({_first_line(exc)})",
+            param="model",
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"model {hub_id.repo_id!r} was not found on the Hugging Face Hub ({token_state}): check the "
+            "name, or if the repository is private give a token that may read it (HF_TOKEN=hf_..., or "
+            f"`hf auth login`); a local directory or .gguf file is loaded by its path ({_first_line(exc)})",
+            param="model",
+        ) from exc
+    except HFValidationError as exc:
+        raise ModelNotFoundError(
+            f"{str(hub_id)!r} is no local path and not a valid Hugging Face Hub id: {_first_line(exc)}",
+            param="model",
+        ) from exc
+
+
+def _model_info(hub_id: HubModelId, revision: str, cache_dir: str | None, load_format: str, purpose: Purpose):
+    """The Hub's listing of the repository at `revision`, or, when the Hub cannot be reached, the
+    cached snapshot (a HubSnapshot) if there is one."""
+    from huggingface_hub import HfApi
+
+    from tokenmill import __version__
+
+    api = HfApi(library_name="tokenmill", library_version=__version__)
+    try:
+        with _hub_errors(hub_id, revision):
+            return api.model_info(hub_id.repo_id, revision=revision)
+    except _unreachable_errors() as exc:  # not ModelNotFoundError: _hub_errors' answers pass through
+        return _from_cache_or_explain(
+            hub_id, revision, cache_dir, load_format, purpose,
+            f"the Hugging Face Hub is not reachable ({type(exc).__name__}: {_first_line(exc)})",
+        )  # fmt: skip
+
+
+def _snapshot_download(hub_id: HubModelId, commit: str, cache_dir: str | None, files: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from tokenmill import __version__
+
+    with _hub_errors(hub_id, commit):
+        # The file names as patterns: fnmatch matches a name without wildcards only to itself.
+        return Path(
+            snapshot_download(
+                hub_id.repo_id, revision=commit, cache_dir=cache_dir, allow_patterns=files,
+                library_name="tokenmill", library_version=__version__,
+            )
+        )  # fmt: skip
+
+
+# -- the cache -------------------------------------------------------------------------------------
+
+
+def _cached_snapshot(
+    hub_id: HubModelId, revision: str, cache_dir: str | None, load_format: str, purpose: Purpose
+) -> HubSnapshot | str:
+    """The cached snapshot of `hub_id` at `revision` if it holds what `purpose` needs, else why not."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = cache_dir or constants.HF_HUB_CACHE
+
+    try:
+        # Finds refs/<revision> and snapshots/<commit> without asking the Hub. Asked for one file
+        # every online fetch takes (config.json, or the named GGUF), so that huggingface_hub's own
+        # completeness check (against the file listing it cached, in recent versions) does not ask
+        # for files this module never fetched.
+        directory = Path(
+            snapshot_download(
+                hub_id.repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True,
+                allow_patterns=[hub_id.filename or "config.json"],
+            )
+        )  # fmt: skip
+    except LocalEntryNotFoundError:  # its text is advice to pass local_files_only=False, not ours
+        return f"was not found in the local cache at {where}"
+    missing = _missing_files(directory, hub_id, load_format, purpose)
+    if missing:
+        return f"has an incomplete snapshot in the local cache at {where} ({directory}: {missing})"
+    path = directory / hub_id.filename if hub_id.filename else directory
+    return HubSnapshot(hub_id.repo_id, directory.name, path)  # snapshots/<commit>
+
+
+def _missing_files(directory: Path, hub_id: HubModelId, load_format: str, purpose: Purpose) -> str | None:
+    """What a cached snapshot lacks to load (None: nothing)."""
+    if hub_id.filename is not None:
+        return None if (directory / hub_id.filename).is_file() else f"{hub_id.filename} is missing"
+    ggufs = sorted(directory.glob("*.gguf"))
+    if purpose == "tokenizer":
+        found = any((directory / name).is_file() for name in _TOKENIZER_FILES) or ggufs
+        return None if found else f"no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+    if not (directory / "config.json").is_file():
+        return None if len(ggufs) == 1 else "no config.json"
+    if load_format == "dummy":
+        return None
+    candidates = {"auto": ("safetensors", "pt"), "safetensors": ("safetensors",), "pt": ("pt",)}
+    for kind in candidates.get(load_format, ()):
+        files = safetensors_files(directory) if kind == "safetensors" else pytorch_bin_files(directory)
+        if files:
+            missing = [f.name for f in files if not f.is_file()]
+            return f"weight files missing: {_listing(missing)}" if missing else None
+    return None if load_format == "gguf" and ggufs else f"no weights for load_format={load_format!r}"
+
+
+def _from_cache_or_explain(
+    hub_id: HubModelId, revision: str, cache_dir: str | None, load_format: str, purpose: Purpose, reason: str
+) -> HubSnapshot:
+    """The cached snapshot, the Hub being out of reach; else an error saying so and what to do."""
+    cached = _cached_snapshot(hub_id, revision, cache_dir, load_format, purpose)
+    if isinstance(cached, HubSnapshot):
+        logger.info("%s: %s; using the cached snapshot %s", hub_id, reason, cached.path)
+        return cached
+    revision_flag = "" if revision == "main" else f" --revision {revision}"
+    download_dir = f" --cache-dir {cache_dir}" if cache_dir else ""
+    raise ModelNotFoundError(
+        f"{'tokenizer' if purpose == 'tokenizer' else 'model'} {str(hub_id)!r} (revision {revision!r}) is no "
+        f"local directory or file, and as a Hugging Face Hub id it {cached}; {reason}. Download it where the "
+        "Hub is reachable "
+        f"(`hf download {hub_id.repo_id}{revision_flag}{download_dir}`, or `huggingface-cli download ...` "
+        "with older huggingface_hub) and copy the cache here (HF_HOME or --download-dir), or pass the "
+        "path of a local model directory or .gguf file",
+        param="model",
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
