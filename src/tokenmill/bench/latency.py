@@ -165,9 +165,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         from tokenmill.bench.hf_baseline import load_hf_model
 
         device, dtype = llm.info.device, llm.info.dtype
+        weights = llm.resolved.path  # the very files tokenmill ran (a Hub id's snapshot, not its branch)
         llm.engine.runner.release()  # the KV pool and graphs would leave transformers no room
         del llm
-        hf = load_hf_model(args.model, args.load_format, device, dtype)
+        hf = load_hf_model(weights, args.load_format, device, dtype)
         ids = torch.tensor([prompt], device=device)
         for attempt in range(2):  # the first is a warm-up
             if device.startswith("cuda"):

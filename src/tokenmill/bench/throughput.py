@@ -102,15 +102,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         baseline_prompts = prompts[: args.baseline_num_prompts or len(prompts)]
         device = llm.info.device
         dtype = llm.info.dtype
+        weights = llm.resolved.path  # the very files tokenmill ran (a Hub id's snapshot, not its branch)
         llm.engine.runner.release()  # free the KV pool, graphs and weights for the baseline
         del llm
         if args.baseline == "hf-generate":
             base = hf_baseline.measure_generate(
-                args.model, args.load_format, baseline_prompts, args.output_len, device, dtype
+                weights, args.load_format, baseline_prompts, args.output_len, device, dtype
             )
         else:
             base = hf_baseline.measure_generate_batch(
-                args.model, args.load_format, baseline_prompts, args.output_len, device, dtype
+                weights, args.load_format, baseline_prompts, args.output_len, device, dtype
             )
         metrics["baseline"] = base
         best = max(v["output_tokens_per_s"] for v in base.values())
