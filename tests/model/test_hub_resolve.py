@@ -15,7 +15,7 @@ import pytest
 from tests.model.hub_cache import FakeHub, commit_hash, repo_folder, use_hf_home, write_hub_snapshot
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelNotFoundError
-from tokenmill.model.loader.hub import FilePlan, HubModelId, plan_files
+from tokenmill.model.loader.hub import FilePlan, HubModelId, download, plan_files
 from tokenmill.model.resolve import pin_snapshots, resolve_model
 
 MAIN = FakeHub.COMMIT
@@ -198,6 +198,25 @@ def test_dummy_weights_fetch_only_the_metadata(online_cache, tmp_path, monkeypat
     assert not any(name.endswith(".safetensors") for name in hub.fetched[0])
 
 
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("tiny-org/one-gguf", {"m-Q8_0.gguf": b"GGUF"}),
+        ("tiny-org/gguf/q/m-Q4.gguf", {"q/m-Q4.gguf": b"GGUF", "m-Q8_0.gguf": b"GGUF"}),
+    ],
+)
+def test_a_gguf_is_fetched_alone(online_cache, tmp_path, monkeypatch, name, extra):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hub = FakeHub(monkeypatch, online_cache, _remote(tmp_path, empty, {"README.md": b"# card", **extra}))
+    hub_id = HubModelId.parse(name)
+    snapshot = download(hub_id, revision=None, cache_dir=None)
+    wanted = hub_id.filename or "m-Q8_0.gguf"
+    assert hub.fetched == [[wanted]]
+    assert snapshot.path == repo_folder(online_cache, hub_id.repo_id) / "snapshots" / MAIN / wanted
+    assert snapshot.path.read_bytes() == b"GGUF"
+
+
 def _http_error(cls, status: int, message: str):
     response = SimpleNamespace(status_code=status, headers={}, request=None)
     return cls(message, response=response)
@@ -252,7 +271,9 @@ def test_an_unreachable_hub_falls_back_to_the_cache_or_says_so(online_cache, tmp
 
 def test_gguf_repositories_take_their_one_file_or_ask_which():
     repo = HubModelId("org/m-GGUF")
-    assert plan_files(["README.md", "m-Q4_K_M.gguf"], repo, "auto") == FilePlan(first=[], gguf_file="m-Q4_K_M.gguf")
+    assert plan_files(["README.md", "m-Q4_K_M.gguf"], repo, "auto") == FilePlan(
+        first=[], weights=["m-Q4_K_M.gguf"], gguf_file="m-Q4_K_M.gguf"
+    )
     many = ["m-Q4_K_M.gguf", "m-Q8_0.gguf"]
     with pytest.raises(ModelNotFoundError, match=r"holds 2 GGUF files \(m-Q4_K_M.gguf, m-Q8_0.gguf\); name one as org/m-GGUF/FILE.gguf"):
         plan_files(many, repo, "auto")
@@ -270,3 +291,5 @@ def test_a_repository_without_loadable_weights_is_refused_naming_its_files():
         plan_files(["config.json", "model.onnx"], HubModelId("org/onnx-only"), "auto")
     with pytest.raises(ModelNotFoundError, match="load_format='pt'"):
         plan_files(["config.json", "model.safetensors"], HubModelId("org/m"), "pt")
+    with pytest.raises(ModelNotFoundError, match="holds no tokenizer.json, tokenizer_config.json, tokenizer.model nor"):
+        plan_files(["README.md"], HubModelId("org/m"), "auto", purpose="tokenizer")

@@ -82,8 +82,8 @@ class HubSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class FilePlan:
-    """What to fetch from a repository: `first` (configs, tokenizer, indexes), then `weights`, then
-    the files `weight_index` (one of `first`) lists."""
+    """What to fetch from a repository: `first` (configs, tokenizer, indexes), then `weights` and
+    the files `weight_index` (one of `first`) lists. A GGUF file is the model: `gguf_file`, alone."""
 
     first: list[str]
     weights: list[str] = field(default_factory=list)
@@ -123,14 +123,18 @@ def download(
         return info
     files = [sibling.rfilename for sibling in info.siblings or []]
     plan = plan_files(files, hub_id, load_format, purpose)
-    directory = _snapshot_download(hub_id, info.sha, cache_dir, plan.first)
-    if check_metadata is not None:
-        check_metadata(directory)
+    directory: Path | None = None
+    if plan.first:
+        directory = _snapshot_download(hub_id, info.sha, cache_dir, plan.first)
+        if check_metadata is not None:
+            check_metadata(directory)
     weights = list(plan.weights)
     if plan.weight_index is not None:
+        assert directory is not None  # the index is one of `first`
         weights += indexed_weight_files(directory / plan.weight_index)
     if weights:
         directory = _snapshot_download(hub_id, info.sha, cache_dir, weights)
+    assert directory is not None, f"empty plan {plan}"  # plan_files refuses a repository with nothing to fetch
     path = directory / plan.gguf_file if plan.gguf_file else directory
     return HubSnapshot(hub_id.repo_id, info.sha, path)
 
@@ -146,7 +150,7 @@ def plan_files(files: list[str], hub_id: HubModelId, load_format: str, purpose: 
                 f"{hub_id.repo_id} has no file {hub_id.filename!r}; its GGUF files: {_listing(ggufs)}",
                 param="model",
             )
-        return FilePlan(first=[], gguf_file=hub_id.filename)
+        return FilePlan(first=[], weights=[hub_id.filename], gguf_file=hub_id.filename)
     top = [f for f in files if "/" not in f]
     metadata = [f for f in top if any(fnmatch.fnmatchcase(f, glob) for glob in METADATA_GLOBS)]
     safetensors = [f for f in top if f.endswith(".safetensors")]
@@ -155,9 +159,14 @@ def plan_files(files: list[str], hub_id: HubModelId, load_format: str, purpose: 
     has_config = "config.json" in top if purpose == "model" else any(f in top for f in _TOKENIZER_FILES)
 
     if purpose == "tokenizer" or load_format == "dummy":
-        if has_config or not ggufs:
+        if has_config:
             return FilePlan(first=metadata)
-        return _gguf_plan(hub_id, ggufs)
+        if ggufs:
+            return _gguf_plan(hub_id, ggufs)  # a GGUF file carries its config and tokenizer
+        wanted = ", ".join(_TOKENIZER_FILES) if purpose == "tokenizer" else "config.json"
+        raise ModelNotFoundError(
+            f"{hub_id.repo_id} holds no {wanted} nor a .gguf file (it has {_listing(files)})", param=purpose
+        )
     if load_format in ("auto", "safetensors") and safetensors:
         if INDEX_FILE in top:
             return FilePlan(first=metadata, weight_index=INDEX_FILE)
@@ -188,7 +197,7 @@ def _gguf_plan(hub_id: HubModelId, ggufs: list[str]) -> FilePlan:
             f"{hub_id.repo_id}/FILE.gguf",
             param="model",
         )
-    return FilePlan(first=[], gguf_file=ggufs[0])
+    return FilePlan(first=[], weights=[ggufs[0]], gguf_file=ggufs[0])
 
 
 def _listing(names: list[str], limit: int = 12) -> str:
