@@ -15,7 +15,8 @@ import pytest
 from tests.model.hub_cache import FakeHub, commit_hash, repo_folder, use_hf_home, write_hub_snapshot
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelNotFoundError
-from tokenmill.model.loader.hub import FilePlan, HubModelId, download, plan_files
+from tokenmill.model.loader.hub import download
+from tokenmill.model.loader.hub_files import FilePlan, HubModelId, plan_files
 from tokenmill.model.resolve import pin_snapshots, resolve_model
 
 MAIN = FakeHub.COMMIT

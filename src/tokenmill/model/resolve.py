@@ -30,7 +30,8 @@ from tokenmill.model.loader.hf_config import (
     read_hf_config,
     safetensors_files,
 )
-from tokenmill.model.loader.hub import HubModelId, Purpose, download
+from tokenmill.model.loader.hub import download
+from tokenmill.model.loader.hub_files import HubModelId, Purpose
 from tokenmill.model.loader.quant_config import check_quantization_config
 
 logger = logging.getLogger(__name__)
