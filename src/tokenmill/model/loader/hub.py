@@ -129,9 +129,9 @@ def _hub_errors(hub_id: HubModelId, revision: str) -> Iterator[None]:
         ) from exc
     except RepositoryNotFoundError as exc:
         raise ModelNotFoundError(
-            f"model {hub_id.repo_id!r} was not found on the Hugging Face Hub ({token_state}): check the "
-            "name, or if the repository is private give a token that may read it (HF_TOKEN=hf_..., or "
-            f"`hf auth login`); a local directory or .gguf file is loaded by its path ({_first_line(exc)})",
+            f"model {hub_id.repo_id!r} is no local directory or file, and was not found on the Hugging Face "
+            f"Hub ({token_state}): check the name or the path, or if the repository is private give a token "
+            f"that may read it (HF_TOKEN=hf_..., or `hf auth login`) ({_first_line(exc)})",
             param="model",
         ) from exc
     except HFValidationError as exc:
