@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from tokenmill.attention.backend import PLAIN_ATTENTION, AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.kernels.cpu.build import cpu_kernels_available
+
+_CPU_KERNELS, _WHY_NOT = cpu_kernels_available()
+needs_cpu_kernels = pytest.mark.skipif(not _CPU_KERNELS, reason=f"CPU kernels unavailable: {_WHY_NOT}")
 
 
 @dataclass
@@ -149,13 +154,30 @@ def dense_reference(batch: Batch, spec: AttentionLayerSpec | None = None) -> tor
     return out
 
 
+def backend_args(case: Case) -> tuple:
+    return case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim**-0.5, case.block_size
+
+
 def make_torch(case: Case) -> TorchReferenceBackend:
-    return TorchReferenceBackend(
-        case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim**-0.5, case.block_size
-    )
+    return TorchReferenceBackend(*backend_args(case))
 
 
-BACKENDS = [pytest.param(make_torch, id="torch")]
+def make_cpu(case: Case) -> CpuPagedBackend:
+    """As configured: the C++ kernel takes short queries, the reference path chunks over 16 rows."""
+    return CpuPagedBackend(*backend_args(case))
+
+
+def make_cpu_kernel_only(case: Case) -> CpuPagedBackend:
+    backend = CpuPagedBackend(*backend_args(case))
+    backend.max_kernel_query_len = 1 << 30
+    return backend
+
+
+BACKENDS = [
+    pytest.param(make_torch, id="torch"),
+    pytest.param(make_cpu, id="cpu", marks=needs_cpu_kernels),
+    pytest.param(make_cpu_kernel_only, id="cpu-kernel-only", marks=needs_cpu_kernels),
+]
 
 
 def run(make_backend, batch: Batch, spec: AttentionLayerSpec | None = None, backend=None) -> torch.Tensor:
@@ -233,3 +255,17 @@ def test_backend_declares_every_feature(make_backend) -> None:
     spec = AttentionLayerSpec(sliding_window=4, logits_soft_cap=1.0, sinks=torch.zeros(4))
     assert backend.unsupported_layer_features(spec) == []
     backend.check_layer_spec(spec)
+
+
+@pytest.mark.parametrize("make_backend", BACKENDS)
+def test_bfloat16_cache(make_backend) -> None:
+    """A 16-bit cache (the C++ kernel converts rows to float32 as it reads them): close to the
+    float64 reference over the same rounded inputs."""
+    case = CASES["all-three-gqa-4"]
+    batch = make_batch(case, dtype=torch.bfloat16)
+    batch.keys = [keys.to(torch.bfloat16) for keys in batch.keys]
+    batch.values = [values.to(torch.bfloat16) for values in batch.values]
+    out = run(make_backend, batch)
+    n = batch.meta.num_actual_tokens
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[:n].double(), dense_reference(batch)[:n], atol=3e-2, rtol=3e-2)
