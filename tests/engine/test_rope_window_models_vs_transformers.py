@@ -80,10 +80,11 @@ def test_preemption_in_a_small_kv_pool(model):
     path, _, min_len = model
     max_len = min_len + 20
     max_model_len = max_len + MAX_NEW
-    # Room for about two sequences at a time: eight must take turns, some recomputed after preemption.
-    num_blocks = 2 * -(-max_model_len // BLOCK_SIZE) + 1
-    llm = LLM(path, device="cpu", max_model_len=max_model_len, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks)
-    prompts = _prompts(llm.info.vocab_size, 8, seed=4, min_len=min_len, max_len=max_len)
+    prompts = _prompts(50, 8, seed=4, min_len=min_len, max_len=max_len)
+    # Blocks of 4 for the first two prompts and one more: both are admitted, run out of blocks as
+    # they decode, and the later one is preempted and recomputed; the others follow the same way.
+    num_blocks = max(-(-max_model_len // 4), -(-len(prompts[0]) // 4) - (-len(prompts[1]) // 4) + 1)
+    llm = LLM(path, device="cpu", max_model_len=max_model_len, block_size=4, num_kv_blocks=num_blocks)
     for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"{len(prompt)}-token prompt"
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
