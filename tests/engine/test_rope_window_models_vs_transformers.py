@@ -89,3 +89,19 @@ def test_preemption_in_a_small_kv_pool(model):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"{len(prompt)}-token prompt"
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["phi3_sliding", "mistral_sliding"])
+def test_sliding_window_on_the_torch_reference_backend(name, tmp_path, tiny_tokenizer):
+    """The tests above run the default CPU backend (the C++ kernels where they build); the torch
+    reference honours the window too, in chunks that start past the first window."""
+    path = str(write_checkpoint(tmp_path, name, tiny_tokenizer, seed=40))
+    _, _, max_model_len, min_len = SPECS[name]
+    llm = LLM(
+        path, device="cpu", max_model_len=max_model_len, block_size=BLOCK_SIZE, attention_backend="torch",
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    assert llm.engine.runner.model.attn_backend.name == "torch"
+    prompts = _prompts(llm.info.vocab_size, 3, seed=5, min_len=min_len, max_len=min_len + 30)
+    for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"{len(prompt)}-token prompt"
