@@ -13,7 +13,7 @@ import random
 import pytest
 
 from tests.engine.hf_oracle import hf_greedy, hf_prompt_logprobs
-from tests.engine.rope_window_checkpoints import SPECS, write_checkpoint
+from tests.engine.rope_window_checkpoints import SPECS, WINDOW, write_checkpoint
 from tokenmill import LLM, SamplingParams
 
 MAX_NEW = 10
@@ -78,13 +78,19 @@ def test_batched_chunked_prefill_with_prefix_caching(model):
 
 def test_preemption_in_a_small_kv_pool(model):
     path, _, min_len = model
+    # Sliding-window prompts here are 1.25 to 2 windows long: long prompts would leave a pool of
+    # one max_model_len sequence room for every request once blocks slide out of the window.
+    min_len = min(min_len, WINDOW + 8)
     max_len = min_len + 20
     max_model_len = max_len + MAX_NEW
-    prompts = _prompts(50, 8, seed=4, min_len=min_len, max_len=max_len)
-    # Blocks of 4 for the first two prompts and one more: both are admitted, run out of blocks as
-    # they decode, and the later one is preempted and recomputed; the others follow the same way.
-    num_blocks = max(-(-max_model_len // 4), -(-len(prompts[0]) // 4) - (-len(prompts[1]) // 4) + 1)
-    llm = LLM(path, device="cpu", max_model_len=max_model_len, block_size=4, num_kv_blocks=num_blocks)
+    # Blocks of 4 for one max_model_len sequence and 16-token steps: requests are admitted a chunk
+    # at a time while blocks are free, run out of them as they grow, and the latest are preempted
+    # and recomputed (also where sliding layers free the blocks behind their window).
+    llm = LLM(
+        path, device="cpu", max_model_len=max_model_len, block_size=4, num_kv_blocks=-(-max_model_len // 4),
+        max_num_batched_tokens=16, max_num_seqs=8,
+    )  # fmt: skip
+    prompts = _prompts(llm.info.vocab_size, 8, seed=4, min_len=min_len, max_len=max_len)
     for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"{len(prompt)}-token prompt"
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
