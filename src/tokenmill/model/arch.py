@@ -18,14 +18,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Families that may rotate only part of each head (layers/rotary.py permutes their q/k rows at load).
+_PARTIAL_ROTARY_FAMILIES = ("phi3",)
 
 
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,11 +41,18 @@ class ArchConfig:
     # None (plain RoPE), {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings}, or {"rope_type": "freq_factors", "freq_factors": [...]}
     # (llama.cpp's per-frequency divisors, read from a GGUF `rope_freqs` tensor).
+    # Also {"rope_type": "linear" | "dynamic" | "yarn" | "longrope", ...} with transformers'
+    # defaults filled in (layers/rotary.py computes their tables).
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # Dimensions of each q/k head that RoPE rotates when fewer than head_dim (partial rotary,
+    # Phi-4-mini); None = the whole head.
+    rotary_dim: int | None = None
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool = False
+    # The positions the model is run at: config's max_position_embeddings, or the context a YaRN
+    # scaling reaches (original_max_position_embeddings x factor) when that is longer.
     max_position_embeddings: int = 2048
     # Per layer, the attention's sliding window (None = full attention); () = every layer full.
     # The KV cache groups layers by window (core/kv_cache_groups) and frees what slid out.
@@ -72,7 +82,6 @@ class ArchConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )
-        max_positions = int(cfg.get("max_position_embeddings") or 2048)
         hidden_act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
@@ -80,13 +89,27 @@ class ArchConfig:
             raise UnsupportedModelError(
                 "mlp_bias=true is not supported; expected MLP projections without bias"
             )
-        _reject_sliding_window(family, cfg, max_positions)
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling, partial_rotary, max_positions = _rope(cfg, family)
+        num_layers = int(cfg["num_hidden_layers"])
+        head_dim = int(cfg.get("head_dim") or hidden_size // num_heads)
+        rotary_dim = int(head_dim * partial_rotary)
+        if rotary_dim != head_dim and (rotary_dim % 2 or head_dim % 2 or rotary_dim <= 0):
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={partial_rotary} gives {rotary_dim} rotated dimensions of "
+                f"head_dim={head_dim}; expected an even number within an even head_dim"
+            )
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling[key]) != rotary_dim // 2:
+                    raise UnsupportedModelError(
+                        f"longrope {key} has {len(rope_scaling[key])} entries; expected one per rotated "
+                        f"pair, {rotary_dim // 2}"
+                    )
 
         bias = bool(cfg.get("attention_bias", False))
         if family == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias
             qkv_bias, o_bias = True, False
-        elif family == "mistral":
+        elif family in ("mistral", "phi3"):
             qkv_bias, o_bias = False, False
         else:  # llama and qwen3 put `attention_bias` on all four projections
             qkv_bias, o_bias = bias, bias
@@ -96,18 +119,20 @@ class ArchConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
+            sliding_windows=_sliding_windows(family, cfg, num_layers, max_positions),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         )
@@ -129,33 +154,74 @@ def _family(cfg: dict[str, Any]) -> str:
     )
 
 
-def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int) -> None:
+def _sliding_windows(
+    family: str, cfg: dict[str, Any], num_layers: int, max_positions: int
+) -> tuple[int | None, ...]:
+    """Per layer, its sliding window as transformers applies it; () when no layer has one.
+
+    Mistral and Phi-3 slide every layer by `sliding_window`. Qwen2/Qwen3 slide only with
+    `use_sliding_window`, and then the layers `layer_types` marks "sliding_attention" (by default
+    those from `max_window_layers` on). A window as long as max_position_embeddings never drops a
+    key (max_model_len is bounded by it), so it is plain attention and asks nothing of the backend.
+    """
     window = cfg.get("sliding_window")
+    if window is None:
+        return ()
+    window = int(window)
     if family in ("qwen2", "qwen3"):
-        # Qwen configs carry a sliding_window value that is only used when use_sliding_window is set.
-        uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (
-            cfg.get("layer_types") or []
-        )
+        if not cfg.get("use_sliding_window"):
+            return ()  # Qwen configs carry a window they only use with use_sliding_window
+        max_window_layers = int(cfg.get("max_window_layers", 28))  # transformers' default
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= max_window_layers else "full_attention" for i in range(num_layers)
+        ]
+        if len(layer_types) != num_layers:
+            raise UnsupportedModelError(
+                f"layer_types names {len(layer_types)} layers; expected num_hidden_layers={num_layers}"
+            )
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    elif family in ("mistral", "phi3"):
+        windows = (window,) * num_layers
     else:
-        uses_window = window is not None
-    if uses_window and window is not None and int(window) < max_positions:
-        raise UnsupportedModelError(
-            f"sliding window attention is not supported yet (sliding_window={window} < "
-            f"max_position_embeddings={max_positions}); use a checkpoint without a sliding window"
-        )
+        # transformers' Llama has no sliding window: a config naming one is not a Llama we can
+        # match, unless the window covers every position.
+        if window < max_positions:
+            raise UnsupportedModelError(
+                f"a {family} model with sliding_window={window} < max_position_embeddings={max_positions} "
+                "is not supported; expected no sliding_window (a Mistral-style model declares "
+                "MistralForCausalLM)"
+            )
+        return ()
+    if window < 1:
+        raise UnsupportedModelError(f"sliding_window={window} must be >= 1")
+    windows = tuple(w if w is not None and w < max_positions else None for w in windows)
+    return windows if any(w is not None for w in windows) else ()
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None, float, int]:
+    """(rope_theta, our rope_scaling dict, partial_rotary_factor, max positions the scaling allows)."""
     # transformers < 5 writes `rope_theta` + `rope_scaling`; transformers 5 writes `rope_parameters`.
     params = dict(cfg.get("rope_parameters") or {})
     params.update(cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    max_positions = int(cfg.get("max_position_embeddings") or 2048)
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported; expected 1.0")
+    if partial != 1.0 and family not in _PARTIAL_ROTARY_FAMILIES:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial} is not supported for {family} models; expected 1.0"
+        )
     rope_type = params.get("rope_type", params.get("type")) or "default"
+    if family == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config reads both legacy names as longrope
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers: a top-level original_max_position_embeddings (Phi-3 writes one) wins over
+        # the one in the rope parameters, which defaults to max_position_embeddings.
+        original = cfg.get("original_max_position_embeddings")
+        if original is None:
+            original = params.get("original_max_position_embeddings", max_positions)
+        params["original_max_position_embeddings"] = int(original)
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial, max_positions
     if rope_type == "llama3":
         missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
         if missing:
@@ -164,15 +230,70 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         for key in _LLAMA3_ROPE_KEYS:
             scaling[key] = float(params[key])
         scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
-        return theta, scaling
+        return theta, scaling, partial, max_positions
+    if rope_type in ("linear", "dynamic"):
+        factor = _rope_float(params, "factor", rope_type)
+        scaling = {"rope_type": rope_type, "factor": factor}
+        if rope_type == "dynamic":
+            scaling["max_position_embeddings"] = max_positions
+        return theta, scaling, partial, max_positions
+    if rope_type == "yarn":
+        scaling, reach = _yarn(params, max_positions)
+        return theta, scaling, partial, reach
+    if rope_type == "longrope":
+        return theta, _longrope(params, max_positions), partial, max_positions
     if rope_type == "freq_factors" and "freq_factors" in params:
-        return theta, {
-            "rope_type": "freq_factors",
-            "freq_factors": [float(f) for f in params["freq_factors"]],
-        }
+        scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in params["freq_factors"]]}
+        return theta, scaling, partial, max_positions
     raise UnsupportedModelError(
         f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
+
+
+def _yarn(params: dict[str, Any], max_positions: int) -> tuple[dict[str, Any], int]:
+    """YaRN's parameters with transformers' defaults filled in, and the context it reaches:
+    original_max_position_embeddings x factor (Qwen2.5 keeps max_position_embeddings at the
+    original 32768 and adds the scaling to reach 131072), as vLLM takes it."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    scaling = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "truncate": bool(params.get("truncate", True)),
+    }
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
+            scaling[key] = float(params[key])
+    return scaling, max(max_positions, int(original * factor))
+
+
+def _longrope(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """LongRoPE's factors; `factor` defaults to max_position_embeddings / original (Phi-3)."""
+    missing = [k for k in ("short_factor", "long_factor") if not params.get(k)]
+    if missing:
+        raise UnsupportedModelError(f"longrope rope scaling is missing {', '.join(missing)}")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [float(f) for f in params["short_factor"]],
+        "long_factor": [float(f) for f in params["long_factor"]],
+        "original_max_position_embeddings": original,
+        "factor": max_positions / original if factor is None else float(factor),
+    }
+    if params.get("attention_factor") is not None:
+        scaling["attention_factor"] = float(params["attention_factor"])
+    return scaling
+
+
+def _rope_float(params: dict[str, Any], key: str, rope_type: str) -> float:
+    if params.get(key) is None:
+        raise UnsupportedModelError(f"{rope_type} rope scaling is missing {key}")
+    return float(params[key])
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

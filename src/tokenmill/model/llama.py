@@ -20,16 +20,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.config import KernelConfig
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.attention import SelfAttention
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs, select_layer_ops
-from tokenmill.model.layers.linear import LinearBase, ReplicatedLinear, ShardId, bind_hot_path
+from tokenmill.model.layers.linear import (
+    LinearBase,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    ShardId,
+    bind_hot_path,
+)
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.rmsnorm import RMSNorm
-from tokenmill.model.layers.rotary import RotaryEmbedding
+from tokenmill.model.layers.rotary import RotaryEmbedding, partial_rotary_permutation
 
 
 class DecoderLayer(nn.Module):
@@ -41,6 +52,7 @@ class DecoderLayer(nn.Module):
         kernel: KernelConfig,
         *,
         linear_method: LinearMethod | None = None,
+        layer_spec: AttentionLayerSpec = PLAIN_ATTENTION,
         device=None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -48,7 +60,9 @@ class DecoderLayer(nn.Module):
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, **place)
-        self.self_attn = SelfAttention(arch, attn_backend, ops, linear_method=linear_method, **place)
+        self.self_attn = SelfAttention(
+            arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec, **place
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, **place)
         self.mlp = SwiGLUMLP(
             arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
@@ -157,9 +171,11 @@ class CausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(
             DecoderLayer(
-                arch, attn_backend, self.ops, kernel, linear_method=linear_method, device=device, dtype=dtype
-            )
-            for _ in range(arch.num_layers)
+                arch, attn_backend, self.ops, kernel, linear_method=linear_method,
+                layer_spec=AttentionLayerSpec(sliding_window=arch.layer_sliding_window(i)),
+                device=device, dtype=dtype,
+            )  # fmt: skip
+            for i in range(arch.num_layers)
         )
         self.norm = nn.Parameter(
             torch.empty(arch.hidden_size, device=device, dtype=dtype), requires_grad=False
@@ -175,6 +191,11 @@ class CausalLM(nn.Module):
             arch.rope_scaling,
             device=device,
             dtype=dtype,
+            rotary_dim=arch.rotary_dim,
+        )
+        # Partial rotary: the order our q/k head dimensions take from the checkpoint's (None = as is).
+        self.qk_dim_order = (
+            None if arch.rotary_dim is None else partial_rotary_permutation(arch.head_dim, arch.rotary_dim)
         )
         # Decode-only steps the backend supports rotate q/k and store K/V inside the attention
         # launch (not with Q/K norms: those come between the projection and RoPE).
@@ -223,6 +244,8 @@ class CausalLM(nn.Module):
             module, param_name, shard_id = target
             try:
                 if isinstance(module, LinearBase):
+                    if self.qk_dim_order is not None and isinstance(module, QKVParallelLinear):
+                        tensor = self._qk_in_rotary_layout(tensor, shard_id)
                     module.weight_loader(param_name, tensor, shard_id)
                 else:
                     param = getattr(module, param_name)
@@ -238,6 +261,27 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown}")
+
+    def _qk_in_rotary_layout(self, tensor: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
+        """q and k rows (weight or bias) with each head's dimensions in qk_dim_order: partial rotary's
+        rotated pairs where our RoPE launches rotate (layers/rotary.py). v, and tensors of the
+        wrong size (which the loader then reports), pass unchanged."""
+        arch, order = self.arch, self.qk_dim_order
+        assert order is not None
+
+        def permuted(rows: torch.Tensor, heads: int) -> torch.Tensor:
+            if rows.shape[0] != heads * arch.head_dim:
+                return rows
+            return rows.unflatten(0, (heads, arch.head_dim))[:, order.to(rows.device)].flatten(0, 1)
+
+        if shard_id == "q":
+            return permuted(tensor, arch.num_heads)
+        if shard_id == "k":
+            return permuted(tensor, arch.num_kv_heads)
+        if shard_id is None and tensor.shape[0] == arch.q_size + 2 * arch.kv_size:  # fused q/k/v
+            q, k, v = tensor.split((arch.q_size, arch.kv_size, arch.kv_size))
+            return torch.cat((permuted(q, arch.num_heads), permuted(k, arch.num_kv_heads), v))
+        return tensor
 
     def linear_for_weight(self, name: str) -> tuple[LinearBase, ShardId] | None:
         """The linear layer (and shard) an HF weight name feeds, if any; a tied model's embedding
@@ -283,6 +327,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
         return module, param_name, shard_id
 
+    @property
+    def checkpoint_layer_weights(self) -> tuple[str, ...]:
+        """Each layer's tensors a checkpoint must hold (the arch adds biases and Q/K norms)."""
+        return _LAYER_WEIGHTS
+
     def _expected_weight_names(self) -> set[str]:
         arch = self.arch
         names = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -290,7 +339,7 @@ class CausalLM(nn.Module):
             names.add("lm_head.weight")
         for i in range(arch.num_layers):
             prefix = f"model.layers.{i}."
-            names.update(prefix + n for n in _LAYER_WEIGHTS)
+            names.update(prefix + n for n in self.checkpoint_layer_weights)
             if arch.attention_bias:
                 names.update(prefix + f"self_attn.{p}_proj.bias" for p in "qkv")
             if arch.o_proj_bias:

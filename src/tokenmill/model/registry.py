@@ -21,6 +21,7 @@ from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.pt_loader import iter_pt_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
+from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
 
 # ArchConfig.architecture (the family) -> the module that implements it; a new family is one model
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "mistral": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 logger = logging.getLogger(__name__)

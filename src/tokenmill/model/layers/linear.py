@@ -9,7 +9,7 @@ come with the tensor-parallel executor; here each shard computes its part.
 
 A layer's weight loader takes a whole checkpoint tensor, checks its shape against the unsharded
 one, and copies this rank's part into the right rows (merged layers: of the shard named by
-`shard_id`, "q" / "k" / "v" or 0 / 1) or columns.
+`shard_id`, "q" / "k" / "v" or 0 / 1, or of every shard for a fused tensor) or columns.
 """
 
 from __future__ import annotations
@@ -245,6 +245,20 @@ class MergedColumnParallelLinear(LinearBase):
         offsets = [sum(local[:i]) for i in range(len(local))]
         self._shard_rows = {i: (offsets[i], local[i], tp_rank) for i in range(len(local))}
         self._shard_sizes: dict[ShardId, int] = dict(enumerate(self.output_sizes))
+
+    def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """As LinearBase's; shard_id None = a checkpoint tensor holding every part, fused in order
+        (Phi-3's qkv_proj and gate_up_proj), each part then sharded as if loaded alone."""
+        if shard_id is not None:
+            super().weight_loader(param_name, loaded, shard_id)
+            return
+        if loaded.shape[0] != sum(self.output_sizes):
+            raise ValueError(
+                f"a fused tensor of shape {tuple(loaded.shape)} has {loaded.shape[0]} rows; expected the "
+                f"parts' {' + '.join(map(str, self.output_sizes))} = {sum(self.output_sizes)}"
+            )
+        for part_id, part in zip(self.shard_ids, loaded.split(self.output_sizes), strict=True):
+            super().weight_loader(param_name, part, part_id)
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

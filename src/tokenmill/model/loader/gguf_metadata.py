@@ -73,8 +73,12 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         cfg["partial_rotary_factor"] = int(rope_dims) / head_dim  # rejected by ArchConfig
     scaling_type = meta("rope.scaling.type")
     if scaling_type not in (None, "none"):
-        cfg["rope_scaling"] = {"rope_type": scaling_type}  # rejected by ArchConfig
-    elif ROPE_FREQS_TENSOR in tensor_names:
+        # ArchConfig reads HF's rope scalings; llama.cpp's keys for them are not translated yet.
+        raise UnsupportedModelError(
+            f"GGUF rope scaling type {scaling_type!r} in {path} is not supported; expected none "
+            "(or a rope_freqs tensor); load the Hugging Face checkpoint instead"
+        )
+    if ROPE_FREQS_TENSOR in tensor_names:
         factors = _tensor_array(path, ROPE_FREQS_TENSOR)
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     window = meta("attention.sliding_window")
