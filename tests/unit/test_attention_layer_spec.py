@@ -177,6 +177,34 @@ def backend_args(case: Case) -> tuple:
     return case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim**-0.5, case.block_size
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_dense_reference_is_transformers_eager_attention(family: str) -> None:
+    """The reference these tests hold the backends to is transformers' own: Gemma 2's eager
+    attention (soft cap) and gpt-oss's (sinks), each under transformers' sliding-window mask."""
+    import importlib
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+    case = Case([13], [0], window=5, soft_cap=2.0 if family == "gemma2" else None, with_sinks=family == "gpt_oss")
+    batch = make_batch(case)
+    seq_len, group = case.seq_lens[0], case.num_heads // case.num_kv_heads
+    allowed = sliding_window_causal_mask_function(case.window)
+    positions = torch.arange(seq_len)
+    mask = allowed(torch.tensor(0), torch.tensor(0), positions[:, None], positions[None, :])
+    additive = torch.zeros(seq_len, seq_len, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=group, training=False, head_dim=case.head_dim)
+    if family == "gpt_oss":
+        module.sinks = batch.spec.sinks.double()
+    heads_first = {"query": batch.q.double(), "key": batch.keys[0].double(), "value": batch.values[0].double()}
+    heads_first = {name: t.transpose(0, 1)[None] for name, t in heads_first.items()}  # [1, heads, seq, dim]
+    extra = {"softcap": case.soft_cap} if family == "gemma2" else {}
+    expected, _ = eager(module, **heads_first, attention_mask=additive, scaling=case.head_dim**-0.5, **extra)
+    # (Gemma 2 takes its softmax in float32 whatever the input dtype.)
+    torch.testing.assert_close(dense_reference(batch), expected[0], atol=1e-6, rtol=1e-5)
+
+
 def make_torch(case: Case) -> TorchReferenceBackend:
     return TorchReferenceBackend(*backend_args(case))
 
