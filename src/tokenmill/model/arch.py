@@ -81,6 +81,7 @@ class ArchConfig:
                 "mlp_bias=true is not supported; expected MLP projections without bias"
             )
         _reject_sliding_window(family, cfg, max_positions)
+        num_layers = int(cfg["num_hidden_layers"])
         rope_theta, rope_scaling = _rope(cfg)
 
         bias = bool(cfg.get("attention_bias", False))
@@ -96,7 +97,7 @@ class ArchConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
@@ -108,6 +109,7 @@ class ArchConfig:
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
+            sliding_windows=_mistral_sliding_windows(family, cfg, num_layers, max_positions),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         )
@@ -136,6 +138,8 @@ def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int)
         uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (
             cfg.get("layer_types") or []
         )
+    elif family == "mistral":
+        return  # every layer slides: _mistral_sliding_windows
     else:
         uses_window = window is not None
     if uses_window and window is not None and int(window) < max_positions:
@@ -143,6 +147,20 @@ def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int)
             f"sliding window attention is not supported yet (sliding_window={window} < "
             f"max_position_embeddings={max_positions}); use a checkpoint without a sliding window"
         )
+
+
+def _mistral_sliding_windows(
+    family: str, cfg: dict[str, Any], num_layers: int, max_positions: int
+) -> tuple[int | None, ...]:
+    """Mistral slides every layer by `sliding_window`; a window as long as max_position_embeddings
+    never drops a key (max_model_len is bounded by it), so it is plain attention. (A minimal reading
+    for the KV cache groups' tests: the `phi` branch parses windows for every family.)"""
+    window = cfg.get("sliding_window")
+    if family != "mistral" or window is None or int(window) >= max_positions:
+        return ()
+    if int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window={window} must be >= 1")
+    return (int(window),) * num_layers
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    PLAIN_ATTENTION,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 from tokenmill.config import KernelConfig
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.attention import SelfAttention
@@ -41,6 +46,7 @@ class DecoderLayer(nn.Module):
         kernel: KernelConfig,
         *,
         linear_method: LinearMethod | None = None,
+        layer_spec: AttentionLayerSpec = PLAIN_ATTENTION,
         device=None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -48,7 +54,9 @@ class DecoderLayer(nn.Module):
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, **place)
-        self.self_attn = SelfAttention(arch, attn_backend, ops, linear_method=linear_method, **place)
+        self.self_attn = SelfAttention(
+            arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec, **place
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, **place)
         self.mlp = SwiGLUMLP(
             arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
@@ -157,9 +165,11 @@ class CausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(
             DecoderLayer(
-                arch, attn_backend, self.ops, kernel, linear_method=linear_method, device=device, dtype=dtype
-            )
-            for _ in range(arch.num_layers)
+                arch, attn_backend, self.ops, kernel, linear_method=linear_method,
+                layer_spec=AttentionLayerSpec(sliding_window=arch.layer_sliding_window(i)),
+                device=device, dtype=dtype,
+            )  # fmt: skip
+            for i in range(arch.num_layers)
         )
         self.norm = nn.Parameter(
             torch.empty(arch.hidden_size, device=device, dtype=dtype), requires_grad=False
