@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -205,6 +206,7 @@ class Harness:
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         async_mode: bool = False,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         self.async_mode = async_mode
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -212,6 +214,7 @@ class Harness:
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, max_model_len),  # type: ignore[arg-type]
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks,
+            kv_cache_groups=kv_cache_groups,
         )
         self.runner = FakeRunner(self.scheduler)
         self.tokens: dict[str, list[int]] = defaultdict(list)
