@@ -55,21 +55,35 @@ def test_unsupported_architecture_names_the_supported_ones():
         assert name in message
 
 
-def test_mistral_sliding_window_is_rejected_clearly():
-    cfg = _hf_config(architectures=["MistralForCausalLM"], sliding_window=4096, max_position_embeddings=32768)
-    with pytest.raises(UnsupportedModelError, match="sliding window attention is not supported yet"):
-        ArchConfig.from_hf_config(cfg)
-    # no window, or a window covering every position, is plain attention
-    assert ArchConfig.from_hf_config({**cfg, "sliding_window": None}).architecture == "mistral"
-    assert ArchConfig.from_hf_config({**cfg, "sliding_window": 32768}).architecture == "mistral"
-
-
-def test_qwen2_window_is_only_rejected_when_used():
-    cfg = _hf_config(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False)
+def test_mistral_sliding_window_applies_to_every_layer():
+    cfg = _hf_config(
+        architectures=["MistralForCausalLM"], sliding_window=4096, max_position_embeddings=32768, num_hidden_layers=3
+    )
     arch = ArchConfig.from_hf_config(cfg)
-    assert arch.attention_bias and not arch.o_proj_bias
-    with pytest.raises(UnsupportedModelError, match="sliding window"):
-        ArchConfig.from_hf_config({**cfg, "use_sliding_window": True})
+    assert arch.sliding_windows == (4096, 4096, 4096) and arch.layer_sliding_window(2) == 4096
+    # no window, or a window covering every position, is plain attention
+    assert ArchConfig.from_hf_config({**cfg, "sliding_window": None}).sliding_windows == ()
+    assert ArchConfig.from_hf_config({**cfg, "sliding_window": 32768}).sliding_windows == ()
+    # transformers' Llama has no sliding window: a Llama config naming one is refused
+    with pytest.raises(UnsupportedModelError, match="llama model with sliding_window=4096"):
+        ArchConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+
+
+def test_qwen2_window_follows_use_sliding_window_and_layer_types():
+    cfg = _hf_config(
+        architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False, num_hidden_layers=4
+    )
+    arch = ArchConfig.from_hf_config(cfg)
+    assert arch.attention_bias and not arch.o_proj_bias and arch.sliding_windows == ()
+    # transformers: layers from max_window_layers on slide (default 28: none of these 4)
+    assert ArchConfig.from_hf_config({**cfg, "use_sliding_window": True}).sliding_windows == ()
+    windows = ArchConfig.from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 2})
+    assert windows.sliding_windows == (None, None, 64, 64)
+    kinds = ["sliding_attention", "full_attention"] * 2
+    explicit = ArchConfig.from_hf_config({**cfg, "use_sliding_window": True, "layer_types": kinds})
+    assert explicit.sliding_windows == (64, None, 64, None)
+    with pytest.raises(UnsupportedModelError, match="layer_types names 2 layers; expected num_hidden_layers=4"):
+        ArchConfig.from_hf_config({**cfg, "use_sliding_window": True, "layer_types": kinds[:2]})
 
 
 def test_rope_parameters_old_and_new_formats():

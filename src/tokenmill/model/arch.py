@@ -109,7 +109,7 @@ class ArchConfig:
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
-            sliding_windows=_mistral_sliding_windows(family, cfg, num_layers, max_positions),
+            sliding_windows=_sliding_windows(family, cfg, num_layers, max_positions),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         )
@@ -133,34 +133,48 @@ def _family(cfg: dict[str, Any]) -> str:
 
 def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int) -> None:
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
-        # Qwen configs carry a sliding_window value that is only used when use_sliding_window is set.
-        uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (
-            cfg.get("layer_types") or []
-        )
-    elif family == "mistral":
-        return  # every layer slides: _mistral_sliding_windows
-    else:
-        uses_window = window is not None
-    if uses_window and window is not None and int(window) < max_positions:
+    if family in ("mistral", "qwen2", "qwen3"):
+        return  # _sliding_windows reads theirs
+    # transformers' Llama has no sliding window: a config naming one is not a Llama we can match,
+    # unless the window covers every position.
+    if window is not None and int(window) < max_positions:
         raise UnsupportedModelError(
-            f"sliding window attention is not supported yet (sliding_window={window} < "
-            f"max_position_embeddings={max_positions}); use a checkpoint without a sliding window"
+            f"a {family} model with sliding_window={window} < max_position_embeddings={max_positions} "
+            "is not supported; expected no sliding_window (a Mistral-style model declares "
+            "MistralForCausalLM)"
         )
 
 
-def _mistral_sliding_windows(
+def _sliding_windows(
     family: str, cfg: dict[str, Any], num_layers: int, max_positions: int
 ) -> tuple[int | None, ...]:
-    """Mistral slides every layer by `sliding_window`; a window as long as max_position_embeddings
-    never drops a key (max_model_len is bounded by it), so it is plain attention. (A minimal reading
-    for the KV cache groups' tests: the `phi` branch parses windows for every family.)"""
+    """Per layer, its window as transformers applies it; () when no layer has one. Mistral slides
+    every layer by `sliding_window`; Qwen2/Qwen3 only with `use_sliding_window`, then the layers
+    `layer_types` marks "sliding_attention" (by default those from `max_window_layers` on). A window
+    as long as max_position_embeddings never drops a key, so it is plain attention. (A minimal
+    reading for the KV cache groups' tests: the `phi` branch parses windows for every family.)"""
     window = cfg.get("sliding_window")
-    if family != "mistral" or window is None or int(window) >= max_positions:
+    if window is None or family not in ("mistral", "qwen2", "qwen3"):
         return ()
-    if int(window) < 1:
+    window = int(window)
+    if window < 1:
         raise UnsupportedModelError(f"sliding_window={window} must be >= 1")
-    return (int(window),) * num_layers
+    if window >= max_positions:
+        return ()
+    if family == "mistral":
+        return (window,) * num_layers
+    if not cfg.get("use_sliding_window"):
+        return ()  # Qwen configs carry a window they only use with use_sliding_window
+    max_window_layers = int(cfg.get("max_window_layers", 28))  # transformers' default
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= max_window_layers else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(
+            f"layer_types names {len(layer_types)} layers; expected num_hidden_layers={num_layers}"
+        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
