@@ -92,3 +92,16 @@ def test_blocks_for_one_sequence_bounds_sliding_groups_by_the_window() -> None:
     assert hybrid.blocks_for_one_sequence(1000, block_size, 64) == 63 + 7 + 1
     # A sequence shorter than its window holds no more than its own blocks.
     assert hybrid.blocks_for_one_sequence(20, block_size, 64) == 2 + 2 + 1
+
+
+def test_capacity_tokens_is_the_longest_sequence_one_request_can_reach() -> None:
+    assert plan_kv_cache_groups(2, ()).capacity_tokens(10, 16, 64, 4096) == 160  # as without groups
+    mistral = plan_kv_cache_groups(2, (32, 32))
+    # Sliding blocks stop growing at the window: 6 blocks (5 + the null block) serve any length.
+    assert mistral.capacity_tokens(6, 16, 32, 4096) == 4096
+    assert mistral.capacity_tokens(5, 16, 32, 4096) == 64  # 4 live blocks + the null block: 64 tokens
+    hybrid = plan_kv_cache_groups(2, (32, None))
+    # The full group bounds it: 40 blocks = 1 null + 5 sliding + 34 full -> 34 * 16 tokens.
+    capacity = hybrid.capacity_tokens(40, 16, 32, 4096)
+    assert capacity == 34 * 16
+    assert hybrid.blocks_for_one_sequence(capacity, 16, 32) <= 40 < hybrid.blocks_for_one_sequence(capacity + 1, 16, 32)

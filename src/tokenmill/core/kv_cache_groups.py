@@ -83,6 +83,21 @@ class KVCacheGroups:
                 total += min(full, max_live_sliding_blocks(group.sliding_window, block_size, max_chunk))
         return total + (1 if self.has_sliding else 0)
 
+    def capacity_tokens(self, num_blocks: int, block_size: int, max_chunk: int, max_model_len: int) -> int:
+        """The longest sequence one request alone can reach in a pool of `num_blocks` blocks (see
+        blocks_for_one_sequence). Without sliding groups, num_blocks * block_size, as ever; with
+        them, at most max_model_len (an all-sliding model's need stops growing at its window)."""
+        if not self.has_sliding:
+            return num_blocks * block_size
+        low, high = 0, max_model_len  # the answer lies in [low, high]
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks_for_one_sequence(mid, block_size, max_chunk) <= num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def describe(self) -> str:
         """One line for the log, e.g. '2 KV cache groups of 4 layers: full [1, 3, 5, 7], window 512 [...]'."""
         parts = [

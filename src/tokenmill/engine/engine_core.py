@@ -91,6 +91,12 @@ class EngineCore:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             device=self.executor.device,
             dtype=self.executor.dtype,
+            kv_capacity_tokens=kv_cache_groups.capacity_tokens(
+                num_blocks,
+                config.cache.block_size,
+                min(self.scheduler_config.max_num_batched_tokens, max_model_len),
+                max_model_len,
+            ),
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
