@@ -3,79 +3,36 @@ prompts several windows long, while every scheduled request's blocks in a slidin
 stay bounded by the window (checked after every schedule), alone, batched with chunked prefill,
 under preemption, with prefix caching, and with a pool smaller than one full-length sequence.
 
-Two tiny checkpoints: Mistral with a 32-token window on every layer (one sliding group), and
-Qwen2 with `use_sliding_window` on layers 0 and 2 of 4 (a full and a sliding group of two layers
-each, sharing the pool's two tensors). The torch reference backend serves the windows.
+Two tiny checkpoints (sliding_window_checkpoints.py): Mistral with a 32-token window on every layer
+(one sliding group), and Qwen2 with `use_sliding_window` on layers 0 and 2 of 4 (a full and a
+sliding group of two layers each, sharing the pool's two tensors). The torch reference backend
+serves the windows.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_tiny_checkpoint
 from tests.engine.hf_oracle import hf_greedy
+from tests.engine.sliding_window_checkpoints import (
+    CHECKPOINTS,
+    WINDOW,
+    WindowBound,
+    random_prompts,
+    write_sliding_checkpoint,
+)
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_cache_groups import max_live_sliding_blocks
 
-WINDOW = 32
 BLOCK_SIZE = 16
 MAX_NEW = 20
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2_hybrid"])
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def model_path(request, tmp_path_factory, tiny_tokenizer) -> str:
-    path = tmp_path_factory.mktemp(request.param)
-    if request.param == "mistral":
-        write_tiny_checkpoint(path, "mistral", tiny_tokenizer, seed=41, head_dim=16, sliding_window=WINDOW)
-    else:
-        write_tiny_checkpoint(
-            path, "qwen2", tiny_tokenizer, seed=42, num_hidden_layers=4, use_sliding_window=True,
-            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
-        )  # fmt: skip
-    return str(path)
-
-
-class WindowBound:
-    """Wraps the scheduler's schedule(): after each, every scheduled request holds at most
-    max_live_sliding_blocks(window, block_size, its tokens this step) blocks in each sliding group."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.scheduler = llm.engine.scheduler
-        self.max_live: dict[int, int] = {}  # group -> most blocks one request held there
-        self.num_checks = 0
-        schedule = self.scheduler.schedule
-
-        def checked_schedule():  # noqa: ANN202 - SchedulerOutput
-            output = schedule()
-            self.check(output.num_scheduled_tokens)
-            return output
-
-        self.scheduler.schedule = checked_schedule
-
-    def check(self, num_scheduled: dict[str, int]) -> None:
-        kv = self.scheduler.kv
-        for request_id, num_new in num_scheduled.items():
-            live = kv.num_live_blocks(request_id)
-            for group, window in enumerate(kv.windows):
-                self.max_live[group] = max(self.max_live.get(group, 0), live[group])
-                if window is not None:
-                    bound = max_live_sliding_blocks(window, kv.block_size, num_new)
-                    assert live[group] <= bound, (
-                        f"{request_id} holds {live[group]} blocks in sliding group {group} "
-                        f"computing {num_new} tokens; the window allows {bound}"
-                    )
-            self.num_checks += 1
-
-    def sliding_groups(self) -> list[int]:
-        return [g for g, w in enumerate(self.scheduler.kv.windows) if w is not None]
-
-
-def _prompts(vocab_size: int, count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+    return str(write_sliding_checkpoint(tmp_path_factory.mktemp(request.param), request.param, tiny_tokenizer))
 
 
 def _check_greedy(llm: LLM, path: str, prompts: list[list[int]]) -> list:
@@ -99,7 +56,7 @@ def _llm(path: str, **kwargs) -> LLM:
 def test_alone_several_windows_long(model_path: str) -> None:
     llm = _llm(model_path)
     bound = WindowBound(llm)
-    [prompt] = _prompts(llm.info.vocab_size, 1, seed=1, min_len=100, max_len=100)
+    [prompt] = random_prompts(llm.info.vocab_size, 1, seed=1, min_len=100, max_len=100)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     out = llm.generate({"prompt_token_ids": prompt}, params)[0]
     tokens, logprobs = hf_greedy(model_path, prompt, MAX_NEW)
@@ -118,7 +75,7 @@ def test_alone_several_windows_long(model_path: str) -> None:
 def test_batched_with_chunked_prefill(model_path: str, async_scheduling: bool) -> None:
     llm = _llm(model_path, max_num_batched_tokens=24, max_num_seqs=4, async_scheduling=async_scheduling)
     bound = WindowBound(llm)
-    prompts = _prompts(llm.info.vocab_size, 6, seed=2, min_len=70, max_len=130)
+    prompts = random_prompts(llm.info.vocab_size, 6, seed=2, min_len=70, max_len=130)
     _check_greedy(llm, model_path, prompts)
     for group in bound.sliding_groups():
         assert bound.max_live[group] <= max_live_sliding_blocks(WINDOW, BLOCK_SIZE, 24)
@@ -134,7 +91,7 @@ def test_preemption_in_a_small_pool(model_path: str) -> None:
         max_num_seqs=4,
     )  # fmt: skip
     bound = WindowBound(llm)
-    prompts = _prompts(llm.info.vocab_size, 5, seed=3, min_len=70, max_len=110)
+    prompts = random_prompts(llm.info.vocab_size, 5, seed=3, min_len=70, max_len=110)
     _check_greedy(llm, model_path, prompts)
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
     assert bound.num_checks > 0
@@ -143,8 +100,8 @@ def test_preemption_in_a_small_pool(model_path: str) -> None:
 def test_prefix_caching_after_the_first_request_slid_past_its_prefix(model_path: str) -> None:
     llm = _llm(model_path, enable_prefix_caching=True)
     bound = WindowBound(llm)
-    shared = _prompts(llm.info.vocab_size, 1, seed=4, min_len=96, max_len=96)[0]
-    tails = _prompts(llm.info.vocab_size, 3, seed=5, min_len=5, max_len=30)
+    shared = random_prompts(llm.info.vocab_size, 1, seed=4, min_len=96, max_len=96)[0]
+    tails = random_prompts(llm.info.vocab_size, 3, seed=5, min_len=5, max_len=30)
     # The first request decodes 20 tokens past its 101+ prompt: its sliding blocks before the last
     # window went back to the pool, still cached.
     _check_greedy(llm, model_path, [shared + tails[0]])
@@ -159,12 +116,10 @@ def test_prefix_caching_after_the_first_request_slid_past_its_prefix(model_path:
 def test_a_pool_smaller_than_one_full_sequence_serves_a_mistral(tmp_path: Path, tiny_tokenizer) -> None:
     """Memory follows the window: 7 blocks of 16 (one of them the null block) serve 150-token
     sequences when prefill chunks are 32 tokens (at most ceil((31 + 32) / 16) + 1 = 5 live)."""
-    path = str(
-        write_tiny_checkpoint(tmp_path, "mistral", tiny_tokenizer, seed=43, head_dim=16, sliding_window=WINDOW)
-    )
+    path = str(write_sliding_checkpoint(tmp_path, "mistral", tiny_tokenizer))
     llm = _llm(path, num_kv_blocks=7, max_num_batched_tokens=32, max_num_seqs=1)
     bound = WindowBound(llm)
-    prompts = _prompts(llm.info.vocab_size, 2, seed=6, min_len=120, max_len=130)
+    prompts = random_prompts(llm.info.vocab_size, 2, seed=6, min_len=120, max_len=130)
     _check_greedy(llm, path, prompts)
     assert max(bound.max_live.values()) <= 5
     assert 7 * BLOCK_SIZE < 150  # a full-attention model could not hold even one of these sequences
