@@ -6,7 +6,7 @@ under preemption, with prefix caching, and with a pool smaller than one full-len
 Two tiny checkpoints (sliding_window_checkpoints.py): Mistral with a 32-token window on every layer
 (one sliding group), and Qwen2 with `use_sliding_window` on layers 0 and 2 of 4 (a full and a
 sliding group of two layers each, sharing the pool's two tensors). The torch reference backend
-serves the windows.
+serves the windows (the C++ one too, batched).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _check_greedy(llm: LLM, path: str, prompts: list[list[int]]) -> list:
 def _llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("max_model_len", 256)
     kwargs.setdefault("block_size", BLOCK_SIZE)
-    return LLM(path, device="cpu", attention_backend="torch", **kwargs)
+    kwargs.setdefault("attention_backend", "torch")
+    return LLM(path, device="cpu", **kwargs)
 
 
 def test_alone_several_windows_long(model_path: str) -> None:
@@ -71,9 +72,18 @@ def test_alone_several_windows_long(model_path: str) -> None:
     llm.engine.check_invariants()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_batched_with_chunked_prefill(model_path: str, async_scheduling: bool) -> None:
-    llm = _llm(model_path, max_num_batched_tokens=24, max_num_seqs=4, async_scheduling=async_scheduling)
+def test_batched_with_chunked_prefill(model_path: str, async_scheduling: bool, backend: str) -> None:
+    """Also on the C++ backend, which reads each group's block tables in place."""
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
+
+    if backend == "cpu" and not cpu_kernels_available()[0]:
+        pytest.skip(cpu_kernels_available()[1])
+    llm = _llm(
+        model_path, max_num_batched_tokens=24, max_num_seqs=4, async_scheduling=async_scheduling,
+        attention_backend=backend,
+    )  # fmt: skip
     bound = WindowBound(llm)
     prompts = random_prompts(llm.info.vocab_size, 6, seed=2, min_len=70, max_len=130)
     _check_greedy(llm, model_path, prompts)
