@@ -15,7 +15,7 @@ def make_request(request_id: str, tokens: list[int], **params: object) -> Reques
     return Request(request_id, tokens, SamplingParams(**params))  # type: ignore[arg-type]
 
 
-def admit(kv: KVCacheManager, request: Request, num_new: int | None = None) -> list[int] | None:
+def admit(kv: KVCacheManager, request: Request, num_new: int | None = None) -> list[list[int]] | None:
     """What the scheduler does for a waiting request; advances num_computed_tokens like a step."""
     hit_ids, num_hit = kv.get_computed_blocks(request)
     num_new = request.num_tokens - num_hit if num_new is None else num_new
@@ -28,14 +28,14 @@ def admit(kv: KVCacheManager, request: Request, num_new: int | None = None) -> l
 def test_allocate_grows_the_live_block_table() -> None:
     kv = KVCacheManager(8, BLOCK)
     request = make_request("a", list(range(6)))
-    assert admit(kv, request) == [0, 1]
-    table = kv.get_block_ids("a")
+    assert admit(kv, request) == [[0, 1]]  # one list per KV cache group: one group here
+    [table] = kv.get_block_ids("a")
     assert table == [0, 1]
     request.append_output_token_ids([6, 7])
     assert kv.allocate_slots(request, 1) == []  # position 6 still fits block 1
     request.num_computed_tokens += 1
-    assert kv.allocate_slots(request, 2) == [2]
-    assert kv.get_block_ids("a") is table and table == [0, 1, 2]
+    assert kv.allocate_slots(request, 2) == [[2]]
+    assert kv.get_block_ids("a")[0] is table and table == [0, 1, 2]
     assert kv.usage == pytest.approx(3 / 8)
     kv.free(request)
     assert kv.usage == 0 and kv.num_free_blocks == 8 and not kv.has_blocks("a")
@@ -45,7 +45,7 @@ def test_allocate_grows_the_live_block_table() -> None:
 def test_allocate_fails_without_changing_anything() -> None:
     kv = KVCacheManager(3, BLOCK)
     big = make_request("big", list(range(9)))
-    assert admit(kv, big, num_new=8) == [0, 1]
+    assert admit(kv, big, num_new=8) == [[0, 1]]
     other = make_request("other", list(range(100, 109)))
     assert kv.allocate_slots(other, 9) is None
     assert kv.num_free_blocks == 1 and not kv.has_blocks("other")
@@ -59,11 +59,11 @@ def test_prefix_hit_after_free_and_never_the_whole_prompt() -> None:
     kv.free(first)
     second = make_request("b", list(range(10)) + [99])
     hit_ids, num_hit = kv.get_computed_blocks(second)
-    assert (hit_ids, num_hit) == ([0, 1], 8)  # the two full blocks of the shared prefix
+    assert (hit_ids, num_hit) == ([[0, 1]], 8)  # the two full blocks of the shared prefix
     exact = make_request("c", list(range(8)))  # prompt is exactly the two cached blocks
-    assert kv.get_computed_blocks(exact) == ([0], 4)  # the last token must be recomputed for logits
-    assert admit(kv, second) == [2]
-    assert kv.get_block_ids("b") == [0, 1, 2]
+    assert kv.get_computed_blocks(exact) == ([[0]], 4)  # the last token must be recomputed for logits
+    assert admit(kv, second) == [[2]]
+    assert kv.get_block_ids("b") == [[0, 1, 2]]
     assert kv.pool.blocks[0].ref_count == 1
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
     kv.check_invariants()
@@ -75,9 +75,9 @@ def test_blocks_are_cached_when_allocated_so_the_same_step_can_hit() -> None:
     parent = make_request("n0", prompt)
     admit(kv, parent)
     sibling = make_request("n1", prompt)
-    assert kv.get_computed_blocks(sibling) == ([0, 1, 2], 12)
+    assert kv.get_computed_blocks(sibling) == ([[0, 1, 2]], 12)
     admit(kv, sibling)
-    assert kv.get_block_ids("n1")[:3] == [0, 1, 2]
+    assert kv.get_block_ids("n1")[0][:3] == [0, 1, 2]
     assert [kv.pool.blocks[i].ref_count for i in range(4)] == [2, 2, 2, 1]
     kv.free(parent)
     kv.free(sibling)
@@ -162,11 +162,11 @@ def test_check_invariants_catches_leaks_and_bad_ref_counts() -> None:
 def test_lookahead_slots_are_allocated_but_not_cached() -> None:
     kv = KVCacheManager(6, BLOCK)
     request = make_request("a", list(range(7)))
-    assert admit(kv, request) == [0, 1]  # positions 0..6
+    assert admit(kv, request) == [[0, 1]]  # positions 0..6
     request.append_output_token_ids([7])  # 8 tokens: two full blocks once position 7 is computed
     # Position 7 plus 5 draft slots (8..12): blocks up to position 12, four in all.
-    assert kv.allocate_slots(request, 1, num_lookahead_tokens=5) == [2, 3]
-    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    assert kv.allocate_slots(request, 1, num_lookahead_tokens=5) == [[2, 3]]
+    assert kv.get_block_ids("a") == [[0, 1, 2, 3]]
     # Only blocks full of the request's own tokens enter the prefix cache, never draft slots.
     assert [b.block_id for b in kv.pool.blocks if b.block_hash is not None] == [0, 1]
     assert kv.allocate_slots(make_request("big", list(range(100, 109))), 9) is None  # 2 free blocks

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -68,18 +69,24 @@ def scheduled(so: SchedulerOutput) -> list[Scheduled]:
 class FakeState:
     """What the fake runner keeps per request, like the real one: it never reads core.Request."""
 
-    def __init__(self, prompt: list[int], output: list[int], block_ids: list[int]) -> None:
+    def __init__(self, prompt: list[int], output: list[int], block_ids: list[list[int]]) -> None:
         self.num_prompt_tokens = len(prompt)
         self.tokens = [*prompt, *output]  # known on the "host"
         self.num_tokens = len(self.tokens)  # plus those sampled but not delivered yet
-        self.block_ids = list(block_ids)
+        self.block_ids = [list(table) for table in block_ids]  # per KV cache group
         self.num_computed_tokens = 0
 
 
 class FakeRunner:
+    """Writes and reads every KV cache group's slots (the scheduler's `kv.windows`): a full group
+    reads a request's whole context, a sliding one only the window of the step's first query, as
+    the attention backends do (its older entries may name blocks that slid out and were reused)."""
+
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.block_size = scheduler.kv.block_size
+        self.windows = scheduler.kv.windows
+        self.null_block = scheduler.kv.pool.null_block
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token id) written there
         self.fail_next: set[str] = set()  # request ids to report as errored in the next step
         self.script: dict[str, list[int]] = {}  # request id -> tokens to sample instead of next_token
@@ -96,7 +103,10 @@ class FakeRunner:
         for request_id, start in zip(cached.request_ids, cached.num_computed_tokens, strict=True):
             # is_new exactly when the runner holds no state for it (first time, or after preemption).
             assert request_id in self.states, (request_id, False)
-            self.states[request_id].block_ids.extend(cached.new_block_ids.get(request_id, []))
+            if request_id in cached.new_block_ids:
+                new_block_ids = cached.new_block_ids[request_id]
+                for table, new_ids in zip(self.states[request_id].block_ids, new_block_ids, strict=True):
+                    table.extend(new_ids)
             self.states[request_id].num_computed_tokens = start
         for new in so.scheduled_new_reqs:
             assert new.request_id not in self.states, (new.request_id, True)
@@ -133,9 +143,14 @@ class FakeRunner:
                 assert num_new == 1 and end == len(tokens), (request_id, end, len(tokens))
             contexts[request_id] = tokens
             assert num_new > 0 and end <= config.max_model_len
-            assert len(state.block_ids) * self.block_size >= end
-            for pos in range(start, end):
-                self.slots[self._slot(state.block_ids, pos)] = (pos, tokens[pos])
+            for table in state.block_ids:
+                assert len(table) * self.block_size >= end
+                for pos in range(start, end):
+                    slot = self._slot(table, pos)
+                    assert self.null_block is None or slot // self.block_size != self.null_block.block_id, (
+                        f"{request_id} writes position {pos} into the null block"
+                    )
+                    self.slots[slot] = (pos, tokens[pos])
         for request_id, tokens in self.last_sampled.items():  # they reach the host now
             if request_id in self.states:
                 self.states[request_id].tokens += tokens
@@ -143,11 +158,14 @@ class FakeRunner:
         self.last_sampled = {}
         for request_id, state in states.items():  # every layer stores the whole batch's K/V first
             tokens = contexts[request_id]
-            end = state.num_computed_tokens + so.num_scheduled_tokens[request_id]
-            for pos in range(end):
-                assert self.slots.get(self._slot(state.block_ids, pos)) == (pos, tokens[pos]), (
-                    f"{request_id} reads wrong KV at position {pos}"
-                )
+            start = state.num_computed_tokens
+            end = start + so.num_scheduled_tokens[request_id]
+            for table, window in zip(state.block_ids, self.windows, strict=True):
+                first = 0 if window is None else max(0, start - window + 1)
+                for pos in range(first, end):
+                    assert self.slots.get(self._slot(table, pos)) == (pos, tokens[pos]), (
+                        f"{request_id} reads wrong KV at position {pos} (window {window})"
+                    )
             samples = end >= state.num_tokens
             if request_id in self.fail_next:
                 output.errored[request_id] = "non-finite logits"
@@ -188,6 +206,7 @@ class Harness:
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         async_mode: bool = False,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         self.async_mode = async_mode
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -195,6 +214,7 @@ class Harness:
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, max_model_len),  # type: ignore[arg-type]
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks,
+            kv_cache_groups=kv_cache_groups,
         )
         self.runner = FakeRunner(self.scheduler)
         self.tokens: dict[str, list[int]] = defaultdict(list)
@@ -733,7 +753,7 @@ def test_lookahead_slots_are_reserved_but_never_cached() -> None:
     request.spec_token_ids = wrong(true_drafts(request, 4))  # all rejected: positions 8..11
     h.step()
     # The step computed positions 7..11: 3 blocks, the third holding only drafts.
-    assert len(h.scheduler.kv.get_block_ids("a")) == 3
+    assert len(h.scheduler.kv.get_block_ids("a")[0]) == 3
     assert request.num_computed_tokens == 8 and request.num_tokens == 9
     cached = [b for b in h.scheduler.kv.pool.blocks if b.block_hash is not None]
     assert len(cached) == 2  # the two full blocks of real tokens, never one with drafts

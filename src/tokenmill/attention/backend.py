@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,6 +73,11 @@ PLAIN_ATTENTION = AttentionLayerSpec()
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """One step's batch layout. With several KV cache groups (models with sliding-window layers,
+    core/kv_cache_groups.py) each group has its own block tables and slot mapping: this object
+    describes group 0 and carries one sibling per further group, which shares everything else;
+    a layer attends with `meta.for_kv_group(its group)`."""
+
     num_actual_tokens: int  # rows of q/k/v that are real (the rest is CUDA-graph padding)
     num_reqs: int
     max_query_len: int
@@ -84,6 +89,21 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # host copies, for the reference backend and for planning
     seq_lens_cpu: torch.Tensor
     is_decode_only: bool  # every request has query_len == 1
+    # KV cache groups 1.. of this step (empty with one group). Built once per step, so a backend
+    # that plans per metadata object plans once per group.
+    kv_group_siblings: tuple[AttentionMetadata, ...] = ()
+
+    def for_kv_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group` (this object for group 0)."""
+        return self if group == 0 else self.kv_group_siblings[group - 1]
+
+    def with_kv_groups(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
+        """Attach groups 1.. given as (block_tables, slot_mapping) each; returns self."""
+        self.kv_group_siblings = tuple(
+            replace(self, block_tables=block_tables, slot_mapping=slot_mapping, kv_group_siblings=())
+            for block_tables, slot_mapping in tables
+        )
+        return self
 
 
 class AttentionBackend(ABC):

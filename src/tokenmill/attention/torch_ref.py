@@ -38,6 +38,8 @@ from tokenmill.config import KernelConfig
 # the real number of rows (a long prefill next to many decodes) the batch is split in two
 # groups, single-token queries and longer ones, so the padding stays bounded.
 _MAX_PADDING_RATIO = 2
+# Step plans kept (per metadata object): enough for the KV cache groups of one step.
+_MAX_CACHED_STEP_PLANS = 8
 # Gathered K+V bytes per chunk of requests on CPU: small enough to stay in cache until read.
 _CPU_CHUNK_BYTES = 4 << 20
 
@@ -58,7 +60,9 @@ class TorchReferenceBackend(AttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, kernel=kernel)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
-        self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
+        # This step's index plans, shared by all layers: one per KV cache group's metadata (a model
+        # with sliding-window layers has several, and its layers alternate between them).
+        self._plans: list[_StepPlan] = []
         # attend_requests' plans: (the step's metadata, the requests, their plans per sliding
         # window, None for full layers), shared by all layers
         self._subset_plan: (
@@ -110,6 +114,8 @@ class TorchReferenceBackend(AttentionBackend):
         query_lens = starts[1:] - starts[:-1]
         cached = self._subset_plan
         if cached is None or cached[0] is not meta or not torch.equal(cached[1], reqs):
+            # (With several KV cache groups this is rebuilt as layers alternate between the groups'
+            # metadata; only long prefill chunks of the C++ backend come here.)
             cached = self._subset_plan = (meta, reqs, {})
         window = layer.sliding_window
         plans = cached[2].get(window)
@@ -130,9 +136,9 @@ class TorchReferenceBackend(AttentionBackend):
         self, meta: AttentionMetadata, q_rows: int, block_size: int, device: torch.device
     ) -> _StepPlan:
         """Index plans of this step: the same for every layer, so built once (per metadata object)."""
-        plan = self._plan
-        if plan is not None and plan.meta is meta and plan.q_rows == q_rows:
-            return plan
+        for plan in self._plans:
+            if plan.meta is meta and plan.q_rows == q_rows:
+                return plan
         starts = meta.query_start_loc_cpu.to(torch.int64)
         query_lens = starts[1:] - starts[:-1]
         groups = _request_groups(query_lens, meta)  # None: the whole batch at once
@@ -142,10 +148,12 @@ class TorchReferenceBackend(AttentionBackend):
             for reqs in (groups or [None])
         ]
         store = _StorePlan.build(meta.slot_mapping[: meta.num_actual_tokens])
-        self._plan = _StepPlan(
+        plan = _StepPlan(
             meta, q_rows, whole_batch, int(starts[0]), attend_plans, store, groups, block_size, device
         )
-        return self._plan
+        # The latest few: a step's groups (and nothing older once a new step has as many).
+        self._plans = [plan, *self._plans[: _MAX_CACHED_STEP_PLANS - 1]]
+        return plan
 
     def _window_plans(self, plan: _StepPlan, window: int) -> list[_AttendPlan]:
         """A step's attend plans for layers with a sliding window of `window` tokens."""

@@ -45,3 +45,11 @@ def extend_block_hashes(request: Request, block_size: int) -> list[bytes]:
         parent = hash_block_tokens(parent, tokens[start : start + block_size], extra_key)
         hashes.append(parent)
     return hashes
+
+
+def group_block_hash(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of KV cache group `group`: one token hash chain serves every
+    group, and the group index in the key keeps a block of one group from being handed to another
+    (their layers differ). Group 0's key is the hash itself, so a model with one group caches
+    exactly as without groups."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

@@ -4,6 +4,10 @@ A block with ref_count 0 is free. A free block that still carries a hash keeps i
 revived by a prefix-cache hit (`touch`) until it is handed out again (evicted). The free list is
 ordered so that the blocks least worth keeping go first: uncached blocks at the head, then cached
 blocks in the order they were freed (least recently used first).
+
+A pool serving sliding-window KV cache groups reserves block 0 as the null block: the entries of
+a block table whose blocks slid out of the window point at it. It is never handed out, freed or
+cached, and nothing ever writes it.
 """
 
 from __future__ import annotations
@@ -78,17 +82,28 @@ class FreeBlockQueue:
             block = block.next_free
 
 
+NULL_BLOCK_ID = 0  # the null block's id, in a pool that reserves one
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, *, reserve_null_block: bool = False) -> None:
+        min_blocks = 2 if reserve_null_block else 1
+        if num_blocks < min_blocks:
+            why = " (one is the null block of the sliding-window groups)" if reserve_null_block else ""
+            raise ValueError(f"num_blocks must be >= {min_blocks}{why}, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
+        self.free_queue = FreeBlockQueue(b for b in self.blocks if b is not self.null_block)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold a request's K/V: all but the null block."""
+        return len(self.blocks) - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:

@@ -6,6 +6,15 @@ in-process runner and one in another process (tensor-parallel workers). A reques
 travels once, the first step it is scheduled (and again when it resumes after preemption); after
 that only what changed. The runner keeps its own per-request state from these.
 
+Block tables travel per KV cache group (core/kv_cache_groups.py). A sliding-window group frees
+the blocks that slid out of its window and nulls their entries in the scheduler's table; the
+diffs do not repeat that: the runner's copy keeps the old ids. That is correct because nothing
+reads them: K/V is written only at the step's own positions (in live blocks), and every backend
+that serves a sliding-window layer (it must declare so, or the runner refuses the model at load)
+attends only to keys inside the window, skipping the blocks wholly before it. A request
+new to the runner (first scheduled, resumed, or a prefix hit in a sliding group) gets the table
+with its null entries.
+
 `EngineCoreOutput` is a msgspec struct too: the same object is used in-process and sent over ZMQ
 (msgpack, never pickle) to the API server.
 """
@@ -26,7 +35,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    block_ids: list[int]  # the whole block table (a copy: the KV manager's list keeps growing)
+    # The whole block table of each KV cache group (one list for a model without sliding-window
+    # layers), a copy: the KV manager's lists keep growing.
+    block_ids: list[list[int]]
     num_computed_tokens: int  # before this step (a prefix-cache hit; 0 after a preemption)
     # Tokens sampled before a preemption: the runner's token history is prompt + these.
     output_token_ids: list[int] = []
@@ -41,9 +52,10 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
     request_ids: list[str] = []
     num_computed_tokens: list[int] = []  # before this step
-    # Blocks appended to a request's table since its previous step, only for the few requests
-    # that got any (a decode step crosses a block boundary once every block_size tokens).
-    new_block_ids: dict[str, list[int]] = {}
+    # Blocks appended to a request's tables since its previous step (one list per KV cache
+    # group), only for the few requests that got any (a decode step crosses a block boundary once
+    # every block_size tokens).
+    new_block_ids: dict[str, list[list[int]]] = {}
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

@@ -34,7 +34,8 @@ import itertools
 from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_groups import KVCacheGroups
+from tokenmill.core.kv_cache_manager import GroupBlockIds, KVCacheManager
 from tokenmill.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -54,14 +55,18 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         structured_output: StructuredOutputHooks | None = None,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
+        """`kv_cache_groups`: the model's layers grouped by attention type (None: one full group)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
             )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_cache_groups
+        )
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
         # Running requests, highest priority first (FCFS: in admission order): the tail is the victim.
@@ -213,7 +218,7 @@ class Scheduler:
                     break  # wait for running requests to free blocks
                 # Every block is free and it still does not fit: it never will.
                 self.waiting.pop()
-                self._end_in_schedule(request, self._too_big_message(request, num_hit_tokens + num_new))
+                self._end_in_schedule(request, self._too_big_message(request, num_hit_tokens, num_new))
                 continue
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -272,7 +277,7 @@ class Scheduler:
             request.prompt_token_ids,
             request.sampling_params,
             request.eos_token_ids,
-            list(self.kv.get_block_ids(request.request_id)),
+            [list(table) for table in self.kv.get_block_ids(request.request_id)],
             request.num_computed_tokens,  # before the step
             list(request.output_token_ids),
         )
@@ -287,7 +292,7 @@ class Scheduler:
 
     def _preempt_until_allocated(
         self, request: Request, num_new: int, num_drafts: int, preempted: set[str]
-    ) -> list[int] | None:
+    ) -> GroupBlockIds | None:
         """Preempt from the tail of `running` until the request's blocks fit; the new block ids.
 
         None when the request itself was preempted, or ended because it alone overflows the pool.
@@ -297,7 +302,7 @@ class Scheduler:
             if len(running) == 1:  # nothing left to preempt: it can never get the blocks
                 running.pop()
                 self._end_in_schedule(
-                    request, self._too_big_message(request, request.num_computed_tokens + num_new)
+                    request, self._too_big_message(request, request.num_computed_tokens, num_new)
                 )
                 return None
             victim = running.pop()
@@ -318,12 +323,13 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.add_preempted(request, self._keys[request.request_id])
 
-    def _too_big_message(self, request: Request, num_tokens: int) -> str:
+    def _too_big_message(self, request: Request, num_computed: int, num_new: int) -> str:
         kv = self.kv
+        num_tokens = num_computed + num_new
         return (
-            f"request needs {kv.num_blocks_for(num_tokens)} KV blocks for {num_tokens} tokens but the "
-            f"whole pool has {kv.num_blocks} blocks of {kv.block_size} tokens; raise num_kv_blocks "
-            "or lower max_model_len / max_tokens"
+            f"request needs {kv.num_blocks_needed(num_computed, num_new)} KV blocks for {num_tokens} tokens "
+            f"but the whole pool has {kv.num_usable_blocks} blocks of {kv.block_size} tokens; raise "
+            "num_kv_blocks or lower max_model_len / max_tokens"
         )
 
     def _end_in_schedule(self, request: Request, error: str) -> None:

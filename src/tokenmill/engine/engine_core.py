@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.args import resolve_device_defaults
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -71,8 +72,14 @@ class EngineCore:
         # Builds nothing until the first constrained request (then the tokenizer and xgrammar, on
         # a compile thread).
         self.structured_output = StructuredOutputManager(self._load_tokenizer, arch.vocab_size)
+        # The same plan the model runner built from the same inputs: layers grouped by attention type.
+        kv_cache_groups = plan_kv_cache_groups(arch.num_layers, arch.sliding_windows, max_model_len)
         self.scheduler = Scheduler(
-            self.scheduler_config, config.cache, num_blocks, structured_output=self.structured_output
+            self.scheduler_config,
+            config.cache,
+            num_blocks,
+            structured_output=self.structured_output,
+            kv_cache_groups=kv_cache_groups,
         )
         self.config = config
         self.info = EngineInfo(
@@ -84,6 +91,12 @@ class EngineCore:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             device=self.executor.device,
             dtype=self.executor.dtype,
+            kv_capacity_tokens=kv_cache_groups.capacity_tokens(
+                num_blocks,
+                config.cache.block_size,
+                min(self.scheduler_config.max_num_batched_tokens, max_model_len),
+                max_model_len,
+            ),
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above

@@ -19,7 +19,11 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.info = info
         self.eos_token_ids = list(eos_token_ids)
-        self.kv_capacity_tokens = info.num_kv_blocks * info.block_size
+        self.kv_capacity_tokens = (
+            info.kv_capacity_tokens
+            if info.kv_capacity_tokens is not None
+            else info.num_kv_blocks * info.block_size
+        )
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Returns (prompt text if given as text, prompt token ids)."""

@@ -30,6 +30,10 @@ class EngineInfo(msgspec.Struct):
     max_num_batched_tokens: int
     device: str
     dtype: str
+    # The longest sequence (prompt + output tokens) the KV pool can hold for one request alone;
+    # None: num_kv_blocks * block_size. With sliding-window layers it is more: their blocks follow
+    # the window, not the sequence.
+    kv_capacity_tokens: int | None = None
 
 
 # -- client -> engine ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Turning a scheduler step into one flattened batch: token ids, positions, slots, block tables."""
+"""Turning a scheduler step into one flattened batch: token ids, positions, slots, block tables
+(slots and block tables once per KV cache group)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ class HostBatch:
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, KV cache group 0
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray  # [R] int32
-    block_tables: np.ndarray  # [R, W] int32
+    block_tables: np.ndarray  # [R, W] int32, KV cache group 0
+    # Models with several KV cache groups (sliding-window layers): groups 1.. in order.
+    extra_slot_mappings: list[np.ndarray]
+    extra_block_tables: list[np.ndarray]
     # Rows of the flattened batch whose logits are needed: the last row of every request that
     # samples, then the prompt-logprob rows.
     sample_rows: np.ndarray  # [S] int64, one per sampling request, in scheduled order
@@ -82,21 +86,29 @@ def build_host_batch(
     max_seq_len = int(seq_lens.max()) if num_reqs else 0
     needed_width = -(-max_seq_len // block_size)
     width = max(needed_width, 1) if block_table_width is None else block_table_width
-    block_tables = np.zeros((num_reqs, width), dtype=np.int32)
-    for i, r in enumerate(requests):
-        num_blocks = -(-int(seq_lens[i]) // block_size)
-        block_tables[i, :num_blocks] = r.block_ids[:num_blocks]
-
-    block_idx = block_tables[req_of_token, positions // block_size].astype(np.int64)
-    slot_mapping = block_idx * block_size + positions % block_size
+    num_groups = len(requests[0].block_ids) if requests else 1
+    block_tables_per_group = []
+    slot_mappings = []
+    block_of_token = positions // block_size
+    offset_in_block = positions % block_size
+    for group in range(num_groups):
+        block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+        for i, r in enumerate(requests):
+            num_blocks = -(-int(seq_lens[i]) // block_size)
+            block_tables[i, :num_blocks] = r.block_ids[group][:num_blocks]
+        block_idx = block_tables[req_of_token, block_of_token].astype(np.int64)
+        block_tables_per_group.append(block_tables)
+        slot_mappings.append(block_idx * block_size + offset_in_block)
 
     return HostBatch(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,
-        slot_mapping=slot_mapping,
+        slot_mapping=slot_mappings[0],
         query_start_loc=query_start_loc,
         seq_lens=seq_lens.astype(np.int32),
-        block_tables=block_tables,
+        block_tables=block_tables_per_group[0],
+        extra_slot_mappings=slot_mappings[1:],
+        extra_block_tables=block_tables_per_group[1:],
         sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sampling_req_indices=sampling_req_indices,
         placeholder_rows=placeholder_rows,

@@ -5,7 +5,9 @@ today; a multi-token decode (verifying draft tokens) can add captures under its 
 
 Decode at small batch is launch-bound: one graph replay replaces hundreds of kernel launches and
 all of the Python that issues them. Inputs live in the runner's persistent buffers, so a replay
-needs only the copies that fill them.
+needs only the copies that fill them. Models with several KV cache groups (sliding-window layers)
+capture metadata whose per-group siblings view the buffers' per-group block tables and slot
+mappings, which the runner refills before each replay like group 0's.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class CudaGraphRunner:
     def _meta(self, batch_size: int) -> AttentionMetadata:
         b = self.buffers
         width = b.max_blocks_per_req
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_actual_tokens=batch_size,
             num_reqs=batch_size,
             max_query_len=1,
@@ -77,6 +79,14 @@ class CudaGraphRunner:
             seq_lens_cpu=torch.ones(batch_size, dtype=torch.int32),
             is_decode_only=True,
         )
+        if b.group_block_tables:
+            meta.with_kv_groups(
+                [
+                    (tables[: batch_size * width].view(batch_size, width), slots[:batch_size])
+                    for tables, slots in zip(b.group_block_tables, b.group_slot_mapping, strict=True)
+                ]
+            )
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,6 +98,9 @@ class CudaGraphRunner:
         b.slot_mapping.fill_(-1)
         b.seq_lens.fill_(1)
         b.block_tables.zero_()
+        for slots, tables in zip(b.group_slot_mapping, b.group_block_tables, strict=True):
+            slots.fill_(-1)
+            tables.zero_()
         b.query_start_loc.copy_(torch.arange(b.max_num_reqs + 1, dtype=torch.int32, device=b.device))
         self.attn_backend.prepare_for_capture(self.max_size, b.max_blocks_per_req)
         self.pool = torch.cuda.graph_pool_handle()

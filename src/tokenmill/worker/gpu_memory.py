@@ -34,7 +34,9 @@ def profile_peak_memory(runner) -> int:
         runner.kv_cache_dtype,
         runner.device,
     )
-    positions, meta = scratch_step(lens, lens, blocks_per_seq, runner.device, decode_only=False)
+    positions, meta = scratch_step(
+        lens, lens, blocks_per_seq, runner.device, False, runner.kv_groups.num_groups
+    )
     input_ids = torch.randint(0, arch.vocab_size, (num_tokens,), device=runner.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -12,7 +12,13 @@ import torch
 
 class InputBuffers:
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        *,
+        num_kv_groups: int = 1,
     ) -> None:
         self.device = device
         self.max_num_tokens = max_num_tokens
@@ -31,6 +37,16 @@ class InputBuffers:
         self.seq_lens_host, self.seq_lens = pair((max_num_reqs,), torch.int32)
         # Flat, so a step's [num_reqs, width] view is contiguous whatever its width.
         self.block_tables_host, self.block_tables = pair((max_num_reqs * max_blocks_per_req,), torch.int32)
+        # KV cache groups 1.. (sliding-window layers): their own slot mappings and block tables.
+        self.group_slot_mapping_host, self.group_slot_mapping = [], []
+        self.group_block_tables_host, self.group_block_tables = [], []
+        for _ in range(num_kv_groups - 1):
+            host, dev = pair((max_num_tokens,), torch.long)
+            self.group_slot_mapping_host.append(host)
+            self.group_slot_mapping.append(dev)
+            host, dev = pair((max_num_reqs * max_blocks_per_req,), torch.int32)
+            self.group_block_tables_host.append(host)
+            self.group_block_tables.append(dev)
         self.sample_rows_host, self.sample_rows = pair((max_num_reqs,), torch.long)
         # Async scheduling: which rows of the previous step's sampled ids feed which input rows.
         self.gather_src_host, self.gather_src = pair((max_num_reqs,), torch.long)
@@ -101,6 +117,32 @@ class InputBuffers:
         sl = self._stage(self.seq_lens_host, self.seq_lens, seq_lens, m)
         bt = self._stage(self.block_tables_host, self.block_tables, block_tables.reshape(-1), m * width)
         return qsl, sl, bt.view(m, width)
+
+    def stage_kv_group(
+        self,
+        group: int,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        padded_tokens: int,
+        padded_reqs: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV cache group `group` (>= 1)'s block tables and slot mapping, padded as stage_tokens and
+        stage_requests pad group 0's; returns (block_tables [padded_reqs, width], slot_mapping)."""
+        n, r = len(slot_mapping), block_tables.shape[0]
+        width = block_tables.shape[1]
+        if padded_tokens > n:
+            slot_mapping = np.concatenate([slot_mapping, np.full(padded_tokens - n, -1, np.int64)])
+        if padded_reqs > r:
+            block_tables = np.concatenate([block_tables, np.zeros((padded_reqs - r, width), np.int32)])
+        i = group - 1
+        slots = self._stage(
+            self.group_slot_mapping_host[i], self.group_slot_mapping[i], slot_mapping, len(slot_mapping)
+        )
+        m = block_tables.shape[0]
+        tables = self._stage(
+            self.group_block_tables_host[i], self.group_block_tables[i], block_tables.reshape(-1), m * width
+        )
+        return tables.view(m, width), slots
 
     def stage_sample_rows(self, rows: np.ndarray) -> torch.Tensor:
         return self._stage(self.sample_rows_host, self.sample_rows, rows, len(rows))

@@ -59,7 +59,9 @@ def warm_up_eager_steps(runner) -> None:
     )
     for lens, is_decode_only in steps:
         query_lens = [1] * len(lens) if is_decode_only else list(lens)
-        positions, meta = scratch_step(query_lens, list(lens), blocks_per_req, device, is_decode_only)
+        positions, meta = scratch_step(
+            query_lens, list(lens), blocks_per_req, device, is_decode_only, runner.kv_groups.num_groups
+        )
         num_tokens = meta.num_actual_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         hidden = runner.model(input_ids, positions, caches, meta)

@@ -1,4 +1,9 @@
-"""Sizing and allocating the paged KV cache pool (one tensor per layer)."""
+"""Sizing and allocating the paged KV cache pool.
+
+The pool is one tensor per layer of a KV cache group (core/kv_cache_groups.py): a model without
+sliding-window layers has one group of all its layers, so one tensor per layer; with several
+groups, layer j of every group shares tensor j, and a block id belongs to one group at a time.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import torch
 
 from tokenmill.config import CacheConfig
+from tokenmill.core.kv_cache_groups import KVCacheGroups
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
+    """Bytes of one block over `num_layers` layer tensors (a grouped pool: the group size)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -59,3 +66,10 @@ def allocate_kv_caches(
         torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         for _ in range(num_layers)
     ]
+
+
+def layer_kv_caches(tensors: list[torch.Tensor], groups: KVCacheGroups) -> list[torch.Tensor]:
+    """The model's per-layer cache list: each layer gets the pool tensor its group places it in."""
+    if len(tensors) != groups.num_tensors:
+        raise ValueError(f"the KV cache groups use {groups.num_tensors} tensors, got {len(tensors)}")
+    return [tensors[j] for j in groups.layer_tensor]

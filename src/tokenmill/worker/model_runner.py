@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
@@ -25,6 +26,7 @@ from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
 from tokenmill.worker.kv_cache import (
     allocate_kv_caches,
     kv_bytes_per_block,
+    layer_kv_caches,
     num_blocks_for_cpu,
     resolve_kv_cache_dtype,
 )
@@ -125,6 +127,8 @@ class ModelRunner:
         self.arch = resolved.arch
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        # Layers grouped by attention type for the KV cache; the scheduler builds the same plan.
+        self.kv_groups = plan_kv_cache_groups(self.arch.num_layers, self.arch.sliding_windows, max_model_len)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # The KV store and attention kernels read the element type from the cache tensors.
@@ -150,6 +154,7 @@ class ModelRunner:
             kernel=config.kernel,
         )  # fmt: skip
         self._check_attention_layers()
+        self._assign_kv_groups()
         logger.info(
             "model loaded in %.1f s (%s, %s, %s)",
             time.perf_counter() - started,
@@ -171,7 +176,8 @@ class ModelRunner:
         # step may be launched before the host sees them (async scheduling) and feeds them in.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._num_sample_fetches = 0
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per model layer (layers of different groups share tensors)
+        self.kv_cache_tensors: list[torch.Tensor] = []  # the pool: one per layer of a group
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
         self.graph_runner = None  # CudaGraphRunner once captured
@@ -185,6 +191,7 @@ class ModelRunner:
                 sched.max_num_seqs,
                 self.max_blocks_per_req,
                 self.device,
+                num_kv_groups=self.kv_groups.num_groups,
             )
 
     def _check_attention_layers(self) -> None:
@@ -198,26 +205,48 @@ class ModelRunner:
                     module.layer_spec, where=f"{self.arch.architecture} layer {name}"
                 )
 
+    def _assign_kv_groups(self) -> None:
+        """Tell each attention layer which KV cache group's block tables it uses. The model's
+        SelfAttention modules come in layer order (the order of its per-layer cache list)."""
+        if self.kv_groups.num_groups == 1:
+            return  # every layer is in group 0, SelfAttention's default
+        from tokenmill.model.layers.attention import SelfAttention
+
+        layers = [m for m in self.model.modules() if isinstance(m, SelfAttention)]
+        if len(layers) != self.kv_groups.num_layers:
+            raise ValueError(
+                f"{self.arch.architecture} has {len(layers)} SelfAttention modules but "
+                f"{self.kv_groups.num_layers} layers; KV cache groups (sliding-window layers) need the "
+                "model's attention layers to be SelfAttention modules, one per layer, in layer order"
+            )
+        for layer, group in zip(layers, self.kv_groups.layer_group, strict=True):
+            layer.kv_group = group
+
     # -- memory -------------------------------------------------------------------------------
 
     def initialize_kv_cache(self) -> int:
         """Size and allocate the KV pool; returns the number of blocks."""
+        groups = self.kv_groups
         per_block = kv_bytes_per_block(
-            self.arch.num_layers, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            groups.num_tensors, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype,
         )  # fmt: skip
-        min_blocks = -(-self.max_model_len // self.block_size)
+        max_chunk = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        min_blocks = groups.blocks_for_one_sequence(self.max_model_len, self.block_size, max_chunk)
         if self.device.type == "cuda":
             from tokenmill.worker.gpu_memory import num_blocks_for_gpu
 
             num_blocks = num_blocks_for_gpu(self, per_block, min_blocks)
         else:
             num_blocks = num_blocks_for_cpu(self.config.cache, per_block, min_blocks)
-        self.kv_caches = allocate_kv_caches(
-            self.arch.num_layers, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+        self.kv_cache_tensors = allocate_kv_caches(
+            groups.num_tensors, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype, self.device,
         )  # fmt: skip
+        self.kv_caches = layer_kv_caches(self.kv_cache_tensors, groups)
         self.num_blocks = num_blocks
+        if groups.has_sliding or groups.num_groups > 1:
+            logger.info("%s", groups.describe())
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
         if self.device.type == "cuda":
@@ -250,6 +279,7 @@ class ModelRunner:
         another model (a benchmark baseline) can use it in this process. The runner is unusable after."""
         self.graph_runner = None
         self.kv_caches = []
+        self.kv_cache_tensors = []
         self.model = None  # type: ignore[assignment]
         self.buffers = None
         if self.device.type == "cuda":
@@ -281,6 +311,14 @@ class ModelRunner:
             query_start_loc, seq_lens, block_tables = self.buffers.stage_requests(
                 batch.query_start_loc, batch.seq_lens, batch.block_tables, padded_reqs or num_reqs
             )
+            extra_groups = [
+                self.buffers.stage_kv_group(
+                    group, slots, tables, padded_tokens, padded_reqs or num_reqs
+                )
+                for group, (slots, tables) in enumerate(
+                    zip(batch.extra_slot_mappings, batch.extra_block_tables, strict=True), start=1
+                )
+            ]
             if padded_reqs is None and len(batch.sample_rows):
                 self._staged_sample_rows = self.buffers.stage_sample_rows(batch.sample_rows)
             if batch.placeholder_rows:
@@ -293,6 +331,10 @@ class ModelRunner:
             query_start_loc = self._to_device(batch.query_start_loc, torch.int32)
             seq_lens = self._to_device(batch.seq_lens, torch.int32)
             block_tables = self._to_device(batch.block_tables, torch.int32)
+            extra_groups = [
+                (self._to_device(tables, torch.int32), self._to_device(slots, torch.long))
+                for slots, tables in zip(batch.extra_slot_mappings, batch.extra_block_tables, strict=True)
+            ]
             if batch.placeholder_rows:
                 self._feed_last_sampled(batch, input_ids)
         meta = AttentionMetadata(
@@ -308,6 +350,8 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(batch.seq_lens),
             is_decode_only=batch.max_query_len == 1,
         )
+        if extra_groups:
+            meta.with_kv_groups(extra_groups)
         return input_ids, positions, meta
 
     def _feed_last_sampled(self, batch: HostBatch, input_ids: torch.Tensor) -> None:

@@ -36,7 +36,9 @@ class RequestState:
         # Those plus the tokens sampled by launched steps whose ids have not reached the host yet
         # (async scheduling): a chunk that reaches num_tokens samples a new token.
         self.num_tokens = len(self.token_ids)
-        self.block_ids = list(new.block_ids)  # own copy: the diffs extend it
+        # Per KV cache group, own copies: the diffs extend them. A sliding group's entries that slid
+        # out keep their old ids here (see core/outputs.py: nothing reads them).
+        self.block_ids = [list(table) for table in new.block_ids]
         self.is_plain_greedy = new.sampling_params.is_plain_greedy
 
     @property
@@ -78,7 +80,8 @@ class RequestStates:
         cached = so.scheduled_cached_reqs
         batch = [states[request_id] for request_id in cached.request_ids]
         for request_id, new_block_ids in cached.new_block_ids.items():
-            states[request_id].block_ids.extend(new_block_ids)
+            for table, new_ids in zip(states[request_id].block_ids, new_block_ids, strict=True):
+                table.extend(new_ids)
         for new in so.scheduled_new_reqs:
             state = states[new.request_id] = RequestState(new)
             batch.append(state)

@@ -1,5 +1,6 @@
 """Inputs for a step the engine runs only for itself (memory profiling, kernel warm-up), against
-a scratch KV cache: every request reads the same `blocks_per_req` blocks and writes nowhere."""
+a scratch KV cache: every request reads the same `blocks_per_req` blocks and writes nowhere
+(in every KV cache group: the groups' siblings share group 0's tables)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from tokenmill.attention.backend import AttentionMetadata
 
 
 def scratch_step(
-    query_lens: list[int], seq_lens: list[int], blocks_per_req: int, device: torch.device, decode_only: bool
+    query_lens: list[int],
+    seq_lens: list[int],
+    blocks_per_req: int,
+    device: torch.device,
+    decode_only: bool,
+    num_kv_groups: int = 1,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) of a batch whose request i computes its last query_lens[i] of
     seq_lens[i] tokens; slot -1 for every token, so no K/V is stored."""
@@ -33,6 +39,8 @@ def scratch_step(
         seq_lens_cpu=torch.from_numpy(lens),
         is_decode_only=decode_only,
     )
+    if num_kv_groups > 1:
+        meta.with_kv_groups([(meta.block_tables, meta.slot_mapping)] * (num_kv_groups - 1))
     positions = torch.cat(
         [torch.arange(s - q, s, device=device) for q, s in zip(query_lens, seq_lens, strict=True)]
     )

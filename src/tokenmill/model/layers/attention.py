@@ -62,6 +62,9 @@ class SelfAttention(nn.Module):
         self.attn_backend = attn_backend
         # This layer's sliding window / soft cap / sinks, passed to the backend with every call.
         self.layer_spec = layer_spec
+        # The KV cache group whose block tables this layer reads and writes (core/kv_cache_groups.py);
+        # the model runner sets it after load. 0 for every layer of a model without sliding layers.
+        self.kv_group = 0
         self.ops = ops
         self.eps = eps
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
@@ -99,8 +102,11 @@ class SelfAttention(nn.Module):
         norm_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
-        launch; q and k go in un-rotated. With `norm_source` (the deferred-norm path) qkv is the
+        launch; q and k go in un-rotated. `meta` is the step's (group 0's): the layer picks its
+        KV cache group's, here and in rope_and_attend. With `norm_source` (the deferred-norm path) qkv is the
         projection of those un-normalized rows and the launch applies their 1/rms too."""
+        if self.kv_group:
+            meta = meta.kv_group_siblings[self.kv_group - 1]
         num_tokens = qkv.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = self.q_size, self.kv_size
@@ -116,6 +122,8 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Q/K norm and RoPE (with the KV store where the ops and backend allow), then the
         backend's attention."""
+        if self.kv_group:  # (inlined for_kv_group: one integer test per layer for one-group models)
+            meta = meta.kv_group_siblings[self.kv_group - 1]
         ops = self.ops
         num_tokens = qkv.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
