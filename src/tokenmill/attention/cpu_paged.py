@@ -8,6 +8,9 @@ instead, and another writes the step's K/V into their slots.
 For long query chunks (prefills) the gather is paid once for many query rows and torch's SDPA
 kernel is faster than our straightforward loops, so those requests go to the reference
 backend's path over the same cache; the rest of a mixed batch (decodes) stays on the kernel.
+
+Both honour each layer's sliding window, soft cap and sinks; a sliding layer never reads the
+blocks wholly before the window of a request's earliest query row.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ _MAX_KERNEL_QUERY_LEN = 16
 
 class CpuPagedBackend(AttentionBackend):
     name = "cpu"
+    supported_layer_features = frozenset({"sliding window", "logit soft-capping", "attention sinks"})
 
     def __init__(
         self,
@@ -57,8 +61,6 @@ class CpuPagedBackend(AttentionBackend):
         kv_already_stored: bool = False,
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
-        if not layer.is_plain:
-            self.check_layer_spec(layer)
         if q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU tensors, got {q.device}")
         num_tokens = meta.num_actual_tokens
@@ -76,7 +78,7 @@ class CpuPagedBackend(AttentionBackend):
             query_lens = starts[1:] - starts[:-1]
             long_reqs = torch.nonzero(query_lens > self.max_kernel_query_len).flatten()
             if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
-                return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True)
+                return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True, layer=layer)
         # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
         torch.ops.tokenmill_cpu.paged_attention(
             out,
@@ -87,9 +89,12 @@ class CpuPagedBackend(AttentionBackend):
             _int32(meta.block_tables[: seq_lens.numel()]),
             self.scale,
             self.max_kernel_query_len,
+            layer.sliding_window or 0,
+            layer.logits_soft_cap or 0.0,
+            None if layer.sinks is None else layer.sinks.to(torch.float32).contiguous(),
         )
         if long_reqs is not None:
-            for rows, where in self._reference.attend_requests(q, kv_cache, meta, long_reqs):
+            for rows, where in self._reference.attend_requests(q, kv_cache, meta, long_reqs, layer):
                 out.index_copy_(0, where, rows.to(out.dtype))
         return out if out.dtype == q.dtype else out.to(q.dtype)
 

@@ -9,13 +9,19 @@ boolean mask (causal with each request's offset, and no keys past its length) do
 Grouped-query attention is handled without copying K/V: the query heads that share a KV head
 are folded into the query-length axis, so each KV head is read once.
 
+Layers with a sliding window gather only the blocks from the one holding the first key the
+request's earliest query row can see (block-table entries before it may point at freed and
+reused blocks), and mask the window's lower edge. Soft-capping and sinks need the scores
+themselves, so such layers replace the SDPA call with explicit float32 score math.
+
 Shapes come from python ints in the metadata (max_query_len, max_seq_len) and the host copies,
 never from device values, so this never waits on a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,7 @@ _CPU_CHUNK_BYTES = 4 << 20
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
+    supported_layer_features = frozenset({"sliding window", "logit soft-capping", "attention sinks"})
 
     def __init__(
         self,
@@ -52,8 +59,11 @@ class TorchReferenceBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, kernel=kernel)
         self._buffer: torch.Tensor | None = None  # gathered K/V, reused across layers and steps
         self._plan: _StepPlan | None = None  # this step's index plans, shared by all layers
-        # attend_requests' plans: (the step's metadata, the requests, their plans), shared by all layers
-        self._subset_plan: tuple[AttentionMetadata, torch.Tensor, list[_AttendPlan]] | None = None
+        # attend_requests' plans: (the step's metadata, the requests, their plans per sliding
+        # window, None for full layers), shared by all layers
+        self._subset_plan: (
+            tuple[AttentionMetadata, torch.Tensor, dict[int | None, list[_AttendPlan]]] | None
+        ) = None
 
     def forward(
         self,
@@ -66,8 +76,6 @@ class TorchReferenceBackend(AttentionBackend):
         kv_already_stored: bool = False,
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
-        if not layer.is_plain:
-            self.check_layer_spec(layer)
         num_tokens = meta.num_actual_tokens
         if num_tokens == 0 or meta.num_reqs == 0 or meta.query_start_loc_cpu.numel() < 2:
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
@@ -75,11 +83,12 @@ class TorchReferenceBackend(AttentionBackend):
         if not kv_already_stored:
             self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store)
 
+        groups = plan.groups_for(layer.sliding_window, self._window_plans)
         if plan.whole_batch:
-            return self._attend(q, kv_cache, plan.groups[0])  # common case: no copy
+            return self._attend(q, kv_cache, groups[0], layer)  # common case: no copy
         out = q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
-        for group in plan.groups:
-            rows = self._attend(q, kv_cache, group)
+        for group in groups:
+            rows = self._attend(q, kv_cache, group, layer)
             if group.out_rows is None:  # the whole batch, placed among padding rows
                 out[plan.first_row : plan.first_row + rows.shape[0]] = rows
             else:
@@ -87,7 +96,12 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
     def attend_requests(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, reqs: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        reqs: torch.Tensor,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Attention for some requests only (host indices; their K/V already stored): a list of
         (rows [n, num_heads, head_dim], where those rows go in the batch). Other backends hand
@@ -96,15 +110,20 @@ class TorchReferenceBackend(AttentionBackend):
         query_lens = starts[1:] - starts[:-1]
         cached = self._subset_plan
         if cached is None or cached[0] is not meta or not torch.equal(cached[1], reqs):
-            plans = [
-                self._attend_plan(q.shape[0], kv_cache.shape[2], q.device, meta, group, starts, query_lens)
+            cached = self._subset_plan = (meta, reqs, {})
+        window = layer.sliding_window
+        plans = cached[2].get(window)
+        if plans is None:  # per window: sliding and full layers alternate within one step
+            plans = cached[2][window] = [
+                self._attend_plan(
+                    q.shape[0], kv_cache.shape[2], q.device, meta, group, starts, query_lens, window
+                )
                 for group in _groups_of(reqs, query_lens[reqs])
             ]
-            cached = self._subset_plan = (meta, reqs, plans)
         results = []
-        for plan in cached[2]:
+        for plan in plans:
             assert plan.out_rows is not None
-            results.append((self._attend(q, kv_cache, plan), plan.out_rows))
+            results.append((self._attend(q, kv_cache, plan, layer), plan.out_rows))
         return results
 
     def _plan_for(
@@ -123,8 +142,21 @@ class TorchReferenceBackend(AttentionBackend):
             for reqs in (groups or [None])
         ]
         store = _StorePlan.build(meta.slot_mapping[: meta.num_actual_tokens])
-        self._plan = _StepPlan(meta, q_rows, whole_batch, int(starts[0]), attend_plans, store)
+        self._plan = _StepPlan(
+            meta, q_rows, whole_batch, int(starts[0]), attend_plans, store, groups, block_size, device
+        )
         return self._plan
+
+    def _window_plans(self, plan: _StepPlan, window: int) -> list[_AttendPlan]:
+        """A step's attend plans for layers with a sliding window of `window` tokens."""
+        starts = plan.meta.query_start_loc_cpu.to(torch.int64)
+        query_lens = starts[1:] - starts[:-1]
+        return [
+            self._attend_plan(
+                plan.q_rows, plan.block_size, plan.device, plan.meta, reqs, starts, query_lens, window
+            )
+            for reqs in (plan.request_groups or [None])
+        ]
 
     def _store_kv(
         self,
@@ -158,6 +190,7 @@ class TorchReferenceBackend(AttentionBackend):
         reqs: torch.Tensor | None,  # host indices of the requests in this group; None = all
         starts: torch.Tensor,  # host [num_reqs + 1]
         all_query_lens: torch.Tensor,  # host [num_reqs]
+        window: int | None = None,  # the layer's sliding window; None = every earlier key
     ) -> _AttendPlan:
         # The host copies cover the real requests; device tensors may hold padding requests after them.
         reqs_host = torch.arange(all_query_lens.numel()) if reqs is None else reqs
@@ -167,8 +200,6 @@ class TorchReferenceBackend(AttentionBackend):
         max_query_len = int(query_lens.max())
         max_seq_len = int(seq_lens_host.max())
         group = self.num_heads // self.num_kv_heads
-        num_blocks = -(-max_seq_len // block_size)
-        key_len = num_blocks * block_size
 
         # Host-side index plan (tiny tensors), then one copy each to the device.
         offsets = torch.arange(max_query_len)
@@ -179,21 +210,34 @@ class TorchReferenceBackend(AttentionBackend):
         query_pos = (seq_lens_host - query_lens)[:, None] + offsets  # position of query j of each request
 
         if reqs is None:
-            block_table = meta.block_tables[:num_reqs, :num_blocks]
+            tables = meta.block_tables[:num_reqs]
             seq_lens = meta.seq_lens[:num_reqs]
             out_rows = None
         else:
             reqs_dev = reqs.to(device, non_blocking=True)
-            block_table = meta.block_tables[:, :num_blocks].index_select(0, reqs_dev)
+            tables = meta.block_tables.index_select(0, reqs_dev)
             seq_lens = meta.seq_lens.index_select(0, reqs_dev)
             out_rows = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in reqs.tolist()])
             out_rows = out_rows.to(device, non_blocking=True)
 
-        # Query j sees keys at positions <= its own and < seq_len. Padded query rows get
-        # positions >= seq_len - 1, so they see key 0 at least: no fully masked (NaN) row.
-        key_pos = torch.arange(key_len, device=device)
-        query_pos = query_pos.to(device, non_blocking=True)
-        mask = (key_pos <= query_pos[:, :, None]) & (key_pos < seq_lens.to(torch.int64)[:, None, None])
+        if window is None:
+            num_blocks = -(-max_seq_len // block_size)
+            key_len = num_blocks * block_size
+            block_table = tables[:, :num_blocks]
+            # Query j sees keys at positions <= its own and < seq_len. Padded query rows get
+            # positions >= seq_len - 1, so they see key 0 at least: no fully masked (NaN) row.
+            key_pos = torch.arange(key_len, device=device)
+            query_pos = query_pos.to(device, non_blocking=True)
+            mask = (key_pos <= query_pos[:, :, None]) & (key_pos < seq_lens.to(torch.int64)[:, None, None])
+        else:
+            block_table, key_pos_host, key_len = _window_blocks(
+                tables, seq_lens_host, query_lens, window, block_size
+            )
+            # Padded query rows take the last real position: it sees itself, so no row is fully masked.
+            query_pos = torch.minimum(query_pos, seq_lens_host[:, None] - 1).to(device, non_blocking=True)
+            key_pos = key_pos_host.to(device, non_blocking=True)[:, None, :]  # [R, 1, L]
+            # p - window < k <= p; the gathered columns past seq_len lie after every query position.
+            mask = (key_pos <= query_pos[:, :, None]) & (key_pos > query_pos[:, :, None] - window)
         if max_query_len == 1:
             mask = mask[:, None]  # [R, 1, 1, L]: broadcasts over the folded heads
         else:
@@ -213,7 +257,13 @@ class TorchReferenceBackend(AttentionBackend):
             out_rows=out_rows,
         )
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttendPlan) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: _AttendPlan,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
+    ) -> torch.Tensor:
         """Attention output [rows, num_heads, head_dim] for the query rows of a plan's requests."""
         device = q.device
         num_reqs, max_query_len, key_len = plan.num_reqs, plan.max_query_len, plan.key_len
@@ -229,14 +279,18 @@ class TorchReferenceBackend(AttentionBackend):
         # reads them right after (about twice as fast as one big gather); a GPU takes all at once.
         bytes_per_req = 2 * key_len * self.num_kv_heads * self.head_dim * kv_cache.element_size()
         chunk = max(1, _CPU_CHUNK_BYTES // bytes_per_req) if device.type == "cpu" else num_reqs
+        # Soft-capping and sinks change the scores themselves: explicit score math instead of SDPA.
+        scores = None
+        if layer.logits_soft_cap is not None or layer.sinks is not None:
+            scores = _ScoreMath(layer.logits_soft_cap, _sink_column(layer.sinks, group, max_query_len))
         if chunk >= num_reqs:
-            attn = self._gather_and_attend(queries, kv_cache, plan.block_table, plan.mask)
+            attn = self._gather_and_attend(queries, kv_cache, plan.block_table, plan.mask, scores)
         else:
             attn = torch.empty(queries.shape, dtype=torch.float32, device=device)
             for start in range(0, num_reqs, chunk):
                 end = min(start + chunk, num_reqs)
                 attn[start:end] = self._gather_and_attend(
-                    queries[start:end], kv_cache, plan.block_table[start:end], plan.mask[start:end]
+                    queries[start:end], kv_cache, plan.block_table[start:end], plan.mask[start:end], scores
                 )
         attn = attn.view(num_reqs, self.num_kv_heads, group, max_query_len, self.head_dim)
         attn = attn.permute(0, 3, 1, 2, 4).reshape(num_reqs * max_query_len, self.num_heads, self.head_dim)
@@ -250,8 +304,10 @@ class TorchReferenceBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         block_table: torch.Tensor,  # [R, num_blocks]
         mask: torch.Tensor,  # [R, 1, rows or 1, key_len]
+        scores: _ScoreMath | None = None,
     ) -> torch.Tensor:
-        """Gather the requests' K/V through their block tables, then one SDPA call (float32 out)."""
+        """Gather the requests' K/V through their block tables, then one SDPA call (float32 out),
+        or the explicit score math of a soft-capped / sink layer."""
         num_reqs, num_blocks = block_table.shape
         blocks = block_table.reshape(-1).to(torch.int64)
         per_cache = num_reqs * num_blocks * kv_cache[0, 0].numel()
@@ -264,13 +320,13 @@ class TorchReferenceBackend(AttentionBackend):
         values = torch.index_select(
             kv_cache[1], 0, blocks, out=buffer[per_cache:].view(-1, *kv_cache.shape[2:])
         )
-        return F.scaled_dot_product_attention(
-            queries.to(torch.float32),  # softmax in float32 whatever the model dtype
-            keys.view(shape).transpose(1, 2).to(torch.float32),
-            values.view(shape).transpose(1, 2).to(torch.float32),
-            attn_mask=mask,
-            scale=self.scale,
-        )
+        # Softmax in float32 whatever the model dtype.
+        queries = queries.to(torch.float32)
+        keys = keys.view(shape).transpose(1, 2).to(torch.float32)
+        values = values.view(shape).transpose(1, 2).to(torch.float32)
+        if scores is not None:
+            return scores.attend(queries, keys, values, mask, self.scale)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
 
     def _gather_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         # Reused across layers and steps: a fresh multi-MB allocation per layer costs page faults.
@@ -352,3 +408,81 @@ class _StepPlan:
     first_row: int  # where the real query rows start in q
     groups: list[_AttendPlan]
     store: _StorePlan
+    request_groups: list[torch.Tensor] | None  # how the batch is split (None: all at once)
+    block_size: int
+    device: torch.device
+    # Sliding-window layers' plans, per window size, built by the first such layer of the step.
+    windowed: dict[int, list[_AttendPlan]] = field(default_factory=dict)
+
+    def groups_for(
+        self, window: int | None, build: Callable[[_StepPlan, int], list[_AttendPlan]]
+    ) -> list[_AttendPlan]:
+        if window is None:
+            return self.groups
+        plans = self.windowed.get(window)
+        if plans is None:
+            plans = self.windowed[window] = build(self, window)
+        return plans
+
+
+def _window_blocks(
+    tables: torch.Tensor,  # [R, max_blocks] int32, on the device
+    seq_lens: torch.Tensor,  # host [R]
+    query_lens: torch.Tensor,  # host [R]
+    window: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The blocks a sliding-window layer reads: from the one holding the first key that the
+    request's earliest query row sees to the one holding its last key. Entries before that may
+    name blocks that were freed and reused, so they are never gathered. Requests needing fewer
+    blocks than the longest repeat their last block (masked: those columns lie past seq_len).
+
+    Returns the block table to gather [R, n] (device), each column's key positions [R, n *
+    block_size] (host) and n * block_size."""
+    first_key = (seq_lens - query_lens - window + 1).clamp_min(0)
+    first_block = first_key // block_size
+    last_block = torch.maximum((seq_lens - 1) // block_size, first_block)
+    num_blocks = last_block - first_block + 1
+    width = int(num_blocks.max())
+    steps = torch.arange(width)
+    columns = first_block[:, None] + torch.minimum(steps[None, :], num_blocks[:, None] - 1)
+    block_table = tables.gather(1, columns.to(tables.device, non_blocking=True))
+    key_pos = (first_block[:, None] + steps[None, :])[:, :, None] * block_size + torch.arange(block_size)
+    return block_table, key_pos.reshape(seq_lens.numel(), width * block_size), width * block_size
+
+
+def _sink_column(sinks: torch.Tensor | None, group: int, max_query_len: int) -> torch.Tensor | None:
+    """Per-head sink logits laid out like the folded query rows: [kv_heads, group * Q, 1] float32."""
+    if sinks is None:
+        return None
+    per_kv_head = sinks.to(torch.float32).view(-1, group, 1)
+    return per_kv_head.expand(-1, group, max_query_len).reshape(per_kv_head.shape[0], -1, 1)
+
+
+@dataclass(slots=True)
+class _ScoreMath:
+    """Softmax attention with explicit scores, for what SDPA cannot express: Gemma 2's soft cap
+    (cap * tanh(scores / cap), after scaling, before masking) and gpt-oss's sinks (one more
+    logit per head in every softmax row, whose weight goes to no value)."""
+
+    soft_cap: float | None
+    sink_column: torch.Tensor | None  # [kv_heads, rows, 1], see _sink_column
+
+    def attend(
+        self,
+        queries: torch.Tensor,  # [R, kv_heads, rows, head_dim] float32
+        keys: torch.Tensor,  # [R, kv_heads, key_len, head_dim] float32
+        values: torch.Tensor,
+        mask: torch.Tensor,  # [R, 1, rows or 1, key_len] bool, True = visible
+        scale: float,
+    ) -> torch.Tensor:
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+        if self.soft_cap is not None:
+            scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sink_column is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sinks = self.sink_column[None].expand(scores.shape[0], -1, -1, -1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs, values)

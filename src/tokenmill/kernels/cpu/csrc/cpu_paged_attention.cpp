@@ -10,6 +10,12 @@
 // Work is split in tasks of (request, tile of query tokens, KV heads): a task reads each key and
 // value row it needs once and uses it for every query head that shares it (GQA). Softmax is
 // online (running max and sum) in float32 whatever the cache dtype, as in flash attention.
+//
+// Per-layer options (attention/backend.py's AttentionLayerSpec): a sliding window (a query at p
+// sees keys p - window < k <= p; a task starts at the block holding the first key its earliest
+// query row sees, and never reads the blocks before it, which may have been freed and reused),
+// a logit soft cap (scores become cap * tanh(scores / cap)), and per-head sink logits that join
+// each softmax's denominator and attend to nothing.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -28,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -147,7 +154,15 @@ struct Shape {
   int64_t cache_stride_plane, cache_stride_block, cache_stride_tok;
   int64_t max_blocks;
   float scale;
+  int64_t window;      // sliding window in tokens; 0 = none
+  float soft_cap;      // 0 = none
+  const float* sinks;  // [num_heads] or nullptr
 };
+
+// The first key position a query at `pos` sees.
+inline int64_t first_visible(const Shape& sh, int64_t pos) {
+  return sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
+}
 
 struct Task {
   int64_t req, first_token, num_tokens, first_pos;  // first_pos: position of first_token
@@ -201,11 +216,13 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
 
-  const int64_t kv_end = task.first_pos + task.num_tokens;  // keys 0 .. last query position
+  const int64_t kv_end = task.first_pos + task.num_tokens;  // keys up to the last query position
   const int64_t num_blocks = (kv_end + BS - 1) / BS;
+  // Blocks wholly before the earliest row's window are neither needed nor safe to read.
+  const int64_t first_block = first_visible(sh, task.first_pos) / BS;
   const int64_t head_offset = task.first_kv_head * D;
   const int64_t span = task.num_kv_heads * D;  // contiguous elements of one token's row we read
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const T* k_block = cache + static_cast<int64_t>(block_table[b]) * sh.cache_stride_block + head_offset;
     const T* v_block = k_block + sh.cache_stride_plane;
     if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: start fetching it now
@@ -232,24 +249,33 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
       const int64_t h = r / rows_per_head;
       dot_keys(qf + r * D, kf + h * D, kf_stride, n, D, s + r * BS);
     }
-    // Online softmax over the visible prefix of the block, per row.
+    if (sh.soft_cap > 0.f) {
+      const float cap = sh.soft_cap, inv_cap = 1.f / sh.soft_cap;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s + r * BS;
+        for (int64_t t = 0; t < n; ++t) sr[t] = cap * std::tanh(sr[t] * inv_cap);
+      }
+    }
+    // Online softmax over the keys of the block each row sees (keys [begin, visible)).
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * BS;
       const int64_t visible = std::min(n, pos[r] - first_key + 1);
-      if (visible <= 0) {
+      const int64_t begin = std::max<int64_t>(0, first_visible(sh, pos[r]) - first_key);
+      if (visible <= begin) {
         std::fill(sr, sr + n, 0.f);
         continue;
       }
-      float block_max = sr[0];
-      for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sr[t]);
+      float block_max = sr[begin];
+      for (int64_t t = begin + 1; t < visible; ++t) block_max = std::max(block_max, sr[t]);
       const float new_max = std::max(m[r], block_max);
       const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(m[r] - new_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = begin; t < visible; ++t) {
         sr[t] = exp_nonpositive(sr[t] - new_max);
         sum += sr[t];
       }
+      std::fill(sr, sr + begin, 0.f);
       std::fill(sr + visible, sr + n, 0.f);
       if (alpha != 1.f) {
         float* ar = acc + r * D;
@@ -271,7 +297,11 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t h = r / rows_per_head;
       const int64_t visible = std::min(n, pos[r] - first_key + 1);
-      if (visible > 0) accumulate_values(acc + r * D, s + r * BS, vf + h * D, vf_stride, visible, D);
+      const int64_t begin = std::max<int64_t>(0, first_visible(sh, pos[r]) - first_key);
+      if (visible > begin) {
+        accumulate_values(acc + r * D, s + r * BS + begin, vf + h * D + begin * vf_stride, vf_stride,
+                          visible - begin, D);
+      }
     }
   }
 
@@ -279,8 +309,15 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
     for (int64_t i = 0; i < task.num_tokens; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * rows_per_head + i * G + g;
-        const float inv = 1.f / l[r];
         const int64_t head = (task.first_kv_head + h) * G + g;
+        float inv = 1.f / l[r];
+        if (sh.sinks != nullptr) {
+          // The sink is one more softmax column with no value: it only adds to the denominator.
+          const float sink = sh.sinks[head];
+          const float new_max = std::max(m[r], sink);
+          const float alpha = std::exp(m[r] - new_max);
+          inv = alpha / (l[r] * alpha + std::exp(sink - new_max));
+        }
         T* dst = out + ((task.first_token + i) * sh.num_heads + head) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
       }
@@ -302,8 +339,17 @@ void check_layout(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables, double scale, int64_t max_query_len) {
+                     const at::Tensor& block_tables, double scale, int64_t max_query_len,
+                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks) {
   check_layout(q, kv_cache, out);
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ", sliding_window);
+  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0 = none), got ", soft_cap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "sinks must be a contiguous float32 CPU tensor of num_heads (", q.size(1), ") entries, got ",
+                sinks->sizes(), " ", sinks->scalar_type());
+  }
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
               "query_start_loc, seq_lens and block_tables must be int32");
@@ -326,6 +372,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   sh.cache_stride_plane = kv_cache.size(1) * sh.cache_stride_block;
   sh.max_blocks = block_tables.size(1);
   sh.scale = static_cast<float>(scale);
+  sh.window = sliding_window;
+  sh.soft_cap = static_cast<float>(soft_cap);
+  sh.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
 
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -349,7 +398,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
     if (q_len > max_query_len) continue;  // left to the caller
     TORCH_CHECK(starts[r] >= 0, "query_start_loc[", r, "] is negative");
     const int32_t* row = block_tables.data_ptr<int32_t>() + r * sh.max_blocks;
-    for (int64_t b = 0; b < (lens[r] + sh.block_size - 1) / sh.block_size; ++b) {
+    // Entries before the window of the request's earliest query row are never read.
+    for (int64_t b = first_visible(sh, context) / sh.block_size; b < (lens[r] + sh.block_size - 1) / sh.block_size;
+         ++b) {
       // Reading through a bad block id would touch memory outside the cache: refuse instead.
       TORCH_CHECK(row[b] >= 0 && row[b] < num_cache_blocks, "request ", r, ": block_tables[", r, "][", b,
                   "] = ", row[b], " is not a block of this cache (", num_cache_blocks, " blocks)");
@@ -415,7 +466,8 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, float scale, int max_query_len) -> ()");
+      "Tensor block_tables, float scale, int max_query_len, int sliding_window, float soft_cap, "
+      "Tensor? sinks) -> ()");
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
