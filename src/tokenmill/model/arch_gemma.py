@@ -160,17 +160,24 @@ def _gemma_rope(
     have `rope_theta` + `rope_scaling` (the full-attention layers') and `rope_local_base_freq`.
     """
     if family == "gemma2":
-        theta, scaling = _rope(text)  # one table for every layer; _rope's default theta is Gemma 2's
+        theta, scaling = _rope_table(text)  # one table for every layer; the default theta is Gemma 2's
         return theta, scaling, None, None
     params = text.get("rope_parameters")
     if isinstance(params, dict) and _FULL in params:
         full = {"rope_theta": settings["rope_theta"], **(params[_FULL] or {})}
         local = {"rope_theta": settings["rope_local_base_freq"], **(params.get(_SLIDING) or {})}
-        theta, scaling = _rope({"rope_parameters": full})
-        local_theta, local_scaling = _rope({"rope_parameters": local})
+        theta, scaling = _rope_table({"rope_parameters": full})
+        local_theta, local_scaling = _rope_table({"rope_parameters": local})
     else:
-        theta, scaling = _rope({"rope_theta": settings["rope_theta"], "rope_scaling": text.get("rope_scaling")})
-        local_theta, local_scaling = _rope({"rope_theta": settings["rope_local_base_freq"]})
+        theta, scaling = _rope_table(
+            {"rope_theta": settings["rope_theta"], "rope_scaling": text.get("rope_scaling")}
+        )
+        local_theta, local_scaling = _rope_table({"rope_theta": settings["rope_local_base_freq"]})
     if (local_theta, local_scaling) == (theta, scaling):
         return theta, scaling, None, None
     return theta, scaling, local_theta, local_scaling
+
+
+def _rope_table(params: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one RoPE table, parsed as arch.py parses every family's."""
+    return _rope(params)
