@@ -134,7 +134,7 @@ class GemmaCausalLM(CausalLM):
         )  # fmt: skip
         dtype = dtype or torch.float32
         # The final norm's 1 + w, in float32 like every GemmaRMSNorm weight.
-        self.norm = nn.Parameter(torch.ones(arch.hidden_size, device=device), requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size, device=device, dtype=torch.float32), requires_grad=False)
         # transformers multiplies by sqrt(hidden) cast to the embedding's dtype first.
         self.register_buffer(
             "embed_scale", torch.tensor(arch.hidden_size**0.5, device=device).to(dtype), persistent=False
