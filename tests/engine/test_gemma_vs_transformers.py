@@ -18,6 +18,7 @@ import torch
 from tests.engine.gemma_checkpoints import GEMMA2_WINDOW, GEMMA3_WINDOW, write_gemma_checkpoint
 from tests.engine.hf_oracle import load_hf
 from tokenmill import LLM, SamplingParams
+from tokenmill.model.arch import SUPPORTED_ROPE_TYPES
 
 MAX_NEW = 12
 FAMILIES = ["gemma2", "gemma3"]
@@ -150,3 +151,21 @@ def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(tmp_path
     assert type(load_hf(path)).__name__ == "Gemma3ForConditionalGeneration"
     prompts = _prompts(llm.info.vocab_size, 3, seed=6, min_len=30, max_len=70)
     _check_greedy(llm, path, prompts, logprobs=True)
+
+
+@pytest.mark.skipif(
+    "linear" not in SUPPORTED_ROPE_TYPES, reason="linear RoPE scaling comes with the phi branch (rotary.py)"
+)
+def test_gemma3_linear_rope_scaling_on_its_global_layers(tmp_path, tiny_tokenizer):
+    """Gemma 3 (4B and up) scales the global layers' RoPE linearly (factor 8 there, 4 here) and leaves the local
+    table alone: each layer rotates with its own."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+    }
+    path = str(write_gemma_checkpoint(tmp_path / "g3", "gemma3", tiny_tokenizer, seed=14, rope_parameters=rope))
+    llm = _llm(path)
+    arch = llm.engine.runner.arch
+    assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "linear"
+    assert arch.local_rope_scaling is None
+    _check_greedy(llm, path, _prompts(llm.info.vocab_size, 3, seed=7, min_len=40, max_len=120), logprobs=True)
