@@ -20,7 +20,9 @@ STEPS=${STEPS:-tests,latency,throughput}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
 BASELINE_PROMPTS=${BASELINE_PROMPTS:-512}
 NUM_PROMPTS=${NUM_PROMPTS:-512}
-GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200" | tr A-Z a-z)}
+# The result files' suffix: h100 / h200 from the GPU's name (GPU=... to set it).
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200" |
+  tr A-Z a-z)}
 
 TOKENMILL=(python3 -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')
 

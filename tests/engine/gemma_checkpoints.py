@@ -102,8 +102,8 @@ def write_gemma_checkpoint(path: Path, family: str, tokenizer, seed: int, **over
             image_size=28, patch_size=14,
         )  # fmt: skip
         config = transformers.Gemma3Config(
-            text_config=gemma3_text_config(tokenizer, **overrides), vision_config=vision, mm_tokens_per_image=4,
-            boi_token_index=3, eoi_token_index=4, image_token_index=5,
+            text_config=gemma3_text_config(tokenizer, **overrides), vision_config=vision,
+            mm_tokens_per_image=4, boi_token_index=3, eoi_token_index=4, image_token_index=5,
         )  # fmt: skip
         model = transformers.Gemma3ForConditionalGeneration(config)
     else:

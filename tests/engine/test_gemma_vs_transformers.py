@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text) through the whole engine equal transformers on the same weights.
 
 fp32 on the CPU: greedy tokens token for token (each our argmax = transformers' argmax on the
-same tokens), the chosen tokens' logprobs and every prompt token's logprob within 1e-4, whatever the scheduler does (one request, a batch, chunked prefill,
+same tokens), the chosen tokens' logprobs and every prompt token's logprob within 1e-4, whatever
+the scheduler does (one request, a batch, chunked prefill,
 preemption, prefix caching, async scheduling), on prompts several sliding windows long (windows
 of 16 and 24 tokens, tests/engine/gemma_checkpoints.py). transformers runs Gemma 2 with its eager
 attention (the one that soft-caps). Also a Gemma3ForConditionalGeneration checkpoint's text model.
@@ -86,7 +87,8 @@ def _check_greedy(llm: LLM, path: str, prompts: list[list[int]], *, logprobs: bo
         if not logprobs:
             continue
         for j, (token, position) in enumerate(zip(tokens, completion.logprobs, strict=True)):
-            assert position[token].logprob == pytest.approx(expected[len(prompt) - 1 + j, token].item(), abs=1e-4)
+            expected_lp = expected[len(prompt) - 1 + j, token].item()
+            assert position[token].logprob == pytest.approx(expected_lp, abs=1e-4)
         for i, (token, position) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:], strict=True)):
             assert position[token].logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
     llm.engine.check_invariants()
@@ -119,7 +121,8 @@ def test_chunked_prefill_small_token_budget(gemma_dir, family, async_scheduling)
     # Chunks of 8 tokens or fewer: a window spans several chunks and steps.
     llm = _llm(gemma_dir, max_num_batched_tokens=8, max_num_seqs=4, async_scheduling=async_scheduling)
     window = WINDOWS[family]
-    _check_greedy(llm, gemma_dir, _prompts(llm.info.vocab_size, 5, seed=2, min_len=window, max_len=4 * window))
+    prompts = _prompts(llm.info.vocab_size, 5, seed=2, min_len=window, max_len=4 * window)
+    _check_greedy(llm, gemma_dir, prompts)
 
 
 def test_preemption_in_a_small_kv_pool(gemma_dir, family):
@@ -157,13 +160,14 @@ def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(tmp_path
     "linear" not in SUPPORTED_ROPE_TYPES, reason="linear RoPE scaling comes with the phi branch (rotary.py)"
 )
 def test_gemma3_linear_rope_scaling_on_its_global_layers(tmp_path, tiny_tokenizer):
-    """Gemma 3 (4B and up) scales the global layers' RoPE linearly (factor 8 there, 4 here) and leaves the local
-    table alone: each layer rotates with its own."""
+    """Gemma 3 (4B and up) scales the global layers' RoPE linearly (factor 8 there, 4 here) and
+    leaves the local table alone: each layer rotates with its own."""
     rope = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
     }
-    path = str(write_gemma_checkpoint(tmp_path / "g3", "gemma3", tiny_tokenizer, seed=14, rope_parameters=rope))
+    path = write_gemma_checkpoint(tmp_path / "g3", "gemma3", tiny_tokenizer, seed=14, rope_parameters=rope)
+    path = str(path)
     llm = _llm(path)
     arch = llm.engine.runner.arch
     assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "linear"

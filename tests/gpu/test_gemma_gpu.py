@@ -36,9 +36,8 @@ pytestmark = [
 def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
     # Gemma 2's own final cap (30) rather than the CPU tests' 1.5, which squeezes the logits
     # together and makes bf16 ties (see test_bf16_greedy_and_logprobs_match_transformers) common.
-    return write_gemma_checkpoint(
-        tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", tiny_tokenizer, seed=11, final_logit_softcapping=30.0
-    )
+    path = tmp_path_factory.mktemp("tiny_gemma2")
+    return write_gemma_checkpoint(path, "gemma2", tiny_tokenizer, seed=11, final_logit_softcapping=30.0)
 
 
 @pytest.fixture(scope="module")

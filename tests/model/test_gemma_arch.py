@@ -153,10 +153,11 @@ def test_the_model_gives_each_layer_its_spec_rope_and_float32_norms(tmp_path, ti
     stored = load_file(str(path / "model.safetensors"))
     layer = model.layers[1]
     assert layer.pre_feedforward_layernorm.weight.dtype == torch.float32
-    torch.testing.assert_close(
-        layer.pre_feedforward_layernorm.weight, 1.0 + stored["model.layers.1.pre_feedforward_layernorm.weight"]
-    )
-    torch.testing.assert_close(layer.self_attn.q_norm.weight, 1.0 + stored["model.layers.1.self_attn.q_norm.weight"])
+    prefix = "model.layers.1."
+    ff_norm = stored[prefix + "pre_feedforward_layernorm.weight"]
+    torch.testing.assert_close(layer.pre_feedforward_layernorm.weight, 1.0 + ff_norm)
+    q_norm = stored[prefix + "self_attn.q_norm.weight"]
+    torch.testing.assert_close(layer.self_attn.q_norm.weight, 1.0 + q_norm)
     torch.testing.assert_close(model.norm, 1.0 + stored["model.norm.weight"])
     assert not model.fold_norm_weights()
     assert float(model.embed_scale) == 8.0  # sqrt(64)

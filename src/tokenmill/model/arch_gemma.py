@@ -102,7 +102,8 @@ def gemma_arch_config(cfg: dict[str, Any], family: str) -> ArchConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", settings["tie_word_embeddings"])),
         max_position_embeddings=max_positions,
         sliding_windows=_sliding_windows(
-            nullable("sliding_window"), layer_types(text, num_layers, int(settings["sliding_window_pattern"])),
+            nullable("sliding_window"),
+            layer_types(text, num_layers, int(settings["sliding_window_pattern"])),
             max_positions,
         ),
         bos_token_id=cfg.get("bos_token_id", text.get("bos_token_id")),

@@ -48,7 +48,9 @@ _TEXT_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_VISION_PREFIXES = (
+    "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
+)  # fmt: skip
 _EXTRA_LAYER_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -75,7 +77,9 @@ class GemmaDecoderLayer(nn.Module):
         )  # fmt: skip
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
-        self.mlp = GeGLUMLP(arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place)
+        self.mlp = GeGLUMLP(
+            arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
+        )
         self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.ops = ops
         self.eps = eps
@@ -134,7 +138,9 @@ class GemmaCausalLM(CausalLM):
         )  # fmt: skip
         dtype = dtype or torch.float32
         # The final norm's 1 + w, in float32 like every GemmaRMSNorm weight.
-        self.norm = nn.Parameter(torch.ones(arch.hidden_size, device=device, dtype=torch.float32), requires_grad=False)
+        self.norm = nn.Parameter(
+            torch.ones(arch.hidden_size, device=device, dtype=torch.float32), requires_grad=False
+        )
         # transformers multiplies by sqrt(hidden) cast to the embedding's dtype first.
         self.register_buffer(
             "embed_scale", torch.tensor(arch.hidden_size**0.5, device=device).to(dtype), persistent=False

@@ -188,8 +188,9 @@ class CausalLM(nn.Module):
     ) -> nn.Module:
         """Decoder layer `index`; a family whose layers differ (model/gemma.py) overrides this."""
         return DecoderLayer(
-            self.arch, self.attn_backend, self.ops, kernel, linear_method=linear_method, device=device, dtype=dtype
-        )
+            self.arch, self.attn_backend, self.ops, kernel, linear_method=linear_method, device=device,
+            dtype=dtype,
+        )  # fmt: skip
 
     def forward(
         self,

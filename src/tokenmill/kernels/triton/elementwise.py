@@ -301,7 +301,9 @@ def _act_mul(
 ) -> torch.Tensor:
     num_rows, width = gate_up.shape
     if gate_up.stride(-1) != 1 or width % 2:
-        raise ValueError(f"the gated activation needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"the gated activation needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}"
+        )
     if norm_source is not None and (
         norm_source.dim() != 2 or norm_source.shape[0] != num_rows or norm_source.stride(-1) != 1
     ):
