@@ -5,20 +5,39 @@ against a dense per-request float64 softmax over the whole context written here.
 A sliding layer must not read the blocks that lie wholly before its window (another layer of the
 KV cache frees and reuses them): the poisoned cases point those block-table entries at a block of
 NaN keys and infinite values, and the output must not change by a bit.
+
+The Triton backend runs here under TRITON_INTERPRET=1 at tiny shapes (the variable must be set
+before triton is first imported; see tests/unit/test_triton_attention.py, whose subprocess
+fallback this file shares); tests/gpu/test_attention_layer_spec_gpu.py runs it compiled at real
+head dims.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
-import pytest
-import torch
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from tokenmill.attention.backend import PLAIN_ATTENTION, AttentionLayerSpec, AttentionMetadata
-from tokenmill.attention.cpu_paged import CpuPagedBackend
-from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.kernels.cpu.build import cpu_kernels_available
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tokenmill.attention.backend import PLAIN_ATTENTION, AttentionLayerSpec, AttentionMetadata  # noqa: E402
+from tokenmill.attention.cpu_paged import CpuPagedBackend  # noqa: E402
+from tokenmill.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from tokenmill.kernels.cpu.build import cpu_kernels_available  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+except ImportError:  # no triton: its cases skip
+    TritonPagedBackend = None
 
 _CPU_KERNELS, _WHY_NOT = cpu_kernels_available()
 needs_cpu_kernels = pytest.mark.skipif(not _CPU_KERNELS, reason=f"CPU kernels unavailable: {_WHY_NOT}")
@@ -158,6 +177,34 @@ def backend_args(case: Case) -> tuple:
     return case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim**-0.5, case.block_size
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_dense_reference_is_transformers_eager_attention(family: str) -> None:
+    """The reference these tests hold the backends to is transformers' own: Gemma 2's eager
+    attention (soft cap) and gpt-oss's (sinks), each under transformers' sliding-window mask."""
+    import importlib
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+    case = Case([13], [0], window=5, soft_cap=2.0 if family == "gemma2" else None, with_sinks=family == "gpt_oss")
+    batch = make_batch(case)
+    seq_len, group = case.seq_lens[0], case.num_heads // case.num_kv_heads
+    allowed = sliding_window_causal_mask_function(case.window)
+    positions = torch.arange(seq_len)
+    mask = allowed(torch.tensor(0), torch.tensor(0), positions[:, None], positions[None, :])
+    additive = torch.zeros(seq_len, seq_len, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=group, training=False, head_dim=case.head_dim)
+    if family == "gpt_oss":
+        module.sinks = batch.spec.sinks.double()
+    heads_first = {"query": batch.q.double(), "key": batch.keys[0].double(), "value": batch.values[0].double()}
+    heads_first = {name: t.transpose(0, 1)[None] for name, t in heads_first.items()}  # [1, heads, seq, dim]
+    extra = {"softcap": case.soft_cap} if family == "gemma2" else {}
+    expected, _ = eager(module, **heads_first, attention_mask=additive, scaling=case.head_dim**-0.5, **extra)
+    # (Gemma 2 takes its softmax in float32 whatever the input dtype.)
+    torch.testing.assert_close(dense_reference(batch), expected[0], atol=1e-6, rtol=1e-5)
+
+
 def make_torch(case: Case) -> TorchReferenceBackend:
     return TorchReferenceBackend(*backend_args(case))
 
@@ -173,10 +220,20 @@ def make_cpu_kernel_only(case: Case) -> CpuPagedBackend:
     return backend
 
 
+def make_triton(case: Case, num_kv_splits: int | None = None) -> TritonPagedBackend:
+    return TritonPagedBackend(*backend_args(case), num_kv_splits=num_kv_splits)
+
+
+needs_interpreted_triton = pytest.mark.skipif(
+    TritonPagedBackend is None or not INTERPRETED,
+    reason="triton is not installed, or was imported compiled in this process (the subprocess test runs these)",
+)
+
 BACKENDS = [
     pytest.param(make_torch, id="torch"),
     pytest.param(make_cpu, id="cpu", marks=needs_cpu_kernels),
     pytest.param(make_cpu_kernel_only, id="cpu-kernel-only", marks=needs_cpu_kernels),
+    pytest.param(make_triton, id="triton", marks=needs_interpreted_triton),
 ]
 
 
@@ -269,3 +326,113 @@ def test_bfloat16_cache(make_backend) -> None:
     n = batch.meta.num_actual_tokens
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out[:n].double(), dense_reference(batch)[:n], atol=3e-2, rtol=3e-2)
+
+
+# -- Triton: split-KV decodes, the fused RoPE decode launch, split planning ----------------------
+
+# Decodes and prefill chunks over contexts of several 16-token tiles, a window of 20.
+SMALL_TILE_CASE = Case([1, 6, 1, 9], [70, 40, 5, 33], window=20, soft_cap=3.0, with_sinks=True, seed=9)
+
+
+@needs_interpreted_triton
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+def test_triton_small_tiles_and_split_decodes_honour_the_spec(num_kv_splits: int, fused_merge: bool) -> None:
+    """16-token KV tiles, so that whole tiles lie before the window and are skipped (the default
+    tiles are longer than these contexts); decodes whose window spans several splits, some
+    splits without tiles (8), merged inside the attention launch or by the separate merge launch
+    (the sink joins once, in the merge). Pre-window blocks are poisoned."""
+    from tokenmill.kernels.triton.kv_store import store_kv
+    from tokenmill.kernels.triton.paged_attention import TileConfig, paged_attention
+
+    case = SMALL_TILE_CASE
+    batch = make_batch(case, poison=True)
+    cache = batch.kv_cache.clone()
+    store_kv(batch.k, batch.v, cache, batch.meta.slot_mapping)
+    meta, spec = batch.meta, batch.spec
+    heads = case.num_heads
+    # NaN scratch: a merge that read a split nobody wrote would show it.
+    partial_out = torch.full((meta.num_reqs, heads, num_kv_splits, case.head_dim), float("nan"))
+    partial_lse = torch.full((meta.num_reqs, heads, num_kv_splits), float("nan"))
+    counters = torch.zeros(meta.num_reqs * case.num_kv_heads, dtype=torch.int32) if fused_merge else None
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(
+        out, batch.q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, decode_only=False, scale=case.head_dim**-0.5,
+        num_kv_splits=num_kv_splits, partial_out=partial_out, partial_lse=partial_lse, split_counters=counters,
+        decode_config=TileConfig(block_q=1, block_m=16, block_n=16, num_warps=4, num_stages=1, merge_chunk=2),
+        prefill_config=TileConfig(block_q=8, block_m=16, block_n=16, num_warps=4, num_stages=1),
+        sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap, sinks=spec.sinks,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=2e-5, rtol=2e-5)
+    if counters is not None:
+        assert counters.eq(0).all()
+
+
+@needs_interpreted_triton
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_triton_decode_with_rope_honours_the_spec(num_kv_splits: int) -> None:
+    """The fused RoPE + KV store + attention decode launch under a window, soft cap and sinks:
+    bit for bit what the RoPE + KV-store launch followed by forward() gives, poisoned blocks unread."""
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv
+    from tokenmill.model.layers.rotary import RotaryEmbedding
+
+    case = Case([1, 1, 1], [21, 0, 7], window=6, soft_cap=3.0, with_sinks=True, num_heads=8, seed=10)
+    batch = make_batch(case, poison=True)
+    heads, kv_heads, meta = case.num_heads, case.num_kv_heads, batch.meta
+    rotary = RotaryEmbedding(case.head_dim, 128, 10000.0, None, dtype=torch.float32)
+    positions = torch.tensor(case.context_lens)
+    qkv = torch.cat([batch.q, batch.k, batch.v], dim=1)  # un-rotated, as the qkv projection lays them out
+    backend = make_triton(case, num_kv_splits=num_kv_splits)
+
+    fused_cache = batch.kv_cache.clone()
+    fused = backend.forward_decode_with_rope(
+        qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :], positions,
+        rotary.cos_cache, rotary.sin_cache, fused_cache, meta, layer=batch.spec,
+    )  # fmt: skip
+    split_cache, qk = batch.kv_cache.clone(), qkv[:, : heads + kv_heads].clone()
+    rope_and_store_kv(
+        qk, heads, batch.v, positions, rotary.cos_cache, rotary.sin_cache, split_cache, meta.slot_mapping
+    )
+    unfused = backend.forward(
+        qk[:, :heads], qk[:, heads:], batch.v, split_cache, meta, kv_already_stored=True, layer=batch.spec
+    )
+    torch.testing.assert_close(fused_cache, split_cache, rtol=0, atol=0, equal_nan=True)  # the poison block
+    assert torch.equal(fused, unfused)
+    assert torch.isfinite(fused).all()
+
+
+def test_triton_sliding_layers_plan_splits_for_their_window() -> None:
+    """A decode's split count follows the keys it sees: a window caps it, a plain layer keeps
+    the count planned for the whole context (host-side planning only)."""
+    if TritonPagedBackend is None:
+        pytest.skip("triton is not installed")
+    case = Case([1], [32767])
+    backend = TritonPagedBackend(*backend_args(case))
+    meta = AttentionMetadata(
+        num_actual_tokens=1, num_reqs=1, max_query_len=1, max_seq_len=32768,
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([32768], dtype=torch.int32),
+        block_tables=torch.zeros(1, 8192, dtype=torch.int32), slot_mapping=torch.zeros(1, dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32), seq_lens_cpu=torch.tensor([32768]),
+        is_decode_only=True,
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    full = backend._num_kv_splits(meta, cpu)
+    assert full > 2
+    assert backend._num_kv_splits(meta, cpu, window=256) == 2  # 256 keys: two 128-token splits
+    assert backend._num_kv_splits(meta, cpu, window=1 << 20) == full
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process already runs the Triton cases in the interpreter")
+def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
+    if TritonPagedBackend is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "triton"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -11,6 +11,12 @@ context length and capture allocates nothing of ours.
 Small decode-only steps can skip the model's separate RoPE + KV-store launch:
 `forward_decode_with_rope` takes q and k un-rotated and does RoPE, the KV store and attention in
 one launch per layer (`supports_fused_decode_rope` says when the model should call it).
+
+Each layer's sliding window, soft cap and sinks (AttentionLayerSpec) are compile-time switches of
+the kernels, so plain layers run the same code as without them; a sliding layer's programs start
+at the tile of their earliest row's first visible key and never read the pages before it. Its
+split count is planned for the window instead of the whole context. Everything read from the
+spec is a python constant of the layer, so CUDA-graph capture and replay are unaffected.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class _SplitScratch:
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    supported_layer_features = frozenset({"sliding window", "logit soft-capping", "attention sinks"})
     accepts_kv_stored_by_rope = True  # its cache takes K/V from the RoPE launch (rope_and_store_kv)
     fused_decode_rope_applies_norm = True  # DecodeRope's norm_source
     supports_cuda_graphs = True
@@ -169,9 +176,7 @@ class TritonPagedBackend(AttentionBackend):
         kv_already_stored: bool = False,
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
-        if not layer.is_plain:
-            self.check_layer_spec(layer)
-        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored)
+        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored, layer=layer)
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
         # The kernels multiply q with K tiles loaded in the cache's dtype: they must match.
@@ -205,8 +210,6 @@ class TritonPagedBackend(AttentionBackend):
         """
         if not meta.is_decode_only:
             raise ValueError("forward_decode_with_rope serves decode-only batches; use forward()")
-        if not layer.is_plain:
-            self.check_layer_spec(layer)
         rope = DecodeRope(
             k,
             v,
@@ -217,7 +220,7 @@ class TritonPagedBackend(AttentionBackend):
             norm_source=norm_source,
             norm_eps=norm_eps,
         )
-        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=True, rope=rope)
+        return self._forward(q, k, v, kv_cache, meta, kv_already_stored=True, rope=rope, layer=layer)
 
     def _forward(
         self,
@@ -229,6 +232,7 @@ class TritonPagedBackend(AttentionBackend):
         *,
         kv_already_stored: bool,
         rope: DecodeRope | None = None,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         if q.shape[1:] != (self.num_heads, self.head_dim):
@@ -244,7 +248,7 @@ class TritonPagedBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
-        num_splits = self._num_kv_splits(meta, q.device)
+        num_splits = self._num_kv_splits(meta, q.device, layer.sliding_window)
         partial_out = partial_lse = split_counters = None
         if num_splits > 1:
             partial_out, partial_lse, split_counters = self._scratch(num_splits, meta, q.device)
@@ -269,6 +273,9 @@ class TritonPagedBackend(AttentionBackend):
             rope=rope,
             # One row per request (decode-only, no zero-row padding requests): the host copy says so.
             all_decode=meta.is_decode_only and int(meta.query_start_loc_cpu[-1]) == meta.num_reqs,
+            sliding_window=layer.sliding_window,
+            logits_soft_cap=layer.logits_soft_cap,
+            sinks=layer.sinks,
         )
         return out
 
@@ -285,14 +292,16 @@ class TritonPagedBackend(AttentionBackend):
     def _uses_graph_rule(self, meta: AttentionMetadata) -> bool:
         return meta.is_decode_only and meta.num_reqs <= self._graph_max_reqs
 
-    def _graph_num_kv_splits(self, num_reqs: int, device: torch.device) -> int:
+    def _graph_num_kv_splits(self, num_reqs: int, device: torch.device, window: int | None = None) -> int:
+        """Fixed per batch size (and layer window) before capture. A window only lowers the
+        count, so the scratch sized in prepare_for_capture for full layers holds it too."""
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
         return choose_num_kv_splits(
-            num_reqs, self.num_kv_heads, self._graph_max_context_len, self._sm_count(device)
+            num_reqs, self.num_kv_heads, _keys_seen(self._graph_max_context_len, window), self._sm_count(device)
         )
 
-    def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device) -> int:
+    def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device, window: int | None = None) -> int:
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
         if not meta.is_decode_only:
@@ -303,12 +312,12 @@ class TritonPagedBackend(AttentionBackend):
             if num_decodes == 0:
                 return 1
             return choose_num_kv_splits(
-                num_decodes, self.num_kv_heads, meta.max_seq_len, self._sm_count(device)
+                num_decodes, self.num_kv_heads, _keys_seen(meta.max_seq_len, window), self._sm_count(device)
             )
         if self._uses_graph_rule(meta):
-            return self._graph_num_kv_splits(meta.num_reqs, device)
+            return self._graph_num_kv_splits(meta.num_reqs, device, window)
         return choose_num_kv_splits(
-            meta.num_reqs, self.num_kv_heads, meta.max_seq_len, self._sm_count(device)
+            meta.num_reqs, self.num_kv_heads, _keys_seen(meta.max_seq_len, window), self._sm_count(device)
         )
 
     def _scratch(
@@ -329,3 +338,8 @@ class TritonPagedBackend(AttentionBackend):
             )
         partial_out, partial_lse = scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
         return partial_out, partial_lse, scratch.split_counters
+
+
+def _keys_seen(context_len: int, window: int | None) -> int:
+    """How many keys a decode at this context length attends to (what its splits divide)."""
+    return context_len if window is None else min(context_len, window)

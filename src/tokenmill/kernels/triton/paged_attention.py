@@ -135,6 +135,9 @@ def paged_attention(
     min_kv_per_split: int = 0,
     rope: DecodeRope | None = None,
     all_decode: bool = False,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
@@ -146,6 +149,11 @@ def paged_attention(
     writes this step's keys and values into kv_cache itself (see the module docstring).
     `all_decode` promises that query_start_loc is 0, 1, ..., num_reqs (every request one row), so
     the decode launch need not read it; the caller knows that from the host copy.
+    The layer's options (see attention/backend.py's AttentionLayerSpec): a query at p sees keys
+    p - sliding_window < k <= p, and each program loads only the tiles from its earliest row's
+    first visible key on, never a page wholly before it; scores become cap * tanh(scores / cap);
+    `sinks` add one logit per head to every softmax's denominator. Each is a compile-time switch
+    of the kernels, off (and free) for plain layers.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -166,6 +174,7 @@ def paged_attention(
         )
     if rope is not None:
         _check_rope(rope, q, kv_cache, decode_only)
+    layer = _LayerOptions.check(sliding_window, logits_soft_cap, sinks, num_heads)
     if not use_splits:
         partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
     launch = _Launch(
@@ -181,6 +190,7 @@ def paged_attention(
         partial_lse,
         split_counters if fused_merge else seq_lens,  # (unused without the fused merge)
         fused_merge,
+        layer,
     )
     if not decode_only:
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
@@ -223,6 +233,27 @@ def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_cache: torch.Tensor, decod
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _LayerOptions:
+    """A layer's window, soft cap and sinks as the kernels take them (0 / unused when absent)."""
+
+    sliding_window: int | None
+    soft_cap_log2: float | None  # the cap in the base-2 units the kernel's scores use
+    sinks: torch.Tensor | None
+
+    @classmethod
+    def check(
+        cls, sliding_window: int | None, soft_cap: float | None, sinks: torch.Tensor | None, num_heads: int
+    ) -> _LayerOptions:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token (or None), got {sliding_window}")
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive (or None), got {soft_cap}")
+        if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+            raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor, got {tuple(sinks.shape)}")
+        return cls(sliding_window, None if soft_cap is None else soft_cap * LOG2_E, sinks)
+
+
 @dataclass(slots=True)
 class _Launch:
     out: torch.Tensor
@@ -237,6 +268,7 @@ class _Launch:
     partial_lse: torch.Tensor
     split_counters: torch.Tensor
     fused_merge: bool
+    layer: _LayerOptions
 
     def attention(
         self,
@@ -260,6 +292,7 @@ class _Launch:
             k, v, positions, cos, sin, slots = q, q, self.seq_lens, q, q, self.seq_lens
         norm_source = rope.norm_source if rope is not None else None
         hidden = norm_source.shape[1] if norm_source is not None else 1
+        layer = self.layer
         _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
             self.partial_out,
@@ -303,6 +336,9 @@ class _Launch:
             key_cache.stride(1),
             key_cache.stride(2),
             self.block_tables.stride(0),
+            layer.sinks if layer.sinks is not None else q,  # (unused without sinks)
+            layer.sliding_window or 0,
+            layer.soft_cap_log2 or 0.0,
             GROUP=num_heads // num_kv_heads,
             GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
             HEAD_DIM=head_dim,
@@ -321,6 +357,9 @@ class _Launch:
             NORM_SCALE=norm_source is not None,
             HIDDEN_PAD=triton.next_power_of_2(hidden),
             HALF=head_dim // 2,
+            SLIDING=layer.sliding_window is not None,
+            SOFT_CAP=layer.soft_cap_log2 is not None,
+            SINKS=layer.sinks is not None,
             ON_GPU=q.device.type == "cuda",
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
             UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
@@ -332,6 +371,7 @@ class _Launch:
     def merge(self, num_kv_splits: int, min_tiles: int, config: TileConfig) -> None:
         out = self.out
         num_heads, num_kv_heads = out.shape[1], self.kv_cache.shape[3]
+        layer = self.layer
         _merge_splits_kernel[(self.num_reqs, num_kv_heads)](
             out,
             self.partial_out,
@@ -347,6 +387,8 @@ class _Launch:
             self.partial_out.stride(2),
             self.partial_lse.stride(0),
             self.partial_lse.stride(1),
+            layer.sinks if layer.sinks is not None else out,  # (unused without sinks)
+            layer.sliding_window or 0,
             GROUP=num_heads // num_kv_heads,
             GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
             HEAD_DIM=out.shape[2],
@@ -354,5 +396,7 @@ class _Launch:
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
             MERGE_CHUNK=min(config.merge_chunk, triton.next_power_of_2(num_kv_splits)),
             BLOCK_N=config.block_n,
+            SLIDING=layer.sliding_window is not None,
+            SINKS=layer.sinks is not None,
             num_warps=4,
         )

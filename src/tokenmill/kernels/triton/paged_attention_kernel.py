@@ -12,12 +12,13 @@ from tokenmill.kernels.triton.paged_attention_tiles import (
     _find_request,
     _load_tile,
     _split_plan,
+    _window_first_tile,
 )
 from tokenmill.kernels.triton.rms import inverse_rms, scale_rounded
 from tokenmill.kernels.triton.rounding import rope_rows
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "min_tiles_per_split"])
+@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "min_tiles_per_split", "sliding_window"])
 def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
@@ -62,6 +63,9 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_block_table,
+    sinks_ptr,  # SINKS only: one logit per query head [num_heads] (natural-log units)
+    sliding_window,  # SLIDING only: a query at p sees keys p - sliding_window < k <= p
+    soft_cap_log2,  # SOFT_CAP only: the logit soft cap times log2(e)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -80,6 +84,9 @@ def _paged_attention_kernel(
     NORM_SCALE: tl.constexpr,  # ROPE_KV only: q/k/v still need the input RMSNorm's 1/rms factor
     HIDDEN_PAD: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
+    SLIDING: tl.constexpr,  # the layer has a sliding window
+    SOFT_CAP: tl.constexpr,  # the layer soft-caps its scores
+    SINKS: tl.constexpr,  # the layer has attention sinks
     ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
     DOT_PRECISION: tl.constexpr,
@@ -113,11 +120,20 @@ def _paged_attention_kernel(
 
     # This q block sees KV positions [0, kv_end); split `split` takes its share of the tiles.
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    tiles_per_split, num_active = _split_plan(kv_end, num_kv_splits, min_tiles_per_split, BLOCK_N)
+    if SLIDING:
+        # [kv_begin, kv_end) with a window: the tiles from the earliest row's first key on.
+        kv_begin, first_tile = _window_first_tile(context_len + q_block_local * BLOCK_Q, sliding_window, BLOCK_N)
+        tiles_per_split, num_active = _split_plan(
+            kv_end - first_tile * BLOCK_N, num_kv_splits, min_tiles_per_split, BLOCK_N
+        )
+    else:
+        kv_begin = 0
+        first_tile = 0
+        tiles_per_split, num_active = _split_plan(kv_end, num_kv_splits, min_tiles_per_split, BLOCK_N)
     if split >= num_active:  # no tiles for this split (only decodes split): nothing to add
         return
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tile_begin = split * tiles_per_split
+    tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     rows = tl.arange(0, BLOCK_M)
@@ -134,8 +150,8 @@ def _paged_attention_kernel(
         # round trips overlap those of q/k/v, the 1/rms reduction and RoPE instead of following
         # them. Positions up to kv_end - 2 are in the pages; the new token comes from registers.
         first_key_t, first_value = _load_tile(
-            tile_begin, kv_end - 1, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
-            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N,
+            tile_begin, kv_end - 1, kv_begin, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
+            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, SLIDING,
         )  # fmt: skip
     q = tl.load(
         q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
@@ -189,8 +205,9 @@ def _paged_attention_kernel(
         # also the last one. A split that ends at the last tile otherwise runs that tile after
         # the loop, likewise; the loop keeps plain loads (software-pipelined).
         m_i, l_i, acc = _attend_loaded(
-            q, m_i, l_i, acc, first_key_t, first_value, tile_begin, kv_end, q_pos, k_new, v_new, scale_log2,
-            BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
+            q, m_i, l_i, acc, first_key_t, first_value, tile_begin, kv_begin, kv_end, q_pos, k_new, v_new,
+            scale_log2, sliding_window, soft_cap_log2, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT,
+            DOT_PRECISION,
         )  # fmt: skip
         owns_last = tile_end == num_tiles
         last_after_loop = owns_last & (tile_begin != num_tiles - 1)
@@ -201,16 +218,18 @@ def _paged_attention_kernel(
         v_new = dims
     for tile in range(loop_begin, loop_end):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr, value_cache_ptr,
-            kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block, stride_cache_slot,
-            stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, UPCAST_DOT, DOT_PRECISION,
+            q, m_i, l_i, acc, tile, kv_begin, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr,
+            value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, sliding_window, soft_cap_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, SLIDING,
+            SOFT_CAP, UPCAST_DOT, DOT_PRECISION,
         )  # fmt: skip
     if ROPE_KV:  # noqa: SIM102 (owns_last exists only when ROPE_KV)
         if last_after_loop:
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, num_tiles - 1, kv_end, kv_end - 1, q_pos, block_table_row, key_cache_ptr,
-                value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, stride_cache_block,
-                stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, True, UPCAST_DOT, DOT_PRECISION,
+                q, m_i, l_i, acc, num_tiles - 1, kv_begin, kv_end, kv_end - 1, q_pos, block_table_row,
+                key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2,
+                sliding_window, soft_cap_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
+                PAGE_SIZE, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT, DOT_PRECISION,
             )  # fmt: skip
         if owns_last:  # exactly one split per (request, KV head)
             slot = tl.load(slot_mapping_ptr + q_start)
@@ -223,6 +242,13 @@ def _paged_attention_kernel(
                 tl.store(key_cache_ptr + slot_offset + dims, k_new, mask=dim_valid)
                 tl.store(value_cache_ptr + slot_offset + dims, v_new, mask=dim_valid)
 
+    if SINKS and not USE_SPLITS:  # split partials leave the sink to the merge
+        # The sink is one more softmax column with no value: it only adds to the denominator.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_sink = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_sink)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_sink)
+        acc = acc * alpha[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & dim_valid[None, :]
@@ -256,6 +282,7 @@ def _paged_attention_kernel(
                     out_ptr,
                     partial_out_ptr,
                     partial_lse_ptr,
+                    sinks_ptr,
                     q_start.to(tl.int64),
                     req64,
                     kv_head,
@@ -273,6 +300,7 @@ def _paged_attention_kernel(
                     HEAD_DIM_PAD,
                     SPLITS_PAD,
                     MERGE_CHUNK,
+                    SINKS,
                 )
                 tl.atomic_xchg(counter, 0)
     else:

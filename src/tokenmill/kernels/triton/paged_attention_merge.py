@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.paged_attention_tiles import _split_plan
+from tokenmill.kernels.triton.paged_attention_tiles import _split_plan, _window_first_tile
 
 
 @triton.jit
@@ -14,6 +14,7 @@ def _merge_group(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    sinks_ptr,  # SINKS: [num_heads] logits (natural-log units)
     token,  # int64 row of the decode token in out
     req64,
     kv_head,
@@ -31,11 +32,13 @@ def _merge_group(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Combine the split partials of the GROUP query heads of one KV head of one decode request.
 
     The partials are read MERGE_CHUNK splits at a time ([group, chunk, head_dim] per load), so
-    a merge costs a few memory round trips rather than one per split."""
+    a merge costs a few memory round trips rather than one per split. A sink joins the
+    denominator here, once, not in every split."""
     g = tl.arange(0, GROUP_PAD)
     g_valid = g < GROUP
     heads = kv_head * GROUP + g
@@ -51,8 +54,13 @@ def _merge_group(
         cache_modifier=".cg",
     )
     lse_max = tl.max(lse, axis=1)
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=g_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row with no keys at all
     denom = tl.sum(tl.math.exp2(lse - lse_max[:, None]), axis=1)
+    if SINKS:
+        denom += tl.math.exp2(sink - lse_max)
     denom = tl.where(denom == 0.0, 1.0, denom)
     merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     partial_base = partial_out_ptr + req64 * stride_partial_req + heads * stride_partial_head
@@ -79,7 +87,7 @@ def _merge_group(
     )
 
 
-@triton.jit(do_not_specialize=["num_kv_splits", "min_tiles_per_split"])
+@triton.jit(do_not_specialize=["num_kv_splits", "min_tiles_per_split", "sliding_window"])
 def _merge_splits_kernel(
     out_ptr,
     partial_out_ptr,
@@ -95,6 +103,8 @@ def _merge_splits_kernel(
     stride_partial_split,
     stride_lse_req,
     stride_lse_head,
+    sinks_ptr,  # SINKS only
+    sliding_window,  # SLIDING only
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -102,6 +112,8 @@ def _merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the attention launch's, for its split plan
+    SLIDING: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """The merge as a launch of its own, one program per (request, KV head), for callers that
     pass no split counters; the same `_merge_group` the attention launch runs otherwise."""
@@ -110,11 +122,17 @@ def _merge_splits_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:  # not served by the decode launch
         return
-    _, num_active = _split_plan(tl.load(seq_lens_ptr + req), num_kv_splits, min_tiles_per_split, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + req)
+    if SLIDING:  # the attention launch split the window's tiles only
+        _, first_tile = _window_first_tile(seq_len - 1, sliding_window, BLOCK_N)
+        _, num_active = _split_plan(seq_len - first_tile * BLOCK_N, num_kv_splits, min_tiles_per_split, BLOCK_N)
+    else:
+        _, num_active = _split_plan(seq_len, num_kv_splits, min_tiles_per_split, BLOCK_N)
     _merge_group(
         out_ptr,
         partial_out_ptr,
         partial_lse_ptr,
+        sinks_ptr,
         q_start.to(tl.int64),
         req.to(tl.int64),
         kv_head,
@@ -132,4 +150,5 @@ def _merge_splits_kernel(
         HEAD_DIM_PAD,
         SPLITS_PAD,
         MERGE_CHUNK,
+        SINKS,
     )

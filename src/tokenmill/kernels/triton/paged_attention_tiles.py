@@ -1,5 +1,8 @@
 """The @triton.jit helpers of the paged attention kernel: which request owns a q-block, the
-split-KV plan, and one KV tile's loads and online-softmax update. See paged_attention.py."""
+split-KV plan, and one KV tile's loads and online-softmax update. See paged_attention.py.
+
+SLIDING, SOFT_CAP (and the kernel's SINKS) are constexpr: a plain layer compiles to the same code
+as without them."""
 
 from __future__ import annotations
 
@@ -32,9 +35,27 @@ def _split_plan(kv_end, num_kv_splits, min_tiles_per_split, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _window_first_tile(first_query_pos, sliding_window, BLOCK_N: tl.constexpr):
+    """(first key position, its tile) that a query at `first_query_pos` (the earliest of its
+    program) sees: p - window < k <= p. The tiles before it are never loaded."""
+    kv_begin = tl.maximum(first_query_pos - sliding_window + 1, 0)
+    return kv_begin, kv_begin // BLOCK_N
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 of a non-positive argument: no overflow for any x, no libdevice call (so
+    the CPU interpreter runs it too)."""
+    t = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _load_tile(
     tile,
     cached_end,  # positions < cached_end are read from the pages
+    cached_begin,  # SLIDING: and positions >= cached_begin (the blocks before may be reused)
     block_table_row,
     key_cache_ptr,
     value_cache_ptr,
@@ -46,10 +67,13 @@ def _load_tile(
     stride_cache_head,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """One KV tile's keys (transposed, [head_dim, BLOCK_N]) and values ([BLOCK_N, head_dim])."""
     kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cached = kv_pos < cached_end
+    if SLIDING:
+        cached = cached & (kv_pos >= cached_begin)
     block = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=cached, other=0)
     kv_offset = (
         block.to(tl.int64) * stride_cache_block
@@ -78,14 +102,19 @@ def _attend_loaded(
     key_t,
     value,
     tile,
+    kv_begin,  # SLIDING: positions < kv_begin are before every row's window
     kv_end,  # positions < kv_end are visible
     q_pos,
     k_new,  # NEW_TOKEN: the key and value of position kv_end - 1, in registers
     v_new,
     scale_log2,
+    sliding_window,  # SLIDING: a row at p sees p - sliding_window < k <= p
+    soft_cap_log2,  # SOFT_CAP: the cap in the base-2 units of the scores (cap * log2(e))
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     NEW_TOKEN: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -100,10 +129,17 @@ def _attend_loaded(
         key_t = key_t.to(tl.float32)
         value = value.to(tl.float32)
     scores = tl.dot(q, key_t, input_precision=DOT_PRECISION) * scale_log2
+    if SOFT_CAP:
+        # cap * tanh(s / cap) on the natural-log scores is the same map on the base-2 ones.
+        scores = soft_cap_log2 * _tanh(scores / soft_cap_log2)
     if DECODE:
         visible = kv_valid[None, :]
+        if SLIDING:  # one row, at kv_end - 1: its window starts at kv_begin
+            visible = visible & (kv_pos >= kv_begin)[None, :]
     else:
         visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     p = tl.math.exp2(scores - m_new[:, None])
@@ -120,6 +156,7 @@ def _attend_tile(
     l_i,
     acc,
     tile,
+    kv_begin,  # SLIDING: positions < kv_begin are neither read nor visible
     kv_end,  # positions < kv_end are visible
     cached_end,  # positions < cached_end are read from the pages
     q_pos,
@@ -132,6 +169,8 @@ def _attend_tile(
     k_new,  # NEW_TOKEN: the key and value of position kv_end - 1, in registers
     v_new,
     scale_log2,
+    sliding_window,
+    soft_cap_log2,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -139,15 +178,18 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     NEW_TOKEN: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, acc)."""
     key_t, value = _load_tile(
-        tile, cached_end, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid,
-        stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N,
+        tile, cached_end, kv_begin, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
+        dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, SLIDING,
     )  # fmt: skip
     return _attend_loaded(
-        q, m_i, l_i, acc, key_t, value, tile, kv_end, q_pos, k_new, v_new, scale_log2, BLOCK_N, DECODE,
-        NEW_TOKEN, UPCAST_DOT, DOT_PRECISION,
+        q, m_i, l_i, acc, key_t, value, tile, kv_begin, kv_end, q_pos, k_new, v_new, scale_log2,
+        sliding_window, soft_cap_log2, BLOCK_N, DECODE, NEW_TOKEN, SLIDING, SOFT_CAP, UPCAST_DOT,
+        DOT_PRECISION,
     )  # fmt: skip
