@@ -207,12 +207,12 @@ class GemmaCausalLM(CausalLM):
         and a Gemma3ForConditionalGeneration checkpoint's text-model names mapped to Gemma3ForCausalLM's
         (its vision tower and projector are not loaded)."""
         self._skipped_vision_weights = 0
-        super().load_weights(self._as_text_model_weights(weights))
+        super().load_weights(self._as_text_model_weights(weights, self.embed_tokens.dtype))
         if self._skipped_vision_weights:
             logger.info("loaded the text model only: %d vision weights skipped", self._skipped_vision_weights)
 
     def _as_text_model_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
+        self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.startswith(_VISION_PREFIXES):
@@ -223,7 +223,8 @@ class GemmaCausalLM(CausalLM):
                     name = replacement + name.removeprefix(prefix)
                     break
             if name.endswith("norm.weight"):  # every Gemma RMSNorm: input_layernorm ... q_norm, model.norm
-                tensor = 1.0 + tensor.float()
+                # w in the model's dtype first, as transformers holds it (an fp32 checkpoint run in bf16)
+                tensor = 1.0 + tensor.to(dtype).float()
             yield name, tensor
 
     def _expected_weight_names(self) -> set[str]:
