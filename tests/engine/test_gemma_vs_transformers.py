@@ -126,8 +126,14 @@ def test_chunked_prefill_small_token_budget(gemma_dir, family, async_scheduling)
 
 
 def test_preemption_in_a_small_kv_pool(gemma_dir, family):
-    # 30 blocks of 4 tokens; 8 requests growing to 42-72 tokens cannot all stay resident.
-    llm = _llm(gemma_dir, num_kv_blocks=30, block_size=4, max_model_len=96)
+    # A pool of one max_model_len sequence's K/V (96 tokens, 1 KiB a token: 4 layers x K and V x 2
+    # heads x 16 x fp32) in blocks of 4, and 16-token steps: prefills admitted chunk by chunk, 8
+    # requests growing to 42-72 tokens cannot all stay resident. Given in bytes, the pool keeps its
+    # size when the sliding layers' blocks are kept apart and freed behind the window (the kvg
+    # branch's KV cache groups), and preemption still happens then (checked on a trial merge).
+    llm = _llm(
+        gemma_dir, kv_cache_memory=96 * 1024, block_size=4, max_model_len=96, max_num_batched_tokens=16
+    )
     window = WINDOWS[family]
     _check_greedy(llm, gemma_dir, _prompts(llm.info.vocab_size, 8, seed=3, min_len=30, max_len=60))
     assert llm.engine.get_stats()["num_preemptions_total"] > 0
