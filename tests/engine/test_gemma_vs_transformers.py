@@ -157,6 +157,7 @@ def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(tmp_path
     path = str(write_gemma_checkpoint(tmp_path / "gemma3_mm", "gemma3-multimodal", tiny_tokenizer, seed=13))
     llm = _llm(path)
     assert llm.engine.runner.arch.architecture == "gemma3"
+    assert llm.engine.runner.model.num_skipped_vision_weights > 0
     assert type(load_hf(path)).__name__ == "Gemma3ForConditionalGeneration"
     prompts = _prompts(llm.info.vocab_size, 3, seed=6, min_len=30, max_len=70)
     _check_greedy(llm, path, prompts, logprobs=True)

@@ -151,7 +151,7 @@ class GemmaCausalLM(CausalLM):
                 arch.head_dim, self.max_positions, arch.local_rope_theta, arch.local_rope_scaling,
                 device=device, dtype=dtype,
             )  # fmt: skip
-        self._skipped_vision_weights = 0
+        self.num_skipped_vision_weights = 0
 
     def _make_layer(
         self,
@@ -206,17 +206,17 @@ class GemmaCausalLM(CausalLM):
         """llama's loading, with each norm's w stored as the 1 + w (float32) GemmaRMSNorm applies,
         and a Gemma3ForConditionalGeneration checkpoint's text-model names mapped to Gemma3ForCausalLM's
         (its vision tower and projector are not loaded)."""
-        self._skipped_vision_weights = 0
+        self.num_skipped_vision_weights = 0
         super().load_weights(self._as_text_model_weights(weights, self.embed_tokens.dtype))
-        if self._skipped_vision_weights:
-            logger.info("loaded the text model only: %d vision weights skipped", self._skipped_vision_weights)
+        if self.num_skipped_vision_weights:
+            logger.info("loaded the text model only: %d vision weights skipped", self.num_skipped_vision_weights)
 
     def _as_text_model_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.startswith(_VISION_PREFIXES):
-                self._skipped_vision_weights += 1
+                self.num_skipped_vision_weights += 1
                 continue
             for prefix, replacement in _TEXT_MODEL_PREFIXES:
                 if name.startswith(prefix):
