@@ -209,7 +209,8 @@ class GemmaCausalLM(CausalLM):
         self.num_skipped_vision_weights = 0
         super().load_weights(self._as_text_model_weights(weights, self.embed_tokens.dtype))
         if self.num_skipped_vision_weights:
-            logger.info("loaded the text model only: %d vision weights skipped", self.num_skipped_vision_weights)
+            skipped = self.num_skipped_vision_weights
+            logger.info("loaded the text model only: %d vision weights skipped", skipped)
 
     def _as_text_model_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype

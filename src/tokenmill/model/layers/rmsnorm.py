@@ -45,6 +45,7 @@ class GemmaRMSNorm(nn.Module):
     offset nor the upcast costs a launch per call; 1 + w.float() is what transformers computes."""
 
     def __init__(self, size: int, eps: float, device=None, dtype: torch.dtype | None = None) -> None:
+        # (`dtype`: RMSNorm's signature, so that either can be SelfAttention's qk_norm_class.)
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=torch.float32), requires_grad=False)
