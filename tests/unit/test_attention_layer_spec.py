@@ -436,3 +436,16 @@ def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sliding_window": 0}, "sliding_window must be a positive"),
+        ({"logits_soft_cap": 0.0}, "logits_soft_cap must be positive"),
+        ({"sinks": torch.zeros(2, 4)}, r"sinks must be one logit per query head"),
+    ],
+)
+def test_a_meaningless_spec_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AttentionLayerSpec(**kwargs)

@@ -42,6 +42,16 @@ class AttentionLayerSpec:
     # denominator and attends to nothing. None = no sinks.
     sinks: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"sliding_window must be a positive number of tokens (or None), got {self.sliding_window}"
+            )
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive (or None), got {self.logits_soft_cap}")
+        if self.sinks is not None and self.sinks.dim() != 1:
+            raise ValueError(f"sinks must be one logit per query head [num_heads], got {tuple(self.sinks.shape)}")
+
     @property
     def is_plain(self) -> bool:
         return self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
