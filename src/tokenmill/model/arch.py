@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is not loaded
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -28,7 +31,7 @@ _PARTIAL_ROTARY_FAMILIES = ("phi3",)
 
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -59,6 +62,20 @@ class ArchConfig:
     sliding_windows: tuple[int | None, ...] = field(default=(), hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / 3 (parsed by model/arch_gemma.py); the defaults are every other family's.
+    hidden_act: str = "silu"  # the MLP gate's activation: silu | gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim's)
+    attn_logit_softcap: float | None = None  # every layer's AttentionLayerSpec.logits_soft_cap
+    final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap)
+    # RoPE of the sliding-window layers when it differs from the other layers' (Gemma 3's
+    # rope_local_base_freq); None = one table for every layer.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -75,6 +92,12 @@ class ArchConfig:
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         """Build from a parsed HF `config.json`; raises UnsupportedModelError for what we cannot run."""
         family = _family(cfg)
+        if family in ("gemma2", "gemma3"):
+            # Gemma's configs differ in too many keys to share the checks below (arch_gemma imports
+            # this module, hence the late import).
+            from tokenmill.model.arch_gemma import gemma_arch_config
+
+            return gemma_arch_config(cfg, family)
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)

@@ -166,16 +166,12 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.attn_backend = attn_backend
         self.ops = select_layer_ops(device or "cpu")
+        self.max_positions = max_positions or arch.max_position_embeddings  # positions < this
         self.embed_tokens = nn.Parameter(
             torch.empty((arch.vocab_size, arch.hidden_size), device=device, dtype=dtype), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                arch, attn_backend, self.ops, kernel, linear_method=linear_method,
-                layer_spec=AttentionLayerSpec(sliding_window=arch.layer_sliding_window(i)),
-                device=device, dtype=dtype,
-            )  # fmt: skip
-            for i in range(arch.num_layers)
+            self._make_layer(i, kernel, linear_method, device, dtype) for i in range(arch.num_layers)
         )
         self.norm = nn.Parameter(
             torch.empty(arch.hidden_size, device=device, dtype=dtype), requires_grad=False
@@ -186,7 +182,7 @@ class CausalLM(nn.Module):
         )  # fmt: skip
         self.rotary = RotaryEmbedding(
             arch.head_dim,
-            max_positions or arch.max_position_embeddings,
+            self.max_positions,
             arch.rope_theta,
             arch.rope_scaling,
             device=device,
@@ -200,6 +196,21 @@ class CausalLM(nn.Module):
         # Decode-only steps the backend supports rotate q/k and store K/V inside the attention
         # launch (not with Q/K norms: those come between the projection and RoPE).
         self.fuse_decode_rope = kernel.fused_decode_rope and not arch.qk_norm
+
+    def _make_layer(
+        self,
+        index: int,
+        kernel: KernelConfig,
+        linear_method: LinearMethod | None,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        """Decoder layer `index`; a family whose layers differ (model/gemma.py) overrides this."""
+        return DecoderLayer(
+            self.arch, self.attn_backend, self.ops, kernel, linear_method=linear_method,
+            layer_spec=AttentionLayerSpec(sliding_window=self.arch.layer_sliding_window(index)),
+            device=device, dtype=dtype,
+        )  # fmt: skip
 
     def forward(
         self,

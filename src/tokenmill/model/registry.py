@@ -13,6 +13,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.device import resolve_dtype
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.gemma import GemmaCausalLM
 from tokenmill.model.layers.linear import process_weights_after_loading
 from tokenmill.model.layers.linear_select import select_linear_method
 from tokenmill.model.llama import CausalLM
@@ -32,6 +33,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen2": CausalLM,
     "qwen3": CausalLM,
     "phi3": Phi3ForCausalLM,
+    "gemma2": GemmaCausalLM,
+    "gemma3": GemmaCausalLM,
 }
 
 logger = logging.getLogger(__name__)

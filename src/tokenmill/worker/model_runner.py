@@ -138,7 +138,7 @@ class ModelRunner:
             self.arch.num_heads,
             self.arch.num_kv_heads,
             self.arch.head_dim,
-            self.arch.head_dim**-0.5,
+            self.arch.attention_scale,
             self.block_size,
             kernel=config.kernel,
         )

@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the CUDA path of the decoder: residual-add + RMSNorm, in-place
 RoPE (optionally writing the rotated keys and the values into the paged KV cache in the same
-launch), SiLU-and-multiply.
+launch), SiLU-and-multiply (and GeGLU's GELU-and-multiply).
 
 A decode step at small batch is a few big weight reads plus hundreds of tiny kernels; in eager
 PyTorch RMSNorm alone is four or five launches (upcast, norm, downcast, weight multiply) and RoPE
@@ -34,6 +34,7 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    WEIGHT_IN_F32: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -46,20 +47,31 @@ def _add_rms_norm_kernel(
         xf = _round_like(xf + delta.to(tl.float32), dtype)
         tl.store(x_ptr + row * stride_x + cols, xf.to(dtype), mask=mask)
     variance = tl.sum(xf * xf, axis=0) / hidden
-    normed = _round_like(xf / tl.sqrt_rn(variance + eps), dtype)
+    normed = xf / tl.sqrt_rn(variance + eps)
+    if not WEIGHT_IN_F32:  # Llama rounds before the weight multiply, Gemma only after it
+        normed = _round_like(normed, dtype)
     if HAS_WEIGHT:
         normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    *,
+    weight_in_float32: bool = False,
 ) -> torch.Tensor:
     """RMSNorm of `x + delta` over the last dimension; with `delta`, `x` is updated in place to the sum.
 
     x, delta: [T, hidden] (rows may be strided, the last dimension contiguous). `weight` None:
     no weight multiply (a model whose norm weights are folded into the next matmul).
+    `weight_in_float32`: a float32 `weight` multiplies the unrounded normalized value and the
+    product is rounded once (Gemma's order, with its 1 + w precomputed as the weight).
     """
+    if weight_in_float32 and (weight is None or weight.dtype != torch.float32):
+        raise ValueError("weight_in_float32 needs a float32 weight")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(
             f"add_rms_norm needs a 2-D tensor contiguous in its last dimension, got {tuple(x.shape)}"
@@ -83,6 +95,7 @@ def add_rms_norm(
         eps,
         HAS_DELTA=delta is not None,
         HAS_WEIGHT=weight is not None,
+        WEIGHT_IN_F32=weight_in_float32,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )
@@ -236,6 +249,7 @@ def _silu_mul_kernel(
     hidden,
     eps,
     NORM_SCALE: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -253,7 +267,13 @@ def _silu_mul_kernel(
         inv_rms = inverse_rms(norm_source_ptr + row * stride_norm_source, hidden, eps, HIDDEN_PAD)
         g = _round_like(g * inv_rms, dtype)
         u = _round_like(u * inv_rms, dtype)
-    act = _round_like(g / (1.0 + tl.exp(-g)), dtype)
+    if GELU_TANH:
+        # GeGLU: PyTorch's gelu(approximate="tanh") = g/2 * (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3);
+        # 1 + tanh(y) = 2 / (1 + e^-2y), so g / (1 + e^-2y), with no tanh to cancel against 1.
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = _round_like(g / (1.0 + tl.exp(-2.0 * inner)), dtype)
+    else:
+        act = _round_like(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(dtype), mask=mask)
 
 
@@ -267,9 +287,23 @@ def silu_mul(
     1 / rms(h) (eps as the norm's), which makes it the projection of RMSNorm(h), and the norm
     needs no launch of its own.
     """
+    return _act_mul(gate_up, norm_source, eps, gelu_tanh=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation) * up for gate_up [T, 2 * intermediate] (gate columns
+    first) -> [T, intermediate]: Gemma's GeGLU, rounded like silu_mul."""
+    return _act_mul(gate_up, None, 0.0, gelu_tanh=True)
+
+
+def _act_mul(
+    gate_up: torch.Tensor, norm_source: torch.Tensor | None, eps: float, gelu_tanh: bool
+) -> torch.Tensor:
     num_rows, width = gate_up.shape
     if gate_up.stride(-1) != 1 or width % 2:
-        raise ValueError(f"silu_mul needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"the gated activation needs [T, 2 * intermediate] contiguous rows, got {tuple(gate_up.shape)}"
+        )
     if norm_source is not None and (
         norm_source.dim() != 2 or norm_source.shape[0] != num_rows or norm_source.stride(-1) != 1
     ):
@@ -293,6 +327,7 @@ def silu_mul(
         hidden,
         eps,
         NORM_SCALE=norm_source is not None,
+        GELU_TANH=gelu_tanh,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
         BLOCK=block,
         num_warps=4,

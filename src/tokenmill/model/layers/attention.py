@@ -22,7 +22,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs
 from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
-from tokenmill.model.layers.rmsnorm import RMSNorm, rms_norm
+from tokenmill.model.layers.rmsnorm import GemmaRMSNorm, RMSNorm
 
 
 class SelfAttention(nn.Module):
@@ -34,6 +34,7 @@ class SelfAttention(nn.Module):
         *,
         linear_method: LinearMethod | None = None,
         layer_spec: AttentionLayerSpec = PLAIN_ATTENTION,
+        qk_norm_class: type[RMSNorm] | type[GemmaRMSNorm] = RMSNorm,
         tp_rank: int = 0,
         tp_size: int = 1,
         device=None,
@@ -56,8 +57,9 @@ class SelfAttention(nn.Module):
             **shard,
         )
         eps = arch.rms_norm_eps
-        self.q_norm = RMSNorm(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
+        # Q/K norms over head_dim (Qwen3: RMSNorm; Gemma 3: GemmaRMSNorm), applied before RoPE.
+        self.q_norm = qk_norm_class(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
+        self.k_norm = qk_norm_class(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, **shard)
         self.attn_backend = attn_backend
         # This layer's sliding window / soft cap / sinks, passed to the backend with every call.
@@ -131,13 +133,8 @@ class SelfAttention(nn.Module):
         store = self.store_kv_in_rope
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
         if self.q_norm is not None:
-            eps = self.eps
-            q = rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), self.q_norm.weight, eps)
-            k = rms_norm(
-                qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim),
-                self.k_norm.weight,
-                eps,
-            )
+            q = self.q_norm.forward(qkv[:, :q_size].view(num_tokens, heads, head_dim))
+            k = self.k_norm.forward(qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim))
             q = ops.rotate(q, rope)
             if store:
                 k = ops.rotate_and_store_kv(k, 0, v, rope, kv_cache, meta.slot_mapping)

@@ -1,7 +1,8 @@
 """The elementwise ops around a decoder layer's matmuls, one set per device, chosen once at load.
 
-The decoder (model/llama.py) is written once against these: add the pending residual and
-RMSNorm, rotate q/k, silu(gate) * up. On the CPU they are plain PyTorch ops; on CUDA our fused
+The decoders (model/llama.py, model/gemma.py) are written once against these: add the pending
+residual and RMSNorm (Llama's rounding order, or Gemma's float32 weight), rotate q/k, silu(gate) * up
+or gelu(gate) * up. On the CPU they are plain PyTorch ops; on CUDA our fused
 Triton launches (kernels/triton/elementwise.py), which also declare that they can store K/V in the RoPE
 launch. The residual add is deferred into the next norm (`pending`) on both: the CPU adds it
 there in its own op, CUDA inside the norm's launch.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.rmsnorm import rms_norm
+from tokenmill.model.layers.rmsnorm import rms_norm, rms_norm_float32_weight
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -39,14 +40,19 @@ class TorchLayerOps:
         return RopeInputs(positions, rotary.cos_cache, rotary.sin_cache, cos, signed_sin)
 
     def add_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None
-    ) -> torch.Tensor:
-        """x += pending (in place, when given), then RMSNorm(x) (scaled by `weight` unless None)."""
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None,
+        weight_in_float32: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """x += pending (in place, when given), then RMSNorm(x) (scaled by `weight` unless None).
+        `weight_in_float32`: `weight` is float32 and scales the float32 normalized value before
+        the one rounding to x's dtype (Gemma's order) instead of after it (Llama's)."""
         if pending is not None:
             x.add_(pending)
         if weight is None:
             normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
             return normed if x.dtype == torch.float32 else normed.to(x.dtype)
+        if weight_in_float32:
+            return rms_norm_float32_weight(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
@@ -69,6 +75,11 @@ class TorchLayerOps:
         # silu in place on the gate half of a buffer we own, then one multiply into a fresh tensor
         return F.silu(gate_up[..., :intermediate], inplace=True) * gate_up[..., intermediate:]
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) (tanh approximation) * up for gate_up [T, 2 * intermediate]: GeGLU."""
+        intermediate = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[..., :intermediate], approximate="tanh") * gate_up[..., intermediate:]
+
 
 class TritonLayerOps:
     stores_kv_in_rope = True
@@ -83,9 +94,10 @@ class TritonLayerOps:
         return RopeInputs(positions, rotary.cos_cache, rotary.sin_cache)
 
     def add_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._ops.add_rms_norm(x, weight, eps, pending)
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None,
+        weight_in_float32: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        return self._ops.add_rms_norm(x, weight, eps, pending, weight_in_float32=weight_in_float32)
 
     def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         self._ops.rope_inplace(x, rope.positions, rope.cos_cache, rope.sin_cache)
@@ -107,6 +119,9 @@ class TritonLayerOps:
         if norm_source is None:
             return self._ops.silu_mul(gate_up)
         return self._ops.silu_mul(gate_up, norm_source=norm_source, eps=eps)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ops.gelu_tanh_mul(gate_up)
 
 
 LayerOps = TorchLayerOps | TritonLayerOps

@@ -1,4 +1,5 @@
-"""The SwiGLU MLP: gate and up projections in one matmul, then down(silu(gate) * up)."""
+"""The gated MLPs: gate and up projections in one matmul, then down(act(gate) * up); SwiGLU
+(Llama, Qwen, Mistral) and GeGLU (Gemma)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,13 @@ class SwiGLUMLP(nn.Module):
         return self._down(self.ops.silu_mul(self._gate_up(x)))
 
     # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
+    __call__ = forward
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """Gemma's MLP: down(gelu(gate(x)) * up(x)), gelu with the tanh approximation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._down(self.ops.gelu_tanh_mul(self._gate_up(x)))
+
     __call__ = forward

@@ -1,4 +1,4 @@
-"""RMSNorm as Llama/Qwen define it: normalize in float32, then scale by the weight."""
+"""RMSNorm as Llama/Qwen define it (normalize in float32, then scale by the weight), and Gemma's."""
 
 from __future__ import annotations
 
@@ -31,3 +31,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm_float32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a float32 `weight` applied before the one rounding to x's dtype (Gemma's order:
+    transformers computes (x / rms(x)) * (1 + w) in float32, then rounds)."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm, x / rms(x) * (1 + w) in float32. `weight` holds 1 + w in float32, whatever
+    the model's dtype (the Gemma model converts the checkpoint's w as it loads it), so neither the
+    offset nor the upcast costs a launch per call; 1 + w.float() is what transformers computes."""
+
+    def __init__(self, size: int, eps: float, device=None, dtype: torch.dtype | None = None) -> None:
+        # (`dtype`: RMSNorm's signature, so that either can be SelfAttention's qk_norm_class.)
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_float32_weight(x, self.weight, self.eps)

@@ -1,0 +1,97 @@
+"""The Gemma model's CUDA path, run on the CPU under TRITON_INTERPRET=1: the Triton layer ops
+(add + RMSNorm with Gemma's float32 weight, GeGLU's gelu_tanh_mul, RoPE with the KV store in the
+same launch) and the Triton attention backend (sliding windows, Gemma 2's soft cap, and for decode
+steps Gemma 2's RoPE inside the attention launch) give transformers' logits in fp32.
+
+No GPU runs in CI, so this is where the launches Gemma takes on CUDA meet the oracle on every
+commit. Two requests over a paged cache (tests/model/test_model_forward.py's harness): prefill
+chunks mixed in one batch, then decode-only steps; prompts 2-3 windows long. The layer ops are
+chosen by device (cuda -> Triton) when the model is built, so the test swaps the choice for the
+build. Like the other interpreter tests, a subprocess runs the file when this process imported
+triton compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tests.engine.gemma_checkpoints import write_gemma_checkpoint  # noqa: E402
+from tests.model.test_model_forward import BLOCK_SIZE, PagedHarness, _hf_logits  # noqa: E402
+from tokenmill.config import KernelConfig, ModelConfig  # noqa: E402
+from tokenmill.model.registry import load_model, resolve_model  # noqa: E402
+
+interpreted_only = pytest.mark.skipif(
+    not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
+)
+
+
+@interpreted_only
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_triton_ops_and_attention_match_transformers(family, tmp_path, tiny_tokenizer, monkeypatch):
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.model import llama
+    from tokenmill.model.layers.layer_ops import TritonLayerOps
+
+    path = write_gemma_checkpoint(tmp_path / family, family, tiny_tokenizer, seed=11)
+    monkeypatch.setattr(llama, "select_layer_ops", lambda device: TritonLayerOps())
+    config = ModelConfig(model=str(path))
+    resolved = resolve_model(config)
+    arch = resolved.arch
+    backend = TritonPagedBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale, BLOCK_SIZE)
+    fused_calls = []
+    fused = backend.forward_decode_with_rope
+
+    def counted(*args, **kwargs):
+        fused_calls.append(kwargs["layer"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward_decode_with_rope", counted)
+    model = load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved, kernel=KernelConfig())
+    assert isinstance(model.ops, TritonLayerOps)
+    assert all(layer.self_attn.store_kv_in_rope for layer in model.layers)
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, arch.vocab_size) for _ in range(n)] for n in (48, 36)]
+    harness = PagedHarness(model, seed=2)
+    first, second = harness.add(prompts[0]), harness.add(prompts[1])
+    harness.step([(first, 40), (second, 20)])  # prefill chunks in one batch
+    harness.step([(first, 1), (second, 12)])  # a decode beside a chunk
+    for _ in range(4):  # decode-only steps: Gemma 2 rotates inside the attention launch
+        harness.step([(first, 1), (second, 1)])
+    for _ in range(3):
+        harness.step([(first, 1)])
+    for r, prompt in ((first, prompts[0]), (second, prompts[1])):
+        torch.testing.assert_close(harness.logits_of(r), _hf_logits(path, prompt), rtol=1e-4, atol=1e-4)
+    if family == "gemma2":
+        assert fused_calls, "no decode step went through forward_decode_with_rope"
+        assert {spec.logits_soft_cap for spec in fused_calls} == {1.0}
+        assert {spec.sliding_window for spec in fused_calls} == {16, None}
+    else:  # Q/K norms: RoPE stays out of the attention launch
+        assert not fused_calls
+
+
+def test_cases_pass_in_an_interpreter_subprocess() -> None:
+    if INTERPRETED:
+        pytest.skip("this process runs the cases interpreted itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
