@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.errors import UnsupportedModelError
+from tokenmill.model.moe_config import MoEConfig, moe_config_from_hf
 
 # HF `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -18,6 +19,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -25,7 +29,7 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,6 +53,8 @@ class ArchConfig:
     sliding_windows: tuple[int | None, ...] = field(default=(), hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Routed experts (model/moe_config.py); None for dense models.
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -86,9 +92,11 @@ class ArchConfig:
         bias = bool(cfg.get("attention_bias", False))
         if family == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias
             qkv_bias, o_bias = True, False
-        elif family == "mistral":
+        elif family == "qwen2_moe":  # q/k/v bias unless qkv_bias says otherwise (transformers 5)
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
+        elif family in ("mistral", "mixtral"):
             qkv_bias, o_bias = False, False
-        else:  # llama and qwen3 put `attention_bias` on all four projections
+        else:  # llama, qwen3 and qwen3_moe put `attention_bias` on all four projections
             qkv_bias, o_bias = bias, bias
 
         return ArchConfig(
@@ -105,11 +113,12 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+            moe=moe_config_from_hf(family, cfg, int(cfg["num_hidden_layers"])),
         )
 
 
@@ -131,7 +140,7 @@ def _family(cfg: dict[str, Any]) -> str:
 
 def _reject_sliding_window(family: str, cfg: dict[str, Any], max_positions: int) -> None:
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family.startswith("qwen"):
         # Qwen configs carry a sliding_window value that is only used when use_sliding_window is set.
         uses_window = bool(cfg.get("use_sliding_window")) or "sliding_attention" in (
             cfg.get("layer_types") or []

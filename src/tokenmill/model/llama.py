@@ -43,16 +43,18 @@ class DecoderLayer(nn.Module):
         linear_method: LinearMethod | None = None,
         device=None,
         dtype: torch.dtype | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp` replaces the dense SwiGLU MLP (a mixture-of-experts block: model/moe_models.py)."""
         super().__init__()
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, **place)
         self.self_attn = SelfAttention(arch, attn_backend, ops, linear_method=linear_method, **place)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, **place)
-        self.mlp = SwiGLUMLP(
-            arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
-        )
+        if mlp is None:
+            mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place)
+        self.mlp = mlp
         self.ops = ops
         self.eps = eps
         # Steps that fuse RoPE into attention may also skip the norm launches (_forward_deferred_norm)
@@ -157,9 +159,10 @@ class CausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(
             DecoderLayer(
-                arch, attn_backend, self.ops, kernel, linear_method=linear_method, device=device, dtype=dtype
-            )
-            for _ in range(arch.num_layers)
+                arch, attn_backend, self.ops, kernel, linear_method=linear_method, device=device, dtype=dtype,
+                mlp=self.make_mlp(i, linear_method, device, dtype),
+            )  # fmt: skip
+            for i in range(arch.num_layers)
         )
         self.norm = nn.Parameter(
             torch.empty(arch.hidden_size, device=device, dtype=dtype), requires_grad=False
@@ -179,6 +182,13 @@ class CausalLM(nn.Module):
         # Decode-only steps the backend supports rotate q/k and store K/V inside the attention
         # launch (not with Q/K norms: those come between the projection and RoPE).
         self.fuse_decode_rope = kernel.fused_decode_rope and not arch.qk_norm
+
+    def make_mlp(
+        self, layer: int, linear_method: LinearMethod | None, device, dtype: torch.dtype
+    ) -> nn.Module | None:
+        """The MLP of decoder layer `layer`, or None for the dense SwiGLU MLP (the hook a family with
+        another MLP, such as a mixture of experts, overrides)."""
+        return None
 
     def forward(
         self,
@@ -222,7 +232,7 @@ class CausalLM(nn.Module):
                 continue
             module, param_name, shard_id = target
             try:
-                if isinstance(module, LinearBase):
+                if hasattr(module, "weight_loader"):  # linear layers, stacked experts: their shard
                     module.weight_loader(param_name, tensor, shard_id)
                 else:
                     param = getattr(module, param_name)

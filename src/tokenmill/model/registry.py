@@ -20,6 +20,7 @@ from tokenmill.model.loader.dummy import init_dummy_weights
 from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
+from tokenmill.model.moe_models import MoECausalLM
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
 
 # ArchConfig.architecture (the family) -> the module that implements it; a new family is one model
@@ -29,6 +30,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "mistral": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "mixtral": MoECausalLM,
+    "qwen2_moe": MoECausalLM,
+    "qwen3_moe": MoECausalLM,
 }
 
 logger = logging.getLogger(__name__)
