@@ -68,6 +68,7 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
     PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32, else "tf32" (ignored for 16-bit)
+    UPCAST_DOT: tl.constexpr,  # float32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -96,6 +97,8 @@ def _gate_up_kernel(
             x = tl.load(x_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
             gate = tl.load(gate_at, mask=k_ok[:, None], other=0.0)
             up = tl.load(up_at, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
         x_at += BLOCK_K
@@ -133,6 +136,7 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -156,6 +160,8 @@ def _down_kernel(
             k_ok = (k0 + ks) < inter
             a = tl.load(a_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_at, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_at += BLOCK_K
         w_at += BLOCK_K * stride_wk
@@ -217,6 +223,11 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _upcast_dot(x: torch.Tensor) -> bool:
+    """The CPU interpreter multiplies bf16 tiles wrongly (Triton 3.9): float32 dots there."""
+    return x.device.type != "cuda" and x.dtype == torch.bfloat16
+
+
 def _launch_gate_up(
     x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles
 ) -> None:
@@ -227,7 +238,7 @@ def _launch_gate_up(
         blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=hidden % tiles.block_k == 0, PRECISION=_precision(x.dtype),
+        EVEN_K=hidden % tiles.block_k == 0, PRECISION=_precision(x.dtype), UPCAST_DOT=_upcast_dot(x),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -243,6 +254,6 @@ def _launch_down(
         blocks.num_pairs, hidden, inter, blocks.max_blocks,
         a.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=inter % tiles.block_k == 0, PRECISION=_precision(a.dtype),
+        EVEN_K=inter % tiles.block_k == 0, PRECISION=_precision(a.dtype), UPCAST_DOT=_upcast_dot(a),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
