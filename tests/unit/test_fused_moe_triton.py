@@ -179,6 +179,30 @@ def test_fused_moe_matches_a_loop_over_experts_in_float32(num_tokens, num_expert
 
 
 @interpreted_only
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "inter", "tiles"),
+    [
+        (1, 8, 2, 64, 48, MoETiles(16, GemmTiles(4, 32), GemmTiles(8, 16), "gemv")),
+        # ragged: hidden 80 over 32-wide K slices, inter 40 over 16-row column blocks; top-3
+        (3, 6, 3, 80, 40, MoETiles(16, GemmTiles(16, 32), GemmTiles(2, 64), "gemv")),
+        (2, 4, 1, 32, 32, MoETiles(16, GemmTiles(1, 64), GemmTiles(4, 32), "gemv")),
+    ],
+)
+def test_gemv_path_matches_a_loop_over_experts(num_tokens, num_experts, top_k, hidden, inter, tiles):
+    """The few-token path (fused_moe_gemv.py): per-pair gate/up GEMVs, per-token down GEMVs summing
+    the k experts in registers."""
+    gate_up, down = _expert_weights(num_experts, hidden, inter, torch.float32, seed=num_tokens + 20)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(21))
+    ids = _routes(num_tokens, num_experts, top_k, seed=22).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(23))
+    out = fused_moe(x, gate_up, down, weights, ids, tiles)
+    torch.testing.assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids.long()), atol=1e-5, rtol=1e-5)
+    bf16 = fused_moe(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids, tiles)
+    expected = _loop_over_experts(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids.long())
+    torch.testing.assert_close(bf16.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@interpreted_only
 def test_fused_moe_in_bfloat16_is_close_to_the_float32_loop():
     gate_up, down = _expert_weights(8, 64, 32, torch.bfloat16, seed=4)
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -263,6 +287,10 @@ def test_tuned_tile_files_parse_and_a_batch_takes_the_nearest_entry(tmp_path, mo
 
 
 def test_default_tiles_grow_with_the_pairs_per_expert():
-    assert default_tiles(128, torch.bfloat16, 1, 8).block_m == 16
+    assert default_tiles(128, torch.bfloat16, 1, 8).method == "gemv"  # about one pair per expert
+    assert default_tiles(8, torch.bfloat16, 8, 2).method == "grouped"
+    assert default_tiles(128, torch.bfloat16, 64, 8).block_m == 16
     assert default_tiles(128, torch.bfloat16, 512, 8).block_m == 32
     assert default_tiles(8, torch.bfloat16, 4096, 2).block_m == 64
+    with pytest.raises(ValueError, match="'split'"):
+        MoETiles(16, GemmTiles(16, 16), GemmTiles(16, 16), "split")

@@ -17,7 +17,8 @@ used blocks return at once, so nothing syncs with the host and a step can be a C
 Rounding follows transformers' (gate/up rounded to the dtype, then the activation, then the
 product; the down output rounded before the weight scales it).
 
-Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py.
+Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
+batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
@@ -44,7 +46,9 @@ def _block_coordinates(num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+# The batch-dependent sizes are not specialized on (divisible by 16 or not): one compiled variant
+# serves every batch size, so serving never compiles after start-up.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
@@ -112,7 +116,7 @@ def _gate_up_kernel(
     tl.store(out_at, (act * u).to(dtype), mask=is_pair[:, None] & is_col[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _down_kernel(
     a_ptr,  # [N, I]: _gate_up_kernel's output
     w_ptr,  # [E, H, I]
@@ -205,14 +209,16 @@ def fused_moe(
         return out
     if tiles is None:
         tiles = moe_tiles(num_experts, inter, hidden, x.dtype, num_tokens, top_k)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    if tiles.method == "gemv":
+        return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
     blocks = align_pairs(topk_ids, num_experts, tiles.block_m)
     num_pairs = num_tokens * top_k
     activated = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up)
     expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32:
-        weights = weights.float()
     _launch_down(activated, w2, expert_out, weights, blocks, tiles.down)
     if top_k == 1:
         return expert_out
@@ -257,3 +263,30 @@ def _launch_down(
         EVEN_K=inter % tiles.block_k == 0, PRECISION=_precision(a.dtype), UPCAST_DOT=_upcast_dot(a),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+
+
+def compile_gemm(
+    kernel: str, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, block_m: int,
+    tiles: GemmTiles,
+) -> None:  # fmt: skip
+    """Compile one GEMM ("gate_up" or "down") for this shape and tiles without running it, with
+    the specializations a launch on contiguous tensors of that shape gets (for the tuner, which
+    compiles its candidates in parallel processes that fill Triton's on-disk cache)."""
+    index, weights = torch.int32, torch.float32
+    common = {
+        "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
+        "PRECISION": _precision(dtype), "UPCAST_DOT": False, "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages, "grid": (1,),
+    }  # fmt: skip
+    if kernel == "gate_up":
+        _gate_up_kernel.warmup(
+            dtype, dtype, dtype, index, index, index, 1, inter, hidden, top_k, 1,
+            hidden, 2 * inter * hidden, hidden, 1, inter, EVEN_K=hidden % tiles.block_k == 0, **common,
+        )  # fmt: skip
+    elif kernel == "down":
+        _down_kernel.warmup(
+            dtype, dtype, dtype, weights, index, index, index, 1, hidden, inter, 1,
+            inter, hidden * inter, inter, 1, hidden, EVEN_K=inter % tiles.block_k == 0, **common,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown MoE GEMM {kernel!r}; expected 'gate_up' or 'down'")

@@ -58,7 +58,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     return align_by_sort(topk_ids, num_experts, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_small_kernel(
     ids_ptr,  # [N] expert id of each pair
     sorted_ptr,  # [max_blocks * BLOCK_M] int32

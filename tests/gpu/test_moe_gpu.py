@@ -1,0 +1,208 @@
+"""Mixture-of-experts models and the fused MoE kernel on a CUDA GPU.
+
+- The tiny MoE checkpoints through the whole engine (CUDA graphs for decode): bf16 greedy tokens
+  equal transformers' bf16 on the GPU up to bf16 ties, with close logprobs; fp32 token for token
+  against transformers on the CPU; decode and mixed steps sync with the host only for the
+  sampled ids.
+- fused_moe at real shapes (Mixtral-8x7B: E=8, H=4096, I=14336, top-2; Qwen3-30B-A3B: E=128,
+  H=2048, I=768, top-8) against a float32 loop over experts, eagerly, through the sort-based
+  align of large steps, and replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import moe_checkpoints
+from tests.engine.hf_oracle import hf_greedy
+from tests.gpu.test_engine_gpu import (
+    _bf16_logprob_diffs_allowing_ties,
+    _graph_replays,
+    _greedy,
+    _llm,
+    _prompts,
+)
+from tests.moe_checkpoints import MOE_FIXTURES
+from tokenmill import SamplingParams
+
+if torch.cuda.is_available():
+    import triton  # noqa: F401  (compiled mode for this process, as in test_triton_attention_gpu.py)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"),
+]
+
+tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
+tiny_qwen2_moe_dir = moe_checkpoints.tiny_qwen2_moe_dir
+tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
+
+
+@pytest.fixture(params=MOE_FIXTURES)
+def moe_model(request) -> str:
+    return str(request.getfixturevalue(request.param))
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_bf16_greedy_and_logprobs_match_transformers(moe_model, monkeypatch):
+    """Four requests at once, 32 greedy tokens each through the CUDA graphs: transformers' bf16
+    tokens up to a bf16 tie, logprobs close. The fused kernel ran (counted at capture and in
+    eager prefill steps)."""
+    from tokenmill.kernels.triton import fused_moe
+
+    calls = []
+    original = fused_moe.fused_moe
+    monkeypatch.setattr(fused_moe, "fused_moe", lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k))
+    llm = _llm(moe_model)
+    assert llm.info.dtype == "bfloat16"
+    prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
+    diffs = []
+    for prompt, completion in zip(prompts, _greedy(llm, prompts, 32, logprobs=0), strict=True):
+        diffs += _bf16_logprob_diffs_allowing_ties(moe_model, prompt, completion, 32)
+    # A routing decision on a bf16 near-tie may take the other expert: a little more slack than
+    # the dense models' 0.1 / 0.02.
+    assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
+    assert _graph_replays(llm) > 0 and calls
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_fp32_greedy_matches_transformers(moe_model, enforce_eager):
+    llm = _llm(moe_model, dtype="float32", enforce_eager=enforce_eager)
+    prompts = _prompts(llm.info.vocab_size, 6, seed=12)
+    for prompt, completion in zip(prompts, _greedy(llm, prompts, 16), strict=True):
+        assert completion.token_ids == hf_greedy(moe_model, prompt, 16)[0], f"{len(prompt)}-token prompt"
+    assert (_graph_replays(llm) > 0) != enforce_eager
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_moe_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_qwen3_moe_dir, enforce_eager):
+    """As tests/gpu/test_engine_gpu.py checks for dense models: routing, align and the grouped
+    GEMMs read nothing back to the host ("error" mode raises on any synchronizing call)."""
+    llm = _llm(str(tiny_qwen3_moe_dir), enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, detokenize=False)
+    prompts = _prompts(llm.info.vocab_size, 7, seed=16)
+    for i in range(5):
+        llm.engine.add_request(llm.input_processor.make_request(f"sync-{i}", prompts[i], params))
+    llm.engine.step()  # compiles and allocates
+    outputs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(6):
+            if step == 2:
+                for i in range(5, 7):
+                    llm.engine.add_request(llm.input_processor.make_request(f"sync-{i}", prompts[i], params))
+            outputs.extend(llm.engine.step())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert outputs and all(out.error is None for out in outputs)
+
+
+# -- the kernel at real shapes --------------------------------------------------------------------------
+
+REAL_SHAPES = {  # name: (experts, hidden, intermediate, top_k)
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+}
+
+
+def _real_experts(name: str, seed: int = 0):
+    num_experts, hidden, inter, top_k = REAL_SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return gate_up.mul_(hidden**-0.5), down.mul_(inter**-0.5), top_k
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def _loop_over_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(gate_up.shape[0]):
+        token, slot = torch.nonzero(ids == expert, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = F.linear(x[token].float(), gate_up[expert].float())
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert].float())
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 700])  # 700 x top-k pairs > 1024 for both: align_by_sort
+def test_fused_moe_at_real_shapes_matches_a_loop_over_experts(shape, num_tokens):
+    from tokenmill.kernels.triton.fused_moe import fused_moe
+
+    gate_up, down, top_k = _real_experts(shape)
+    x = torch.randn(num_tokens, gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(num_tokens, gate_up.shape[0], top_k, seed=num_tokens)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fused_moe(x, gate_up, down, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _relative_error(out, _loop_over_experts(x, gate_up, down, weights, ids.long())) < 1e-2
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+def test_fused_moe_replays_from_a_cuda_graph_with_new_routes(shape):
+    """Captured once; new inputs and routes copied into the same buffers replay correctly."""
+    from tokenmill.bench.timing import capture_graph
+    from tokenmill.kernels.triton.fused_moe import fused_moe
+
+    gate_up, down, top_k = _real_experts(shape, seed=1)
+    num_tokens = 8
+    x = torch.randn(num_tokens, gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(num_tokens, gate_up.shape[0], top_k, seed=1)
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(fused_moe(x, gate_up, down, weights, ids)), warmup=2)
+    for seed in (2, 3):
+        new_weights, new_ids = _routing(num_tokens, gate_up.shape[0], top_k, seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        x.normal_()
+        graph.replay()
+        expected = _loop_over_experts(x, gate_up, down, weights, ids.long())
+        assert _relative_error(outputs[-1], expected) < 1e-2
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+@pytest.mark.parametrize("method", ["gemv", "grouped"])
+def test_both_few_token_paths_at_real_shapes(shape, method):
+    """Whatever the tuned tiles pick for a few tokens, both paths stay right."""
+    from tokenmill.kernels.triton.fused_moe import fused_moe
+    from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles
+
+    gate_up, down, top_k = _real_experts(shape, seed=4)
+    if method == "gemv":
+        tiles = MoETiles(16, GemmTiles(4, 512, 1, 4, 2), GemmTiles(8, 256, 1, 4, 2), "gemv")
+    else:
+        tiles = MoETiles(16, GemmTiles(64, 128, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
+        weights, ids = _routing(num_tokens, gate_up.shape[0], top_k, seed=num_tokens + 4)
+        out = fused_moe(x, gate_up, down, weights, ids, tiles)
+        assert _relative_error(out, _loop_over_experts(x, gate_up, down, weights, ids.long())) < 1e-2
