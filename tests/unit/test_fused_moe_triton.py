@@ -217,7 +217,7 @@ def test_fused_moe_in_bfloat16_is_close_to_the_float32_loop():
 @interpreted_only
 def test_fused_moe_through_the_sort_based_align(monkeypatch):
     """Large steps align with torch ops (align_by_sort): the same result."""
-    monkeypatch.setattr(moe_align, "SMALL_ALIGN_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_align, "SMALL_ALIGN_MAX_CHUNKS", 0)
     gate_up, down = _expert_weights(8, 32, 32, torch.float32, seed=8)
     x = torch.randn(17, 32, generator=torch.Generator().manual_seed(9))
     ids = _routes(17, 8, 2, seed=10, skip=(4,))

@@ -13,8 +13,8 @@ Nothing here reads a value back to the host: the sizes are bounds known from N, 
 (max_blocks = ceil(N / block_m) + min(N, E), since each expert with pairs adds at most one
 partly filled block), so a step can sit in a CUDA graph. Two ways to the same result:
 
-- `align_small`: one Triton program counts, scans and scatters in registers (one launch): decode
-  steps and small batches, where a chain of torch launches would cost more than the GEMMs.
+- `align_small`: one Triton program counts, scans and scatters in registers (one launch): small
+  batches, where a chain of torch launches would cost more than the loop of one program.
 - `align_by_sort`: torch ops (a stable argsort, cumsums, a scatter, a searchsorted): large
   prefill steps, where one program looping over the pairs would be the slow part; it also runs
   on the CPU, where the tests use it as the reference.
@@ -28,10 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-# align_small serves up to this many pairs (T * top_k); one program's loop over them stays short.
-SMALL_ALIGN_MAX_PAIRS = 1024
-# Elements of one [pairs, experts] one-hot tile in align_small's registers.
+# Elements of one [pairs, experts] one-hot tile in align_small's registers: 32 pairs a loop step
+# with 128 experts, 512 with 8.
 _TILE_ELEMENTS = 4096
+# align_small serves steps whose pairs fit in this many of its loop steps (one program walks them
+# twice; past that the torch ops' parallel launches are faster): 256 pairs with 128 experts.
+SMALL_ALIGN_MAX_CHUNKS = 8
 
 
 @dataclass(slots=True)
@@ -53,9 +55,14 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """The expert-aligned blocks of the pairs in `topk_ids` [T, top_k] (int32 or int64)."""
-    if topk_ids.numel() <= SMALL_ALIGN_MAX_PAIRS:
+    if topk_ids.numel() <= SMALL_ALIGN_MAX_CHUNKS * _chunk(num_experts):
         return align_small(topk_ids, num_experts, block_m)
     return align_by_sort(topk_ids, num_experts, block_m)
+
+
+def _chunk(num_experts: int) -> int:
+    """Pairs per loop step of align_small."""
+    return max(16, _TILE_ELEMENTS // triton.next_power_of_2(num_experts))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -123,7 +130,7 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
         num_pairs=num_pairs,
     )
     experts_pad = triton.next_power_of_2(num_experts)
-    chunk = max(16, _TILE_ELEMENTS // experts_pad)
+    chunk = _chunk(num_experts)
     _align_small_kernel[(1,)](
         ids,
         out.sorted_pair_ids,
