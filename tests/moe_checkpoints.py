@@ -53,7 +53,8 @@ def write_tiny_moe_checkpoint(
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).to(torch.float32).eval()
     _randomize(model, seed)
-    model.save_pretrained(path, save_original_format=not stacked)
+    # save_original_format=False keeps transformers' in-memory (stacked) expert layout.
+    model.save_pretrained(path, **({"save_original_format": False} if stacked else {}))
     tokenizer.save_pretrained(path)
     return path
 
