@@ -6,10 +6,11 @@
 # repo's kernels/triton/moe_configs; a tar of them goes to $OUT); tests: tests/gpu/test_moe_gpu.py;
 # microbench: benchmarks/moe_microbench.py; latency / throughput: `tokenmill bench` with dummy
 # weights at Qwen3-30B-A3B shapes (benchmarks/configs/qwen3-30b-a3b). Logs and JSON go to $OUT.
+# Packages the GPU image lacks (msgspec, ...) are expected installed in /tmp/site, as gpu_suite.sh does.
 set -u
 OUT=${OUT:-/tmp/tokenmill-moe-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=benchmarks/configs/qwen3-30b-a3b
 STEPS=${STEPS:-tune,tests,microbench}
 TOKENMILL=(python3 -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')

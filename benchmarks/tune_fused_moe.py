@@ -3,9 +3,9 @@
 For each expert shape (E, I, H, top-k) and batch of T tokens: random top-k routing, then, for each
 candidate rows-per-expert-block (block_m), each GEMM's candidate tiles are timed alone (gate/up
 with its SiLU epilogue; down with its routing-weight epilogue) over the same aligned blocks, and
-the block_m whose best pair makes the fastest whole `fused_moe` (align and the sum over k
-included) wins; batches of up to 32 tokens also try the GEMV path (fused_moe_gemv.py) the same
-way. Times are CUDA-graph replays (decode steps run as graphs), each replay running the
+the block_m whose best pair makes the fastest whole `routed_fused_moe` (routing, align and the
+sum over k included) wins; batches of up to 32 tokens also try the GEMV path (fused_moe_gemv.py,
+routing inside its gate/up launch) the same way. Times are CUDA-graph replays (decode steps run as graphs), each replay running the
 kernel for several different routings so that small batches do not find their experts' weights
 in L2. The candidates are compiled first in parallel processes (Triton's on-disk cache), which is
 most of the wall time otherwise.
@@ -33,6 +33,9 @@ SHAPES = {  # name: (experts, intermediate, hidden, top_k)
     "mixtral-8x7b": (8, 14336, 4096, 2),
     "qwen3-30b-a3b": (128, 768, 2048, 8),
 }
+# The routing the GEMV path runs inside its gate/up launch: (renormalize, weights rounded to the
+# logits' dtype), as the models do (Mixtral: renormalized, float32; Qwen3: norm_topk_prob, rounded).
+ROUTING = {"mixtral-8x7b": (True, False), "qwen3-30b-a3b": (True, True)}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 NUM_ROUTINGS_SMALL = 4  # routings per timed replay for batches of up to 128 tokens
 
@@ -77,18 +80,23 @@ def fits_shared_memory(
 
 
 def _compile_jobs(jobs: list[tuple]) -> list[str]:
-    """Worker: compile each (method, kernel, E, I, H, top_k, dtype name, block_m, tiles); return
-    the failures."""
+    """Worker: compile each (method, kernel, shape name, dtype name, block_m, tiles); return the
+    failures."""
     from tokenmill.kernels.triton.fused_moe import compile_gemm
     from tokenmill.kernels.triton.fused_moe_gemv import compile_gemv
 
     torch.cuda.init()
     failures = []
-    for method, kernel, experts, inter, hidden, top_k, dtype_name, block_m, tiles in jobs:
+    for method, kernel, name, dtype_name, block_m, tiles in jobs:
+        experts, inter, hidden, top_k = SHAPES[name]
+        renormalize, rounded = ROUTING[name]
         dtype = getattr(torch, dtype_name)
         try:
             if method == "gemv":
-                compile_gemv(kernel, experts, inter, hidden, top_k, dtype, tiles)
+                compile_gemv(
+                    kernel, experts, inter, hidden, top_k, dtype, tiles, renormalize=renormalize,
+                    round_to_logits_dtype=rounded,
+                )  # fmt: skip
             else:
                 compile_gemm(kernel, experts, inter, hidden, top_k, dtype, block_m, tiles)
         except Exception as err:  # reported; the timing pass then compiles (or skips) it itself
@@ -141,15 +149,20 @@ def tune_shape(name: str, dtype: torch.dtype, batches: tuple[int, ...]) -> dict:
         routings = NUM_ROUTINGS_SMALL if num_tokens <= 128 else 1
         xs = [torch.randn(num_tokens, hidden, device="cuda", dtype=dtype) for _ in range(routings)]
         routes = [_routing(num_tokens, experts, top_k, seed=r) for r in range(routings)]
+        logit_rows = [torch.randn(num_tokens, experts, device="cuda").to(dtype) for _ in range(routings)]
         num_pairs = num_tokens * top_k
         best: tuple[float, MoETiles, float, float] | None = None
         for method, block_m, tile_list in candidates(num_tokens, top_k, experts):
             acts = [torch.randn(num_pairs, inter, device="cuda", dtype=dtype) for _ in range(routings)]
-            if method == "gemv":
+            if method == "gemv":  # the gate/up launch routes from the logits, as the engine runs it
                 outs = [torch.empty(num_tokens, hidden, device="cuda", dtype=dtype) for _ in range(routings)]
+                renormalize, rounded = ROUTING[name]
                 gate_up_calls = [
-                    functools.partial(gemv.launch_pair_gate_up, x, gate_up, ids.reshape(-1), act)
-                    for x, act, (_, ids) in zip(xs, acts, routes, strict=True)
+                    functools.partial(
+                        gemv.launch_pair_gate_up, x, gate_up, ids.reshape(-1), act, top_k, weights=w.reshape(-1),
+                        router_logits=logits, renormalize=renormalize, round_to_logits_dtype=rounded,
+                    )  # fmt: skip
+                    for x, act, (w, ids), logits in zip(xs, acts, routes, logit_rows, strict=True)
                 ]
                 down_calls = [
                     functools.partial(gemv.launch_token_down, act, down, ids.reshape(-1), w.reshape(-1), out, top_k)
@@ -182,9 +195,10 @@ def tune_shape(name: str, dtype: torch.dtype, batches: tuple[int, ...]) -> dict:
             if len(picked) < 2:
                 continue
             tiles = MoETiles(block_m, picked["gate_up"][1], picked["down"][1], method)
-            whole = [
-                functools.partial(fm.fused_moe, x, gate_up, down, w, ids, tiles)
-                for x, (w, ids) in zip(xs, routes, strict=True)
+            renormalize, rounded = ROUTING[name]
+            whole = [  # routing included, as SparseMoEBlock calls it
+                functools.partial(fm.routed_fused_moe, x, logits, gate_up, down, top_k, renormalize, rounded, tiles)
+                for x, logits in zip(xs, logit_rows, strict=True)
             ]
             total_ms = _per_call_ms(whole)
             if best is None or total_ms < best[0]:
@@ -230,7 +244,7 @@ def main() -> None:
         variants = {(p[0], p[1], t) for b in batches for p in candidates(b, top_k, experts) for t in p[2]}
         for kernel in ("gate_up", "down"):
             jobs += [
-                (method, kernel, experts, inter, hidden, top_k, args.dtype, m, t)
+                (method, kernel, name, args.dtype, m, t)
                 for method, m, t in sorted(variants, key=str)
                 if fits_shared_memory(method, kernel, m, t)
             ]
@@ -249,7 +263,7 @@ def main() -> None:
             "triton": triton.__version__,
             "commit": git_commit(),
             "tuned_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "tuned_by": "benchmarks/tune_fused_moe.py (CUDA-graph replays; 'us' = whole fused_moe per call)",
+            "tuned_by": "benchmarks/tune_fused_moe.py (CUDA-graph replays; 'us' = routed_fused_moe per call)",
             "configs": entries,
         }
         path = os.path.join(out_dir, config_file_name(experts, inter, hidden, dtype))

@@ -58,13 +58,15 @@ def _release_gpu_memory():
 
 def test_bf16_greedy_and_logprobs_match_transformers(moe_model, monkeypatch):
     """Four requests at once, 32 greedy tokens each through the CUDA graphs: transformers' bf16
-    tokens up to a bf16 tie, logprobs close. The fused kernel ran (counted at capture and in
+    tokens up to a bf16 tie, logprobs close. The fused kernels ran (counted at capture and in
     eager prefill steps)."""
     from tokenmill.kernels.triton import fused_moe
 
     calls = []
-    original = fused_moe.fused_moe
-    monkeypatch.setattr(fused_moe, "fused_moe", lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k))
+    original = fused_moe.routed_fused_moe
+    monkeypatch.setattr(
+        fused_moe, "routed_fused_moe", lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k)
+    )
     llm = _llm(moe_model)
     assert llm.info.dtype == "bfloat16"
     prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
@@ -206,3 +208,25 @@ def test_both_few_token_paths_at_real_shapes(shape, method):
         weights, ids = _routing(num_tokens, gate_up.shape[0], top_k, seed=num_tokens + 4)
         out = fused_moe(x, gate_up, down, weights, ids, tiles)
         assert _relative_error(out, _loop_over_experts(x, gate_up, down, weights, ids.long())) < 1e-2
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 4, 300])
+def test_routed_fused_moe_at_real_shapes(shape, num_tokens):
+    """Routing + experts as the engine calls them (the few-token path routes inside its gate/up
+    launch): the same experts and output as torch's softmax / top-k and the loop."""
+    from tokenmill.kernels.triton.fused_moe import routed_fused_moe
+
+    gate_up, down, top_k = _real_experts(shape, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, gate_up.shape[0], device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = routed_fused_moe(x, logits, gate_up, down, top_k, renormalize=True, round_to_logits_dtype=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    weights, ids = torch.softmax(logits.float(), -1).topk(top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16).float()
+    assert _relative_error(out, _loop_over_experts(x, gate_up, down, weights, ids)) < 1e-2

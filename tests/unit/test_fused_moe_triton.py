@@ -203,6 +203,25 @@ def test_gemv_path_matches_a_loop_over_experts(num_tokens, num_experts, top_k, h
 
 
 @interpreted_only
+@pytest.mark.parametrize("method", ["gemv", "grouped"])
+@pytest.mark.parametrize(("renormalize", "dtype"), [(True, torch.float32), (False, torch.bfloat16)])
+def test_routed_fused_moe_matches_torch_routing_and_experts(method, renormalize, dtype):
+    """Logits in, output out, as the engine calls it (the GEMV path routes inside its gate/up
+    launch): the same as TorchMoEOps' routing and loop."""
+    from tokenmill.kernels.triton.fused_moe import routed_fused_moe
+
+    gate_up, down = _expert_weights(6, 32, 24, dtype, seed=30)
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(3, 32, generator=gen).to(dtype)
+    logits = (torch.randn(3, 6, generator=gen) * 2).to(dtype)
+    tiles = MoETiles(16, GemmTiles(8, 16), GemmTiles(8, 16), method)
+    out = routed_fused_moe(x, logits, gate_up, down, 3, renormalize, dtype != torch.float32, tiles)
+    expected = TorchMoEOps().forward(x, logits, gate_up, down, 3, renormalize, dtype != torch.float32)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@interpreted_only
 def test_fused_moe_in_bfloat16_is_close_to_the_float32_loop():
     gate_up, down = _expert_weights(8, 64, 32, torch.bfloat16, seed=4)
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv
+from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv, routed_fused_moe_gemv
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
+from tokenmill.kernels.triton.moe_routing import topk_softmax
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
 
@@ -191,10 +192,49 @@ def fused_moe(
     [T, k] (float32) and topk_ids [T, k] (int32 or int64). `tiles` defaults to the tuned (or
     default) tiles for this shape and batch.
     """
-    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    _check_shapes(x, w13, w2)
+    if tuple(topk_weights.shape) != (x.shape[0], top_k):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ")
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    if tiles.method == "gemv":
+        return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
+    return _grouped(x, w13, w2, weights, topk_ids, tiles)
+
+
+def routed_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to_logits_dtype: bool,
+    tiles: MoETiles | None = None,
+) -> torch.Tensor:
+    """The experts' output for router logits [T, E]: top-k of their softmax (moe_routing.py),
+    then fused_moe. On the few-token path the routing happens inside the gate/up launch."""
+    _check_shapes(x, w13, w2)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    if tiles.method == "gemv":
+        return routed_fused_moe_gemv(
+            x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down
+        )
+    weights, ids = topk_softmax(router_logits, top_k, renormalize, round_to_logits_dtype)
+    return _grouped(x, w13, w2, weights.reshape(-1), ids, tiles)
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    hidden = x.shape[1]
     num_experts, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
-    top_k = topk_ids.shape[1]
     if w13_hidden != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_inter % 2:
         raise ValueError(
             f"expert weights must be [E, 2I, H] and [E, H, I] for hidden {hidden}; got "
@@ -202,27 +242,24 @@ def fused_moe(
         )
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe needs x, w13 and w2 with contiguous last dimensions")
-    if tuple(topk_weights.shape) != (num_tokens, top_k):
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ")
-    out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
-    if tiles is None:
-        tiles = moe_tiles(num_experts, inter, hidden, x.dtype, num_tokens, top_k)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32:
-        weights = weights.float()
-    if tiles.method == "gemv":
-        return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
-    blocks = align_pairs(topk_ids, num_experts, tiles.block_m)
+
+
+def _grouped(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+    tiles: MoETiles,
+) -> torch.Tensor:  # fmt: skip
+    """Align, the two grouped GEMMs, the sum over k (weights: [T * k] float32)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    blocks = align_pairs(topk_ids, w13.shape[0], tiles.block_m)
     num_pairs = num_tokens * top_k
-    activated = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
     _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up)
     expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _launch_down(activated, w2, expert_out, weights, blocks, tiles.down)
     if top_k == 1:
         return expert_out
-    return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1)
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.moe_routing import topk_of_row
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles
 from tokenmill.kernels.triton.rounding import round_like
 
@@ -30,25 +31,49 @@ from tokenmill.kernels.triton.rounding import round_like
 def _pair_gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H], rows contiguous
-    ids_ptr,  # [N] expert of each pair (pair p = token p // top_k)
+    ids_ptr,  # [N] expert of each pair (pair p = token p // top_k); written here with ROUTE
+    weights_ptr,  # [N] float32 routing weight of each pair (written with ROUTE, else unused)
+    logits_ptr,  # [T, E] router logits (read with ROUTE)
     out_ptr,  # [N, I]
     hidden,
     inter,
-    top_k,
+    num_experts,
     stride_xm,
     stride_we,
     stride_wn,
     stride_om,
+    stride_logits,
+    TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
+    ROUTE: tl.constexpr,  # route here: softmax + top-k of the token's logits (no routing launch)
+    TOP_K_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_LOGITS_DTYPE: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
+    token = pair // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < inter
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTE:
+        # Every program of the pair's token computes the token's top-k (E values: cheap next to
+        # the weight read); the first column block of each pair records its expert and weight.
+        top_values, top_ids = topk_of_row(
+            logits_ptr + token * stride_logits, num_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE,
+            ROUND_TO_LOGITS_DTYPE,
+        )  # fmt: skip
+        this_slot = tl.arange(0, TOP_K_PAD) == (pair % TOP_K)
+        expert32 = tl.sum(tl.where(this_slot, top_ids, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, expert32)
+            tl.store(weights_ptr + pair, tl.sum(tl.where(this_slot, top_values, 0.0), axis=0))
+        expert = expert32.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    x_at = x_ptr + (pair // top_k) * stride_xm + ks
+    x_at = x_ptr + token * stride_xm + ks
     gate_at = w_ptr + expert * stride_we + (cols % inter).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     up_at = gate_at + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -91,6 +116,7 @@ def _token_down_kernel(
     stride_wn,
     stride_om,
     TOP_K: tl.constexpr,
+    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
@@ -100,27 +126,26 @@ def _token_down_kernel(
     is_col = cols < hidden
     wrows = (cols % hidden).to(tl.int64)[:, None] * stride_wn
     ks = tl.arange(0, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
+    # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
+    # expert in flight too; the routing weight scales the activation row (so one accumulator
+    # serves every expert and the k outputs are summed in float32 here: no sum launch).
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in range(TOP_K * K_STEPS):
+        pair = token * TOP_K + step // K_STEPS
+        k0 = (step % K_STEPS) * BLOCK_K
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_at = a_ptr + pair * stride_am + ks
-        w_at = w_ptr + expert * stride_we + wrows + ks[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_at)
-                w = tl.load(w_at, eviction_policy="evict_first")
-            else:
-                k_ok = (k0 + ks) < inter
-                a = tl.load(a_at, mask=k_ok, other=0.0)
-                w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            a_at += BLOCK_K
-            w_at += BLOCK_K
-        total += round_like(tl.sum(acc, axis=1), dtype) * tl.load(weights_ptr + pair)
-    tl.store(out_ptr + token * stride_om + cols, total.to(dtype), mask=is_col)
+        a_at = a_ptr + pair * stride_am + k0 + ks
+        w_at = w_ptr + expert * stride_we + wrows + (k0 + ks)[None, :]
+        if EVEN_K:
+            a = tl.load(a_at)
+            w = tl.load(w_at, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + ks) < inter
+            a = tl.load(a_at, mask=k_ok, other=0.0)
+            w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
+        acc += w.to(tl.float32) * scaled[None, :]
+    tl.store(out_ptr + token * stride_om + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=is_col)
 
 
 def fused_moe_gemv(
@@ -132,26 +157,68 @@ def fused_moe_gemv(
     gate_up_tiles: GemmTiles,
     down_tiles: GemmTiles,
 ) -> torch.Tensor:
-    """fused_moe for a few tokens (the caller checked the shapes); [T, H] in x's dtype."""
+    """fused_moe for a few tokens already routed (the caller checked the shapes); [T, H]."""
     top_k = ids.shape[1]
     ids = ids.reshape(-1)
     activated = torch.empty((ids.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
-    launch_pair_gate_up(x, w13, ids, activated, gate_up_tiles)
+    launch_pair_gate_up(x, w13, ids, activated, top_k, gate_up_tiles)
+    out = torch.empty_like(x)
+    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
+    return out
+
+
+def routed_fused_moe_gemv(
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E], rows contiguous
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to_logits_dtype: bool,
+    gate_up_tiles: GemmTiles,
+    down_tiles: GemmTiles,
+) -> torch.Tensor:
+    """Routing and experts for a few tokens in two launches: the gate/up kernel also routes
+    (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel."""
+    num_pairs = x.shape[0] * top_k
+    ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_pairs, dtype=torch.float32, device=x.device)
+    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
+    launch_pair_gate_up(
+        x, w13, ids, activated, top_k, gate_up_tiles, weights=weights, router_logits=router_logits,
+        renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype,
+    )  # fmt: skip
     out = torch.empty_like(x)
     launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
     return out
 
 
 def launch_pair_gate_up(
-    x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, tiles: GemmTiles
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    tiles: GemmTiles,
+    *,
+    weights: torch.Tensor | None = None,
+    router_logits: torch.Tensor | None = None,
+    renormalize: bool = False,
+    round_to_logits_dtype: bool = False,
 ) -> None:
-    """out [N, I] = silu(gate) * up of each pair (ids: [N] flat, pair p = token p // (N / T))."""
+    """out [N, I] = silu(gate) * up of each pair p (token p // top_k); with `router_logits`, the
+    kernel routes and writes `ids` and `weights` [N] itself."""
     num_pairs, inter = out.shape
-    hidden = x.shape[1]
+    hidden, num_experts = x.shape[1], w13.shape[0]
+    route = router_logits is not None
+    if route and (weights is None or router_logits.stride(-1) != 1):
+        raise ValueError("routing in the gate/up launch needs `weights` and contiguous router logits")
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n))](
-        x, w13, ids, out, hidden, inter, num_pairs // x.shape[0],
-        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=hidden % tiles.block_k == 0,
+        x, w13, ids, weights if route else out, router_logits if route else x, out, hidden, inter, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), router_logits.stride(0) if route else 0,
+        TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=hidden % tiles.block_k == 0,
+        ROUTE=route, TOP_K_PAD=triton.next_power_of_2(top_k), EXPERTS_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -166,29 +233,34 @@ def launch_token_down(
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
         activated, w2, ids, weights, out, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=inter % tiles.block_k == 0,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=inter % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
 def compile_gemv(
-    kernel: str, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, tiles: GemmTiles
-) -> None:
-    """Compile one of the two kernels ("gate_up" or "down") for this shape without running it (the
-    tuner's parallel warm-up; see fused_moe.compile_gemm)."""
+    kernel: str, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, tiles: GemmTiles,
+    *, renormalize: bool, round_to_logits_dtype: bool,
+) -> None:  # fmt: skip
+    """Compile one of the two kernels ("gate_up", routing in its launch as the engine runs it, or
+    "down") for this shape without running it (the tuner's parallel warm-up; see
+    fused_moe.compile_gemm)."""
     common = {
         "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps,
-        "num_stages": tiles.num_stages, "grid": (1, 1),
+        "num_stages": tiles.num_stages, "grid": (1, 1), "TOP_K": top_k,
     }  # fmt: skip
     if kernel == "gate_up":
         _pair_gate_up_kernel.warmup(
-            dtype, dtype, torch.int32, dtype, hidden, inter, top_k, hidden, 2 * inter * hidden, hidden, inter,
-            EVEN_K=hidden % tiles.block_k == 0, **common,
+            dtype, dtype, torch.int32, torch.float32, dtype, dtype, hidden, inter, num_experts,
+            hidden, 2 * inter * hidden, hidden, inter, num_experts,
+            EVEN_K=hidden % tiles.block_k == 0, ROUTE=True, TOP_K_PAD=triton.next_power_of_2(top_k),
+            EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+            ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype, **common,
         )  # fmt: skip
     elif kernel == "down":
         _token_down_kernel.warmup(
             dtype, dtype, torch.int32, torch.float32, dtype, hidden, inter, inter, hidden * inter, inter, hidden,
-            TOP_K=top_k, EVEN_K=inter % tiles.block_k == 0, **common,
+            K_STEPS=triton.cdiv(inter, tiles.block_k), EVEN_K=inter % tiles.block_k == 0, **common,
         )  # fmt: skip
     else:
         raise ValueError(f"unknown MoE GEMV {kernel!r}; expected 'gate_up' or 'down'")

@@ -18,23 +18,21 @@ from tokenmill.kernels.triton.rounding import round_like
 
 
 @triton.jit
-def _topk_softmax_kernel(
-    logits_ptr,  # [T, E], rows contiguous
-    weights_ptr,  # [T, TOP_K] float32
-    ids_ptr,  # [T, TOP_K] int32
+def topk_of_row(
+    row_ptr,  # one token's router logits [E], contiguous
     num_experts,
-    stride_logits,
     TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
     EXPERTS_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND_TO_LOGITS_DTYPE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """(weights [TOP_K_PAD] float32, expert ids [TOP_K_PAD] int32) of one token; slots past
+    TOP_K hold zeros. Shared with the few-token experts kernel (fused_moe_gemv.py), which routes
+    inside its own launch."""
     experts = tl.arange(0, EXPERTS_PAD)
     is_expert = experts < num_experts
-    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=is_expert, other=float("-inf"))
-    logits = logits.to(tl.float32)
+    logits = tl.load(row_ptr + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
     probs = exps / tl.sum(exps, axis=0)
     probs = tl.where(is_expert, probs, -1.0)  # padding is never picked
@@ -50,7 +48,29 @@ def _topk_softmax_kernel(
     if RENORMALIZE:
         top_values = top_values / tl.sum(top_values, axis=0)
     if ROUND_TO_LOGITS_DTYPE:
-        top_values = round_like(top_values, logits_ptr.dtype.element_ty)
+        top_values = round_like(top_values, row_ptr.dtype.element_ty)
+    return top_values, top_ids
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr,  # [T, E], rows contiguous
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int32
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_LOGITS_DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    top_values, top_ids = topk_of_row(
+        logits_ptr + row * stride_logits, num_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE,
+        ROUND_TO_LOGITS_DTYPE,
+    )  # fmt: skip
+    slots = tl.arange(0, TOP_K_PAD)
     in_k = slots < TOP_K
     tl.store(weights_ptr + row * TOP_K + slots, top_values, mask=in_k)
     tl.store(ids_ptr + row * TOP_K + slots, top_ids, mask=in_k)

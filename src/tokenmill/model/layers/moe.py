@@ -12,8 +12,9 @@ run is the device's `MoEOps`, picked once at load like the layer ops:
 
 - CUDA (`TritonMoEOps`): routing in one Triton launch, then kernels/triton/fused_moe.py (pairs
   aligned to expert blocks, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one
-  for down with the routing weight in its epilogue, a sum over k). No host syncs: it can sit in
-  a CUDA graph.
+  for down with the routing weight in its epilogue, a sum over k); for a few tokens (decode
+  steps, as the tile configs say) two GEMV launches of fused_moe_gemv.py, the first also routing.
+  No host syncs: it can sit in a CUDA graph.
 - CPU (`TorchMoEOps`): transformers' routing ops, then the pairs sorted by expert and one pair
   of matmuls per expert that got tokens (a loop over those only, not over all E), whose weighted
   outputs are index_add-ed into the result.
@@ -49,6 +50,14 @@ class TorchMoEOps:
         if renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         return (weights.to(logits.dtype) if weights_in_model_dtype else weights), ids
+
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """The routed experts' output [T, H] for router logits [T, E]."""
+        weights, ids = self.route(router_logits, top_k, renormalize, weights_in_model_dtype)
+        return self.experts(x, gate_up_proj, down_proj, weights, ids)
 
     def experts(
         self,
@@ -87,7 +96,17 @@ class TritonMoEOps:
         from tokenmill.kernels.triton import fused_moe, moe_routing
 
         self._fused_moe = fused_moe.fused_moe
+        self._routed_fused_moe = fused_moe.routed_fused_moe
         self._topk_softmax = moe_routing.topk_softmax
+
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Routing and experts together: a few tokens route inside the experts' first launch."""
+        return self._routed_fused_moe(
+            x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype
+        )
 
     def route(
         self, logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
@@ -189,11 +208,11 @@ class SparseMoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output [T, hidden], not yet added to the residual stream."""
-        topk_weights, topk_ids = self.moe_ops.route(
-            self._router(x), self.top_k, self.renormalize, self.weights_in_model_dtype
-        )
         experts = self._experts_
-        out = self.moe_ops.experts(x, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids)
+        out = self.moe_ops.forward(
+            x, self._router(x), experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalize,
+            self.weights_in_model_dtype,
+        )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared
