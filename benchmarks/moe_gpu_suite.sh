@@ -4,7 +4,8 @@
 #   STEPS=latency,throughput benchmarks/moe_gpu_suite.sh
 # tune: benchmarks/tune_fused_moe.py for Mixtral-8x7B and Qwen3-30B-A3B expert shapes (writes the
 # repo's kernels/triton/moe_configs; a tar of them goes to $OUT); tests: tests/gpu/test_moe_gpu.py;
-# microbench: benchmarks/moe_microbench.py; latency / throughput: `tokenmill bench` with dummy
+# microbench: benchmarks/moe_microbench.py; profile: benchmarks/profile_decode.py (where a decode
+# step's time goes); latency / throughput: `tokenmill bench` with dummy
 # weights at Qwen3-30B-A3B shapes (benchmarks/configs/qwen3-30b-a3b). Logs and JSON go to $OUT.
 # Packages the GPU image lacks (msgspec, ...) are expected installed in /tmp/site, as gpu_suite.sh does.
 set -u
@@ -27,13 +28,18 @@ if has tune; then
 fi
 
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -q -rA -x tests/gpu/test_moe_gpu.py 2>&1 |
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -rA tests/gpu/test_moe_gpu.py 2>&1 |
     tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
 fi
 
 if has microbench; then
   timeout "${MICROBENCH_TIMEOUT:-100}" python3 benchmarks/moe_microbench.py --result-dir "$OUT" \
     --result-name moe-microbench-qwen3-30b-a3b 2>&1 | tee "$OUT/microbench.log"
+fi
+
+if has profile; then
+  timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_decode.py --model "$MODEL" --batch-sizes 1,64 \
+    --result-dir "$OUT" 2>&1 | tee "$OUT/profile.log" | grep -vE "it/s\]|s/it\]|graph/s\]" | tail -40
 fi
 
 if has latency; then
