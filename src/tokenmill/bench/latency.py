@@ -2,7 +2,8 @@
 
 roofline_fraction = decode tok/s / (device-to-device copy bandwidth / bytes read per decode step),
 where the bandwidth counts bytes read and written (as the device notes do) and a decode step
-reads every weight once plus the KV cache of the context so far (averaged over the decode).
+reads every weight once plus the KV cache of the context so far (averaged over the decode); of a
+mixture-of-experts model, only the top_k routed experts per layer (the active parameters).
 """
 
 from __future__ import annotations
@@ -99,10 +100,18 @@ def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[fl
     """(weight bytes, mean KV bytes) read by one decode step.
 
     Every weight matrix is read once; the input embedding table is not (a step gathers one row
-    per token), so an untied embedding is left out rather than flattering the fraction.
+    per token), so an untied embedding is left out rather than flattering the fraction. Of a
+    mixture-of-experts layer's routed experts one token reads its top_k: the active parameters
+    (the router, attention, norms, dense and shared-expert MLPs are read whole).
     """
+    from tokenmill.model.layers.moe import unread_expert_bytes
+
     model = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embedding_bytes(llm)
+    weight_bytes = (
+        sum(p.numel() * p.element_size() for p in model.parameters())
+        - embedding_bytes(llm)
+        - unread_expert_bytes(model)
+    )
     arch = llm.resolved.arch
     itemsize = next(model.parameters()).element_size()
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
@@ -124,6 +133,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.args import EngineArgs
     from tokenmill.bench.results import engine_options, write_result
     from tokenmill.engine.llm import LLM
+    from tokenmill.model.layers.moe import unread_expert_bytes
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**engine_args.as_kwargs())
@@ -145,6 +155,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weight_bytes,
+        # routed experts a one-token step does not read (mixture-of-experts models; else 0)
+        "unread_expert_weight_bytes": float(unread_expert_bytes(llm.engine.runner.model)),
         "mean_kv_bytes_per_step": kv_bytes,
         "roofline_tokens_per_s": roofline_tps,
         "roofline_fraction": best["decode_tokens_per_s"] / roofline_tps,

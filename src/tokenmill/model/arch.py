@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.errors import UnsupportedModelError
+from tokenmill.model.moe_config import MoEConfig, moe_config_from_hf
 
 # HF `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -22,6 +23,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is not loaded
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -31,7 +35,7 @@ _PARTIAL_ROTARY_FAMILIES = ("phi3",)
 
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3
+    architecture: str  # a family: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, mixtral, qwen*_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -76,6 +80,8 @@ class ArchConfig:
     def attention_scale(self) -> float:
         """The softmax scale of q.k: 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+    # Routed experts (model/moe_config.py); None for dense models.
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -132,9 +138,11 @@ class ArchConfig:
         bias = bool(cfg.get("attention_bias", False))
         if family == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias
             qkv_bias, o_bias = True, False
-        elif family in ("mistral", "phi3"):
+        elif family == "qwen2_moe":  # q/k/v bias unless qkv_bias says otherwise (transformers 5)
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
+        elif family in ("mistral", "phi3", "mixtral"):
             qkv_bias, o_bias = False, False
-        else:  # llama and qwen3 put `attention_bias` on all four projections
+        else:  # llama, qwen3 and qwen3_moe put `attention_bias` on all four projections
             qkv_bias, o_bias = bias, bias
 
         return ArchConfig(
@@ -152,12 +160,13 @@ class ArchConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
             sliding_windows=_sliding_windows(family, cfg, num_layers, max_positions),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+            moe=moe_config_from_hf(family, cfg, int(cfg["num_hidden_layers"])),
         )
 
 
@@ -182,7 +191,7 @@ def _sliding_windows(
 ) -> tuple[int | None, ...]:
     """Per layer, its sliding window as transformers applies it; () when no layer has one.
 
-    Mistral and Phi-3 slide every layer by `sliding_window`. Qwen2/Qwen3 slide only with
+    Mistral, Mixtral and Phi-3 slide every layer by `sliding_window`. Qwen2/Qwen3 slide only with
     `use_sliding_window`, and then the layers `layer_types` marks "sliding_attention" (by default
     those from `max_window_layers` on). A window as long as max_position_embeddings never drops a
     key (max_model_len is bounded by it), so it is plain attention and asks nothing of the backend.
@@ -191,7 +200,7 @@ def _sliding_windows(
     if window is None:
         return ()
     window = int(window)
-    if family in ("qwen2", "qwen3"):
+    if family.startswith("qwen"):  # qwen2, qwen3 and their MoE variants
         if not cfg.get("use_sliding_window"):
             return ()  # Qwen configs carry a window they only use with use_sliding_window
         max_window_layers = int(cfg.get("max_window_layers", 28))  # transformers' default
@@ -203,7 +212,7 @@ def _sliding_windows(
                 f"layer_types names {len(layer_types)} layers; expected num_hidden_layers={num_layers}"
             )
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    elif family in ("mistral", "phi3"):
+    elif family in ("mistral", "phi3", "mixtral"):
         windows = (window,) * num_layers
     else:
         # transformers' Llama has no sliding window: a config naming one is not a Llama we can

@@ -55,7 +55,9 @@ class DecoderLayer(nn.Module):
         layer_spec: AttentionLayerSpec = PLAIN_ATTENTION,
         device=None,
         dtype: torch.dtype | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp` replaces the dense SwiGLU MLP (a mixture-of-experts block: model/moe_models.py)."""
         super().__init__()
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
@@ -64,9 +66,9 @@ class DecoderLayer(nn.Module):
             arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec, **place
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, **place)
-        self.mlp = SwiGLUMLP(
-            arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
-        )
+        if mlp is None:
+            mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place)
+        self.mlp = mlp
         self.ops = ops
         self.eps = eps
         # Steps that fuse RoPE into attention may also skip the norm launches (_forward_deferred_norm)
@@ -209,8 +211,15 @@ class CausalLM(nn.Module):
         return DecoderLayer(
             self.arch, self.attn_backend, self.ops, kernel, linear_method=linear_method,
             layer_spec=AttentionLayerSpec(sliding_window=self.arch.layer_sliding_window(index)),
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, mlp=self.make_mlp(index, linear_method, device, dtype),
         )  # fmt: skip
+
+    def make_mlp(
+        self, layer: int, linear_method: LinearMethod | None, device, dtype: torch.dtype
+    ) -> nn.Module | None:
+        """The MLP of decoder layer `layer`, or None for the dense SwiGLU MLP (the hook a family with
+        another MLP, such as a mixture of experts, overrides)."""
+        return None
 
     def forward(
         self,
@@ -254,9 +263,9 @@ class CausalLM(nn.Module):
                 continue
             module, param_name, shard_id = target
             try:
-                if isinstance(module, LinearBase):
-                    if self.qk_dim_order is not None and isinstance(module, QKVParallelLinear):
-                        tensor = self._qk_in_rotary_layout(tensor, shard_id)
+                if self.qk_dim_order is not None and isinstance(module, QKVParallelLinear):
+                    tensor = self._qk_in_rotary_layout(tensor, shard_id)
+                if hasattr(module, "weight_loader"):  # linear layers, stacked experts: their shard
                     module.weight_loader(param_name, tensor, shard_id)
                 else:
                     param = getattr(module, param_name)

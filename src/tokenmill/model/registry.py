@@ -22,6 +22,7 @@ from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
 from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
 from tokenmill.model.loader.pt_loader import iter_pt_weights
 from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
+from tokenmill.model.moe_models import MoECausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
 
@@ -35,6 +36,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "gemma2": GemmaCausalLM,
     "gemma3": GemmaCausalLM,
+    "mixtral": MoECausalLM,
+    "qwen2_moe": MoECausalLM,
+    "qwen3_moe": MoECausalLM,
 }
 
 logger = logging.getLogger(__name__)

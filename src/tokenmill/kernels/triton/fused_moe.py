@@ -1,0 +1,329 @@
+"""The routed experts of a mixture-of-experts layer on the GPU: two grouped Triton GEMMs.
+
+For x [T, H], expert weights w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
+w2 [E, H, I], and each token's top-k experts and weights:
+
+1. the token-expert pairs are sorted into blocks of BLOCK_M rows of one expert (moe_align.py);
+2. `_gate_up_kernel`: each program takes one block and BLOCK_N intermediate columns, gathers the
+   block's token rows of x, multiplies them by the expert's gate and up columns (two
+   accumulators over the same x tiles) and writes silu(gate) * up for each pair: [N, I];
+3. `_down_kernel`: each program takes one block and BLOCK_N hidden columns of the pairs' rows
+   of that, times the expert's w2, scaled by the pair's routing weight in the epilogue: [N, H];
+4. the k rows of each token are summed (one torch reduction).
+
+Every expert's weights are read once per block of its pairs, so a decode step reads top_k
+experts and nothing else. Grid sizes are bounds (ExpertBlocks.max_blocks); programs past the
+used blocks return at once, so nothing syncs with the host and a step can be a CUDA graph.
+Rounding follows transformers' (gate/up rounded to the dtype, then the activation, then the
+product; the down output rounded before the weight scales it).
+
+Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
+batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv, routed_fused_moe_gemv
+from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
+from tokenmill.kernels.triton.moe_routing import topk_softmax
+from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
+from tokenmill.kernels.triton.rounding import round_like
+
+
+@triton.jit
+def _block_coordinates(num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
+    """(block of pairs, block of columns) of this program: GROUP_M row blocks share column blocks
+    back to back, so their weight tiles are still in L2 for the next row block."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_blocks_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    return pid_m, pid_n
+
+
+# The batch-dependent sizes are not specialized on (divisible by 16 or not): one compiled variant
+# serves every batch size, so serving never compiles after start-up.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]
+    out_ptr,  # [N, I]: silu(gate) * up of each pair
+    sorted_ptr,  # ExpertBlocks.sorted_pair_ids
+    block_expert_ptr,  # ExpertBlocks.block_expert_ids
+    num_padded_ptr,  # ExpertBlocks.num_padded
+    num_pairs,
+    inter,  # I
+    hidden,  # H
+    top_k,
+    num_blocks_m,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
+    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32, else "tf32" (ignored for 16-bit)
+    UPCAST_DOT: tl.constexpr,  # float32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
+):
+    pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < inter
+    # Out-of-range columns read a valid column (wrapped) and are never stored: no mask in the loop.
+    wcols = (cols % inter).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    x_at = x_ptr + tokens[:, None] * stride_xm + ks[None, :]
+    gate_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn + ks[:, None] * stride_wk
+    up_at = gate_at + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
+            gate = tl.load(gate_at)
+            up = tl.load(up_at)
+        else:
+            k_ok = (k0 + ks) < hidden
+            x = tl.load(x_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+            gate = tl.load(gate_at, mask=k_ok[:, None], other=0.0)
+            up = tl.load(up_at, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+        x_at += BLOCK_K
+        gate_at += BLOCK_K * stride_wk
+        up_at += BLOCK_K * stride_wk
+    dtype = out_ptr.dtype.element_ty
+    g = round_like(acc_gate, dtype)
+    u = round_like(acc_up, dtype)
+    act = round_like(g / (1.0 + tl.exp(-g)), dtype)
+    out_at = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_at, (act * u).to(dtype), mask=is_pair[:, None] & is_col[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _down_kernel(
+    a_ptr,  # [N, I]: _gate_up_kernel's output
+    w_ptr,  # [E, H, I]
+    out_ptr,  # [N, H]: each pair's expert output times its routing weight
+    weights_ptr,  # [N] float32 routing weight of each pair
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    hidden,  # H: output columns
+    inter,  # I: the reduction
+    num_blocks_m,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
+    PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < hidden
+    wcols = (cols % hidden).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_at = a_ptr + rows[:, None] * stride_am + ks[None, :]
+    w_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
+            w = tl.load(w_at)
+        else:
+            k_ok = (k0 + ks) < inter
+            a = tl.load(a_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_at, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_at += BLOCK_K
+        w_at += BLOCK_K * stride_wk
+    dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + rows, mask=is_pair, other=0.0)
+    y = round_like(acc, dtype) * routing[:, None]
+    out_at = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_at, y.to(dtype), mask=is_pair[:, None] & is_col[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tiles: MoETiles | None = None,
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), each expert a SwiGLU
+    MLP (down(silu(gate(x)) * up(x))): [T, H] in x's dtype.
+
+    x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] with contiguous last dimensions; topk_weights
+    [T, k] (float32) and topk_ids [T, k] (int32 or int64). `tiles` defaults to the tuned (or
+    default) tiles for this shape and batch.
+    """
+    top_k = topk_ids.shape[1]
+    _check_shapes(x, w13, w2)
+    if tuple(topk_weights.shape) != (x.shape[0], top_k):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ")
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    if tiles.method == "gemv":
+        return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
+    return _grouped(x, w13, w2, weights, topk_ids, tiles)
+
+
+def routed_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to_logits_dtype: bool,
+    tiles: MoETiles | None = None,
+) -> torch.Tensor:
+    """The experts' output for router logits [T, E]: top-k of their softmax (moe_routing.py),
+    then fused_moe. On the few-token path the routing happens inside the gate/up launch."""
+    _check_shapes(x, w13, w2)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    if tiles.method == "gemv":
+        return routed_fused_moe_gemv(
+            x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down
+        )
+    weights, ids = topk_softmax(router_logits, top_k, renormalize, round_to_logits_dtype)
+    return _grouped(x, w13, w2, weights.reshape(-1), ids, tiles)
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    hidden = x.shape[1]
+    num_experts, two_inter, w13_hidden = w13.shape
+    inter = two_inter // 2
+    if w13_hidden != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_inter % 2:
+        raise ValueError(
+            f"expert weights must be [E, 2I, H] and [E, H, I] for hidden {hidden}; got "
+            f"{tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_moe needs x, w13 and w2 with contiguous last dimensions")
+
+
+def _grouped(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+    tiles: MoETiles,
+) -> torch.Tensor:  # fmt: skip
+    """Align, the two grouped GEMMs, the sum over k (weights: [T * k] float32)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    blocks = align_pairs(topk_ids, w13.shape[0], tiles.block_m)
+    num_pairs = num_tokens * top_k
+    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
+    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up)
+    expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _launch_down(activated, w2, expert_out, weights, blocks, tiles.down)
+    if top_k == 1:
+        return expert_out
+    return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot(x: torch.Tensor) -> bool:
+    """The CPU interpreter multiplies bf16 tiles wrongly (Triton 3.9): float32 dots there."""
+    return x.device.type != "cuda" and x.dtype == torch.bfloat16
+
+
+def _launch_gate_up(
+    x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles
+) -> None:
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    grid = (blocks.max_blocks * triton.cdiv(inter, tiles.block_n),)
+    _gate_up_kernel[grid](
+        x, w13, out, blocks.sorted_pair_ids, blocks.block_expert_ids, blocks.num_padded,
+        blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        EVEN_K=hidden % tiles.block_k == 0, PRECISION=_precision(x.dtype), UPCAST_DOT=_upcast_dot(x),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def _launch_down(
+    a: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, blocks: ExpertBlocks,
+    tiles: GemmTiles,
+) -> None:  # fmt: skip
+    hidden, inter = w2.shape[1], w2.shape[2]
+    grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
+    _down_kernel[grid](
+        a, w2, out, weights, blocks.sorted_pair_ids, blocks.block_expert_ids, blocks.num_padded,
+        blocks.num_pairs, hidden, inter, blocks.max_blocks,
+        a.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        EVEN_K=inter % tiles.block_k == 0, PRECISION=_precision(a.dtype), UPCAST_DOT=_upcast_dot(a),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def compile_gemm(
+    kernel: str, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, block_m: int,
+    tiles: GemmTiles,
+) -> None:  # fmt: skip
+    """Compile one GEMM ("gate_up" or "down") for this shape and tiles without running it, with
+    the specializations a launch on contiguous tensors of that shape gets (for the tuner, which
+    compiles its candidates in parallel processes that fill Triton's on-disk cache)."""
+    index, weights = torch.int32, torch.float32
+    common = {
+        "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
+        "PRECISION": _precision(dtype), "UPCAST_DOT": False, "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages, "grid": (1,),
+    }  # fmt: skip
+    if kernel == "gate_up":
+        _gate_up_kernel.warmup(
+            dtype, dtype, dtype, index, index, index, 1, inter, hidden, top_k, 1,
+            hidden, 2 * inter * hidden, hidden, 1, inter, EVEN_K=hidden % tiles.block_k == 0, **common,
+        )  # fmt: skip
+    elif kernel == "down":
+        _down_kernel.warmup(
+            dtype, dtype, dtype, weights, index, index, index, 1, hidden, inter, 1,
+            inter, hidden * inter, inter, 1, hidden, EVEN_K=inter % tiles.block_k == 0, **common,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown MoE GEMM {kernel!r}; expected 'gate_up' or 'down'")

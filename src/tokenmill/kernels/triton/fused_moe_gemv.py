@@ -1,0 +1,266 @@
+"""The routed experts for a few tokens (decode steps): two GEMV launches, no align, no sum launch.
+
+With a handful of tokens each expert gets about one token-expert pair, so the grouped GEMMs of
+fused_moe.py pad every pair to a 16-row tensor-core tile and need an align launch before and a
+sum over k after. Here instead:
+
+1. `_pair_gate_up_kernel`, one program per (pair, BLOCK_N intermediate columns): the pair's
+   token row times its expert's gate and up rows (contiguous in H, read once with wide loads,
+   as the row GEMV of gemv.py reads a weight), silu(gate) * up into that pair's row: [N, I];
+2. `_token_down_kernel`, one program per (token, BLOCK_N hidden columns): for each of the
+   token's k experts, that pair's row times the expert's down rows, rounded, scaled by the
+   routing weight and summed in float32 in registers: the layer's output [T, H], directly.
+
+Two launches after the routing one, nothing read back to the host (graph-safe). A token's k
+experts are distinct; two tokens that share an expert read its weights twice (the second time
+mostly from L2), which is why larger batches take the grouped path (the tile configs choose).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.moe_routing import topk_of_row
+from tokenmill.kernels.triton.moe_tile_configs import GemmTiles
+from tokenmill.kernels.triton.rounding import round_like
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H], rows contiguous
+    ids_ptr,  # [N] expert of each pair (pair p = token p // top_k); written here with ROUTE
+    weights_ptr,  # [N] float32 routing weight of each pair (written with ROUTE, else unused)
+    logits_ptr,  # [T, E] router logits (read with ROUTE)
+    out_ptr,  # [N, I]
+    hidden,
+    inter,
+    num_experts,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
+    ROUTE: tl.constexpr,  # route here: softmax + top-k of the token's logits (no routing launch)
+    TOP_K_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND_TO_LOGITS_DTYPE: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    token = pair // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < inter
+    if ROUTE:
+        # Every program of the pair's token computes the token's top-k (E values: cheap next to
+        # the weight read); the first column block of each pair records its expert and weight.
+        top_values, top_ids = topk_of_row(
+            logits_ptr + token * stride_logits, num_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE,
+            ROUND_TO_LOGITS_DTYPE,
+        )  # fmt: skip
+        this_slot = tl.arange(0, TOP_K_PAD) == (pair % TOP_K)
+        expert32 = tl.sum(tl.where(this_slot, top_ids, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, expert32)
+            tl.store(weights_ptr + pair, tl.sum(tl.where(this_slot, top_values, 0.0), axis=0))
+        expert = expert32.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    x_at = x_ptr + token * stride_xm + ks
+    gate_at = w_ptr + expert * stride_we + (cols % inter).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    up_at = gate_at + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_at)
+            # Each weight byte is read once per step: keep the activations in L2 instead.
+            gate = tl.load(gate_at, eviction_policy="evict_first")
+            up = tl.load(up_at, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + ks) < hidden
+            x = tl.load(x_at, mask=k_ok, other=0.0)
+            gate = tl.load(gate_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            up = tl.load(up_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        xf = x.to(tl.float32)[None, :]
+        acc_gate += gate.to(tl.float32) * xf
+        acc_up += up.to(tl.float32) * xf
+        x_at += BLOCK_K
+        gate_at += BLOCK_K
+        up_at += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    g = round_like(tl.sum(acc_gate, axis=1), dtype)
+    u = round_like(tl.sum(acc_up, axis=1), dtype)
+    act = round_like(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(out_ptr + pair * stride_om + cols, (act * u).to(dtype), mask=is_col)
+
+
+@triton.jit
+def _token_down_kernel(
+    a_ptr,  # [N, I]: _pair_gate_up_kernel's output
+    w_ptr,  # [E, H, I], rows contiguous
+    ids_ptr,  # [N]
+    weights_ptr,  # [N] float32
+    out_ptr,  # [T, H]
+    hidden,
+    inter,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < hidden
+    wrows = (cols % hidden).to(tl.int64)[:, None] * stride_wn
+    ks = tl.arange(0, BLOCK_K)
+    # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
+    # expert in flight too; the routing weight scales the activation row (so one accumulator
+    # serves every expert and the k outputs are summed in float32 here: no sum launch).
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in range(TOP_K * K_STEPS):
+        pair = token * TOP_K + step // K_STEPS
+        k0 = (step % K_STEPS) * BLOCK_K
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_at = a_ptr + pair * stride_am + k0 + ks
+        w_at = w_ptr + expert * stride_we + wrows + (k0 + ks)[None, :]
+        if EVEN_K:
+            a = tl.load(a_at)
+            w = tl.load(w_at, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + ks) < inter
+            a = tl.load(a_at, mask=k_ok, other=0.0)
+            w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
+        acc += w.to(tl.float32) * scaled[None, :]
+    tl.store(out_ptr + token * stride_om + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=is_col)
+
+
+def fused_moe_gemv(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T * k] float32
+    ids: torch.Tensor,  # [T, k] int32 / int64
+    gate_up_tiles: GemmTiles,
+    down_tiles: GemmTiles,
+) -> torch.Tensor:
+    """fused_moe for a few tokens already routed (the caller checked the shapes); [T, H]."""
+    top_k = ids.shape[1]
+    ids = ids.reshape(-1)
+    activated = torch.empty((ids.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
+    launch_pair_gate_up(x, w13, ids, activated, top_k, gate_up_tiles)
+    out = torch.empty_like(x)
+    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
+    return out
+
+
+def routed_fused_moe_gemv(
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E], rows contiguous
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to_logits_dtype: bool,
+    gate_up_tiles: GemmTiles,
+    down_tiles: GemmTiles,
+) -> torch.Tensor:
+    """Routing and experts for a few tokens in two launches: the gate/up kernel also routes
+    (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel."""
+    num_pairs = x.shape[0] * top_k
+    ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_pairs, dtype=torch.float32, device=x.device)
+    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
+    launch_pair_gate_up(
+        x, w13, ids, activated, top_k, gate_up_tiles, weights=weights, router_logits=router_logits,
+        renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
+    return out
+
+
+def launch_pair_gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    tiles: GemmTiles,
+    *,
+    weights: torch.Tensor | None = None,
+    router_logits: torch.Tensor | None = None,
+    renormalize: bool = False,
+    round_to_logits_dtype: bool = False,
+) -> None:
+    """out [N, I] = silu(gate) * up of each pair p (token p // top_k); with `router_logits`, the
+    kernel routes and writes `ids` and `weights` [N] itself."""
+    num_pairs, inter = out.shape
+    hidden, num_experts = x.shape[1], w13.shape[0]
+    route = router_logits is not None
+    if route and (weights is None or router_logits.stride(-1) != 1):
+        raise ValueError("routing in the gate/up launch needs `weights` and contiguous router logits")
+    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n))](
+        x, w13, ids, weights if route else out, router_logits if route else x, out, hidden, inter, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), router_logits.stride(0) if route else 0,
+        TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=hidden % tiles.block_k == 0,
+        ROUTE=route, TOP_K_PAD=triton.next_power_of_2(top_k), EXPERTS_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def launch_token_down(
+    activated: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+    top_k: int, tiles: GemmTiles,
+) -> None:  # fmt: skip
+    """out [T, H] = sum over each token's k pairs of weight * down(activated row)."""
+    num_tokens, hidden = out.shape
+    inter = w2.shape[2]
+    _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
+        activated, w2, ids, weights, out, hidden, inter,
+        activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=inter % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def compile_gemv(
+    kernel: str, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, tiles: GemmTiles,
+    *, renormalize: bool, round_to_logits_dtype: bool,
+) -> None:  # fmt: skip
+    """Compile one of the two kernels ("gate_up", routing in its launch as the engine runs it, or
+    "down") for this shape without running it (the tuner's parallel warm-up; see
+    fused_moe.compile_gemm)."""
+    common = {
+        "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages, "grid": (1, 1), "TOP_K": top_k,
+    }  # fmt: skip
+    if kernel == "gate_up":
+        _pair_gate_up_kernel.warmup(
+            dtype, dtype, torch.int32, torch.float32, dtype, dtype, hidden, inter, num_experts,
+            hidden, 2 * inter * hidden, hidden, inter, num_experts,
+            EVEN_K=hidden % tiles.block_k == 0, ROUTE=True, TOP_K_PAD=triton.next_power_of_2(top_k),
+            EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+            ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype, **common,
+        )  # fmt: skip
+    elif kernel == "down":
+        _token_down_kernel.warmup(
+            dtype, dtype, torch.int32, torch.float32, dtype, hidden, inter, inter, hidden * inter, inter, hidden,
+            K_STEPS=triton.cdiv(inter, tiles.block_k), EVEN_K=inter % tiles.block_k == 0, **common,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown MoE GEMV {kernel!r}; expected 'gate_up' or 'down'")

@@ -1,0 +1,234 @@
+"""The sparse mixture-of-experts block: a router, top-k routed SwiGLU experts and, for Qwen2-MoE,
+a shared expert every token goes through.
+
+    gate logits = x @ W_router.T                    [T, E], in the model's dtype (as transformers)
+    weights, ids = top-k of softmax(logits)          (renormalized to sum to 1 where the model says)
+    y = sum_k weights[:, k] * expert_{ids[:, k]}(x)  each expert down(silu(gate(x)) * up(x))
+      (+ sigmoid(x @ w_shared_gate) * shared_expert(x))
+
+The experts' weights live stacked on the device: gate_up_proj [E, 2I, H] (an expert's gate rows,
+then its up rows) and down_proj [E, H, I], the layout transformers 5 keeps in memory. How they
+run is the device's `MoEOps`, picked once at load like the layer ops:
+
+- CUDA (`TritonMoEOps`): routing in one Triton launch, then kernels/triton/fused_moe.py (pairs
+  aligned to expert blocks, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one
+  for down with the routing weight in its epilogue, a sum over k); for a few tokens (decode
+  steps, as the tile configs say) two GEMV launches of fused_moe_gemv.py, the first also routing.
+  No host syncs: it can sit in a CUDA graph.
+- CPU (`TorchMoEOps`): transformers' routing ops, then the pairs sorted by expert and one pair
+  of matmuls per expert that got tokens (a loop over those only, not over all E), whose weighted
+  outputs are index_add-ed into the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers.layer_ops import LayerOps
+from tokenmill.model.layers.linear import ReplicatedLinear, bind_hot_path
+from tokenmill.model.layers.linear_method import LinearMethod
+from tokenmill.model.layers.mlp import SwiGLUMLP
+from tokenmill.model.moe_config import MoEConfig
+
+# A checkpoint tensor's place in the stacked expert weights: (expert, 0 = gate / 1 = up / None =
+# down); None for a whole stacked tensor (transformers 5's in-memory layout).
+ExpertShard = tuple[int, int | None] | None
+
+
+class TorchMoEOps:
+    """Routing and experts with PyTorch ops (the CPU's)."""
+
+    def route(
+        self, logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) by transformers' ops: softmax in float32, top-k,
+        renormalize; weights in the logits' dtype or float32."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return (weights.to(logits.dtype) if weights_in_model_dtype else weights), ids
+
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """The routed experts' output [T, H] for router logits [T, E]."""
+        weights, ids = self.route(router_logits, top_k, renormalize, weights_in_model_dtype)
+        return self.experts(x, gate_up_proj, down_proj, weights, ids)
+
+    def experts(
+        self,
+        x: torch.Tensor,  # [T, H]
+        gate_up_proj: torch.Tensor,  # [E, 2I, H]
+        down_proj: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, k]
+        topk_ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:
+        top_k = topk_ids.shape[1]
+        inter = down_proj.shape[2]
+        expert_of_pair = topk_ids.reshape(-1)
+        order = torch.argsort(expert_of_pair, stable=True)  # pairs grouped by expert
+        counts = torch.bincount(expert_of_pair, minlength=gate_up_proj.shape[0])
+        used = counts.nonzero().flatten()
+        tokens = order // top_k
+        weights = topk_weights.reshape(-1)[order]
+        rows = x[tokens]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(used.tolist(), counts[used].tolist(), strict=True):
+            end = start + count
+            gate_up = F.linear(rows[start:end], gate_up_proj[expert])
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            y = F.linear(act, down_proj[expert]) * weights[start:end, None]
+            out.index_add_(0, tokens[start:end], y.to(out.dtype))
+            start = end
+        return out
+
+
+class TritonMoEOps:
+    """Routing and experts in Triton launches (CUDA; the CPU under TRITON_INTERPRET=1)."""
+
+    def __init__(self) -> None:
+        # Imported here: triton is optional on CPU-only installs.
+        from tokenmill.kernels.triton import fused_moe, moe_routing
+
+        self._fused_moe = fused_moe.fused_moe
+        self._routed_fused_moe = fused_moe.routed_fused_moe
+        self._topk_softmax = moe_routing.topk_softmax
+
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Routing and experts together: a few tokens route inside the experts' first launch."""
+        return self._routed_fused_moe(
+            x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype
+        )
+
+    def route(
+        self, logits: torch.Tensor, top_k: int, renormalize: bool, weights_in_model_dtype: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, rounded to the logits' dtype if asked; ids [T, k] int32)."""
+        return self._topk_softmax(logits, top_k, renormalize, round_to_logits_dtype=weights_in_model_dtype)
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
+MoEOps = TorchMoEOps | TritonMoEOps
+
+
+def select_moe_ops(device: torch.device | str) -> MoEOps:
+    return TritonMoEOps() if torch.device(device).type == "cuda" else TorchMoEOps()
+
+
+class MoEExperts(nn.Module):
+    """E SwiGLU experts' weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        dtype = dtype or torch.float32
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty((num_experts, 2 * intermediate_size, hidden_size), device=device, dtype=dtype),
+            requires_grad=False,
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty((num_experts, hidden_size, intermediate_size), device=device, dtype=dtype),
+            requires_grad=False,
+        )
+
+    @torch.no_grad()
+    def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ExpertShard = None) -> None:
+        """Copy a checkpoint tensor into `param_name` ("gate_up_proj" or "down_proj"): one expert's
+        gate, up or down matrix (shard_id = (expert, 0 | 1 | None)), or the whole stack (None)."""
+        if param_name not in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"no such {param_name}; the experts hold gate_up_proj and down_proj")
+        param: torch.Tensor = getattr(self, param_name).data
+        if shard_id is not None:
+            expert, part = shard_id
+            if not 0 <= expert < self.num_experts:
+                raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
+            param = param[expert]
+            if param_name == "gate_up_proj":
+                if part not in (0, 1):
+                    raise ValueError(f"gate_up_proj takes part 0 (gate) or 1 (up), not {part!r}")
+                inter = self.intermediate_size
+                param = param[part * inter : (part + 1) * inter]
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
+        param.copy_(loaded)
+
+
+class SparseMoEBlock(nn.Module):
+    """Router + routed experts (+ the shared expert and its gate where the config has one); the
+    module names follow Qwen's checkpoints (mlp.gate, mlp.experts, mlp.shared_expert,
+    mlp.shared_expert_gate)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoEConfig,
+        ops: LayerOps,
+        moe_ops: MoEOps,
+        *,
+        linear_method: LinearMethod | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        place = {"device": device, "dtype": dtype}
+        self.gate = ReplicatedLinear(hidden_size, moe.num_experts, method=linear_method, **place)
+        self.experts = MoEExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, **place)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLUMLP(
+                hidden_size, moe.shared_expert_intermediate_size, ops, linear_method=linear_method, **place
+            )
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, method=linear_method, **place)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.weights_in_model_dtype = moe.weights_in_model_dtype
+        self.moe_ops = moe_ops
+        bind_hot_path(self, router=self.gate, experts_=self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output [T, hidden], not yet added to the residual stream."""
+        experts = self._experts_
+        out = self.moe_ops.forward(
+            x, self._router(x), experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalize,
+            self.weights_in_model_dtype,
+        )  # fmt: skip
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
+        return out
+
+    # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
+    __call__ = forward
+
+
+def unread_expert_bytes(model: nn.Module) -> int:
+    """Bytes of routed-expert weights a one-token decode step does not read: of each MoE block's
+    E experts it reads top_k (the active-parameter count of a MoE model)."""
+    unread = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoEBlock):
+            experts = module.experts
+            per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+            unread += (experts.num_experts - module.top_k) * per_expert
+    return unread
