@@ -5,7 +5,8 @@
 # tune: benchmarks/tune_fused_moe.py for Mixtral-8x7B and Qwen3-30B-A3B expert shapes (writes the
 # repo's kernels/triton/moe_configs; a tar of them goes to $OUT); tests: tests/gpu/test_moe_gpu.py;
 # microbench: benchmarks/moe_microbench.py; profile: benchmarks/profile_decode.py (where a decode
-# step's time goes); latency / throughput: `tokenmill bench` with dummy
+# step's time goes); latency / throughput: `tokenmill bench` with dummy (throughput against
+# transformers' generate_batch on BASELINE_PROMPTS of the same prompts, in the same run)
 # weights at Qwen3-30B-A3B shapes (benchmarks/configs/qwen3-30b-a3b). Logs and JSON go to $OUT.
 # Packages the GPU image lacks (msgspec, ...) are expected installed in /tmp/site, as gpu_suite.sh does.
 set -u
@@ -51,6 +52,7 @@ fi
 if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-240}" "${TOKENMILL[@]}" bench throughput --model "$MODEL" --load-format dummy \
     --num-prompts "${NUM_PROMPTS:-512}" --input-len 512 --output-len 256 --max-model-len 4096 \
+    --baseline hf-generate-batch --baseline-num-prompts "${BASELINE_PROMPTS:-64}" \
     --result-dir "$OUT" --result-name throughput-qwen3-30b-a3b 2>&1 | tee "$OUT/throughput.log" |
     grep -vE "it/s\]|s/it\]" | tail -8
 fi
