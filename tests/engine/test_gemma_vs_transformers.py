@@ -18,6 +18,7 @@ import torch
 
 from tests.engine.gemma_checkpoints import GEMMA2_WINDOW, GEMMA3_WINDOW, write_gemma_checkpoint
 from tests.engine.hf_oracle import load_hf
+from tests.engine.sliding_window_checkpoints import WindowBound
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.arch import SUPPORTED_ROPE_TYPES
 
@@ -121,8 +122,16 @@ def test_chunked_prefill_small_token_budget(gemma_dir, family, async_scheduling)
     # Chunks of 8 tokens or fewer: a window spans several chunks and steps.
     llm = _llm(gemma_dir, max_num_batched_tokens=8, max_num_seqs=4, async_scheduling=async_scheduling)
     window = WINDOWS[family]
+    # Gemma's local layers form their own KV cache group(s), which keep only the window's blocks.
+    bound = WindowBound(llm)
     prompts = _prompts(llm.info.vocab_size, 5, seed=2, min_len=window, max_len=4 * window)
     _check_greedy(llm, gemma_dir, prompts)
+    assert bound.sliding_groups() and bound.num_checks > 0
+    full = [g for g, w in enumerate(llm.engine.scheduler.kv.windows) if w is None]
+    assert full, "Gemma's global layers keep a full-attention group"
+    # The bound (checked after every schedule) is what the window allows; the global layers' group
+    # grows with the sequence, so it held more blocks than any sliding group did.
+    assert max(bound.max_live[g] for g in full) > max(bound.max_live[g] for g in bound.sliding_groups())
 
 
 def test_preemption_in_a_small_kv_pool(gemma_dir, family):
