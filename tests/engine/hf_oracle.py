@@ -1,4 +1,12 @@
-"""transformers as the oracle: greedy continuations and their logprobs on the same weights."""
+"""transformers as the oracle: greedy continuations and their logprobs on the same weights.
+
+Every test that loads a transformers model as the oracle goes through `hf_load_kwargs`: a model
+whose attention soft-caps its scores (Gemma 2) must run transformers' eager attention, the only
+one that applies the cap. Some transformers releases let such a model load with another default
+(SDPA), which silently drops the cap, and then the oracle itself is wrong (on an H100 machine's
+transformers it gave the tiny Gemma 2 of tests/gpu/test_gemma_gpu.py another greedy token at
+step 5 than the capped model has).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,30 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+
+def hf_load_kwargs(path: str) -> dict:
+    """from_pretrained keyword arguments that make transformers compute what the checkpoint's
+    config says: eager attention when the attention logits are soft-capped."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return {"attn_implementation": "eager"}
+    return {}
+
+
+def check_hf_applies_soft_cap(model) -> None:
+    """Raises unless `model` runs an attention that applies its config's attention soft cap."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None and config._attn_implementation != "eager":
+        raise AssertionError(
+            f"transformers runs {config._attn_implementation!r} attention for a model with "
+            f"attn_logit_softcapping={cap}: only 'eager' applies the cap; load it with hf_load_kwargs"
+        )
 
 
 @cache
@@ -16,7 +48,8 @@ def load_hf(path: str):
     if p.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_load_kwargs(path))
+    check_hf_applies_soft_cap(model)
     return model.eval()
 
 

@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.hf_oracle import hf_greedy
+from tests.engine.hf_oracle import check_hf_applies_soft_cap, hf_greedy, hf_load_kwargs
 from tokenmill import LLM, SamplingParams
 
 pytestmark = [
@@ -75,7 +75,9 @@ def _graph_replays(llm: LLM) -> int:
 def _hf_bf16_cuda(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **hf_load_kwargs(path))
+    check_hf_applies_soft_cap(model)
+    return model.to("cuda").eval()
 
 
 def _hf_greedy_bf16_with_ties(

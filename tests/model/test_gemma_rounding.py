@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.gemma_checkpoints import write_gemma_checkpoint
+from tests.engine.hf_oracle import hf_load_kwargs
 from tokenmill import LLM
 
 
@@ -19,7 +20,7 @@ def test_bf16_embedding_scale_and_norms_round_like_transformers(tmp_path, tiny_t
     from transformers import AutoModelForCausalLM
 
     path = write_gemma_checkpoint(tmp_path / "g2", "gemma2", tiny_tokenizer, seed=3, hidden_size=48)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, **hf_load_kwargs(str(path))).eval()
     llm = LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=64, attention_backend="torch")
     model = llm.engine.runner.model
     ids = torch.arange(5, 200)

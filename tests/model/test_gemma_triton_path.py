@@ -83,6 +83,53 @@ def test_triton_ops_and_attention_match_transformers(family, tmp_path, tiny_toke
         assert not fused_calls
 
 
+@interpreted_only
+@pytest.mark.parametrize("num_kv_splits", [None, 2], ids=["planned", "two-splits"])
+def test_gpu_tests_gemma2_greedy_matches_transformers(num_kv_splits, tmp_path, tiny_tokenizer, monkeypatch):
+    """tests/gpu/test_gemma_gpu.py's Gemma 2 (final cap 30) and its single-request prompt: the
+    prompt in one chunk, then 15 single-request decode steps, each through the launch the GPU
+    takes there (RoPE inside the attention launch, the 32-token single-request tiles), with the
+    split count eager mode plans (1 at these lengths) or the 2 splits the CUDA-graph plan gives
+    the full layers at max_model_len 256: the 16 greedy tokens are transformers' and so are the
+    logits. (Transformers must apply the attention soft cap here: without it, its token 5
+    differs, see tests/engine/test_hf_oracle_soft_cap.py.)"""
+    from tests.engine.hf_oracle import hf_greedy
+    from tests.gpu.test_gemma_gpu import _prompts
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.model import llama
+    from tokenmill.model.layers.layer_ops import TritonLayerOps
+
+    path = write_gemma_checkpoint(tmp_path / "g2", "gemma2", tiny_tokenizer, seed=11, final_logit_softcapping=30.0)
+    monkeypatch.setattr(llama, "select_layer_ops", lambda device: TritonLayerOps())
+    config = ModelConfig(model=str(path))
+    resolved = resolve_model(config)
+    arch = resolved.arch
+    backend = TritonPagedBackend(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale, BLOCK_SIZE,
+        num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+    fused = backend.forward_decode_with_rope
+    fused_calls = []
+    monkeypatch.setattr(backend, "forward_decode_with_rope", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    model = load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved, kernel=KernelConfig())
+
+    prompt = _prompts(arch.vocab_size, 1, seed=21)[0]
+    expected = hf_greedy(str(path), prompt, 16)[0]
+    harness = PagedHarness(model, seed=3)
+    r = harness.add(prompt + [0] * 15)
+    harness.step([(r, len(prompt))])
+    ours = []
+    for i in range(16):
+        ours.append(int(harness.logits_of(r)[-1].argmax()))
+        if i < 15:
+            harness.requests[r].token_ids[len(prompt) + i] = ours[-1]
+            harness.step([(r, 1)])
+    assert ours == expected
+    assert len(fused_calls) == 15 * arch.num_layers
+    logits = harness.logits_of(r)[len(prompt) - 1 :]
+    torch.testing.assert_close(logits, _hf_logits(path, prompt + ours[:15])[len(prompt) - 1 :], rtol=1e-4, atol=1e-4)
+
+
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process runs the cases interpreted itself")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.hf_oracle import check_hf_applies_soft_cap, hf_load_kwargs
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import KernelConfig, ModelConfig
@@ -116,7 +117,9 @@ def _hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
     if key not in _HF_LOGITS:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **hf_load_kwargs(str(path)))
+        check_hf_applies_soft_cap(hf)
+        hf.eval()
         with torch.inference_mode():
             _HF_LOGITS[key] = hf(torch.tensor([token_ids])).logits[0]
     return _HF_LOGITS[key]
