@@ -2,6 +2,7 @@
 # Issue 13 (the seams): the engine before the refactor against the engine after it, in ONE device call
 # on one machine, alternating, so the ratio is not a difference between machines.
 #   "before": a checkout of 8a66eea's src/ in .before/src (git archive 8a66eea src | tar -x -C .before)
+#   (BEFORE_COMMIT=<id> labels another before, e.g. the engine before issue 15 at ebdb7e7)
 #   "after":  this tree's src/
 #   AFTER_COMMIT=<id> STEPS=latency,throughput,serve benchmarks/seams_ab.sh
 # Llama-3.1-8B shapes, dummy bf16 weights: `bench latency` 512 in / 256 out (before, after, before,
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=benchmarks/configs/llama-3.1-8b
 STEPS=${STEPS:-latency,throughput,serve}
 AFTER_COMMIT=${AFTER_COMMIT:-after}
-BEFORE_COMMIT=8a66eea
+BEFORE_COMMIT=${BEFORE_COMMIT:-8a66eea}  # another "before": BEFORE_COMMIT=<id> with its src in .before
 TOKENIZER=${TOKENIZER:-.gputok}
 SERVE_PROMPTS=${SERVE_PROMPTS:-160}
 SERVE_ORDER=${SERVE_ORDER:-before after}  # "after before" repeats the A/B in the other order
