@@ -120,18 +120,23 @@ class GptOssMoEBlock(nn.Module):
         self.experts = BiasedMoEExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, **place)
         self.top_k = moe.top_k
         self.alpha, self.limit = moe.clamped_swiglu
-        self.on_cuda = torch.device(device or "cpu").type == "cuda"
-        if self.on_cuda:
-            from tokenmill.kernels.triton import fused_moe  # triton is optional on CPU-only installs
-
-            self._fused_moe = fused_moe.fused_moe
+        self._fused_moe = None
+        if torch.device(device or "cpu").type == "cuda":
+            self.use_fused_kernels()
         bind_hot_path(self, router_=self.router, experts_=self.experts)
+
+    def use_fused_kernels(self) -> None:
+        """Run the experts in kernels/triton/fused_moe.py (CUDA's path; tests run it on the CPU
+        under TRITON_INTERPRET=1)."""
+        from tokenmill.kernels.triton import fused_moe  # triton is optional on CPU-only installs
+
+        self._fused_moe = fused_moe.fused_moe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output [T, hidden], not yet added to the residual stream."""
         weights, ids = route_top_k_then_softmax(self._router_(x), self.top_k)
         experts = self._experts_
-        if self.on_cuda:
+        if self._fused_moe is not None:
             return self._fused_moe(
                 x, experts.gate_up_proj, experts.down_proj, weights.float(), ids.to(torch.int32),
                 gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
