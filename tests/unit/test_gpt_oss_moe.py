@@ -18,9 +18,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import gpt_oss_checkpoint  # noqa: E402
+from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
 from tokenmill.model.arch_gpt_oss import gpt_oss_arch_config  # noqa: E402
 from tokenmill.model.gpt_oss import _in_our_expert_layout  # noqa: E402
 from tokenmill.model.layers.gpt_oss_moe import GptOssMoEBlock, route_top_k_then_softmax  # noqa: E402
+
+tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -81,8 +85,10 @@ def _hf_out(mlp, x: torch.Tensor) -> torch.Tensor:
 
 def test_arch_parses_the_tiny_config() -> None:
     config, _ = _hf_mlp()
-    arch = gpt_oss_arch_config({**config.to_dict(), "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 4,
-                                "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16})  # fmt: skip
+    arch = gpt_oss_arch_config({
+        **config.to_dict(), "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16,
+    })  # fmt: skip
     assert arch.architecture == "gpt_oss" and arch.sliding_windows == (16, None, 16, None)
     assert arch.attention_bias and arch.o_proj_bias
     assert arch.moe is not None and arch.moe.biases and arch.moe.clamped_swiglu == (ALPHA, LIMIT)
@@ -96,7 +102,8 @@ def test_routing_order_is_transformers() -> None:
     x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _, hf_scores, hf_ids = mlp.router(x)
-        weights, ids = route_top_k_then_softmax(torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias), 2)
+        logits = torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias)
+        weights, ids = route_top_k_then_softmax(logits, 2)
     assert torch.equal(ids, hf_ids)
     torch.testing.assert_close(weights, hf_scores, rtol=0, atol=1e-7)
 
@@ -140,7 +147,8 @@ def test_fused_kernels_with_an_expert_that_gets_no_tokens() -> None:
     with torch.no_grad():
         ours = fused_moe(
             x, experts.gate_up_proj, experts.down_proj, weights, ids.to(torch.int32),
-            gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias, clamped_swiglu=(ALPHA, LIMIT),
+            gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+            clamped_swiglu=(ALPHA, LIMIT),
         )  # fmt: skip
         expected = mlp.experts(x, ids, weights)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=5e-5)  # fp32, other summation orders
@@ -189,3 +197,23 @@ def test_bias_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="gate_up_bias must be a \\[4, 8\\]"):
         fused_moe(torch.zeros(2, 6), w13, w2, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32),
                   gate_up_bias=torch.zeros(4, 4))  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=interpreted_only)])
+def test_tiny_model_logits_match_transformers(tiny_gpt_oss_dir, fused: bool) -> None:
+    """The whole tiny model (sinks, alternating windows of 16, YaRN, the MoE blocks) over a
+    paged KV cache: a 37-token chunk, then 3 decode steps, past two windows; the MoE blocks on the
+    CPU path or on the fused kernels (CUDA's path, interpreted)."""
+    model = _load(tiny_gpt_oss_dir)
+    blocks = [m for m in model.modules() if isinstance(m, GptOssMoEBlock)]
+    assert len(blocks) == 4
+    if fused:
+        for block in blocks:
+            block.use_fused_kernels()
+    prompt = _prompt(model.arch.vocab_size, 40, seed=3)
+    harness = PagedHarness(model, seed=3)
+    r = harness.add(prompt)
+    harness.step([(r, 37)])
+    for _ in range(3):
+        harness.step([(r, 1)])
+    torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_gpt_oss_dir, prompt), atol=1e-4, rtol=1e-4)
