@@ -217,3 +217,15 @@ def test_tiny_model_logits_match_transformers(tiny_gpt_oss_dir, fused: bool) -> 
     for _ in range(3):
         harness.step([(r, 1)])
     torch.testing.assert_close(harness.logits_of(r), _hf_logits(tiny_gpt_oss_dir, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_at_resolve(tmp_path, tiny_gpt_oss_dir) -> None:
+    """The published checkpoints' MXFP4 experts are another format: refused before any weight."""
+    from tests.model.test_quant_config import _quantized_copy
+    from tokenmill.config import ModelConfig
+    from tokenmill.errors import UnsupportedModelError
+    from tokenmill.model.resolve import resolve_model
+
+    model_dir = _quantized_copy(tiny_gpt_oss_dir, tmp_path / "mxfp4", {"quant_method": "mxfp4"})
+    with pytest.raises(UnsupportedModelError, match="quant_method = 'mxfp4'"):
+        resolve_model(ModelConfig(model=str(model_dir)))
