@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -104,6 +105,10 @@ class ArchConfig:
             from tokenmill.model.arch_gemma import gemma_arch_config
 
             return gemma_arch_config(cfg, family)
+        if family == "gpt_oss":
+            from tokenmill.model.arch_gpt_oss import gpt_oss_arch_config
+
+            return gpt_oss_arch_config(cfg)
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)

@@ -32,6 +32,11 @@ class MoEConfig:
     # outputs (Qwen rounds them, Mixtral keeps them in float32): transformers' rounding, kept so
     # that bf16 outputs agree with it as closely as they can.
     weights_in_model_dtype: bool = True
+    # gpt-oss (model/arch_gpt_oss.py): a bias on the router and on each expert's gate_up / down
+    # projections, top-k taken on the router logits then softmaxed, and its clamped SwiGLU
+    # (alpha, limit): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    biases: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -14,6 +14,7 @@ from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.device import resolve_dtype
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.gemma import GemmaCausalLM
+from tokenmill.model.gpt_oss import GptOssCausalLM
 from tokenmill.model.layers.linear import process_weights_after_loading
 from tokenmill.model.layers.linear_select import select_linear_method
 from tokenmill.model.llama import CausalLM
@@ -39,6 +40,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "mixtral": MoECausalLM,
     "qwen2_moe": MoECausalLM,
     "qwen3_moe": MoECausalLM,
+    "gpt_oss": GptOssCausalLM,
 }
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,17 @@ used blocks return at once, so nothing syncs with the host and a step can be a C
 Rounding follows transformers' (gate/up rounded to the dtype, then the activation, then the
 product; the down output rounded before the weight scales it).
 
+gpt-oss's experts switch on compile-time flags of both GEMMs (off for every other model, whose
+kernels stay as they were): per-expert biases added after each matmul, and its clamped SwiGLU in
+place of silu(gate) * up in the gate/up epilogue.
+
 Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
 batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,6 +60,7 @@ def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
     out_ptr,  # [N, I]: silu(gate) * up of each pair
+    bias_ptr,  # HAS_BIAS only: [E, 2I] (gate, then up, like w's rows)
     sorted_ptr,  # ExpertBlocks.sorted_pair_ids
     block_expert_ptr,  # ExpertBlocks.block_expert_ids
     num_padded_ptr,  # ExpertBlocks.num_padded
@@ -67,6 +74,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_be,  # bias_ptr's expert stride (HAS_BIAS only)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -74,6 +82,12 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
     PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32, else "tf32" (ignored for 16-bit)
     UPCAST_DOT: tl.constexpr,  # float32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
+    HAS_BIAS: tl.constexpr = False,  # add the expert's gate/up bias (gpt-oss)
+    # gpt-oss's clamped SwiGLU instead of silu(gate) * up: g = min(gate, LIMIT),
+    # u = clamp(up, -LIMIT, LIMIT), (u + 1) * g * sigmoid(ALPHA * g).
+    CLAMPED_SWIGLU: tl.constexpr = False,
+    ALPHA: tl.constexpr = 0.0,
+    LIMIT: tl.constexpr = 0.0,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -112,9 +126,20 @@ def _gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     g = round_like(acc_gate, dtype)
     u = round_like(acc_up, dtype)
-    act = round_like(g / (1.0 + tl.exp(-g)), dtype)
+    if HAS_BIAS:  # rounded after the matmul, then after the add (transformers' order)
+        bias_at = bias_ptr + expert * stride_be + wcols
+        g = round_like(g + tl.load(bias_at).to(tl.float32)[None, :], dtype)
+        u = round_like(u + tl.load(bias_at + inter).to(tl.float32)[None, :], dtype)
+    if CLAMPED_SWIGLU:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        scaled = round_like(g * ALPHA, dtype)
+        glu = round_like(g * round_like(1.0 / (1.0 + tl.exp(-scaled)), dtype), dtype)
+        act = round_like(u + 1.0, dtype) * glu
+    else:
+        act = round_like(g / (1.0 + tl.exp(-g)), dtype) * u
     out_at = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_at, (act * u).to(dtype), mask=is_pair[:, None] & is_col[None, :])
+    tl.store(out_at, act.to(dtype), mask=is_pair[:, None] & is_col[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
@@ -123,6 +148,7 @@ def _down_kernel(
     w_ptr,  # [E, H, I]
     out_ptr,  # [N, H]: each pair's expert output times its routing weight
     weights_ptr,  # [N] float32 routing weight of each pair
+    bias_ptr,  # HAS_BIAS only: [E, H]
     sorted_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -135,6 +161,7 @@ def _down_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_be,  # bias_ptr's expert stride (HAS_BIAS only)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,6 +169,7 @@ def _down_kernel(
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,  # add the expert's down bias before the routing weight scales it
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -172,7 +200,10 @@ def _down_kernel(
         w_at += BLOCK_K * stride_wk
     dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + rows, mask=is_pair, other=0.0)
-    y = round_like(acc, dtype) * routing[:, None]
+    y = round_like(acc, dtype)
+    if HAS_BIAS:
+        y = round_like(y + tl.load(bias_ptr + expert * stride_be + wcols).to(tl.float32)[None, :], dtype)
+    y = y * routing[:, None]
     out_at = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(out_at, y.to(dtype), mask=is_pair[:, None] & is_col[None, :])
 
@@ -184,6 +215,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: MoETiles | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamped_swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), each expert a SwiGLU
     MLP (down(silu(gate(x)) * up(x))): [T, H] in x's dtype.
@@ -191,11 +226,18 @@ def fused_moe(
     x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] with contiguous last dimensions; topk_weights
     [T, k] (float32) and topk_ids [T, k] (int32 or int64). `tiles` defaults to the tuned (or
     default) tiles for this shape and batch.
+
+    gpt-oss's experts: `gate_up_bias` [E, 2I] and `down_bias` [E, H] (the latter added before the
+    routing weight scales the output), and `clamped_swiglu` = (alpha, limit) for its activation
+    (see _gate_up_kernel). These switch the kernels' compile-time flags; without them the kernels
+    are the plain ones. They run on the grouped path only (the GEMV kernels have no epilogue
+    for them): a batch the tiles send to the GEMVs takes the smallest grouped tiles instead.
     """
     top_k = topk_ids.shape[1]
     _check_shapes(x, w13, w2)
     if tuple(topk_weights.shape) != (x.shape[0], top_k):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ")
+    epilogue = _ExpertEpilogue.check(w13, w2, gate_up_bias, down_bias, clamped_swiglu)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
@@ -203,8 +245,49 @@ def fused_moe(
     if weights.dtype != torch.float32:
         weights = weights.float()
     if tiles.method == "gemv":
-        return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
-    return _grouped(x, w13, w2, weights, topk_ids, tiles)
+        if epilogue.is_plain:
+            return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
+        tiles = _smallest_grouped_tiles(x.dtype)
+    return _grouped(x, w13, w2, weights, topk_ids, tiles, epilogue)
+
+
+@dataclass(frozen=True, slots=True)
+class _ExpertEpilogue:
+    """What the two GEMMs add to plain SwiGLU experts (gpt-oss): biases, the clamped SwiGLU."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    clamped_swiglu: tuple[float, float] | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.gate_up_bias is None and self.down_bias is None and self.clamped_swiglu is None
+
+    @staticmethod
+    def check(
+        w13: torch.Tensor, w2: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+        clamped_swiglu: tuple[float, float] | None,
+    ) -> _ExpertEpilogue:  # fmt: skip
+        for name, bias, shape in (
+            ("gate_up_bias", gate_up_bias, (w13.shape[0], w13.shape[1])),
+            ("down_bias", down_bias, (w2.shape[0], w2.shape[1])),
+        ):
+            if bias is not None and (tuple(bias.shape) != shape or bias.stride(-1) != 1):
+                raise ValueError(f"{name} must be a {list(shape)} tensor with a contiguous last dimension, "
+                                 f"got {tuple(bias.shape)}")  # fmt: skip
+        if clamped_swiglu is not None:
+            alpha, limit = clamped_swiglu
+            clamped_swiglu = (float(alpha), float(limit))
+        return _ExpertEpilogue(gate_up_bias, down_bias, clamped_swiglu)
+
+
+def _smallest_grouped_tiles(dtype: torch.dtype) -> MoETiles:
+    """Grouped tiles for a few tokens (default_tiles' smallest grouped ones)."""
+    if dtype == torch.float32:
+        tiles = GemmTiles(block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+    else:
+        tiles = GemmTiles(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    return MoETiles(16, tiles, tiles)
 
 
 def routed_fused_moe(
@@ -246,7 +329,7 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 def _grouped(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
-    tiles: MoETiles,
+    tiles: MoETiles, epilogue: _ExpertEpilogue | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Align, the two grouped GEMMs, the sum over k (weights: [T * k] float32)."""
     num_tokens, hidden = x.shape
@@ -254,9 +337,10 @@ def _grouped(
     blocks = align_pairs(topk_ids, w13.shape[0], tiles.block_m)
     num_pairs = num_tokens * top_k
     activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
-    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up)
+    epilogue = epilogue or _ExpertEpilogue()
+    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up, epilogue)
     expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _launch_down(activated, w2, expert_out, weights, blocks, tiles.down)
+    _launch_down(activated, w2, expert_out, weights, blocks, tiles.down, epilogue.down_bias)
     if top_k == 1:
         return expert_out
     return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1)
@@ -272,33 +356,45 @@ def _upcast_dot(x: torch.Tensor) -> bool:
 
 
 def _launch_gate_up(
-    x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles
-) -> None:
+    x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles,
+    epilogue: _ExpertEpilogue,
+) -> None:  # fmt: skip
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     grid = (blocks.max_blocks * triton.cdiv(inter, tiles.block_n),)
+    bias = epilogue.gate_up_bias
+    # Flags off (plain MoE models): the same compiled kernel as without these arguments.
+    flags = {}
+    if bias is not None:
+        flags["HAS_BIAS"] = True
+    if epilogue.clamped_swiglu is not None:
+        alpha, limit = epilogue.clamped_swiglu
+        flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
     _gate_up_kernel[grid](
-        x, w13, out, blocks.sorted_pair_ids, blocks.block_expert_ids, blocks.num_padded,
-        blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
+        x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
+        blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+        0 if bias is None else bias.stride(0),
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         EVEN_K=hidden % tiles.block_k == 0, PRECISION=_precision(x.dtype), UPCAST_DOT=_upcast_dot(x),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags,
     )  # fmt: skip
 
 
 def _launch_down(
     a: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, blocks: ExpertBlocks,
-    tiles: GemmTiles,
+    tiles: GemmTiles, bias: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     hidden, inter = w2.shape[1], w2.shape[2]
     grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
+    flags = {} if bias is None else {"HAS_BIAS": True}
     _down_kernel[grid](
-        a, w2, out, weights, blocks.sorted_pair_ids, blocks.block_expert_ids, blocks.num_padded,
-        blocks.num_pairs, hidden, inter, blocks.max_blocks,
+        a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
+        blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,
         a.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        0 if bias is None else bias.stride(0),
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         EVEN_K=inter % tiles.block_k == 0, PRECISION=_precision(a.dtype), UPCAST_DOT=_upcast_dot(a),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags,
     )  # fmt: skip
 
 
@@ -317,13 +413,13 @@ def compile_gemm(
     }  # fmt: skip
     if kernel == "gate_up":
         _gate_up_kernel.warmup(
-            dtype, dtype, dtype, index, index, index, 1, inter, hidden, top_k, 1,
-            hidden, 2 * inter * hidden, hidden, 1, inter, EVEN_K=hidden % tiles.block_k == 0, **common,
+            dtype, dtype, dtype, dtype, index, index, index, 1, inter, hidden, top_k, 1,
+            hidden, 2 * inter * hidden, hidden, 1, inter, 0, EVEN_K=hidden % tiles.block_k == 0, **common,
         )  # fmt: skip
     elif kernel == "down":
         _down_kernel.warmup(
-            dtype, dtype, dtype, weights, index, index, index, 1, hidden, inter, 1,
-            inter, hidden * inter, inter, 1, hidden, EVEN_K=inter % tiles.block_k == 0, **common,
+            dtype, dtype, dtype, weights, weights, index, index, index, 1, hidden, inter, 1,
+            inter, hidden * inter, inter, 1, hidden, 0, EVEN_K=inter % tiles.block_k == 0, **common,
         )  # fmt: skip
     else:
         raise ValueError(f"unknown MoE GEMM {kernel!r}; expected 'gate_up' or 'down'")

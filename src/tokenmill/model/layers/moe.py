@@ -227,8 +227,8 @@ def unread_expert_bytes(model: nn.Module) -> int:
     E experts it reads top_k (the active-parameter count of a MoE model)."""
     unread = 0
     for module in model.modules():
-        if isinstance(module, SparseMoEBlock):
-            experts = module.experts
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, MoEExperts):  # SparseMoEBlock, gpt-oss's GptOssMoEBlock
             per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
             unread += (experts.num_experts - module.top_k) * per_expert
     return unread
