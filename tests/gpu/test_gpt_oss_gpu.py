@@ -47,7 +47,13 @@ def test_bf16_greedy_and_logprobs_mostly_match_transformers(tiny_gpt_oss_dir, mo
     )
     llm = _llm(path)
     assert llm.info.dtype == "bfloat16"
-    prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=20)
+    # Tiny random models in bf16 often tie their two best logits; a tie in the first steps ends the
+    # comparison before it has said anything (in the first H100 run, at 9fdb8c1, the prompts tied early,
+    # leaving 5 logprobs to judge). Keep the first 4 candidates on which transformers' bf16 has no
+    # tie in its first 8 steps.
+    candidates = _prompts(llm.info.vocab_size, 32, seed=13, min_len=20)
+    prompts = [p for p in candidates if not any(_hf_greedy_bf16_with_ties(path, p, 32)[3][:8])][:4]
+    assert len(prompts) == 4, f"only {len(prompts)} of {len(candidates)} prompts start without a bf16 tie"
     agreed, diffs = [], []
     for prompt, completion in zip(prompts, _greedy(llm, prompts, 32, logprobs=0), strict=True):
         tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(path, prompt, 32)
@@ -56,6 +62,7 @@ def test_bf16_greedy_and_logprobs_mostly_match_transformers(tiny_gpt_oss_dir, mo
         diffs += [abs(completion.logprobs[i][tokens[i]].logprob - expected_lps[i]) for i in range(same)]
     assert sum(agreed) >= 0.5 * 4 * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
     diffs.sort()
+    assert len(diffs) >= 32, f"only {len(diffs)} logprobs compared"
     if diffs:
         assert diffs[len(diffs) // 2] < 0.02 and diffs[int(0.9 * len(diffs))] < 0.1, (agreed, diffs[-5:])
     assert _graph_replays(llm) > 0
