@@ -23,7 +23,7 @@ from torch import nn
 
 from tokenmill.model.layers.linear import ReplicatedLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
-from tokenmill.model.layers.moe import MoEExperts
+from tokenmill.model.layers.moe import MoEExperts, experts_by_sorted_pairs
 from tokenmill.model.moe_config import MoEConfig
 
 
@@ -80,24 +80,13 @@ def biased_experts_torch(
     limit: float,
 ) -> torch.Tensor:
     """The CPU's experts: pairs sorted by expert, a loop over the experts that got tokens only."""
-    top_k = topk_ids.shape[1]
-    expert_of_pair = topk_ids.reshape(-1)
-    order = torch.argsort(expert_of_pair, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(expert_of_pair, minlength=experts.num_experts)
-    used = counts.nonzero().flatten()
-    tokens = order // top_k
-    weights = topk_weights.reshape(-1)[order]
-    rows = x[tokens]
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in zip(used.tolist(), counts[used].tolist(), strict=True):
-        end = start + count
-        gate_up = F.linear(rows[start:end], experts.gate_up_proj[expert], experts.gate_up_proj_bias[expert])
+
+    def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(rows, experts.gate_up_proj[expert], experts.gate_up_proj_bias[expert])
         act = clamped_swiglu(gate_up, alpha, limit)
-        y = F.linear(act, experts.down_proj[expert], experts.down_proj_bias[expert]) * weights[start:end, None]
-        out.index_add_(0, tokens[start:end], y.to(out.dtype))
-        start = end
-    return out
+        return F.linear(act, experts.down_proj[expert], experts.down_proj_bias[expert])
+
+    return experts_by_sorted_pairs(x, topk_weights, topk_ids, experts.num_experts, expert_output)
 
 
 class GptOssMoEBlock(nn.Module):

@@ -22,6 +22,8 @@ run is the device's `MoEOps`, picked once at load like the layer ops:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,25 +69,41 @@ class TorchMoEOps:
         topk_weights: torch.Tensor,  # [T, k]
         topk_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
-        top_k = topk_ids.shape[1]
         inter = down_proj.shape[2]
-        expert_of_pair = topk_ids.reshape(-1)
-        order = torch.argsort(expert_of_pair, stable=True)  # pairs grouped by expert
-        counts = torch.bincount(expert_of_pair, minlength=gate_up_proj.shape[0])
-        used = counts.nonzero().flatten()
-        tokens = order // top_k
-        weights = topk_weights.reshape(-1)[order]
-        rows = x[tokens]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(used.tolist(), counts[used].tolist(), strict=True):
-            end = start + count
-            gate_up = F.linear(rows[start:end], gate_up_proj[expert])
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            y = F.linear(act, down_proj[expert]) * weights[start:end, None]
-            out.index_add_(0, tokens[start:end], y.to(out.dtype))
-            start = end
-        return out
+
+        def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up = F.linear(rows, gate_up_proj[expert])
+            return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_proj[expert])
+
+        return experts_by_sorted_pairs(x, topk_weights, topk_ids, gate_up_proj.shape[0], expert_output)
+
+
+def experts_by_sorted_pairs(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+    num_experts: int,
+    expert_output: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, its rows [n, H]) -> [n, H]
+) -> torch.Tensor:
+    """The CPU's routed experts: token-expert pairs sorted by expert, `expert_output` called once per
+    expert that got tokens (never for the empty ones), each output scaled by its routing weight and
+    added into its token's row. [T, H] in x's dtype."""
+    top_k = topk_ids.shape[1]
+    expert_of_pair = topk_ids.reshape(-1)
+    order = torch.argsort(expert_of_pair, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(expert_of_pair, minlength=num_experts)
+    used = counts.nonzero().flatten()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order]
+    rows = x[tokens]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in zip(used.tolist(), counts[used].tolist(), strict=True):
+        end = start + count
+        y = expert_output(expert, rows[start:end]) * weights[start:end, None]
+        out.index_add_(0, tokens[start:end], y.to(out.dtype))
+        start = end
+    return out
 
 
 class TritonMoEOps:
