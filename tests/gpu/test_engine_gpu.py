@@ -39,13 +39,6 @@ def tiny_model(request) -> str:
     return str(request.getfixturevalue(request.param))
 
 
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("device", "cuda")
     kwargs.setdefault("max_model_len", 256)

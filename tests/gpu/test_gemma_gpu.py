@@ -11,17 +11,15 @@ Gemma 2's attention and final soft caps), so the prompts here span several windo
 
 from __future__ import annotations
 
-import gc
 import os
-import random
 
 import pytest
 import torch
 
 from tests.engine.gemma_checkpoints import write_gemma_checkpoint
 from tests.engine.hf_oracle import hf_greedy
-from tests.gpu.test_engine_gpu import _bf16_logprob_diffs_allowing_ties
-from tokenmill import LLM, SamplingParams
+from tests.gpu.test_engine_gpu import _bf16_logprob_diffs_allowing_ties, _greedy, _llm
+from tests.gpu.test_engine_gpu import _prompts as _engine_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,31 +48,9 @@ def gemma_dir(request) -> str:
     return str(request.getfixturevalue(request.param))
 
 
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _llm(path: str, **kwargs) -> LLM:
-    kwargs.setdefault("device", "cuda")
-    kwargs.setdefault("max_model_len", 256)
-    kwargs.setdefault("num_kv_blocks", 256)
-    kwargs.setdefault("max_num_seqs", 32)
-    return LLM(path, **kwargs)
-
-
-def _prompts(vocab_size: int, count: int, seed: int, min_len: int = 20, max_len: int = 90) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(5, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)
-    ]
-
-
-def _greedy(llm: LLM, prompts: list[list[int]], max_new: int, logprobs: int | None = None):
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=logprobs)
-    return [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+def _prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    # Longer than test_engine_gpu's default prompts: several of the tiny models' windows.
+    return _engine_prompts(vocab_size, count, seed, min_len=20, max_len=90)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])

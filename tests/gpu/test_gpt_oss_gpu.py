@@ -7,7 +7,6 @@ logprobs, and fp32 token for token against transformers on the CPU, graphs and e
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -27,13 +26,6 @@ pytestmark = [
 ]
 
 tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
-
-
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.xfail(

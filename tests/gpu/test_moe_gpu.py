@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -41,13 +40,6 @@ tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
 @pytest.fixture(params=MOE_FIXTURES)
 def moe_model(request) -> str:
     return str(request.getfixturevalue(request.param))
-
-
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def test_bf16_greedy_and_logprobs_mostly_match_transformers(moe_model, monkeypatch):

@@ -41,13 +41,6 @@ def model_path(request, tmp_path_factory, tiny_tokenizer) -> str:
     return str(write_sliding_checkpoint(tmp_path_factory.mktemp(request.param), request.param, tiny_tokenizer))
 
 
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("device", "cuda")
     kwargs.setdefault("max_model_len", 256)
