@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | chat | envs | bench throughput | bench latency | bench serve`."""
+"""`tokenmill serve | generate | chat | envs | quality-gate | bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_quality_gate(args: argparse.Namespace) -> int | None:
+    """`serve --quality-gate`: the exit status when the model is refused, None when it may be served."""
+    from tokenmill.quality.serve_gate import serve_refusal
+
+    try:
+        refusal = serve_refusal(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
+        return 2
+    if refusal is None:
+        return None
+    print(f"tokenmill serve: refusing to start: {refusal}", file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
@@ -101,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.server.args import add_server_args
 
     add_server_args(serve)
+    from tokenmill.quality import serve_gate
+
+    serve_gate.add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     gen.add_argument("prompt")
@@ -114,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
 
     sub.add_parser("envs", help="list the TOKENMILL_* environment variables (* marks those set)")
+
+    from tokenmill.quality import cli as quality_cli
+
+    quality_cli.add_cli_args(
+        sub.add_parser(
+            "quality-gate",
+            help="measure a quantized model against its base (perplexity, KL, agreement); exit 1 past thresholds",
+        )
+    )
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -140,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tokenmill.server.launch import run_server
 
+        if args.quality_gate:
+            refused = _serve_quality_gate(args)
+            if refused is not None:
+                return refused
         return run_server(args) or 0
+    if args.command == "quality-gate":
+        from tokenmill.quality import cli as quality_cli
+
+        return quality_cli.main(args)
     if args.command == "generate":
         return _cmd_generate(args)
     if args.command == "chat":

@@ -47,7 +47,7 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    {"server", "bench"},
+    {"server", "bench", "quality"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 
