@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         thresholds.check()
         plan = plan_gate(engine_args_of(args), base)
         report = run_gate(plan, options, thresholds)
-    except (ValueError, TokenmillError) as exc:  # what the user can fix: the message says how
+    except (ValueError, OSError, TokenmillError) as exc:  # what the user can fix: the message says how
         print(f"tokenmill quality-gate: error: {exc}", file=sys.stderr)
         return 2
     except Exception:

@@ -23,9 +23,9 @@ class TextSetOptions:
 
     window: int = 128  # tokens per window, the tokenizer's leading special tokens included
     max_windows: int | None = None  # None: every window of the set
-    greedy_prompts: int = 8  # prompts continued greedily by both models (0: no greedy metric)
+    greedy_prompts: int = 16  # prompts continued greedily by both models (0: no greedy metric)
     greedy_prompt_tokens: int = 32  # tokens of each greedy prompt
-    greedy_tokens: int = 32  # tokens generated from each prompt
+    greedy_tokens: int = 16  # tokens generated from each prompt
 
     def check(self) -> None:
         if self.window < 2:

@@ -1,10 +1,11 @@
 """Thresholds and the verdict: which measured numbers are past their limits.
 
-The defaults (docs/QUALITY_GATE.md says why these numbers): a per-channel FP8 W8A8 model stays well
-inside them (published figures and the default model's: perplexity +0-2 %, mean KL ~0.01 nats,
-top-1 agreement above 95 %), a good INT4 (AWQ / GPTQ, group 128) model passes on larger models,
-and a broken quantization (wrong scales, a mis-packed tensor, noise) fails on several at once.
-A NaN fails every threshold it meets.
+The defaults (docs/QUALITY_GATE.md gives the measurements behind them): per-channel FP8 weights of
+the 135M-parameter default model measure a perplexity ratio of 1.004, mean KL 0.019 nats, top-1
+agreement 0.92 and greedy agreement 0.50, inside every limit with room; one tensor with scales
+1.5x too large (a broken quantization) measures 1.32, 0.30, 0.72 and 0.08, past all four. Larger
+models lose less to the same quantization, so a good INT4 (AWQ / GPTQ) model of a few billion
+parameters passes too. A NaN fails every threshold it meets.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Thresholds:
     max_perplexity_ratio: float = 1.10  # candidate perplexity at most 10 % above the base's
     max_mean_kl: float = 0.10  # nats per token
     min_top1_agreement: float = 0.85
-    min_greedy_agreement: float = 0.40  # of the greedy tokens, before the first divergence (mean)
+    min_greedy_agreement: float = 0.25  # of the greedy tokens, before the first divergence (mean)
 
     def check(self) -> None:
         for name, value in asdict(self).items():
