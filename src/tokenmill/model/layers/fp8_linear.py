@@ -14,28 +14,21 @@ dequantized weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from tokenmill.model.layers.linear import ParamLayout
-from tokenmill.model.layers.quantize_weights import dequantize_fp8, quantize_fp8_per_channel
+from tokenmill.model.layers.quantize_weights import QuantizedFp8, dequantize_fp8, quantize_fp8_per_channel
 from tokenmill.model.layers.quantized_method import (
     QuantizedLinearMethod,
     num_parts_at_create,
+    part_rows_at_create,
     per_part_rows,
 )
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.linear import LinearBase
-
-
-@dataclass
-class Fp8Form:
-    weight: torch.Tensor  # float8_e4m3fn [N, K]
-    scale: torch.Tensor  # float32 [N] per channel, or [ceil(N/bn), ceil(K/bk)] per block
-    block: tuple[int, int] | None
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
@@ -55,17 +48,19 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         else:
             assert spec.fp8_block is not None
             bn, bk = spec.fp8_block
-            scale = torch.empty((-(-out_features // bn), -(-in_features // bk)), **f32)
-            layout = ParamLayout(out_dim=0, out_per_index=bn)
+            # Each merged part's blocks start at its first row (a part's last block may be partial).
+            block_rows = sum(-(-rows // bn) for rows in part_rows_at_create(layer, out_features))
+            scale = torch.empty((block_rows, -(-in_features // bk)), **f32)
+            layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True)
         layer.register_checkpoint_param(spec.fp8_scale_name, scale, layout)
         if spec.fp8_static_input_scales:
             layer.register_checkpoint_param("input_scale", torch.empty((parts, 1), **f32), ParamLayout(per_part=True))
 
-    def quantized_form(self, layer: LinearBase) -> Fp8Form:
+    def quantized_form(self, layer: LinearBase) -> QuantizedFp8:
+        """weight e4m3 [N, K] with float32 scales per channel [N] or per block."""
         spec = self.spec
         if not spec.from_checkpoint:
-            weight, scale = quantize_fp8_per_channel(layer.weight.data)
-            return Fp8Form(weight, scale, None)
+            return quantize_fp8_per_channel(layer.weight.data)
         scale = getattr(layer, spec.fp8_scale_name).data
         if spec.fp8_static_input_scales:
             _check_input_scales(layer.input_scale.data)
@@ -73,20 +68,45 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             rows = torch.tensor(per_part_rows(layer), device=scale.device)
             scale = scale.reshape(-1).repeat_interleave(rows)
         block = spec.fp8_block if spec.fp8_weight_strategy == "block" else None
-        return Fp8Form(layer.weight.data, scale.contiguous(), block)
+        if block is not None and not _blocks_aligned(layer, block[0]):
+            # Parts whose blocks do not tile the merged weight: keep each part's (weight, scales).
+            return _PartwiseBlocks(_split_parts(layer, layer.weight.data, scale, block[0]), block)
+        return QuantizedFp8(layer.weight.data, scale.contiguous(), block)
 
-    def dequantize(self, form: Fp8Form) -> torch.Tensor:
-        return dequantize_fp8(form.weight, form.scale, form.block)
+    def dequantize(self, form) -> torch.Tensor:
+        if isinstance(form, _PartwiseBlocks):
+            return torch.cat([dequantize_fp8(w, s, form.block) for w, s in form.parts])
+        return dequantize_fp8(*form)
 
-    def prepare_for_kernels(self, form: Fp8Form):
+    def prepare_for_kernels(self, form):
         from tokenmill.kernels.triton.fp8_linear import prepare_fp8_weights
 
-        return prepare_fp8_weights(form.weight, form.scale, form.block)
+        if isinstance(form, _PartwiseBlocks):
+            raise ValueError(
+                f"block-scaled FP8 on the GPU needs each merged part (q/k/v, gate/up) to be a multiple of "
+                f"{form.block[0]} rows; this layer's parts are not"
+            )
+        return prepare_fp8_weights(*form)
 
     def apply_kernels(self, kernel_weights, x, bias, residual, out_dtype) -> torch.Tensor:
         from tokenmill.kernels.triton.fp8_linear import fp8_linear
 
         return fp8_linear(x, kernel_weights, bias, residual, out_dtype)
+
+
+class _PartwiseBlocks(NamedTuple):
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # (weight rows, their block scales) per merged part
+    block: tuple[int, int]
+
+
+def _blocks_aligned(layer: LinearBase, block_rows: int) -> bool:
+    return all(rows % block_rows == 0 for rows in per_part_rows(layer)[:-1])
+
+
+def _split_parts(layer: LinearBase, weight: torch.Tensor, scale: torch.Tensor, block_rows: int):
+    rows = per_part_rows(layer)
+    scale_rows = [-(-r // block_rows) for r in rows]
+    return list(zip(weight.split(rows), scale.split(scale_rows), strict=True))
 
 
 def _check_input_scales(scales: torch.Tensor) -> None:

@@ -14,13 +14,12 @@ layer multiplies with the dequantized weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.layers.linear import ParamLayout
-from tokenmill.model.layers.quantize_weights import dequantize_int4, quantize_int4
+from tokenmill.model.layers.quantize_weights import QuantizedInt4, dequantize_int4, quantize_int4
 from tokenmill.model.layers.quantized_method import QuantizedLinearMethod, num_parts_at_create
 from tokenmill.model.loader.int4_checkpoint import unpack_awq, unpack_gptq
 
@@ -28,15 +27,6 @@ if TYPE_CHECKING:
     from tokenmill.model.layers.linear import LinearBase
 
 PACK = 8  # 4-bit values per int32 word
-
-
-@dataclass
-class Int4Form:
-    q: torch.Tensor  # uint8 [N, K], 0..15
-    scales: torch.Tensor  # [N, G]
-    zeros: torch.Tensor  # uint8 [N, G]
-    g_idx: torch.Tensor  # int32 [K]
-    group_size: int  # K for one group per row
 
 
 class Int4LinearMethod(QuantizedLinearMethod):
@@ -62,8 +52,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
             layer.register_checkpoint_param(
                 "qweight", torch.empty((in_features // PACK, out_features), **i32), ParamLayout(out_dim=1)
             )
-        if spec.zero_point or spec.int4_format == "gptq":
-            layer.register_checkpoint_param("qzeros", torch.empty((groups, out_features // PACK), **i32), packed_out)
+        layer.register_checkpoint_param("qzeros", torch.empty((groups, out_features // PACK), **i32), packed_out)
         layer.register_checkpoint_param(
             "scales", torch.empty((groups, out_features), device=device, dtype=torch.float32), ParamLayout(out_dim=1)
         )
@@ -77,32 +66,28 @@ class Int4LinearMethod(QuantizedLinearMethod):
             if not spec.act_order:  # checkpoints without act-order may omit it: groups in order
                 layer.g_idx.data.copy_(torch.arange(in_features, device=device, dtype=torch.int32) // group)
 
-    def quantized_form(self, layer: LinearBase) -> Int4Form:
+    def quantized_form(self, layer: LinearBase) -> QuantizedInt4:
         spec = self.spec
         group = self.group_size_for(layer.in_features)
         if not spec.from_checkpoint:
-            q, scales, zeros, g_idx = quantize_int4(layer.weight.data, group, symmetric=not spec.zero_point)
-            return Int4Form(q, scales, zeros, g_idx, group)
+            return quantize_int4(layer.weight.data, group, symmetric=not spec.zero_point, scale_dtype=torch.float32)
         if spec.int4_format == "awq":
-            zeros = layer.qzeros.data if spec.zero_point else None
-            q, scales, zeros, g_idx = unpack_awq(layer.qweight.data, zeros, layer.scales.data, group)
-        else:
-            g_idx_parts = layer.g_idx.data
-            if not bool((g_idx_parts == g_idx_parts[:1]).all()):
-                raise ValueError(
-                    "g_idx differs between the merged parts of one layer (q/k/v or gate/up), which share their "
-                    "input; tokenmill needs them equal"
-                )
-            q, scales, zeros, g_idx = unpack_gptq(
-                layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx_parts[0], group,
-                sym=not spec.zero_point, zeros_offset=spec.gptq_zeros_offset,
-            )  # fmt: skip
-        return Int4Form(q, scales, zeros, g_idx, group)
+            return unpack_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, group)
+        g_idx_parts = layer.g_idx.data
+        if not bool((g_idx_parts == g_idx_parts[:1]).all()):
+            raise ValueError(
+                "g_idx differs between the merged parts of one layer (q/k/v or gate/up), which share their "
+                "input; tokenmill needs them equal"
+            )
+        return unpack_gptq(
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx_parts[0], group,
+            sym=not spec.zero_point, zeros_offset=spec.gptq_zeros_offset,
+        )  # fmt: skip
 
-    def dequantize(self, form: Int4Form) -> torch.Tensor:
-        return dequantize_int4(form.q, form.scales, form.zeros, form.g_idx)
+    def dequantize(self, form: QuantizedInt4) -> torch.Tensor:
+        return dequantize_int4(form.q, form.scales, form.zeros, form.group_size, form.g_idx)
 
-    def prepare_for_kernels(self, form: Int4Form):
+    def prepare_for_kernels(self, form: QuantizedInt4):
         from tokenmill.kernels.triton.int4_linear import prepare_int4_weights
 
         return prepare_int4_weights(form.q, form.scales.to(self.dtype), form.zeros, form.group_size, form.g_idx)

@@ -36,6 +36,10 @@ class ParamLayout:
     out_dim: int | None = 0
     out_per_index: int = 1
     per_part: bool = False
+    # Each merged part has its own ceil(rows / out_per_index) entries (128x128-block scales of parts
+    # whose sizes are not multiples of 128, as small models have): the part's slice starts after the
+    # earlier parts' entries.
+    round_up_per_part: bool = False
 
 
 WEIGHT_LAYOUT = ParamLayout()
@@ -169,6 +173,12 @@ class LinearBase(nn.Module):
             return param, _as_shape(loaded, tuple(param.shape), param_name)
         start, rows = self._part_rows(shard_id)
         per = layout.out_per_index
+        if layout.round_up_per_part:
+            first = sum(-(-self._part_rows(s)[1] // per) for s in self.shard_ids[:part])
+            expected = list(param.shape)
+            expected[layout.out_dim] = -(-rows // per)
+            target = param.narrow(layout.out_dim, first, expected[layout.out_dim])
+            return target, _as_shape(loaded, tuple(expected), param_name)
         if start % per or rows % per:
             raise ValueError(
                 f"{param_name}: part {shard_id!r} (output rows {start}..{start + rows}) does not align with its "

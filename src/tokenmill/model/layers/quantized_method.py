@@ -110,6 +110,12 @@ def per_part_rows(layer: LinearBase) -> list[int]:
     return [rows for _, rows, _ in (layer._shard_rows[s] for s in layer.shard_ids)]
 
 
+def part_rows_at_create(layer: LinearBase, out_features: int) -> list[int]:
+    """Each merged part's local output rows, callable from create_weights."""
+    sizes = getattr(layer, "output_sizes", None)
+    return [out_features] if sizes is None else [size // layer.tp_size for size in sizes]
+
+
 def num_parts_at_create(layer: LinearBase) -> int:
     """Merged parts, callable from create_weights (before a merged layer has its shard ids)."""
     sizes = getattr(layer, "output_sizes", None)

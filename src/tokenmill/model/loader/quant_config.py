@@ -245,9 +245,11 @@ def _parse_awq(quant: dict, refuse: _Refusal) -> QuantizationSpec:
     version = str(quant.get("version", "gemm")).lower()
     if version != "gemm":
         raise refuse(f"version={version!r} (its packing)", "version 'gemm'")
+    if not quant.get("zero_point", True):
+        raise refuse("zero_point false", "zero_point true (AWQ's own layout)")
     return QuantizationSpec(
         method="awq", scheme="int4_w4a16", from_checkpoint=True, int4_format="awq", group_size=group_size,
-        zero_point=bool(quant.get("zero_point", True)), ignore=_ignore_list(quant, "modules_to_not_convert"),
+        zero_point=True, ignore=_ignore_list(quant, "modules_to_not_convert"),
     )  # fmt: skip
 
 
