@@ -219,6 +219,8 @@ def test_unpack_rejects_tensors_that_disagree_with_qweight():
         unpack_awq(qweight, qzeros, scales[:, :63], 32, layer="o_proj")
     with pytest.raises(UnsupportedModelError, match=r"o_proj\.qweight should be 2-D int32.*torch\.int64"):
         unpack_awq(qweight.long(), qzeros, scales, 32, layer="o_proj")
+    with pytest.raises(UnsupportedModelError, match=r"o_proj\.scales should be floating point"):
+        unpack_awq(qweight, qzeros, scales.to(torch.int32), 32, layer="o_proj")
     gptq_qweight = pack_along_rows(canonical.q.t().contiguous())
     gptq_zeros = pack_along_columns(canonical.zeros.t().contiguous())
     with pytest.raises(UnsupportedModelError, match=r"o_proj\.g_idx has shape \[127\].*needs \[128\]"):

@@ -98,7 +98,12 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
 
 
-def _require_packed(layer: str, tensors: Mapping[str, torch.Tensor]) -> None:
+def _require_packed(layer: str, tensors: Mapping[str, torch.Tensor], scales: torch.Tensor) -> None:
+    if not scales.is_floating_point():
+        raise UnsupportedModelError(
+            f"checkpoint tensor {layer}.scales should be floating point (16-bit); got {scales.dtype}",
+            param="model",
+        )
     for name, tensor in tensors.items():
         if tensor.dtype != torch.int32 or tensor.dim() != 2:
             raise UnsupportedModelError(
@@ -125,11 +130,16 @@ def unpack_awq(
 ) -> QuantizedInt4:
     """An AWQ "gemm" layer (qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]) in the
     canonical INT4 form; `layer` names it in errors."""
-    _require_packed(layer, {"qweight": qweight, "qzeros": qzeros})
+    _require_packed(layer, {"qweight": qweight, "qzeros": qzeros}, scales)
     k, n = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     group_size = k if group_size == -1 else group_size
     expected = expected_awq_shapes(n, k, group_size)
-    check_packed_shapes(layer, {"qzeros": qzeros, "scales": scales}, expected, f"awq group_size {group_size}")
+    check_packed_shapes(
+        layer,
+        {"qzeros": qzeros, "scales": scales},
+        expected,
+        f"awq group_size {group_size} with qweight {list(qweight.shape)}",
+    )
     q = _awq_columns(qweight).t().contiguous()
     zeros = _awq_columns(qzeros).t().contiguous()
     return QuantizedInt4(
@@ -154,11 +164,11 @@ def unpack_gptq(
     other value means the checkpoint_format (or sym) in the config is wrong, and is an error."""
     if zeros_offset not in (0, 1):
         raise ValueError(f"zeros_offset is 1 (checkpoint_format 'gptq') or 0 ('gptq_v2'); got {zeros_offset}")
-    _require_packed(layer, {"qweight": qweight, "qzeros": qzeros})
+    _require_packed(layer, {"qweight": qweight, "qzeros": qzeros}, scales)
     k, n = qweight.shape[0] * PACK_FACTOR, qweight.shape[1]
     num_groups = num_int4_groups(k, group_size)
     group_size = k if group_size == -1 else group_size
-    config = f"gptq group_size {group_size}"
+    config = f"gptq group_size {group_size} with qweight {list(qweight.shape)}"
     check_packed_shapes(
         layer,
         {"qzeros": qzeros, "scales": scales, "g_idx": g_idx},
