@@ -262,7 +262,10 @@ def gptq(src: Path, dtype: torch.dtype, group_size: int, sym: bool, desc_act: bo
 
     def quantize(name: str, w: torch.Tensor):
         k = w.shape[1]
-        g_idx = act_order_g_idx(k, group_size, zlib.crc32(name.encode())) if desc_act else None
+        # GPTQ orders columns by its Hessian, which comes from the layer's input: projections that read
+        # one input (q/k/v; gate/up) get one order.
+        shared_input = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        g_idx = act_order_g_idx(k, group_size, zlib.crc32(shared_input.encode())) if desc_act else None
         q, scales, zeros, _, g_idx = quantize_int4(w, group_size, symmetric=sym, g_idx=g_idx)
         stored_zeros = ((zeros.to(torch.int64) - zeros_stored_minus) & 0xF).to(torch.uint8)
         tensors = {
