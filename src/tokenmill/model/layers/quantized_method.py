@@ -102,6 +102,23 @@ class QuantizedLinearMethod(LinearMethod):
         return self.base.apply(layer, x, bias, residual, out_dtype)
 
 
+def kernel_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the kernel-ready quantized weights of `model`'s linear layers (which are module
+    attributes, not parameters): what a decode step reads of them."""
+    from tokenmill.model.layers.linear import linear_layers
+
+    total = 0
+    for layer in linear_layers(model):
+        prepared = getattr(layer, "quantized_weights", None)
+        if prepared is None:
+            continue
+        fields = vars(prepared) if hasattr(prepared, "__dict__") else {
+            name: getattr(prepared, name) for name in getattr(prepared, "__slots__", ())
+        }
+        total += sum(t.numel() * t.element_size() for t in fields.values() if isinstance(t, torch.Tensor))
+    return total
+
+
 def per_part_rows(layer: LinearBase) -> list[int]:
     """The output rows of each merged part of `layer` ([out_features] for a plain layer)."""
     sizes = getattr(layer, "output_sizes", None)
