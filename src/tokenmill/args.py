@@ -22,6 +22,7 @@ from typing import Any
 from tokenmill import envs
 from tokenmill.arg_parser import add_config_file_arg, close_names, parse_bytes
 from tokenmill.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
+from tokenmill.model.loader.quant_config import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,14 @@ class EngineArgs:
     )
     dtype: str = _option(
         "auto", "weights and activations; auto: float32 on the CPU, bfloat16 on a GPU", choices=DTYPES
+    )
+    quantization: str | None = _option(
+        None,
+        "quantized linear layers: a quantized checkpoint's method is read from its config (this must "
+        "then name the same one or stay unset); on a 16-bit checkpoint, GGUF or dummy weights: fp8 = "
+        "FP8 W8A8 with per-channel scales, awq / gptq = 4-bit groups of 128 (round to nearest), "
+        "quantized at load",
+        choices=QUANTIZATION_METHODS,
     )
     seed: int = _option(0, "random seed of the weights (dummy) and of sampling without a request seed")
     device: str = _option("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
@@ -216,6 +225,7 @@ class EngineArgs:
                 tokenizer_revision=self.tokenizer_revision,
                 download_dir=self.download_dir,
                 dtype=self.dtype,
+                quantization=self.quantization,
                 load_format=self.load_format,  # type: ignore[arg-type]
                 max_model_len=self.max_model_len,
                 seed=self.seed,
@@ -270,7 +280,7 @@ class EngineArgs:
         _check_generation_config(self.generation_config)
         for f in fields(self):
             choices, value = f.metadata["choices"], getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
 
     def create_kernel_config(self) -> KernelConfig:

@@ -18,6 +18,9 @@ class ModelConfig:
     tokenizer_revision: str | None = None
     download_dir: str | None = None  # Hub ids: the cache directory (None: Hugging Face's, HF_HOME)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)
+    # None, or a method of model/loader/quant_config.py QUANTIZATION_METHODS: a quantized
+    # checkpoint's own method, or 16-bit weights quantized at load.
+    quantization: str | None = None
     # pt: PyTorch pytorch_model*.bin files, read with torch.load(weights_only=True)
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
     max_model_len: int | None = None  # None: the model's own limit

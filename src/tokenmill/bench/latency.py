@@ -105,15 +105,17 @@ def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[fl
     (the router, attention, norms, dense and shared-expert MLPs are read whole).
     """
     from tokenmill.model.layers.moe import unread_expert_bytes
+    from tokenmill.model.layers.quantized_method import kernel_weight_bytes
 
     model = llm.engine.runner.model
     weight_bytes = (
         sum(p.numel() * p.element_size() for p in model.parameters())
+        + kernel_weight_bytes(model)  # quantized layers' FP8 / INT4 tensors, scales and zeros
         - embedding_bytes(llm)
         - unread_expert_bytes(model)
     )
     arch = llm.resolved.arch
-    itemsize = next(model.parameters()).element_size()
+    itemsize = llm.engine.runner.kv_caches[0].element_size()  # the KV cache's dtype (FP8: 1 byte)
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
     mean_context = input_len + output_len / 2
     return float(weight_bytes), float(kv_per_token * mean_context)

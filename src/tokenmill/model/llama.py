@@ -255,7 +255,7 @@ class CausalLM(nn.Module):
 
         Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
         """
-        expected = self._expected_weight_names()
+        expected = self._quantized_weight_names(self._expected_weight_names())
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self._checkpoint_target(name)
@@ -343,9 +343,22 @@ class CausalLM(nn.Module):
             module = self.layers[int(match["layer"])].get_submodule(module_path)
         except AttributeError:
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model") from None
-        if param_name not in ("weight", "bias"):
+        if param_name not in ("weight", "bias") and param_name not in getattr(module, "param_layouts", ()):
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
         return module, param_name, shard_id
+
+    def _quantized_weight_names(self, names: set[str]) -> set[str]:
+        """`names` with each quantized linear layer's `.weight` replaced by the tensors its method
+        reads (qweight, scales, ... : LinearBase.checkpoint_params)."""
+        result = set()
+        for name in names:
+            target = self.linear_for_weight(name) if name.endswith(".weight") else None
+            if target is None or target[0].weight_is_shared:
+                result.add(name)
+            else:
+                stem = name.removesuffix(".weight")
+                result.update(f"{stem}.{param}" for param in target[0].checkpoint_params)
+        return result
 
     @property
     def checkpoint_layer_weights(self) -> tuple[str, ...]:

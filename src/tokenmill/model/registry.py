@@ -16,7 +16,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.gemma import GemmaCausalLM
 from tokenmill.model.gpt_oss import GptOssCausalLM
 from tokenmill.model.layers.linear import process_weights_after_loading
-from tokenmill.model.layers.linear_select import select_linear_method
+from tokenmill.model.layers.linear_select import exclude_unquantized_layers, select_linear_method
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.dummy import init_dummy_weights
 from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
@@ -65,7 +65,8 @@ def load_model(
     device = torch.device(device)
     dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
     max_positions = model_config.max_model_len or arch.max_position_embeddings
-    linear_method = select_linear_method(device, dtype, kernel)
+    quantization = resolved.quantization
+    linear_method = select_linear_method(device, dtype, kernel, quantization)
     model_class = MODEL_CLASSES.get(arch.architecture)
     if model_class is None:
         raise ValueError(
@@ -75,6 +76,9 @@ def load_model(
         arch, attn_backend, device=device, dtype=dtype, max_positions=max_positions, kernel=kernel,
         linear_method=linear_method,
     )  # fmt: skip
+    if quantization is not None:
+        kept = exclude_unquantized_layers(model, _linear_hf_names(model), device, dtype)
+        logger.info("linear layers: %s; %d layer(s) left 16-bit (lm_head, ignored)", quantization.describe(), kept)
     if resolved.format == "dummy" or model_config.load_format == "dummy":
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
@@ -91,9 +95,24 @@ def load_model(
         and resolved.format == "gguf"
         and model_config.load_format != "dummy"
         and kernel.cpu_quantized_gemv
+        and quantization is None  # --quantization replaces the GGUF's own blocks
     ):
         _attach_gguf_blocks(model, resolved.path, arch)
     return model.eval()
+
+
+def _linear_hf_names(model: CausalLM) -> dict[int, list[str]]:
+    """id(linear layer) -> the Hugging Face module names whose weights it loads ("lm_head" for
+    lm_head, tied or not)."""
+    names: dict[int, list[str]] = {}
+    for name in model._expected_weight_names():
+        target = model.linear_for_weight(name)
+        if target is None:
+            continue
+        layer = target[0]
+        module = "lm_head" if layer is model.lm_head else name.removesuffix(".weight")
+        names.setdefault(id(layer), []).append(module)
+    return names
 
 
 def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import ModelNotFoundError
+from tokenmill.errors import ModelNotFoundError, UnsupportedModelError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.loader.gguf_metadata import gguf_arch_config
@@ -32,11 +32,21 @@ from tokenmill.model.loader.hf_config import (
 )
 from tokenmill.model.loader.hub import download
 from tokenmill.model.loader.hub_files import HubModelId, Purpose
-from tokenmill.model.loader.quant_config import check_quantization_config
+from tokenmill.model.loader.quant_config import (
+    QuantizationSpec,
+    check_quantization_config,
+    resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
 WeightFormat = Literal["safetensors", "pt", "gguf", "dummy"]
+
+
+# The families whose linear layers take quantized methods: the Llama decoder's (model/llama.py).
+# Mixture-of-experts blocks, gpt-oss, and the families with their own weight layouts (Phi-3's
+# fused projections, Gemma) are refused until their loaders map quantized tensors.
+_QUANTIZABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,8 @@ class ResolvedModel:
     # Hub ids: the commits their revisions resolved to (None for local paths and the default model).
     revision: str | None = None
     tokenizer_revision: str | None = None
+    # How its linear layers are quantized (model/loader/quant_config.py); None: 16-bit.
+    quantization: QuantizationSpec | None = None
 
 
 def resolve_model(model_config: ModelConfig) -> ResolvedModel:
@@ -73,7 +85,9 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
             path = ggufs[0]
     is_gguf = path.is_file() and path.suffix == ".gguf"
 
+    source = model_config.model or str(path)
     if is_gguf:
+        quantization = resolve_quantization(None, model_config.quantization, source)
         arch = gguf_arch_config(path)
         weight_format: WeightFormat = "dummy" if load_format == "dummy" else "gguf"
         if load_format in ("safetensors", "pt"):
@@ -82,7 +96,9 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
         if load_format == "gguf":
             raise ValueError(f"load_format='gguf' but {path} holds no .gguf file")
         hf_config = read_hf_config(path)
-        check_quantization_config(hf_config, source=model_config.model or str(path))
+        quantization = resolve_quantization(
+            hf_config, model_config.quantization, source, dummy=load_format == "dummy"
+        )
         arch = ArchConfig.from_hf_config(hf_config)
         extra_eos = [e for e in read_generation_eos(path) if e not in arch.eos_token_ids]
         arch = dataclasses.replace(arch, eos_token_ids=arch.eos_token_ids + tuple(extra_eos))
@@ -90,6 +106,13 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     else:
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
 
+    if quantization is not None and (arch.moe is not None or arch.architecture not in _QUANTIZABLE_FAMILIES):
+        raise UnsupportedModelError(
+            f"{quantization.method} quantization of a {arch.architecture} model is not supported yet: quantized "
+            f"linear layers run in the dense families ({', '.join(_QUANTIZABLE_FAMILIES)}), not in "
+            "mixture-of-experts blocks; serve its 16-bit checkpoint",
+            param="quantization",
+        )
     tokenizer_path, tokenizer_revision = str(path), None
     if model_config.tokenizer is not None:
         tokenizer, tokenizer_revision = _locate(
@@ -104,6 +127,7 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
         name=model_config.served_model_name or default_name,
         revision=revision,
         tokenizer_revision=tokenizer_revision,
+        quantization=quantization,
     )
 
 

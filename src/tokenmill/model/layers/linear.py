@@ -15,6 +15,7 @@ one, and copies this rank's part into the right rows (merged layers: of the shar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +23,26 @@ from torch import nn
 from tokenmill.model.layers.linear_method import LinearMethod
 
 ShardId = str | int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """Where a quantized method's checkpoint tensor keeps the layer's output features, so a merged
+    layer loads each part's slice: along `out_dim`, `out_per_index` output features per index (8 for
+    nibbles packed along the output, 128 for 128-row scale blocks; None: the tensor is the same for
+    every part). `per_part`: one entry per merged part, shape [parts, *the checkpoint tensor's]
+    (per-tensor scales; GPTQ's g_idx, which the method then checks the parts agree on)."""
+
+    out_dim: int | None = 0
+    out_per_index: int = 1
+    per_part: bool = False
+    # Each merged part has its own ceil(rows / out_per_index) entries (128x128-block scales of parts
+    # whose sizes are not multiples of 128, as small models have): the part's slice starts after the
+    # earlier parts' entries.
+    round_up_per_part: bool = False
+
+
+WEIGHT_LAYOUT = ParamLayout()
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -54,6 +75,10 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size  # unsharded
         self.in_features, self.out_features = in_features, out_features  # this rank's shard
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Checkpoint tensors a quantized method registered beyond weight / bias (qweight, scales,
+        # ...): their layouts, and which of them a checkpoint must hold (`checkpoint_params`).
+        self.param_layouts: dict[str, ParamLayout] = {}
+        self.checkpoint_params: tuple[str, ...] = ("weight",)
         self.method = method or LinearMethod()
         dtype = dtype or torch.float32
         # A weight shared with another module (a tied lm_head's: the embedding table) is used as it
@@ -80,6 +105,33 @@ class LinearBase(nn.Module):
     def _bias_rows(self) -> int:
         return self.out_features
 
+    @property
+    def num_parts(self) -> int:
+        """Merged parts (q / k / v, gate / up) in this layer's output; 1 for a plain layer."""
+        return 1
+
+    def register_checkpoint_param(
+        self, name: str, tensor: torch.Tensor, layout: ParamLayout = WEIGHT_LAYOUT, *, required: bool = True
+    ) -> None:
+        """Register a quantized method's tensor `name` (uninitialized), loaded from the checkpoint
+        tensor of that name by weight_loader with `layout`; `required`: a checkpoint must hold it."""
+        setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        if name != "weight":
+            self.param_layouts[name] = layout
+        if required and name not in self.checkpoint_params:
+            self.checkpoint_params = (*self.checkpoint_params, name)
+
+    def forget_checkpoint_params(self) -> None:
+        """Drop every registered parameter but bias (a method replacing them with its own form, or
+        re-creating them for another method), and their layouts."""
+        for name in ("weight", *self.param_layouts):
+            if name in self._parameters:
+                del self._parameters[name]
+            elif hasattr(self, name):
+                delattr(self, name)
+        self.param_layouts = {}
+        self.checkpoint_params = ()
+
     # Called a few times per layer per step: nn.Module.__call__'s hook dispatch is skipped on purpose
     # (a wrapping LinearMethod, not a hook, is how behaviour is added to a linear layer).
     def __call__(
@@ -100,8 +152,50 @@ class LinearBase(nn.Module):
         param = getattr(self, param_name, None)
         if param is None:
             raise ValueError(f"no such {param_name}")
-        target, source = self._shard(param_name, param.data, loaded, shard_id)
+        layout = self.param_layouts.get(param_name)
+        if layout is not None:
+            target, source = self._shard_by_layout(param_name, param.data, loaded, shard_id, layout)
+        else:
+            target, source = self._shard(param_name, param.data, loaded, shard_id)
         self.method.load_weight(self, target, source)
+
+    def _shard_by_layout(
+        self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId, layout: ParamLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized tensor's slice for `shard_id` (tensor parallelism: one rank only, so far)."""
+        if self.tp_size != 1:
+            raise ValueError(f"{param_name}: quantized weights are not sharded for tensor parallelism yet")
+        part = self._part_index(shard_id)
+        if layout.per_part:
+            index = 0 if part is None else part
+            return param.narrow(0, index, 1), _as_shape(loaded, (1, *param.shape[1:]), param_name)
+        if layout.out_dim is None or part is None:
+            return param, _as_shape(loaded, tuple(param.shape), param_name)
+        start, rows = self._part_rows(shard_id)
+        per = layout.out_per_index
+        if layout.round_up_per_part:
+            first = sum(-(-self._part_rows(s)[1] // per) for s in self.shard_ids[:part])
+            expected = list(param.shape)
+            expected[layout.out_dim] = -(-rows // per)
+            target = param.narrow(layout.out_dim, first, expected[layout.out_dim])
+            return target, _as_shape(loaded, tuple(expected), param_name)
+        if start % per or rows % per:
+            raise ValueError(
+                f"{param_name}: part {shard_id!r} (output rows {start}..{start + rows}) does not align with its "
+                f"{per}-row blocks"
+            )
+        expected = list(param.shape)
+        expected[layout.out_dim] = rows // per
+        return param.narrow(layout.out_dim, start // per, rows // per), _as_shape(loaded, tuple(expected), param_name)
+
+    def _part_index(self, shard_id: ShardId) -> int | None:
+        """The index of merged part `shard_id`; None for a plain layer (shard_id None)."""
+        if shard_id is None:
+            return None
+        raise ValueError(f"unknown shard {shard_id!r}: this layer is not merged")
+
+    def _part_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        raise ValueError(f"unknown shard {shard_id!r}: this layer is not merged")
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
@@ -121,6 +215,19 @@ class LinearBase(nn.Module):
 def _check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}")
+
+
+def _as_shape(loaded: torch.Tensor, expected: tuple[int, ...], param_name: str) -> torch.Tensor:
+    """`loaded` in `expected`'s shape when only unit dimensions differ (a per-tensor scale stored as
+    [] or [1], a per-channel one as [N, 1] or [N]); else ValueError naming both shapes."""
+    if tuple(loaded.shape) == expected:
+        return loaded
+    squeezed = tuple(d for d in loaded.shape if d != 1)
+    if squeezed == tuple(d for d in expected if d != 1):
+        return loaded.reshape(expected)
+    raise ValueError(
+        f"{param_name} has shape {tuple(loaded.shape)}, but the quantization config makes it {expected}"
+    )
 
 
 class ReplicatedLinear(LinearBase):
@@ -259,6 +366,21 @@ class MergedColumnParallelLinear(LinearBase):
             )
         for part_id, part in zip(self.shard_ids, loaded.split(self.output_sizes), strict=True):
             super().weight_loader(param_name, part, part_id)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.shard_ids)
+
+    def _part_index(self, shard_id: ShardId) -> int | None:
+        if shard_id is None:
+            return None
+        if shard_id not in self._shard_rows:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer's shards: {list(self._shard_rows)}")
+        return list(self.shard_ids).index(shard_id)
+
+    def _part_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        start, rows, _ = self._shard_rows[shard_id]
+        return start, rows
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

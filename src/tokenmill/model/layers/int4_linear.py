@@ -1,0 +1,98 @@
+"""The INT4 weight-only (W4A16) linear method: AWQ and GPTQ checkpoints, or 16-bit weights rounded
+to 4-bit groups at load.
+
+Checkpoint layouts (K = in features, N = out, G = groups along K):
+- AWQ ("gemm"): `qweight` int32 [K, N/8] and `qzeros` int32 [G, N/8] (8 nibbles per word, AWQ's
+  interleaved order), `scales` [G, N];
+- GPTQ: `qweight` int32 [K/8, N] (packed along K), `qzeros` int32 [G, N/8], `scales` [G, N],
+  `g_idx` int32 [K] (act-order checkpoints permute the groups).
+Both unpack (model/loader/int4_checkpoint.py) to one canonical form: q [N, K] values 0..15, scales
+and zeros [N, G], g_idx [K]; W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = g_idx[k]. On the
+GPU that form is repacked for the Triton kernels (kernels/triton/int4_linear.py); elsewhere the
+layer multiplies with the dequantized weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.model.layers.linear import ParamLayout
+from tokenmill.model.layers.quantize_weights import QuantizedInt4, dequantize_int4, quantize_int4
+from tokenmill.model.layers.quantized_method import QuantizedLinearMethod, num_parts_at_create
+from tokenmill.model.loader.int4_checkpoint import unpack_awq, unpack_gptq
+
+if TYPE_CHECKING:
+    from tokenmill.model.layers.linear import LinearBase
+
+PACK = 8  # 4-bit values per int32 word
+
+
+class Int4LinearMethod(QuantizedLinearMethod):
+    def group_size_for(self, in_features: int) -> int:
+        return in_features if self.spec.group_size == -1 else self.spec.group_size
+
+    def create_checkpoint_params(
+        self, layer: LinearBase, in_features: int, out_features: int, *, device, dtype: torch.dtype
+    ) -> None:
+        spec = self.spec
+        group = self.group_size_for(in_features)
+        if in_features % group or out_features % PACK or in_features % PACK:
+            raise ValueError(
+                f"a {out_features}x{in_features} layer cannot hold {spec.method} 4-bit weights in groups of "
+                f"{group}: the input size must be a multiple of the group size and both sizes of {PACK}"
+            )
+        groups = in_features // group
+        i32 = {"device": device, "dtype": torch.int32}
+        packed_out = ParamLayout(out_dim=1, out_per_index=PACK)
+        if spec.int4_format == "awq":
+            layer.register_checkpoint_param("qweight", torch.empty((in_features, out_features // PACK), **i32), packed_out)
+        else:
+            layer.register_checkpoint_param(
+                "qweight", torch.empty((in_features // PACK, out_features), **i32), ParamLayout(out_dim=1)
+            )
+        layer.register_checkpoint_param("qzeros", torch.empty((groups, out_features // PACK), **i32), packed_out)
+        layer.register_checkpoint_param(
+            "scales", torch.empty((groups, out_features), device=device, dtype=torch.float32), ParamLayout(out_dim=1)
+        )
+        if spec.int4_format == "gptq":
+            # One g_idx per merged part (their inputs are one, so they must agree: checked after loading).
+            parts = num_parts_at_create(layer)
+            layer.register_checkpoint_param(
+                "g_idx", torch.empty((parts, in_features), **i32), ParamLayout(per_part=True),
+                required=spec.act_order,
+            )  # fmt: skip
+            if not spec.act_order:  # checkpoints without act-order may omit it: groups in order
+                layer.g_idx.data.copy_(torch.arange(in_features, device=device, dtype=torch.int32) // group)
+
+    def quantized_form(self, layer: LinearBase) -> QuantizedInt4:
+        spec = self.spec
+        group = self.group_size_for(layer.in_features)
+        if not spec.from_checkpoint:
+            return quantize_int4(layer.weight.data, group, symmetric=not spec.zero_point, scale_dtype=torch.float32)
+        if spec.int4_format == "awq":
+            return unpack_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, group)
+        g_idx_parts = layer.g_idx.data
+        if not bool((g_idx_parts == g_idx_parts[:1]).all()):
+            raise ValueError(
+                "g_idx differs between the merged parts of one layer (q/k/v or gate/up), which share their "
+                "input; tokenmill needs them equal"
+            )
+        return unpack_gptq(
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx_parts[0], group,
+            sym=not spec.zero_point, zeros_offset=spec.gptq_zeros_offset,
+        )  # fmt: skip
+
+    def dequantize(self, form: QuantizedInt4) -> torch.Tensor:
+        return dequantize_int4(form.q, form.scales, form.zeros, form.group_size, form.g_idx)
+
+    def prepare_for_kernels(self, form: QuantizedInt4):
+        from tokenmill.kernels.triton.int4_linear import prepare_int4_weights
+
+        return prepare_int4_weights(form.q, form.scales.to(self.dtype), form.zeros, form.group_size, form.g_idx)
+
+    def apply_kernels(self, kernel_weights, x, bias, residual, out_dtype) -> torch.Tensor:
+        from tokenmill.kernels.triton.int4_linear import int4_linear
+
+        return int4_linear(x, kernel_weights, bias, residual, out_dtype)

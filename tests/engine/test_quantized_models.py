@@ -1,0 +1,133 @@
+"""Quantized checkpoints in every published layout, and 16-bit weights quantized at load, against
+transformers on the dequantized weights (the CPU's reference path multiplies with exactly those):
+greedy tokens equal and logprobs close in fp32, alone and batched with chunked prefill; bad
+checkpoints fail naming the tensor; a quantized engine leaves no KV block behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.hf_oracle import hf_greedy
+from tests.model import quantized_checkpoints
+from tests.model.quantized_checkpoints import FP8_LAYOUTS, INT4_LAYOUTS, corrupt_tensor, write_quant_source
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
+from tokenmill.model.layers.int4_linear import Int4LinearMethod
+from tokenmill.model.layers.linear import linear_layers
+from tokenmill.model.layers.quantize_weights import (
+    dequantize_fp8,
+    dequantize_int4,
+    quantize_fp8_per_channel,
+    quantize_int4,
+)
+
+MAX_NEW = 8
+
+quantized_checkpoint = quantized_checkpoints.quantized_checkpoint  # the session fixture
+
+
+@pytest.fixture(scope="module")
+def llama_source(tmp_path_factory, tiny_tokenizer):
+    """A tiny float32 Llama checkpoint whose layers fit 4-bit groups of 128."""
+    return write_quant_source(tmp_path_factory.mktemp("at-load-src"), "llama", tiny_tokenizer)
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _check(llm: LLM, reference: str, prompts: list[list[int]]) -> None:
+    for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
+        expected, expected_lp = hf_greedy(reference, prompt, MAX_NEW)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        got_lp = [next(iter(step.values())).logprob for step in completion.logprobs]
+        assert got_lp == pytest.approx(expected_lp, abs=1e-4)
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS + INT4_LAYOUTS)
+def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(quantized_checkpoint, layout):
+    ckpt = quantized_checkpoint(layout)
+    llm = LLM(str(ckpt.path), device="cpu", max_model_len=128)
+    methods = {type(layer.method) for layer in linear_layers(llm.engine.runner.model)}
+    expected = Fp8LinearMethod if "fp8" in layout else Int4LinearMethod
+    assert expected in methods  # quantized layers (and lm_head 16-bit beside them)
+    _check(llm, str(ckpt.reference), _prompts(llm.info.vocab_size, 3, seed=len(layout)))
+
+
+@pytest.mark.parametrize("layout", ["ct-fp8-block", "gptq-g32-sym-actorder"])
+def test_batched_with_chunked_prefill_and_a_bf16_source(quantized_checkpoint, layout):
+    ckpt = quantized_checkpoint(layout, source="llama-bf16")
+    llm = LLM(str(ckpt.path), device="cpu", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=3)
+    _check(llm, str(ckpt.reference), _prompts(llm.info.vocab_size, 5, seed=7))
+
+
+def _at_load_reference(tmp_path, source_dir, method: str):
+    """The source checkpoint with every projection replaced by its at-load quantization's
+    dequantized weights (quantized here with the same quantizers), for transformers."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.model.quantized_checkpoints import QUANTIZED_PROJECTIONS, _copy_side_files
+
+    out = tmp_path / f"ref-{method}"
+    out.mkdir()
+    _copy_side_files(source_dir, out)
+    tensors = load_file(str(source_dir / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.rpartition(".")[0].rpartition(".")[2] in QUANTIZED_PROJECTIONS and name.endswith(".weight"):
+            w = tensor.float()
+            if method == "fp8":
+                tensors[name] = dequantize_fp8(*quantize_fp8_per_channel(w))
+            else:
+                q = quantize_int4(w, 128, symmetric=method == "gptq", scale_dtype=torch.float32)
+                tensors[name] = dequantize_int4(q.q, q.scales, q.zeros, q.group_size, q.g_idx)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((source_dir / "config.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq"])
+def test_quantized_at_load_matches_the_dequantized_reference(tmp_path, llama_source, method):
+    reference = _at_load_reference(tmp_path, llama_source, method)
+    llm = LLM(str(llama_source), device="cpu", max_model_len=128, quantization=method)
+    _check(llm, str(reference), _prompts(llm.info.vocab_size, 3, seed=3))
+
+
+def test_greedy_output_unchanged_without_quantization(tiny_llama_dir):
+    """No --quantization: the 16-bit methods, exactly as before (no quantized method anywhere)."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128)
+    assert not any(
+        isinstance(layer.method, (Fp8LinearMethod, Int4LinearMethod))
+        for layer in linear_layers(llm.engine.runner.model)
+    )
+    _check(llm, str(tiny_llama_dir), _prompts(llm.info.vocab_size, 2, seed=1))
+
+
+@pytest.mark.parametrize(
+    ("layout", "tensor"),
+    [
+        ("ct-fp8-channel", "model.layers.0.self_attn.k_proj.weight_scale"),
+        ("ct-fp8-tensor", "model.layers.0.self_attn.v_proj.weight_scale"),
+        ("ct-fp8-block", "model.layers.1.mlp.down_proj.weight_scale"),
+        ("awq-g128", "model.layers.0.mlp.up_proj.qzeros"),
+        ("awq-g32", "model.layers.0.self_attn.q_proj.qweight"),
+        ("gptq-g128-sym", "model.layers.1.self_attn.o_proj.scales"),
+        ("gptq-g32-sym-actorder", "model.layers.1.mlp.gate_proj.g_idx"),
+    ],
+)
+def test_a_tensor_disagreeing_with_the_config_is_named(tmp_path, quantized_checkpoint, layout, tensor):
+    ckpt = quantized_checkpoint(layout)
+    broken, right, wrong = corrupt_tensor(ckpt.path, tmp_path / "broken", tensor)
+    with pytest.raises(ValueError, match=tensor.replace(".", r"\.")) as err:
+        LLM(str(broken), device="cpu", max_model_len=64)
+    assert "shape" in str(err.value) and str(tuple(wrong)) in str(err.value)
