@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from tests.engine.hf_oracle import hf_greedy, load_hf
+from tests.model import quantized_checkpoints
 from tests.quality.broken_checkpoints import write_noisy_copy
 from tokenmill.args import EngineArgs
 from tokenmill.quality.gate import plan_gate, run_gate
 from tokenmill.quality.metrics import greedy_agreement
 from tokenmill.quality.text_set import TextSetOptions, build_text_set
 from tokenmill.quality.verdict import Thresholds
+
+quantized_checkpoint = quantized_checkpoints.quantized_checkpoint  # the session fixture
 
 OPTIONS = TextSetOptions(window=40, max_windows=4, greedy_prompts=3, greedy_prompt_tokens=8, greedy_tokens=6)
 
@@ -64,3 +67,15 @@ def test_candidate_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_path, d
     plan = plan_gate(candidate, str(default_model_path))
     with pytest.raises(ValueError, match="tokenizes the text set differently"):
         run_gate(plan, TextSetOptions(window=16, max_windows=1, greedy_prompts=0), Thresholds())
+
+
+@pytest.mark.parametrize("layout", ["ct-fp8-channel", "gptq-g32-sym-actorder"])
+def test_a_quantized_checkpoint_against_its_dequantized_weights(quantized_checkpoint, layout):
+    """A checkpoint in a published layout needs --base; against its own dequantized weights it
+    loses nothing but float rounding (the CPU multiplies with exactly those weights)."""
+    checkpoint = quantized_checkpoint(layout)
+    candidate = EngineArgs(model=str(checkpoint.path), device="cpu", max_model_len=64, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"is a quantized checkpoint \(.*\).*pass --base"):
+        plan_gate(candidate)
+    report = run_gate(plan_gate(candidate, str(checkpoint.reference)), OPTIONS, Thresholds())
+    assert report.passed and report.metrics.mean_kl < 1e-6 and report.metrics.top1_agreement == 1.0

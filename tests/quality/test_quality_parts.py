@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -180,17 +179,10 @@ def test_plan_with_a_base_model_keeps_the_candidates_device_and_sizes(tiny_llama
     assert plan.base == dataclasses.replace(candidate, model=str(tiny_llama_dir), revision=None)
 
 
-def test_a_quantized_checkpoint_needs_a_base(tiny_llama_dir, tmp_path, monkeypatch):
-    from tokenmill.model.loader import quant_config
-
-    # The method only has to be one tokenmill runs, so that the checkpoint resolves.
-    monkeypatch.setitem(quant_config.SUPPORTED_QUANTIZATION_METHODS, "fp8", "Fp8LinearMethod")
-    quantized = Path(shutil.copytree(tiny_llama_dir, tmp_path / "quantized"))
-    config = json.loads((tiny_llama_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8"}
-    (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantized checkpoint \(fp8\).*pass --base"):
-        plan_gate(EngineArgs(model=str(quantized), device="cpu"))
+def test_plan_resets_quantization_for_the_base(tiny_llama_dir):
+    candidate = EngineArgs(model=str(tiny_llama_dir), quantization="fp8", kv_cache_dtype="float16", device="cpu")
+    assert plan_gate(candidate).base == dataclasses.replace(candidate, quantization=None, kv_cache_dtype="auto")
+    assert plan_gate(candidate, "other/model").base.quantization is None
 
 
 def test_quality_gate_flags():

@@ -14,7 +14,6 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from tokenmill.args import EngineArgs
@@ -66,12 +65,10 @@ def plan_gate(candidate: EngineArgs, base_model: str | None = None) -> GatePlan:
 
 
 def checkpoint_quantization(args: EngineArgs) -> str | None:
-    """The `quantization_config.quant_method` of the model's checkpoint, None if it has none (GGUF
-    files included: their weights load as floats, which is the base a `--quantization` is
-    measured against)."""
+    """How the model's checkpoint itself is quantized ("awq: INT4 W4A16 (...)"), None if it holds
+    float weights (GGUF files included: their weights load as floats, which is the base a
+    `--quantization` is measured against)."""
     from tokenmill.config import ModelConfig
-    from tokenmill.model.loader.hf_config import read_hf_config
-    from tokenmill.model.loader.quant_config import quantization_method
     from tokenmill.model.resolve import resolve_model
 
     resolved = resolve_model(
@@ -80,9 +77,8 @@ def checkpoint_quantization(args: EngineArgs) -> str | None:
             load_format=args.load_format,  # type: ignore[arg-type]
         )
     )  # fmt: skip
-    if resolved.format == "gguf":
-        return None
-    return quantization_method(read_hf_config(Path(resolved.path)))
+    # With no --quantization asked for, a spec can only come from the checkpoint's config.
+    return resolved.quantization.describe() if resolved.quantization is not None else None
 
 
 def describe(args: EngineArgs) -> str:
