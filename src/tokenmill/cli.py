@@ -1,4 +1,5 @@
-"""`tokenmill serve | generate | chat | envs | quality-gate | bench throughput | bench latency | bench serve`."""
+"""`tokenmill serve | generate | chat | envs | quality-gate | bench throughput | bench latency |
+bench serve`."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality_cli.add_cli_args(
         sub.add_parser(
             "quality-gate",
-            help="measure a quantized model against its base (perplexity, KL, agreement); exit 1 past thresholds",
+            help="measure a quantized model against its base (perplexity, KL, agreement); "
+            "exit 1 past thresholds",
         )
     )
 

@@ -26,7 +26,9 @@ def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_every_position_equals_transformers(tiny_llama_dir, backend):
-    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend=backend, num_kv_blocks=16, max_model_len=128)
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", attention_backend=backend, num_kv_blocks=16, max_model_len=128
+    )
     tokens = _prompt(llm.info.vocab_size, 45, seed=0)  # several KV blocks, the last one partly filled
     logits = prompt_logits(llm.engine.runner, tokens)
     assert logits.dtype == torch.float32 and logits.shape == (45, llm.info.vocab_size)

@@ -26,7 +26,8 @@ def wrong_scale_gguf(default_model_path, tmp_path_factory):
 
 
 def test_the_default_model_against_itself_loses_nothing(default_model_path, capsys):
-    code = main(["--log-level", "WARNING", "quality-gate", "--base", str(default_model_path), *ENGINE, *SLICE, "--json"])
+    base = ["--base", str(default_model_path)]
+    code = main(["--log-level", "WARNING", "quality-gate", *base, *ENGINE, *SLICE, "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["failed_metrics"] == []
     metrics = report["metrics"]
@@ -42,7 +43,8 @@ def test_fp8_of_the_default_model_passes_the_default_thresholds(capsys):
     # of 8 tokens), and 8 prompts keep its mean well clear of the threshold.
     fp8_slice = ["--window", "128", "--max-windows", "4", "--greedy-prompts", "8", "--greedy-tokens", "8"]
     engine = ["--device", "cpu", "--max-model-len", "160", "--kv-cache-memory", "32MiB"]
-    code = main(["--log-level", "WARNING", "quality-gate", "--quantization", "fp8", *engine, *fp8_slice, "--json"])
+    fp8 = ["--quantization", "fp8"]
+    code = main(["--log-level", "WARNING", "quality-gate", *fp8, *engine, *fp8_slice, "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"]
     assert report["candidate"] == "SmolLM2-135M-Instruct (quantization=fp8, device=cpu)"
@@ -60,7 +62,8 @@ def test_a_copy_with_wrong_scales_fails_naming_the_metrics(default_model_path, w
     assert code == 1
     kl_row = next(line for line in table.splitlines() if line.startswith("mean KL"))
     assert kl_row.endswith("FAIL")
-    assert table.splitlines()[-1].startswith("FAILED:") and "(mean_kl)" in table and "(top1_agreement)" in table
+    assert table.splitlines()[-1].startswith("FAILED:")
+    assert "(mean_kl)" in table and "(top1_agreement)" in table
 
 
 def test_serve_quality_gate_refuses_a_failing_model_before_serving(
@@ -73,7 +76,8 @@ def test_serve_quality_gate_refuses_a_failing_model_before_serving(
 
     monkeypatch.setattr(launch, "run_server", must_not_serve)
     gate = ["--quality-gate", "--quality-gate-base", str(default_model_path), "--quality-gate-window", "64",
-            "--quality-gate-max-windows", "2", "--quality-gate-greedy-prompts", "2", "--quality-gate-greedy-tokens", "4"]  # fmt: skip
+            "--quality-gate-max-windows", "2", "--quality-gate-greedy-prompts", "2",
+            "--quality-gate-greedy-tokens", "4"]  # fmt: skip
     code = main(["--log-level", "WARNING", "serve", str(wrong_scale_gguf), *ENGINE, *gate])
     err = capsys.readouterr().err
     assert code == 1

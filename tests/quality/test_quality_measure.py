@@ -79,3 +79,14 @@ def test_a_quantized_checkpoint_against_its_dequantized_weights(quantized_checkp
         plan_gate(candidate)
     report = run_gate(plan_gate(candidate, str(checkpoint.reference)), OPTIONS, Thresholds())
     assert report.passed and report.metrics.mean_kl < 1e-6 and report.metrics.top1_agreement == 1.0
+
+
+def test_a_model_with_non_finite_logits_fails_instead_of_erroring(tiny_llama_dir, tmp_path):
+    nan_copy = write_noisy_copy(tiny_llama_dir, tmp_path / "nan", relative_noise=math.nan)
+    candidate = EngineArgs(model=str(nan_copy), device="cpu", max_model_len=64, num_kv_blocks=16)
+    report = run_gate(plan_gate(candidate, str(tiny_llama_dir)), OPTIONS, Thresholds())
+    assert not report.passed
+    assert {c.metric for c in report.verdict.failures} == {
+        "perplexity_ratio", "mean_kl", "top1_agreement", "greedy_agreement"
+    }  # fmt: skip
+    assert report.metrics.greedy_prefix_lengths == (0, 0, 0)  # its requests ended with an error

@@ -53,7 +53,8 @@ def test_windows_cover_the_texts_in_order_with_the_special_prefix(bos):
     tokenizer = CharTokenizer(bos)
     prefix = [1] if bos else []
     assert special_prefix(tokenizer) == prefix
-    text_set = build_text_set(tokenizer, TextSetOptions(window=100, greedy_prompts=4, greedy_prompt_tokens=10))
+    options = TextSetOptions(window=100, greedy_prompts=4, greedy_prompt_tokens=10)
+    text_set = build_text_set(tokenizer, options)
     assert all(len(w) <= 100 and list(w[: len(prefix)]) == prefix for w in text_set.windows)
     # Windows take turns over the texts: the first three open prose, code and lists.
     texts = read_texts()
@@ -77,7 +78,8 @@ def test_max_windows_and_greedy_options():
     cut = build_text_set(tokenizer, TextSetOptions(window=64, max_windows=2, greedy_prompts=0))
     assert cut.windows == full.windows[:2] and cut.greedy_prompts == ()
     # The prompts come from the whole set, whatever max_windows keeps.
-    assert build_text_set(tokenizer, TextSetOptions(window=64, max_windows=2)).greedy_prompts == full.greedy_prompts
+    with_prompts = build_text_set(tokenizer, TextSetOptions(window=64, max_windows=2))
+    assert with_prompts.greedy_prompts == full.greedy_prompts
 
 
 @pytest.mark.parametrize(
@@ -131,7 +133,8 @@ def test_nan_fails_and_an_unmeasured_greedy_metric_does_not():
 
 
 @pytest.mark.parametrize(
-    "thresholds", [Thresholds(max_mean_kl=-1.0), Thresholds(min_top1_agreement=1.5), Thresholds(max_mean_kl=math.nan)]
+    "thresholds",
+    [Thresholds(max_mean_kl=-1.0), Thresholds(min_top1_agreement=1.5), Thresholds(max_mean_kl=math.nan)],
 )
 def test_bad_thresholds_are_refused(thresholds):
     with pytest.raises(ValueError, match="threshold"):
@@ -166,7 +169,9 @@ def test_report_round_trips_through_its_dict_nan_included():
 
 
 def test_plan_base_is_the_model_without_lossy_options(tiny_llama_dir):
-    candidate = EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="bfloat16", device="cpu", max_model_len=64)
+    candidate = EngineArgs(
+        model=str(tiny_llama_dir), kv_cache_dtype="bfloat16", device="cpu", max_model_len=64
+    )
     plan = plan_gate(candidate)
     assert plan == GatePlan(candidate, dataclasses.replace(candidate, kv_cache_dtype="auto"))
     with pytest.raises(ValueError, match="nothing to compare.*--quantization METHOD.*--base BASE_MODEL"):
@@ -180,8 +185,11 @@ def test_plan_with_a_base_model_keeps_the_candidates_device_and_sizes(tiny_llama
 
 
 def test_plan_resets_quantization_for_the_base(tiny_llama_dir):
-    candidate = EngineArgs(model=str(tiny_llama_dir), quantization="fp8", kv_cache_dtype="float16", device="cpu")
-    assert plan_gate(candidate).base == dataclasses.replace(candidate, quantization=None, kv_cache_dtype="auto")
+    candidate = EngineArgs(
+        model=str(tiny_llama_dir), quantization="fp8", kv_cache_dtype="float16", device="cpu"
+    )
+    unquantized = dataclasses.replace(candidate, quantization=None, kv_cache_dtype="auto")
+    assert plan_gate(candidate).base == unquantized
     assert plan_gate(candidate, "other/model").base.quantization is None
 
 
@@ -202,8 +210,8 @@ def test_quality_gate_flags():
 
 def test_serve_takes_the_gate_flags_with_a_prefix():
     args = build_parser().parse_args(
-        ["serve", "some/model", "--quality-gate", "--quality-gate-base", "b/c", "--quality-gate-min-top1-agreement",
-         "0.9", "--quality-gate-max-windows", "4"]
+        ["serve", "some/model", "--quality-gate", "--quality-gate-base", "b/c",
+         "--quality-gate-min-top1-agreement", "0.9", "--quality-gate-max-windows", "4"]
     )  # fmt: skip
     assert args.quality_gate
     base, options, thresholds = gate_settings(args, "quality-gate-")

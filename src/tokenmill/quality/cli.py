@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 _THRESHOLD_HELP = {
     "max_perplexity_ratio": "fail when the candidate's perplexity over the base's is above this",
-    "max_mean_kl": "fail when the mean KL(base || candidate) of the next-token distributions, in nats, is above this",
+    "max_mean_kl": "fail when the mean KL(base || candidate) of the next-token distributions, in nats, "
+    "is above this",
     "min_top1_agreement": "fail when the fraction of positions with the same most likely token is below this",
-    "min_greedy_agreement": "fail when the mean fraction of greedy tokens equal before the first divergence is below this",
+    "min_greedy_agreement": "fail when the mean fraction of greedy tokens equal before the first divergence "
+    "is below this",
 }
 _OPTION_HELP = {
     "window": "tokens per scored window of the text set",
@@ -66,12 +68,16 @@ def add_gate_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
         )
 
 
-def gate_settings(args: argparse.Namespace, prefix: str = "") -> tuple[str | None, TextSetOptions, Thresholds]:
+def gate_settings(
+    args: argparse.Namespace, prefix: str = ""
+) -> tuple[str | None, TextSetOptions, Thresholds]:
     """(base model, text-set options, thresholds) from the flags `add_gate_args` declared."""
     options = TextSetOptions(
         **{f.name: getattr(args, _dest(prefix, f.name)) for f in dataclasses.fields(TextSetOptions)}
     )
-    thresholds = Thresholds(**{f.name: getattr(args, _dest(prefix, f.name)) for f in dataclasses.fields(Thresholds)})
+    thresholds = Thresholds(
+        **{f.name: getattr(args, _dest(prefix, f.name)) for f in dataclasses.fields(Thresholds)}
+    )
     return getattr(args, _dest(prefix, "base")), options, thresholds
 
 

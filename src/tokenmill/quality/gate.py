@@ -46,7 +46,9 @@ def plan_gate(candidate: EngineArgs, base_model: str | None = None) -> GatePlan:
     unquantized = _defaults_of(LOSSY_OPTIONS)
     if base_model is not None:
         # Another model: its own revision and weight format, the candidate's device, dtype and sizes.
-        base = dataclasses.replace(candidate, model=base_model, revision=None, load_format="auto", **unquantized)
+        base = dataclasses.replace(
+            candidate, model=base_model, revision=None, load_format="auto", **unquantized
+        )
         return GatePlan(candidate, base)
     method = checkpoint_quantization(candidate)
     if method is not None:
@@ -155,7 +157,8 @@ def measure_base(base: EngineArgs, options: TextSetOptions):
     try:
         text_set = build_text_set(llm.get_tokenizer(), options)
         logger.info(
-            "quality gate: %d windows of up to %d tokens (%d scored positions), %d greedy prompts x %d tokens",
+            "quality gate: %d windows of up to %d tokens (%d scored positions), "
+            "%d greedy prompts x %d tokens",
             len(text_set.windows), options.window, text_set.num_scored_tokens, len(text_set.greedy_prompts),
             text_set.greedy_tokens,
         )  # fmt: skip
@@ -165,7 +168,9 @@ def measure_base(base: EngineArgs, options: TextSetOptions):
     return text_set, reference
 
 
-def measure_candidate(candidate: EngineArgs, text_set: TextSet, reference, options: TextSetOptions) -> GateMetrics:
+def measure_candidate(
+    candidate: EngineArgs, text_set: TextSet, reference, options: TextSetOptions
+) -> GateMetrics:
     """The candidate scored against the base's Reference; the candidate is released before this
     returns."""
     from tokenmill.quality.measure import score_candidate

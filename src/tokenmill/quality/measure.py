@@ -35,7 +35,13 @@ class Reference:
     vocab_size: int
 
     def perplexity(self, num_scored: int) -> float:
-        return math.exp(self.nll_sum / num_scored)
+        return perplexity(self.nll_sum, num_scored)
+
+
+def perplexity(nll_sum: float, num_scored: int) -> float:
+    """exp(mean NLL); inf where a broken model's mean NLL is past what a float holds (NaN stays NaN)."""
+    mean = nll_sum / num_scored
+    return math.exp(mean) if not mean > 700.0 else math.inf
 
 
 def check_fits(llm, text_set: TextSet, role: str) -> None:
@@ -97,13 +103,15 @@ def score_candidate(llm, text_set: TextSet, reference: Reference) -> GateMetrics
         kl = torch.where(base_p > 0, base_p * (base_lp - lp), 0.0).sum(dim=-1)
         kl_sum += kl.double().sum().item()
         window_max_kl.append(kl.max().cpu())
-        agree += int((lp.argmax(dim=-1).cpu() == reference.top1[i]).sum().item())
+        # A row with a NaN has no most likely token (argmax would point at the NaN): it never agrees.
+        same_top1 = (lp.argmax(dim=-1) == reference.top1[i].to(lp.device)) & ~lp.isnan().any(dim=-1)
+        agree += int(same_top1.sum().item())
     num_scored = text_set.num_scored_tokens
     candidate_greedy = greedy_continuations(llm, text_set, "candidate")
     agreement, prefix_lengths = greedy_agreement(reference.greedy, candidate_greedy)
     return GateMetrics(
         base_perplexity=reference.perplexity(num_scored),
-        candidate_perplexity=math.exp(nll_sum / num_scored),
+        candidate_perplexity=perplexity(nll_sum, num_scored),
         mean_kl=kl_sum / num_scored,
         max_kl=torch.stack(window_max_kl).max().item(),
         top1_agreement=agree / num_scored,
@@ -117,15 +125,24 @@ def score_candidate(llm, text_set: TextSet, reference: Reference) -> GateMetrics
 
 def greedy_continuations(llm, text_set: TextSet, role: str) -> list[list[int]]:
     """Each greedy prompt continued by `llm` for `greedy_tokens` tokens (EOS ignored, so every
-    continuation has the same length), through LLM.generate."""
+    continuation has the same length), through LLM.generate.
+
+    A request the engine ends with an error (non-finite logits) is a measurement for the
+    candidate, an empty continuation that agrees with nothing, and a reason to stop for the base,
+    which every number is measured against."""
     if not text_set.greedy_prompts:
         return []
     params = SamplingParams(temperature=0.0, max_tokens=text_set.greedy_tokens, ignore_eos=True)
-    logger.info("%s: %d greedy continuations of %d tokens", role, len(text_set.greedy_prompts), text_set.greedy_tokens)
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in text_set.greedy_prompts], params, use_tqdm=True)
+    prompts = [{"prompt_token_ids": list(p)} for p in text_set.greedy_prompts]
+    logger.info("%s: %d greedy continuations of %d tokens", role, len(prompts), text_set.greedy_tokens)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
     continuations = []
     for out in outputs:
+        if out.error and role == "base":
+            raise RuntimeError(f"the base model's greedy continuation failed: {out.error}")
         if out.error:
-            raise RuntimeError(f"the {role} model's greedy continuation failed: {out.error}")
+            logger.warning("%s: a greedy continuation ended with an error: %s", role, out.error)
+            continuations.append([])
+            continue
         continuations.append(list(out.outputs[0].token_ids))
     return continuations

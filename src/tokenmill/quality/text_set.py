@@ -33,7 +33,9 @@ class TextSetOptions:
         if self.max_windows is not None and self.max_windows < 1:
             raise ValueError(f"max_windows must be at least 1 (or None: all), got {self.max_windows}")
         if self.greedy_prompts < 0:
-            raise ValueError(f"greedy_prompts must be 0 (no greedy metric) or more, got {self.greedy_prompts}")
+            raise ValueError(
+                f"greedy_prompts must be 0 (no greedy metric) or more, got {self.greedy_prompts}"
+            )
         if self.greedy_prompt_tokens < 1 or self.greedy_tokens < 1:
             raise ValueError(
                 "greedy_prompt_tokens and greedy_tokens must be at least 1, got "
@@ -98,7 +100,8 @@ def build_text_set(tokenizer: Any, options: TextSetOptions) -> TextSet:
     for text in read_texts():
         ids = tokenizer.encode(text, add_special_tokens=False)
         chunks = [ids[i : i + per_window] for i in range(0, len(ids), per_window)]
-        by_text.append([tuple(prefix + c) for c in chunks if len(c) >= min(MIN_WINDOW_TEXT_TOKENS, per_window)])
+        shortest = min(MIN_WINDOW_TEXT_TOKENS, per_window)
+        by_text.append([tuple(prefix + c) for c in chunks if len(c) >= shortest])
     windows = [w for row in _interleave(by_text) for w in row]
     if not windows:
         raise ValueError("the text set gave no windows: the tokenizer encoded the texts to nothing")
