@@ -93,11 +93,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _serve_quality_gate(args: argparse.Namespace) -> int | None:
     """`serve --quality-gate`: the exit status when the model is refused, None when it may be served."""
+    from tokenmill.errors import TokenmillError
     from tokenmill.quality.serve_gate import serve_refusal
 
     try:
         refusal = serve_refusal(args)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, TokenmillError) as exc:
         print(f"tokenmill serve: error: {exc}", file=sys.stderr)
         return 2
     if refusal is None:

@@ -218,3 +218,38 @@ def test_serve_takes_the_gate_flags_with_a_prefix():
     assert base == "b/c" and options == TextSetOptions(max_windows=4)
     assert thresholds == Thresholds(min_top1_agreement=0.9)
     assert not build_parser().parse_args(["serve"]).quality_gate
+
+
+def test_serve_starts_a_model_that_passes_and_refuses_one_that_fails(tiny_llama_dir, monkeypatch, capsys):
+    """The decision of `serve --quality-gate`, with the child process's report given."""
+    from tokenmill import cli
+    from tokenmill.quality import serve_gate
+    from tokenmill.server import launch
+
+    served = []
+    monkeypatch.setattr(launch, "run_server", lambda args: served.append(args.model_tag) or 0)
+    argv = ["serve", str(tiny_llama_dir), "--device", "cpu", "--quantization", "fp8", "--quality-gate"]
+    plans = []
+
+    def child(metrics):
+        def run(plan, options, thresholds, log_level="INFO"):
+            plans.append(plan)
+            return dataclasses.replace(_report(metrics), thresholds=thresholds, options=options)
+
+        return run
+
+    monkeypatch.setattr(serve_gate, "run_gate_in_child", child(_metrics()))
+    assert cli.main(argv) == 0 and served == [str(tiny_llama_dir)]
+    assert plans[0].candidate.quantization == "fp8" and plans[0].base.quantization is None
+    assert capsys.readouterr().err.splitlines()[-1].startswith("PASSED")
+
+    monkeypatch.setattr(serve_gate, "run_gate_in_child", child(_metrics(top1_agreement=0.5)))
+    assert cli.main(argv) == 1 and served == [str(tiny_llama_dir)]  # not served again
+    err = capsys.readouterr().err
+    assert "refusing to start: the model failed the quality gate (top-1 agreement 0.5 < 0.85" in err
+    assert "FAILED:" in err
+    # Its thresholds are serve's --quality-gate-* flags.
+    assert cli.main([*argv, "--quality-gate-min-top1-agreement", "0.4"]) == 0 and len(served) == 2
+    # A model the gate cannot even find stops serve with the reason, not a traceback.
+    assert cli.main(["serve", "no/such-model", "--device", "cpu", "--quantization", "fp8", "--quality-gate"]) == 2
+    assert "tokenmill serve: error: model 'no/such-model'" in capsys.readouterr().err
