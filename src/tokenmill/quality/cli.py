@@ -29,7 +29,7 @@ _THRESHOLD_HELP = {
 }
 _OPTION_HELP = {
     "window": "tokens per scored window of the text set",
-    "max_windows": "score only the first N windows (default: all of the set's, about 12 at 128 tokens)",
+    "max_windows": "score only the first N windows; they take turns over prose, code and lists",
     "greedy_prompts": "prompts continued greedily by both models (0: skip the greedy metric)",
     "greedy_prompt_tokens": "tokens of each greedy prompt",
     "greedy_tokens": "tokens generated from each greedy prompt",
@@ -64,7 +64,7 @@ def add_gate_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
             dest=_dest(prefix, f.name),
             type=int,
             default=f.default,
-            help=f"{_OPTION_HELP[f.name]} (default: {f.default})",
+            help=f"{_OPTION_HELP[f.name]} (default: {'all' if f.default is None else f.default})",
         )
 
 
