@@ -21,8 +21,14 @@ from typing import Any
 
 from tokenmill import envs
 from tokenmill.arg_parser import add_config_file_arg, close_names, parse_bytes
-from tokenmill.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
-from tokenmill.model.loader.quant_config import QUANTIZATION_METHODS
+from tokenmill.config import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# --quantization's choices: the quantization_config methods tokenmill runs
+# (model/loader/quant_config.py parses them); here so that the arguments need not import the model.
+QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "awq", "gptq", "compressed-tensors")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:

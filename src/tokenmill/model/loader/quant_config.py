@@ -27,10 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from tokenmill.config import QUANTIZATION_METHODS  # --quantization's choices = the quant_methods we run
 from tokenmill.errors import UnsupportedModelError
 
-# --quantization choices (and the checkpoint quant_method names we run).
-QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "awq", "gptq", "compressed-tensors")
 SUPPORTED_QUANTIZATION_METHODS = QUANTIZATION_METHODS  # (the name resolve's callers know)
 INT4_GROUP_SIZES = (32, 64, 128, -1)  # -1: one group over the whole input (per-channel)
 FP8_BLOCK = (128, 128)
