@@ -1,0 +1,169 @@
+"""Matmuls of 1-4 16-bit rows against FP8 weights (W8A16) on CUDA cores: the batch-1 decode path.
+
+A decode step of one request reads every weight once and does two flops per weight byte, so the
+time is the weight read. As the row GEMV of gemv.py does for 16-bit weights, each program
+streams BLOCK_N out-major weight rows ([N, K] float8_e4m3fn, contiguous in K) with wide loads,
+converts them to float32 in registers and multiplies them into [BLOCK_N, BLOCK_K] float32
+accumulators (one per activation row), reducing over K once at the end: one launch, no K split,
+no workspace. The activations stay 16-bit (no activation quantization at decode: exact products
+of the dequantized weights, up to float32 summation order).
+
+Scales: per-channel weights multiply the reduced sum by scale[n] once; 128x128-block weights
+take BLOCK_K <= 128 (a divisor of 128) so each K step of a row lies in one scale block and the
+converted weights are multiplied by that block's scale before the FMA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.fp8_epilogue import store_output
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [M, K], last dimension contiguous
+    w_ptr,  # [N, K] float8_e4m3fn, contiguous
+    ws_ptr,  # float32 [N] (per channel) or [cdiv(N, SCALE_BLOCK), KB_W] (block)
+    bias_ptr,
+    res_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KB_W,
+    stride_xm,
+    stride_rm,
+    stride_ym,
+    BLOCK_SCALED: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    ROWS: tl.constexpr,  # 1..4, >= M
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N re-read the last weight row (their stores are masked): no mask on the loads.
+    cols_c = tl.minimum(cols, N - 1)
+    ks = tl.arange(0, BLOCK_K)
+    w_at = w_ptr + cols_c.to(tl.int64)[:, None] * K + ks[None, :]
+    # Rows past M re-read row M - 1 (their stores are masked too).
+    x0_at = x_ptr + ks
+    x1_at = x_ptr + tl.minimum(1, M - 1) * stride_xm + ks
+    x2_at = x_ptr + tl.minimum(2, M - 1) * stride_xm + ks
+    x3_at = x_ptr + tl.minimum(3, M - 1) * stride_xm + ks
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            # Each weight byte is read once per step: don't let it push the activations out of L2.
+            w = tl.load(w_at, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + ks) < K
+            w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        w = w.to(tl.float32)
+        if BLOCK_SCALED:
+            w = w * tl.load(ws_ptr + (cols_c // SCALE_BLOCK) * KB_W + k0 // SCALE_BLOCK)[:, None]
+        if EVEN_K:
+            acc0 += w * tl.load(x0_at).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x1_at).to(tl.float32)[None, :]
+            if ROWS > 2:
+                acc2 += w * tl.load(x2_at).to(tl.float32)[None, :]
+            if ROWS > 3:
+                acc3 += w * tl.load(x3_at).to(tl.float32)[None, :]
+        else:
+            acc0 += w * tl.load(x0_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x1_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 2:
+                acc2 += w * tl.load(x2_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 3:
+                acc3 += w * tl.load(x3_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_at += BLOCK_K
+        x0_at += BLOCK_K
+        x1_at += BLOCK_K
+        x2_at += BLOCK_K
+        x3_at += BLOCK_K
+    if BLOCK_SCALED:
+        col_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+    else:
+        col_scale = tl.load(ws_ptr + cols_c)
+    for row in tl.static_range(ROWS):
+        if row == 0:
+            acc = acc0
+        elif row == 1:
+            acc = acc1
+        elif row == 2:
+            acc = acc2
+        else:
+            acc = acc3
+        store_output(
+            (tl.sum(acc, axis=1) * col_scale)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
+            bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
+        )  # fmt: skip
+
+def fp8_gemv_config(n: int, k: int, rows: int, block_scaled: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps). Placeholder defaults until measured on an H100: about 2 KB
+    of weights per program and step, 16 bytes per thread."""
+    if block_scaled:
+        block_n, block_k, warps = (16, 128, 4) if rows == 1 else (8, 128, 4)
+    else:
+        block_n, block_k, warps = (1, 2048, 4) if rows == 1 else (4, 512, 4)
+    return block_n, min(block_k, max(16, triton.next_power_of_2(k))), warps
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """`residual + (x @ W.T + bias)` for x [M, K] with 1 <= M <= 4 rows, W the dequantized FP8
+    `weight` [N, K] (contiguous) with `scale` ([N] per channel, or [cdiv(N, 128), cdiv(K, 128)]
+    with block (128, 128)); [M, N] in `out` (which may be `residual`) or a new tensor of
+    `out_dtype` (default x's). The caller (fp8_linear.py) has checked the shapes."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes 1-{MAX_ROWS} rows, got {m}: use fp8_linear")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    block_n, block_k, warps = config or fp8_gemv_config(n, k, m, block is not None)
+    if block is not None and block[1] % block_k:
+        raise ValueError(f"fp8_gemv with {block} scale blocks needs BLOCK_K dividing {block[1]}, got {block_k}")
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale,
+        bias if bias is not None else out,
+        residual if residual is not None else out,
+        out,
+        m, n, k,
+        scale.shape[1] if block is not None else 0,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        BLOCK_SCALED=block is not None,
+        SCALE_BLOCK=block[0] if block is not None else 1,
+        HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        EVEN_K=k % block_k == 0,
+        ROWS=m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=1,
+    )  # fmt: skip
+    return out
