@@ -48,14 +48,15 @@ SHAPES = {  # name: (out N, in K, adds the residual in the decode step)
     "lm_head": (128256, 4096, False),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MAX_ROWS = {"gemv": 4, "skinny16": 64, "skinny8": 64, "scaled_mm": None, "gemm": None}
+MAX_ROWS = {"gemv": 4, "skinny16": 16, "skinny8": 64, "scaled_mm": None, "scaled_mm_block": None, "gemm": None}
 ACCURACY_ROWS = (1, 16, 64, 512)
 BLOCK = fp8.SCALE_BLOCK
 
-GEMV_SWEEP = {
-    "channel": [(1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
-                (8, 512, 4), (8, 512, 8), (16, 256, 4)],
-    "block": [(4, 128, 4), (8, 128, 4), (16, 128, 4), (16, 128, 8), (32, 128, 4), (32, 128, 8), (64, 128, 8)],
+GEMV_SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+    "channel": [(2, 1024, 4, 1), (2, 1024, 4, 2), (2, 1024, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 2), (8, 512, 4, 1),
+                (8, 512, 4, 2), (8, 512, 8, 1), (16, 256, 4, 1), (16, 256, 4, 2)],
+    "block": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 8, 1), (8, 1024, 8, 1), (16, 256, 4, 1),
+              (16, 512, 8, 1), (32, 256, 8, 1)],
 }  # fmt: skip
 SKINNY_SWEEP = {
     "channel": [(32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
@@ -69,7 +70,7 @@ GEMM_SWEEP = {
     "block": [(64, 128, 128, 4, 4, 8), (64, 128, 128, 4, 5, 8), (128, 128, 128, 8, 3, 8), (128, 128, 128, 4, 4, 8),
               (128, 64, 128, 4, 4, 8)],
 }  # fmt: skip
-SWEEP_ROWS = {"gemv": (1, 2, 4), "skinny16": (1, 16, 32, 64), "skinny8": (16, 32, 64), "gemm": (64, 128, 512)}
+SWEEP_ROWS = {"gemv": (1, 2), "skinny16": (1, 16, 32, 64), "skinny8": (16, 32, 64), "gemm": (64, 128, 512)}
 
 
 def copies_for(n: int, k: int) -> int:
@@ -102,7 +103,8 @@ def quantized_activations(x: torch.Tensor, block) -> torch.Tensor:
     padded = torch.zeros(m, kb * g, device=x.device)
     padded[:, :k] = x.float()
     groups = padded.view(m, kb, g)
-    scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 448.0
+    absmax = groups.abs().amax(dim=2).clamp(min=1e-12)
+    scale = absmax / torch.full_like(absmax, 448.0)  # tensor / tensor: an IEEE division, as the kernel's
     q = (groups / scale[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale[:, :, None]
     return q.view(m, kb * g)[:, :k].double()
 
@@ -123,7 +125,8 @@ def run_path(path: str, x, w, residual):
 
 def applies(path: str, m: int, block) -> bool:
     limit = MAX_ROWS[path]
-    return (limit is None or m <= limit) and not (path == "scaled_mm" and block is not None)
+    serves = {"scaled_mm": block is None, "scaled_mm_block": block is not None}.get(path, True)
+    return (limit is None or m <= limit) and serves
 
 
 def sweep_calls(kind: str, config, weights, x, block, residual):
@@ -141,11 +144,13 @@ def sweep_calls(kind: str, config, weights, x, block, residual):
     return [lambda w=w: call(w) for w in weights]
 
 
-def sweep(name, n, k, mode, block, weights, gen) -> list[dict]:
+def sweep(name, n, k, mode, block, weights, gen, kinds) -> list[dict]:
     rows_out = []
     configs = {"gemv": GEMV_SWEEP[mode], "skinny16": SKINNY_SWEEP[mode], "skinny8": SKINNY_SWEEP[mode],
                "gemm": GEMM_SWEEP[mode]}  # fmt: skip
     for kind, rows in SWEEP_ROWS.items():
+        if kind not in kinds:
+            continue
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -164,7 +169,7 @@ def sweep(name, n, k, mode, block, weights, gen) -> list[dict]:
             rows_out.append(
                 {"shape": name, "mode": mode, "kind": kind, "rows": m, "us": {str(c): timed[c] for c in best}}
             )
-    if SHAPES[name][2]:  # in place into the residual, against a new output tensor, at one row
+    if SHAPES[name][2] and "gemv" in kinds:  # in place into the residual, against a new tensor, at one row
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=gen)
         for label, out in (("in place", residual), ("new tensor", None)):
@@ -179,7 +184,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="projections to run")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' tile configs")
+    parser.add_argument(
+        "--sweep", default="", help=f"also sweep the tile configs of these kernels (comma-separated: {','.join(SWEEP_ROWS)})"
+    )
     parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
     parser.add_argument("--result-name", default=None, help="file name of the result JSON")
     args = parser.parse_args()
@@ -189,6 +196,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per matmul, GB/s achieved; dispatch {fp8.DISPATCH}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, accuracy, sweeps = [], [], []
+    errors: dict[str, str] = {}
     bf16_method = CudaLinearMethod()
     for name in args.shapes.split(","):
         n, k, adds = SHAPES[name]
@@ -208,6 +216,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         for mode, block in (("channel", None), ("block", BLOCK)):
             weights = [random_fp8(n, k, block, gen) for _ in range(copies)]
+            failed: dict[str, str] = {}
             scale_count = weights[0].scale.numel()
             w64 = dequantized(weights[0])
             for m in rows_list:
@@ -217,7 +226,13 @@ def main() -> None:
                 bf16_us = next(r["us"] for r in results if r["shape"] == name and r["mode"] == "bf16" and r["rows"] == m)
                 cells = []
                 for path in fp8.PATHS:
-                    if not applies(path, m, block):
+                    if not applies(path, m, block) or path in failed:
+                        continue
+                    try:
+                        run_path(path, x, weights[0], None if residual is None else residual.clone())
+                    except Exception as exc:  # a path this torch / GPU lacks: report it once, go on
+                        failed[path] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        print(f"  {name} {mode} {path}: {failed[path]}")
                         continue
                     calls = [lambda w=w, p=path, x=x, r=residual: run_path(p, x, w, r) for w in weights]
                     us = graph_ms(calls) * 1000 / copies
@@ -233,13 +248,14 @@ def main() -> None:
                         x64 = x.double() if path in ("gemv", "skinny16") else quantized_activations(x, block)
                         err = dot_error(y, x64, w64, None if residual is None else residual.double())
                         accuracy.append({"shape": name, "mode": mode, "path": path, "rows": m, "dot_rel": err})
+                errors.update({f"{name} {mode} {p}": e for p, e in failed.items()})
                 print(
                     f"  {name:8s} {mode:7s} M={m:<3d} bf16 {bf16_us:7.2f}  " + "  ".join(cells) + "   (* = dispatch)",
                     flush=True,
                 )
             del w64
             if args.sweep:
-                sweeps += sweep(name, n, k, mode, block, weights, gen)
+                sweeps += sweep(name, n, k, mode, block, weights, gen, args.sweep.split(","))
             del weights
             torch.cuda.empty_cache()
 
@@ -278,7 +294,10 @@ def main() -> None:
         "triton": triton.__version__,
         "timing": "one CUDA graph over distinct weight copies (>= 256 MiB FP8), us per matmul (graph_ms)",
     }
-    metrics = {"matmuls": results, "accuracy": accuracy, "decode_step_projections_ms": step, "sweep": sweeps}
+    metrics = {
+        "matmuls": results, "accuracy": accuracy, "decode_step_projections_ms": step, "sweep": sweeps,
+        "path_errors": errors,
+    }  # fmt: skip
     print(f"wrote {write_result('fp8-linear-microbench', config, metrics, args.result_dir, args.result_name)}")
 
 

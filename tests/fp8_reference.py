@@ -3,7 +3,8 @@ quantization with the kernels' formulas, dequantization, and the error bounds th
 
 Activation quantization here computes what kernels/triton/fp8_quant.py computes, in the same
 order (absmax, max with MIN_ABSMAX, IEEE divisions, clamp, round-to-nearest-even cast), so the
-kernels' FP8 activations must equal these bit for bit.
+kernels' FP8 activations must equal these bit for bit. (Every division is tensor by tensor:
+PyTorch's CUDA division by a Python number multiplies by its reciprocal, another rounding.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
     padded = torch.zeros(m, kb * g, device=x.device)
     padded[:, :k] = x
     groups = padded.view(m, kb, g)
-    scale = groups.abs().amax(dim=2).clamp(min=MIN_ABSMAX) / FP8_MAX
+    absmax = groups.abs().amax(dim=2).clamp(min=MIN_ABSMAX)
+    scale = absmax / torch.full_like(absmax, FP8_MAX)
     q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, kb * g)[:, :k]
     return q.to(FP8_DTYPE).contiguous(), scale
 

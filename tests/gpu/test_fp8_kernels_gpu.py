@@ -31,9 +31,13 @@ pytestmark = [
 ]
 
 W8A16_DOT_REL = 2.0**-16
-# Hopper's FP8 tensor-core instructions add into fewer accumulator bits than float32; the kernels
-# and cuBLAS (no fast accumulation) add each K step's partial sum into float32.
-W8A8_DOT_REL = 2.0**-11
+# Hopper's FP8 tensor-core instructions align a step's products to the largest one and keep about
+# 13 bits below it (truncating, so the errors add up instead of cancelling); the kernels and
+# cuBLAS (without fast accumulation) add each K step's partial sum into float32. Measured on an
+# H100 at these shapes: up to 1.2e-3 of sum_k |x_k w_k|, the same for cuBLAS and the Triton paths
+# (benchmarks/fp8_linear_microbench.py's "dot_rel"). The Triton paths' arithmetic is checked
+# exactly in the CPU interpreter (tests/unit/test_fp8_kernels.py, bound 2**-16).
+W8A8_DOT_REL = 2.0**-9
 
 # Llama-3.1-8B: (out features N, in features K)
 SHAPES = {
@@ -44,9 +48,16 @@ SHAPES = {
     "lm_head": (128256, 4096),
 }
 ROWS = [1, 2, 7, 16, 33, 128, 512]
-A16_PATHS = ("gemv", "skinny16")
+A16_PATHS = ("gemv", "skinny16")  # 16-bit activations; the others quantize them to FP8
 # Each path also runs explicitly at sizes it serves, whatever the dispatch thresholds are.
-PATH_ROWS = {"gemv": [1, 3], "skinny16": [2, 16], "skinny8": [7, 33], "gemm": [33, 512], "scaled_mm": [128]}
+PATH_ROWS = {
+    "gemv": [1, 3], "skinny16": [2, 16], "skinny8": [7, 33], "gemm": [33, 512], "scaled_mm": [128],
+    "scaled_mm_block": [33, 512],
+}  # fmt: skip
+
+
+def _serves(path: str, block) -> bool:
+    return {"scaled_mm": block is None, "scaled_mm_block": block is not None}.get(path, True)
 
 
 def _fp8():
@@ -100,7 +111,7 @@ def test_llama_shapes_every_row_count_and_path(name: str, block) -> None:
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         _check(y, x, w_deq, path, block, f"{name} M={m}")
     for path, rows in PATH_ROWS.items():
-        if path == "scaled_mm" and block is not None:
+        if not _serves(path, block):
             continue
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -126,7 +137,7 @@ def test_bias_residual_and_out_dtype(case: str, block) -> None:
     gen = torch.Generator(device="cuda").manual_seed(11)
     bias = torch.randn(n, device="cuda", generator=gen).to(x_dtype) if has_bias else None
     for path, rows in PATH_ROWS.items():
-        if path == "scaled_mm" and block is not None:
+        if not _serves(path, block):
             continue
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=x_dtype, generator=gen)
@@ -134,8 +145,8 @@ def test_bias_residual_and_out_dtype(case: str, block) -> None:
             before = None if residual is None else residual.clone()
             y = fp8.fp8_linear(x, w, bias=bias, residual=residual, out_dtype=out_dtype, path=path)
             assert y.dtype == (out_dtype or x_dtype)
-            if residual is not None:
-                assert y.data_ptr() == residual.data_ptr()  # in place, as the seam asks
+            if residual is not None:  # in place, as the seam asks, except the one-row GEMV's new tensor
+                assert (y.data_ptr() == residual.data_ptr()) == (path != "gemv")
             _check(y, x, w_deq, path, block, f"{case} M={m}", bias, before)
 
 
@@ -166,7 +177,7 @@ def test_every_path_replays_in_a_cuda_graph(block) -> None:
     w, _ = _weights(n, k, block, seed=9)
     gen = torch.Generator(device="cuda").manual_seed(13)
     for path, rows in PATH_ROWS.items():
-        if path == "scaled_mm" and block is not None:
+        if not _serves(path, block):
             continue
         m = rows[-1]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -183,11 +194,11 @@ def test_every_path_replays_in_a_cuda_graph(block) -> None:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured, _ = step()
+            captured, captured_sum = step()  # captured_sum is `residual` itself except on the gemv path
         for _ in range(2):
             x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
             residual.copy_(residual0)
             graph.replay()
             assert torch.equal(captured, fp8.fp8_linear(x, w, path=path)), f"{path} M={m}: replay differs"
             eager_residual = fp8.fp8_linear(x, w, residual=residual0.clone(), path=path)
-            assert torch.equal(residual, eager_residual), f"{path} M={m}: replayed residual add differs"
+            assert torch.equal(captured_sum, eager_residual), f"{path} M={m}: replayed residual add differs"

@@ -145,7 +145,8 @@ def test_bias_residual_and_out_dtype(path: str, block) -> None:
     residual = torch.randn(m, n, generator=gen).to(torch.float16)
     before = residual.clone()
     y = fp8_linear(x, w, residual=residual, path=path)
-    assert y is residual  # the seam's contract: residual + product, in place, returned
+    # The seam's contract: residual + product, returned; in place except on the one-row GEMV path.
+    assert (y.data_ptr() == residual.data_ptr()) == (path != "gemv")
     exact, magnitude = linear_reference(x_used, w_deq, residual=before.float())
     _close(y, exact, magnitude, dot_rel, f"{path} residual")
 
@@ -163,14 +164,18 @@ def test_leading_dimensions_and_empty_batches() -> None:
     assert empty.shape == (0, 48)
 
 
-def test_dispatch_by_rows() -> None:
-    w = prepare_fp8_weights(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(256), None)
-    dispatch = Fp8Dispatch(gemv_max_rows=2, skinny16_max_rows=8, skinny8_max_rows=32)
-    chosen = {m: choose_path(torch.empty(m, 256), w, dispatch) for m in (1, 2, 3, 8, 9, 32, 33, 512)}
+def test_dispatch_by_rows_and_width() -> None:
+    narrow = prepare_fp8_weights(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(256), None)
+    wide = prepare_fp8_weights(torch.zeros(512, 256, dtype=torch.float8_e4m3fn), torch.ones(512), None)
+    dispatch = Fp8Dispatch(gemv_max_rows=2, gemv_max_rows_wide=1, wide_n=300, skinny16_max_rows=8, skinny8_max_rows=32)
+    rows = (1, 2, 3, 8, 9, 32, 33, 512)
     # CPU tensors never take torch._scaled_mm (cuBLASLt): the Triton GEMM serves large M here.
-    assert chosen == {
-        1: "gemv", 2: "gemv", 3: "skinny16", 8: "skinny16", 9: "skinny8", 32: "skinny8", 33: "gemm", 512: "gemm"
-    }
+    assert [choose_path(torch.empty(m, 256), narrow, dispatch) for m in rows] == [
+        "gemv", "gemv", "skinny16", "skinny16", "skinny8", "skinny8", "gemm", "gemm"
+    ]
+    assert [choose_path(torch.empty(m, 256), wide, dispatch) for m in rows][:2] == ["gemv", "skinny16"]
+    default = [choose_path(torch.empty(m, 256), narrow) for m in (1, 2, 3, 64, 65)]
+    assert default == ["gemv", "gemv", "skinny8", "skinny8", "gemm"]  # skinny16 is off by default
     with pytest.raises(ValueError, match="row limits"):
         Fp8Dispatch(gemv_max_rows=8)
 

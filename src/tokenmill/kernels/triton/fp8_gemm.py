@@ -91,13 +91,10 @@ def _fp8_gemm_kernel(
 
 
 def fp8_gemm_config(m: int, n: int, k: int, block_scaled: bool) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M). Placeholder defaults until
-    measured on an H100."""
-    if m <= 64:
-        config = (64, 128, 128, 4, 4, 8)
-    else:
-        config = (128, 128, 128, 8, 3, 8)
-    block_m, block_n, block_k, warps, stages, group_m = config
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M): the best of a sweep on an H100
+    (benchmarks/fp8_linear_microbench.py --sweep, 64 / 128 / 512 rows, Llama-3.1-8B's shapes)."""
+    stages = 5 if m <= 128 and not block_scaled else 4
+    block_m, block_n, block_k, warps, group_m = 64, 128, 128, 4, 8
     return (
         min(block_m, max(16, triton.next_power_of_2(m))),
         min(block_n, max(16, triton.next_power_of_2(n))),

@@ -5,16 +5,19 @@ reads, once at load: the out-major [N, K] weight contiguous (a row per output fe
 few-row kernels stream it, and its transpose is the column-major B operand `torch._scaled_mm`
 needs, so one copy serves all paths) and the scales float32 contiguous.
 
-`fp8_linear` picks a path from the number of rows M (thresholds measured on an H100 with
-benchmarks/fp8_linear_microbench.py; BENCHMARKS.md has the table):
-- `gemv`: fp8_gemv.py, CUDA-core GEMV with 16-bit activations (one request decoding);
-- `skinny16`: fp8_skinny.py, tensor-core GEMV-like tiles with 16-bit activations, the FP8
-  weight converted in registers (a few requests decoding);
-- `skinny8`: fp8_skinny.py with activations quantized per token (or per 1x128 group);
+`fp8_linear` picks a path from the number of rows M and the width N (thresholds measured on an
+H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
+- `gemv`: fp8_gemv.py, CUDA-core GEMV with 16-bit activations (one or two requests decoding);
+- `skinny16`: fp8_skinny.py, tensor-core tiles with 16-bit activations, the FP8 weight converted
+  in registers: exact like `gemv` but slower than `skinny8` at every size measured, so only
+  chosen through Fp8Dispatch;
+- `skinny8`: fp8_skinny.py with activations quantized per token (or per 1x128 group): a few
+  requests decoding;
 - `scaled_mm` (per-channel weights): activations quantized per token, then cuBLASLt through
   `torch._scaled_mm` with row-wise scales;
-- `gemm`: fp8_gemm.py, the Triton W8A8 GEMM (block weights, and per-channel where
-  `torch._scaled_mm` does not apply).
+- `scaled_mm_block` (block weights): activations quantized per 1x128 group, then cuBLASLt's
+  block-scaled FP8 GEMM through `torch.nn.functional.scaled_mm`;
+- `gemm`: fp8_gemm.py, the Triton W8A8 GEMM (per channel or per block).
 Every path is capturable in a CUDA graph: outputs are allocated from shapes, nothing is read back.
 """
 
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 from tokenmill.kernels.triton.fp8_gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -43,6 +47,9 @@ class Fp8Weights:
     scale: torch.Tensor  # float32: [N] per channel, or [cdiv(N, 128), cdiv(K, 128)] per block, contiguous
     block: tuple[int, int] | None  # None: per channel; else SCALE_BLOCK
     scale_row: torch.Tensor | None  # per channel: scale as [1, N] (torch._scaled_mm's scale_b), else None
+    # per block: the scales as cuBLASLt's 128x128 block scaling reads them: [L4, cdiv(N, 128)] with
+    # strides (1, L4), L4 = cdiv(K, 128) rounded up to a multiple of 4 (zero padded); else None
+    scale_blocks_t: torch.Tensor | None
 
     @property
     def out_features(self) -> int:
@@ -80,11 +87,16 @@ def prepare_fp8_weights(
     if weight_scale.device != weight.device:
         raise ValueError(f"FP8 weight on {weight.device} but its scales on {weight_scale.device}")
     scale = scale.to(torch.float32).contiguous()
+    scale_blocks_t = None
+    if block is not None:
+        kb = scale.shape[1]
+        scale_blocks_t = F.pad(scale, (0, -kb % 4)).t()
     return Fp8Weights(
         weight=weight.contiguous(),
         scale=scale,
         block=None if block is None else SCALE_BLOCK,
         scale_row=scale.view(1, n) if block is None else None,
+        scale_blocks_t=scale_blocks_t,
     )
 
 
@@ -92,7 +104,8 @@ def prepare_fp8_weights(
 
 
 def _gemv(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
-    return fp8_gemv(x, w.weight, w.scale, w.block, bias, residual, out=residual, out_dtype=out_dtype)
+    # With a residual, a new output tensor: faster than writing into the residual (fp8_gemv.py).
+    return fp8_gemv(x, w.weight, w.scale, w.block, bias, residual, out_dtype=out_dtype)
 
 
 def _skinny16(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
@@ -126,25 +139,46 @@ def _scaled_mm(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     return y if residual is None else residual.add_(y)
 
 
+def _scaled_mm_block(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
+    """cuBLASLt's FP8 GEMM with 1x128 activation and 128x128 weight block scales (block weights
+    only); bias and residual are added after."""
+    xq, x_scale = quantize_per_token_group(x, SCALE_BLOCK[1])
+    y = F.scaled_mm(
+        xq, w.weight.t(),
+        x_scale, F.ScalingType.BlockWise1x128,
+        w.scale_blocks_t, F.ScalingType.BlockWise128x128,
+        output_dtype=out_dtype,
+    )  # fmt: skip
+    if bias is not None:
+        y += bias
+    return y if residual is None else residual.add_(y)
+
+
 PATHS: dict[str, Callable[..., torch.Tensor]] = {
     "gemv": _gemv,
     "skinny16": _skinny16,
     "skinny8": _skinny8,
     "scaled_mm": _scaled_mm,
+    "scaled_mm_block": _scaled_mm_block,
     "gemm": _gemm,
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8Dispatch:
-    """The largest M each few-row path takes (checked in this order); larger M go to the W8A8 GEMM."""
+    """The largest M each few-row path takes (checked in this order; 0: never); larger M go to the
+    W8A8 GEMMs. Wide matrices (N > wide_n: gate_up, lm_head) leave the GEMV sooner."""
 
-    gemv_max_rows: int = 1
-    skinny16_max_rows: int = 16
+    gemv_max_rows: int = 2
+    gemv_max_rows_wide: int = 1
+    wide_n: int = 16384
+    skinny16_max_rows: int = 0
     skinny8_max_rows: int = 64
 
     def __post_init__(self) -> None:
-        if self.gemv_max_rows > GEMV_MAX_ROWS or max(self.skinny16_max_rows, self.skinny8_max_rows) > SKINNY_MAX_ROWS:
+        if max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS or max(
+            self.skinny16_max_rows, self.skinny8_max_rows
+        ) > SKINNY_MAX_ROWS:
             raise ValueError(f"{self} exceeds the kernels' row limits ({GEMV_MAX_ROWS}, {SKINNY_MAX_ROWS})")
 
 
@@ -160,7 +194,8 @@ def scaled_mm_applies(x: torch.Tensor, w: Fp8Weights) -> bool:
 def choose_path(x: torch.Tensor, w: Fp8Weights, dispatch: Fp8Dispatch = DISPATCH) -> str:
     """The name (a key of PATHS) of the path fp8_linear takes for x [M, K]."""
     m = x.shape[0]
-    if m <= dispatch.gemv_max_rows:
+    wide = w.out_features > dispatch.wide_n
+    if m <= (dispatch.gemv_max_rows_wide if wide else dispatch.gemv_max_rows):
         return "gemv"
     if m <= dispatch.skinny16_max_rows:
         return "skinny16"
@@ -179,7 +214,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x @ W.T + bias` (W the dequantized FP8 weight) converted to `out_dtype` (default x's), for
     x [..., K] bfloat16 or float16; with `residual` [..., N], `residual + that` in `residual`'s
-    dtype, written into `residual` and returned. `path` (a key of PATHS) overrides the choice by
+    dtype, returned: written into `residual` except on the `gemv` path, which returns a new tensor
+    (faster at one row, as the 16-bit row GEMV). `path` (a key of PATHS) overrides the choice by
     M, for tests and benchmarks."""
     k, n = w.in_features, w.out_features
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != k:
@@ -205,4 +241,4 @@ def fp8_linear(
     if x2.shape[0] == 0:
         return residual if residual is not None else x.new_empty((*lead, n), dtype=out_dtype)
     y = PATHS[path or choose_path(x2, w)](x2, w, bias, res2, out_dtype)
-    return residual if residual is not None else y.view(*lead, n)
+    return y.view(*lead, n)

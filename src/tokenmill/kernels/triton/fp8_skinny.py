@@ -99,13 +99,17 @@ def _fp8_skinny_kernel(
 
 
 def fp8_skinny_config(n: int, k: int, rows: int, x_fp8: bool, block_scaled: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages). Placeholder defaults until measured on an H100."""
-    if block_scaled:
-        block_n, block_k, warps, stages = 64, 128, 4, 4
-    elif n <= 4096:
-        block_n, block_k, warps, stages = 32, 256, 4, 4
-    else:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of a sweep on an H100
+    (benchmarks/fp8_linear_microbench.py --sweep, 16 / 32 / 64 rows, decode-step weighted) for the
+    6144-wide and narrower matrices and for the wide ones (gate_up, lm_head)."""
+    if x_fp8 and not block_scaled:
         block_n, block_k, warps, stages = 64, 256, 4, 4
+    elif x_fp8 and n > 16384:
+        block_n, block_k, warps, stages = 64, 128, 4, 4
+    elif x_fp8:
+        block_n, block_k, warps, stages = (64, 128, 4, 6) if rows <= 16 else (32, 128, 4, 4)
+    else:  # 16-bit x: slower than FP8 x at every size measured (the weight conversion), not dispatched
+        block_n, block_k, warps, stages = 64, 128, 4, 4
     return (
         min(block_n, max(16, triton.next_power_of_2(n))),
         min(block_k, max(32, triton.next_power_of_2(k))),
