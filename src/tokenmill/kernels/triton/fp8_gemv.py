@@ -196,16 +196,24 @@ def _fp8_gemv_block_kernel(
 
 
 def fp8_gemv_config(n: int, k: int, rows: int, block_scaled: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): per channel, the best of a sweep on an H100
-    (benchmarks/fp8_linear_microbench.py --sweep) for the 6144-wide and narrower matrices and for
-    the wide ones (gate_up, lm_head); per block, the best of the next sweep."""
-    if block_scaled:
-        block_n, block_k, warps = (8, 512, 4)
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of a sweep on an H100
+    (benchmarks/fp8_linear_microbench.py --sweep gemv; benchmarks/results/fp8-linear-sweep-h100-*.json)
+    at Llama-3.1-8B's shapes, us at one row: per channel qkv 11.3 (8, 512, 4), o_proj 8.7 (8, 512, 8),
+    gate_up 42.3 (16, 256, 4), down 24.9 (2, 1024, 4, 2 stages), lm_head 174.5 (16, 256, 4); per block
+    12.0, 9.1 (8, 512, 8), 43.2, 26.0 (8, 512, 8), 178.4. Two rows (the wide matrices take skinny8
+    from two rows on): (8, 512, 4) for o_proj, (4, 1024, 4) for qkv and down."""
+    if rows > 1:
+        block_n, block_k, warps, stages = (8, 512, 4, 1) if n <= 4096 and k <= 8192 else (4, 1024, 4, 1)
     elif n > 16384:
-        block_n, block_k, warps = (16, 256, 4)
+        block_n, block_k, warps, stages = 16, 256, 4, 1
+    elif block_scaled:
+        block_n, block_k, warps, stages = (8, 512, 8, 1) if n <= 4096 else (8, 512, 4, 1)
+    elif k > 8192:
+        block_n, block_k, warps, stages = 2, 1024, 4, 2
     else:
-        block_n, block_k, warps = (2, 1024, 4) if rows == 1 else (4, 1024, 4)
-    return block_n, min(block_k, max(16, triton.next_power_of_2(k))), warps, 1
+        block_n, block_k, warps, stages = (8, 512, 8, 1) if n <= 4096 else (8, 512, 4, 1)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return block_n, max(block_k, 128) if block_scaled else block_k, warps, stages
 
 
 def fp8_gemv(

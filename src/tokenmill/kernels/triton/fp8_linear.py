@@ -15,9 +15,11 @@ H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
   requests decoding;
 - `scaled_mm` (per-channel weights): activations quantized per token, then cuBLASLt through
   `torch._scaled_mm` with row-wise scales;
-- `scaled_mm_block` (block weights): activations quantized per 1x128 group, then cuBLASLt's
-  block-scaled FP8 GEMM through `torch.nn.functional.scaled_mm`;
-- `gemm`: fp8_gemm.py, the Triton W8A8 GEMM (per channel or per block).
+- `gemm`: fp8_gemm.py, the Triton W8A8 GEMM (block weights; per channel where
+  `torch._scaled_mm` does not apply).
+(cuBLASLt's 1x128 x 128x128 block scaling through `torch.nn.functional.scaled_mm` answered
+CUBLAS_STATUS_NOT_SUPPORTED on an H100 with torch 2.11 + CUDA 13.0 for these layouts, so block
+weights have no cuBLAS path.)
 Every path is capturable in a CUDA graph: outputs are allocated from shapes, nothing is read back.
 """
 
@@ -27,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 from tokenmill.kernels.triton.fp8_gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -47,9 +48,6 @@ class Fp8Weights:
     scale: torch.Tensor  # float32: [N] per channel, or [cdiv(N, 128), cdiv(K, 128)] per block, contiguous
     block: tuple[int, int] | None  # None: per channel; else SCALE_BLOCK
     scale_row: torch.Tensor | None  # per channel: scale as [1, N] (torch._scaled_mm's scale_b), else None
-    # per block: the scales as cuBLASLt's 128x128 block scaling reads them: [L4, cdiv(N, 128)] with
-    # strides (1, L4), L4 = cdiv(K, 128) rounded up to a multiple of 4 (zero padded); else None
-    scale_blocks_t: torch.Tensor | None
 
     @property
     def out_features(self) -> int:
@@ -87,16 +85,11 @@ def prepare_fp8_weights(
     if weight_scale.device != weight.device:
         raise ValueError(f"FP8 weight on {weight.device} but its scales on {weight_scale.device}")
     scale = scale.to(torch.float32).contiguous()
-    scale_blocks_t = None
-    if block is not None:
-        kb = scale.shape[1]
-        scale_blocks_t = F.pad(scale, (0, -kb % 4)).t()
     return Fp8Weights(
         weight=weight.contiguous(),
         scale=scale,
         block=None if block is None else SCALE_BLOCK,
         scale_row=scale.view(1, n) if block is None else None,
-        scale_blocks_t=scale_blocks_t,
     )
 
 
@@ -139,27 +132,11 @@ def _scaled_mm(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     return y if residual is None else residual.add_(y)
 
 
-def _scaled_mm_block(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
-    """cuBLASLt's FP8 GEMM with 1x128 activation and 128x128 weight block scales (block weights
-    only); bias and residual are added after."""
-    xq, x_scale = quantize_per_token_group(x, SCALE_BLOCK[1])
-    y = F.scaled_mm(
-        xq, w.weight.t(),
-        x_scale, F.ScalingType.BlockWise1x128,
-        w.scale_blocks_t, F.ScalingType.BlockWise128x128,
-        output_dtype=out_dtype,
-    )  # fmt: skip
-    if bias is not None:
-        y += bias
-    return y if residual is None else residual.add_(y)
-
-
 PATHS: dict[str, Callable[..., torch.Tensor]] = {
     "gemv": _gemv,
     "skinny16": _skinny16,
     "skinny8": _skinny8,
     "scaled_mm": _scaled_mm,
-    "scaled_mm_block": _scaled_mm_block,
     "gemm": _gemm,
 }
 
