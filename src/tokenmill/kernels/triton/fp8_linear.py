@@ -9,8 +9,8 @@ needs, so one copy serves all paths) and the scales float32 contiguous.
 H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
 - `gemv`: fp8_gemv.py, CUDA-core GEMV with 16-bit activations (one or two requests decoding);
 - `skinny16`: fp8_skinny.py, tensor-core tiles with 16-bit activations, the FP8 weight converted
-  in registers: exact like `gemv` but slower than `skinny8` at every size measured, so only
-  chosen through Fp8Dispatch;
+  in registers: no activation quantization, as `gemv`, but slower than `skinny8` at every size
+  measured, so only chosen through an Fp8Dispatch that asks for it;
 - `skinny8`: fp8_skinny.py with activations quantized per token (or per 1x128 group): a few
   requests decoding;
 - `scaled_mm` (per-channel weights): activations quantized per token, then cuBLASLt through
@@ -18,8 +18,9 @@ H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
 - `gemm`: fp8_gemm.py, the Triton W8A8 GEMM (block weights; per channel where
   `torch._scaled_mm` does not apply).
 (cuBLASLt's 1x128 x 128x128 block scaling through `torch.nn.functional.scaled_mm` answered
-CUBLAS_STATUS_NOT_SUPPORTED on an H100 with torch 2.11 + CUDA 13.0 for these layouts, so block
-weights have no cuBLAS path.)
+CUBLAS_STATUS_NOT_SUPPORTED on an H100 with torch 2.11 + CUDA 13.0 for the one layout tried:
+activation scales [M, K/128] column-major, weight scales padded to [L4, N/128] with strides
+(1, L4). Block weights have no cuBLAS path for now.)
 Every path is capturable in a CUDA graph: outputs are allocated from shapes, nothing is read back.
 """
 
