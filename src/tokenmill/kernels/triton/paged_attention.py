@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.kv_fp8 import kv_scales_for
 from tokenmill.kernels.triton.paged_attention_kernel import _paged_attention_kernel
 from tokenmill.kernels.triton.paged_attention_merge import _merge_splits_kernel
 
@@ -138,6 +140,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
+    k_scale: torch.Tensor | None = None,  # FP8 cache only: float32 [num_kv_heads]; None = 1.0
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
@@ -154,6 +158,9 @@ def paged_attention(
     first visible key on, never a page wholly before it; scores become cap * tanh(scores / cap);
     `sinks` add one logit per head to every softmax's denominator. Each is a compile-time switch
     of the kernels, off (and free) for plain layers.
+    An FP8 (float8_e4m3fn) cache holds e4m3 of value / scale per KV head (kernels/kv_fp8.py): its
+    tiles are widened to q's dtype, the dots accumulate in fp32, K's scale multiplies the scores
+    and V's the output (with `rope`, this step's K/V are stored that way and attended as stored).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -175,6 +182,12 @@ def paged_attention(
     if rope is not None:
         _check_rope(rope, q, kv_cache, decode_only)
     layer = _LayerOptions.check(sliding_window, logits_soft_cap, sinks, num_heads)
+    if not is_fp8_kv(kv_cache.dtype) and kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"a {kv_cache.dtype} KV cache under {q.dtype} queries: the cache must be q's dtype or "
+            "float8_e4m3fn (scaled FP8)"
+        )
+    k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, num_kv_heads)
     if not use_splits:
         partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
     launch = _Launch(
@@ -191,6 +204,8 @@ def paged_attention(
         split_counters if fused_merge else seq_lens,  # (unused without the fused merge)
         fused_merge,
         layer,
+        k_scale,
+        v_scale,
     )
     if not decode_only:
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
@@ -269,6 +284,8 @@ class _Launch:
     split_counters: torch.Tensor
     fused_merge: bool
     layer: _LayerOptions
+    k_scale: torch.Tensor  # FP8 cache: float32 [num_kv_heads] (else unused)
+    v_scale: torch.Tensor
 
     def attention(
         self,
@@ -337,6 +354,8 @@ class _Launch:
             key_cache.stride(2),
             self.block_tables.stride(0),
             layer.sinks if layer.sinks is not None else q,  # (unused without sinks)
+            self.k_scale,
+            self.v_scale,
             layer.sliding_window or 0,
             layer.soft_cap_log2 or 0.0,
             GROUP=num_heads // num_kv_heads,
@@ -364,6 +383,7 @@ class _Launch:
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
             UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            KV_FP8=is_fp8_kv(kv_cache.dtype),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
