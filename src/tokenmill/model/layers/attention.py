@@ -88,8 +88,8 @@ class SelfAttention(nn.Module):
         """The FP8 KV cache's scales of this layer: per tensor (a number, or a tensor of one
         element, as checkpoints store k_scale / v_scale) or per KV head ([num_kv_heads] of this
         rank). Copied into the k_scale / v_scale buffers in place."""
+        checked = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            buffer = getattr(self, name)
             scale = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").reshape(-1)
             if scale.numel() not in (1, self.num_kv_heads):
                 raise ValueError(
@@ -98,7 +98,9 @@ class SelfAttention(nn.Module):
                 )
             if not (torch.isfinite(scale).all() and (scale > 0).all()):
                 raise ValueError(f"{name} must be positive and finite, got {scale.tolist()}")
-            buffer.copy_(scale.expand(self.num_kv_heads))
+            checked.append(scale.expand(self.num_kv_heads))
+        self.k_scale.copy_(checked[0])
+        self.v_scale.copy_(checked[1])
 
     def forward(
         self,
