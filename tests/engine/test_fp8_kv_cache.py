@@ -66,7 +66,9 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     return [(tokens, logprobs) for tokens, logprobs, _ in _greedy_with_margins(llm, prompts)]
 
 
-def _greedy_with_margins(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list[float]]]:
+def _greedy_with_margins(
+    llm: LLM, prompts: list[list[int]]
+) -> list[tuple[list[int], list[float], list[float]]]:
     """Per prompt: the greedy tokens, their logprobs, and by how much each led the runner-up."""
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     results = []
@@ -110,7 +112,9 @@ def test_fp8_cache_tracks_a_float32_cache(family: str, request) -> None:
     assert _greedy(_llm(path, kv_cache_dtype="fp8_e4m3"), prompts) == fp8
 
 
-def _fold_scales_into_weights(src: Path, dst: Path, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> Path:
+def _fold_scales_into_weights(
+    src: Path, dst: Path, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]
+) -> Path:
     """A copy of a Llama checkpoint whose attention computes K / k_scale and V / v_scale per KV head
     and compensates in q_proj (scores unchanged) and o_proj (output unchanged): with scale 1 its
     FP8 cache holds the very bytes the original holds with those scales."""
@@ -219,14 +223,15 @@ def test_a_sliding_window_model_over_an_fp8_cache(tmp_path, tiny_tokenizer) -> N
     assert bound.sliding_groups()  # the bound was checked on a sliding group
     fp8.engine.check_invariants()
     fp32 = LLM(str(path), device="cpu", max_model_len=256)
+    sequences = [p + list(out.outputs[0].token_ids) for p, out in zip(prompts, outputs, strict=True)]
     forced = fp32.generate(
-        [{"prompt_token_ids": p + list(out.outputs[0].token_ids)} for p, out in zip(prompts, outputs, strict=True)],
-        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+        [{"prompt_token_ids": s} for s in sequences], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     )
     for prompt, out, reference in zip(prompts, outputs, forced, strict=True):
         tokens = out.outputs[0].token_ids
         got = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
-        expected = [step[t].logprob for step, t in zip(reference.prompt_logprobs[len(prompt) :], tokens, strict=True)]
+        forced_steps = reference.prompt_logprobs[len(prompt) :]
+        expected = [step[t].logprob for step, t in zip(forced_steps, tokens, strict=True)]
         assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < LOGPROB_TOLERANCE
 
 

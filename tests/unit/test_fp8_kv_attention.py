@@ -72,7 +72,9 @@ def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(quantize_kv(x, scale), scale)
 
 
-def fp8_batch(case: Case, k_base: float = 0.05, v_base: float = 0.2) -> tuple[Batch, Batch, AttentionLayerSpec]:
+def fp8_batch(
+    case: Case, k_base: float = 0.05, v_base: float = 0.2
+) -> tuple[Batch, Batch, AttentionLayerSpec]:
     """(the batch with an FP8 cache, the same batch over a float32 cache of the dequantized values
     with this step's K/V rounded through e4m3 too, the spec with scales). The poison block stays
     NaN / inf in both."""
@@ -284,7 +286,9 @@ def test_triton_fused_decode_rope_stores_and_attends_fp8_as_the_separate_launche
         qk, heads, fp8.v, positions, rotary.cos_cache, rotary.sin_cache, split_cache, meta.slot_mapping,
         k_scale=spec.k_scale, v_scale=spec.v_scale,
     )  # fmt: skip
-    unfused = backend.forward(qk[:, :heads], qk[:, heads:], fp8.v, split_cache, meta, kv_already_stored=True, layer=spec)
+    unfused = backend.forward(
+        qk[:, :heads], qk[:, heads:], fp8.v, split_cache, meta, kv_already_stored=True, layer=spec
+    )
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
     assert torch.equal(fused, unfused)
     # The RoPE launch stores what rope_inplace then store_kv store.
@@ -305,7 +309,8 @@ def test_triton_bf16_queries_over_an_fp8_cache_match_a_bf16_cache_of_its_values(
     cache8 = torch.stack([quantize_kv(batch.kv_cache[0], k_scale), quantize_kv(batch.kv_cache[1], v_scale)])
     out, _ = triton_forward(replace(batch, kv_cache=cache8), spec)
     k16, v16 = round_trip(batch.k, k_scale).to(torch.bfloat16), round_trip(batch.v, v_scale).to(torch.bfloat16)
-    expected, _ = triton_forward(replace(batch, k=k16, v=v16, kv_cache=dequantized(cache8, spec).to(torch.bfloat16)), spec)
+    cache16 = dequantized(cache8, spec).to(torch.bfloat16)
+    expected, _ = triton_forward(replace(batch, k=k16, v=v16, kv_cache=cache16), spec)
     n = batch.meta.num_actual_tokens
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out[:n], expected[:n], atol=1e-2, rtol=1e-2)

@@ -93,9 +93,8 @@ class TorchReferenceBackend(AttentionBackend):
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
         plan = self._plan_for(meta, q.shape[0], kv_cache.shape[2], q.device)
         if not kv_already_stored:
-            self._store_kv(
-                k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store, scales=(layer.k_scale, layer.v_scale)
-            )
+            scales = (layer.k_scale, layer.v_scale)
+            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store, scales=scales)
 
         groups = plan.groups_for(layer.sliding_window, self._window_plans)
         if plan.whole_batch:

@@ -191,8 +191,9 @@ class ModelRunner:
         usable = reference is not None and reference.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if chosen == "auto" and usable:
             logger.info(
-                "attention backend: torch, since the %s backend cannot keep a %s KV cache", self.attn_backend.name, cache
-            )
+                "attention backend: torch, since the %s backend cannot keep a %s KV cache",
+                self.attn_backend.name, cache,
+            )  # fmt: skip
             return reference
         hint = " or --attention-backend torch" if usable else ""
         raise ValueError(

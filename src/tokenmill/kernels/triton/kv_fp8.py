@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.kv_fp8 import FP8_E4M3_MAX, FP8_KV_DTYPE, is_fp8_kv
+from tokenmill.kernels.kv_fp8 import FP8_E4M3_MAX, is_fp8_kv
 
 E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}  # scale 1.0 for callers that pass none
@@ -59,13 +59,11 @@ def kv_scales_for(
             if scale is None:
                 scale = torch.ones(num_kv_heads, dtype=torch.float32, device=kv_cache.device)
                 _ONES[(kv_cache.device, num_kv_heads)] = scale
-        elif scale.shape != (num_kv_heads,) or scale.dtype != torch.float32 or scale.device != kv_cache.device:
+        wrong = scale.shape != (num_kv_heads,) or scale.dtype != torch.float32
+        if wrong or scale.device != kv_cache.device:
             raise ValueError(
                 f"{name} must be float32 [{num_kv_heads}] on {kv_cache.device}, one per KV head, "
                 f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
             )
         scales.append(scale)
     return scales[0], scales[1]
-
-
-__all__ = ["FP8_KV_DTYPE", "E4M3_MAX", "quantize_kv", "kv_scales_for"]
