@@ -5,6 +5,7 @@
 # tests: tests/gpu/test_fp8_kv_gpu.py (kernels at contexts up to 32K against fp32 references, the
 #   engine in bf16 with FP8 KV against bf16 KV, CUDA-graph decode against eager).
 # kernel: the decode attention launch alone over bf16 and FP8 caches at 8K / 16K / 32K, batch 1 and 8.
+# tiles: (not run by default) the decode launch over an FP8 cache with each tile shape, at batch 1 / 8.
 # engine: one engine per KV dtype at the same --gpu-memory-utilization: the pool's blocks and tokens
 #   (EngineInfo), single-stream decode tok/s at 8K, 16K and 32K-token contexts, and 8 streams of 16K.
 # Logs and result JSON go to $OUT (default /tmp/tokenmill-fp8kv).
@@ -34,6 +35,11 @@ fi
 if has kernel; then
   timeout "${KERNEL_TIMEOUT:-120}" python3 benchmarks/fp8_kv_bench.py --part kernel --contexts "$CONTEXTS" \
     --result-dir "$OUT" --result-name "fp8-kv-llama-3.1-8b-$GPU" 2>&1 | tee "$OUT/kernel.log" | tail -8
+fi
+
+if has tiles; then
+  timeout "${TILES_TIMEOUT:-240}" python3 benchmarks/fp8_kv_bench.py --part tiles --contexts "$CONTEXTS" \
+    --result-dir "$OUT" --result-name "fp8-kv-llama-3.1-8b-$GPU" 2>&1 | tee "$OUT/tiles.log" | tail -3
 fi
 
 if has engine; then

@@ -181,9 +181,91 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
     return {"decode_attention": rows}
 
 
+def run_tiles(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode launch over an FP8 cache with each tile shape (and the bf16 cache with its own
+    tiles, for reference), at batch 1 and 8 and the shortest and longest context."""
+    import torch
+    import triton
+    from benchmarks.attention_microbench import (
+        BLOCK,
+        HEAD_DIM,
+        HEADS,
+        KV_HEADS,
+        L2_FLUSH_BYTES,
+        make_decode_batch,
+    )
+
+    from tokenmill.attention.triton_paged import choose_num_kv_splits
+    from tokenmill.kernels.kv_fp8 import FP8_KV_DTYPE
+    from tokenmill.kernels.triton.paged_attention import TileConfig, decode_tile_config
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    scales = torch.full((KV_HEADS,), 0.05, device="cuda")
+    group_pad, dim_pad = triton.next_power_of_2(HEADS // KV_HEADS), HEAD_DIM
+    rows = []
+    for batch in (1, 8):
+        default = decode_tile_config(group_pad, dim_pad, batch)
+        candidates = [("bf16", torch.bfloat16, default), ("fp8", FP8_KV_DTYPE, default)] + [
+            ("fp8", FP8_KV_DTYPE, TileConfig(1, default.block_m, n, w, st, default.merge_chunk))
+            for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+        ]  # fmt: skip
+        for context in (contexts[0], contexts[-1]):
+            meta, num_blocks = make_decode_batch([context] * batch, seed=batch)
+            splits = choose_num_kv_splits(batch, KV_HEADS, context + 1, num_sms)
+            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            scratch = (
+                torch.empty(batch, HEADS, splits, HEAD_DIM, device="cuda"),
+                torch.empty(batch, HEADS, splits, device="cuda"),
+                torch.zeros(batch * KV_HEADS, dtype=torch.int32, device="cuda"),
+            )
+            caches_by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for name, dtype, config in candidates:
+                if dtype not in caches_by_dtype:
+                    caches_by_dtype.clear()
+                    torch.cuda.empty_cache()
+                    cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+                    caches_by_dtype[dtype] = [
+                        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
+                        for _ in range(max(1, -(-L2_FLUSH_BYTES // cache_bytes)))
+                    ]
+                ms = _tile_ms(q, meta, splits, scratch, config, scales, caches_by_dtype[dtype], args.kernel_reps)
+                row = {
+                    "batch": batch, "context": context, "kv": name, "splits": splits, "block_n": config.block_n,
+                    "num_warps": config.num_warps, "num_stages": config.num_stages, "default": config == default,
+                    "us": ms * 1e3,
+                }  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+            caches_by_dtype.clear()
+            torch.cuda.empty_cache()
+    return {"decode_tiles": rows}
+
+
+def _tile_ms(q, meta, splits, scratch, config, scales, caches, reps) -> float:  # noqa: ANN001
+    import torch
+    from benchmarks.attention_microbench import graph_time_per_forward
+
+    from tokenmill.kernels.triton.paged_attention import paged_attention
+
+    out = torch.empty_like(q)
+
+    def forward(cache: torch.Tensor) -> None:
+        paged_attention(
+            out, q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs=meta.num_reqs, max_query_len=1, decode_only=True, scale=q.shape[-1] ** -0.5,
+            num_kv_splits=splits, partial_out=scratch[0], partial_lse=scratch[1], split_counters=scratch[2],
+            decode_config=config, all_decode=True, k_scale=scales, v_scale=scales,
+        )  # fmt: skip
+
+    return graph_time_per_forward(forward, caches, reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["engine", "kernel"], action="append", help="default: both")
+    parser.add_argument(
+        "--part", choices=["engine", "kernel", "tiles"], action="append", help="default: kernel and engine"
+    )
     parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8", help="the 16-bit one first")
     parser.add_argument("--contexts", default="8192,16384,32768", help="prompt tokens per single stream")
@@ -203,7 +285,7 @@ def main() -> None:
     parts = args.part or ["kernel", "engine"]
     config = {k: v for k, v in vars(args).items() if k not in ("result_dir", "result_name", "part")}
     for part in parts:
-        metrics = run_kernel(args) if part == "kernel" else run_engine(args)
+        metrics = {"kernel": run_kernel, "engine": run_engine, "tiles": run_tiles}[part](args)
         path = write_result(
             f"fp8_kv_{part}", config, metrics, out_dir=args.result_dir, name=f"{args.result_name}-{part}"
         )

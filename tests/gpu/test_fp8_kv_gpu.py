@@ -96,17 +96,20 @@ class History:
         self.spec = AttentionLayerSpec(k_scale=self.k_scale, v_scale=self.v_scale)
 
     def exact(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """fp32 causal attention of the (bf16) queries over the given per-request K/V."""
+        """float64 causal attention of the (bf16) queries over the given per-request K/V (float64:
+        no TF32 or reduced-precision path of a library kernel can blur the comparison)."""
         out, row = [], 0
         for q_len, s_len, k, v in zip(self.query_lens, self.seq_lens, keys, values, strict=True):
-            q = self.q[row : row + q_len].float().transpose(0, 1)  # [H, Q, D]
-            k = k.float().repeat_interleave(GROUP, 1).transpose(0, 1)
-            v = v.float().repeat_interleave(GROUP, 1).transpose(0, 1)
+            q = self.q[row : row + q_len].double()  # [Q, H, D]
+            k = k.double().repeat_interleave(GROUP, 1)  # [S, H, D]
+            v = v.double().repeat_interleave(GROUP, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
             positions = torch.arange(s_len, device="cuda")
-            mask = positions[None, :] <= positions[s_len - q_len :, None]
-            out.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE))
+            scores.masked_fill_(positions[None, None, :] > positions[s_len - q_len :, None][None], float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+            del scores
             row += q_len
-        return torch.cat([o.transpose(0, 1) for o in out])
+        return torch.cat(out)
 
     def dequantized(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The K/V the FP8 cache holds for every position (this step's once the kernel stored them)."""
@@ -182,48 +185,59 @@ def _prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(5, vocab_size) for _ in range(rng.randint(3, 60))] for _ in range(count)]
 
 
-def _generate(llm: LLM, prompts: list[list[int]], max_new: int):
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=0)
+def _generate(llm: LLM, prompts: list[list[int]], max_new: int, logprobs: int = 0):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=logprobs)
     return [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_bf16_engine_with_fp8_kv_tracks_bf16_kv(model: str, request) -> None:
-    """Greedy tokens mostly equal (the tiny random models have near-ties that any rounding may
-    flip, so agreement is counted, not required everywhere), and each token the FP8 engine chose
-    has within 0.3 the logprob the bf16-KV engine gives that very sequence (teacher-forced)."""
+    """Greedy tokens equal the bf16-KV engine's until a step where that engine's own two best
+    tokens lie closer than FP8's error bound (the tiny random models have such near-ties, which
+    any rounding may flip; the Qwen3 one often), and each token the FP8 engine chose has within
+    that bound the logprob the bf16-KV engine gives that very sequence (teacher-forced)."""
     path = str(request.getfixturevalue(model))
-    max_new = 24
+    max_new, bound = 24, 0.3
     fp8 = _llm(path, kv_cache_dtype="fp8")
     assert fp8.engine.runner.graph_runner is not None
     prompts = _prompts(fp8.info.vocab_size, 8, seed=11)
     got = _generate(fp8, prompts, max_new)
     bf16 = _llm(path)
-    expected = _generate(bf16, prompts, max_new)
+    expected = _generate(bf16, prompts, max_new, logprobs=2)  # the two best at each step
     agreed = []
     for a, b in zip(got, expected, strict=True):
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), max_new)
         agreed.append(same)
+        if same < max_new:
+            top2 = sorted((entry.logprob for entry in b.logprobs[same].values()), reverse=True)
+            assert top2[0] - top2[1] < bound, f"diverged at step {same} where bf16 KV led by {top2[0] - top2[1]}"
     print(f"{model}: tokens agreed before the first difference: {agreed} of {max_new}")
-    assert sum(agreed) >= 0.6 * max_new * len(prompts), agreed
-    assert sum(a == max_new for a in agreed) >= len(prompts) // 2, agreed
     forced = bf16.generate(
         [{"prompt_token_ids": p + list(c.token_ids)} for p, c in zip(prompts, got, strict=True)],
         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
     )
+    gaps = []
     for prompt, completion, reference in zip(prompts, got, forced, strict=True):
         ours = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
         forced_steps = reference.prompt_logprobs[len(prompt) :]
         theirs = [step[t].logprob for step, t in zip(forced_steps, completion.token_ids, strict=True)]
-        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 0.3
+        gaps.append(max(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
+    print(f"{model}: largest teacher-forced logprob gap per prompt: {[round(g, 3) for g in gaps]}")
+    assert max(gaps) < bound
 
 
 @pytest.mark.parametrize("num_prompts", [1, 4])  # 1: the fused RoPE + KV store + attention launch
 def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(tiny_llama_dir, num_prompts: int) -> None:
+    """Captured and eager decode steps over an FP8 cache give the same tokens and logprobs. With a
+    128-token max_model_len the graphs' split count (planned for the longest context) is the one
+    eager steps plan for these contexts, so both run the same launches."""
     path = str(tiny_llama_dir)
-    graphs = _llm(path, kv_cache_dtype="fp8")
+    graphs = _llm(path, kv_cache_dtype="fp8", max_model_len=128)
     prompts = _prompts(graphs.info.vocab_size, num_prompts, seed=5)
     got = _generate(graphs, prompts, 32)
     assert graphs.engine.runner.graph_runner.num_replays > 0
-    eager = _generate(_llm(path, kv_cache_dtype="fp8", enforce_eager=True), prompts, 32)
+    eager = _generate(_llm(path, kv_cache_dtype="fp8", max_model_len=128, enforce_eager=True), prompts, 32)
     assert [c.token_ids for c in got] == [c.token_ids for c in eager]
+    for a, b in zip(got, eager, strict=True):
+        for step_a, step_b, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(step_a[token].logprob - step_b[token].logprob) < 2e-2
