@@ -135,6 +135,7 @@ def test_decode_over_an_fp8_cache_up_to_32k_tokens() -> None:
         out16 = history.run(history.bf16_cache)
         keys8, values8 = history.dequantized()
         exact = history.exact(history.keys, history.values)
+        exact8 = history.exact(keys8, values8)
         # This step's K/V were stored by the kernel: bytes equal to torch's rounding (to nearest even).
         flat8 = history.fp8_cache.view(2, -1, KV_HEADS, HEAD_DIM)
         slots = history.meta.slot_mapping
@@ -142,17 +143,22 @@ def test_decode_over_an_fp8_cache_up_to_32k_tokens() -> None:
             assert torch.equal(flat8[i, slots].view(torch.uint8), quantize_kv(new, scale).view(torch.uint8))
         rows.append({
             "context": context,
-            "kernel_fp8": relative_error(out8, history.exact(keys8, values8)),
+            "kernel_fp8": relative_error(out8, exact8),
+            # The bf16 output's own rounding of the exact result: the kernel cannot do better.
+            "output_rounding_fp8": relative_error(exact8.to(torch.bfloat16), exact8),
             "kernel_bf16": relative_error(out16, exact),  # the history is bf16 values
-            "storage_fp8": relative_error(history.exact(keys8, values8), exact),
+            "storage_fp8": relative_error(exact8, exact),
             "total_fp8": relative_error(out8, exact),
         })  # fmt: skip
         del history
         torch.cuda.empty_cache()
     print("\n".join(str(row) for row in rows))
     for row in rows:
-        assert row["kernel_fp8"] < 1e-2, row  # bf16-operand rounding, nothing more
-        assert row["kernel_fp8"] < 2 * row["kernel_bf16"] + 2e-3, row  # no worse than the 16-bit kernel
+        # The output's bf16 rounding plus the probabilities' (bf16 operands of the PV product),
+        # nothing more. (The needle request's output is nearly its needle value, which a bf16
+        # cache holds exactly and the FP8 one as stored * scale, not a bf16 number: so the bf16
+        # kernel's error here is below the FP8 one's output rounding.)
+        assert row["kernel_fp8"] < 2 * row["output_rounding_fp8"] + 1e-3, row
         assert row["storage_fp8"] < 0.1, row  # e4m3's 3 mantissa bits
         assert row["total_fp8"] < row["storage_fp8"] + 1e-2, row
     first, last = rows[0], rows[-1]
@@ -193,9 +199,11 @@ def _generate(llm: LLM, prompts: list[list[int]], max_new: int, logprobs: int = 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_bf16_engine_with_fp8_kv_tracks_bf16_kv(model: str, request) -> None:
     """Greedy tokens equal the bf16-KV engine's until a step where that engine's own two best
-    tokens lie closer than FP8's error bound (the tiny random models have such near-ties, which
-    any rounding may flip; the Qwen3 one often), and each token the FP8 engine chose has within
-    that bound the logprob the bf16-KV engine gives that very sequence (teacher-forced)."""
+    tokens lie closer than FP8 can move two logprobs apart (the tiny random models have such
+    near-ties, which any rounding may flip; the Qwen3 one often), and each token the FP8 engine
+    chose has within `bound` the logprob the bf16-KV engine gives that very sequence
+    (teacher-forced). The bound is the CPU tests' (tests/engine/test_fp8_kv_cache.py: at most
+    0.17 measured there in float32)."""
     path = str(request.getfixturevalue(model))
     max_new, bound = 24, 0.3
     fp8 = _llm(path, kv_cache_dtype="fp8")
@@ -210,7 +218,8 @@ def test_bf16_engine_with_fp8_kv_tracks_bf16_kv(model: str, request) -> None:
         agreed.append(same)
         if same < max_new:
             top2 = sorted((entry.logprob for entry in b.logprobs[same].values()), reverse=True)
-            assert top2[0] - top2[1] < bound, f"diverged at step {same} where bf16 KV led by {top2[0] - top2[1]}"
+            margin = top2[0] - top2[1]
+            assert margin < 2 * bound, f"diverged at step {same} where bf16 KV led by {margin}"
     print(f"{model}: tokens agreed before the first difference: {agreed} of {max_new}")
     forced = bf16.generate(
         [{"prompt_token_ids": p + list(c.token_ids)} for p, c in zip(prompts, got, strict=True)],

@@ -59,7 +59,9 @@ class TileConfig:
     merge_chunk: int = 8  # decode: split partials read per round of the merge
 
 
-def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> TileConfig:
+def decode_tile_config(
+    group_pad: int, head_dim_pad: int, num_reqs: int = 0, kv_fp8: bool = False
+) -> TileConfig:
     """The decode launch's tiles. They must not depend on whether the RoPE + KV store is fused
     in: the fused and the plain launch of one batch take the same tiles in the same order, so
     they agree bit for bit. The merge reads up to 32 splits per round while that stays within
@@ -70,13 +72,25 @@ def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> 
     8.1-8.2 against 9.4-9.5 us a layer in benchmarks/decode_layer_microbench.py. (With them at
     batches up to 8, the tiny Qwen3 checkpoint's bf16 greedy output once differed from
     transformers' in the 4-request test of tests/gpu/test_engine_gpu.py; larger batches keep
-    64-token tiles, which also measured faster from batch 8 on.)"""
+    64-token tiles, which also measured faster from batch 8 on.)
+
+    An FP8 cache takes 64-token tiles with 2 stages at every batch size (head_dim <= 128): on an
+    H100 (`benchmarks/fp8_kv_bench.py --part tiles`, Llama-3.1-8B attention shapes, us per decode
+    launch, fp8 with these tiles against fp8 with the bf16 tiles / the bf16 cache with its own):
+    batch 1 at 8K 18.7 against 27.2 / 28.0, at 32K 62.7 against 73.8 / 80.4; batch 8 at 8K 83.7
+    against 97.8 / 105.8, at 32K 285.0 against 342.4 / 378.3. (128-token tiles: 55.1 at batch 1
+    and 32K, slower elsewhere; 8 warps slower throughout.)"""
+    merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
+    block_m = max(16, group_pad)
+    if kv_fp8 and head_dim_pad <= 128:
+        return TileConfig(
+            block_q=1, block_m=block_m, block_n=64, num_warps=4, num_stages=2, merge_chunk=merge_chunk
+        )
     small = num_reqs == 1 and head_dim_pad <= 128
     block_n = 64 if head_dim_pad <= 128 else 32
-    merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
     return TileConfig(
         block_q=1,
-        block_m=max(16, group_pad),
+        block_m=block_m,
         block_n=32 if small else block_n,
         num_warps=4,
         num_stages=2 if small else 3,
@@ -211,7 +225,8 @@ def paged_attention(
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
         launch.attention(config, num_tokens // config.block_q + num_reqs, decode=False, num_kv_splits=1)
     # In a mixed batch this also runs when no request decodes; its programs then exit at once.
-    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs)
+    kv_fp8 = is_fp8_kv(kv_cache.dtype)
+    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs, kv_fp8)
     min_tiles = max(1, min_kv_per_split // config.block_n)
     launch.attention(
         config,
