@@ -204,6 +204,34 @@ def test_triton_quantize_rounds_like_torch_on_ties_carries_and_subnormals() -> N
 
 
 @needs_interpreted_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first_kv_head", [4, 0], ids=["qk-together", "k-alone"])
+def test_triton_rope_and_store_kv_quantizes_as_rope_then_store(dtype: torch.dtype, first_kv_head: int) -> None:
+    """The RoPE launch that stores K/V (k alone: models with a Q/K norm, Qwen3) writes the same
+    e4m3 bytes as rope_inplace followed by store_kv, with per-head scales; slot -1 writes nothing."""
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv, rope_inplace
+    from tokenmill.kernels.triton.kv_store import store_kv
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, kv_heads, head_dim = 5, 2, 16
+    x = torch.randn(num_tokens, first_kv_head + kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    positions, slots = torch.tensor([0, 3, 7, 8, 2]), torch.tensor([0, 9, 13, -1, 22])
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * (0.1 * torch.arange(1, head_dim // 2 + 1))
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    cache = torch.full((2, 6, 4, kv_heads, head_dim), 3.0).to(FP8_KV_DTYPE)
+    k_scale, v_scale = torch.tensor([0.3, 2.5]), torch.tensor([0.7, 0.05])
+    expected_x, expected_cache = x.clone(), cache.clone()
+    rope_inplace(expected_x, positions, cos, sin)
+    store_kv(expected_x[:, first_kv_head:], v, expected_cache, slots, k_scale, v_scale)
+    rope_and_store_kv(x, first_kv_head, v, positions, cos, sin, cache, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(x, expected_x)
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    assert (cache.view(torch.uint8) != torch.full_like(cache, 3.0).view(torch.uint8)).any()
+
+
+@needs_interpreted_triton
 def test_triton_store_kv_quantizes_like_the_reference() -> None:
     from tokenmill.kernels.triton.kv_store import store_kv
 
