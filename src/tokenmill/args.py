@@ -43,7 +43,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # parsed, refused until an FP8 KV store exists
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # e4m3 of value / scale, scales per layer (and KV head)
+REFUSED_KV_CACHE_DTYPES = ("fp8_e5m2",)  # parsed so the error can say what to use instead
 
 # KernelConfig fields with an option of their own; --kernel-config sets the others.
 _KERNEL_FIELDS_WITH_OWN_OPTION = ("cpu_weight_packing", "cpu_quantized_gemv")
@@ -111,8 +112,9 @@ class EngineArgs:
     block_size: int = _option(16, "tokens per KV cache block")
     kv_cache_dtype: str = _option(
         "auto",
-        "KV cache element type; auto: the model's dtype (fp8 is parsed but not supported yet)",
-        choices=KV_CACHE_DTYPES + FP8_KV_CACHE_DTYPES,
+        "KV cache element type; auto: the model's dtype; fp8 (= fp8_e4m3): half a 16-bit cache's bytes, "
+        "values stored as e4m3 of value / scale with the checkpoint's k_scale / v_scale (else 1.0)",
+        choices=KV_CACHE_DTYPES + FP8_KV_CACHE_DTYPES + REFUSED_KV_CACHE_DTYPES,
     )
     load_format: str = _option(
         "auto",
@@ -278,10 +280,10 @@ class EngineArgs:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
-        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        if self.kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "
-                f"use one of {', '.join(KV_CACHE_DTYPES)}"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (its 2 mantissa bits lose too much "
+                f"of K and V); use fp8 (e4m3) or one of {', '.join(KV_CACHE_DTYPES)}"
             )
         _check_generation_config(self.generation_config)
         for f in fields(self):

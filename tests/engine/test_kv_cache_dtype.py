@@ -40,21 +40,18 @@ def test_a_16_bit_cache_under_a_float32_model_holds_twice_the_blocks_and_generat
     assert bf16.engine.scheduler.kv.usage == 0.0  # every block back in the pool
 
 
-def test_fp8_is_refused_naming_the_values_that_work(tiny_llama_dir):
-    with pytest.raises(ValueError, match="FP8 KV cache is not supported yet.*auto, float32, bfloat16, float16"):
-        _llm(tiny_llama_dir, kv_cache_dtype="fp8")
-
-
 def test_backends_declare_the_kv_cache_dtypes_they_read():
     from tokenmill.attention.torch_ref import TorchReferenceBackend
 
     reference = TorchReferenceBackend(4, 2, 8, 8**-0.5, 16)
     assert reference.supports_kv_cache_dtype(torch.bfloat16, torch.float32)
-    assert not reference.supports_kv_cache_dtype(torch.float8_e4m3fn, torch.bfloat16)  # needs scales
+    assert reference.supports_kv_cache_dtype(torch.float8_e4m3fn, torch.bfloat16)  # scaled FP8 (test_fp8_kv_cache.py)
+    assert not reference.supports_kv_cache_dtype(torch.float8_e5m2, torch.bfloat16)
     triton_paged = pytest.importorskip("tokenmill.attention.triton_paged")
     triton = triton_paged.TritonPagedBackend(4, 2, 8, 8**-0.5, 16)
     assert triton.supports_kv_cache_dtype(torch.bfloat16, torch.bfloat16)
     assert not triton.supports_kv_cache_dtype(torch.float32, torch.bfloat16)  # q and K tiles must match
+    assert triton.supports_kv_cache_dtype(torch.float8_e4m3fn, torch.bfloat16)  # widened to q's dtype
 
 
 def test_the_kernel_config_reaches_the_attention_backend(tiny_llama_dir):

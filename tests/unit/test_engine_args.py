@@ -170,11 +170,13 @@ def test_kernel_config_keys_and_values_are_checked(capsys):
     assert "must be a JSON object" in capsys.readouterr().err
 
 
-def test_fp8_kv_cache_is_parsed_but_refused_naming_the_supported_values():
+def test_fp8_kv_cache_is_parsed_and_e5m2_refused_naming_the_supported_values():
     for value in ("fp8", "fp8_e4m3"):
         args = parse(["generate", "hi", "--device", "cpu", "--kv-cache-dtype", value])
-        with pytest.raises(ValueError, match="FP8 KV cache is not supported yet; use one of auto, float32"):
-            EngineArgs.from_cli_args(args).create_engine_config()
+        assert EngineArgs.from_cli_args(args).create_engine_config().cache.kv_cache_dtype == value
+    args = parse(["generate", "hi", "--device", "cpu", "--kv-cache-dtype", "fp8_e5m2"])
+    with pytest.raises(ValueError, match=r"'fp8_e5m2' is not supported .*use fp8 \(e4m3\) or one of auto, float32"):
+        EngineArgs.from_cli_args(args).create_engine_config()
     assert build_engine_config(device="cpu").cache.kv_cache_dtype == "auto"
 
 

@@ -41,6 +41,12 @@ class AttentionLayerSpec:
     # gpt-oss: one learned logit per query head [num_heads] (float32) that joins every softmax's
     # denominator and attends to nothing. None = no sinks.
     sinks: torch.Tensor | None = None
+    # The layer's FP8 KV cache scales (kernels/kv_fp8.py): stored = e4m3(value / scale), read as
+    # stored * scale; float32 [num_kv_heads], one per KV head. Read only when the cache is FP8 (a
+    # 16-bit cache ignores them); None = 1.0. SelfAttention puts its k_scale / v_scale buffers here:
+    # fixed tensors filled in place, so CUDA graphs captured before the scales change still see them.
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -51,6 +57,12 @@ class AttentionLayerSpec:
             raise ValueError(f"logits_soft_cap must be positive (or None), got {self.logits_soft_cap}")
         if self.sinks is not None and self.sinks.dim() != 1:
             raise ValueError(f"sinks must be one logit per query head [num_heads], got {tuple(self.sinks.shape)}")
+        for name, scale in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if scale is not None and (scale.dim() != 1 or scale.dtype != torch.float32):
+                raise ValueError(
+                    f"{name} must be float32 with one scale per KV head [num_kv_heads], "
+                    f"got {scale.dtype} {tuple(scale.shape)}"
+                )
 
     @property
     def is_plain(self) -> bool:
@@ -147,7 +159,9 @@ class AttentionBackend(ABC):
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
         """Whether this backend reads and writes a KV cache of `kv_cache_dtype` under a model of
-        `model_dtype`. The reference and C++ backends convert on store and load."""
+        `model_dtype`. Here: 16- and 32-bit floats, converted on store and load (the C++ backend);
+        a backend that stores the scaled FP8 format (kernels/kv_fp8.py, the layer's k_scale /
+        v_scale) says so for torch.float8_e4m3fn."""
         return kv_cache_dtype.is_floating_point and kv_cache_dtype.itemsize >= 2
 
     @abstractmethod

@@ -14,6 +14,10 @@ request's earliest query row can see (block-table entries before it may point at
 reused blocks), and mask the window's lower edge. Soft-capping and sinks need the scores
 themselves, so such layers replace the SDPA call with explicit float32 score math.
 
+An FP8 cache (float8_e4m3fn) stores e4m3 of value / scale with the layer's per-KV-head k_scale /
+v_scale (kernels/kv_fp8.py) and reads stored * scale in float32; its rows move as bytes (torch has
+no float8 index_copy on the CPU).
+
 Shapes come from python ints in the metadata (max_query_len, max_seq_len) and the host copies,
 never from device values, so this never waits on a GPU.
 """
@@ -33,6 +37,7 @@ from tokenmill.attention.backend import (
     AttentionMetadata,
 )
 from tokenmill.config import KernelConfig
+from tokenmill.kernels.kv_fp8 import dequantize_kv, is_fp8_kv, quantize_kv
 
 # A mixed batch is padded to num_reqs * max_query_len query rows. When that is much more than
 # the real number of rows (a long prefill next to many decodes) the batch is split in two
@@ -69,6 +74,9 @@ class TorchReferenceBackend(AttentionBackend):
             tuple[AttentionMetadata, torch.Tensor, dict[int | None, list[_AttendPlan]]] | None
         ) = None
 
+    def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        return super().supports_kv_cache_dtype(kv_cache_dtype, model_dtype) or is_fp8_kv(kv_cache_dtype)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -85,7 +93,8 @@ class TorchReferenceBackend(AttentionBackend):
             return q.new_zeros(q.shape[0], self.num_heads, self.head_dim)
         plan = self._plan_for(meta, q.shape[0], kv_cache.shape[2], q.device)
         if not kv_already_stored:
-            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store)
+            scales = (layer.k_scale, layer.v_scale)
+            self._store_kv(k[:num_tokens], v[:num_tokens], kv_cache, plan=plan.store, scales=scales)
 
         groups = plan.groups_for(layer.sliding_window, self._window_plans)
         if plan.whole_batch:
@@ -174,19 +183,22 @@ class TorchReferenceBackend(AttentionBackend):
         slots: torch.Tensor | None = None,
         *,
         plan: _StorePlan | None = None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> None:
-        """Write k/v rows at `slots` (or at a prebuilt plan's); slot -1 writes nowhere."""
+        """Write k/v rows at `slots` (or at a prebuilt plan's); slot -1 writes nowhere. An FP8
+        cache takes them quantized with `scales` (k_scale, v_scale; None = 1.0)."""
         if plan is None:
             assert slots is not None, "_store_kv needs slots or a plan"
             plan = _StorePlan.build(slots)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        fp8 = is_fp8_kv(kv_cache.dtype)
         flat = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        if fp8:
+            flat = flat.view(torch.uint8)  # the rows move as bytes
         for i, new in enumerate((k, v)):
-            values = torch.where(
-                plan.any_valid,
-                new.index_select(0, plan.src).to(flat.dtype),
-                flat[i].index_select(0, plan.dst),
-            )
+            rows = new.index_select(0, plan.src)
+            rows = quantize_kv(rows, scales[i]).view(torch.uint8) if fp8 else rows.to(flat.dtype)
+            values = torch.where(plan.any_valid, rows, flat[i].index_select(0, plan.dst))
             flat[i].index_copy_(0, plan.dst, values)
 
     def _attend_plan(
@@ -291,15 +303,17 @@ class TorchReferenceBackend(AttentionBackend):
         scores = None
         if layer.logits_soft_cap is not None or layer.sinks is not None:
             scores = _ScoreMath(layer.logits_soft_cap, _sink_column(layer.sinks, group, max_query_len))
+        kv_scales = (layer.k_scale, layer.v_scale) if is_fp8_kv(kv_cache.dtype) else None
         if chunk >= num_reqs:
-            attn = self._gather_and_attend(queries, kv_cache, plan.block_table, plan.mask, scores)
+            attn = self._gather_and_attend(queries, kv_cache, plan.block_table, plan.mask, scores, kv_scales)
         else:
             attn = torch.empty(queries.shape, dtype=torch.float32, device=device)
             for start in range(0, num_reqs, chunk):
                 end = min(start + chunk, num_reqs)
                 attn[start:end] = self._gather_and_attend(
-                    queries[start:end], kv_cache, plan.block_table[start:end], plan.mask[start:end], scores
-                )
+                    queries[start:end], kv_cache, plan.block_table[start:end], plan.mask[start:end], scores,
+                    kv_scales,
+                )  # fmt: skip
         attn = attn.view(num_reqs, self.num_kv_heads, group, max_query_len, self.head_dim)
         attn = attn.permute(0, 3, 1, 2, 4).reshape(num_reqs * max_query_len, self.num_heads, self.head_dim)
         if plan.keep_rows is not None:  # drop the padded rows
@@ -313,9 +327,11 @@ class TorchReferenceBackend(AttentionBackend):
         block_table: torch.Tensor,  # [R, num_blocks]
         mask: torch.Tensor,  # [R, 1, rows or 1, key_len]
         scores: _ScoreMath | None = None,
+        kv_scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,  # an FP8 cache's
     ) -> torch.Tensor:
         """Gather the requests' K/V through their block tables, then one SDPA call (float32 out),
-        or the explicit score math of a soft-capped / sink layer."""
+        or the explicit score math of a soft-capped / sink layer. An FP8 cache's K/V are read as
+        stored * scale (`kv_scales`: k_scale, v_scale)."""
         num_reqs, num_blocks = block_table.shape
         blocks = block_table.reshape(-1).to(torch.int64)
         per_cache = num_reqs * num_blocks * kv_cache[0, 0].numel()
@@ -330,8 +346,14 @@ class TorchReferenceBackend(AttentionBackend):
         )
         # Softmax in float32 whatever the model dtype.
         queries = queries.to(torch.float32)
-        keys = keys.view(shape).transpose(1, 2).to(torch.float32)
-        values = values.view(shape).transpose(1, 2).to(torch.float32)
+        keys = keys.view(shape).transpose(1, 2)
+        values = values.view(shape).transpose(1, 2)
+        if kv_scales is not None:  # [R, kv_heads, L, D]: heads on axis 1
+            keys = dequantize_kv(keys, kv_scales[0], heads_axis=1)
+            values = dequantize_kv(values, kv_scales[1], heads_axis=1)
+        else:
+            keys = keys.to(torch.float32)
+            values = values.to(torch.float32)
         if scores is not None:
             return scores.attend(queries, keys, values, mask, self.scale)
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)

@@ -12,6 +12,9 @@ Small decode-only steps can skip the model's separate RoPE + KV-store launch:
 `forward_decode_with_rope` takes q and k un-rotated and does RoPE, the KV store and attention in
 one launch per layer (`supports_fused_decode_rope` says when the model should call it).
 
+An FP8 cache (float8_e4m3fn) is a compile-time switch too: the KV store divides by the layer's
+k_scale / v_scale (AttentionLayerSpec), the attention widens tiles to q's dtype and applies them.
+
 Each layer's sliding window, soft cap and sinks (AttentionLayerSpec) are compile-time switches of
 the kernels, so plain layers run the same code as without them; a sliding layer's programs start
 at the tile of their earliest row's first visible key and never read the pages before it. Its
@@ -33,6 +36,7 @@ from tokenmill.attention.backend import (
     AttentionMetadata,
 )
 from tokenmill.config import KernelConfig
+from tokenmill.kernels.kv_fp8 import is_fp8_kv
 from tokenmill.kernels.triton.kv_store import store_kv
 from tokenmill.kernels.triton.paged_attention import DecodeRope, paged_attention
 
@@ -179,8 +183,9 @@ class TritonPagedBackend(AttentionBackend):
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=kv_already_stored, layer=layer)
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
-        # The kernels multiply q with K tiles loaded in the cache's dtype: they must match.
-        return kv_cache_dtype == model_dtype
+        # The kernels multiply q with K tiles loaded in the cache's dtype: they must match, or the
+        # cache is scaled FP8, whose tiles the kernels widen to q's dtype.
+        return kv_cache_dtype == model_dtype or is_fp8_kv(kv_cache_dtype)
 
     def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step should go through forward_decode_with_rope (decode-only, small)."""
@@ -244,7 +249,7 @@ class TritonPagedBackend(AttentionBackend):
                 f"kv_cache block size {kv_cache.shape[2]} must equal the backend's {self.block_size}"
             )
         if not kv_already_stored:
-            store_kv(k, v, kv_cache, meta.slot_mapping)
+            store_kv(k, v, kv_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
@@ -276,6 +281,8 @@ class TritonPagedBackend(AttentionBackend):
             sliding_window=layer.sliding_window,
             logits_soft_cap=layer.logits_soft_cap,
             sinks=layer.sinks,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
         return out
 

@@ -115,7 +115,7 @@ def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[fl
         - unread_expert_bytes(model)
     )
     arch = llm.resolved.arch
-    itemsize = llm.engine.runner.kv_caches[0].element_size()  # the KV cache's dtype (FP8: 1 byte)
+    itemsize = llm.engine.runner.kv_cache_tensors[0].element_size()  # the cache's own dtype (fp8: 1 byte)
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
     mean_context = input_len + output_len / 2
     return float(weight_bytes), float(kv_per_token * mean_context)

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import CacheConfig
 from tokenmill.core.kv_cache_groups import KVCacheGroups
+from tokenmill.kernels.kv_fp8 import FP8_KV_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +21,12 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M in fp
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`auto` is the model's dtype; otherwise a float type by name. (FP8 names are refused by the
-    engine arguments until the KV store and attention kernels read scaled FP8.)"""
+    """`auto` is the model's dtype; `fp8` / `fp8_e4m3` the scaled e4m3 cache (kernels/kv_fp8.py);
+    otherwise a float type by name."""
     if name == "auto":
         return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8_KV_DTYPE
     from tokenmill.device import resolve_dtype
 
     return resolve_dtype(name, torch.device("cpu"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, get_attention_backend
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -133,21 +133,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # The KV store and attention kernels read the element type from the cache tensors.
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        backend_cls = get_attention_backend(config.attention_backend, self.device)
-        self.attn_backend = backend_cls(
-            self.arch.num_heads,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
-            self.arch.attention_scale,
-            self.block_size,
-            kernel=config.kernel,
-        )
+        self.attn_backend = self._make_attention_backend(config.attention_backend)
         if not self.attn_backend.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype):
-            raise ValueError(
-                f"the {self.attn_backend.name} attention backend cannot keep a "
-                f"{str(self.kv_cache_dtype).removeprefix('torch.')} KV cache for a "
-                f"{str(self.dtype).removeprefix('torch.')} model; use kv_cache_dtype=auto"
-            )
+            self.attn_backend = self._reference_for_kv_cache_dtype(config.attention_backend)
         started = time.perf_counter()
         self.model = load_model(
             config.model, resolved.arch, self.device, self.dtype, self.attn_backend, resolved=resolved,
@@ -193,6 +181,36 @@ class ModelRunner:
                 self.device,
                 num_kv_groups=self.kv_groups.num_groups,
             )
+
+    def _reference_for_kv_cache_dtype(self, chosen: str) -> AttentionBackend:
+        """The torch reference backend, for a KV cache dtype the chosen backend cannot keep (the C++
+        CPU kernels read 16- and 32-bit caches, not scaled FP8): taken, with a log line, when the
+        backend was `auto`; otherwise an error naming the options that work."""
+        cache, model = str(self.kv_cache_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch.")
+        reference = None if self.attn_backend.name == "torch" else self._make_attention_backend("torch")
+        usable = reference is not None and reference.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        if chosen == "auto" and usable:
+            logger.info(
+                "attention backend: torch, since the %s backend cannot keep a %s KV cache",
+                self.attn_backend.name, cache,
+            )  # fmt: skip
+            return reference
+        hint = " or --attention-backend torch" if usable else ""
+        raise ValueError(
+            f"the {self.attn_backend.name} attention backend cannot keep a {cache} KV cache for a {model} "
+            f"model; use kv_cache_dtype=auto{hint}"
+        )
+
+    def _make_attention_backend(self, name: str) -> AttentionBackend:
+        backend_cls = get_attention_backend(name, self.device)
+        return backend_cls(
+            self.arch.num_heads,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.arch.attention_scale,
+            self.block_size,
+            kernel=self.config.kernel,
+        )
 
     def _check_attention_layers(self) -> None:
         """Every layer's sliding window / soft cap / sinks must be honoured by the backend: refuse

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.kv_fp8 import kv_scales_for, quantize_kv
 from tokenmill.kernels.triton.rms import inverse_rms
 from tokenmill.kernels.triton.rounding import round_like as _round_like
 
@@ -118,6 +120,8 @@ def _rope_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,  # STORE_KV and FP8 only: float32 [NUM_KV_HEADS]
+    v_scale_ptr,
     stride_v_token,
     stride_v_head,
     stride_cache_block,
@@ -130,6 +134,7 @@ def _rope_kernel(
     NUM_KV_HEADS: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    FP8: tl.constexpr,  # STORE_KV into an e4m3 cache: keys and values divided by their head's scale
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -157,12 +162,21 @@ def _rope_kernel(
             kv_head = heads - first_kv_head
             key_dst = key_cache_ptr + slot_base + kv_head * stride_cache_head + dims
             key_mask = mask & (kv_head >= 0)
-            tl.store(key_dst, out1.to(dtype), mask=key_mask)
-            tl.store(key_dst + HALF, out2.to(dtype), mask=key_mask)
+            key1 = out1.to(dtype)
+            key2 = out2.to(dtype)
             v_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
             v_dims = tl.arange(0, 2 * HALF_PAD)[None, :]
             v_mask = (v_heads < NUM_KV_HEADS) & (v_dims < 2 * HALF)
             value = tl.load(v_ptr + token * stride_v_token + v_heads * stride_v_head + v_dims, mask=v_mask)
+            if FP8:  # the rotated key as rounded to the model dtype, then scaled: as store_kv does
+                is_key_row = (kv_head >= 0) & (kv_head < NUM_KV_HEADS)
+                k_scale = tl.load(k_scale_ptr + kv_head, mask=is_key_row, other=1.0)  # [heads, 1]
+                key1 = quantize_kv(key1, k_scale, key_cache_ptr.dtype.element_ty)
+                key2 = quantize_kv(key2, k_scale, key_cache_ptr.dtype.element_ty)
+                v_scale = tl.load(v_scale_ptr + v_heads, mask=v_heads < NUM_KV_HEADS, other=1.0)
+                value = quantize_kv(value, v_scale, value_cache_ptr.dtype.element_ty)
+            tl.store(key_dst, key1, mask=key_mask)
+            tl.store(key_dst + HALF, key2, mask=key_mask)
             tl.store(
                 value_cache_ptr + slot_base + v_heads * stride_cache_head + v_dims,
                 value.to(value_cache_ptr.dtype.element_ty),
@@ -189,9 +203,9 @@ def rope_inplace(
     half = head_dim // 2
     _rope_kernel[(num_tokens,)](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
-        0, x, x, x, positions, 0, 0, 0, 0, 0,  # no KV store
+        0, x, x, x, positions, x, x, 0, 0, 0, 0, 0,  # no KV store
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
-        STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, num_warps=4,
+        STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, FP8=False, num_warps=4,
     )  # fmt: skip
 
 
@@ -204,10 +218,13 @@ def rope_and_store_kv(
     sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """rope_inplace(x), then the rotated keys (x's heads from `first_kv_head` on) and v
     [T, kv_heads, head_dim] written to their slots of kv_cache [2, blocks, block_size, kv_heads,
-    head_dim]; slot -1 writes nothing. One launch instead of two for a decode layer."""
+    head_dim]; slot -1 writes nothing. One launch instead of two for a decode layer. An FP8 cache
+    stores them as store_kv does (divided by k_scale / v_scale per KV head; None = 1.0)."""
     num_tokens, num_heads, head_dim = x.shape
     _check_rope_input(x)
     num_kv_heads = num_heads - first_kv_head
@@ -227,13 +244,14 @@ def rope_and_store_kv(
         return
     half = head_dim // 2
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, num_kv_heads)
     _rope_kernel[(num_tokens,)](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
-        first_kv_head, v, key_cache, value_cache, slot_mapping, v.stride(0), v.stride(1),
+        first_kv_head, v, key_cache, value_cache, slot_mapping, k_scale, v_scale, v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
         STORE_KV=True, NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=kv_cache.shape[2], num_warps=4,
+        PAGE_SIZE=kv_cache.shape[2], FP8=is_fp8_kv(kv_cache.dtype), num_warps=4,
     )  # fmt: skip
 
 

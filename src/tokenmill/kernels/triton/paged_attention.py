@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.kv_fp8 import kv_scales_for
 from tokenmill.kernels.triton.paged_attention_kernel import _paged_attention_kernel
 from tokenmill.kernels.triton.paged_attention_merge import _merge_splits_kernel
 
@@ -57,7 +59,9 @@ class TileConfig:
     merge_chunk: int = 8  # decode: split partials read per round of the merge
 
 
-def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> TileConfig:
+def decode_tile_config(
+    group_pad: int, head_dim_pad: int, num_reqs: int = 0, kv_fp8: bool = False
+) -> TileConfig:
     """The decode launch's tiles. They must not depend on whether the RoPE + KV store is fused
     in: the fused and the plain launch of one batch take the same tiles in the same order, so
     they agree bit for bit. The merge reads up to 32 splits per round while that stays within
@@ -68,13 +72,25 @@ def decode_tile_config(group_pad: int, head_dim_pad: int, num_reqs: int = 0) -> 
     8.1-8.2 against 9.4-9.5 us a layer in benchmarks/decode_layer_microbench.py. (With them at
     batches up to 8, the tiny Qwen3 checkpoint's bf16 greedy output once differed from
     transformers' in the 4-request test of tests/gpu/test_engine_gpu.py; larger batches keep
-    64-token tiles, which also measured faster from batch 8 on.)"""
+    64-token tiles, which also measured faster from batch 8 on.)
+
+    An FP8 cache takes 64-token tiles with 2 stages at every batch size (head_dim <= 128): on an
+    H100 (`benchmarks/fp8_kv_bench.py --part tiles`, Llama-3.1-8B attention shapes, us per decode
+    launch, fp8 with these tiles against fp8 with the bf16 tiles / the bf16 cache with its own):
+    batch 1 at 8K 18.7 against 27.2 / 28.0, at 32K 62.7 against 73.8 / 80.4; batch 8 at 8K 83.7
+    against 97.8 / 105.8, at 32K 285.0 against 342.4 / 378.3. (128-token tiles: 55.1 at batch 1
+    and 32K, slower elsewhere; 8 warps slower throughout.)"""
+    merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
+    block_m = max(16, group_pad)
+    if kv_fp8 and head_dim_pad <= 128:
+        return TileConfig(
+            block_q=1, block_m=block_m, block_n=64, num_warps=4, num_stages=2, merge_chunk=merge_chunk
+        )
     small = num_reqs == 1 and head_dim_pad <= 128
     block_n = 64 if head_dim_pad <= 128 else 32
-    merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
     return TileConfig(
         block_q=1,
-        block_m=max(16, group_pad),
+        block_m=block_m,
         block_n=32 if small else block_n,
         num_warps=4,
         num_stages=2 if small else 3,
@@ -138,6 +154,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
+    k_scale: torch.Tensor | None = None,  # FP8 cache only: float32 [num_kv_heads]; None = 1.0
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
@@ -154,6 +172,9 @@ def paged_attention(
     first visible key on, never a page wholly before it; scores become cap * tanh(scores / cap);
     `sinks` add one logit per head to every softmax's denominator. Each is a compile-time switch
     of the kernels, off (and free) for plain layers.
+    An FP8 (float8_e4m3fn) cache holds e4m3 of value / scale per KV head (kernels/kv_fp8.py): its
+    tiles are widened to q's dtype, the dots accumulate in fp32, K's scale multiplies the scores
+    and V's the output (with `rope`, this step's K/V are stored that way and attended as stored).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -175,6 +196,12 @@ def paged_attention(
     if rope is not None:
         _check_rope(rope, q, kv_cache, decode_only)
     layer = _LayerOptions.check(sliding_window, logits_soft_cap, sinks, num_heads)
+    if not is_fp8_kv(kv_cache.dtype) and kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"a {kv_cache.dtype} KV cache under {q.dtype} queries: the cache must be q's dtype or "
+            "float8_e4m3fn (scaled FP8)"
+        )
+    k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, num_kv_heads)
     if not use_splits:
         partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
     launch = _Launch(
@@ -191,12 +218,15 @@ def paged_attention(
         split_counters if fused_merge else seq_lens,  # (unused without the fused merge)
         fused_merge,
         layer,
+        k_scale,
+        v_scale,
     )
     if not decode_only:
         config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
         launch.attention(config, num_tokens // config.block_q + num_reqs, decode=False, num_kv_splits=1)
     # In a mixed batch this also runs when no request decodes; its programs then exit at once.
-    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs)
+    kv_fp8 = is_fp8_kv(kv_cache.dtype)
+    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs, kv_fp8)
     min_tiles = max(1, min_kv_per_split // config.block_n)
     launch.attention(
         config,
@@ -269,6 +299,8 @@ class _Launch:
     split_counters: torch.Tensor
     fused_merge: bool
     layer: _LayerOptions
+    k_scale: torch.Tensor  # FP8 cache: float32 [num_kv_heads] (else unused)
+    v_scale: torch.Tensor
 
     def attention(
         self,
@@ -337,6 +369,8 @@ class _Launch:
             key_cache.stride(2),
             self.block_tables.stride(0),
             layer.sinks if layer.sinks is not None else q,  # (unused without sinks)
+            self.k_scale,
+            self.v_scale,
             layer.sliding_window or 0,
             layer.soft_cap_log2 or 0.0,
             GROUP=num_heads // num_kv_heads,
@@ -364,6 +398,7 @@ class _Launch:
             # The CPU interpreter multiplies bf16 wrongly (Triton 3.9): do those dots in fp32 there.
             UPCAST_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            KV_FP8=is_fp8_kv(kv_cache.dtype),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

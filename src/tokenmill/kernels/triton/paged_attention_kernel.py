@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.kv_fp8 import quantize_kv
 from tokenmill.kernels.triton.paged_attention_merge import _merge_group
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_loaded,
@@ -64,6 +65,8 @@ def _paged_attention_kernel(
     stride_cache_head,
     stride_block_table,
     sinks_ptr,  # SINKS only: one logit per query head [num_heads] (natural-log units)
+    k_scale_ptr,  # KV_FP8 only: the cache's scales, float32 [num_kv_heads]
+    v_scale_ptr,
     sliding_window,  # SLIDING only: a query at p sees keys p - sliding_window < k <= p
     soft_cap_log2,  # SOFT_CAP only: the logit soft cap times log2(e)
     GROUP: tl.constexpr,  # query heads per KV head
@@ -90,6 +93,7 @@ def _paged_attention_kernel(
     ON_GPU: tl.constexpr,  # a real GPU (not the CPU interpreter): emit the memory fence
     UPCAST_DOT: tl.constexpr,  # fp32 dots for bf16 inputs (the CPU interpreter mis-multiplies bf16)
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds e4m3 of value / scale (kernels/kv_fp8.py)
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,6 +149,14 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    compute_dtype = q_ptr.dtype.element_ty
+    if KV_FP8:
+        # Tiles are widened to q's dtype exactly (every e4m3 value is a bf16 / fp16 value) and the
+        # dots accumulate in fp32; the scales apply once per program: K's folds into the score
+        # scale, V's multiplies the normalised output.
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        scale_log2 = scale_log2 * k_scale
     if ROPE_KV:
         # Start the first tile's page-table and K/V loads before anything else, so their memory
         # round trips overlap those of q/k/v, the 1/rms reduction and RoPE instead of following
@@ -152,6 +164,7 @@ def _paged_attention_kernel(
         first_key_t, first_value = _load_tile(
             tile_begin, kv_end - 1, kv_begin, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
             dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, SLIDING,
+            KV_FP8, compute_dtype,
         )  # fmt: skip
     q = tl.load(
         q_ptr + token_row[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
@@ -188,8 +201,18 @@ def _paged_attention_kernel(
             k_partner = scale_rounded(k_partner, inv_rms)
             v_raw = scale_rounded(v_raw, inv_rms)
         q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
-        k_new = rope_rows(k_raw, k_partner, cos, sin).to(key_cache_ptr.dtype.element_ty)
-        v_new = v_raw.to(value_cache_ptr.dtype.element_ty)
+        k_new = rope_rows(k_raw, k_partner, cos, sin)
+        if KV_FP8:
+            # Stored as store_kv stores it; attended as read back from the cache.
+            k_store = quantize_kv(k_new, k_scale, key_cache_ptr.dtype.element_ty)
+            v_store = quantize_kv(v_raw, v_scale, value_cache_ptr.dtype.element_ty)
+            k_new = k_store.to(compute_dtype)
+            v_new = v_store.to(compute_dtype)
+        else:
+            k_store = k_new.to(key_cache_ptr.dtype.element_ty)
+            v_store = v_raw.to(value_cache_ptr.dtype.element_ty)
+            k_new = k_store
+            v_new = v_store
     if UPCAST_DOT:
         q = q.to(tl.float32)
     q_pos = context_len + q_tok
@@ -221,7 +244,7 @@ def _paged_attention_kernel(
             q, m_i, l_i, acc, tile, kv_begin, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr,
             value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, sliding_window, soft_cap_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, SLIDING,
-            SOFT_CAP, UPCAST_DOT, DOT_PRECISION,
+            SOFT_CAP, UPCAST_DOT, DOT_PRECISION, KV_FP8, compute_dtype,
         )  # fmt: skip
     if ROPE_KV:  # noqa: SIM102 (owns_last exists only when ROPE_KV)
         if last_after_loop:
@@ -229,7 +252,8 @@ def _paged_attention_kernel(
                 q, m_i, l_i, acc, num_tiles - 1, kv_begin, kv_end, kv_end - 1, q_pos, block_table_row,
                 key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2,
                 sliding_window, soft_cap_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
-                PAGE_SIZE, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT, DOT_PRECISION,
+                PAGE_SIZE, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT, DOT_PRECISION, KV_FP8,
+                compute_dtype,
             )  # fmt: skip
         if owns_last:  # exactly one split per (request, KV head)
             slot = tl.load(slot_mapping_ptr + q_start)
@@ -239,8 +263,8 @@ def _paged_attention_kernel(
                     + (slot % PAGE_SIZE) * stride_cache_slot
                     + kv_head * stride_cache_head
                 )
-                tl.store(key_cache_ptr + slot_offset + dims, k_new, mask=dim_valid)
-                tl.store(value_cache_ptr + slot_offset + dims, v_new, mask=dim_valid)
+                tl.store(key_cache_ptr + slot_offset + dims, k_store, mask=dim_valid)
+                tl.store(value_cache_ptr + slot_offset + dims, v_store, mask=dim_valid)
 
     if SINKS and not USE_SPLITS:  # split partials leave the sink to the merge
         # The sink is one more softmax column with no value: it only adds to the denominator.
@@ -251,6 +275,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
+    if KV_FP8:
+        result = result * v_scale
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if USE_SPLITS:
         # Partials are per request (only decodes split): [num_reqs, heads, splits, head_dim].

@@ -1,8 +1,8 @@
 """The @triton.jit helpers of the paged attention kernel: which request owns a q-block, the
 split-KV plan, and one KV tile's loads and online-softmax update. See paged_attention.py.
 
-SLIDING, SOFT_CAP (and the kernel's SINKS) are constexpr: a plain layer compiles to the same code
-as without them."""
+SLIDING, SOFT_CAP, KV_FP8 (and the kernel's SINKS) are constexpr: a plain layer over a 16-bit
+cache compiles to the same code as without them."""
 
 from __future__ import annotations
 
@@ -68,6 +68,8 @@ def _load_tile(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is e4m3: widen to COMPUTE_DTYPE (exact; the scales apply later)
+    COMPUTE_DTYPE: tl.constexpr,  # q's dtype, the dots' operand type
 ):
     """One KV tile's keys (transposed, [head_dim, BLOCK_N]) and values ([BLOCK_N, head_dim])."""
     kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,6 +92,9 @@ def _load_tile(
         mask=cached[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    if KV_FP8:
+        key_t = key_t.to(COMPUTE_DTYPE)
+        value = value.to(COMPUTE_DTYPE)
     return key_t, value
 
 
@@ -182,11 +187,14 @@ def _attend_tile(
     SOFT_CAP: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, acc)."""
     key_t, value = _load_tile(
         tile, cached_end, kv_begin, block_table_row, key_cache_ptr, value_cache_ptr, kv_head, dims,
         dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, SLIDING,
+        KV_FP8, COMPUTE_DTYPE,
     )  # fmt: skip
     return _attend_loaded(
         q, m_i, l_i, acc, key_t, value, tile, kv_begin, kv_end, q_pos, k_new, v_new, scale_log2,

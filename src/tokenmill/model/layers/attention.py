@@ -9,6 +9,8 @@ stored that way (`accepts_kv_stored_by_rope`); a backend that supports it for th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -62,19 +64,43 @@ class SelfAttention(nn.Module):
         self.k_norm = qk_norm_class(arch.head_dim, eps, device, dtype) if arch.qk_norm else None
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, **shard)
         self.attn_backend = attn_backend
-        # This layer's sliding window / soft cap / sinks, passed to the backend with every call.
-        self.layer_spec = layer_spec
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        # The FP8 KV cache's scales (kernels/kv_fp8.py), one per KV head of this rank, named where
+        # checkpoints keep them (model.layers.N.self_attn.k_scale / v_scale); read only when the
+        # cache is FP8. set_kv_scales fills them in place: the layer spec holds these tensors.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads, dtype=torch.float32, device=device))
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads, dtype=torch.float32, device=device))
+        # This layer's sliding window / soft cap / sinks and KV scales, passed to the backend with every call.
+        self.layer_spec = replace(layer_spec, k_scale=self.k_scale, v_scale=self.v_scale)
         # The KV cache group whose block tables this layer reads and writes (core/kv_cache_groups.py);
         # the model runner sets it after load. 0 for every layer of a model without sliding layers.
         self.kv_group = 0
         self.ops = ops
         self.eps = eps
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = arch.head_dim
         self.q_size, self.kv_size = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
         # The backend's cache takes the rotated keys and the values from the RoPE launch.
         self.store_kv_in_rope = ops.stores_kv_in_rope and attn_backend.accepts_kv_stored_by_rope
         bind_hot_path(self, qkv=self.qkv_proj, o=self.o_proj)
+
+    @torch.no_grad()
+    def set_kv_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
+        """The FP8 KV cache's scales of this layer: per tensor (a number, or a tensor of one
+        element, as checkpoints store k_scale / v_scale) or per KV head ([num_kv_heads] of this
+        rank). Copied into the k_scale / v_scale buffers in place."""
+        checked = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            scale = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").reshape(-1)
+            if scale.numel() not in (1, self.num_kv_heads):
+                raise ValueError(
+                    f"{name} has {scale.numel()} values; expected 1 (per tensor) or {self.num_kv_heads} "
+                    "(one per KV head of this layer)"
+                )
+            if not (torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"{name} must be positive and finite, got {scale.tolist()}")
+            checked.append(scale.expand(self.num_kv_heads))
+        self.k_scale.copy_(checked[0])
+        self.v_scale.copy_(checked[1])
 
     def forward(
         self,
@@ -137,14 +163,18 @@ class SelfAttention(nn.Module):
             k = self.k_norm.forward(qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim))
             q = ops.rotate(q, rope)
             if store:
-                k = ops.rotate_and_store_kv(k, 0, v, rope, kv_cache, meta.slot_mapping)
+                k = ops.rotate_and_store_kv(
+                    k, 0, v, rope, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale
+                )
             else:
                 k = ops.rotate(k, rope)
         else:
             # q and k sit side by side in each qkv row: rotate both with one set of ops.
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
             if store:
-                qk = ops.rotate_and_store_kv(qk, heads, v, rope, kv_cache, meta.slot_mapping)
+                qk = ops.rotate_and_store_kv(
+                    qk, heads, v, rope, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale
+                )
             else:
                 qk = ops.rotate(qk, rope)
             q, k = qk[:, :heads], qk[:, heads:]

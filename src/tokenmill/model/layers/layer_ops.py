@@ -62,6 +62,7 @@ class TorchLayerOps:
     def rotate_and_store_kv(
         self, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope: RopeInputs,
         kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         raise NotImplementedError("the PyTorch ops store K/V through the attention backend")
 
@@ -106,11 +107,14 @@ class TritonLayerOps:
     def rotate_and_store_kv(
         self, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope: RopeInputs,
         kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Rotate qk [T, q heads + kv heads, head_dim] in place and store its K heads and v."""
+        """Rotate qk [T, q heads + kv heads, head_dim] in place and store its K heads and v (an
+        FP8 cache: divided by the per-KV-head scales, see kernels/kv_fp8.py)."""
         self._ops.rope_and_store_kv(
-            qk, num_q_heads, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, slot_mapping
-        )
+            qk, num_q_heads, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, slot_mapping,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
         return qk
 
     def silu_mul(
