@@ -131,3 +131,42 @@ def test_a_tensor_disagreeing_with_the_config_is_named(tmp_path, quantized_check
     with pytest.raises(ValueError, match=tensor.replace(".", r"\.")) as err:
         LLM(str(broken), device="cpu", max_model_len=64)
     assert "shape" in str(err.value) and str(tuple(wrong)) in str(err.value)
+
+
+def _with_kv_scales(src, dst, names: dict[str, float]):
+    """`src` (a compressed-tensors FP8 checkpoint) plus KV scale tensors and a kv_cache_scheme."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors.update({name: torch.tensor([value]) for name, value in names.items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("names", ["k_scale", "output_scale"])
+def test_checkpoint_kv_scales_reach_the_attention_layers(tmp_path, quantized_checkpoint, names):
+    ckpt = quantized_checkpoint("ct-fp8-channel")
+    stem = "self_attn.{}_scale" if names == "k_scale" else "self_attn.{}_proj.output_scale"
+    scales = {f"model.layers.{i}.{stem.format(kv)}": 0.5 + i + (kv == "v") for i in range(2) for kv in "kv"}
+    model_dir = _with_kv_scales(ckpt.path, tmp_path / "kv", scales)
+    llm = LLM(str(model_dir), device="cpu", max_model_len=128, kv_cache_dtype="fp8")
+    for i, layer in enumerate(llm.engine.runner.model.layers):
+        assert layer.self_attn.k_scale.tolist() == [0.5 + i] * layer.self_attn.num_kv_heads
+        assert layer.self_attn.v_scale.tolist() == [1.5 + i] * layer.self_attn.num_kv_heads
+    assert len(_greedy(llm, _prompts(llm.info.vocab_size, 2, seed=2))) == 2
+    llm.engine.check_invariants()
+
+
+def test_a_bad_checkpoint_kv_scale_is_named(tmp_path, quantized_checkpoint):
+    ckpt = quantized_checkpoint("ct-fp8-channel")
+    model_dir = _with_kv_scales(ckpt.path, tmp_path / "kv", {"model.layers.1.self_attn.v_scale": -1.0})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.v_scale: v_scale must be positive"):
+        LLM(str(model_dir), device="cpu", max_model_len=128, kv_cache_dtype="fp8")

@@ -265,7 +265,9 @@ class CausalLM(nn.Module):
             try:
                 if self.qk_dim_order is not None and isinstance(module, QKVParallelLinear):
                     tensor = self._qk_in_rotary_layout(tensor, shard_id)
-                if hasattr(module, "weight_loader"):  # linear layers, stacked experts: their shard
+                if param_name in _KV_SCALES and isinstance(module, SelfAttention):
+                    module.load_kv_scale(param_name, tensor)
+                elif hasattr(module, "weight_loader"):  # linear layers, stacked experts: their shard
                     module.weight_loader(param_name, tensor, shard_id)
                 else:
                     param = getattr(module, param_name)
@@ -337,13 +339,15 @@ class CausalLM(nn.Module):
         match = _LAYER_NAME.fullmatch(name)
         if match is None or int(match["layer"]) >= len(self.layers):
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
-        module_path, _, param_name = match["part"].rpartition(".")
+        part = _KV_SCALE_NAMES.get(match["part"], match["part"])
+        module_path, _, param_name = part.rpartition(".")
         module_path, shard_id = _MERGED_INTO.get(module_path, (module_path, None))
         try:
             module = self.layers[int(match["layer"])].get_submodule(module_path)
         except AttributeError:
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model") from None
-        if param_name not in ("weight", "bias") and param_name not in getattr(module, "param_layouts", ()):
+        allowed = ("weight", "bias", *_KV_SCALES) if isinstance(module, SelfAttention) else ("weight", "bias")
+        if param_name not in allowed and param_name not in getattr(module, "param_layouts", ()):
             raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
         return module, param_name, shard_id
 
@@ -391,6 +395,15 @@ _MERGED_INTO: dict[str, tuple[str, ShardId]] = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# The FP8 KV cache's per-layer scales (SelfAttention.k_scale / v_scale), under the names checkpoints
+# use: compressed-tensors' kv_cache_scheme writes self_attn.k_scale / v_scale (older ones
+# k_proj.output_scale / v_proj.output_scale). Optional: without them the scales stay 1.0.
+_KV_SCALES = ("k_scale", "v_scale")
+_KV_SCALE_NAMES = {
+    "self_attn.k_proj.output_scale": "self_attn.k_scale",
+    "self_attn.v_proj.output_scale": "self_attn.v_scale",
+}
+
 _LAYER_WEIGHTS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",

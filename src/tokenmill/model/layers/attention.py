@@ -87,20 +87,28 @@ class SelfAttention(nn.Module):
     def set_kv_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
         """The FP8 KV cache's scales of this layer: per tensor (a number, or a tensor of one
         element, as checkpoints store k_scale / v_scale) or per KV head ([num_kv_heads] of this
-        rank). Copied into the k_scale / v_scale buffers in place."""
-        checked = []
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            scale = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").reshape(-1)
-            if scale.numel() not in (1, self.num_kv_heads):
-                raise ValueError(
-                    f"{name} has {scale.numel()} values; expected 1 (per tensor) or {self.num_kv_heads} "
-                    "(one per KV head of this layer)"
-                )
-            if not (torch.isfinite(scale).all() and (scale > 0).all()):
-                raise ValueError(f"{name} must be positive and finite, got {scale.tolist()}")
-            checked.append(scale.expand(self.num_kv_heads))
-        self.k_scale.copy_(checked[0])
-        self.v_scale.copy_(checked[1])
+        rank). Copied into the k_scale / v_scale buffers in place, both checked before either changes."""
+        k, v = self._checked_kv_scale("k_scale", k_scale), self._checked_kv_scale("v_scale", v_scale)
+        self.k_scale.copy_(k)
+        self.v_scale.copy_(v)
+
+    @torch.no_grad()
+    def load_kv_scale(self, name: str, value: torch.Tensor) -> None:
+        """One of the checkpoint's KV scales ("k_scale" or "v_scale"), as set_kv_scales takes it."""
+        if name not in ("k_scale", "v_scale"):
+            raise ValueError(f"no such KV scale {name!r}; expected k_scale or v_scale")
+        getattr(self, name).copy_(self._checked_kv_scale(name, value))
+
+    def _checked_kv_scale(self, name: str, value: torch.Tensor | float) -> torch.Tensor:
+        scale = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").reshape(-1)
+        if scale.numel() not in (1, self.num_kv_heads):
+            raise ValueError(
+                f"{name} has {scale.numel()} values; expected 1 (per tensor) or {self.num_kv_heads} "
+                "(one per KV head of this layer)"
+            )
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"{name} must be positive and finite, got {scale.tolist()}")
+        return scale.expand(self.num_kv_heads)
 
     def forward(
         self,
