@@ -1,0 +1,74 @@
+"""Tile configurations of the W4A16 kernel (int4_kernel.py) by matmul shape.
+
+Decode sizes (a few rows) are a weight read: the tile must leave enough programs to keep every
+SM streaming, which few output columns cannot do alone, so K is split among programs (split-K).
+Prefill sizes are tensor-core bound: big tiles, one program per output tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from tokenmill.kernels.triton.int4_pack import COUNTER_ROWS, N_ALIGN, PACK_CHUNK, PACK_K
+
+MAX_SPLIT_K_ROWS = COUNTER_ROWS  # the tile counters of Int4Weights are sized for this many rows
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Int4Config:
+    block_m: int  # rows of x per program (>= 16: tl.dot's smallest side)
+    block_n: int  # output features per program: 16, 32, 64 or 128 (divides int4_pack.N_ALIGN)
+    split_k: int = 1  # programs sharing one output tile's K range
+    num_warps: int = 4
+    num_stages: int = 4
+    scale_after: bool = True  # scale per-group partial sums in float32 (else scale weights in 16-bit)
+    asm_dequant: bool = True  # on CUDA: unpack with inline PTX (else the interpreter's plain Triton)
+
+    def check(self) -> None:
+        if self.block_n not in (16, 32, 64, 128) or N_ALIGN % self.block_n:
+            raise ValueError(f"Int4Config.block_n must be 16, 32, 64 or 128, got {self.block_n}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"Int4Config.block_m must be a power of two >= 16, got {self.block_m}")
+        if self.split_k < 1:
+            raise ValueError(f"Int4Config.split_k must be >= 1, got {self.split_k}")
+
+
+def block_m_for(m: int) -> int:
+    return max(16, 1 << (max(m, 1) - 1).bit_length())
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def int4_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4Config:
+    """The config for x [m, k] times an INT4 [n, k] weight on a GPU with `num_sms` SMs."""
+    if m <= 64:
+        block_m = block_m_for(m)
+        block_n = 64 if n >= 16384 else 32
+        tiles = -(-n // block_n) * -(-m // block_m)
+        num_packs = -(-k // PACK_K)
+        split_k = 1
+        # Aim at two programs per SM, each with at least two packs of K to stream.
+        while tiles * split_k < 2 * num_sms and split_k < 8 and num_packs // (2 * split_k) >= 2:
+            split_k *= 2
+        return Int4Config(block_m, block_n, split_k, num_warps=4, num_stages=4, scale_after=True)
+    if m <= 256:
+        return Int4Config(64, 128, 1, num_warps=4, num_stages=3, scale_after=False)
+    return Int4Config(128, 128, 1, num_warps=8, num_stages=2, scale_after=False)
+
+
+def device_sms(device) -> int:
+    """Multiprocessor count of a CUDA device (cached); an H100's for the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    import torch
+
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["MAX_SPLIT_K_ROWS", "PACK_CHUNK", "Int4Config", "block_m_for", "device_sms", "int4_config"]
