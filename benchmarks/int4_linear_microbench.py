@@ -23,7 +23,13 @@ import triton
 from tokenmill.bench.latency import copy_bandwidth
 from tokenmill.bench.results import write_result
 from tokenmill.bench.timing import graph_ms
-from tokenmill.kernels.triton.int4_configs import Int4Config, block_m_for, device_sms, int4_config
+from tokenmill.kernels.triton.int4_configs import (
+    MAX_SPLIT_K_ROWS,
+    Int4Config,
+    block_m_for,
+    device_sms,
+    int4_config,
+)
 from tokenmill.kernels.triton.int4_linear import int4_linear, prepare_int4_weights
 from tokenmill.model.layers.cuda_linear import CudaLinearMethod
 
@@ -35,17 +41,27 @@ L2_BYTES_TO_OVERFLOW = 200 * 2**20
 
 
 def decode_candidates(m: int) -> list[Int4Config]:
-    tiles = ((32, 2), (64, 4), (128, 4), (128, 8))  # (block_n, num_warps)
-    return [Int4Config(block_m_for(m), n, s, w, 4, True) for n, w in tiles for s in (1, 2, 4, 8)]
+    """32 weight rows per warp (fewer leave the scale loads outside Triton's pipeline), weights as
+    the dot's left or right operand, a deeper pipeline, K split 1-8 ways."""
+    block_m = block_m_for(m)
+    if block_m == 64:
+        tiles = [(128, 4, 4, True, True), (128, 4, 3, False, True), (64, 2, 4, True, True)]
+        splits = (1, 2, 4)
+    else:
+        tiles = [(64, 2, 4, True, True), (64, 2, 6, True, True), (128, 4, 4, True, True), (128, 4, 4, True, False)]
+        splits = (1, 2, 4, 8)
+    return [
+        Int4Config(block_m, n, s, w, st, scale_after, w_left)
+        for n, w, st, scale_after, w_left in tiles
+        for s in splits
+    ]
 
 
 PREFILL_CANDIDATES = [
-    Int4Config(64, 128, 1, 4, 3, False),
-    Int4Config(64, 64, 1, 4, 4, False),
+    Int4Config(128, 128, dequantize=True),
     Int4Config(128, 128, 1, 8, 2, False),
-    Int4Config(128, 128, 1, 4, 2, False),
-    Int4Config(128, 64, 1, 4, 3, False),
-    Int4Config(64, 128, 1, 4, 3, True),
+    Int4Config(64, 128, 1, 4, 3, False),
+    Int4Config(64, 128, 1, 4, 4, True),
 ]
 
 
@@ -141,7 +157,7 @@ def main() -> None:
 
 def sweep(name, n, k, m, x, expected, weights, copies, io_bytes) -> dict:
     """Time each candidate config (checked first); print and return the best few."""
-    candidates = decode_candidates(m) if m <= 64 else PREFILL_CANDIDATES
+    candidates = decode_candidates(m) if m <= MAX_SPLIT_K_ROWS else PREFILL_CANDIDATES
     timed = {}
     for cfg in candidates:
         try:

@@ -25,7 +25,7 @@ if torch.cuda.is_available():
     import triton  # noqa: F401
 
     from tokenmill.bench.timing import capture_graph
-    from tokenmill.kernels.triton.int4_linear import int4_linear, prepare_int4_weights
+    from tokenmill.kernels.triton.int4_linear import dequantize_weights, int4_linear, prepare_int4_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,9 +38,11 @@ ROWS = [1, 3, 16, 32, 100, 512]
 
 
 @functools.lru_cache(maxsize=2)
-def _weights(k: int, n: int, group_size: int, act_order: bool):
+def _weights(k: int, n: int, group_size: int, act_order: bool, scale_dtype: torch.dtype = torch.float16):
     """(kernel weights, float32 dequantized W) of one random INT4 matrix, cached across cases."""
-    c = random_int4(n, k, group_size, act_order=act_order, device="cuda", seed=k + n + group_size)
+    c = random_int4(
+        n, k, group_size, act_order=act_order, scale_dtype=scale_dtype, device="cuda", seed=k + n + group_size
+    )
     return prepare_int4_weights(c.q, c.scales, c.zeros, c.group_size, c.g_idx), c.dequantize()
 
 
@@ -82,8 +84,9 @@ def test_group_sizes_and_act_order(k: int, group_size: int, act_order: bool, m: 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 16, 100])
+@pytest.mark.parametrize("m", [1, 16, 100, 512])
 def test_bias_residual_out_dtype(dtype: torch.dtype, m: int) -> None:
+    """Split-K decode, fused prefill-size tiles, and (512 rows) dequantize + cuBLAS."""
     k, n = 4096, 6144
     w, dense = _weights(k, n, 128, False)
     x = _x(m, k, dtype, seed=1)
@@ -97,13 +100,30 @@ def test_bias_residual_out_dtype(dtype: torch.dtype, m: int) -> None:
     _check(updated, product + residual.float(), dtype)
     logits = int4_linear(x, w, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
-    _check(logits, product, torch.bfloat16)  # no output rounding; the weights' rounding in scale-before tiles
+    _check(logits, product, dtype)
 
 
-@pytest.mark.parametrize("m, config", [(16, Int4Config(16, 64, 2)), (100, Int4Config(128, 128, 1, 8, 2, False))])
+@pytest.mark.parametrize("m", [1, 16, 512])
+def test_bfloat16_scales(m: int) -> None:
+    k, n = 4096, 4096
+    w, dense = _weights(k, n, 128, False, torch.bfloat16)
+    x = _x(m, k, seed=3)
+    _check(int4_linear(x, w), x.float() @ dense.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, Int4Config(16, 64, 2, num_warps=2)),
+        (16, Int4Config(16, 64, 2)),
+        (16, Int4Config(16, 128, 4, w_left=False)),
+        (32, Int4Config(32, 128, 2)),
+        (512, Int4Config(128, 128, 1, 8, 2, False)),  # the fused kernel at a prefill size
+    ],
+)
 def test_inline_ptx_unpacking_matches_plain_triton(m: int, config) -> None:
     """The `pack=2` inline asm pairs the two words of a column pair: if Triton ever handed it other
-    pairs, its products would differ from the plain split/join version's."""
+    pairs (another layout), its products would differ from the plain split/join version's."""
     k, n = 4096, 4096
     w, dense = _weights(k, n, 128, False)
     x = _x(m, k, seed=5)
@@ -111,6 +131,22 @@ def test_inline_ptx_unpacking_matches_plain_triton(m: int, config) -> None:
     plain = int4_linear(x, w, config=dataclasses.replace(config, asm_dequant=False))
     torch.testing.assert_close(fast, plain, rtol=0, atol=0)
     _check(fast, x.float() @ dense.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantized_weights_match_plain_triton_and_torch(dtype: torch.dtype) -> None:
+    """The large-M path's 16-bit weight (sorted columns): the same bits with and without the inline
+    asm; float16 (the scales' type) is (q - zero) * scale rounded once, bfloat16 within one rounding
+    of the scale and one of the product."""
+    k, n = 14336, 4096
+    w, dense = _weights(k, n, 32, True)
+    fast = dequantize_weights(w, dtype)
+    torch.testing.assert_close(fast, dequantize_weights(w, dtype, asm=False), rtol=0, atol=0)
+    expected = dense[:, w.perm[:k].long()]
+    if dtype == torch.float16:
+        torch.testing.assert_close(fast, expected.half(), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(fast.float(), expected, rtol=2**-7, atol=0)
 
 
 def test_cuda_graph_replays_with_new_inputs() -> None:

@@ -25,9 +25,14 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from tests.int4_reference import random_int4  # noqa: E402
-from tokenmill.kernels.triton.int4_configs import Int4Config, int4_config  # noqa: E402
-from tokenmill.kernels.triton.int4_kernel import dequant_plane, magic_for, magic_zeros  # noqa: E402
-from tokenmill.kernels.triton.int4_linear import dequantize_int4, int4_linear, prepare_int4_weights  # noqa: E402
+from tokenmill.kernels.triton.int4_configs import MAX_FUSED_ROWS, Int4Config, int4_config  # noqa: E402
+from tokenmill.kernels.triton.int4_dequant import dequant_plane, magic_for, magic_zeros  # noqa: E402
+from tokenmill.kernels.triton.int4_linear import (  # noqa: E402
+    dequantize_int4,
+    dequantize_weights,
+    int4_linear,
+    prepare_int4_weights,
+)
 from tokenmill.kernels.triton.int4_pack import PACK_CHUNK, PACK_K, pack_nibbles, unpack_nibbles  # noqa: E402
 
 interpreted_only = pytest.mark.skipif(
@@ -112,13 +117,16 @@ def test_int4_linear_refuses_bad_calls() -> None:
 
 
 def test_configs_split_k_only_for_few_rows() -> None:
-    """Decode sizes split K to fill the GPU; prefill sizes never do (one program per output tile)."""
+    """Decode sizes split K to fill the GPU; mid sizes run the fused kernel unsplit; prefill sizes
+    dequantize for cuBLAS."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (1, 16, 32, 64):
             cfg = int4_config(m, n, k)
-            assert cfg.block_m >= m and cfg.split_k >= 1
-        for m in (65, 512, 8192):
-            assert int4_config(m, n, k).split_k == 1
+            assert cfg.block_m >= m and cfg.split_k >= 1 and not cfg.dequantize
+        for m in (65, MAX_FUSED_ROWS):
+            assert int4_config(m, n, k).split_k == 1 and not int4_config(m, n, k).dequantize
+        for m in (MAX_FUSED_ROWS + 1, 8192):
+            assert int4_config(m, n, k).dequantize
     assert int4_config(1, 4096, 14336).split_k > 1
 
 
@@ -139,6 +147,10 @@ CASES = [  # (n, k, group_size, act_order, m, config)
     (130, 512, 128, False, 17, Int4Config(32, 64, scale_after=False)),  # 16-bit scaling; N past a tile
     (24, 768, 256, True, 70, Int4Config(64, 16, num_warps=2)),  # act-order by index_select (70 > 64 rows)
     (16, 1024, 512, False, 2, Int4Config(16, 16, split_k=4)),  # groups of two packs
+    (40, 512, 64, True, 3, Int4Config(16, 64, w_left=False)),  # weights as the dot's right operand
+    (130, 300, 32, False, 33, Int4Config(64, 32, split_k=2, w_left=False, scale_after=False)),
+    (24, 768, 256, True, 5, Int4Config(16, 16, dequantize=True)),  # 16-bit weights + F.linear
+    (130, 300, -1, False, 70, Int4Config(16, 16, dequantize=True)),
 ]
 
 
@@ -156,7 +168,8 @@ def test_kernel_matches_the_dequantized_product(n, k, group_size, act_order, m, 
 @interpreted_only
 def test_kernel_epilogue_bias_residual_out_dtype() -> None:
     """+ bias; + residual written into the residual itself (returned, split-K's last program
-    included); float32 output without the 16-bit rounding; leading dimensions kept."""
+    included); float32 output without the 16-bit rounding (fused kernel); leading dimensions kept;
+    the same through the dequantize + F.linear path."""
     n, k = 40, 512
     c = random_int4(n, k, 128, seed=3)
     w = _prepare(c)
@@ -165,7 +178,7 @@ def test_kernel_epilogue_bias_residual_out_dtype() -> None:
     bias = torch.randn(n, generator=gen).to(torch.float16)
     residual = torch.randn(2, 3, n, generator=gen).to(torch.float16)
     product = x.float() @ c.dequantize().t()
-    for config in (Int4Config(16, 32), Int4Config(16, 16, split_k=2)):
+    for config in (Int4Config(16, 32), Int4Config(16, 16, split_k=2), Int4Config(16, 16, dequantize=True)):
         _check(int4_linear(x, w, bias, config=config), product + bias.float())
         updated = residual.clone()
         out = int4_linear(x, w, residual=updated, config=config)
@@ -173,9 +186,24 @@ def test_kernel_epilogue_bias_residual_out_dtype() -> None:
         _check(updated, product + residual.float())
         logits = int4_linear(x, w, out_dtype=torch.float32, config=config)
         assert logits.dtype == torch.float32 and logits.shape == (2, 3, n)
-        torch.testing.assert_close(logits, product, rtol=1e-5, atol=1e-4)
+        if config.dequantize:  # F.linear's 16-bit output converted, as CudaLinearMethod does
+            _check(logits, product)
+        else:
+            torch.testing.assert_close(logits, product, rtol=1e-5, atol=1e-4)
     assert w.tile_counters.count_nonzero() == 0  # split-K left its counters at zero for the next call
     assert int4_linear(x[:, :0], w).shape == (2, 0, n)
+
+
+@interpreted_only
+@pytest.mark.parametrize("group_size, act_order", [(32, False), (128, True), (-1, False)])
+def test_dequantize_weights_rounds_once(group_size: int, act_order: bool) -> None:
+    """The 16-bit weight for cuBLAS: (q - zero) * scale rounded once, columns in the sorted order."""
+    c = random_int4(70, 300, group_size, act_order=act_order, seed=9)
+    w = _prepare(c)
+    dense = c.dequantize()
+    if w.perm is not None:
+        dense = dense[:, w.perm[: w.k].long()]
+    assert torch.equal(dequantize_weights(w, torch.float16), dense.half())
 
 
 @triton.jit
@@ -198,7 +226,7 @@ def test_magic_number_unpacking_is_exact() -> None:
     q = torch.arange(16, dtype=torch.uint8).repeat(16, PACK_K // 16)  # every q on every row
     zeros = torch.arange(16, dtype=torch.uint8)  # every zero point
     out = torch.empty(16, PACK_K, dtype=dtype)
-    _dequant_plane_probe[(1,)](pack_nibbles(q), zeros, out, MAGIC=magic_for(str(dtype)[6:]), R=16, C=PACK_CHUNK)
+    _dequant_plane_probe[(1,)](pack_nibbles(q), zeros, out, MAGIC=magic_for(dtype), R=16, C=PACK_CHUNK)
     assert torch.equal(out.float(), q.float() - zeros.float()[:, None])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tokenmill.kernels.triton.int4_pack import COUNTER_ROWS, N_ALIGN, PACK_CHUNK, PACK_K
+from tokenmill.kernels.triton.int4_pack import COUNTER_ROWS, N_ALIGN, PACK_K
 
 MAX_SPLIT_K_ROWS = COUNTER_ROWS  # the tile counters of Int4Weights are sized for this many rows
 
@@ -23,7 +23,11 @@ class Int4Config:
     num_warps: int = 4
     num_stages: int = 4
     scale_after: bool = True  # scale per-group partial sums in float32 (else scale weights in 16-bit)
+    # Weights as the dot's left operand (wgmma once a warpgroup has 64 of them, mma.sync below), else
+    # right (mma.sync for block_m < 64).
+    w_left: bool = True
     asm_dequant: bool = True  # on CUDA: unpack with inline PTX (else the interpreter's plain Triton)
+    dequantize: bool = False  # dequantize the whole weight to 16 bits and use cuBLAS (tiles unused)
 
     def check(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or N_ALIGN % self.block_n:
@@ -45,21 +49,29 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+MAX_FUSED_ROWS = 192  # beyond: dequantize + cuBLAS
+
+
 def int4_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4Config:
     """The config for x [m, k] times an INT4 [n, k] weight on a GPU with `num_sms` SMs."""
-    if m <= 64:
-        block_m = block_m_for(m)
-        block_n = 64 if n >= 16384 else 32
-        tiles = -(-n // block_n) * -(-m // block_m)
-        num_packs = -(-k // PACK_K)
-        split_k = 1
-        # Aim at two programs per SM, each with at least two packs of K to stream.
-        while tiles * split_k < 2 * num_sms and split_k < 8 and num_packs // (2 * split_k) >= 2:
-            split_k *= 2
-        return Int4Config(block_m, block_n, split_k, num_warps=4, num_stages=4, scale_after=True)
-    if m <= 256:
-        return Int4Config(64, 128, 1, num_warps=4, num_stages=3, scale_after=False)
-    return Int4Config(128, 128, 1, num_warps=8, num_stages=2, scale_after=False)
+    if m > MAX_FUSED_ROWS:
+        return Int4Config(128, 128, dequantize=True)
+    if m > MAX_SPLIT_K_ROWS:
+        return Int4Config(128, 128, 1, num_warps=8, num_stages=2, scale_after=False)
+    block_m = block_m_for(m)
+    # 32 weight rows per warp: fewer leave Triton re-loading the scales outside its software pipeline.
+    block_n, warps = (64, 2) if block_m == 16 else (128, 4)
+    return Int4Config(block_m, block_n, _split_k(m, n, k, block_m, block_n, num_sms), warps, 4)
+
+
+def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
+    """Enough programs for two per SM, each streaming at least two packs of K."""
+    tiles = -(-n // block_n) * -(-m // block_m)
+    num_packs = -(-k // PACK_K)
+    split_k = 1
+    while tiles * split_k < 2 * num_sms and split_k < 8 and num_packs // (2 * split_k) >= 2:
+        split_k *= 2
+    return split_k
 
 
 def device_sms(device) -> int:
@@ -71,4 +83,4 @@ def device_sms(device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["MAX_SPLIT_K_ROWS", "PACK_CHUNK", "Int4Config", "block_m_for", "device_sms", "int4_config"]
+__all__ = ["MAX_FUSED_ROWS", "MAX_SPLIT_K_ROWS", "Int4Config", "block_m_for", "device_sms", "int4_config"]

@@ -27,50 +27,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def dequant_plane(packed, j: tl.constexpr, zero_magic, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Nibble plane j of a [R, C] tile of words (int4_pack.py's layout), minus the zero points, as
-    exact small integers in DTYPE. `zero_magic` [R] is (zero | MAGIC) as DTYPE (`magic_zeros`).
-
-    Words 2c and 2c + 1 hold planes 0-3 and 4-7 of columns 2c (low halfword) and 2c + 1 (high), so
-    one shift and one LOP3 on one word make both 16-bit values of the register pair the tensor
-    cores read (ASM: the `pack=2` asm gets the two words of a column pair). The plain Triton
-    version (the interpreter's) splits and joins the same bits instead."""
-    SHIFT: tl.constexpr = 4 * (j % 4)
-    if ASM:
-        pair = tl.inline_asm_elementwise(
-            asm=f"{{ .reg .b32 t; shr.u32 t, {'$1' if j < 4 else '$2'}, {SHIFT}; "
-            f"lop3.b32 $0, t, 0x000F000F, {MAGIC * 0x10001}, 0xEA; }}",
-            constraints="=r,r,r",
-            args=[packed],
-            dtype=zero_magic.dtype,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        even, odd = tl.split(tl.reshape(packed, (packed.shape[0], packed.shape[1] // 2, 2)))
-        if j < 4:
-            word = even
-        else:
-            word = odd
-        low = (((word >> SHIFT) & 0xF) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
-        high = (((word >> (SHIFT + 16)) & 0xF) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
-        pair = tl.reshape(tl.join(low, high), (packed.shape[0], packed.shape[1]))
-    return pair - zero_magic[:, None]
+from tokenmill.kernels.triton.int4_dequant import dequant_plane, unpack_scale_zero
 
 
-@triton.jit
-def magic_zeros(zeros, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
-    return (zeros.to(tl.int32) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
-
-
-@triton.jit
+# Shape arguments are not specialized (on == 1 or on divisibility by 16): they only bound loops and
+# masks, and specializing them compiled one variant per matrix shape and row count.
+@triton.jit(do_not_specialize=["M", "N", "K", "num_packs", "packs_per_split"])
 def int4_matmul_kernel(
     x_ptr,  # [M, K] 16-bit, K contiguous, columns in checkpoint order
     w_ptr,  # [N_pad, K_pad // 8] int32 (int4_pack.py)
-    s_ptr,  # [G_pad, N_pad] 16-bit scales
-    z_ptr,  # [G_pad, N_pad] uint8 zero points
+    sz_ptr,  # [G_pad, N_pad] int32: scale's 16 bits | zero point << 16
     perm_ptr,  # [K_pad] int32: x column of sorted column k (read only with ACT_ORDER)
     bias_ptr,  # [N] (read only with HAS_BIAS)
     res_ptr,  # [M, N] (read only with HAS_RESIDUAL; may be y itself)
@@ -95,7 +61,9 @@ def int4_matmul_kernel(
     EVEN_K: tl.constexpr,  # K % (8 * CHUNK) == 0: x loads need no column mask
     SCALE_AFTER: tl.constexpr,
     ASM: tl.constexpr,  # dequantize with inline PTX (CUDA), else plain Triton (the interpreter)
+    SCALE_BF16: tl.constexpr,  # the scales' 16 bits are bfloat16 (else float16)
     SPLIT_K: tl.constexpr,
+    W_LEFT: tl.constexpr,  # weights as the dot's left operand (acc [BLOCK_N, BLOCK_M]), else right
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -116,17 +84,20 @@ def int4_matmul_kernel(
         first_pack = tl.program_id(2) * packs_per_split
         end_pack = tl.minimum(first_pack + packs_per_split, num_packs)
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if W_LEFT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(first_pack, end_pack):
         # Each weight byte is read once per call: don't let it push x out of L2.
         packed = tl.load(w_at + t * CHUNK, eviction_policy="evict_first")
         for j in tl.static_range(8):
             if (j * CHUNK) % GROUP == 0:  # a group starts here (at j = 0 only, for groups >= a pack)
                 group = (t * PACK + j * CHUNK) // GROUP
-                scale = tl.load(s_ptr + group * n_padded + cols)
-                zero_magic = magic_zeros(tl.load(z_ptr + group * n_padded + cols), MAGIC, DTYPE)
+                # One 4-byte load for both (cp.async copies 4 bytes or more: this one is pipelined).
+                scale, zero_magic = unpack_scale_zero(tl.load(sz_ptr + group * n_padded + cols), MAGIC, DTYPE, SCALE_BF16)
                 if SCALE_AFTER:
-                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    part = tl.zeros_like(acc)
             k = t * PACK + j * CHUNK + words
             if ACT_ORDER:
                 x_cols = tl.load(perm_ptr + k)
@@ -137,13 +108,24 @@ def int4_matmul_kernel(
             else:
                 xt = tl.load(x_rows + x_cols[:, None], mask=row_ok[None, :] & (k < K)[:, None], other=0.0)
             w = dequant_plane(packed, j, zero_magic, MAGIC, DTYPE, ASM)
-            if SCALE_AFTER:
+            if not SCALE_AFTER:
+                w = w * scale.to(DTYPE)[:, None]
+            if SCALE_AFTER and W_LEFT:
                 part = tl.dot(w, xt, part)
-                if ((j + 1) * CHUNK) % GROUP == 0 or j == 7:  # the group (or the pack) ends here
-                    acc += part * scale.to(tl.float32)[:, None]
+            elif SCALE_AFTER:
+                part = tl.dot(tl.trans(xt), tl.trans(w), part)
+            elif W_LEFT:
+                acc = tl.dot(w, xt, acc)
             else:
-                acc = tl.dot(w * scale.to(DTYPE)[:, None], xt, acc)
+                acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+            if SCALE_AFTER and (((j + 1) * CHUNK) % GROUP == 0 or j == 7):  # the group (or pack) ends here
+                if W_LEFT:
+                    acc += part * scale.to(tl.float32)[:, None]
+                else:
+                    acc += part * scale.to(tl.float32)[None, :]
 
+    if not W_LEFT:
+        acc = tl.trans(acc)
     col_ok = cols < N
     if SPLIT_K > 1:
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -187,12 +169,3 @@ def _epilogue(
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask).to(tl.float32)
     tl.store(y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def magic_for(dtype_name: str) -> int:
-    """The exponent bits that make a nibble's 16-bit pattern a float: 1024 + q (float16), 128 + q
-    (bfloat16)."""
-    return {"float16": 0x6400, "bfloat16": 0x4300}[dtype_name]
-
-
-__all__ = ["dequant_plane", "int4_matmul_kernel", "magic_for", "magic_zeros", "triton"]

@@ -11,8 +11,10 @@ land where the tensor cores want them without moving between threads:
   plane by nibble plane, into eight [BLOCK_N, CHUNK] weight tiles of the same shape and register
   layout, each multiplied with a contiguous CHUNK-column slice of x: no reshape, no shuffle.
 - `packed` is out-major, int32 [N_pad, K_pad / 8]: each output row streams contiguously along K.
-- `scales` and `zeros` are group-major [G_pad, N_pad], so a tile's BLOCK_N values of one group are
-  one coalesced read.
+- `scale_zero` is group-major int32 [G_pad, N_pad], the scale's 16 bits with the zero point above
+  them: a tile's BLOCK_N (scale, zero) pairs of one group are one coalesced read of 4 bytes each,
+  the least that Triton's software pipeline copies asynchronously (smaller loads would stall each
+  K step for a full memory round trip).
 - Act-order checkpoints (g_idx not k // group_size): the columns are sorted by group once here,
   so groups are contiguous; `perm[k]` is the x column that sorted column k multiplies, gathered at
   run time.
@@ -38,8 +40,8 @@ class Int4Weights:
     """Kernel-ready INT4 weights of one [N, K] matrix (see the module docstring for the layout)."""
 
     packed: torch.Tensor  # int32 [n_padded, k_padded // 8]
-    scales: torch.Tensor  # 16-bit [num_groups_padded, n_padded]
-    zeros: torch.Tensor  # uint8 [num_groups_padded, n_padded]
+    scale_zero: torch.Tensor  # int32 [num_groups_padded, n_padded]: scale bits | zero << 16
+    scale_dtype: torch.dtype  # the scales' 16-bit float type
     perm: torch.Tensor | None  # int32 [k_padded]: x column of sorted column k (act-order only)
     tile_counters: torch.Tensor  # int32, zero between calls: split-K's arrival count per output tile
     n: int  # output features
@@ -60,7 +62,15 @@ class Int4Weights:
 
     def nbytes(self) -> int:
         """Device bytes read per matmul: packed weights, scales and zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
+    def scales(self) -> torch.Tensor:
+        """[num_groups_padded, n_padded] in scale_dtype."""
+        return (self.scale_zero & 0xFFFF).to(torch.int16).view(self.scale_dtype)
+
+    def zeros(self) -> torch.Tensor:
+        """[num_groups_padded, n_padded] uint8."""
+        return (self.scale_zero >> 16).to(torch.uint8)
 
 
 def prepare_int4_weights(
@@ -115,17 +125,16 @@ def prepare_int4_weights(
         group_size = k_padded  # one group covering every (padded) column
     groups_padded = -(-k_padded // group_size)
     q = torch.nn.functional.pad(q, (0, k_padded - k, 0, n_padded - n))
-    # Padded groups and rows get scale 0: their weights dequantize to exactly 0.
-    scales_t = torch.zeros((groups_padded, n_padded), dtype=scales.dtype, device=device)
-    scales_t[:num_groups, :n] = scales.t()
-    zeros_t = torch.zeros((groups_padded, n_padded), dtype=torch.uint8, device=device)
-    zeros_t[:num_groups, :n] = zeros.t()
+    # Padded groups and rows get scale 0 (all bits 0): their weights dequantize to exactly 0.
+    scale_zero = torch.zeros((groups_padded, n_padded), dtype=torch.int32, device=device)
+    scale_bits = scales.t().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    scale_zero[:num_groups, :n] = scale_bits | (zeros.t().to(torch.int32) << 16)
     if perm is not None:
         perm = torch.nn.functional.pad(perm.to(torch.int32), (0, k_padded - k)).contiguous()
     return Int4Weights(
         packed=pack_nibbles(q),
-        scales=scales_t.contiguous(),
-        zeros=zeros_t.contiguous(),
+        scale_zero=scale_zero,
+        scale_dtype=scales.dtype,
         perm=perm,
         tile_counters=torch.zeros(n_padded // _MIN_BLOCK * (COUNTER_ROWS // _MIN_BLOCK), dtype=torch.int32, device=device),
         n=n,
