@@ -1,4 +1,4 @@
-"""Llama-3.1-8B's linear layers: today's 16-bit CUDA path against the W4A16 kernel (kernels/triton/int4_linear.py).
+"""Llama-3.1-8B's linear layers: the 16-bit CUDA path against INT4 W4A16 (kernels/triton/int4_linear.py).
 
 The bf16 side is `CudaLinearMethod.apply` as the engine runs it: the row GEMV for one row, the skinny
 GEMM for 2-8, cuBLAS beyond. The INT4 side is `int4_linear` with group-128 weights (AWQ / GPTQ's
@@ -33,8 +33,13 @@ from tokenmill.kernels.triton.int4_configs import (
 from tokenmill.kernels.triton.int4_linear import int4_linear, prepare_int4_weights
 from tokenmill.model.layers.cuda_linear import CudaLinearMethod
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+SHAPES = {  # name: (N, K)
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 SWEEP_ROWS = (1, 16, 32, 64, 128, 512)
 GROUP_SIZE = 128
 L2_BYTES_TO_OVERFLOW = 200 * 2**20
@@ -48,7 +53,12 @@ def decode_candidates(m: int) -> list[Int4Config]:
         tiles = [(128, 4, 4, True, True), (128, 4, 3, False, True), (64, 2, 4, True, True)]
         splits = (1, 2, 4)
     else:
-        tiles = [(64, 2, 4, True, True), (64, 2, 6, True, True), (128, 4, 4, True, True), (128, 4, 4, True, False)]
+        tiles = [
+            (64, 2, 4, True, True),
+            (64, 2, 6, True, True),
+            (128, 4, 4, True, True),
+            (128, 4, 4, True, False),
+        ]
         splits = (1, 2, 4, 8)
     return [
         Int4Config(block_m, n, s, w, st, scale_after, w_left)
@@ -83,7 +93,9 @@ def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help=f"also time candidate tiles at rows {SWEEP_ROWS}")
+    parser.add_argument(
+        "--sweep", action="store_true", help=f"also time candidate tiles at rows {SWEEP_ROWS}"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -93,7 +105,9 @@ def main() -> None:
     bandwidth = copy_bandwidth("cuda")
     device = torch.device("cuda")
     sms = device_sms(device)
-    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    print(
+        f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}"
+    )
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); us per matmul, GB/s of bytes moved")
     bf16_method = CudaLinearMethod()
     results, sweeps = [], []
@@ -113,7 +127,8 @@ def main() -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             expected = x.float() @ dense_first.t()
             io_bytes = m * k * 2 + m * n * 2
-            bf16_us = graph_ms([lambda layer=layer, x=x: bf16_method.apply(layer, x) for layer in layers]) * 1e3 / copies
+            bf16_calls = [lambda layer=layer, x=x: bf16_method.apply(layer, x) for layer in layers]
+            bf16_us = graph_ms(bf16_calls) * 1e3 / copies
             cfg = int4_config(m, n, weights[0].k_padded, sms)
             err = relative_error(int4_linear(x, weights[0]), expected)
             int4_us = graph_ms([lambda w=w, x=x: int4_linear(x, w) for w in weights]) * 1e3 / copies
@@ -127,7 +142,8 @@ def main() -> None:
             }  # fmt: skip
             results.append(row)
             print(
-                f"  {name:8s} m={m:4d}  bf16 {bf16_us:8.2f} us {row['bf16_gbps']:7.0f} GB/s   int4 {int4_us:8.2f} us "
+                f"  {name:8s} m={m:4d}  bf16 {bf16_us:8.2f} us {row['bf16_gbps']:7.0f} GB/s   "
+                f"int4 {int4_us:8.2f} us "
                 f"{row['int4_gbps']:7.0f} GB/s   x{row['speedup']:.2f}  err {err:.1e}  {cfg}",
                 flush=True,
             )
@@ -143,7 +159,10 @@ def main() -> None:
             bf16 = sum(r["bf16_us"] for r in picked)
             int4 = sum(r["int4_us"] for r in picked)
             summary[str(m)] = {"bf16_us": bf16, "int4_us": int4, "speedup": bf16 / int4}
-            print(f"  layer (qkv + o + gate_up + down) m={m:4d}: bf16 {bf16:8.2f} us  int4 {int4:8.2f} us  x{bf16 / int4:.2f}")
+            print(
+                f"  layer (qkv + o + gate_up + down) m={m:4d}: bf16 {bf16:8.2f} us  int4 {int4:8.2f} us  "
+                f"x{bf16 / int4:.2f}"
+            )
     path = write_result(
         "int4-linear-microbench",
         {"shapes": {s: SHAPES[s] for s in args.shapes}, "rows": args.rows, "group_size": GROUP_SIZE,
@@ -165,13 +184,15 @@ def sweep(name, n, k, m, x, expected, weights, copies, io_bytes) -> dict:
             if err > 1e-2:
                 print(f"    sweep {name} m={m} {cfg}: relative error {err:.1e}, skipped")
                 continue
-            timed[cfg] = graph_ms([lambda w=w, c=cfg: int4_linear(x, w, config=c) for w in weights]) * 1e3 / copies
+            calls = [lambda w=w, c=cfg: int4_linear(x, w, config=c) for w in weights]
+            timed[cfg] = graph_ms(calls) * 1e3 / copies
         except Exception as exc:  # a config the compiler rejects (shared memory): report it, go on
             print(f"    sweep {name} m={m} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
     ranked = sorted(timed, key=timed.get)
     moved = weights[0].nbytes() + io_bytes
     for cfg in ranked[:4]:
-        print(f"    sweep {name} m={m}: {timed[cfg]:8.2f} us {moved / timed[cfg] / 1e3:7.0f} GB/s  {cfg}", flush=True)
+        gbps = moved / timed[cfg] / 1e3
+        print(f"    sweep {name} m={m}: {timed[cfg]:8.2f} us {gbps:7.0f} GB/s  {cfg}", flush=True)
     return {"shape": name, "m": m, "timed": [{"config": repr(c), "us": timed[c]} for c in ranked]}
 
 

@@ -67,7 +67,13 @@ def test_pack_puts_each_nibble_where_the_kernel_reads_it() -> None:
 
 @pytest.mark.parametrize(
     "n, k, group_size, act_order",
-    [(24, 96, -1, False), (130, 300, 32, False), (40, 512, 64, True), (16, 700, 128, True), (8, 1024, 512, False)],
+    [
+        (24, 96, -1, False),
+        (130, 300, 32, False),
+        (40, 512, 64, True),
+        (16, 700, 128, True),
+        (8, 1024, 512, False),
+    ],
 )
 def test_prepare_keeps_the_weights(n: int, k: int, group_size: int, act_order: bool) -> None:
     """The repacked weights (padded, columns sorted by group for act-order) dequantize to exactly the
@@ -82,7 +88,8 @@ def test_prepare_keeps_the_weights(n: int, k: int, group_size: int, act_order: b
 def test_prepare_refuses_what_the_kernel_cannot_run() -> None:
     c = random_int4(8, 256, 64)
     with pytest.raises(ValueError, match="group_size 48"):
-        prepare_int4_weights(c.q, torch.zeros(8, 6, dtype=torch.float16), torch.zeros(8, 6, dtype=torch.uint8), 48)
+        scales, zeros = torch.zeros(8, 6, dtype=torch.float16), torch.zeros(8, 6, dtype=torch.uint8)
+        prepare_int4_weights(c.q, scales, zeros, 48)
     with pytest.raises(ValueError, match=r"scales must be float16/bfloat16 \[N, G\] = \[8, 4\]"):
         prepare_int4_weights(c.q, c.scales[:, :3], c.zeros, 64)
     with pytest.raises(ValueError, match=r"zeros must be uint8 \[N, G\] = \[8, 4\]"):
@@ -207,7 +214,9 @@ def test_dequantize_weights_rounds_once(group_size: int, act_order: bool) -> Non
 
 
 @triton.jit
-def _dequant_plane_probe(packed_ptr, zeros_ptr, out_ptr, MAGIC: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def _dequant_plane_probe(
+    packed_ptr, zeros_ptr, out_ptr, MAGIC: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+):
     rows = tl.arange(0, R)
     words = tl.arange(0, C)
     packed = tl.load(packed_ptr + rows[:, None] * C + words[None, :])

@@ -49,27 +49,37 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-MAX_FUSED_ROWS = 192  # beyond: dequantize + cuBLAS
+# Beyond this many rows: dequantize + cuBLAS. On an H100 (benchmarks/results/int4-linear-microbench-*)
+# the fused kernel won at 128 rows on 3 of Llama-3.1-8B's 4 shapes and lost on all at 512.
+MAX_FUSED_ROWS = 256
 
 
 def int4_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4Config:
-    """The config for x [m, k] times an INT4 [n, k] weight on a GPU with `num_sms` SMs."""
+    """The config for x [m, k] times an INT4 [n, k] weight on a GPU with `num_sms` SMs: the best of
+    the microbenchmark's sweep on an H100 at Llama-3.1-8B's shapes, as rules.
+
+    Tiles keep 32 weight rows per warp (with 16, Triton re-loads the scales outside its software
+    pipeline); up to 32 rows of x, two warps on 64 weight rows (mma.sync, no waits between the
+    per-plane dots); K is split until there are about two programs per SM (64 rows: about 0.7, the
+    tiles being four times larger)."""
     if m > MAX_FUSED_ROWS:
         return Int4Config(128, 128, dequantize=True)
     if m > MAX_SPLIT_K_ROWS:
-        return Int4Config(128, 128, 1, num_warps=8, num_stages=2, scale_after=False)
+        return Int4Config(64, 128, 1, num_warps=4, num_stages=4)
     block_m = block_m_for(m)
-    # 32 weight rows per warp: fewer leave Triton re-loading the scales outside its software pipeline.
-    block_n, warps = (64, 2) if block_m == 16 else (128, 4)
-    return Int4Config(block_m, block_n, _split_k(m, n, k, block_m, block_n, num_sms), warps, 4)
+    if block_m == 64:
+        return Int4Config(64, 128, _split_k(m, n, k, 64, 128, 0.7 * num_sms), num_warps=4, num_stages=4)
+    if block_m == 32 and -(-n // 64) >= 2 * num_sms:  # wide (gate_up): tiles enough, 4 warps on 128 rows
+        return Int4Config(32, 128, 1, num_warps=4, num_stages=4, w_left=False)
+    return Int4Config(block_m, 64, _split_k(m, n, k, block_m, 64, 1.9 * num_sms), num_warps=2, num_stages=4)
 
 
-def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
-    """Enough programs for two per SM, each streaming at least two packs of K."""
+def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, min_programs: float) -> int:
+    """Split K until there are `min_programs` programs, each streaming at least two packs of K."""
     tiles = -(-n // block_n) * -(-m // block_m)
     num_packs = -(-k // PACK_K)
     split_k = 1
-    while tiles * split_k < 2 * num_sms and split_k < 8 and num_packs // (2 * split_k) >= 2:
+    while tiles * split_k < min_programs and split_k < 8 and num_packs // (2 * split_k) >= 2:
         split_k *= 2
     return split_k
 

@@ -16,7 +16,9 @@ import triton.language as tl
 
 
 @triton.jit
-def dequant_plane(packed, j: tl.constexpr, zero_magic, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+def dequant_plane(
+    packed, j: tl.constexpr, zero_magic, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr
+):
     """Nibble plane j of a [R, C] tile of words (int4_pack.py's layout), minus the zero points, as
     exact small integers in DTYPE. `zero_magic` [R] is (zero | MAGIC) as DTYPE (`magic_zeros`).
 
@@ -91,7 +93,8 @@ def dequantize_kernel(
     for j in tl.static_range(8):
         if (j * CHUNK) % GROUP == 0:
             group = (t * PACK + j * CHUNK) // GROUP
-            scale, zero_magic = unpack_scale_zero(tl.load(sz_ptr + group * n_padded + rows), MAGIC, DTYPE, SCALE_BF16)
+            scale_zero = tl.load(sz_ptr + group * n_padded + rows)
+            scale, zero_magic = unpack_scale_zero(scale_zero, MAGIC, DTYPE, SCALE_BF16)
         w = dequant_plane(packed, j, zero_magic, MAGIC, DTYPE, ASM) * scale.to(DTYPE)[:, None]
         cols = t * PACK + j * CHUNK + words
         tl.store(out_rows + cols[None, :], w, mask=row_ok & (cols < K)[None, :])

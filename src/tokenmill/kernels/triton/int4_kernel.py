@@ -1,18 +1,16 @@
 """The W4A16 matmul kernel: 16-bit x [M, K] times INT4 weights (int4_pack.py layout), on the GPU.
 
 Decode is a weight read, and INT4 weights are a quarter of the 16-bit bytes, so the work per byte
-matters: each int32 word is loaded once and unpacked in registers into eight values that feed
-eight `tl.dot`s of the same [BLOCK_N, CHUNK] shape (see int4_pack.py), with the weight as the
-dot's left operand (rows = output features), so the tile stays in registers; x^T [CHUNK, BLOCK_M]
-is the right operand. The accumulator is float32 [BLOCK_N, BLOCK_M].
+matters: each int32 word is loaded once and unpacked in registers (int4_dequant.py) into eight
+values that feed eight `tl.dot`s of the same [BLOCK_N, CHUNK] shape (see int4_pack.py), the
+dequantized tile never leaving registers. W_LEFT puts the weights on the dot's left (rows = output
+features: wgmma once a warpgroup holds 64 rows, mma.sync below) or right (x on the left: mma.sync
+for BLOCK_M < 64); the accumulator is float32 either way.
 
-Dequantization without int-to-float conversions (a quarter-rate instruction): a nibble OR'ed into
-the exponent bits of 1024.0 (float16, 0x6400) or 128.0 (bfloat16, 0x4300) *is* that number plus the
-nibble, so `(q | MAGIC) as 16-bit - (zero | MAGIC) as 16-bit` is q - zero, exactly. Then either
+Zero points are subtracted exactly in 16 bits (int4_dequant.py); then either
 - SCALE_AFTER: the dot takes the exact integers and the per-group partial sum is scaled in float32
   (one multiply per output element per group instead of one per weight), or
-- not: the weight is scaled in 16-bit before the dot (one rounding, as Marlin does); better for
-  large tiles, where a second accumulator costs registers.
+- not: the weight is scaled in 16-bit before the dot (one rounding, as Marlin does).
 
 Few rows leave few output tiles, so SPLIT_K programs share a tile's K range: each stores its float32
 partial sums to a workspace and counts itself in (an atomic per tile, after a barrier, with release
@@ -95,7 +93,8 @@ def int4_matmul_kernel(
             if (j * CHUNK) % GROUP == 0:  # a group starts here (at j = 0 only, for groups >= a pack)
                 group = (t * PACK + j * CHUNK) // GROUP
                 # One 4-byte load for both (cp.async copies 4 bytes or more: this one is pipelined).
-                scale, zero_magic = unpack_scale_zero(tl.load(sz_ptr + group * n_padded + cols), MAGIC, DTYPE, SCALE_BF16)
+                scale_zero = tl.load(sz_ptr + group * n_padded + cols)
+                scale, zero_magic = unpack_scale_zero(scale_zero, MAGIC, DTYPE, SCALE_BF16)
                 if SCALE_AFTER:
                     part = tl.zeros_like(acc)
             k = t * PACK + j * CHUNK + words
@@ -139,7 +138,11 @@ def int4_matmul_kernel(
         if arrived == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                acc += tl.load(ws_at + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+                # .cg: from L2, where the other programs' stores are, not from a stale L1 line.
+                partial = tl.load(
+                    ws_at + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg"
+                )
+                acc += partial
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
             _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym,
                       HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
@@ -167,5 +170,7 @@ def _epilogue(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_RESIDUAL:
-        acc += tl.load(res_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask).to(tl.float32)
-    tl.store(y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        residual = tl.load(res_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask)
+        acc += residual.to(tl.float32)
+    y_at = y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None]
+    tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -74,7 +74,8 @@ def int4_linear(
         y = residual.view(-1, n)  # a view of residual, or an error for a layout that has none
         if y.stride(-1) != 1:
             raise ValueError(
-                f"int4_linear's residual must be contiguous in its last dimension, got strides {residual.stride()}"
+                "int4_linear's residual must be contiguous in its last dimension, "
+                f"got strides {residual.stride()}"
             )
     cfg = config or int4_config(m, n, w.k_padded, device_sms(x.device))
     cfg.check()
@@ -94,7 +95,12 @@ def int4_linear(
 
 
 def _fused_matmul(
-    x2: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None, add_to_y: bool, y: torch.Tensor, cfg: Int4Config
+    x2: torch.Tensor,
+    w: Int4Weights,
+    bias: torch.Tensor | None,
+    add_to_y: bool,
+    y: torch.Tensor,
+    cfg: Int4Config,
 ) -> None:
     """y (+)= x2 @ W.T + bias with the Triton W4A16 kernel."""
     m, n = x2.shape[0], w.n
@@ -106,7 +112,9 @@ def _fused_matmul(
         )
     gather_in_kernel = w.act_order and m <= MAX_IN_KERNEL_GATHER_ROWS  # else int4_linear gathered x
     num_packs = w.k_padded // PACK_K
-    workspace = torch.empty((split_k, m, w.n_padded), dtype=torch.float32, device=x2.device) if split_k > 1 else y
+    workspace = y  # unused without split-K
+    if split_k > 1:
+        workspace = torch.empty((split_k, m, w.n_padded), dtype=torch.float32, device=x2.device)
     int4_matmul_kernel[(grid_n, grid_m, split_k)](
         x2,
         w.packed,

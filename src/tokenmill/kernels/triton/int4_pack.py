@@ -94,19 +94,24 @@ def prepare_int4_weights(
     if n == 0 or k == 0:
         raise ValueError(f"INT4 weights need N, K > 0, got [N, K] = [{n}, {k}]")
     per_channel = group_size == -1 or group_size >= k
-    if not per_channel and (group_size <= 0 or group_size % PACK_CHUNK or (PACK_K % group_size and group_size % PACK_K)):
+    whole_planes = group_size > 0 and group_size % PACK_CHUNK == 0
+    aligned = whole_planes and (PACK_K % group_size == 0 or group_size % PACK_K == 0)
+    if not per_channel and not aligned:
         raise ValueError(
             f"INT4 group_size {group_size} (K = {k}) is not supported: use per-channel (-1 or >= K) or a "
-            f"multiple of {PACK_CHUNK} that divides {PACK_K} or is a multiple of it (32, 64, 128, 256, 512, ...)"
+            f"multiple of {PACK_CHUNK} that divides {PACK_K} or is a multiple of it "
+            "(32, 64, 128, 256, 512, ...)"
         )
     num_groups = 1 if per_channel else -(-k // group_size)
-    if scales.dim() != 2 or tuple(scales.shape) != (n, num_groups) or scales.dtype not in (torch.float16, torch.bfloat16):
+    if tuple(scales.shape) != (n, num_groups) or scales.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"INT4 scales must be float16/bfloat16 [N, G] = [{n}, {num_groups}] for K = {k} and group_size "
             f"{group_size}, got {scales.dtype} {tuple(scales.shape)}"
         )
     if tuple(zeros.shape) != (n, num_groups) or zeros.dtype != torch.uint8:
-        raise ValueError(f"INT4 zeros must be uint8 [N, G] = [{n}, {num_groups}], got {zeros.dtype} {tuple(zeros.shape)}")
+        raise ValueError(
+            f"INT4 zeros must be uint8 [N, G] = [{n}, {num_groups}], got {zeros.dtype} {tuple(zeros.shape)}"
+        )
     if int(q.max()) > 15 or int(zeros.max()) > 15:
         raise ValueError("INT4 q and zeros must hold values 0..15 (one nibble each, unpacked)")
     device = q.device
@@ -115,7 +120,9 @@ def prepare_int4_weights(
     if g_idx is not None and not per_channel:
         perm = _act_order_permutation(g_idx, k, group_size, device)
     elif g_idx is not None and (g_idx.numel() != k or bool((g_idx.to(device) != 0).any())):
-        raise ValueError(f"INT4 per-channel weights (K = {k}) need g_idx all zero or None, got a g_idx of {g_idx.numel()}")
+        raise ValueError(
+            f"INT4 per-channel weights (K = {k}) need g_idx all zero or None, got a g_idx of {g_idx.numel()}"
+        )
     if perm is not None:
         q = q.index_select(1, perm)
 
@@ -136,7 +143,9 @@ def prepare_int4_weights(
         scale_zero=scale_zero,
         scale_dtype=scales.dtype,
         perm=perm,
-        tile_counters=torch.zeros(n_padded // _MIN_BLOCK * (COUNTER_ROWS // _MIN_BLOCK), dtype=torch.int32, device=device),
+        tile_counters=torch.zeros(
+            n_padded // _MIN_BLOCK * (COUNTER_ROWS // _MIN_BLOCK), dtype=torch.int32, device=device
+        ),
         n=n,
         k=k,
         group_size=group_size,
@@ -150,18 +159,24 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     in bits 4 * i + 16 * h of word 2c + s."""
     n, k = q.shape
     planes = q.reshape(n, k // PACK_K, 2, 4, PACK_CHUNK // 2, 2).to(torch.int64)  # [n, t, s, i, c, h]
-    shifts = (4 * torch.arange(4, device=q.device).view(4, 1, 1) + 16 * torch.arange(2, device=q.device)).view(4, 1, 2)
+    shifts = _nibble_shifts(q.device)
     words = (planes << shifts).sum(dim=(3, 5))  # [n, t, s, c] < 2**32: the nibbles don't overlap
     words = words.transpose(2, 3)  # [n, t, c, s]: word 2c + s
     words = torch.where(words >= 2**31, words - 2**32, words)  # the same 32 bits as a signed int32
     return words.to(torch.int32).reshape(n, k // 8).contiguous()
 
 
+def _nibble_shifts(device) -> torch.Tensor:
+    """[4, 1, 2]: the bit offset of plane 4 * s + i of column 2c + h in word 2c + s (i, h)."""
+    return (4 * torch.arange(4, device=device).view(4, 1) + 16 * torch.arange(2, device=device)).view(4, 1, 2)
+
+
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_nibbles`: int32 [N, K / 8] -> uint8 [N, K]."""
     n, words = packed.shape
-    w = packed.to(torch.int64).reshape(n, words // PACK_CHUNK, PACK_CHUNK // 2, 2).transpose(2, 3)  # [n, t, s, c]
-    shifts = (4 * torch.arange(4, device=packed.device).view(4, 1, 1) + 16 * torch.arange(2, device=packed.device)).view(4, 1, 2)
+    w = packed.to(torch.int64).reshape(n, words // PACK_CHUNK, PACK_CHUNK // 2, 2)  # [n, t, c, s]
+    w = w.transpose(2, 3)  # [n, t, s, c]
+    shifts = _nibble_shifts(packed.device)
     planes = (w[:, :, :, None, :, None] >> shifts) & 0xF  # [n, t, s, i, c, h]
     return planes.to(torch.uint8).reshape(n, words * 8)
 
@@ -179,7 +194,8 @@ def _act_order_permutation(g_idx: torch.Tensor, k: int, group_size: int, device)
     if not torch.equal(g_idx[perm], default):
         counts = torch.bincount(g_idx.clamp(min=0), minlength=-(-k // group_size)).tolist()
         raise ValueError(
-            f"INT4 act-order g_idx must put {group_size} columns in each group of 0..{-(-k // group_size) - 1} "
+            f"INT4 act-order g_idx must put {group_size} columns in each group of "
+            f"0..{-(-k // group_size) - 1} "
             f"(the last may have fewer), got group sizes {counts[:8]}{'...' if len(counts) > 8 else ''}"
         )
     return perm
