@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16, quantized Llama-3.1-8B shapes on one GPU, every format in the same call as bf16:
 #   STEPS=tests,latency,throughput QUANTS="none fp8 awq" benchmarks/quantization.sh
-# tests: the GPU tests of the quantized paths (kernels at real shapes, engine greedy agreement).
+# tests: the GPU tests of the quantized paths (kernels at real shapes, engine greedy agreement;
+#   TESTS=... to pick files).
 # latency: `bench latency` 512 in / 256 out, single stream, per --quantization (dummy bf16 weights
 #   quantized at load: fp8 = per-channel FP8 W8A8, awq = 4-bit groups of 128 with zero points); the
 #   roofline counts the bytes each format reads.
@@ -30,7 +31,7 @@ quant_args() { [[ "$1" == none ]] || echo "--quantization $1"; }
 
 if has tests; then
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rA -m gpu \
-    tests/gpu/test_quantized_gpu.py tests/unit/test_fp8_kernels.py tests/unit/test_int4_kernels.py 2>&1 |
+    ${TESTS:-tests/gpu/test_quantized_gpu.py tests/gpu/test_fp8_kernels_gpu.py tests/gpu/test_int4_kernels_gpu.py} 2>&1 |
     tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
 fi
 
