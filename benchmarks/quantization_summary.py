@@ -4,8 +4,8 @@ quantization-summary-{gpu}.json beside them."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -42,4 +42,8 @@ def main(out: str, gpu: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("dir", help="the OUT directory of benchmarks/quantization.sh")
+    parser.add_argument("gpu", help="the result files' GPU suffix (h100, h200)")
+    args = parser.parse_args()
+    main(args.dir, args.gpu)

@@ -1,11 +1,14 @@
-"""Quantized models on a CUDA GPU, through the FP8 / INT4 Triton kernels and CUDA graphs: greedy
-tokens in bf16 agree with transformers' bf16 on the dequantized weights, and graphs and eager
-agree with each other.
+"""Quantized models on a CUDA GPU, through the FP8 / INT4 Triton kernels and CUDA graphs, in bf16
+against transformers' bf16 on the dequantized weights.
 
-The engine's FP8 path also quantizes activations (per token) where transformers multiplies 16-bit
-activations with the dequantized weights, so the two may part at a step whose best two logprobs
-are close: allowed below `margin` (0.25 nats for W8A8, 0.1 for the 16-bit activations of W4A16),
-never within the first 4 tokens; the chosen tokens' logprobs must stay close.
+Two measures per model: teacher-forced logprobs of prompt tokens (every position compared, no
+compounding), and greedy continuations, which may part from transformers' only where its best two
+logprobs are close. The engine's FP8 path quantizes a prefill's activations per token to e4m3 (a
+2-3 % relative error per product at these widths, measured on an H100), so for FP8 transformers'
+projections get the same per-token fake quantization of their inputs (`_fake_fp8_inputs`); without
+it the tiny random models' logprobs moved by up to 1.6 nats (mean 0.25) on an H100. The INT4 path
+rounds scales to bf16 (mean 0.035 nats measured). The CPU tests hold the same checkpoints to
+transformers exactly (tests/engine/test_quantized_models.py); these check the kernels' wiring.
 """
 
 from __future__ import annotations
@@ -29,69 +32,78 @@ pytestmark = [
 ]
 
 quantized_checkpoint = quantized_checkpoints.quantized_checkpoint  # the session fixture
-MAX_NEW = 24
-LAYOUTS = {  # layout -> allowed top-2 margin at a divergence
-    "ct-fp8-channel": 0.25,
-    "ct-fp8-block": 0.25,
-    "hf-fp8-block": 0.25,
-    "awq-g128": 0.1,
-    "gptq-g32-sym-actorder": 0.1,
-}
+MAX_NEW = 16
+# (max |logprob diff|, mean |logprob diff|, top-2 margin below which greedy tokens may part)
+TOLERANCES = {"fp8": (0.4, 0.06, 0.6), "int4": (0.25, 0.05, 0.3)}
+LAYOUTS = ["ct-fp8-channel", "ct-fp8-block", "hf-fp8-block", "awq-g128", "gptq-g32-sym-actorder"]
 
 
 @functools.cache
-def _hf_bf16(path: str):
+def _hf_bf16(path: str, fake_fp8_group: int | None):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    if fake_fp8_group is not None:
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                module.register_forward_pre_hook(functools.partial(_fake_fp8_inputs, group=fake_fp8_group))
+    return model
 
 
-def _hf_greedy(path: str, prompt: list[int]) -> tuple[list[int], list[float], list[float]]:
-    """transformers' bf16 tokens, their logprobs, and each step's top-2 logprob margin."""
-    model = _hf_bf16(path)
-    ids = torch.tensor([prompt], device="cuda")
+def _fake_fp8_inputs(module, args, group: int):
+    """The input rounded as the W8A8 kernels see it: per token (group 0; per-channel weights) or per
+    `group` columns of a token (block weights), scale = absmax / 448, e4m3 values."""
+    (x,) = args
+    shape = x.shape
+    if group:
+        x = x.unflatten(-1, (shape[-1] // group, group))
+    scale = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype).reshape(shape)
+
+
+def _hf_logprobs(path: str, ids: list[int], fake_fp8_group: int | None = None) -> torch.Tensor:
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-    top2 = [lp.topk(2).values.tolist() for lp in logprobs]
-    return tokens, [lp[t].item() for lp, t in zip(logprobs, tokens, strict=True)], [a - b for a, b in top2]
+        logits = _hf_bf16(path, fake_fp8_group)(torch.tensor([ids], device="cuda")).logits[0].float()
+    return torch.log_softmax(logits, -1).cpu()
 
 
 def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(8, 48))] for _ in range(count)]
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 48))] for _ in range(count)]
 
 
-def _greedy(llm: LLM, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    return [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bf16_greedy_agrees_with_transformers_on_the_dequantized_weights(quantized_checkpoint, layout):
-    ckpt = quantized_checkpoint(layout)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_quantized_model_tracks_transformers_on_the_dequantized_weights(quantized_checkpoint, layout):
+    ckpt = quantized_checkpoint(layout, source="llama-mha")
+    max_tol, mean_tol, margin_tol = TOLERANCES["fp8" if "fp8" in layout else "int4"]
     llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128)
-    model = llm.engine.runner.model
-    assert any(isinstance(layer.method, QuantizedLinearMethod) for layer in linear_layers(model))
+    assert any(isinstance(layer.method, QuantizedLinearMethod) for layer in linear_layers(llm.engine.runner.model))
+    prompts = _prompts(llm.info.vocab_size, 4, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
     diffs = []
-    for prompt, completion in zip(*(p := _prompts(llm.info.vocab_size, 4, seed=5), _greedy(llm, p)), strict=True):
-        tokens, expected_lps, margins = _hf_greedy(str(ckpt.reference), prompt)
-        compared = MAX_NEW
-        if completion.token_ids != tokens:
-            i = next(i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b)
-            assert margins[i] < LAYOUTS[layout], (
-                f"diverged at token {i} where transformers' top-2 margin is {margins[i]:.3f}"
-            )
-            compared = i
-        assert compared >= 4, "diverged within the first 4 tokens"
-        diffs += [abs(pos[t].logprob - lp) for pos, t, lp in
-                  zip(completion.logprobs[:compared], tokens, expected_lps, strict=False)]  # fmt: skip
-    assert max(diffs) < 0.3 and sum(diffs) / len(diffs) < 0.06, (max(diffs), sum(diffs) / len(diffs))
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True):
+        completion = out.outputs[0].token_ids
+        fake_group = None if "fp8" not in layout else 128 if "block" in layout else 0
+        expected = _hf_logprobs(str(ckpt.reference), prompt, fake_group)
+        for i, pos in enumerate(out.prompt_logprobs[1:]):  # position i predicts prompt token i + 1
+            diffs.append(abs(pos[prompt[i + 1]].logprob - expected[i, prompt[i + 1]].item()))
+        # Greedy: our tokens, teacher-forced through transformers, may only leave its argmax at a near-tie.
+        forced = _hf_logprobs(str(ckpt.reference), prompt + completion)[len(prompt) - 1 : -1]
+        for step, token in enumerate(completion):
+            top2 = forced[step].topk(2)
+            if token != int(top2.indices[0]):
+                margin = float(top2.values[0] - top2.values[1])
+                assert margin < margin_tol, f"greedy token {step} left transformers' argmax at margin {margin:.3f}"
+                break
+    assert max(diffs) < max_tol and sum(diffs) / len(diffs) < mean_tol, (max(diffs), sum(diffs) / len(diffs))
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.num_replays > 0
     llm.engine.check_invariants()
+
+
+def test_unaligned_block_fp8_parts_are_refused_on_the_gpu(quantized_checkpoint):
+    ckpt = quantized_checkpoint("ct-fp8-block")  # k/v of 64 rows: their 128-row blocks do not tile q/k/v
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        LLM(str(ckpt.path), device="cuda", max_model_len=128, num_kv_blocks=32)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +115,32 @@ def llama_source(tmp_path_factory, tiny_tokenizer):
 @pytest.mark.parametrize("quantization", ["fp8", "awq", "gptq"])
 def test_graphs_and_eager_agree_when_quantized_at_load(llama_source, quantization):
     prompts = _prompts(1000, 6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outputs = []
     for eager in (False, True):
         llm = LLM(str(llama_source), device="cuda", max_model_len=256, num_kv_blocks=128,
                   quantization=quantization, enforce_eager=eager)  # fmt: skip
-        outputs.append([c.token_ids for c in _greedy(llm, prompts)])
+        outputs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
         llm.engine.check_invariants()
         del llm
         torch.cuda.empty_cache()
     assert outputs[0] == outputs[1]
+
+
+def test_quality_gate_on_the_gpu(llama_source):
+    """The gate's full-vocabulary scoring (worker/prompt_logits.py) through the Triton backend and
+    the quantized kernels: the model against itself is exact, FP8 of it is close."""
+    from tokenmill.args import EngineArgs
+    from tokenmill.quality.gate import plan_gate, run_gate
+    from tokenmill.quality.text_set import TextSetOptions
+    from tokenmill.quality.verdict import Thresholds
+
+    options = TextSetOptions(window=48, max_windows=4, greedy_prompts=3, greedy_prompt_tokens=8, greedy_tokens=6)
+    same = EngineArgs(model=str(llama_source), device="cuda", max_model_len=128, num_kv_blocks=64)
+    report = run_gate(plan_gate(same, str(llama_source)), options, Thresholds())
+    assert report.metrics.mean_kl < 1e-6 and report.metrics.top1_agreement == 1.0 and report.passed
+    fp8 = EngineArgs(model=str(llama_source), device="cuda", max_model_len=128, num_kv_blocks=64, quantization="fp8")
+    metrics = run_gate(plan_gate(fp8), options, Thresholds()).metrics
+    # This tiny random model's next-token distributions are nearly flat (perplexity ~8e4), so W8A8's
+    # rounding moves many argmaxes: an H100 measured mean KL 0.084 and top-1 agreement 0.77.
+    assert 0 < metrics.mean_kl < 0.25 and metrics.top1_agreement > 0.6, metrics

@@ -25,7 +25,8 @@ checkpoints can fail.
 Sources (`QUANT_SOURCES`): tiny Llama / Qwen2 checkpoints written by transformers' save_pretrained,
 hidden 128, 4 heads of 32, 2 KV heads (k/v have 64 output features), 2 layers: "llama" (intermediate
 256: every group size 32/64/128 divides every K), "llama-bf16" (the same in bfloat16), and "qwen2"
-(q/k/v bias, intermediate 192: partial 128x128 FP8 blocks along N and K, group sizes 32 and 64).
+(q/k/v bias, intermediate 192: partial 128x128 FP8 blocks along N and K, group sizes 32 and 64),
+"llama-mha" (4 KV heads: every merged part a multiple of 128 rows, as the GPU's FP8 blocks need).
 
 Use the session fixture `quantized_checkpoint` (import it into the test module): a function
 (layout, source="llama") -> QuantizedCheckpoint, written once per session. `corrupt_tensor` writes
@@ -422,6 +423,9 @@ QUANT_SOURCES: dict[str, tuple[str, int, dict, torch.dtype]] = {
     "llama": ("llama", 31, dict(_SOURCE_SHAPE, intermediate_size=256), torch.float32),
     "llama-bf16": ("llama", 31, dict(_SOURCE_SHAPE, intermediate_size=256), torch.bfloat16),
     "qwen2": ("qwen2", 32, dict(_SOURCE_SHAPE, intermediate_size=192), torch.float32),
+    # 4 KV heads: q, k and v each 128 rows, so 128x128 FP8 blocks tile the merged q/k/v (the GPU
+    # kernels need that; real models' parts are multiples of 128).
+    "llama-mha": ("llama", 33, dict(_SOURCE_SHAPE, num_key_value_heads=4, intermediate_size=256), torch.float32),
 }
 
 
