@@ -33,8 +33,11 @@ pytestmark = [
 
 quantized_checkpoint = quantized_checkpoints.quantized_checkpoint  # the session fixture
 MAX_NEW = 16
-# (max |logprob diff|, mean |logprob diff|, top-2 margin below which greedy tokens may part)
-TOLERANCES = {"fp8": (0.4, 0.06, 0.6), "int4": (0.25, 0.05, 0.3)}
+# (max |logprob diff|, mean |logprob diff|, top-2 margin below which greedy tokens may part).
+# fp8 (W8A8): an H100 measured max 0.66-0.77 / mean 0.19 against the fake-quantized reference (the
+# e4m3 rounding of activations amplifies bf16-level differences in the inputs: a 6 % step); fp8-a16
+# (the same weights through the kernels' 16-bit-activation paths) and int4 are held tightly.
+TOLERANCES = {"fp8": (1.2, 0.3, 0.8), "fp8-a16": (0.25, 0.05, 0.3), "int4": (0.25, 0.05, 0.3)}
 LAYOUTS = ["ct-fp8-channel", "ct-fp8-block", "hf-fp8-block", "awq-g128", "gptq-g32-sym-actorder"]
 
 
@@ -72,18 +75,40 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 48))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_quantized_model_tracks_transformers_on_the_dequantized_weights(quantized_checkpoint, layout):
+def _sixteen_bit_activation_paths(monkeypatch) -> None:
+    """FP8 products through the kernels' W8A16 paths only (GEMV up to 4 rows, the tensor-core
+    skinny kernel with 16-bit activations up to 64; larger warm-up and capture shapes keep the W8A8
+    GEMMs, and the steps compared stay within 64 rows): the weights' wiring without e4m3 activations."""
+    from tokenmill.kernels.triton import fp8_linear
+
+    default = fp8_linear.choose_path
+
+    def choose(x, w):
+        rows = x.shape[0]
+        return "gemv" if rows <= 4 else "skinny16" if rows <= 64 else default(x, w)
+
+    monkeypatch.setattr(fp8_linear, "choose_path", choose)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "ct-fp8-channel-a16", "ct-fp8-block-a16"])
+def test_bf16_quantized_model_tracks_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
+                                                                              monkeypatch):  # fmt: skip
+    sixteen_bit_activations = layout.endswith("-a16")
+    layout = layout.removesuffix("-a16")
     ckpt = quantized_checkpoint(layout, source="llama-mha")
-    max_tol, mean_tol, margin_tol = TOLERANCES["fp8" if "fp8" in layout else "int4"]
-    llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128)
+    family = "int4" if "fp8" not in layout else "fp8-a16" if sixteen_bit_activations else "fp8"
+    max_tol, mean_tol, margin_tol = TOLERANCES[family]
+    if sixteen_bit_activations:
+        _sixteen_bit_activation_paths(monkeypatch)
+    # Chunks of at most 64 tokens: the 16-bit-activation kernels take at most 64 rows.
+    llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
     assert any(isinstance(layer.method, QuantizedLinearMethod) for layer in linear_layers(llm.engine.runner.model))
     prompts = _prompts(llm.info.vocab_size, 4, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
     diffs = []
     for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True):
         completion = out.outputs[0].token_ids
-        fake_group = None if "fp8" not in layout else 128 if "block" in layout else 0
+        fake_group = None if family != "fp8" else 128 if "block" in layout else 0
         expected = _hf_logprobs(str(ckpt.reference), prompt, fake_group)
         for i, pos in enumerate(out.prompt_logprobs[1:]):  # position i predicts prompt token i + 1
             diffs.append(abs(pos[prompt[i + 1]].logprob - expected[i, prompt[i + 1]].item()))
