@@ -30,7 +30,6 @@ from typing import Literal
 from tokenmill.config import QUANTIZATION_METHODS  # --quantization's choices = the quant_methods we run
 from tokenmill.errors import UnsupportedModelError
 
-SUPPORTED_QUANTIZATION_METHODS = QUANTIZATION_METHODS  # (the name resolve's callers know)
 INT4_GROUP_SIZES = (32, 64, 128, -1)  # -1: one group over the whole input (per-channel)
 FP8_BLOCK = (128, 128)
 
