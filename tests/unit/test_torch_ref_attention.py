@@ -375,3 +375,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert not clear_stale_lock(tmp_path)  # nothing to remove
+
+
+def test_a_fresh_lock_of_a_killed_build_is_waited_out_not_forever(tmp_path):
+    # A process killed mid-build leaves a fresh lock; an engine starting right then waits until
+    # the lock is stale instead of torch's endless wait.
+    import time
+
+    from tokenmill.kernels.cpu.build import wait_for_build_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    start = time.monotonic()
+    wait_for_build_lock(tmp_path, max_age_s=0.3, poll_s=0.05)
+    assert not lock.exists() and 0.2 < time.monotonic() - start < 5
+    wait_for_build_lock(tmp_path, max_age_s=0.3, poll_s=0.05)  # no lock: returns at once

@@ -26,7 +26,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name for name in ("cpu_paged_attention.cpp", "cpu_quant_gemv.cpp")
 ]
 _lock = threading.Lock()
-_STALE_LOCK_S = 600.0
+_STALE_LOCK_S = 180.0  # a build takes 10-30 s; a lock older than this has no live owner
 _loaded = False
 
 
@@ -73,6 +73,18 @@ def clear_stale_lock(directory: Path, max_age_s: float = _STALE_LOCK_S) -> bool:
     return True
 
 
+def wait_for_build_lock(directory: Path, max_age_s: float = _STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Return once `directory` holds no build lock: another process's build finished, or its lock
+    grew stale and was removed. torch's own wait on the lock never ends when its owner was killed
+    mid-build, so an engine started right after such a kill would hang; this bounds that wait."""
+    announced = False
+    while (directory / "lock").exists() and not clear_stale_lock(directory, max_age_s):
+        if not announced:
+            logger.info("waiting for another process's CPU kernel build (lock %s)", directory / "lock")
+            announced = True
+        time.sleep(poll_s)
+
+
 def load_cpu_kernels() -> None:
     """Make `torch.ops.tokenmill_cpu.{paged_attention,store_kv,quant_gemv}` available (build if needed).
 
@@ -88,7 +100,7 @@ def load_cpu_kernels() -> None:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(directory)
+        wait_for_build_lock(directory)
         fresh = not any(directory.glob("*.so"))
         if fresh:
             logger.info("building the CPU attention kernels into %s (once; 10-30 s)", directory)
