@@ -22,9 +22,7 @@ from tokenmill.model.layers.linear import ParamLayout
 from tokenmill.model.layers.quantize_weights import QuantizedFp8, dequantize_fp8, quantize_fp8_per_channel
 from tokenmill.model.layers.quantized_method import (
     QuantizedLinearMethod,
-    num_parts_at_create,
-    part_rows_at_create,
-    per_part_rows,
+    part_rows,
 )
 
 if TYPE_CHECKING:
@@ -39,7 +37,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         layer.register_checkpoint_param(
             "weight", torch.empty((out_features, in_features), device=device, dtype=torch.float8_e4m3fn)
         )
-        parts = num_parts_at_create(layer)
+        parts = len(part_rows(layer))
         f32 = {"device": device, "dtype": torch.float32}
         if spec.fp8_weight_strategy == "tensor":
             scale, layout = torch.empty((parts, 1), **f32), ParamLayout(per_part=True)
@@ -49,7 +47,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             assert spec.fp8_block is not None
             bn, bk = spec.fp8_block
             # Each merged part's blocks start at its first row (a part's last block may be partial).
-            block_rows = sum(-(-rows // bn) for rows in part_rows_at_create(layer, out_features))
+            block_rows = sum(-(-rows // bn) for rows in part_rows(layer))
             scale = torch.empty((block_rows, -(-in_features // bk)), **f32)
             layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True)
         layer.register_checkpoint_param(spec.fp8_scale_name, scale, layout)
@@ -65,7 +63,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         if spec.fp8_static_input_scales:
             _check_input_scales(layer.input_scale.data)
         if spec.fp8_weight_strategy == "tensor":  # one scale per merged part -> per channel, exactly
-            rows = torch.tensor(per_part_rows(layer), device=scale.device)
+            rows = torch.tensor(part_rows(layer), device=scale.device)
             scale = scale.reshape(-1).repeat_interleave(rows)
         block = spec.fp8_block if spec.fp8_weight_strategy == "block" else None
         if block is not None and not _blocks_aligned(layer, block[0]):
@@ -100,11 +98,11 @@ class _PartwiseBlocks(NamedTuple):
 
 
 def _blocks_aligned(layer: LinearBase, block_rows: int) -> bool:
-    return all(rows % block_rows == 0 for rows in per_part_rows(layer)[:-1])
+    return all(rows % block_rows == 0 for rows in part_rows(layer)[:-1])
 
 
 def _split_parts(layer: LinearBase, weight: torch.Tensor, scale: torch.Tensor, block_rows: int):
-    rows = per_part_rows(layer)
+    rows = part_rows(layer)
     scale_rows = [-(-r // block_rows) for r in rows]
     return list(zip(weight.split(rows), scale.split(scale_rows), strict=True))
 

@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.model.layers.linear import ParamLayout
 from tokenmill.model.layers.quantize_weights import QuantizedInt4, dequantize_int4, quantize_int4
-from tokenmill.model.layers.quantized_method import QuantizedLinearMethod, num_parts_at_create
+from tokenmill.model.layers.quantized_method import QuantizedLinearMethod, part_rows
 from tokenmill.model.loader.int4_checkpoint import unpack_awq, unpack_gptq
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         )
         if spec.int4_format == "gptq":
             # One g_idx per merged part (their inputs are one, so they must agree: checked after loading).
-            parts = num_parts_at_create(layer)
+            parts = len(part_rows(layer))
             layer.register_checkpoint_param(
                 "g_idx", torch.empty((parts, in_features), **i32), ParamLayout(per_part=True),
                 required=spec.act_order,

@@ -105,11 +105,6 @@ class LinearBase(nn.Module):
     def _bias_rows(self) -> int:
         return self.out_features
 
-    @property
-    def num_parts(self) -> int:
-        """Merged parts (q / k / v, gate / up) in this layer's output; 1 for a plain layer."""
-        return 1
-
     def register_checkpoint_param(
         self, name: str, tensor: torch.Tensor, layout: ParamLayout = WEIGHT_LAYOUT, *, required: bool = True
     ) -> None:
@@ -366,10 +361,6 @@ class MergedColumnParallelLinear(LinearBase):
             )
         for part_id, part in zip(self.shard_ids, loaded.split(self.output_sizes), strict=True):
             super().weight_loader(param_name, part, part_id)
-
-    @property
-    def num_parts(self) -> int:
-        return len(self.shard_ids)
 
     def _part_index(self, shard_id: ShardId) -> int | None:
         if shard_id is None:

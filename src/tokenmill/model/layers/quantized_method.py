@@ -10,6 +10,7 @@ canonical quantized form (`quantized_form`), and says how the GPU kernels take a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -112,28 +113,16 @@ def kernel_weight_bytes(model: nn.Module) -> int:
         prepared = getattr(layer, "quantized_weights", None)
         if prepared is None:
             continue
-        fields = vars(prepared) if hasattr(prepared, "__dict__") else {
-            name: getattr(prepared, name) for name in getattr(prepared, "__slots__", ())
-        }
-        total += sum(t.numel() * t.element_size() for t in fields.values() if isinstance(t, torch.Tensor))
+        tensors = (getattr(prepared, field.name) for field in dataclasses.fields(prepared))
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
 
-def per_part_rows(layer: LinearBase) -> list[int]:
-    """The output rows of each merged part of `layer` ([out_features] for a plain layer)."""
+def part_rows(layer: LinearBase) -> list[int]:
+    """This rank's output rows of each merged part of `layer` ([out_features] for a plain layer);
+    callable from create_weights too, before a merged layer has its shard ids."""
+    shard_ids = getattr(layer, "shard_ids", None)
+    if shard_ids is not None:
+        return [layer._part_rows(shard_id)[1] for shard_id in shard_ids]
     sizes = getattr(layer, "output_sizes", None)
-    if sizes is None or layer.num_parts == 1:
-        return [layer.out_features]
-    return [rows for _, rows, _ in (layer._shard_rows[s] for s in layer.shard_ids)]
-
-
-def part_rows_at_create(layer: LinearBase, out_features: int) -> list[int]:
-    """Each merged part's local output rows, callable from create_weights."""
-    sizes = getattr(layer, "output_sizes", None)
-    return [out_features] if sizes is None else [size // layer.tp_size for size in sizes]
-
-
-def num_parts_at_create(layer: LinearBase) -> int:
-    """Merged parts, callable from create_weights (before a merged layer has its shard ids)."""
-    sizes = getattr(layer, "output_sizes", None)
-    return 1 if sizes is None else len(sizes)
+    return [layer.out_features] if sizes is None else [size // layer.tp_size for size in sizes]
