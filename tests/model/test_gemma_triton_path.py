@@ -14,7 +14,6 @@ triton compiled.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -30,6 +29,7 @@ pytest.importorskip("triton")
 
 from tests.engine.gemma_checkpoints import write_gemma_checkpoint  # noqa: E402
 from tests.model.test_model_forward import BLOCK_SIZE, PagedHarness, _hf_logits  # noqa: E402
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.config import KernelConfig, ModelConfig  # noqa: E402
 from tokenmill.model.registry import load_model, resolve_model  # noqa: E402
 
@@ -133,12 +133,4 @@ def test_gpu_tests_gemma2_greedy_matches_transformers(num_kv_splits, tmp_path, t
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process runs the cases interpreted itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__, timeout=600)

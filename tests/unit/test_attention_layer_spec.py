@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.attention.backend import PLAIN_ATTENTION, AttentionLayerSpec, AttentionMetadata  # noqa: E402
 from tokenmill.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from tokenmill.attention.torch_ref import TorchReferenceBackend  # noqa: E402
@@ -427,15 +427,7 @@ def test_triton_sliding_layers_plan_splits_for_their_window() -> None:
 def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
     if TritonPagedBackend is None:
         pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "triton"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__, "-k", "triton")
 
 
 @pytest.mark.parametrize(

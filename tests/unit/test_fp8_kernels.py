@@ -12,7 +12,6 @@ when this process imported it compiled, the cases are skipped and a subprocess r
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -34,6 +33,7 @@ from tests.fp8_reference import (  # noqa: E402
     quantize_activations,
     quantize_weight,
 )
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.kernels.triton.fp8_linear import (  # noqa: E402
     Fp8Dispatch,
     choose_path,
@@ -198,12 +198,4 @@ def test_prepare_rejects_what_the_kernels_cannot_read() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__)

@@ -14,7 +14,6 @@ GPU rounds them to even, so inputs here are float32 draws, which practically nev
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -25,6 +24,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tests.unit.test_attention_layer_spec import (  # noqa: E402
     CASES,
     SMALL_TILE_CASE,
@@ -348,12 +348,4 @@ def test_triton_bf16_queries_over_an_fp8_cache_match_a_bf16_cache_of_its_values(
 def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
     if TritonPagedBackend is None:
         pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "triton"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__, "-k", "triton")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -26,6 +25,7 @@ pytest.importorskip("triton")
 
 from tests import moe_checkpoints  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.kernels.triton import moe_align, moe_tile_configs  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import fused_moe  # noqa: E402
 from tokenmill.kernels.triton.moe_align import align_by_sort, align_small  # noqa: E402
@@ -45,12 +45,7 @@ interpreted_only = pytest.mark.skipif(
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process interprets the kernels: the cases below ran here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__, timeout=600)
 
 
 def _routes(num_tokens: int, num_experts: int, top_k: int, seed: int, skip: tuple[int, ...] = ()) -> torch.Tensor:

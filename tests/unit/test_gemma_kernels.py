@@ -9,7 +9,6 @@ imported; if this process imported it compiled, a subprocess runs this file inte
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -22,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.model.layers.layer_ops import TorchLayerOps  # noqa: E402
 
 interpreted_only = pytest.mark.skipif(
@@ -97,12 +97,4 @@ def test_gelu_tanh_mul_equals_pytorch_geglu(dtype: torch.dtype) -> None:
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process runs the cases interpreted itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__)

@@ -8,7 +8,6 @@ process that imported triton compiled reruns this file in an interpreter subproc
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 
 from tests import gpt_oss_checkpoint  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.model.arch_gpt_oss import gpt_oss_arch_config  # noqa: E402
 from tokenmill.model.gpt_oss import _in_our_expert_layout  # noqa: E402
 from tokenmill.model.layers.gpt_oss_moe import GptOssMoEBlock, route_top_k_then_softmax  # noqa: E402
@@ -35,12 +35,7 @@ ALPHA, LIMIT = 1.702, 7.0
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process interprets the kernels: the cases below ran here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__, timeout=600)
 
 
 def _hf_mlp(num_experts: int = 8, top_k: int = 2, hidden: int = 64, inter: int = 32, seed: int = 0):

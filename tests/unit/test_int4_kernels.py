@@ -11,7 +11,6 @@ interpreter subprocess.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -25,6 +24,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from tests.int4_reference import random_int4  # noqa: E402
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.kernels.triton.int4_configs import MAX_FUSED_ROWS, Int4Config, int4_config  # noqa: E402
 from tokenmill.kernels.triton.int4_dequant import dequant_plane, magic_for, magic_zeros  # noqa: E402
 from tokenmill.kernels.triton.int4_linear import (  # noqa: E402
@@ -241,12 +241,4 @@ def test_magic_number_unpacking_is_exact() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 if "triton" not in sys.modules:
@@ -24,6 +23,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.attention import triton_paged  # noqa: E402
 from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.kernels.triton.kv_store import store_kv  # noqa: E402
@@ -337,15 +337,7 @@ def test_matches_torch_reference_backend() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_passes_interpreted(__file__)
 
 
 @interpreted_only
