@@ -139,6 +139,12 @@ class EngineArgs:
     async_scheduling: bool | None = _option(
         None, "prepare and launch the next step while the device runs this one (default: on for CUDA)"
     )
+    trace_dir: str | None = _option(
+        None,
+        "write per-request timelines (requests.jsonl: arrival, queued, each prefill chunk, first token) "
+        "and per-step records (steps.jsonl: tokens, batch shape, host and device time, JIT compiles, GC "
+        "pauses) to this directory; `bench serve --server-trace-dir` reads them",
+    )
     scheduling_policy: str = _option(
         "fcfs", "fcfs: first come first served; priority: by each request's priority",
         choices=("fcfs", "priority"),
@@ -259,6 +265,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
+            trace_dir=self.trace_dir,
         )
         if resolve_device:
             config = resolve_device_defaults(config)

@@ -92,3 +92,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     # Schedule and launch step N+1 while step N still runs on the device; None: on for CUDA.
     async_scheduling: bool | None = None
+    # A directory: the engine core writes per-step records (steps.jsonl) and the API server
+    # per-request timelines (requests.jsonl) there; engine/step_trace.py. None: no tracing.
+    trace_dir: str | None = None

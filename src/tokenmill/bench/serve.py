@@ -123,6 +123,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='SLOs in ms, e.g. "ttft:500 tpot:50" (keys: ttft, tpot, e2el)',
     )
     report.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 90,99")
+    report.add_argument(
+        "--server-trace-dir",
+        default=None,
+        help="the --trace-dir of a server on this host: add where the slowest 1%% of requests spent "
+        "their time (bench/tail.py) to the report and the result",
+    )
     report.add_argument("--save-result", action="store_true", help="write a JSON result per run")
     report.add_argument("--result-dir", default=DEFAULT_RESULTS_DIR, help="where --save-result writes")
     report.add_argument("--result-filename", default=None, help="base file name (a sweep appends -c<N>)")
@@ -336,6 +342,12 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
             print(format_report(metrics, max_concurrency, args.request_rate))
+            if args.server_trace_dir:
+                from tokenmill.bench.tail import TRACE_SETTLE_S, format_tail, tail_report
+
+                await asyncio.sleep(TRACE_SETTLE_S)  # the engine flushes its step records when idle
+                metrics["tail"] = tail_report(results, args.server_trace_dir)
+                print(format_tail(metrics["tail"]))
             print_failures(results)
             runs.append(ServeRun(max_concurrency, metrics, latency_samples(results)))
             if args.save_result:

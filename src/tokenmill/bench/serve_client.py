@@ -82,6 +82,7 @@ async def send_request(
     """POST `payload` with stream=true and time its content chunks; a failure is recorded, not raised."""
     chat = "messages" in payload
     result = RequestResult(prompt_len=prompt_len)
+    result.sent_monotonic = time.monotonic()
     start = last = time.perf_counter()
     result.start_time = start
     num_text_chunks = 0
@@ -98,6 +99,8 @@ async def send_request(
                     saw_done = True
                     continue
                 chunk = json.loads(body)
+                if result.response_id is None:
+                    result.response_id = chunk.get("id")
                 if "error" in chunk:
                     err = chunk["error"]
                     result.error = f"error chunk: {err.get('message', err) if isinstance(err, dict) else err}"

@@ -31,6 +31,10 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between content chunks
     latency: float = 0.0  # seconds, request sent to end of stream
     start_time: float = 0.0  # perf_counter when sent
+    # time.monotonic() when sent (the server's trace uses that clock) and the response's "id": how
+    # bench/tail.py finds the request in the server's trace.
+    sent_monotonic: float = 0.0
+    response_id: str | None = None
     error: str = ""
     # What was generated and why it ended: the structured-output workload validates the text.
     generated_text: str = ""

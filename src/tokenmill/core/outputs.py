@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenmill.core.request_timeline import RequestTimeline
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -149,6 +150,9 @@ class ModelRunnerOutput:
     # Requests that failed this step (e.g. NaN logits): request id -> reason. They end with
     # finish_reason "error"; nothing else in the batch is disturbed.
     errored: dict[str, str] = field(default_factory=dict)
+    # How the step ran, for the step trace: the padded batch size of the CUDA graph it replayed
+    # (0: eager).
+    cuda_graph_size: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -162,6 +166,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Seconds from arrival to first being scheduled; set on a request's first output only.
     queue_time: float | None = None
+    # With tracing on (--trace-dir), on the final output: what happened to it in the engine.
+    timeline: RequestTimeline | None = None
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,7 @@ from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import EngineInfo, StepOutputs
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.request_trace import RequestTraceLog
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -83,6 +84,7 @@ class AsyncEngine:
         self.on_output = None  # callback(RequestOutput, now) for metrics
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._trace = RequestTraceLog(config.trace_dir) if config.trace_dir else None
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -142,6 +144,8 @@ class AsyncEngine:
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stops the engine (asking first, then SIGKILL); every live request gets EngineDeadError."""
         await self.client.shutdown(timeout_s)
+        if self._trace is not None:
+            self._trace.close()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -252,6 +256,8 @@ class AsyncEngine:
         now = time.monotonic()
         to_abort: list[str] = []
         for core_output in message.outputs:
+            if self._trace is not None:
+                self._trace.output(core_output, now)
             # One at a time, so a failure (a detokenizer bug, say) ends only its own request. The
             # state is looked up first: the processor forgets a finished sequence before building its
             # last output, and a failure there must still end the sequence for its client.

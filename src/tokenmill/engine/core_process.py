@@ -172,6 +172,7 @@ def _busy_loop(core, inbox, decoder, send, parent_pid: int) -> None:
                 last_stats = now
         elif now - last_stats > STATS_INTERVAL_S:
             send(StepOutputs(stats=core.get_stats()))
+            core.flush_trace()  # idle: what a finished benchmark reads is on disk
             last_stats = now
 
 

@@ -31,6 +31,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.model.resolve import ResolvedModel, resolve_model
 
@@ -108,6 +109,8 @@ class EngineCore:
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
+        # Made last, so the start-up's compiles and collections are not charged to the first step.
+        self.tracer = StepTracer(config.trace_dir) if config.trace_dir else None
 
     def _load_tokenizer(self):  # noqa: ANN202 - a transformers tokenizer, or None
         from tokenmill.model.tokenizer import load_tokenizer_or_none
@@ -128,6 +131,8 @@ class EngineCore:
             max_tokens=req.max_tokens,
         )
         self.scheduler.add_request(request)
+        if self.tracer is not None:
+            self.tracer.request_added(req.request_id, request.arrival_time)
         if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 
@@ -148,6 +153,7 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        started = time.monotonic()
         outputs, self._pending = self._pending, []
         if self._needs_history and (self._in_flight is not None or self._filling is not None):
             outputs.extend(self._sample_filled())
@@ -165,6 +171,10 @@ class EngineCore:
                 # Nothing to run until a grammar compiles: wait for it rather than spin.
                 self.structured_output.wait_for_compiles(timeout=0.005)
             return self._annotate(outputs)
+        if self.tracer is not None:
+            self.tracer.scheduled(
+                scheduler_output, started, self.scheduler.num_running, self.scheduler.num_waiting
+            )
         now = time.monotonic()
         requests = self.scheduler.requests
         for new in scheduler_output.scheduled_new_reqs:
@@ -175,8 +185,10 @@ class EngineCore:
             pending = self._launch(scheduler_output)
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
                 outputs.extend(self._finish_in_flight())
-                outputs.extend(self.scheduler.update_from_output(scheduler_output, pending))
+                outputs.extend(self._update(scheduler_output, pending))
                 return self._annotate(outputs)
+            if self.tracer is not None:
+                self.tracer.launched(scheduler_output)
             self.scheduler.launched(scheduler_output)
             # Computed while this step was prepared. For a constrained step (its forward launched,
             # its sampling waiting for the mask) this also advances the grammars by the previous
@@ -196,8 +208,14 @@ class EngineCore:
                 runner_output = self.executor.execute_model(scheduler_output)
         except Exception as exc:  # the batch failed as a whole: end its requests, keep serving
             runner_output = self._failed_step(scheduler_output, exc)
-        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        outputs.extend(self._update(scheduler_output, runner_output))
         return self._annotate(outputs)
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's results (its record is traced as done now)."""
+        if self.tracer is not None:
+            self.tracer.done(scheduler_output, runner_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput | None:
         """Launch a step (async scheduling). None: a constrained step whose forward is launched and
@@ -221,7 +239,7 @@ class EngineCore:
         try:
             pending = self.executor.sample_tokens(future.result())
         except Exception as exc:
-            return self.scheduler.update_from_output(scheduler_output, self._failed_step(scheduler_output, exc))
+            return self._update(scheduler_output, self._failed_step(scheduler_output, exc))
         self._in_flight = (scheduler_output, pending)
         return []
 
@@ -243,7 +261,7 @@ class EngineCore:
             runner_output = pending.result()
         except Exception as exc:
             runner_output = self._failed_step(scheduler_output, exc)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._update(scheduler_output, runner_output)
 
     @staticmethod
     def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
@@ -253,7 +271,10 @@ class EngineCore:
         return ModelRunnerOutput(errored=dict.fromkeys(request_ids, reason))
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Attach each request's queue time to its first output; forget ended requests."""
+        """Attach each request's queue time to its first output (and, tracing, its timeline to its
+        last); forget ended requests."""
+        if self.tracer is not None:
+            self.tracer.outputs(outputs)
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)
             if queue_time is not None:
@@ -271,7 +292,13 @@ class EngineCore:
         it); an executor of several workers has no single runner."""
         return self.executor.driver_runner  # type: ignore[attr-defined]
 
+    def flush_trace(self) -> None:
+        if self.tracer is not None:
+            self.tracer.flush()
+
     def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         self.structured_output.shutdown()
         self.executor.shutdown()
 

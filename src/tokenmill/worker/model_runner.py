@@ -499,6 +499,7 @@ class ModelRunner:
                 block_table_width=self.max_blocks_per_req,
             )
             self.build_metadata(batch, padded_reqs=graph_key[0])
+            output.cuda_graph_size = graph_key[0]
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)

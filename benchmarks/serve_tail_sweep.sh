@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU serving under load (issue 24): for each request rate, a FRESH `tokenmill serve` (no warm-up
+# traffic) with Llama-3.1-8B shapes and dummy bf16 weights, traced (--trace-dir), driven by
+# `tokenmill bench serve` with 512-token prompts and 256-token answers (Poisson arrivals, or all
+# at once for "inf" = saturation). Each result JSON carries metrics.tail: where the slowest 1 % of
+# requests spent their time (bench/tail.py).
+#   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
+# Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
+# TAG (result-name suffix). Results and logs go to $OUT.
+set -u
+OUT=${OUT:-/tmp/tokenmill-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+MODEL=${MODEL:-benchmarks/configs/llama-3.1-8b}
+TOKENIZER=${TOKENIZER:-.gputok}
+RATES=${RATES:-8 16 24 32 inf}
+SECONDS_OF_LOAD=${SECONDS_OF_LOAD:-40}
+SATURATION_PROMPTS=${SATURATION_PROMPTS:-1000}
+SERVE_ARGS=${SERVE_ARGS:-}
+TAG=${TAG:-}
+DEVICE_NAME=${DEVICE_NAME:-$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower())' 2>/dev/null || echo gpu)}
+TOKENMILL=(python3 -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')
+
+for rate in $RATES; do
+  trace="$OUT/trace-rate-$rate$TAG"
+  rm -rf "$trace"
+  started=$(date +%s.%N)
+  # shellcheck disable=SC2086
+  "${TOKENMILL[@]}" serve --model "$MODEL" --load-format dummy --tokenizer "$TOKENIZER" --max-model-len 4096 \
+    --port 8000 --trace-dir "$trace" $SERVE_ARGS >"$OUT/server-rate-$rate$TAG.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 300); do
+    curl -sf http://127.0.0.1:8000/health >/dev/null && break
+    kill -0 $server 2>/dev/null || break
+    sleep 0.5
+  done
+  if ! curl -sf http://127.0.0.1:8000/health >/dev/null; then
+    echo "rate $rate: server not healthy"; tail -30 "$OUT/server-rate-$rate$TAG.log"; kill $server 2>/dev/null; exit 1
+  fi
+  echo "rate $rate: server healthy after $(python3 -c "import time; print(round(time.time() - $started, 1))") s"
+  if [ "$rate" = inf ]; then n=$SATURATION_PROMPTS; else n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))"); fi
+  timeout 300 "${TOKENMILL[@]}" bench serve --dataset-name random --random-input-len 512 --random-output-len 256 \
+    --num-prompts "$n" --request-rate "$rate" --ignore-eos --disable-tqdm --server-trace-dir "$trace" \
+    --save-result --result-dir "$OUT" --result-filename "serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate$TAG" 2>&1 |
+    tee "$OUT/bench-rate-$rate$TAG.log" | grep -vE "^(Total|Request|Benchmark|Successful|Maximum)" | tail -34
+  kill -TERM $server
+  wait $server
+done

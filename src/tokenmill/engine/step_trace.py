@@ -1,0 +1,155 @@
+"""The engine core's trace (`--trace-dir`): one record per step, one timeline per request.
+
+steps.jsonl gets a line per step once its results are on the host:
+
+  step, start (step() began), scheduled (the schedule was made), launched (the runner returned:
+  its kernels are queued, or with synchronous steps done), done (the sampled tokens reached the
+  host), tokens, reqs, new_reqs (first scheduled this step), prefill_tokens (tokens of requests
+  computing more than one), max_query_len, graph (padded CUDA graph batch size, 0: eager),
+  running / waiting after the schedule, compiles ([kernel, start, seconds] of Triton JIT compiles
+  during the step's host part), gc ([start, seconds, generation] of collections since the
+  previous step)
+
+and each request's `RequestTimeline` (core/request_timeline.py) rides on its final output to the
+API server, which logs it to requests.jsonl (engine/request_trace.py). With async scheduling a
+step's `launched` comes before the previous step's `done`: the device runs them back to back, so
+a step's device time is about done - max(launched, the previous step's done).
+
+`bench serve --server-trace-dir` joins both files with the client's own times (bench/tail.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.request_timeline import RequestTimeline
+from tokenmill.engine.gc_pauses import GcPauses
+from tokenmill.kernels.jit_compiles import JitCompiles
+
+STEPS_FILE = "steps.jsonl"
+REQUESTS_FILE = "requests.jsonl"
+FLUSH_INTERVAL_S = 0.5
+
+
+class StepRecord(msgspec.Struct):
+    step: int
+    start: float
+    scheduled: float
+    tokens: int
+    reqs: int
+    new_reqs: int
+    prefill_tokens: int
+    max_query_len: int
+    running: int
+    waiting: int
+    launched: float = 0.0
+    done: float = 0.0
+    graph: int = 0
+    compiles: list[tuple[str, float, float]] = []
+    gc: list[tuple[float, float, int]] = []
+
+
+class StepTracer:
+    def __init__(self, trace_dir: str) -> None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        self.path = os.path.join(trace_dir, STEPS_FILE)
+        self._file = open(self.path, "ab")  # noqa: SIM115 - open for the engine's life, closed in close()
+        self._encoder = msgspec.json.Encoder()
+        self._last_flush = time.monotonic()
+        self._timelines: dict[str, RequestTimeline] = {}
+        self._records: dict[int, StepRecord] = {}  # id(scheduler output) -> its record, until done
+        self._outputs: dict[int, SchedulerOutput] = {}  # keeps those ids unique while pending
+        self._num_steps = 0
+        self._gc = GcPauses()
+        self._compiles = JitCompiles()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def request_added(self, request_id: str, arrival: float) -> None:
+        self._timelines[request_id] = RequestTimeline(arrival=arrival, received=time.monotonic())
+
+    def outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Stamp first tokens and ends; a final output takes its request's timeline along."""
+        now = time.monotonic()
+        for out in outputs:
+            timeline = self._timelines.get(out.request_id)
+            if timeline is None:
+                continue
+            if out.new_token_ids and not timeline.first_token:
+                timeline.first_token = now
+            if out.finished:
+                timeline.finished = now
+                out.timeline = self._timelines.pop(out.request_id)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def scheduled(self, so: SchedulerOutput, start: float, num_running: int, num_waiting: int) -> None:
+        now = time.monotonic()
+        step = self._num_steps
+        self._num_steps += 1
+        timelines = self._timelines
+        prefill_tokens = 0
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            timeline = timelines.get(request_id)
+            if num_tokens > 1:
+                prefill_tokens += num_tokens
+            if timeline is None:
+                continue
+            timeline.num_steps += 1
+            if not timeline.first_token:
+                timeline.prefill_chunks.append((now, step, num_tokens))
+        for request_id in so.preempted_req_ids:
+            timeline = timelines.get(request_id)
+            if timeline is not None:
+                timeline.preempted.append(now)
+        self._records[id(so)] = StepRecord(
+            step=step,
+            start=start,
+            scheduled=now,
+            tokens=so.total_num_scheduled_tokens,
+            reqs=len(so.num_scheduled_tokens),
+            new_reqs=len(so.scheduled_new_reqs),
+            prefill_tokens=prefill_tokens,
+            max_query_len=max(so.num_scheduled_tokens.values(), default=0),
+            running=num_running,
+            waiting=num_waiting,
+        )
+        self._outputs[id(so)] = so
+
+    def launched(self, so: SchedulerOutput) -> None:
+        record = self._records.get(id(so))
+        if record is not None:
+            record.launched = time.monotonic()
+            record.compiles = self._compiles.drain()
+
+    def done(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        record = self._records.pop(id(so), None)
+        self._outputs.pop(id(so), None)
+        if record is None:
+            return
+        now = time.monotonic()
+        if not record.launched:
+            record.launched = now
+        record.done = now
+        record.graph = runner_output.cuda_graph_size
+        record.compiles = record.compiles + self._compiles.drain()
+        record.gc = self._gc.drain()
+        self._file.write(self._encoder.encode(record) + b"\n")
+        if now - self._last_flush > FLUSH_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.close()
+        self._gc.close()
+        self._compiles.close()
