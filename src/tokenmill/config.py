@@ -49,6 +49,9 @@ class KernelConfig:
     row_gemv: bool = True
     # CUDA, 16-bit: 2-8-row matmuls on our Triton skinny GEMM (needs row_gemv's out-major weights).
     skinny_gemm: bool = True
+    # CUDA: steps with prefill chunks (and decode batches above the largest whole-step graph)
+    # replay graphs captured between attention calls (worker/piecewise_graphs.py); off = eager.
+    piecewise_cuda_graphs: bool = True
     # CUDA: single-request decode steps rotate q/k and store K/V inside the attention launch.
     fused_decode_rope: bool = True
     # CUDA: those steps also fold the RMSNorm weights into the matmuls and skip the norm launches.

@@ -127,6 +127,10 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
             logger.exception("engine start-up failed")
             send(EngineReady(error=f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from exc
+        # The model, torch's modules and the engine's own objects live as long as the process: out
+        # of the collector's reach, a full collection walks only what requests made since.
+        gc.collect()
+        gc.freeze()
         send(EngineReady(info=core.info))
         _busy_loop(core, inbox, decoder, send, parent_pid)
     except _ParentGone:

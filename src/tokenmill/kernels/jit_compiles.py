@@ -44,9 +44,14 @@ class JitCompiles:
     def _before(self, *, key: object, fn: object, **_: object) -> None:
         self._pending[_hashable(key)] = (getattr(fn, "name", str(fn)), time.monotonic())
 
-    def _after(self, *, key: object, fn: object, **_: object) -> None:
+    def _after(self, *, key: object, fn: object, compile: dict | None = None, **_: object) -> None:  # noqa: A002 - Triton's name
         name, started = self._pending.pop(_hashable(key), (getattr(fn, "name", str(fn)), time.monotonic()))
-        self._compiles.append((name, started, time.monotonic() - started))
+        seconds = time.monotonic() - started
+        self._compiles.append((name, started, seconds))
+        # The specialization (constexprs, argument types, which integers are 1 or multiples of 16,
+        # which pointers are 16-byte aligned) says which warm-up shape was missing.
+        detail = (compile or {}).get("specialization_data", "")
+        logger.warning("Triton compiled a variant of %s while serving (%.2f s): %s", name, seconds, str(detail)[:4000])
 
     def drain(self) -> list[tuple[str, float, float]]:
         compiles, self._compiles = self._compiles, []

@@ -121,6 +121,8 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaCausalLM(CausalLM):
+    supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+
     def __init__(
         self,
         arch: ArchConfig,

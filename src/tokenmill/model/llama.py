@@ -146,6 +146,11 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # Whether the forward can be captured in CUDA graphs between attention calls for any token
+    # count (worker/piecewise_graphs.py): no host logic that depends on the data. A family whose
+    # forward has some, or that is not checked yet, sets False.
+    supports_piecewise_graphs = True
+
     def __init__(
         self,
         arch: ArchConfig,

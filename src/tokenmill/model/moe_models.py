@@ -38,6 +38,8 @@ _SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_p
 
 
 class MoECausalLM(CausalLM):
+    supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+
     def make_mlp(
         self, layer: int, linear_method: LinearMethod | None, device, dtype: torch.dtype
     ) -> nn.Module | None:

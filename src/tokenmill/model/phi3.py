@@ -24,6 +24,8 @@ _PHI3_LAYER_WEIGHTS = (
 
 
 class Phi3ForCausalLM(CausalLM):
+    supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+
     @property
     def checkpoint_layer_weights(self) -> tuple[str, ...]:
         return _PHI3_LAYER_WEIGHTS

@@ -136,8 +136,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-alive-timeout",
         type=_seconds(allow_zero=False),
-        default=5.0,
-        help="seconds an idle kept-alive connection stays open",
+        default=20.0,
+        help="seconds an idle kept-alive connection stays open (longer than clients keep theirs: aiohttp "
+        "15 s, httpx 5 s, so the server never closes one as a client reuses it: that race resets requests)",
     )
     add_tool_and_reasoning_args(parser)
 

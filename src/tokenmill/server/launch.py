@@ -188,6 +188,11 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
             return
         state.default_sampling = state.engine.default_sampling
         state.attach_engine()
+        # Everything loaded so far (transformers, the tokenizer, FastAPI) lives as long as the
+        # server: out of the collector's reach, a full collection walks only what requests made.
+        # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
+        # stream for up to 221 ms each (2.6 s in 40 s).
+        gc.freeze()
         state.ready = True
         print(
             f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "

@@ -169,6 +169,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
         self.graph_runner = None  # CudaGraphRunner once captured
+        self.piecewise = None  # PiecewiseGraphs once captured
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         if self.device.type == "cuda":
             from tokenmill.worker.input_buffers import InputBuffers
@@ -291,11 +292,27 @@ class ModelRunner:
             self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs
         )
         self.graph_runner.capture()
+        if not self.config.kernel.piecewise_cuda_graphs:
+            return
+        if not getattr(self.model, "supports_piecewise_graphs", False):
+            logger.info(
+                "%s steps with prefill chunks run eagerly (no piecewise CUDA graphs for this family)",
+                type(self.model).__name__,
+            )
+            return
+        from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
+
+        self.piecewise = PiecewiseGraphs(
+            self.model, self.attn_backend, self.buffers, self.kv_caches,
+            self.config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
+        self.piecewise.capture()
 
     def release(self) -> None:
         """Drop the graphs, KV pool and weights and return their memory to the device, so
         another model (a benchmark baseline) can use it in this process. The runner is unusable after."""
         self.graph_runner = None
+        self.piecewise = None
         self.kv_caches = []
         self.kv_cache_tensors = []
         self.model = None  # type: ignore[assignment]
@@ -314,15 +331,17 @@ class ModelRunner:
         return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
     def build_metadata(
-        self, batch: HostBatch, padded_reqs: int | None = None
+        self, batch: HostBatch, padded_reqs: int | None = None, padded_tokens: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Device inputs of a step. On CUDA they go through the persistent pinned buffers (padded to
-        `padded_reqs` single-token requests for a CUDA-graph replay); on CPU they are numpy views."""
+        `padded_reqs` single-token requests for a CUDA-graph replay, or to `padded_tokens` token
+        rows for piecewise graphs); on CPU they are numpy views."""
         num_tokens = len(batch.input_ids)
         num_reqs = len(batch.seq_lens)
         if self.buffers is not None:
             self.buffers.begin_step()
-            padded_tokens = num_tokens if padded_reqs is None else padded_reqs
+            if padded_tokens is None:
+                padded_tokens = num_tokens if padded_reqs is None else padded_reqs
             input_ids, positions, slot_mapping = self.buffers.stage_tokens(
                 batch.input_ids, batch.positions, batch.slot_mapping, padded_tokens
             )
@@ -503,8 +522,16 @@ class ModelRunner:
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)
-        input_ids, positions, meta = self.build_metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        piecewise = self.piecewise
+        size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
+        if size is not None:
+            # Graphs between the attention calls, attention itself eager (worker/piecewise_graphs.py).
+            _, _, meta = self.build_metadata(batch, padded_tokens=size)
+            output.cuda_graph_size = size
+            hidden = piecewise.run(size, so.total_num_scheduled_tokens, meta)
+        else:
+            input_ids, positions, meta = self.build_metadata(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.
         self._prompt_logprobs(requests, num_computed_tokens, num_scheduled_tokens, batch, hidden, output)
         if batch.sampling_req_indices:
