@@ -14,8 +14,9 @@ import msgspec
 class RequestTimeline(msgspec.Struct, omit_defaults=True):
     arrival: float  # stamped by the API server after tokenization (the request's arrival_time)
     received: float  # the engine core took it off its socket
-    # Each step that computed part of the prompt (before the first token came back):
-    # (time scheduled, step number, tokens in the chunk).
+    prompt_tokens: int = 0
+    # Each step that computed part of the prompt (again after a preemption), with the time it was
+    # scheduled, the step's number and the chunk's tokens.
     prefill_chunks: list[tuple[float, int, int]] = []
     first_token: float = 0.0  # the first sampled token reached the engine's host side
     preempted: list[float] = []  # each time it lost its KV blocks to a preemption

@@ -132,7 +132,7 @@ class EngineCore:
         )
         self.scheduler.add_request(request)
         if self.tracer is not None:
-            self.tracer.request_added(req.request_id, request.arrival_time)
+            self.tracer.request_added(req.request_id, request.arrival_time, len(req.prompt_token_ids))
         if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 

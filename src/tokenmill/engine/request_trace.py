@@ -15,7 +15,8 @@ import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.gc_pauses import GcPauses
-from tokenmill.engine.step_trace import REQUESTS_FILE
+
+REQUESTS_FILE = "requests.jsonl"
 
 
 class RequestTraceLog:

@@ -29,10 +29,8 @@ import msgspec
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request_timeline import RequestTimeline
 from tokenmill.engine.gc_pauses import GcPauses
-from tokenmill.kernels.jit_compiles import JitCompiles
 
 STEPS_FILE = "steps.jsonl"
-REQUESTS_FILE = "requests.jsonl"
 FLUSH_INTERVAL_S = 0.5
 
 
@@ -62,16 +60,22 @@ class StepTracer:
         self._encoder = msgspec.json.Encoder()
         self._last_flush = time.monotonic()
         self._timelines: dict[str, RequestTimeline] = {}
+        self._computed: dict[str, int] = {}  # prompt tokens scheduled so far, per request
         self._records: dict[int, StepRecord] = {}  # id(scheduler output) -> its record, until done
         self._outputs: dict[int, SchedulerOutput] = {}  # keeps those ids unique while pending
         self._num_steps = 0
+        from tokenmill.kernels.jit_compiles import JitCompiles  # engine side only (Triton)
+
         self._gc = GcPauses()
         self._compiles = JitCompiles()
 
     # -- requests -----------------------------------------------------------------------------
 
-    def request_added(self, request_id: str, arrival: float) -> None:
-        self._timelines[request_id] = RequestTimeline(arrival=arrival, received=time.monotonic())
+    def request_added(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
+        self._timelines[request_id] = RequestTimeline(
+            arrival=arrival, received=time.monotonic(), prompt_tokens=prompt_tokens
+        )
+        self._computed[request_id] = 0
 
     def outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Stamp first tokens and ends; a final output takes its request's timeline along."""
@@ -85,6 +89,7 @@ class StepTracer:
             if out.finished:
                 timeline.finished = now
                 out.timeline = self._timelines.pop(out.request_id)
+                self._computed.pop(out.request_id, None)
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -92,21 +97,27 @@ class StepTracer:
         now = time.monotonic()
         step = self._num_steps
         self._num_steps += 1
-        timelines = self._timelines
-        prefill_tokens = 0
-        for request_id, num_tokens in so.num_scheduled_tokens.items():
-            timeline = timelines.get(request_id)
-            if num_tokens > 1:
-                prefill_tokens += num_tokens
-            if timeline is None:
-                continue
-            timeline.num_steps += 1
-            if not timeline.first_token:
-                timeline.prefill_chunks.append((now, step, num_tokens))
-        for request_id in so.preempted_req_ids:
+        timelines, computed = self._timelines, self._computed
+        for request_id in so.preempted_req_ids:  # they start over (recompute) when they resume
             timeline = timelines.get(request_id)
             if timeline is not None:
                 timeline.preempted.append(now)
+                computed[request_id] = 0
+        for new in so.scheduled_new_reqs:  # a prefix-cache hit starts past the prompt's beginning
+            if new.request_id in computed:
+                computed[new.request_id] = new.num_computed_tokens
+        prefill_tokens = 0
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            if num_tokens > 1:
+                prefill_tokens += num_tokens
+            timeline = timelines.get(request_id)
+            if timeline is None:
+                continue
+            timeline.num_steps += 1
+            done = computed[request_id]
+            if done < timeline.prompt_tokens:
+                timeline.prefill_chunks.append((now, step, min(num_tokens, timeline.prompt_tokens - done)))
+                computed[request_id] = done + num_tokens
         self._records[id(so)] = StepRecord(
             step=step,
             start=start,
