@@ -47,7 +47,9 @@ def _slice_argmax_kernel(
     tl.store(slice_bad_ptr + out, num_bad)
 
 
-@triton.jit
+# The row count changes with every batch size: not specialized on, so 1 row, 16 and others share
+# one compile (the grid carries the rows; the argument only offsets the flags' row).
+@triton.jit(do_not_specialize=["num_rows"])
 def _combine_slices_kernel(
     slice_max_ptr,
     slice_idx_ptr,

@@ -102,11 +102,17 @@ def prefill_tile_config(group_pad: int, head_dim_pad: int, max_query_len: int) -
     """Enough rows to cover the longest chunk's group, capped where registers and shared memory run out."""
     block_n = 64 if head_dim_pad <= 128 else 32
     cap = 128 if head_dim_pad <= 128 else 64
-    block_m = max(16, group_pad, min(cap, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
+    block_m = max(16, group_pad, min(cap, _next_power_of_2(max(1, max_query_len) * group_pad)))
     num_warps = 8 if block_m >= 128 else 4
     return TileConfig(
         block_q=block_m // group_pad, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=2
     )
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, without its call overhead (the warm-up plans with
+    these functions over thousands of step shapes)."""
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,8 +208,6 @@ def paged_attention(
             "float8_e4m3fn (scaled FP8)"
         )
     k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, num_kv_heads)
-    if not use_splits:
-        partial_out, partial_lse = out, out  # unused by the kernel; any tensor will do
     launch = _Launch(
         out,
         q,
@@ -221,12 +225,12 @@ def paged_attention(
         k_scale,
         v_scale,
     )
-    if not decode_only:
-        config = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
-        launch.attention(config, num_tokens // config.block_q + num_reqs, decode=False, num_kv_splits=1)
-    # In a mixed batch this also runs when no request decodes; its programs then exit at once.
-    kv_fp8 = is_fp8_kv(kv_cache.dtype)
-    config = decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs, kv_fp8)
+    prefill, config = _tile_configs(
+        group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, is_fp8_kv(kv_cache.dtype),
+        prefill_config, decode_config,
+    )  # fmt: skip
+    if prefill is not None:
+        launch.attention(prefill, num_tokens // prefill.block_q + num_reqs, decode=False, num_kv_splits=1)
     min_tiles = max(1, min_kv_per_split // config.block_n)
     launch.attention(
         config,
@@ -239,6 +243,90 @@ def paged_attention(
     )
     if use_splits and not fused_merge:
         launch.merge(num_kv_splits, min_tiles, config)
+
+
+def _tile_configs(
+    group_pad: int,
+    head_dim_pad: int,
+    num_reqs: int,
+    max_query_len: int,
+    decode_only: bool,
+    kv_fp8: bool,
+    prefill_config: TileConfig | None = None,
+    decode_config: TileConfig | None = None,
+) -> tuple[TileConfig | None, TileConfig]:
+    """(the prefill launch's tiles, None in a decode-only step; the decode launch's). In a mixed
+    batch the decode launch runs even when no request decodes: its programs then exit at once."""
+    prefill = None
+    if not decode_only:
+        prefill = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
+    return prefill, decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs, kv_fp8)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelVariant:
+    """What makes a launch of `_paged_attention_kernel` a compile of its own, beyond a model's
+    constants (dtypes, head counts and sizes, page size, strides): the flavour, its tiles and warps,
+    the split count (SPLITS_PAD, MERGE_CHUNK), and the constexpr switches. The integer arguments
+    that vary from step to step are not specialized on (do_not_specialize), a launch without
+    splits passes `out` for the unused partial buffers (their strides would otherwise make the
+    prefill launch of a step with split decodes a variant of its own), and the step's buffers are
+    fresh allocations or views at offset 0 (16-byte aligned), so launches with equal variants
+    share one compile. `launch_variants` lists a step's; the start-up warm-up compiles them all."""
+
+    decode: bool
+    config: TileConfig
+    splits_pad: int
+    fused_merge: bool
+    all_decode: bool
+    rope: bool
+    kv_fp8: bool
+    sliding: bool
+    soft_cap: bool
+    sinks: bool
+
+
+def launch_variants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    decode_only: bool,
+    num_kv_splits: int = 1,
+    fused_merge: bool = True,
+    rope: bool = False,
+    all_decode: bool = False,
+    kv_fp8: bool = False,
+    sliding: bool = False,
+    soft_cap: bool = False,
+    sinks: bool = False,
+) -> tuple[KernelVariant, ...]:
+    """The kernel variants `paged_attention` launches with these arguments (the default tiles),
+    in launch order: what a step compiles the first time a process runs one like it."""
+    if num_reqs == 0 or max_query_len == 0:
+        return ()
+    group_pad = _next_power_of_2(num_heads // num_kv_heads)
+    head_dim_pad = max(16, _next_power_of_2(head_dim))
+    prefill, decode = _tile_configs(group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, kv_fp8)
+    switches = {"kv_fp8": kv_fp8, "sliding": sliding, "soft_cap": soft_cap, "sinks": sinks}
+    launches = []
+    if prefill is not None:
+        launches.append(KernelVariant(False, prefill, 1, False, False, False, **switches))
+    splits = num_kv_splits > 1
+    launches.append(
+        KernelVariant(
+            True,
+            decode,
+            _next_power_of_2(num_kv_splits),
+            splits and fused_merge,
+            decode_only and all_decode,
+            rope,
+            **switches,
+        )
+    )
+    return tuple(launches)
 
 
 def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_cache: torch.Tensor, decode_only: bool) -> None:
@@ -294,8 +382,8 @@ class _Launch:
     query_start_loc: torch.Tensor
     num_reqs: int
     scale: float
-    partial_out: torch.Tensor
-    partial_lse: torch.Tensor
+    partial_out: torch.Tensor | None  # None without splits
+    partial_lse: torch.Tensor | None
     split_counters: torch.Tensor
     fused_merge: bool
     layer: _LayerOptions
@@ -314,6 +402,9 @@ class _Launch:
     ) -> None:
         q, out, kv_cache = self.q, self.out, self.kv_cache
         num_heads, head_dim = q.shape[1], q.shape[2]
+        # Without splits the partial buffers are unused: `out` stands in, so that the prefill launch
+        # of a step whose decodes split sees the same strides as any other (one variant, not three).
+        partial_out, partial_lse = (self.partial_out, self.partial_lse) if num_kv_splits > 1 else (out, out)
         num_kv_heads = kv_cache.shape[3]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if rope is not None:
@@ -327,8 +418,8 @@ class _Launch:
         layer = self.layer
         _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
-            self.partial_out,
-            self.partial_lse,
+            partial_out,
+            partial_lse,
             self.split_counters,
             q,
             key_cache,
@@ -359,11 +450,11 @@ class _Launch:
             q.stride(1),
             out.stride(0),
             out.stride(1),
-            self.partial_out.stride(0),
-            self.partial_out.stride(1),
-            self.partial_out.stride(2),
-            self.partial_lse.stride(0),
-            self.partial_lse.stride(1),
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
             key_cache.stride(0),
             key_cache.stride(1),
             key_cache.stride(2),

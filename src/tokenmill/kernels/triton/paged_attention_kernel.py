@@ -19,7 +19,15 @@ from tokenmill.kernels.triton.rms import inverse_rms, scale_rounded
 from tokenmill.kernels.triton.rounding import rope_rows
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "min_tiles_per_split", "sliding_window"])
+# Integers that change from step to step are not specialized on (Triton would compile a variant
+# for each of == 1, a multiple of 16, and other): the batch size, the split plan, and the block
+# table's row stride (an eager step's table is as wide as its longest request needs). The model's
+# strides are kept: they are constant for a model and let loads and stores vectorize.
+@triton.jit(
+    do_not_specialize=[
+        "num_reqs", "num_kv_splits", "min_tiles_per_split", "stride_block_table", "sliding_window"
+    ]
+)  # fmt: skip
 def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
