@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from tokenmill.attention.backend import (
     PLAIN_ATTENTION,
@@ -38,7 +37,12 @@ from tokenmill.attention.backend import (
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
 from tokenmill.kernels.triton.kv_store import store_kv
-from tokenmill.kernels.triton.paged_attention import DecodeRope, paged_attention
+from tokenmill.kernels.triton.paged_attention import (
+    DecodeRope,
+    KernelVariant,
+    launch_variants,
+    paged_attention,
+)
 
 MAX_KV_SPLITS = 64
 # Below this many KV tokens per split, the merge pass and per-program overhead outweigh the gain.
@@ -62,7 +66,7 @@ _CPU_PSEUDO_SM_COUNT = 4  # interpreter runs only; the value just keeps the plan
 def choose_num_kv_splits(num_reqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """A power of two (fewer kernel variants) between 1 and MAX_KV_SPLITS."""
     base_programs = max(1, num_reqs * num_kv_heads)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // base_programs)  # cdiv
     by_length = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
     limit = min(wanted, by_length, MAX_KV_SPLITS)
     splits = 1
@@ -189,7 +193,11 @@ class TritonPagedBackend(AttentionBackend):
 
     def supports_fused_decode_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step should go through forward_decode_with_rope (decode-only, small)."""
-        return meta.is_decode_only and meta.num_reqs <= FUSED_ROPE_MAX_REQS
+        return self._fuses_decode_rope(meta.is_decode_only, meta.num_reqs)
+
+    @staticmethod
+    def _fuses_decode_rope(decode_only: bool, num_reqs: int) -> bool:
+        return decode_only and num_reqs <= FUSED_ROPE_MAX_REQS
 
     def forward_decode_with_rope(
         self,
@@ -311,20 +319,80 @@ class TritonPagedBackend(AttentionBackend):
     def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device, window: int | None = None) -> int:
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
-        if not meta.is_decode_only:
+        if meta.is_decode_only:
+            num_decodes = meta.num_reqs
+        else:
             # Only the decodes of a mixed batch split; the host copy of query_start_loc says
             # how many there are without touching the device.
             query_lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
             num_decodes = int((query_lens == 1).sum())
+        return self._plan_num_kv_splits(
+            meta.is_decode_only, meta.num_reqs, num_decodes, meta.max_seq_len, device, window
+        )
+
+    def _plan_num_kv_splits(
+        self,
+        decode_only: bool,
+        num_reqs: int,
+        num_decodes: int,
+        max_seq_len: int,
+        device: torch.device,
+        window: int | None = None,
+    ) -> int:
+        """The split count of a step, from the host-side facts `_num_kv_splits` reads off its metadata."""
+        if self.forced_num_kv_splits is not None:
+            return self.forced_num_kv_splits
+        if not decode_only:
             if num_decodes == 0:
                 return 1
             return choose_num_kv_splits(
-                num_decodes, self.num_kv_heads, _keys_seen(meta.max_seq_len, window), self._sm_count(device)
+                num_decodes, self.num_kv_heads, _keys_seen(max_seq_len, window), self._sm_count(device)
             )
-        if self._uses_graph_rule(meta):
-            return self._graph_num_kv_splits(meta.num_reqs, device, window)
+        if num_reqs <= self._graph_max_reqs:  # _uses_graph_rule
+            return self._graph_num_kv_splits(num_reqs, device, window)
         return choose_num_kv_splits(
-            meta.num_reqs, self.num_kv_heads, _keys_seen(meta.max_seq_len, window), self._sm_count(device)
+            num_reqs, self.num_kv_heads, _keys_seen(max_seq_len, window), self._sm_count(device)
+        )
+
+    def kernel_variants(
+        self,
+        *,
+        num_reqs: int,
+        num_decodes: int,
+        max_query_len: int,
+        max_seq_len: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+        layer: AttentionLayerSpec = PLAIN_ATTENTION,
+        fused_rope: bool = True,
+        decode_only: bool | None = None,
+    ) -> tuple[KernelVariant, ...]:
+        """The paged-attention kernel variants a step of `layer` launches, from the facts its
+        metadata holds (num_decodes: its requests with query_len 1; decode_only: by default
+        max_query_len == 1, as the model runner sets it, and then one row per request).
+        `fused_rope`: whether the model calls forward_decode_with_rope for the steps
+        supports_fused_decode_rope admits. The start-up warm-up (worker/kernel_warmup.py) plans
+        with this, so that no serving step compiles one."""
+        if decode_only is None:
+            decode_only = max_query_len == 1
+        splits = self._plan_num_kv_splits(
+            decode_only, num_reqs, num_decodes, max_seq_len, device, layer.sliding_window
+        )
+        return launch_variants(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            decode_only=decode_only,
+            num_kv_splits=splits,
+            fused_merge=True,  # _scratch always hands out split counters
+            rope=fused_rope and self._fuses_decode_rope(decode_only, num_reqs),
+            all_decode=decode_only,
+            kv_fp8=is_fp8_kv(kv_cache_dtype),
+            sliding=layer.sliding_window is not None,
+            soft_cap=layer.logits_soft_cap is not None,
+            sinks=layer.sinks is not None,
         )
 
     def _scratch(
