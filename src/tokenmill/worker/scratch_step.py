@@ -17,9 +17,11 @@ def scratch_step(
     device: torch.device,
     decode_only: bool,
     num_kv_groups: int = 1,
+    num_blocks: int | None = None,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) of a batch whose request i computes its last query_lens[i] of
-    seq_lens[i] tokens; slot -1 for every token, so no K/V is stored."""
+    seq_lens[i] tokens; slot -1 for every token, so no K/V is stored. With `num_blocks`, the
+    table's entries cycle through that many blocks (a long context over a small scratch pool)."""
     num_tokens = sum(query_lens)
     qsl = np.zeros(len(query_lens) + 1, np.int32)
     np.cumsum(query_lens, out=qsl[1:])
@@ -31,9 +33,9 @@ def scratch_step(
         max_seq_len=int(lens.max()),
         query_start_loc=torch.from_numpy(qsl).to(device),
         seq_lens=torch.from_numpy(lens).to(device),
-        block_tables=torch.arange(blocks_per_req, dtype=torch.int32, device=device).repeat(
-            len(query_lens), 1
-        ),
+        block_tables=(torch.arange(blocks_per_req, dtype=torch.int32) % (num_blocks or blocks_per_req))
+        .to(device)
+        .repeat(len(query_lens), 1),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
         query_start_loc_cpu=torch.from_numpy(qsl),
         seq_lens_cpu=torch.from_numpy(lens),
