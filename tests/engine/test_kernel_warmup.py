@@ -100,9 +100,11 @@ def _triton_planner(
     graphs: bool = True,
     layers: tuple = (),
     kv_cache_dtype: torch.dtype = torch.bfloat16,
+    piecewise_max_tokens: int = 0,
 ):
     """(limits, variants) as warm_up_eager_steps plans them for a TritonPagedBackend of these
-    shapes on an H100 (Llama-3.1-8B's by default), with CUDA graphs of the default sizes."""
+    shapes on an H100 (Llama-3.1-8B's by default), with CUDA graphs of the default sizes, and
+    piecewise graphs (no fused RoPE) for the other steps up to `piecewise_max_tokens`."""
     from tokenmill.attention.backend import PLAIN_ATTENTION
     from tokenmill.attention.triton_paged import TritonPagedBackend
     from tokenmill.worker.cuda_graphs import default_capture_sizes
@@ -120,7 +122,7 @@ def _triton_planner(
         list(layers) or [PLAIN_ATTENTION],
         kv_cache_dtype=kv_cache_dtype,
         device=torch.device("cpu"),
-        fused_rope=True,
+        fused_rope=lambda step: step.graph or step.num_tokens > piecewise_max_tokens,
     )
     return StepLimits(max_model_len, max_num_seqs, budget, sizes), variants
 
@@ -131,7 +133,7 @@ def _compiled_at_start_up(limits, variants, steps) -> frozenset:
     from tokenmill.worker.kernel_warmup import WarmupStep
 
     captured = [
-        WarmupStep(num_decodes=size, decode_seq_len=limits.max_model_len, decode_only=True)
+        WarmupStep(num_decodes=size, decode_seq_len=limits.max_model_len, decode_only=True, graph=True)
         for size in limits.graph_sizes
     ]
     return frozenset().union(*(variants(step) for step in [*steps, *captured]))
@@ -163,6 +165,7 @@ def _dense_serving_steps(limits):
 LLAMA_8B = {}
 SHAPES = {
     "llama-3.1-8b": LLAMA_8B,
+    "llama-8b-piecewise": {"piecewise_max_tokens": 2048},
     "llama-8b-eager": {"graphs": False},
     "mha-64-heads": {"num_heads": 16, "num_kv_heads": 16, "head_dim": 64, "max_num_seqs": 100},
     "head-dim-256-fp8-cache": {"num_heads": 16, "num_kv_heads": 8, "head_dim": 256, "max_model_len": 8192},
@@ -327,7 +330,7 @@ def test_warm_up_runs_the_planned_attention_steps_over_a_one_block_scratch_pool(
     before = [cache.clone() for cache in runner.kv_caches]
     kernel_warmup.warm_up_eager_steps(runner)
     limits = kernel_warmup.runner_limits(runner)
-    variants = kernel_warmup.attention_variants(runner)
+    variants = kernel_warmup.attention_variants(runner, lambda step: None)  # (no piecewise graphs on the CPU)
     steps = kernel_warmup.plan_warmup_steps(limits, variants, eager_decode=True)
     assert len(seen) == len(steps) > len(kernel_warmup.WARMUP_STEPS) + len(kernel_warmup.EAGER_DECODE_STEPS)
     assert max(s[2] for s in seen) > runner.block_size * kernel_warmup.SCRATCH_BLOCKS

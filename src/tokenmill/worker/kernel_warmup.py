@@ -17,8 +17,11 @@ batches at their captured sizes; serving also runs eager steps:
   variant some serving step could, less those the fixed steps and the graph capture compiled;
 - after each, the greedy sampler's kernels (kernels/triton/greedy.py), as `_sample` runs them.
 
-Each step runs once against a scratch KV cache of one block per layer that every block-table entry
-names (worker/scratch_step.py), so a long context costs no memory; slot -1 writes nothing.
+Each step runs once the way ModelRunner.launch would run it: through the piecewise CUDA graphs
+when they take its token count (attention eager between the pieces, reading the engine's KV pool;
+inside them no decode step fuses RoPE into attention), else eagerly against a scratch KV cache of
+one block per layer. Every block-table entry names block 0 (worker/scratch_step.py), so a long
+context costs no memory; slot -1 writes nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class WarmupStep:
     num_decodes: int = 0
     decode_seq_len: int = 1
     decode_only: bool = False
+    graph: bool = False  # a decode-only batch a whole-step CUDA graph replays (captured, not warmed here)
 
     @property
     def query_lens(self) -> list[int]:
@@ -172,7 +176,7 @@ def plan_warmup_steps(
     if variants is None:
         return steps
     captured = [
-        WarmupStep(num_decodes=size, decode_seq_len=limits.max_model_len, decode_only=True)
+        WarmupStep(num_decodes=size, decode_seq_len=limits.max_model_len, decode_only=True, graph=True)
         for size in limits.graph_sizes
     ]
     covered = frozenset().union(*(variants(step) for step in steps + captured))
@@ -194,9 +198,10 @@ def _negated(cost: tuple[int, int]) -> tuple[int, int]:
     return -cost[0], -cost[1]
 
 
-def attention_variants(runner) -> StepVariants | None:
+def attention_variants(runner, piecewise_size: Callable[[WarmupStep], int | None]) -> StepVariants | None:
     """The paged-attention kernel variants a step of this runner launches in any of its layers,
-    or None when its attention backend does not say (`kernel_variants`)."""
+    or None when its attention backend does not say (`kernel_variants`). A step that runs through
+    piecewise graphs (`piecewise_size`) does not fuse RoPE into a decode-only launch."""
     kernel_variants = getattr(runner.attn_backend, "kernel_variants", None)
     if kernel_variants is None:
         return None
@@ -209,26 +214,37 @@ def attention_variants(runner) -> StepVariants | None:
         if isinstance(module, SelfAttention):
             spec = module.layer_spec
             layers.setdefault((spec.sliding_window, spec.logits_soft_cap, spec.sinks is None), spec)
+    fuses = bool(getattr(runner.model, "fuse_decode_rope", False))
     return step_variants(
         kernel_variants,
         list(layers.values()) or [PLAIN_ATTENTION],
         kv_cache_dtype=runner.kv_cache_dtype,
         device=runner.device,
-        fused_rope=bool(getattr(runner.model, "fuse_decode_rope", False)),
+        fused_rope=lambda step: fuses and piecewise_size(step) is None,
     )
 
 
 def step_variants(
-    kernel_variants, layers: list, *, kv_cache_dtype: torch.dtype, device: torch.device, fused_rope: bool
+    kernel_variants,
+    layers: list,
+    *,
+    kv_cache_dtype: torch.dtype,
+    device: torch.device,
+    fused_rope: Callable[[WarmupStep], bool],
 ) -> StepVariants:
-    """`variants(step)` from an attention backend's `kernel_variants` over these layer specs."""
-    cache: dict[tuple[int, int, int, int, bool], frozenset[Hashable]] = {}
+    """`variants(step)` from an attention backend's `kernel_variants` over these layer specs;
+    `fused_rope(step)`: whether the model would call forward_decode_with_rope for that step
+    where the backend supports it (not inside piecewise graphs)."""
+    cache: dict[tuple[int, int, int, int, bool, bool], frozenset[Hashable]] = {}
 
     def variants(step: WarmupStep) -> frozenset[Hashable]:
-        facts = (step.num_reqs, step.num_decode_rows, step.max_query_len, step.max_seq_len, step.decode_only)
+        facts = (
+            step.num_reqs, step.num_decode_rows, step.max_query_len, step.max_seq_len, step.decode_only,
+            fused_rope(step),
+        )  # fmt: skip
         found = cache.get(facts)
         if found is None:
-            num_reqs, num_decodes, max_query_len, max_seq_len, decode_only = facts
+            num_reqs, num_decodes, max_query_len, max_seq_len, decode_only, fused = facts
             found = cache[facts] = frozenset(
                 variant
                 for layer in layers
@@ -241,7 +257,7 @@ def step_variants(
                     kv_cache_dtype=kv_cache_dtype,
                     device=device,
                     layer=layer,
-                    fused_rope=fused_rope,
+                    fused_rope=fused,
                 )
             )
         return found
@@ -268,7 +284,14 @@ def warm_up_eager_steps(runner) -> None:
     started = time.perf_counter()
     arch = runner.arch
     device = runner.device
-    variants = attention_variants(runner)
+    piecewise = getattr(runner, "piecewise", None)
+
+    def piecewise_size(step: WarmupStep) -> int | None:
+        """The token count of the piecewise graphs ModelRunner.launch runs this step with, if any
+        (a step no whole-step graph takes, up to the largest captured count)."""
+        return None if piecewise is None or step.graph else piecewise.padded_size(step.num_tokens)
+
+    variants = attention_variants(runner, piecewise_size)
     steps = plan_warmup_steps(runner_limits(runner), variants, eager_decode=runner.graph_runner is None)
     planned = time.perf_counter() - started
     if not steps:
@@ -282,6 +305,7 @@ def warm_up_eager_steps(runner) -> None:
         runner.kv_cache_dtype,
         device,
     )
+    num_piecewise = 0
     for step in steps:
         positions, meta = scratch_step(
             step.query_lens,
@@ -292,8 +316,13 @@ def warm_up_eager_steps(runner) -> None:
             runner.kv_groups.num_groups,
             num_blocks=SCRATCH_BLOCKS,
         )
-        input_ids = torch.zeros(meta.num_actual_tokens, dtype=torch.long, device=device)
-        hidden = runner.model(input_ids, positions, caches, meta)
+        size = piecewise_size(step)
+        if size is None:
+            input_ids = torch.zeros(meta.num_actual_tokens, dtype=torch.long, device=device)
+            hidden = runner.model(input_ids, positions, caches, meta)
+        else:
+            hidden = _run_piecewise(runner, size, positions, meta)
+            num_piecewise += 1
         last_rows = (meta.query_start_loc[1:] - 1).long()
         logits = runner.model.compute_logits(hidden[last_rows])
         if logits.is_cuda:  # as ModelRunner._sample does for a batch of greedy requests
@@ -305,9 +334,26 @@ def warm_up_eager_steps(runner) -> None:
     del caches
     num_variants = len(frozenset().union(*map(variants, steps))) if variants is not None else 0
     logger.info(
-        "warmed up %d eager step shapes (%d attention kernel variants; planned in %.3f s) in %.1f s",
+        "warmed up %d step shapes (%d through piecewise graphs; %d attention kernel variants, planned "
+        "in %.3f s) in %.1f s",
         len(steps),
+        num_piecewise,
         num_variants,
         planned,
         time.perf_counter() - started,
     )
+
+
+def _run_piecewise(runner, size: int, positions: torch.Tensor, meta) -> torch.Tensor:
+    """The step through the runner's piecewise graphs, as ModelRunner.launch runs it: the pieces
+    read the staged token inputs (zero ids, these positions, slot -1: no K/V written anywhere);
+    attention runs eagerly with `meta` on the engine's KV pool, whose blocks it only reads."""
+    buffers = runner.buffers
+    num_tokens = meta.num_actual_tokens
+    buffers.input_ids[:size].zero_()
+    buffers.positions[:size].zero_()
+    buffers.positions[:num_tokens].copy_(positions)
+    buffers.slot_mapping[:size].fill_(-1)
+    for slots in buffers.group_slot_mapping:
+        slots[:size].fill_(-1)
+    return runner.piecewise.run(size, num_tokens, meta)
