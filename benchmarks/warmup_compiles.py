@@ -1,0 +1,124 @@
+"""Start-up warm-up against Triton compiles while serving, on a freshly started engine.
+
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=src python benchmarks/warmup_compiles.py
+
+Starts an engine (Llama-3.1-8B shapes with dummy weights by default), then drives it by hand:
+40 greedy requests with ~600-token prompts until they all decode, then new 512-token prompts
+arriving among the decodes (with a one-token prompt, a prefix-cache hit, short prompts and a
+sampled request), to completion, then a one-token prompt and a wholly cached prompt alone: the workload of tests/gpu/test_kernel_warmup_gpu.py at full
+size. Prints the start-up log lines (memory profile, graph capture, warm-up), every Triton compile
+after start-up (kernel, seconds) and the slowest steps' wall times (a compile stalls its step).
+Point TRITON_CACHE_DIR at an empty folder to see a cold start, as on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.name}: {record.getMessage()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--decodes", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the summary here")
+    args = parser.parse_args()
+
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels.jit_compiles import JitCompiles
+
+    lines = _Lines()
+    logging.getLogger("tokenmill").addHandler(lines)
+    logging.getLogger("tokenmill").setLevel(logging.INFO)
+    started = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len)
+    start_up = time.perf_counter() - started
+    compiles = JitCompiles()
+    engine = llm.engine
+    rng = random.Random(args.seed)
+    vocab = llm.info.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(5, vocab) for _ in range(n)]
+
+    def add(request_id: str, tokens: list[int], max_tokens: int, **params) -> None:
+        params.setdefault("temperature", 0.0)
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
+        engine.add_request(llm.input_processor.make_request(request_id, tokens, sampling))
+
+    step_times: list[float] = []
+
+    def step() -> list:
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_times.append(time.perf_counter() - t)
+        return outputs
+
+    for i in range(args.decodes):
+        add(f"long-{i}", prompt(rng.randint(560, 640)), rng.randint(120, 160))
+    decoding: set[str] = set()
+    while len(decoding) < args.decodes:
+        decoding.update(out.request_id for out in step() if out.new_token_ids)
+    first_new, second_new = prompt(512), prompt(512)
+    arrivals = {
+        0: [("new-0", first_new, 16, {})],
+        2: [("one-token", prompt(1), 8, {})],
+        4: [("new-1", second_new, 16, {})],
+        6: [("prefix-hit", first_new + prompt(7), 8, {})],
+        8: [("new-2", prompt(512), 16, {})],
+        10: [(f"short-{n}", prompt(n), 8, {}) for n in (2, 5, 9, 17, 33)],
+        12: [("sampled", prompt(300), 12, {"temperature": 0.8, "top_p": 0.9, "seed": 1})],
+        14: [("new-3", prompt(512), 16, {}), ("new-4", prompt(520), 16, {})],
+    }
+    tick = 0
+    while engine.has_work() or tick <= max(arrivals):
+        for request_id, tokens, max_tokens, params in arrivals.get(tick, []):
+            add(request_id, tokens, max_tokens, **params)
+        tick += 1
+        step()
+    for request_id, tokens in (("lone-token", prompt(1)), ("cached", second_new)):
+        add(request_id, tokens, 4)
+        while engine.has_work():
+            step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    found = compiles.drain()
+    compiles.close()
+    slowest = sorted(step_times, reverse=True)
+    summary = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "start_up_s": round(start_up, 1),
+        "start_up_log": [
+            line for line in lines.lines if any(w in line for w in ("warmed up", "captured", "profil", "KV cache"))
+        ],
+        "compiles_while_serving": len(found),
+        "compile_seconds_while_serving": round(sum(s for _, _, s in found), 2),
+        "compiles": [[name, round(s, 3)] for name, _, s in found],
+        "steps": len(step_times),
+        "slowest_steps_ms": [round(1000 * s, 1) for s in slowest[:8]],
+        "median_step_ms": round(1000 * slowest[len(slowest) // 2], 1),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Serving compiles no Triton kernel once the engine has started: the start-up warm-up
+(worker/kernel_warmup.py), the memory profile and the CUDA-graph capture have launched every
+kernel variant a realistic workload needs. A compile inside a step stalls every request in it
+(0.5-1.2 s each for the paged attention kernel with a cold Triton cache).
+
+The model has Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128: tiles
+and split counts depend on them) on two small layers, in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.conftest import write_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.jit_compiles import JitCompiles
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def llama_8b_attention_dir(tmp_path_factory, tiny_tokenizer):
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("llama_8b_attention"),
+        "llama",
+        tiny_tokenizer,
+        seed=3,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+
+
+def _serve_mixed_workload(llm: LLM, seed: int = 0) -> int:
+    """40 greedy requests with ~600-token prompts decode while new 512-token prompts arrive, with
+    a one-token prompt, a prefix-cache hit, short prompts and a sampled request among them; then
+    a one-token prompt and a wholly cached prompt alone. Returns the number of steps."""
+    rng = random.Random(seed)
+    vocab = llm.info.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(5, vocab) for _ in range(n)]
+
+    engine = llm.engine
+
+    def add(request_id: str, tokens: list[int], max_tokens: int, **params) -> None:
+        params.setdefault("temperature", 0.0)
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
+        engine.add_request(llm.input_processor.make_request(request_id, tokens, sampling))
+
+    for i in range(40):
+        add(f"long-{i}", prompt(rng.randint(560, 640)), rng.randint(120, 160))
+    decoding: set[str] = set()
+    steps = 0
+    while len(decoding) < 40:
+        decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
+        steps += 1
+    first_new, second_new = prompt(512), prompt(512)
+    arrivals = {
+        0: [("new-0", first_new, 16, {})],
+        2: [("one-token", prompt(1), 8, {})],
+        4: [("new-1", second_new, 16, {})],
+        6: [("prefix-hit", first_new + prompt(7), 8, {})],  # a 7-token chunk after the cached 512
+        8: [("new-2", prompt(512), 16, {})],
+        10: [(f"short-{n}", prompt(n), 8, {}) for n in (2, 5, 9, 17, 33)],
+        12: [("sampled", prompt(300), 12, {"temperature": 0.8, "top_p": 0.9, "seed": 1})],
+        14: [("new-3", prompt(512), 16, {}), ("new-4", prompt(520), 16, {})],
+    }
+    tick = 0
+    while engine.has_work() or tick <= max(arrivals):
+        for request_id, tokens, max_tokens, params in arrivals.get(tick, []):
+            add(request_id, tokens, max_tokens, **params)
+        tick += 1
+        engine.step()
+        steps += 1
+    # Alone: a one-token prompt, then a prompt whose every block is cached (its last token is
+    # computed again): decode-only steps of one request that no whole-step graph takes.
+    for request_id, tokens in (("lone-token", prompt(1)), ("cached", second_new)):
+        add(request_id, tokens, 4)
+        while engine.has_work():
+            engine.step()
+            steps += 1
+    return steps
+
+
+def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_attention_dir, monkeypatch):
+    llm = LLM(
+        str(llama_8b_attention_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=64,
+        num_kv_blocks=4096,
+    )
+    runner = llm.engine.runner
+    shapes = []  # (decode-only, requests, decodes, longest chunk, longest sequence) of each eager step
+    real_forward = runner.model.forward
+
+    def forward(input_ids, positions, kv_caches, meta):
+        lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
+        decodes = int((lens == 1).sum())
+        shapes.append((meta.is_decode_only, meta.num_reqs, decodes, meta.max_query_len, meta.max_seq_len))
+        return real_forward(input_ids, positions, kv_caches, meta)
+
+    monkeypatch.setattr(runner.model, "forward", forward)
+    compiles = JitCompiles()  # after start-up: only what serving compiles
+    assert compiles.installed
+    try:
+        steps = _serve_mixed_workload(llm)
+        found = compiles.drain()
+    finally:
+        compiles.close()
+    assert not found, "compiled while serving: " + ", ".join(f"{name} ({s:.2f} s)" for name, _, s in found)
+    # The workload had what it is meant to: mixed steps of a 512-token chunk with 30+ decodes at
+    # ~600-token contexts (split-KV), chunks of other tile sizes, eager decode-only steps (the
+    # one-token prompt), besides the graph replays.
+    assert steps > 150 and runner.graph_runner.num_replays > 100
+    assert any(not d and n >= 30 and q >= 512 and s >= 512 for d, _, n, q, s in shapes)
+    assert any(not d and q <= 16 for d, *_, q, _ in shapes) and any(not d and q >= 512 for d, *_, q, _ in shapes)
+    assert any(d for d, *_ in shapes)
