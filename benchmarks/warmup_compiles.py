@@ -110,6 +110,7 @@ def main() -> None:
         "compiles_while_serving": len(found),
         "compile_seconds_while_serving": round(sum(s for _, _, s in found), 2),
         "compiles": [[name, round(s, 3)] for name, _, s in found],
+        "compile_specializations": [line[:800] for line in lines.lines if "compiled a variant" in line],
         "steps": len(step_times),
         "slowest_steps_ms": [round(1000 * s, 1) for s in slowest[:8]],
         "median_step_ms": round(1000 * slowest[len(slowest) // 2], 1),
