@@ -106,16 +106,17 @@ def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_atte
         num_kv_blocks=4096,
     )
     runner = llm.engine.runner
-    shapes = []  # (decode-only, requests, decodes, longest chunk, longest sequence) of each eager step
-    real_forward = runner.model.forward
+    shapes = []  # (decode-only, requests, decodes, longest chunk, longest sequence) of each step
+    real_build_metadata = runner.build_metadata
 
-    def forward(input_ids, positions, kv_caches, meta):
-        lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
-        decodes = int((lens == 1).sum())
-        shapes.append((meta.is_decode_only, meta.num_reqs, decodes, meta.max_query_len, meta.max_seq_len))
-        return real_forward(input_ids, positions, kv_caches, meta)
+    def build_metadata(batch, padded_reqs=None, **kwargs):
+        if padded_reqs is None:  # not a whole-step graph's replay
+            lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+            decodes = int((lens == 1).sum())
+            shapes.append((batch.max_query_len == 1, len(lens), decodes, batch.max_query_len, batch.max_seq_len))
+        return real_build_metadata(batch, padded_reqs, **kwargs)
 
-    monkeypatch.setattr(runner.model, "forward", forward)
+    monkeypatch.setattr(runner, "build_metadata", build_metadata)
     compiles = JitCompiles()  # after start-up: only what serving compiles
     assert compiles.installed
     try:
@@ -125,9 +126,9 @@ def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_atte
         compiles.close()
     assert not found, "compiled while serving: " + ", ".join(f"{name} ({s:.2f} s)" for name, _, s in found)
     # The workload had what it is meant to: mixed steps of a 512-token chunk with 30+ decodes at
-    # ~600-token contexts (split-KV), chunks of other tile sizes, eager decode-only steps (the
-    # one-token prompt), besides the graph replays.
+    # ~600-token contexts (split-KV), short chunks, decode-only steps of one request that no
+    # whole-step graph takes (the lone prompts), besides the graph replays.
     assert steps > 150 and runner.graph_runner.num_replays > 100
     assert any(not d and n >= 30 and q >= 512 and s >= 512 for d, _, n, q, s in shapes)
-    assert any(not d and q <= 16 for d, *_, q, _ in shapes) and any(not d and q >= 512 for d, *_, q, _ in shapes)
-    assert any(d for d, *_ in shapes)
+    assert any(not d and q <= 16 for d, *_, q, _ in shapes)
+    assert any(d and r == 1 for d, r, *_ in shapes)
