@@ -145,6 +145,7 @@ class TritonPagedBackend(AttentionBackend):
         self._graph_max_reqs = 0  # decode batches up to this size use the batch-size-only split rule
         self._graph_max_context_len = 0
         self._graph_scratch: _SplitScratch | None = None
+        self._plan_memo: tuple | None = None  # (metadata, window, plan) of the step being run
 
     # -- CUDA-graph hooks -----------------------------------------------------------------------
 
@@ -261,10 +262,9 @@ class TritonPagedBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
-        num_splits = self._num_kv_splits(meta, q.device, layer.sliding_window)
-        partial_out = partial_lse = split_counters = None
-        if num_splits > 1:
-            partial_out, partial_lse, split_counters = self._scratch(num_splits, meta, q.device)
+        num_splits, (partial_out, partial_lse, split_counters), all_decode = self._step_plan(
+            meta, q.device, layer.sliding_window
+        )
         paged_attention(
             out,
             q,
@@ -284,8 +284,7 @@ class TritonPagedBackend(AttentionBackend):
             # at run time each split still gets at least this many KV tokens (0 = split as planned).
             min_kv_per_split=self.kernel.min_kv_tokens_per_split,
             rope=rope,
-            # One row per request (decode-only, no zero-row padding requests): the host copy says so.
-            all_decode=meta.is_decode_only and int(meta.query_start_loc_cpu[-1]) == meta.num_reqs,
+            all_decode=all_decode,
             sliding_window=layer.sliding_window,
             logits_soft_cap=layer.logits_soft_cap,
             sinks=layer.sinks,
@@ -295,6 +294,25 @@ class TritonPagedBackend(AttentionBackend):
         return out
 
     # -- planning --------------------------------------------------------------------------------
+
+    def _step_plan(
+        self, meta: AttentionMetadata, device: torch.device, window: int | None
+    ) -> tuple[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], bool]:
+        """(KV splits, their scratch buffers, all_decode) of a step: the same for every layer of a
+        window, so worked out once per step (the metadata object) and window. Every layer of an eager
+        step used to redo it (host tensor arithmetic and three scratch allocations per layer).
+        Reusing the scratch across layers is safe: the launches run in order on one stream."""
+        memo = self._plan_memo
+        if memo is not None and memo[0] is meta and memo[1] == window:
+            return memo[2]
+        num_splits = self._num_kv_splits(meta, device, window)
+        scratch = self._scratch(num_splits, meta, device) if num_splits > 1 else (None, None, None)
+        # One row per request (decode-only, no zero-row padding requests): the host copy says so.
+        all_decode = meta.is_decode_only and int(meta.query_start_loc_cpu[-1]) == meta.num_reqs
+        plan = (num_splits, scratch, all_decode)
+        # Holding `meta` keeps its id from being reused by a later step's metadata.
+        self._plan_memo = (meta, window, plan)
+        return plan
 
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:
