@@ -131,6 +131,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
         # of the collector's reach, a full collection walks only what requests made since.
         gc.collect()
         gc.freeze()
+        core.start_serving()
         send(EngineReady(info=core.info))
         _busy_loop(core, inbox, decoder, send, parent_pid)
     except _ParentGone:

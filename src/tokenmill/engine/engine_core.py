@@ -292,6 +292,12 @@ class EngineCore:
         it); an executor of several workers has no single runner."""
         return self.executor.driver_runner  # type: ignore[attr-defined]
 
+    def start_serving(self) -> None:
+        """Start-up is over (the process may have collected and frozen its heap): what the trace
+        records from here on belongs to requests."""
+        if self.tracer is not None:
+            self.tracer.start_serving()
+
     def flush_trace(self) -> None:
         if self.tracer is not None:
             self.tracer.flush()
