@@ -70,3 +70,16 @@ def test_tracing_changes_no_token(tiny_llama_dir, tmp_path):
         return _run(llm.engine, _prompts(), max_tokens=8)[1]
 
     assert greedy(trace_dir=str(tmp_path / "t")) == greedy()
+
+
+def test_a_trace_dir_that_cannot_be_written_is_refused_naming_the_option(tiny_llama_dir, tmp_path):
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    bad = str(blocker / "trace")
+    with pytest.raises(ValueError, match="--trace-dir .* cannot hold the trace"):
+        LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, trace_dir=bad)
+    with pytest.raises(ValueError, match="--trace-dir .* cannot hold the trace"):
+        AsyncEngine(EngineConfig(trace_dir=bad))  # the API server's half, before any engine starts

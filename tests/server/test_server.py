@@ -409,6 +409,33 @@ def test_structured_outputs_and_forced_tool_calls_on_the_real_model(server, clie
     _wait_idle(server)
 
 
+def test_bench_serve_splits_the_slowest_requests_time_from_the_servers_trace(server, trace_dir, tmp_path):
+    """A real `bench serve` run against the traced server: every request is found in the trace, and
+    its TTFT stages (client, API server, engine) add up to the TTFT the client measured."""
+    import argparse
+
+    from tokenmill.bench import serve as bench_serve
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_cli_args(parser)
+    args = parser.parse_args([
+        "--base-url", server.base_url, "--num-prompts", "12", "--random-input-len", "24",
+        "--random-output-len", "4", "--request-rate", "8", "--ignore-eos", "--disable-tqdm",
+        "--server-trace-dir", trace_dir, "--save-result", "--result-dir", str(tmp_path),
+    ])  # fmt: skip
+    (run,) = asyncio.run(bench_serve.run_benchmark(args))
+    tail = run.metrics["tail"]
+    assert run.metrics["completed"] == 12
+    assert tail["requests_traced"] == 12 and tail["requests_untraced"] == 0, tail
+    (worst,) = tail["slowest_ttft"]
+    assert abs(sum(worst["stages_ms"].values()) - worst["ttft_ms"]) < 0.5
+    assert all(v >= 0 for v in worst["stages_ms"].values()), worst
+    assert worst["while_waiting"]["steps"] >= 1
+    assert tail["steps"]["num_steps"] >= 12 and tail["steps"]["jit_compiles"] == 0
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["metrics"]["tail"]["requests_traced"] == 12
+
+
 def test_engine_death_fails_requests_fast(server, model_id):
     """Runs last on the shared server: it kills that server's engine."""
     engine = [pid for pid in server.child_pids() if _is_engine(_cmdline(pid))]
@@ -525,29 +552,3 @@ def test_a_cpu_engine_on_device_auto_leaves_one_core_to_the_api_server(tmp_path,
     finally:
         proc.stop()
 
-
-def test_bench_serve_splits_the_slowest_requests_time_from_the_servers_trace(server, trace_dir, tmp_path):
-    """A real `bench serve` run against the traced server: every request is found in the trace, and
-    its TTFT stages (client, API server, engine) add up to the TTFT the client measured."""
-    import argparse
-
-    from tokenmill.bench import serve as bench_serve
-
-    parser = argparse.ArgumentParser()
-    bench_serve.add_cli_args(parser)
-    args = parser.parse_args([
-        "--base-url", server.base_url, "--num-prompts", "12", "--random-input-len", "24",
-        "--random-output-len", "4", "--request-rate", "8", "--ignore-eos", "--disable-tqdm",
-        "--server-trace-dir", trace_dir, "--save-result", "--result-dir", str(tmp_path),
-    ])  # fmt: skip
-    (run,) = asyncio.run(bench_serve.run_benchmark(args))
-    tail = run.metrics["tail"]
-    assert run.metrics["completed"] == 12
-    assert tail["requests_traced"] == 12 and tail["requests_untraced"] == 0, tail
-    (worst,) = tail["slowest_ttft"]
-    assert abs(sum(worst["stages_ms"].values()) - worst["ttft_ms"]) < 0.5
-    assert all(v >= 0 for v in worst["stages_ms"].values()), worst
-    assert worst["while_waiting"]["steps"] >= 1
-    assert tail["steps"]["num_steps"] >= 12 and tail["steps"]["jit_compiles"] == 0
-    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert saved["metrics"]["tail"]["requests_traced"] == 12

@@ -34,7 +34,7 @@ import numpy as np
 
 from tokenmill.bench.serve_metrics import RequestResult
 
-REQUESTS_FILE = "requests.jsonl"  # engine/request_trace.py's and step_trace.py's names (not imported)
+REQUESTS_FILE = "requests.jsonl"  # engine/trace_files.py's names (bench imports no engine code)
 STEPS_FILE = "steps.jsonl"
 TAIL_FRACTION = 0.01
 TRACE_SETTLE_S = 1.0  # an idle engine flushes its step records every 0.5 s (engine/core_process.py)

@@ -58,6 +58,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
         # The API server leaves the device and its defaults unresolved (it has no torch).
         unresolved = config
+        # First: a --trace-dir that cannot be written is refused before the model loads.
+        self.tracer = StepTracer(config.trace_dir) if config.trace_dir else None
         config = resolve_device_defaults(config)
         if config != unresolved:
             logger.info(
@@ -109,8 +111,8 @@ class EngineCore:
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
-        # Made last, so the start-up's compiles and collections are not charged to the first step.
-        self.tracer = StepTracer(config.trace_dir) if config.trace_dir else None
+        # What start-up compiled and collected is not charged to the first step.
+        self.start_serving()
 
     def _load_tokenizer(self):  # noqa: ANN202 - a transformers tokenizer, or None
         from tokenmill.model.tokenizer import load_tokenizer_or_none

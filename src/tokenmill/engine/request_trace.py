@@ -9,21 +9,18 @@ garbage-collection pauses. Times are `time.monotonic()` (see core/request_timeli
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.gc_pauses import GcPauses
-
-REQUESTS_FILE = "requests.jsonl"
+from tokenmill.engine.trace_files import REQUESTS_FILE, open_trace_file
 
 
 class RequestTraceLog:
     def __init__(self, trace_dir: str) -> None:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self.path = os.path.join(trace_dir, REQUESTS_FILE)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - open for the server's life, closed in close()
+        self._file = open_trace_file(trace_dir, REQUESTS_FILE)
         self._encoder = msgspec.json.Encoder()
         self._first_output: dict[str, float] = {}
         self._gc = GcPauses()

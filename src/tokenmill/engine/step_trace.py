@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request_timeline import RequestTimeline
 from tokenmill.engine.gc_pauses import GcPauses
+from tokenmill.engine.trace_files import STEPS_FILE, open_trace_file
 
-STEPS_FILE = "steps.jsonl"
 FLUSH_INTERVAL_S = 0.5
 
 
@@ -54,9 +53,8 @@ class StepRecord(msgspec.Struct):
 
 class StepTracer:
     def __init__(self, trace_dir: str) -> None:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self.path = os.path.join(trace_dir, STEPS_FILE)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - open for the engine's life, closed in close()
+        self._file = open_trace_file(trace_dir, STEPS_FILE)
         self._encoder = msgspec.json.Encoder()
         self._last_flush = time.monotonic()
         self._timelines: dict[str, RequestTimeline] = {}
