@@ -2,11 +2,8 @@
 
     TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=src python benchmarks/warmup_compiles.py
 
-Starts an engine (Llama-3.1-8B shapes with dummy weights by default), then drives it by hand:
-40 greedy requests with ~600-token prompts until they all decode, then new 512-token prompts
-arriving among the decodes (with a one-token prompt, a prefix-cache hit, short prompts and a
-sampled request), to completion, then a one-token prompt and a wholly cached prompt alone: the workload of tests/gpu/test_kernel_warmup_gpu.py at full
-size. Prints the start-up log lines (memory profile, graph capture, warm-up), every Triton compile
+Starts an engine (Llama-3.1-8B shapes with dummy weights by default), then drives it by hand
+through `tokenmill.bench.mixed_workload` (the workload tests/gpu/test_kernel_warmup_gpu.py runs). Prints the start-up log lines (memory profile, graph capture, warm-up), every Triton compile
 after start-up (kernel, seconds) and the slowest steps' wall times (a compile stalls its step).
 Point TRITON_CACHE_DIR at an empty folder to see a cold start, as on a fresh machine.
 """
@@ -16,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import time
 
 
@@ -40,7 +36,8 @@ def main() -> None:
 
     import torch
 
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
+    from tokenmill.bench.mixed_workload import run_mixed_workload
     from tokenmill.kernels.jit_compiles import JitCompiles
 
     lines = _Lines()
@@ -51,17 +48,6 @@ def main() -> None:
     start_up = time.perf_counter() - started
     compiles = JitCompiles()
     engine = llm.engine
-    rng = random.Random(args.seed)
-    vocab = llm.info.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(5, vocab) for _ in range(n)]
-
-    def add(request_id: str, tokens: list[int], max_tokens: int, **params) -> None:
-        params.setdefault("temperature", 0.0)
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
-        engine.add_request(llm.input_processor.make_request(request_id, tokens, sampling))
-
     step_times: list[float] = []
 
     def step() -> list:
@@ -70,32 +56,7 @@ def main() -> None:
         step_times.append(time.perf_counter() - t)
         return outputs
 
-    for i in range(args.decodes):
-        add(f"long-{i}", prompt(rng.randint(560, 640)), rng.randint(120, 160))
-    decoding: set[str] = set()
-    while len(decoding) < args.decodes:
-        decoding.update(out.request_id for out in step() if out.new_token_ids)
-    first_new, second_new = prompt(512), prompt(512)
-    arrivals = {
-        0: [("new-0", first_new, 16, {})],
-        2: [("one-token", prompt(1), 8, {})],
-        4: [("new-1", second_new, 16, {})],
-        6: [("prefix-hit", first_new + prompt(7), 8, {})],
-        8: [("new-2", prompt(512), 16, {})],
-        10: [(f"short-{n}", prompt(n), 8, {}) for n in (2, 5, 9, 17, 33)],
-        12: [("sampled", prompt(300), 12, {"temperature": 0.8, "top_p": 0.9, "seed": 1})],
-        14: [("new-3", prompt(512), 16, {}), ("new-4", prompt(520), 16, {})],
-    }
-    tick = 0
-    while engine.has_work() or tick <= max(arrivals):
-        for request_id, tokens, max_tokens, params in arrivals.get(tick, []):
-            add(request_id, tokens, max_tokens, **params)
-        tick += 1
-        step()
-    for request_id, tokens in (("lone-token", prompt(1)), ("cached", second_new)):
-        add(request_id, tokens, 4)
-        while engine.has_work():
-            step()
+    run_mixed_workload(llm, num_decodes=args.decodes, seed=args.seed, step=step)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     found = compiles.drain()

@@ -10,13 +10,13 @@ and split counts depend on them) on two small layers, in bf16.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 
 from tests.conftest import write_tiny_checkpoint
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.mixed_workload import run_mixed_workload
 from tokenmill.kernels.jit_compiles import JitCompiles
 
 pytestmark = [
@@ -44,58 +44,6 @@ def llama_8b_attention_dir(tmp_path_factory, tiny_tokenizer):
     )
 
 
-def _serve_mixed_workload(llm: LLM, seed: int = 0) -> int:
-    """40 greedy requests with ~600-token prompts decode while new 512-token prompts arrive, with
-    a one-token prompt, a prefix-cache hit, short prompts and a sampled request among them; then
-    a one-token prompt and a wholly cached prompt alone. Returns the number of steps."""
-    rng = random.Random(seed)
-    vocab = llm.info.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(5, vocab) for _ in range(n)]
-
-    engine = llm.engine
-
-    def add(request_id: str, tokens: list[int], max_tokens: int, **params) -> None:
-        params.setdefault("temperature", 0.0)
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
-        engine.add_request(llm.input_processor.make_request(request_id, tokens, sampling))
-
-    for i in range(40):
-        add(f"long-{i}", prompt(rng.randint(560, 640)), rng.randint(120, 160))
-    decoding: set[str] = set()
-    steps = 0
-    while len(decoding) < 40:
-        decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
-        steps += 1
-    first_new, second_new = prompt(512), prompt(512)
-    arrivals = {
-        0: [("new-0", first_new, 16, {})],
-        2: [("one-token", prompt(1), 8, {})],
-        4: [("new-1", second_new, 16, {})],
-        6: [("prefix-hit", first_new + prompt(7), 8, {})],  # a 7-token chunk after the cached 512
-        8: [("new-2", prompt(512), 16, {})],
-        10: [(f"short-{n}", prompt(n), 8, {}) for n in (2, 5, 9, 17, 33)],
-        12: [("sampled", prompt(300), 12, {"temperature": 0.8, "top_p": 0.9, "seed": 1})],
-        14: [("new-3", prompt(512), 16, {}), ("new-4", prompt(520), 16, {})],
-    }
-    tick = 0
-    while engine.has_work() or tick <= max(arrivals):
-        for request_id, tokens, max_tokens, params in arrivals.get(tick, []):
-            add(request_id, tokens, max_tokens, **params)
-        tick += 1
-        engine.step()
-        steps += 1
-    # Alone: a one-token prompt, then a prompt whose every block is cached (its last token is
-    # computed again): decode-only steps of one request that no whole-step graph takes.
-    for request_id, tokens in (("lone-token", prompt(1)), ("cached", second_new)):
-        add(request_id, tokens, 4)
-        while engine.has_work():
-            engine.step()
-            steps += 1
-    return steps
-
-
 def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_attention_dir, monkeypatch):
     llm = LLM(
         str(llama_8b_attention_dir),
@@ -120,7 +68,7 @@ def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_atte
     compiles = JitCompiles()  # after start-up: only what serving compiles
     assert compiles.installed
     try:
-        steps = _serve_mixed_workload(llm)
+        steps = run_mixed_workload(llm)
         found = compiles.drain()
     finally:
         compiles.close()
