@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
+
+# Kept until drained; an owner that never drains (an engine dropped without shutdown) holds at most this many.
+MAX_KEPT = 10_000
 
 
 class GcPauses:
@@ -16,7 +20,7 @@ class GcPauses:
 
     def __init__(self) -> None:
         self._started: float | None = None
-        self._pauses: list[tuple[float, float, int]] = []
+        self._pauses: deque[tuple[float, float, int]] = deque(maxlen=MAX_KEPT)
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -28,7 +32,8 @@ class GcPauses:
             self._started = None
 
     def drain(self) -> list[tuple[float, float, int]]:
-        pauses, self._pauses = self._pauses, []
+        pauses = list(self._pauses)
+        self._pauses.clear()
         return pauses
 
     def close(self) -> None:

@@ -28,7 +28,10 @@ class JitCompiles:
             logger.info("Triton compile hooks unavailable: JIT compiles are not traced")
             return
         runtime = knobs.runtime
-        if runtime.jit_cache_hook is not None or runtime.jit_post_compile_hook is not None:
+        hooks = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        # Another JitCompiles' hooks (an engine of this process dropped without closing its trace)
+        # are taken over; anyone else's are left alone.
+        if any(hook is not None and not isinstance(getattr(hook, "__self__", None), JitCompiles) for hook in hooks):
             logger.warning("Triton compile hooks already set by someone else: JIT compiles are not traced")
             return
         runtime.jit_cache_hook = self._before
