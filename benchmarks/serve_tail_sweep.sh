@@ -6,7 +6,9 @@
 # requests spent their time (bench/tail.py).
 #   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
 # Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
-# TAG (result-name suffix). Results and logs go to $OUT.
+# TAG (result-name suffix). The result JSON goes to $OUT; the server and bench logs and the traces
+# are packed into one $OUT/serve-tail-sweep$TAG-logs.tgz at the end (the device tool returns only a
+# few files per call).
 set -u
 OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
@@ -46,3 +48,5 @@ for rate in $RATES; do
   kill -TERM $server
   wait $server
 done
+cd "$OUT" && tar czf "serve-tail-sweep$TAG-logs.tgz" server-rate-*"$TAG".log bench-rate-*"$TAG".log trace-rate-*"$TAG" &&
+  rm -rf server-rate-*"$TAG".log bench-rate-*"$TAG".log trace-rate-*"$TAG"
