@@ -5,7 +5,8 @@ steps.jsonl gets a line per step once its results are on the host:
   step, start (step() began), scheduled (the schedule was made), launched (the runner returned:
   its kernels are queued, or with synchronous steps done), done (the sampled tokens reached the
   host), tokens, reqs, new_reqs (first scheduled this step), prefill_tokens (tokens of requests
-  computing more than one), max_query_len, graph (padded CUDA graph batch size, 0: eager),
+  computing more than one), max_query_len, graph (the CUDA graph's padded size: requests of a
+  whole-step decode graph, tokens of piecewise graphs; 0: eager),
   running / waiting after the schedule, compiles ([kernel, start, seconds] of Triton JIT compiles
   during the step's host part), gc ([start, seconds, generation] of collections since the
   previous step)
