@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Token counts captured: fine steps where a mixed batch typically lands (a 512-token prompt beside
 # tens to hundreds of decodes), coarser above. Larger steps run eagerly: their device time hides
-# the host's launches (an 8,192-token step of Llama-3.1-8B shapes took 189 ms on an H100, ~29 ms
-# of it host launch time, in the offline trace of BENCHMARKS.md's issue 24 section).
+# the host's launches (an 8,192-token step of Llama-3.1-8B shapes took 189 ms on an H100, ~28 ms
+# of it (median) host launch time, in the offline trace of BENCHMARKS.md's issue 24 section).
 PIECEWISE_SIZES: tuple[int, ...] = (
     *range(16, 128, 16),
     *range(128, 1024, 64),
