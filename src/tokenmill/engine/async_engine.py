@@ -66,6 +66,8 @@ class AsyncEngine:
         client: AsyncEngineCoreClient | None = None,
     ) -> None:
         self.config = config
+        # First: a --trace-dir that cannot be written is refused before any socket or process exists.
+        self._trace = RequestTraceLog(config.trace_dir) if config.trace_dir else None
         self.client = (
             client if client is not None else CoreProcessClient(config, hang_timeout_s=hang_timeout_s)
         )
@@ -84,7 +86,6 @@ class AsyncEngine:
         self.on_output = None  # callback(RequestOutput, now) for metrics
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._trace = RequestTraceLog(config.trace_dir) if config.trace_dir else None
 
     # -- life cycle ---------------------------------------------------------------------------
 
