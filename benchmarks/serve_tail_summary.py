@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 
 
 def _rate(result: dict) -> float:
@@ -28,9 +28,10 @@ def row(result: dict) -> str:
     )
 
 
-def main(paths: list[str]) -> None:
-    if not paths:
-        raise SystemExit(__doc__)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="serve-tail result JSON files of one sweep")
+    paths = parser.parse_args().results
     results = []
     for path in paths:
         with open(path) as f:
@@ -43,4 +44,4 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
