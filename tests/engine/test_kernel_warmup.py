@@ -12,6 +12,17 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.worker.kernel_warmup import warm_up_eager_steps
 
 
+def _assert_greedy_matches_transformers(llm, model_dir) -> None:
+    """After a warm-up, the engine still decodes what transformers does (nothing it ran touched
+    the engine's state)."""
+    prompt = list(range(40, 60))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert (
+        llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        == hf_greedy(str(model_dir), prompt, 6)[0]
+    )
+
+
 def test_warm_up_runs_each_shape_once_and_leaves_the_engine_as_it_was(tiny_llama_dir, monkeypatch):
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128)
     runner = llm.engine.runner
@@ -45,12 +56,7 @@ def test_warm_up_runs_each_shape_once_and_leaves_the_engine_as_it_was(tiny_llama
     ]  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     monkeypatch.undo()
-    prompt = list(range(40, 60))
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert (
-        llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
-        == hf_greedy(str(tiny_llama_dir), prompt, 6)[0]
-    )
+    _assert_greedy_matches_transformers(llm, tiny_llama_dir)
 
 
 def test_warm_up_skips_shapes_longer_than_the_context_limit(tiny_llama_dir, monkeypatch):
@@ -337,9 +343,4 @@ def test_warm_up_runs_the_planned_attention_steps_over_a_one_block_scratch_pool(
     assert any(decode_only and max_seq_len >= 256 for _, _, max_seq_len, decode_only in seen)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     monkeypatch.undo()
-    prompt = list(range(40, 60))
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert (
-        llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
-        == hf_greedy(str(tiny_llama_dir), prompt, 6)[0]
-    )
+    _assert_greedy_matches_transformers(llm, tiny_llama_dir)
