@@ -165,15 +165,13 @@ def tail_report(
         return {"error": "no successful request carried a response id"}
     start = min(r.sent_monotonic for r in ok)
     end = max(r.sent_monotonic + r.latency for r in ok)
+    request_log = read_jsonl(os.path.join(trace_dir, REQUESTS_FILE))
     traces = {
         rec["id"]: rec
-        for rec in read_jsonl(os.path.join(trace_dir, REQUESTS_FILE))
+        for rec in request_log
         if rec.get("kind") == "request" and start - 1.0 <= rec.get("arrival", 0.0) <= end
     }
-    api_gc = [
-        rec for rec in read_jsonl(os.path.join(trace_dir, REQUESTS_FILE))
-        if rec.get("kind") == "gc" and start <= rec["start"] <= end
-    ]  # fmt: skip
+    api_gc = [rec for rec in request_log if rec.get("kind") == "gc" and start <= rec["start"] <= end]
     steps = [s for s in read_jsonl(os.path.join(trace_dir, STEPS_FILE)) if start <= s["done"] <= end + 1.0]
     index = StepIndex(steps)
     joined = [(r, traces.get(f"{r.response_id}-p0")) for r in ok]

@@ -8,8 +8,6 @@ garbage-collection pauses. Times are `time.monotonic()` (see core/request_timeli
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput
@@ -19,7 +17,6 @@ from tokenmill.engine.trace_files import REQUESTS_FILE, open_trace_file
 
 class RequestTraceLog:
     def __init__(self, trace_dir: str) -> None:
-        self.path = os.path.join(trace_dir, REQUESTS_FILE)
         self._file = open_trace_file(trace_dir, REQUESTS_FILE)
         self._encoder = msgspec.json.Encoder()
         self._first_output: dict[str, float] = {}

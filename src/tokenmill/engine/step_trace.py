@@ -21,7 +21,6 @@ a step's device time is about done - max(launched, the previous step's done).
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -54,7 +53,6 @@ class StepRecord(msgspec.Struct):
 
 class StepTracer:
     def __init__(self, trace_dir: str) -> None:
-        self.path = os.path.join(trace_dir, STEPS_FILE)
         self._file = open_trace_file(trace_dir, STEPS_FILE)
         self._encoder = msgspec.json.Encoder()
         self._last_flush = time.monotonic()
