@@ -145,6 +145,14 @@ class EngineArgs:
         "and per-step records (steps.jsonl: tokens, batch shape, host and device time, JIT compiles, GC "
         "pauses) to this directory; `bench serve --server-trace-dir` reads them",
     )
+    speculative_config: dict[str, Any] | None = _option(
+        None,
+        "speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | \"draft_model\" | \"eagle3\", "
+        "\"num_speculative_tokens\": k, \"model\": drafter (draft_model, eagle3), \"prompt_lookup_min\" / "
+        "\"prompt_lookup_max\" (ngram), \"disable_by_batch_size\": no drafts above this many running "
+        "requests}; greedy output is unchanged, sampled output keeps the model's distribution",
+        parse=_json_object,
+    )
     scheduling_policy: str = _option(
         "fcfs", "fcfs: first come first served; priority: by each request's priority",
         choices=("fcfs", "priority"),
@@ -227,6 +235,7 @@ class EngineArgs:
         async scheduling) stay None; the engine core resolves them (`resolve_device_defaults`) and
         reports them back in its EngineInfo."""
         from tokenmill.chat_template import load_chat_template
+        from tokenmill.spec_decode.config import parse_speculative_config
 
         _check_device_name(self.device)
         self._check()
@@ -266,6 +275,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
             trace_dir=self.trace_dir,
+            speculative=parse_speculative_config(self.speculative_config),
         )
         if resolve_device:
             config = resolve_device_defaults(config)

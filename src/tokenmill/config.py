@@ -85,6 +85,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's keys; spec_decode/config.py parses it).
+
+    A proposer guesses up to `num_speculative_tokens` next tokens per request; the target model
+    verifies them all in one step and keeps the ones its own sampling agrees with, plus one more.
+    """
+
+    method: Literal["ngram", "draft_model", "eagle3"]
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model / eagle3: the drafter (a directory or Hub id)
+    revision: str | None = None
+    # ngram: the longest suffix of the request's tokens of length max..min that occurred before
+    # proposes the tokens that followed it.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # No drafts in a step with more running requests than this (verification then costs more
+    # than it saves); None: tokenmill's measured default for the device.
+    disable_by_batch_size: int | None = None
+    # A request whose recent drafts were accepted less than this fraction of the time gets fewer
+    # drafts (down to none, then probes again now and then).
+    min_acceptance_rate: float = 0.3
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -98,3 +122,4 @@ class EngineConfig:
     # A directory: the engine core writes per-step records (steps.jsonl) and the API server
     # per-request timelines (requests.jsonl) there; engine/step_trace.py. None: no tracing.
     trace_dir: str | None = None
+    speculative: SpeculativeConfig | None = None
