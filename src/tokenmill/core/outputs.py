@@ -153,6 +153,9 @@ class ModelRunnerOutput:
     # How the step ran, for the step trace: the padded batch size of the CUDA graph it replayed
     # (0: eager).
     cuda_graph_size: int = 0
+    # Speculative decoding: request id -> draft tokens proposed to follow its tokens so far (the
+    # scheduler schedules them for verification in the request's next step).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

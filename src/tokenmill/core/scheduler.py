@@ -46,6 +46,7 @@ from tokenmill.core.outputs import (
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FcfsQueue, PriorityQueue, SortKey
 from tokenmill.core.structured_output import StructuredOutputHooks
+from tokenmill.spec_decode.stats import SpecDecodingStats
 
 
 class Scheduler:
@@ -56,8 +57,13 @@ class Scheduler:
         num_kv_blocks: int,
         structured_output: StructuredOutputHooks | None = None,
         kv_cache_groups: KVCacheGroups | None = None,
+        num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
-        """`kv_cache_groups`: the model's layers grouped by attention type (None: one full group)."""
+        """`kv_cache_groups`: the model's layers grouped by attention type (None: one full group).
+        `num_speculative_tokens`: speculative decoding's k (0: off); `num_lookahead_tokens`: KV
+        slots reserved after a decoding request's scheduled tokens (a draft model writes its
+        proposals' KV there)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
@@ -83,6 +89,8 @@ class Scheduler:
         self.structured_output = structured_output
         # Constrained requests whose grammar is still compiling, in arrival order.
         self.waiting_for_grammar: list[Request] = []
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -128,7 +136,8 @@ class Scheduler:
         return len(self.waiting)
 
     def get_stats(self) -> dict[str, float]:
-        return {
+        stats = self.spec_stats.as_stats() if self.spec_stats is not None else {}
+        return stats | {
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
@@ -164,6 +173,8 @@ class Scheduler:
             # Drafts follow the last known token; none while a token is still in flight (async
             # scheduling with speculative decoding would need placeholder drafts: not supported yet).
             if drafts and not placeholders:
+                if request.max_tokens is not None:  # drafts past max_tokens would be cut anyway
+                    drafts = drafts[: max(request.max_tokens - request.num_output_tokens - 1, 0)]
                 num_new = min(num_known + len(drafts) - num_computed, budget, max_model_len - num_computed)
                 num_drafts = max(num_computed + num_new - num_known, 0)
             else:
@@ -172,12 +183,13 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            if num_drafts:
-                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            lookahead = num_drafts + self.num_lookahead_tokens if num_computed + num_new >= num_known else 0
+            if lookahead:
+                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, lookahead)
             else:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
-                new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, preempted)
+                new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, lookahead, preempted)
                 if new_block_ids is None:
                     continue  # it was preempted or ended; it left `running`, which ends the loop
             request_id = request.request_id
@@ -291,7 +303,7 @@ class Scheduler:
         return new
 
     def _preempt_until_allocated(
-        self, request: Request, num_new: int, num_drafts: int, preempted: set[str]
+        self, request: Request, num_new: int, num_drafts: int, lookahead: int, preempted: set[str]
     ) -> GroupBlockIds | None:
         """Preempt from the tail of `running` until the request's blocks fit; the new block ids.
 
@@ -310,7 +322,7 @@ class Scheduler:
             preempted.add(victim.request_id)
             if victim is request:
                 return None
-            new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, num_drafts)
+            new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, lookahead)
             if new_block_ids is not None:
                 return new_block_ids
 
@@ -374,6 +386,8 @@ class Scheduler:
                 num_rejected = len(drafts) + 1 - len(token_ids)
                 if num_rejected > 0:
                     request.num_computed_tokens -= num_rejected
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(drafts), len(token_ids) - 1)
             if len(token_ids) == 1:  # the common case: one token
                 request.append_output_token_ids(token_ids)
                 status = self._check_stop(request, token_ids[0])
@@ -390,7 +404,11 @@ class Scheduler:
                 new_prompt_logprobs=prompt_logprobs.pop(request_id, None),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
-            if status is not None:
+            if status is None:
+                proposal = runner_output.spec_token_ids.get(request_id) if runner_output.spec_token_ids else None
+                if proposal and request.status == RequestStatus.RUNNING:
+                    request.spec_token_ids = proposal
+            else:
                 if request.status == RequestStatus.RUNNING:
                     any_finished = True
                 else:

@@ -77,12 +77,15 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(self._load_tokenizer, arch.vocab_size)
         # The same plan the model runner built from the same inputs: layers grouped by attention type.
         kv_cache_groups = plan_kv_cache_groups(arch.num_layers, arch.sliding_windows, max_model_len)
+        speculative = config.speculative
         self.scheduler = Scheduler(
             self.scheduler_config,
             config.cache,
             num_blocks,
             structured_output=self.structured_output,
             kv_cache_groups=kv_cache_groups,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+            num_lookahead_tokens=self.executor.num_lookahead_tokens,
         )
         self.config = config
         self.info = EngineInfo(
@@ -103,6 +106,11 @@ class EngineCore:
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
+        if speculative is not None and self.async_scheduling:
+            # Drafts follow a request's last token, which must be on the host when they are
+            # scheduled: speculative steps do not overlap.
+            logger.info("speculative decoding: async scheduling off")
+            self.async_scheduling = False
         # The launched step whose results the host has not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         # A constrained step (async scheduling) whose forward is launched and whose mask is being

@@ -54,15 +54,7 @@ class Sampler:
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        # Each of these returns a new tensor: the caller still reads its own logits.
-        if md.allowed_tokens is not None:
-            logits = md.allowed_tokens.apply(logits)
-        logits = ban_tokens(logits, md)
-        if md.logit_bias is not None:
-            logits = md.logit_bias.apply(logits)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md)
-
+        logits = self.processed_logits(logits, md)
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -73,7 +65,7 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(sampled)
         assert md.max_num_logprobs is not None
-        sampled_logprob, ranks, top_ids, top_logprobs = _gather_logprobs(
+        sampled_logprob, ranks, top_ids, top_logprobs = gather_logprobs(
             raw_logprobs, sampled, md.max_num_logprobs
         )
         return SamplerOutput(
@@ -84,7 +76,22 @@ class Sampler:
         )
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The float32 logits after the logits processors, bans and penalties: greedy rows take
+        their argmax. Each step returns a new tensor: the caller still reads its own logits."""
+        if md.allowed_tokens is not None:
+            logits = md.allowed_tokens.apply(logits)
+        logits = ban_tokens(logits, md)
+        if md.logit_bias is not None:
+            logits = md.logit_bias.apply(logits)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md)
+        return logits
+
+    @staticmethod
+    def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: processed logits / temperature, then min_p,
+        top_k and top_p, softmax (greedy rows get a temperature of 1.0 here; their row is unused)."""
         assert md.temperature is not None
         logits = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
@@ -94,8 +101,11 @@ class Sampler:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k)
         elif md.top_k is not None:
             logits = apply_top_k(logits, md.top_k, md.max_top_k)
-        probs = torch.softmax(logits, dim=-1)
-        return exponential_race(probs, md.generators)
+        return torch.softmax(logits, dim=-1)
+
+    @classmethod
+    def _sample_random(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        return exponential_race(cls.random_probs(logits, md), md.generators)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -162,7 +172,7 @@ def apply_top_k_top_p(
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_alternatives: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     token_logprob = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
@@ -177,4 +187,4 @@ def compute_token_logprobs(
     """Logprobs of given tokens (prompt logprobs): logits [M, V], token_ids [M] ->
     (token logprob [M], rank [M] (1 = best), top ids [M, k], top logprobs [M, k])."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return _gather_logprobs(logprobs, token_ids.to(torch.int64), num_alternatives)
+    return gather_logprobs(logprobs, token_ids.to(torch.int64), num_alternatives)

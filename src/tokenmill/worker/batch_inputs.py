@@ -33,6 +33,10 @@ class HostBatch:
     placeholder_req_ids: list[str]
     max_query_len: int
     max_seq_len: int
+    # A step that verifies draft tokens: the draft tokens per sampling request (batch order; [] for
+    # one without). Each such request has len(drafts) + 1 sample rows (its last known token's, then
+    # one per draft), and `sample_rows` / `sampling_req_indices` hold all of them. None: one row each.
+    sampling_drafts: list[list[int]] | None = None
 
 
 def build_host_batch(
@@ -41,9 +45,11 @@ def build_host_batch(
     num_scheduled_tokens: list[int],
     block_size: int,
     block_table_width: int | None = None,
+    drafts: list[list[int]] | None = None,
 ) -> HostBatch:
     """The step's inputs: per request (batch order) its state, the tokens computed before the
-    step and the tokens it computes now."""
+    step and the tokens it computes now (`drafts`: per request, the draft tokens it verifies after
+    its last known token; they are counted in its scheduled tokens)."""
     num_reqs = len(requests)
     starts = np.asarray(num_computed_tokens, dtype=np.int64)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -57,9 +63,25 @@ def build_host_batch(
     sampling_req_indices: list[int] = []
     placeholder_rows: list[int] = []
     placeholder_req_ids: list[str] = []
+    sampling_drafts: list[list[int]] = []
     rows = zip(requests, num_computed_tokens, num_scheduled_tokens, strict=True)
     for i, (r, start, num_new) in enumerate(rows):
         token_ids = r.token_ids
+        request_drafts = drafts[i] if drafts is not None else None
+        if request_drafts:
+            num_known = num_new - len(request_drafts)
+            if start + num_known != len(token_ids):
+                raise RuntimeError(
+                    f"{r!r}: {len(request_drafts)} drafts must follow its last known token, but the step "
+                    f"computes tokens {start}..{start + num_new} of {len(token_ids)} known"
+                )
+            input_ids.extend(token_ids[start:])
+            input_ids.extend(request_drafts)
+            last_row = int(query_start_loc[i + 1]) - 1
+            sample_rows.extend(range(last_row - len(request_drafts), last_row + 1))
+            sampling_req_indices.extend([i] * (len(request_drafts) + 1))
+            sampling_drafts.append(request_drafts)
+            continue
         if num_new == 1:
             if start < len(token_ids):
                 input_ids.append(token_ids[start])
@@ -76,6 +98,8 @@ def build_host_batch(
         if start + num_new >= r.num_tokens:
             sample_rows.append(int(query_start_loc[i + 1]) - 1)
             sampling_req_indices.append(i)
+            if drafts is not None:
+                sampling_drafts.append([])
 
     # positions[t] = start of t's request + offset of t within the request's chunk
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
@@ -115,4 +139,5 @@ def build_host_batch(
         placeholder_req_ids=placeholder_req_ids,
         max_query_len=int(query_lens.max()) if num_reqs else 0,
         max_seq_len=max_seq_len,
+        sampling_drafts=sampling_drafts if drafts is not None else None,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
+from tokenmill.sample.rejection_sampler import VerifyLayout, verify_drafts
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
 from tokenmill.worker.kv_cache import (
@@ -31,6 +33,7 @@ from tokenmill.worker.kv_cache import (
     resolve_kv_cache_dtype,
 )
 from tokenmill.worker.request_state import RequestState, RequestStates
+from tokenmill.worker.speculation import PendingVerifyStep, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,11 @@ class PendingStep:
         ready: torch.cuda.Event | None = None,
         sampled: SamplerOutput | None = None,
         metadata: SamplingMetadata | None = None,
+        on_result: Callable[[ModelRunnerOutput], None] | None = None,
     ) -> None:
         self._output = output
+        # Runs once the tokens are on the host (speculative decoding proposes the next drafts).
+        self._on_result = on_result
         # The sampling requests' states (not ids): a token reaches the state it was sampled for,
         # even if the runner dropped that state since (ended, preempted) and an id was reused.
         self._sampling_states = sampling_states or []
@@ -106,6 +112,8 @@ class PendingStep:
             output.logprobs = [
                 [lp] if lp is not None else None for i, lp in enumerate(logprob_rows) if not bad_rows[i]
             ]
+        if self._on_result is not None:
+            self._on_result(output)
         return output
 
 
@@ -151,6 +159,8 @@ class ModelRunner:
             self.dtype,
         )
         self.sampler = Sampler()
+        # Speculative decoding: proposes drafts after each step (None: off).
+        self.speculator = Speculator(config.speculative, self) if config.speculative is not None else None
         self.grammar_masker = GrammarMasker(self.device)
         # A step with constrained requests between its two phases: launched up to the logits, it
         # waits for `sample_tokens(grammar_output)`.
@@ -444,14 +454,10 @@ class ModelRunner:
         self._awaiting_grammar = None  # a step whose second phase never came (it failed) is dropped
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+        if self.speculator is not None:
+            for req_id in so.finished_req_ids | so.preempted_req_ids:
+                self.speculator.forget(req_id)
         requests = self.requests.update(so)
-        # Checked after the update, so that the requests ended here still leave the runner: the
-        # engine ends the requests of a step that raises.
-        if so.scheduled_spec_decode_tokens:
-            raise NotImplementedError(
-                "the step carries draft tokens, but the model runner cannot verify them yet "
-                "(speculative decoding is not implemented)"
-            )
         return self.launch(so, requests)
 
     @torch.inference_mode()
@@ -466,7 +472,9 @@ class ModelRunner:
         if grammar_output is not None and not grammar_output.is_empty:
             # Non-finite logits are the model's fault only before the mask's -inf.
             nonfinite = ~torch.isfinite(logits.sum(dim=-1))
-            row_of = {r.request_id: i for i, r in enumerate(deferred.sampling_reqs)}
+            row_of: dict[str, int] = {}
+            for i, r in enumerate(deferred.sampling_reqs):  # a request verifying drafts has several rows
+                row_of.setdefault(r.request_id, i)
             self.grammar_masker.apply(logits, grammar_output, row_of)
         return self._sample(
             deferred.requests, deferred.batch, None, deferred.output, logits=logits, nonfinite=nonfinite
@@ -506,6 +514,10 @@ class ModelRunner:
             return PendingStep(output)
         num_computed_tokens = so.batch_num_computed_tokens()  # batch order, as the requests
         num_scheduled_tokens = list(so.num_scheduled_tokens.values())
+        drafts = None
+        if so.scheduled_spec_decode_tokens:
+            spec = so.scheduled_spec_decode_tokens
+            drafts = [spec.get(r.request_id, []) for r in requests]
         graph_key = self._graph_key(so, requests, num_computed_tokens)
         if graph_key is not None:
             # Decode-only step: pad to a captured batch size and replay its graph.
@@ -516,12 +528,13 @@ class ModelRunner:
                 num_scheduled_tokens,
                 self.block_size,
                 block_table_width=self.max_blocks_per_req,
+                drafts=drafts,
             )
             self.build_metadata(batch, padded_reqs=graph_key[0])
             output.cuda_graph_size = graph_key[0]
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
-        batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size)
+        batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size, drafts=drafts)
         piecewise = self.piecewise
         size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
         if size is not None:
@@ -537,7 +550,7 @@ class ModelRunner:
         if batch.sampling_req_indices:
             return self._sample_or_wait(so, requests, batch, hidden, output)
         self._last_sampled = None
-        return PendingStep(output)
+        return PendingStep(output, on_result=self._after_step(requests))
 
     def _graph_key(
         self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
@@ -571,6 +584,8 @@ class ModelRunner:
         before a grammar mask put -inf into the logits (None: computed here from the logits)."""
         if logits is None:
             logits = self._compute_sample_logits(batch, hidden)
+        if batch.sampling_drafts is not None:
+            return self._verify(requests, batch, logits, output, nonfinite)
         sampling_reqs = [requests[i] for i in batch.sampling_req_indices]
         for r in sampling_reqs:
             r.num_tokens += 1  # its id reaches the host with PendingStep.result()
@@ -618,7 +633,55 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
             packed = host
-        return PendingStep(output, sampling_reqs, packed, ready, sampled, metadata)
+        return PendingStep(output, sampling_reqs, packed, ready, sampled, metadata, self._after_step(requests))
+
+    def _after_step(self, requests: list[RequestState]) -> Callable[[ModelRunnerOutput], None] | None:
+        speculator = self.speculator
+        if speculator is None:
+            return None
+        return lambda output: speculator.after_step(output, requests, None, None)
+
+    def _verify(
+        self,
+        requests: list[RequestState],
+        batch: HostBatch,
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        nonfinite: torch.Tensor | None,
+    ) -> PendingVerifyStep:
+        """Sample a step that verifies drafts (sample/rejection_sampler.py): each sampling request
+        gets its accepted drafts and one more token; the ids come back through one host copy."""
+        assert batch.sampling_drafts is not None
+        row_states = [requests[i] for i in batch.sampling_req_indices]
+        states: list[RequestState] = []
+        for i, state in enumerate(row_states):
+            if i == 0 or state is not row_states[i - 1]:
+                states.append(state)
+        drafts = batch.sampling_drafts
+        layout = VerifyLayout.build(drafts, self.device)
+        infos = [
+            RowSamplingInfo(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=self._generator_for(r),
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in row_states
+        ]
+        metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
+        result = verify_drafts(logits, layout, metadata, nonfinite)
+        self._last_sampled = None  # speculative decoding runs without async scheduling
+        packed, ready = result.packed, None
+        if self.buffers is not None:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            packed = host
+        speculator = self.speculator
+        on_result = speculator.after_step if speculator is not None else None
+        return PendingVerifyStep(output, states, drafts, result, packed, ready, metadata, on_result)
 
     def _prompt_logprobs(
         self,

@@ -56,6 +56,12 @@ class Executor(ABC):
     def dtype(self) -> str:
         """The model's dtype, e.g. "bfloat16"."""
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots the scheduler reserves after a decoding request's tokens (a draft model's
+        proposals write KV there); 0 unless the speculative method runs a model."""
+        return 0
+
     # -- life cycle -----------------------------------------------------------------------------
 
     @abstractmethod

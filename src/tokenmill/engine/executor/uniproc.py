@@ -33,6 +33,11 @@ class UniProcExecutor(Executor):
     def device_type(self) -> str:
         return self.driver_runner.device.type
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        speculator = self.driver_runner.speculator
+        return speculator.num_lookahead_tokens if speculator is not None else 0
+
     def initialize_kv_cache(self) -> int:
         return self.driver_runner.initialize_kv_cache()
 

@@ -1,0 +1,175 @@
+"""Speculative decoding in the model runner: sampling a verification step, and proposing drafts.
+
+A step whose scheduler output carries draft tokens runs like any other (eager, piecewise graphs,
+or a CUDA graph of its shape); its logits rows are the last known token's and one per draft, and
+`verify_drafts` keeps the accepted run plus one token. Once the tokens are on the host the
+`Speculator` proposes the next drafts of the step's requests (ngram lookup over the request's own
+tokens, or a draft model), under the `DraftPolicy` that keeps speculation from costing more than
+it saves; they return in `ModelRunnerOutput.spec_token_ids` and the scheduler schedules them next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.rejection_sampler import VerifyResult
+from tokenmill.spec_decode.draft_policy import DraftPolicy
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.worker.request_state import RequestState
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# No drafts in a step with more requests than this, unless the config says otherwise. Measured:
+# on a GPU a decode step stays bound by reading the weights up to a few dozen rows; on a CPU the
+# matmuls turn compute bound much earlier.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 8}
+
+
+def drafts_allowed(state: RequestState) -> bool:
+    """Requests whose sampling reads their earlier output (penalties, min_tokens, bad words) or that
+    sample under a grammar get no drafts: each draft row's logits would depend on the drafts before it."""
+    params = state.sampling_params
+    return not params.needs_output_history and params.structured_outputs is None
+
+
+class PendingVerifyStep:
+    """A launched verification step: per request, its emitted tokens and accepted count are on their
+    way to the host (the same contract as PendingStep)."""
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        states: list[RequestState],
+        drafts: list[list[int]],
+        result: VerifyResult,
+        packed_host: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        metadata: SamplingMetadata | None,
+        on_result: Callable[[ModelRunnerOutput, list[RequestState], list[list[int]], list[int]], None] | None,
+    ) -> None:
+        self._output = output
+        self._states = states
+        self._drafts = drafts
+        self._result = result
+        self._packed = packed_host
+        self._ready = ready
+        self._metadata = metadata
+        self._on_result = on_result
+        self._logprobs: tuple[list, list, list, list] | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        output = self._output
+        if self._packed is None:
+            return output
+        if self._ready is not None:
+            from tokenmill.worker.model_runner import _wait_for
+
+            _wait_for(self._ready)
+        rows = self._packed.tolist()
+        self._packed = None
+        width = len(rows[0]) - 2 if rows else 0
+        wants_logprobs = self._result.logprobs is not None and self._metadata is not None
+        if wants_logprobs:
+            self._logprobs = tuple(t.tolist() for t in self._result.logprobs)  # type: ignore[union-attr]
+            output.logprobs = []
+        num_accepted_per_req: list[int] = []
+        first_row = 0
+        for state, drafts, row in zip(self._states, self._drafts, rows, strict=True):
+            num_accepted, bad = row[width], row[width + 1]
+            request_rows = first_row
+            first_row += len(drafts) + 1
+            if bad:
+                output.errored[state.request_id] = "the model produced non-finite (NaN or inf) logits for this request"
+                num_accepted_per_req.append(-1)
+                continue
+            tokens = row[: num_accepted + 1]
+            state.token_ids.extend(tokens)
+            state.num_tokens = len(state.token_ids)
+            output.req_ids.append(state.request_id)
+            output.sampled_token_ids.append(tokens)
+            num_accepted_per_req.append(num_accepted)
+            if wants_logprobs:
+                output.logprobs.append(self._logprob_rows(request_rows, tokens))  # type: ignore[union-attr]
+        if self._on_result is not None:
+            self._on_result(output, self._states, self._drafts, num_accepted_per_req)
+        return output
+
+    def _logprob_rows(self, first_row: int, tokens: list[int]) -> list[TokenLogprobs] | None:
+        """The logprobs of a request's emitted tokens (its rows from `first_row`), if it asked."""
+        assert self._metadata is not None and self._logprobs is not None
+        k = self._metadata.num_logprobs[first_row]
+        if k is None:
+            return None
+        token_lp, rank, top_ids, top_lps = self._logprobs
+        return [
+            TokenLogprobs([token, *top_ids[row][:k]], [token_lp[row], *top_lps[row][:k]], rank[row])
+            for row, token in enumerate(tokens, start=first_row)
+        ]
+
+
+class Speculator:
+    """Proposes each step's drafts once its tokens are on the host."""
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        disable = config.disable_by_batch_size
+        if disable is None:
+            disable = DEFAULT_DISABLE_BY_BATCH_SIZE.get(runner.device.type, 8)
+        self.policy = DraftPolicy(self.k, disable, config.min_acceptance_rate)
+        self.max_model_len = runner.max_model_len
+        if config.method == "ngram":
+            self.ngram: NgramProposer | None = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            raise NotImplementedError(f"speculative method {config.method!r} is not wired yet")
+        logger.info(
+            "speculative decoding: %s, up to %d drafts per request, none above %d requests in a step",
+            config.method, self.k, disable,
+        )  # fmt: skip
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a request's scheduled tokens that proposing writes (ngram: none)."""
+        return 0
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+
+    def after_step(
+        self,
+        output: ModelRunnerOutput,
+        states: list[RequestState],
+        drafts: list[list[int]] | None,
+        num_accepted: list[int] | None,
+    ) -> None:
+        """Record the step's acceptance and propose the next drafts of the requests that sampled."""
+        policy = self.policy
+        if drafts is not None and num_accepted is not None:
+            for state, request_drafts, accepted in zip(states, drafts, num_accepted, strict=True):
+                if request_drafts and accepted >= 0:
+                    policy.record(state.request_id, len(request_drafts), accepted)
+        if not policy.drafting_allowed(len(states)):
+            return
+        sampled = set(output.req_ids)
+        proposals: dict[str, list[int]] = {}
+        for state in states:
+            if state.request_id not in sampled or not drafts_allowed(state):
+                continue
+            k = min(policy.num_drafts(state.request_id), self.max_model_len - len(state.token_ids))
+            if k <= 0:
+                continue
+            assert self.ngram is not None
+            proposal = self.ngram.propose(state.token_ids, k)
+            if proposal:
+                proposals[state.request_id] = proposal
+        output.spec_token_ids = proposals
