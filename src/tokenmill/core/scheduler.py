@@ -225,7 +225,9 @@ class Scheduler:
                 continue
             hit_ids, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, hit_ids) is None:
+            # A chunk that samples reserves the lookahead slots a draft model writes after it.
+            lookahead = self.num_lookahead_tokens if num_hit_tokens + num_new >= request.num_tokens else 0
+            if self.kv.allocate_slots(request, num_new, hit_ids, lookahead) is None:
                 if running:
                     break  # wait for running requests to free blocks
                 # Every block is free and it still does not fit: it never will.

@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
+from tokenmill.model.arch import ArchConfig
 from tokenmill.model.registry import ResolvedModel, load_model
 from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
@@ -213,12 +214,17 @@ class ModelRunner:
         )
 
     def _make_attention_backend(self, name: str) -> AttentionBackend:
+        return self.make_attention_backend(name, self.arch)
+
+    def make_attention_backend(self, name: str, arch: ArchConfig) -> AttentionBackend:
+        """An attention backend for a model of `arch` on this runner's device and block size (the
+        target's, or a draft model's)."""
         backend_cls = get_attention_backend(name, self.device)
         return backend_cls(
-            self.arch.num_heads,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
-            self.arch.attention_scale,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.attention_scale,
             self.block_size,
             kernel=self.config.kernel,
         )
@@ -260,6 +266,9 @@ class ModelRunner:
             groups.num_tensors, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype,
         )  # fmt: skip
+        drafter = self.speculator.draft_model if self.speculator is not None else None
+        if drafter is not None:  # its cache shares the block tables: one pool, both caches per block
+            per_block += drafter.kv_bytes_per_block()
         max_chunk = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         min_blocks = groups.blocks_for_one_sequence(self.max_model_len, self.block_size, max_chunk)
         if self.device.type == "cuda":
@@ -273,6 +282,8 @@ class ModelRunner:
             self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.kv_caches = layer_kv_caches(self.kv_cache_tensors, groups)
+        if drafter is not None:
+            drafter.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         if groups.has_sliding or groups.num_groups > 1:
             logger.info("%s", groups.describe())
@@ -550,7 +561,7 @@ class ModelRunner:
         if batch.sampling_req_indices:
             return self._sample_or_wait(so, requests, batch, hidden, output)
         self._last_sampled = None
-        return PendingStep(output, on_result=self._after_step(requests))
+        return PendingStep(output, on_result=self._after_step(requests, batch))
 
     def _graph_key(
         self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
@@ -633,13 +644,21 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
             packed = host
-        return PendingStep(output, sampling_reqs, packed, ready, sampled, metadata, self._after_step(requests))
+        return PendingStep(output, sampling_reqs, packed, ready, sampled, metadata, self._after_step(requests, batch))
 
-    def _after_step(self, requests: list[RequestState]) -> Callable[[ModelRunnerOutput], None] | None:
+    def _after_step(self, requests: list[RequestState], batch: HostBatch) -> Callable[[ModelRunnerOutput], None] | None:
+        """Speculative decoding: what proposes the next drafts once the step's tokens are on the host."""
         speculator = self.speculator
         if speculator is None:
             return None
-        return lambda output: speculator.after_step(output, requests, None, None)
+        starts, lens = self._step_extents(batch)
+        return lambda output: speculator.after_step(output, requests, starts, lens, None)
+
+    @staticmethod
+    def _step_extents(batch: HostBatch) -> tuple[list[int], list[int]]:
+        """Per request of the step: the first position it computed, and how many."""
+        lens = np.diff(batch.query_start_loc)
+        return (batch.seq_lens - lens).tolist(), lens.tolist()
 
     def _verify(
         self,
@@ -680,7 +699,13 @@ class ModelRunner:
             ready.record()
             packed = host
         speculator = self.speculator
-        on_result = speculator.after_step if speculator is not None else None
+        on_result = None
+        if speculator is not None:
+            starts, lens = self._step_extents(batch)
+
+            def on_result(output: ModelRunnerOutput, verified: dict[str, tuple[int, int]]) -> None:
+                speculator.after_step(output, requests, starts, lens, verified)
+
         return PendingVerifyStep(output, states, drafts, result, packed, ready, metadata, on_result)
 
     def _prompt_logprobs(

@@ -22,6 +22,7 @@ from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.rejection_sampler import VerifyResult
 from tokenmill.spec_decode.draft_policy import DraftPolicy
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class PendingVerifyStep:
         packed_host: torch.Tensor,
         ready: torch.cuda.Event | None,
         metadata: SamplingMetadata | None,
-        on_result: Callable[[ModelRunnerOutput, list[RequestState], list[list[int]], list[int]], None] | None,
+        on_result: Callable[[ModelRunnerOutput, dict[str, tuple[int, int]]], None] | None,
     ) -> None:
         self._output = output
         self._states = states
@@ -82,7 +83,7 @@ class PendingVerifyStep:
         if wants_logprobs:
             self._logprobs = tuple(t.tolist() for t in self._result.logprobs)  # type: ignore[union-attr]
             output.logprobs = []
-        num_accepted_per_req: list[int] = []
+        verified: dict[str, tuple[int, int]] = {}  # request id -> (drafts, accepted)
         first_row = 0
         for state, drafts, row in zip(self._states, self._drafts, rows, strict=True):
             num_accepted, bad = row[width], row[width + 1]
@@ -90,18 +91,17 @@ class PendingVerifyStep:
             first_row += len(drafts) + 1
             if bad:
                 output.errored[state.request_id] = "the model produced non-finite (NaN or inf) logits for this request"
-                num_accepted_per_req.append(-1)
                 continue
             tokens = row[: num_accepted + 1]
             state.token_ids.extend(tokens)
             state.num_tokens = len(state.token_ids)
             output.req_ids.append(state.request_id)
             output.sampled_token_ids.append(tokens)
-            num_accepted_per_req.append(num_accepted)
+            verified[state.request_id] = (len(drafts), num_accepted)
             if wants_logprobs:
                 output.logprobs.append(self._logprob_rows(request_rows, tokens))  # type: ignore[union-attr]
         if self._on_result is not None:
-            self._on_result(output, self._states, self._drafts, num_accepted_per_req)
+            self._on_result(output, verified)
         return output
 
     def _logprob_rows(self, first_row: int, tokens: list[int]) -> list[TokenLogprobs] | None:
@@ -128,10 +128,16 @@ class Speculator:
             disable = DEFAULT_DISABLE_BY_BATCH_SIZE.get(runner.device.type, 8)
         self.policy = DraftPolicy(self.k, disable, config.min_acceptance_rate)
         self.max_model_len = runner.max_model_len
+        self.ngram: NgramProposer | None = None
+        self.draft_model: DraftModelProposer | None = None
         if config.method == "ngram":
-            self.ngram: NgramProposer | None = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model":
+            self.draft_model = DraftModelProposer(config, runner)
         else:
-            raise NotImplementedError(f"speculative method {config.method!r} is not wired yet")
+            raise ValueError(
+                f"speculative method {config.method!r} is not available in this build; use 'ngram' or 'draft_model'"
+            )
         logger.info(
             "speculative decoding: %s, up to %d drafts per request, none above %d requests in a step",
             config.method, self.k, disable,
@@ -139,8 +145,8 @@ class Speculator:
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots past a request's scheduled tokens that proposing writes (ngram: none)."""
-        return 0
+        """KV slots past a request's scheduled tokens that proposing writes (a draft model's)."""
+        return self.draft_model.num_lookahead_tokens if self.draft_model is not None else 0
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
@@ -148,28 +154,35 @@ class Speculator:
     def after_step(
         self,
         output: ModelRunnerOutput,
-        states: list[RequestState],
-        drafts: list[list[int]] | None,
-        num_accepted: list[int] | None,
+        requests: list[RequestState],
+        step_starts: list[int],
+        step_lens: list[int],
+        verified: dict[str, tuple[int, int]] | None,
     ) -> None:
-        """Record the step's acceptance and propose the next drafts of the requests that sampled."""
+        """Record the step's acceptance and propose the next drafts of the requests that sampled.
+        `requests`, `step_starts`, `step_lens`: the step's requests (batch order), the first position
+        each computed and how many; `verified`: request id -> (drafts, accepted) of this step."""
         policy = self.policy
-        if drafts is not None and num_accepted is not None:
-            for state, request_drafts, accepted in zip(states, drafts, num_accepted, strict=True):
-                if request_drafts and accepted >= 0:
-                    policy.record(state.request_id, len(request_drafts), accepted)
-        if not policy.drafting_allowed(len(states)):
+        if verified:
+            for request_id, (num_drafts, num_accepted) in verified.items():
+                policy.record(request_id, num_drafts, num_accepted)
+        wanted: dict[str, int] = {}
+        if policy.drafting_allowed(len(requests)):
+            sampled = set(output.req_ids)
+            for state in requests:
+                if state.request_id in sampled and drafts_allowed(state):
+                    k = min(policy.num_drafts(state.request_id), self.max_model_len - len(state.token_ids))
+                    if k > 0:
+                        wanted[state.request_id] = k
+        if self.draft_model is not None:
+            # Also with nothing wanted: the drafter's cache follows every position the target computed.
+            output.spec_token_ids = self.draft_model.propose(requests, step_starts, step_lens, wanted)
             return
-        sampled = set(output.req_ids)
+        assert self.ngram is not None
         proposals: dict[str, list[int]] = {}
-        for state in states:
-            if state.request_id not in sampled or not drafts_allowed(state):
-                continue
-            k = min(policy.num_drafts(state.request_id), self.max_model_len - len(state.token_ids))
-            if k <= 0:
-                continue
-            assert self.ngram is not None
-            proposal = self.ngram.propose(state.token_ids, k)
+        states = {state.request_id: state for state in requests}
+        for request_id, k in wanted.items():
+            proposal = self.ngram.propose(states[request_id].token_ids, k)
             if proposal:
-                proposals[state.request_id] = proposal
+                proposals[request_id] = proposal
         output.spec_token_ids = proposals

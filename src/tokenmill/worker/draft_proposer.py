@@ -1,0 +1,184 @@
+"""The `draft_model` proposer: a smaller model with the same tokenizer guesses the next k tokens.
+
+The drafter has its own weights and its own KV cache tensors, but shares the target's block
+tables: block b of a request holds the same positions in both caches, so the scheduler's
+allocation (with `k` lookahead slots past each decoding request's tokens) covers both. After each
+target step, with the step's tokens on the host:
+
+1. catch-up: the drafter runs over the tokens the target computed this step plus the token the
+   step produced (a request's positions from its step start up to its newest token), which writes
+   its KV there and gives, at each request's newest token, its first draft;
+2. k - 1 single-token steps, each feeding the previous draft, give the rest.
+
+Positions past the accepted tokens hold drafter KV of rejected guesses; the next catch-up starts
+at the target's step start, which is never past them, and writes them again. The catch-up runs
+for every step, also when no request drafts (a large batch), so the drafter's cache never misses
+a position the target computed; prefix-cache hits reuse blocks whose drafter KV was written when
+they were computed. Drafts are the drafter's argmax: the verification treats them as deterministic
+proposals, which keeps the target's distribution for sampled requests too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.worker.batch_inputs import build_host_batch
+from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tokenmill.worker.request_state import RequestState
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _DraftView:
+    """What build_host_batch reads of a request, with draft tokens appended to its tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        from tokenmill.model.registry import load_model
+        from tokenmill.model.resolve import resolve_model
+
+        assert config.model is not None
+        self.runner = runner
+        self.k = config.num_speculative_tokens
+        target = runner.config.model
+        model_config = ModelConfig(
+            model=config.model,
+            revision=config.revision,
+            download_dir=target.download_dir,
+            dtype=target.dtype,
+            # Dummy target weights (benchmarks): the drafter is dummy too (same seed, same shapes:
+            # the target itself as its own drafter accepts everything).
+            load_format="dummy" if target.load_format == "dummy" else "auto",
+            max_model_len=runner.max_model_len,
+            seed=target.seed,
+        )
+        self.resolved = resolve_model(model_config)
+        arch = self.resolved.arch
+        if runner.kv_groups.num_groups > 1 or arch.sliding_windows:
+            raise ValueError(
+                "speculative method 'draft_model' needs a target and a drafter without sliding-window "
+                "layers (their KV caches share one block table); use method 'ngram'"
+            )
+        if arch.max_position_embeddings < runner.max_model_len:
+            raise ValueError(
+                f"the drafter {config.model} handles {arch.max_position_embeddings} positions, fewer than "
+                f"max_model_len={runner.max_model_len}; lower --max-model-len or pick another drafter"
+            )
+        target_vocab = runner.arch.vocab_size
+        if abs(arch.vocab_size - target_vocab) > 1024:
+            raise ValueError(
+                f"the drafter's vocabulary ({arch.vocab_size} tokens) is not the target's ({target_vocab}): "
+                "a draft model must share the target's tokenizer"
+            )
+        self.target_vocab_size = target_vocab
+        self.arch = arch
+        self.attn_backend = runner.make_attention_backend(runner.config.attention_backend, arch)
+        self.model = load_model(
+            model_config, arch, runner.device, runner.dtype, self.attn_backend, resolved=self.resolved,
+            kernel=runner.config.kernel,
+        )  # fmt: skip
+        self.kv_caches: list[torch.Tensor] = []
+        logger.info(
+            "draft model %s: %d layers, hidden %d (%s)", config.model, arch.num_layers, arch.hidden_size,
+            self.resolved.format,
+        )  # fmt: skip
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """The drafts after a request's newest token write drafter KV up to k - 1 positions past it."""
+        return self.k
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(
+            self.arch.num_layers, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            self.runner.kv_cache_dtype,
+        )  # fmt: skip
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.arch.num_layers, num_blocks, self.runner.block_size, self.arch.num_kv_heads,
+            self.arch.head_dim, self.runner.kv_cache_dtype, self.runner.device,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        states: list[RequestState],
+        step_starts: list[int],
+        step_lens: list[int],
+        num_drafts: dict[str, int],
+    ) -> dict[str, list[int]]:
+        """Catch the drafter up on the step's tokens and propose `num_drafts[request]` drafts for
+        the requests named there. `step_starts` / `step_lens`: per request of the step (batch
+        order), the first position the target computed and how many."""
+        runner = self.runner
+        starts: list[int] = []
+        lens: list[int] = []
+        for state, start, length in zip(states, step_starts, step_lens, strict=True):
+            # Up to the newest token: the target's accepted run plus the token it added. A prefill
+            # chunk short of the prompt's end added none (more prompt follows): just the chunk,
+            # whose blocks are all the scheduler allocated.
+            known_after = len(state.token_ids) - start
+            lens.append(known_after if known_after <= length + 1 else length)
+            starts.append(start)
+        batch = build_host_batch(states, starts, lens, runner.block_size)  # type: ignore[arg-type]
+        proposing = [
+            i for i, s in enumerate(states) if num_drafts.get(s.request_id, 0) > 0 and starts[i] + lens[i] == len(s.token_ids)
+        ]
+        input_ids, positions, meta = runner.build_metadata(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not proposing:
+            return {}
+        last_rows = torch.tensor([int(batch.query_start_loc[i + 1]) - 1 for i in proposing], device=hidden.device)
+        next_ids = self._argmax(hidden[last_rows])
+        views = [
+            _DraftView(states[i].request_id, list(states[i].token_ids), states[i].block_ids, len(states[i].token_ids))
+            for i in proposing
+        ]
+        wanted = [num_drafts[v.request_id] for v in views]
+        drafts: list[list[int]] = [[] for _ in views]
+        for step in range(max(wanted)):
+            ids = next_ids.tolist()
+            active = []
+            for j in range(len(views)):
+                if step < wanted[j]:
+                    drafts[j].append(ids[j])
+                    if step + 1 < wanted[j]:
+                        active.append(j)
+            if not active:
+                break
+            for j in active:
+                views[j].token_ids.append(drafts[j][-1])
+                views[j].num_tokens += 1
+            active_views = [views[j] for j in active]
+            batch = build_host_batch(
+                active_views,  # type: ignore[arg-type]
+                [len(v.token_ids) - 1 for v in active_views],
+                [1] * len(active_views),
+                runner.block_size,
+            )
+            input_ids, positions, meta = runner.build_metadata(batch)
+            step_ids = self._argmax(self.model(input_ids, positions, self.kv_caches, meta))
+            full = torch.zeros(len(views), dtype=step_ids.dtype, device=step_ids.device)
+            full[torch.tensor(active, device=step_ids.device)] = step_ids
+            next_ids = full
+        return {view.request_id: d for view, d in zip(views, drafts, strict=True)}
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return logits[:, : self.target_vocab_size].argmax(dim=-1)
