@@ -181,3 +181,30 @@ def test_quantized_one_row_steps_can_be_turned_off(default_model_path):
     plain = LLM(None, device="cpu", max_model_len=128, cpu_quantized_gemv=False)
     qkv_proj = plain.engine.runner.model.layers[0].self_attn.qkv_proj
     assert quantized_blocks(qkv_proj) is None and getattr(qkv_proj, "plain_weight", None) is not None
+
+
+def test_ngram_speculation_keeps_greedy_output_on_a_copy_task(llm):
+    """The default model rewriting text given in its prompt: n-gram drafts are verified (some
+    accepted), and the greedy output is the one without speculation, alone and four together."""
+    tok = llm.get_tokenizer()
+    source = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price\n    return result\n"
+    texts = [
+        f"Repeat this code exactly:\n{source}\n",
+        f"Copy the following text word for word: {source}",
+        "Write the numbers from one to twenty in words, separated by commas: one, two, three,",
+        f"Rename `result` to `acc` in:\n{source}\n",
+    ]
+    prompts = [{"prompt_token_ids": tok.encode(t)} for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    speculative = LLM(
+        None, device="cpu", max_model_len=512, seed=0,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )  # fmt: skip
+    for batch in (prompts[:1], prompts):
+        expected = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in speculative.generate(batch, params, use_tqdm=False)]
+        assert got == expected
+    stats = speculative.engine.get_stats()
+    # (How much is accepted is the benchmark's business; this small model copies loosely.)
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    speculative.engine.check_invariants()
