@@ -47,7 +47,7 @@ class InputBuffers:
             host, dev = pair((max_num_reqs * max_blocks_per_req,), torch.int32)
             self.group_block_tables_host.append(host)
             self.group_block_tables.append(dev)
-        self.sample_rows_host, self.sample_rows = pair((max_num_reqs,), torch.long)
+        self.sample_rows_host, self.sample_rows = pair((max(max_num_reqs, max_num_tokens),), torch.long)  # verifying drafts: several per request
         # Async scheduling: which rows of the previous step's sampled ids feed which input rows.
         self.gather_src_host, self.gather_src = pair((max_num_reqs,), torch.long)
         self.gather_dst_host, self.gather_dst = pair((max_num_reqs,), torch.long)
