@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.sample.metadata import SamplingMetadata
@@ -40,24 +41,42 @@ class VerifyLayout:
     valid: torch.Tensor  # [R, K + 1] bool: i <= num_drafts[j]
 
     @staticmethod
-    def build(drafts: list[list[int]], device: torch.device) -> VerifyLayout:
+    def build(
+        drafts: list[list[int]], device: torch.device, staging: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> VerifyLayout:
+        """`staging`: a (pinned host, device) pair of int64 buffers to copy through (the runner's,
+        reused step after step: allocating pinned memory per step costs more than the step); None:
+        fresh tensors."""
         num_drafts = [len(d) for d in drafts]
+        num_reqs = len(drafts)
         width = max(num_drafts, default=0) + 1
-        draft_of_row: list[int] = []
-        padded: list[list[int]] = []
-        row = 0
-        for d in drafts:
-            draft_of_row.extend(d)
-            draft_of_row.append(-1)
-            last = row + len(d)
-            padded.append([min(row + i, last) for i in range(width)])
-            row = last + 1
-        valid = [[i <= k for i in range(width)] for k in num_drafts]
+        lengths = np.asarray(num_drafts, dtype=np.int64)
+        first_row = np.zeros(num_reqs, dtype=np.int64)
+        np.cumsum(lengths[:-1] + 1, out=first_row[1:])
+        last_row = first_row + lengths
+        num_rows = int(last_row[-1]) + 1 if num_reqs else 0
+        draft_of_row = np.full(num_rows, -1, dtype=np.int64)
+        if num_rows > num_reqs:
+            flat = np.fromiter((t for d in drafts for t in d), dtype=np.int64, count=int(lengths.sum()))
+            draft_starts = np.cumsum(lengths) - lengths  # each request's first draft in `flat`
+            draft_rows = np.repeat(first_row - draft_starts, lengths) + np.arange(len(flat))
+            draft_of_row[draft_rows] = flat
+        offsets = np.arange(width, dtype=np.int64)
+        padded = np.minimum(first_row[:, None] + offsets, last_row[:, None])
+        valid = offsets[None, :] <= lengths[:, None]
+        packed = np.concatenate([draft_of_row, padded.ravel(), valid.ravel().astype(np.int64)])
+        if staging is not None and packed.size <= staging[0].numel():
+            host, dev = staging[0][: packed.size], staging[1][: packed.size]
+            host.numpy()[:] = packed
+            dev.copy_(host, non_blocking=True)
+        else:
+            dev = torch.from_numpy(packed).to(device)
+        grid = num_reqs * width
         return VerifyLayout(
             num_drafts,
-            _to(draft_of_row, torch.int64, device),
-            _to(padded, torch.int64, device),
-            _to(valid, torch.bool, device),
+            dev[:num_rows],
+            dev[num_rows : num_rows + grid].view(num_reqs, width),
+            dev[num_rows + grid :].view(num_reqs, width).bool(),
         )
 
 
@@ -71,18 +90,26 @@ class VerifyResult:
 
 
 def verify_drafts(
-    logits: torch.Tensor, layout: VerifyLayout, md: SamplingMetadata, nonfinite: torch.Tensor | None = None
+    logits: torch.Tensor, layout: VerifyLayout, md: SamplingMetadata | None, nonfinite: torch.Tensor | None = None
 ) -> VerifyResult:
     """`logits` [N, V]: the rows of `layout` in order; `md`: one entry per row (a request's row
-    infos repeat, sharing its generator). `nonfinite` [N] bool: the model's non-finite rows when the
-    caller masked the logits first (a grammar's -inf); None: computed here."""
+    infos repeat, sharing its generator), or None when every row is plain greedy (the argmax of the
+    raw logits, no logprobs). `nonfinite` [N] bool: the model's non-finite rows when the caller
+    masked the logits first (a grammar's -inf); None: computed here."""
     if nonfinite is None:
         nonfinite = ~torch.isfinite(logits.sum(dim=-1))
-    processed = Sampler.processed_logits(logits.float(), md)
     draft = layout.draft_of_row
     has_draft = draft >= 0
     safe_draft = draft.clamp(min=0)
-    if md.all_greedy:
+    if md is None:
+        emitted = logits.argmax(dim=-1)
+        accepted = emitted == draft
+        processed = logits
+    else:
+        processed = Sampler.processed_logits(logits.float(), md)
+    if md is None:
+        pass
+    elif md.all_greedy:
         emitted = processed.argmax(dim=-1)
         accepted = emitted == draft
     else:
@@ -108,7 +135,7 @@ def verify_drafts(
     bad = (nonfinite[rows] & layout.valid).any(dim=1)
     packed = torch.cat([emitted[rows], num_accepted.unsqueeze(1), bad.long().unsqueeze(1)], dim=1)
     logprobs = None
-    if md.max_num_logprobs is not None:
+    if md is not None and md.max_num_logprobs is not None:
         raw = torch.log_softmax(logits.float(), dim=-1)
         logprobs = gather_logprobs(raw, emitted, md.max_num_logprobs)
     return VerifyResult(packed, logprobs)
@@ -120,9 +147,3 @@ def _uniforms(num_rows: int, md: SamplingMetadata, device: torch.device) -> torc
     for row, generator in sorted(md.generators.items()):
         u[row : row + 1].uniform_(generator=generator)
     return u
-
-
-def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)

@@ -171,6 +171,10 @@ class ModelRunner:
         # when the request ends.
         self.generators: dict[str, torch.Generator] = {}
         self._staged_sample_rows: torch.Tensor | None = None
+        # Verification steps (speculative decoding): staging buffers, grown on demand.
+        self._verify_host: torch.Tensor | None = None
+        self._verify_dev: torch.Tensor | None = None
+        self._verify_result_host: torch.Tensor | None = None
         # The last step's sampled ids (device) and each sampling request's row in them: the next
         # step may be launched before the host sees them (async scheduling) and feeds them in.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -677,23 +681,13 @@ class ModelRunner:
             if i == 0 or state is not row_states[i - 1]:
                 states.append(state)
         drafts = batch.sampling_drafts
-        layout = VerifyLayout.build(drafts, self.device)
-        infos = [
-            RowSamplingInfo(
-                params=r.sampling_params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=self._generator_for(r),
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in row_states
-        ]
-        metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
+        layout = VerifyLayout.build(drafts, self.device, self._verify_staging(len(row_states), len(states)))
+        metadata = None if all(r.is_plain_greedy for r in states) else self._row_metadata(row_states, logits)
         result = verify_drafts(logits, layout, metadata, nonfinite)
         self._last_sampled = None  # speculative decoding runs without async scheduling
         packed, ready = result.packed, None
         if self.buffers is not None:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host = self._verify_result_host[: packed.numel()].view(packed.shape)
             host.copy_(packed, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
@@ -707,6 +701,33 @@ class ModelRunner:
                 speculator.after_step(output, requests, starts, lens, verified)
 
         return PendingVerifyStep(output, states, drafts, result, packed, ready, metadata, on_result)
+
+    def _verify_staging(self, num_rows: int, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Persistent pinned / device int64 buffers for a verification step's layout and results
+        (pinned allocations per step would cost more than the step's sampling)."""
+        if self.buffers is None:
+            return None
+        width = num_rows - num_reqs + 1  # at most this many rows per request
+        needed = max(num_rows + 2 * num_reqs * width, num_reqs * (width + 2))
+        if self._verify_dev is None or self._verify_dev.numel() < needed:
+            size = max(needed, 4 * self.config.scheduler.max_num_seqs * 8)
+            self._verify_host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+            self._verify_dev = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self._verify_result_host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        return self._verify_host, self._verify_dev
+
+    def _row_metadata(self, row_states: list[RequestState], logits: torch.Tensor) -> SamplingMetadata:
+        infos = [
+            RowSamplingInfo(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=self._generator_for(r),
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in row_states
+        ]
+        return SamplingMetadata.build(infos, self.device, logits.shape[-1])
 
     def _prompt_logprobs(
         self,
