@@ -4,10 +4,14 @@ target accepts everything; aborts mid-verification leak nothing."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams as SO
 
 K = 3
 
@@ -161,3 +165,44 @@ def test_aborts_mid_verification_free_everything_and_disturb_no_one(speculative,
     assert aborted_mid_verification, "the aborted requests were meant to hold drafts"
     assert tokens["abort-0"] == expected[0] and tokens["abort-2"] == expected[2]
     assert engine.get_stats()["kv_cache_usage"] == 0.0
+
+
+def test_structured_output_masks_every_draft_position(default_model_path):
+    """Constrained requests verify drafts too (a mask row per draft position): greedy output is the
+    one without speculation, sampled output always matches its grammar, and drafts were verified."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 4},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    regex = r"(ab|cd){3,6}-[0-9]{2}"
+    base = LLM(None, device="cpu", max_model_len=512, seed=0)
+    spec = LLM(
+        None, device="cpu", max_model_len=512, seed=0,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    prompts = ["A person as JSON: {\"name\": \"Ann\", \"tags\": [\"a\", \"b\"]}. Another one:", "Code:"]
+    json_spec = SO(json=schema, disable_any_whitespace=True)
+    greedy = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=json_spec),
+        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex)),
+    ]
+    expected = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    got = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    json.loads(got[0].outputs[0].text)
+    assert re.fullmatch(regex, got[1].outputs[0].text)
+    sampled = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured_outputs=SO(regex=regex)) for s in range(6)
+    ]
+    for out in spec.generate(["Code:"] * 6, sampled, use_tqdm=False):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(regex, text), text
+    stats = spec.engine.get_stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    spec.engine.check_invariants()
+    assert stats["kv_cache_usage"] == 0.0

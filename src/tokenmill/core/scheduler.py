@@ -172,6 +172,8 @@ class Scheduler:
             drafts = request.spec_token_ids
             # Drafts follow the last known token; none while a token is still in flight (async
             # scheduling with speculative decoding would need placeholder drafts: not supported yet).
+            if drafts and request.use_structured_output and not self._grammar_allows_drafts(request):
+                drafts = request.spec_token_ids = []
             if drafts and not placeholders:
                 if request.max_tokens is not None:  # drafts past max_tokens would be cut anyway
                     drafts = drafts[: max(request.max_tokens - request.num_output_tokens - 1, 0)]
@@ -277,6 +279,9 @@ class Scheduler:
             else:
                 self._end_in_schedule(request, str(state))
         self.waiting_for_grammar = still
+
+    def _grammar_allows_drafts(self, request: Request) -> bool:
+        return self.structured_output is not None and self.structured_output.allows_drafts(request)
 
     def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
         """True when the tokens still in flight already reach max_tokens or max_model_len."""

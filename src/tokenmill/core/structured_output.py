@@ -37,5 +37,10 @@ class StructuredOutputHooks(Protocol):
     def is_terminated(self, request: Request) -> bool:
         """The grammar is complete: the request stops here."""
 
+    def allows_drafts(self, request: Request) -> bool:
+        """Speculative decoding: whether the request's next tokens can be verified as drafts (its
+        grammar is active: every draft position gets its mask row)."""
+        ...
+
     def free(self, request_id: str) -> None:
         """The request ended: drop its matcher (and forget a pending compile)."""

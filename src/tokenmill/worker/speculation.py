@@ -37,10 +37,10 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 8}
 
 
 def drafts_allowed(state: RequestState) -> bool:
-    """Requests whose sampling reads their earlier output (penalties, min_tokens, bad words) or that
-    sample under a grammar get no drafts: each draft row's logits would depend on the drafts before it."""
-    params = state.sampling_params
-    return not params.needs_output_history and params.structured_outputs is None
+    """Requests whose sampling reads their earlier output (penalties, min_tokens, bad words) get no
+    drafts: each draft row's logits would depend on the drafts before it. (A grammar does not stop
+    drafts: every draft position gets its own mask row, engine/structured_output/bitmask.py.)"""
+    return not state.sampling_params.needs_output_history
 
 
 class PendingVerifyStep:

@@ -36,8 +36,13 @@ class BitmaskFiller:
         self._buffer = np.zeros((initial_rows, self.num_words), dtype=np.int32)
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, for large steps
 
-    def fill(self, grammars: list[tuple[str, RequestGrammar]]) -> GrammarOutput:
-        """Rows for the requests whose next token is constrained, in the given (batch) order."""
+    def fill(
+        self, grammars: list[tuple[str, RequestGrammar]], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarOutput:
+        """Rows for the requests whose next token is constrained, in the given (batch) order; a
+        request verifying draft tokens (`drafts`) gets a row per draft position too."""
+        if drafts and any(request_id in drafts for request_id, _ in grammars):
+            return self._fill_with_drafts(grammars, drafts)
         if len(grammars) > len(self._buffer):
             self._buffer = np.zeros((max(len(grammars), 2 * len(self._buffer)), self.num_words), np.int32)
         buffer = self._buffer
@@ -61,3 +66,61 @@ class BitmaskFiller:
             num_words=self.num_words,
             bitmask=buffer[: len(request_ids)].tobytes(),
         )
+
+    def _fill_with_drafts(
+        self, grammars: list[tuple[str, RequestGrammar]], drafts: dict[str, list[int]]
+    ) -> GrammarOutput:
+        """Per request, the row of its next token, then, for each draft, the row after the drafts
+        before it: the matcher accepts them tentatively and rolls back. A draft the grammar refuses
+        will be rejected by the verification (its masked probability is 0), so the rows after it
+        are never read: they repeat the last filled row (an all-zero row would read as "nothing
+        allowed")."""
+        counts = [1 + len(drafts.get(request_id, ())) for request_id, _ in grammars]
+        total = sum(counts)
+        if total > len(self._buffer):
+            self._buffer = np.zeros((max(total, 2 * len(self._buffer)), self.num_words), np.int32)
+        buffer = self._buffer
+        row = 0
+        first_rows: list[int] = []
+        for (request_id, grammar), count in zip(grammars, counts, strict=True):
+            matcher = grammar.matcher
+            first = row
+            first_rows.append(first)
+            matcher.fill_next_token_bitmask(buffer, first)
+            accepted = 0
+            for token in drafts.get(request_id, ())[: count - 1]:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                accepted += 1
+                matcher.fill_next_token_bitmask(buffer, first + accepted)
+            buffer[first + accepted + 1 : first + count] = buffer[first + accepted]
+            if accepted:
+                matcher.rollback(accepted)
+            row = first + count
+        rows = buffer[:total]
+        per_row = [g for (_, g), count in zip(grammars, counts, strict=True) for _ in range(count)]
+        for mask, row_ids in _rows_by_mask(per_row):
+            rows[row_ids] &= mask
+        # Only a request's first row decides "nothing allowed"; an empty draft row repeats the one before.
+        for (_, grammar), first in zip(grammars, first_rows, strict=True):
+            if not rows[first].any():
+                grammar.no_token_allowed()
+        firsts = set(first_rows)
+        for r in np.flatnonzero(~rows.any(axis=1)):
+            if int(r) not in firsts:
+                rows[r] = rows[r - 1]
+        return GrammarOutput(
+            request_ids=[request_id for request_id, _ in grammars],
+            rows_per_request=counts,
+            num_words=self.num_words,
+            bitmask=rows.tobytes(),
+        )
+
+
+def _rows_by_mask(per_row: list[RequestGrammar]) -> list[tuple[np.ndarray, list[int]]]:
+    """The rows of each distinct extra mask (one vectorised AND per mask)."""
+    groups: dict[int, tuple[np.ndarray, list[int]]] = {}
+    for row, grammar in enumerate(per_row):
+        if grammar.extra_mask is not None:
+            groups.setdefault(id(grammar.extra_mask), (grammar.extra_mask, []))[1].append(row)
+    return list(groups.values())

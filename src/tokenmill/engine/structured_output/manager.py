@@ -116,6 +116,12 @@ class StructuredOutputManager:
         grammar = self.grammars.get(request.request_id)
         return grammar is not None and grammar.is_terminated
 
+    def allows_drafts(self, request: Request) -> bool:
+        """Drafts can be masked: the grammar is on (a start-after marker inside the drafts would turn
+        it on midway, past rows filled unconstrained) and not finished."""
+        grammar = self.grammars.get(request.request_id)
+        return grammar is not None and grammar.needs_mask
+
     def free(self, request_id: str) -> None:
         self._compiling.pop(request_id, None)
         self.grammars.pop(request_id, None)
@@ -133,11 +139,13 @@ class StructuredOutputManager:
         rows = self._rows(scheduler_output)
         if self._fill_pool is None:
             self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._fill_pool.submit(self._fill, rows, started)
+        return self._fill_pool.submit(self._fill, rows, started, scheduler_output.scheduled_spec_decode_tokens)
 
     def grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
         """The bitmask rows of the step's constrained requests whose next token is constrained."""
-        return self._fill(self._rows(scheduler_output), time.perf_counter())
+        return self._fill(
+            self._rows(scheduler_output), time.perf_counter(), scheduler_output.scheduled_spec_decode_tokens
+        )
 
     def _rows(self, scheduler_output: SchedulerOutput) -> list[tuple[str, RequestGrammar]]:
         grammars = self.grammars
@@ -148,10 +156,12 @@ class StructuredOutputManager:
                 rows.append((request_id, grammar))
         return rows
 
-    def _fill(self, rows: list[tuple[str, RequestGrammar]], started: float) -> GrammarOutput:
+    def _fill(
+        self, rows: list[tuple[str, RequestGrammar]], started: float, drafts: dict[str, list[int]] | None = None
+    ) -> GrammarOutput:
         if self._filler is None:
             self._filler = BitmaskFiller(self.backend.grammar_vocab_size)
-        output = self._filler.fill(rows)
+        output = self._filler.fill(rows, drafts)
         self.mask_seconds.observe(time.perf_counter() - started)
         return output
 
