@@ -206,3 +206,28 @@ def test_structured_output_masks_every_draft_position(default_model_path):
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     spec.engine.check_invariants()
     assert stats["kv_cache_usage"] == 0.0
+
+
+def test_large_batches_overlap_steps_and_small_ones_draft(tiny_llama_dir, baseline):
+    """With async scheduling on, a batch above disable_by_batch_size drafts nothing and overlaps
+    its steps; as requests finish it drafts again. Greedy output stays unchanged throughout."""
+    spec = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": 2}
+    llm = _llm(tiny_llama_dir, spec, async_scheduling=True)
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+    expected = _tokens(_run(baseline, prompts, params))
+    engine = llm.engine
+    overlapped = drafted_alone = 0
+    requests = [llm.input_processor.make_request(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        overlapped += engine._in_flight is not None
+        drafted_alone += engine.scheduler.num_running <= 2 and engine.get_stats()["spec_decode_num_drafts"] > 0
+        engine.check_invariants()
+    assert [tokens[f"r{i}"] for i in range(6)] == expected
+    assert overlapped > 0 and drafted_alone > 0
+    assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0

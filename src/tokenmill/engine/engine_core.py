@@ -34,6 +34,7 @@ from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.model.resolve import ResolvedModel, resolve_model
+from tokenmill.spec_decode.draft_policy import disable_by_batch_size
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -106,11 +107,15 @@ class EngineCore:
         )
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
-        if speculative is not None and self.async_scheduling:
-            # Drafts follow a request's last token, which must be on the host when they are
-            # scheduled: speculative steps do not overlap.
-            logger.info("speculative decoding: async scheduling off")
-            self.async_scheduling = False
+        # Speculative decoding: drafts follow a request's last token, which must be on the host when
+        # they are scheduled, so steps do not overlap while requests draft (up to this many
+        # running); a larger batch drafts nothing and overlaps its steps as without speculation.
+        self._spec_sync_batch_size = (
+            disable_by_batch_size(speculative.disable_by_batch_size, self.executor.device_type)
+            if speculative is not None
+            else -1
+        )
+        self._drafts_pending = False  # the last step's results proposed drafts
         # The launched step whose results the host has not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         # A constrained step (async scheduling) whose forward is launched and whose mask is being
@@ -165,7 +170,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         started = time.monotonic()
         outputs, self._pending = self._pending, []
-        if self._needs_history and (self._in_flight is not None or self._filling is not None):
+        speculating = self._speculating()
+        if (self._needs_history or speculating) and (self._in_flight is not None or self._filling is not None):
             outputs.extend(self._sample_filled())
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
@@ -191,7 +197,7 @@ class EngineCore:
             rid = new.request_id
             if rid not in self._queue_times and rid not in self._reported_queue_time:
                 self._queue_times[rid] = max(0.0, now - requests[rid].arrival_time)
-        if self.async_scheduling:
+        if self.async_scheduling and not speculating and not scheduler_output.scheduled_spec_decode_tokens:
             pending = self._launch(scheduler_output)
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now
                 outputs.extend(self._finish_in_flight())
@@ -211,6 +217,9 @@ class EngineCore:
                 return self._annotate(outputs)
             self._in_flight = (scheduler_output, pending)
             return self._annotate(outputs)
+        # One step at a time (no async scheduling, or drafting): whatever is still in flight first.
+        outputs.extend(self._sample_filled())
+        outputs.extend(self._finish_in_flight())
         try:
             if scheduler_output.structured_output_request_ids:
                 runner_output = self._launch_constrained(scheduler_output).result()
@@ -225,7 +234,16 @@ class EngineCore:
         """Apply a step's results (its record is traced as done now)."""
         if self.tracer is not None:
             self.tracer.done(scheduler_output, runner_output)
+        if self._spec_sync_batch_size >= 0:
+            self._drafts_pending = bool(runner_output.spec_token_ids)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _speculating(self) -> bool:
+        """Requests may draft this step (speculative decoding, a batch small enough, or drafts
+        waiting): the step must not overlap the previous one."""
+        if self._spec_sync_batch_size < 0:
+            return False
+        return self._drafts_pending or self.scheduler.num_running + self.scheduler.num_waiting <= self._spec_sync_batch_size
 
     def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput | None:
         """Launch a step (async scheduling). None: a constrained step whose forward is launched and

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# No drafts in a step with more requests than this, unless the config says otherwise: on a GPU a
+# decode step stays bound by reading the weights up to a few dozen rows; on a CPU the matmuls
+# turn compute bound much earlier.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 8}
+
 EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
 FIRST_COOLDOWN = 4
 MAX_COOLDOWN = 64
@@ -61,3 +66,8 @@ class DraftPolicy:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+
+def disable_by_batch_size(configured: int | None, device_type: str) -> int:
+    """The batch size above which nobody drafts: the config's, else the device's default."""
+    return configured if configured is not None else DEFAULT_DISABLE_BY_BATCH_SIZE.get(device_type, 8)

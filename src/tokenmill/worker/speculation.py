@@ -20,7 +20,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.rejection_sampler import VerifyResult
-from tokenmill.spec_decode.draft_policy import DraftPolicy
+from tokenmill.spec_decode.draft_policy import DraftPolicy, disable_by_batch_size
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.request_state import RequestState
@@ -29,12 +29,6 @@ if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-# No drafts in a step with more requests than this, unless the config says otherwise. Measured:
-# on a GPU a decode step stays bound by reading the weights up to a few dozen rows; on a CPU the
-# matmuls turn compute bound much earlier.
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 8}
-
 
 def drafts_allowed(state: RequestState) -> bool:
     """Requests whose sampling reads their earlier output (penalties, min_tokens, bad words) get no
@@ -123,9 +117,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        disable = config.disable_by_batch_size
-        if disable is None:
-            disable = DEFAULT_DISABLE_BY_BATCH_SIZE.get(runner.device.type, 8)
+        disable = disable_by_batch_size(config.disable_by_batch_size, runner.device.type)
         self.policy = DraftPolicy(self.k, disable, config.min_acceptance_rate)
         self.max_model_len = runner.max_model_len
         self.ngram: NgramProposer | None = None
