@@ -291,6 +291,23 @@ def test_drafter_matches_the_published_math(target, tmp_path, chunks):
     assert int(draft2) == int(draft_to_target[ref2_logits[-1].argmax()])
 
 
+def test_pytorch_bin_checkpoints_load_and_logits_map_into_the_target_vocab(target, tmp_path):
+    """The EAGLE repo publishes pytorch_model.bin; draft logits land on the target ids d2t names."""
+    tensors = _drafter_tensors(target)
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(_drafter_config(target)))
+    torch.save(tensors, path / "pytorch_model.bin")
+    drafter = _load_drafter(path, target)
+    draft_logits = torch.randn(3, DRAFT_VOCAB)
+    full = drafter.logits_in_target_vocab(draft_logits)
+    assert full.shape == (3, target.arch.vocab_size)
+    in_draft = tensors["t2d"]
+    torch.testing.assert_close(full[:, in_draft], draft_logits)  # draft ids ascend with target ids
+    assert torch.isneginf(full[:, ~in_draft]).all()
+    assert drafter.to_target_ids(draft_logits.argmax(-1)).tolist() == full.argmax(-1).tolist()
+
+
 def test_forward_refuses_a_hidden_input_of_another_width(target, tmp_path):
     drafter = _load_drafter(_write_drafter(tmp_path / "d", _drafter_config(target), _drafter_tensors(target)), target)
     cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16)

@@ -168,6 +168,13 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocab ids -> target-vocab ids (through d2t)."""
         return self.draft_to_target[draft_ids]
 
+    def logits_in_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[N, Vd] draft logits -> [N, V] over the target vocab, -inf at target ids outside the draft
+        vocab (a sampled draft's distribution q as the rejection sampler compares it with p)."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.config.target_vocab_size), float("-inf"))
+        out[:, self.draft_to_target] = draft_logits
+        return out
+
     def greedy_draft_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [N] in the target vocab: argmax over the draft vocab, then mapped."""
         return self.to_target_ids(self.compute_draft_logits(normed).argmax(dim=-1))
