@@ -242,6 +242,38 @@ class CausalLM(nn.Module):
             x, pending = layer(x, pending, rope, kv_cache, meta, fuse_rope)
         return self.ops.add_rms_norm(x, self.norm, self.arch.rms_norm_eps, pending)
 
+    def forward_with_aux_hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        aux_layers: tuple[int, ...],  # ascending layer indices
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, plus the residual stream entering each layer of `aux_layers` (transformers'
+        output_hidden_states[i]; vLLM's aux_hidden_state_layers), concatenated in layer order
+        [T, len(aux_layers) * hidden]: the features an EAGLE-3 drafter fuses (model/eagle3.py).
+
+        A method beside forward so that forward, and every step without a drafter, stays as it
+        is. Eager: a CUDA-graph capture would need the concatenated states in a static buffer."""
+        if type(self).forward is not CausalLM.forward:
+            raise NotImplementedError(f"{type(self).__name__} has its own forward; aux hidden states are not wired")
+        if list(aux_layers) != sorted(set(aux_layers)) or not all(0 <= i < len(self.layers) for i in aux_layers):
+            raise ValueError(
+                f"aux_layers {list(aux_layers)}: expected distinct ascending layer indices in 0 .. {len(self.layers) - 1}"
+            )
+        x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.ops.rope_inputs(self.rotary, positions)
+        fuse_rope = self.fuse_decode_rope and self.attn_backend.supports_fused_decode_rope(meta)
+        pending = None
+        aux: list[torch.Tensor] = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index in aux_layers:
+                # A new tensor either way: the layers update x in place.
+                aux.append(x.clone() if pending is None else x + pending)
+            x, pending = layer(x, pending, rope, kv_cache, meta, fuse_rope)
+        return self.ops.add_rms_norm(x, self.norm, self.arch.rms_norm_eps, pending), torch.cat(aux, dim=-1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden, out_dtype=torch.float32)

@@ -41,7 +41,10 @@ class SelfAttention(nn.Module):
         tp_size: int = 1,
         device=None,
         dtype: torch.dtype | None = None,
+        qkv_input_size: int | None = None,
     ) -> None:
+        """`qkv_input_size`: the width q/k/v are projected from when it is not the hidden size (an
+        EAGLE-3 drafter's layer reads [embedding, hidden] side by side: 2 x hidden)."""
         super().__init__()
         shard = {
             "method": linear_method,
@@ -51,7 +54,7 @@ class SelfAttention(nn.Module):
             "dtype": dtype,
         }
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size,
+            qkv_input_size or arch.hidden_size,
             arch.head_dim,
             arch.num_heads,
             arch.num_kv_heads,
