@@ -385,3 +385,23 @@ def test_config_reads_the_drafters_own_rope_and_aux_layers(target):
     assert config.draft_vocab_size == DRAFT_VOCAB and config.fc_input_size == 3 * target.arch.hidden_size
     no_theta = {k: v for k, v in _drafter_config(target).items() if k != "rope_theta"}
     assert Eagle3Config.from_hf_config(no_theta, target.arch).arch.rope_theta == 10000.0
+
+
+def test_engine_with_an_eagle3_drafter_keeps_greedy_output(target_dir, target, tmp_path):
+    """The eagle3 proposer in the engine: drafts from the drafter are verified (a random drafter's
+    are mostly rejected), the greedy output is the target's own, batched and chunked, no KV leaks."""
+    from tokenmill import LLM, SamplingParams
+
+    drafter = _write_drafter(tmp_path / "drafter", _drafter_config(target), _drafter_tensors(target))
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 900 + 20 for j in range(12 + 3 * i)]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    options = dict(device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=24)
+    expected = [o.outputs[0].token_ids for o in LLM(str(target_dir), **options).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    llm = LLM(str(target_dir), speculative_config=spec, **options)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["kv_cache_usage"] == 0.0
+    llm.engine.check_invariants()

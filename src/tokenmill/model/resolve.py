@@ -142,6 +142,12 @@ def pin_snapshots(model_config: ModelConfig, resolved: ResolvedModel) -> ModelCo
     )
 
 
+def locate_model_dir(name: str, revision: str | None, download_dir: str | None) -> Path:
+    """A model directory from a local path or a Hub id (downloaded, or from the cache): for models
+    that are not served on their own (a speculative-decoding drafter)."""
+    return _locate(name, revision, download_dir, "auto", "model")[0]
+
+
 def _locate(
     name: str, revision: str | None, download_dir: str | None, load_format: str, purpose: Purpose
 ) -> tuple[Path, str | None]:

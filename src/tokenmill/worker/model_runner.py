@@ -533,7 +533,9 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec.get(r.request_id, []) for r in requests]
-        graph_key = self._graph_key(so, requests, num_computed_tokens)
+        # EAGLE-3 reads the target's aux hidden states, captured eagerly.
+        eager_only = self.speculator is not None and self.speculator.needs_aux_hidden_states
+        graph_key = None if eager_only else self._graph_key(so, requests, num_computed_tokens)
         if graph_key is not None:
             # Decode-only step: pad to a captured batch size and replay its graph.
             num_reqs = len(requests)
@@ -550,7 +552,7 @@ class ModelRunner:
             logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size, drafts=drafts)
-        piecewise = self.piecewise
+        piecewise = None if eager_only else self.piecewise
         size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
         if size is not None:
             # Graphs between the attention calls, attention itself eager (worker/piecewise_graphs.py).
@@ -559,7 +561,10 @@ class ModelRunner:
             hidden = piecewise.run(size, so.total_num_scheduled_tokens, meta)
         else:
             input_ids, positions, meta = self.build_metadata(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if eager_only:
+                hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta)  # type: ignore[union-attr]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.
         self._prompt_logprobs(requests, num_computed_tokens, num_scheduled_tokens, batch, hidden, output)
         if batch.sampling_req_indices:
@@ -656,7 +661,7 @@ class ModelRunner:
         if speculator is None:
             return None
         starts, lens = self._step_extents(batch)
-        return lambda output: speculator.after_step(output, requests, starts, lens, None)
+        return lambda output: speculator.after_step(output, requests, starts, lens, None, batch)
 
     @staticmethod
     def _step_extents(batch: HostBatch) -> tuple[list[int], list[int]]:
@@ -698,7 +703,7 @@ class ModelRunner:
             starts, lens = self._step_extents(batch)
 
             def on_result(output: ModelRunnerOutput, verified: dict[str, tuple[int, int]]) -> None:
-                speculator.after_step(output, requests, starts, lens, verified)
+                speculator.after_step(output, requests, starts, lens, verified, batch)
 
         return PendingVerifyStep(output, states, drafts, result, packed, ready, metadata, on_result)
 

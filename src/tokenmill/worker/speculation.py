@@ -22,6 +22,7 @@ from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.rejection_sampler import VerifyResult
 from tokenmill.spec_decode.draft_policy import DraftPolicy, disable_by_batch_size
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.worker.batch_inputs import HostBatch
 from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.request_state import RequestState
 
@@ -121,15 +122,16 @@ class Speculator:
         self.policy = DraftPolicy(self.k, disable, config.min_acceptance_rate)
         self.max_model_len = runner.max_model_len
         self.ngram: NgramProposer | None = None
+        # A proposer that runs a model (draft_model, eagle3): its own KV cache on the target's blocks.
         self.draft_model: DraftModelProposer | None = None
         if config.method == "ngram":
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "draft_model":
             self.draft_model = DraftModelProposer(config, runner)
         else:
-            raise ValueError(
-                f"speculative method {config.method!r} is not available in this build; use 'ngram' or 'draft_model'"
-            )
+            from tokenmill.worker.eagle3_proposer import Eagle3Proposer
+
+            self.draft_model = Eagle3Proposer(config, runner)  # type: ignore[assignment]
         logger.info(
             "speculative decoding: %s, up to %d drafts per request, none above %d requests in a step",
             config.method, self.k, disable,
@@ -139,6 +141,14 @@ class Speculator:
     def num_lookahead_tokens(self) -> int:
         """KV slots past a request's scheduled tokens that proposing writes (a draft model's)."""
         return self.draft_model.num_lookahead_tokens if self.draft_model is not None else 0
+
+    @property
+    def needs_aux_hidden_states(self) -> bool:
+        """EAGLE-3: the target's forward must keep its aux hidden states (eager steps only)."""
+        return getattr(self.draft_model, "needs_aux_hidden_states", False)
+
+    def target_forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201 - tensors
+        return self.draft_model.target_forward(input_ids, positions, kv_caches, meta)  # type: ignore[union-attr]
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
@@ -150,6 +160,7 @@ class Speculator:
         step_starts: list[int],
         step_lens: list[int],
         verified: dict[str, tuple[int, int]] | None,
+        batch: HostBatch | None = None,
     ) -> None:
         """Record the step's acceptance and propose the next drafts of the requests that sampled.
         `requests`, `step_starts`, `step_lens`: the step's requests (batch order), the first position
@@ -168,7 +179,12 @@ class Speculator:
                         wanted[state.request_id] = k
         if self.draft_model is not None:
             # Also with nothing wanted: the drafter's cache follows every position the target computed.
-            output.spec_token_ids = self.draft_model.propose(requests, step_starts, step_lens, wanted)
+            if self.needs_aux_hidden_states:
+                output.spec_token_ids = self.draft_model.propose(  # type: ignore[call-arg]
+                    requests, step_starts, step_lens, wanted, batch
+                )
+            else:
+                output.spec_token_ids = self.draft_model.propose(requests, step_starts, step_lens, wanted)
             return
         assert self.ngram is not None
         proposals: dict[str, list[int]] = {}

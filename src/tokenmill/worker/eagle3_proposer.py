@@ -1,0 +1,168 @@
+"""The `eagle3` proposer: an EAGLE-3 drafter (model/eagle3.py) reading the target's hidden states.
+
+The target runs its forward with `forward_with_aux_hidden_states` (the residual stream entering
+three of its layers, concatenated), eagerly. After each step, with its tokens on the host:
+
+1. the drafter runs over the rows of the step whose next token is known: row p takes the token at
+   p + 1 and the target's features at p, and writes the drafter's one-layer KV at p (its own cache
+   over the target's block tables). For a verifying request those are the rows up to its last
+   accepted draft (the last one's next token is the one the target added), for a prefill chunk
+   all its rows. At each drafting request's last row it predicts the first draft;
+2. k - 1 single-row steps follow, each feeding the previous draft and the drafter's own hidden
+   state, one position further.
+
+Drafts are the drafter's greedy tokens mapped from its vocabulary to the target's (d2t). Drafter
+KV past the accepted tokens is rewritten by the next round's first pass, which starts at the
+target's next step start. CUDA graphs are off with this method (the aux hidden states are
+captured eagerly): it is correct everywhere, fast nowhere yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
+from tokenmill.worker.draft_proposer import _DraftView
+from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tokenmill.worker.request_state import RequestState
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Eagle3Proposer:
+    needs_aux_hidden_states = True
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        from tokenmill.model.eagle3 import load_eagle3_drafter
+        from tokenmill.model.eagle3_config import Eagle3Config
+        from tokenmill.model.loader.hf_config import read_hf_config
+        from tokenmill.model.resolve import locate_model_dir
+
+        assert config.model is not None
+        self.runner = runner
+        self.k = config.num_speculative_tokens
+        if runner.kv_groups.num_groups > 1:
+            raise ValueError("speculative method 'eagle3' needs a target without sliding-window layers")
+        path = locate_model_dir(config.model, config.revision, runner.config.model.download_dir)
+        drafter_config = Eagle3Config.from_hf_config(read_hf_config(path), runner.arch)
+        self.aux_layers = drafter_config.aux_layer_ids
+        self.arch = drafter_config.arch
+        self.attn_backend = runner.make_attention_backend(runner.config.attention_backend, self.arch)
+        self.drafter = load_eagle3_drafter(
+            path, runner.model, runner.device, runner.dtype, self.attn_backend, kernel=runner.config.kernel
+        )
+        self.kv_cache: torch.Tensor | None = None
+        # The target's aux hidden states of the step being finished, and its host batch.
+        self._aux: torch.Tensor | None = None
+        logger.info(
+            "EAGLE-3 drafter %s: aux layers %s, draft vocabulary %d",
+            config.model, self.aux_layers, drafter_config.draft_vocab_size,
+        )  # fmt: skip
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.k
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(
+            1, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.runner.kv_cache_dtype
+        )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_caches(
+            1, num_blocks, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            self.runner.kv_cache_dtype, self.runner.device,
+        )[0]  # fmt: skip
+
+    def target_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta
+    ) -> torch.Tensor:
+        """The target's forward for a step, keeping the aux hidden states for `propose`."""
+        hidden, self._aux = self.runner.model.forward_with_aux_hidden_states(
+            input_ids, positions, kv_caches, meta, self.aux_layers
+        )
+        return hidden
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        states: list[RequestState],
+        step_starts: list[int],
+        step_lens: list[int],
+        num_drafts: dict[str, int],
+        batch: HostBatch | None = None,
+    ) -> dict[str, list[int]]:
+        aux, self._aux = self._aux, None
+        if aux is None or batch is None:
+            return {}
+        runner = self.runner
+        views: list[_DraftView] = []
+        lens: list[int] = []
+        rows: list[np.ndarray] = []
+        for i, (state, start, length) in enumerate(zip(states, step_starts, step_lens, strict=True)):
+            # Rows whose next token is known: up to the last accepted one (a verify step), the whole
+            # chunk otherwise.
+            num_rows = max(min(length, len(state.token_ids) - 1 - start), 0)
+            shifted = _DraftView(state.request_id, state.token_ids[1:], state.block_ids, len(state.token_ids) - 1)
+            views.append(shifted)
+            lens.append(num_rows)
+            first = int(batch.query_start_loc[i])
+            rows.append(np.arange(first, first + num_rows))
+        keep = [i for i, n in enumerate(lens) if n > 0]
+        if not keep:
+            return {}
+        first_batch = build_host_batch(
+            [views[i] for i in keep], [step_starts[i] for i in keep], [lens[i] for i in keep],  # type: ignore[misc]
+            runner.block_size,
+        )
+        row_index = torch.from_numpy(np.concatenate([rows[i] for i in keep])).to(aux.device)
+        input_ids, positions, meta = runner.build_metadata(first_batch)
+        drafter = self.drafter
+        out = drafter(input_ids, positions, aux[row_index], self.kv_cache, meta)
+        proposing = [
+            j for j, i in enumerate(keep)
+            if num_drafts.get(states[i].request_id, 0) > 0 and step_starts[i] + lens[i] == len(states[i].token_ids) - 1
+        ]  # fmt: skip
+        if not proposing:
+            return {}
+        last_rows = torch.tensor(
+            [int(first_batch.query_start_loc[j + 1]) - 1 for j in proposing], device=out.normed.device
+        )
+        hidden = out.hidden_out[last_rows]
+        next_ids = drafter.greedy_draft_tokens(out.normed[last_rows])
+        drafting = [views[keep[j]] for j in proposing]
+        wanted = [num_drafts[v.request_id] for v in drafting]
+        drafts: list[list[int]] = [[] for _ in drafting]
+        for step in range(max(wanted)):
+            ids = next_ids.tolist()
+            for j in range(len(drafting)):
+                if step < wanted[j]:
+                    drafts[j].append(ids[j])
+            active = [j for j in range(len(drafting)) if step + 1 < wanted[j]]
+            if not active:
+                break
+            for j in active:
+                drafting[j].token_ids = [*drafting[j].token_ids, drafts[j][-1]]
+                drafting[j].num_tokens += 1
+            step_views = [drafting[j] for j in active]
+            step_batch = build_host_batch(
+                step_views, [len(v.token_ids) - 1 for v in step_views], [1] * len(step_views),  # type: ignore[arg-type]
+                runner.block_size,
+            )
+            input_ids, positions, meta = runner.build_metadata(step_batch)
+            index = torch.tensor(active, device=hidden.device)
+            out = drafter(input_ids, positions, hidden[index], self.kv_cache, meta)
+            hidden = hidden.clone()
+            hidden[index] = out.hidden_out
+            step_ids = drafter.greedy_draft_tokens(out.normed)
+            next_ids = torch.zeros(len(drafting), dtype=step_ids.dtype, device=step_ids.device)
+            next_ids[index] = step_ids
+        return {view.request_id: d for view, d in zip(drafting, drafts, strict=True)}
