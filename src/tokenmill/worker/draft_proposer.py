@@ -93,6 +93,8 @@ class DraftModelProposer:
             kernel=runner.config.kernel,
         )  # fmt: skip
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None  # CudaGraphRunner of its single-token steps (CUDA)
+        self.piecewise = None  # PiecewiseGraphs of its catch-up passes (CUDA)
         logger.info(
             "draft model %s: %d layers, hidden %d (%s)", config.model, arch.num_layers, arch.hidden_size,
             self.resolved.format,
@@ -114,6 +116,56 @@ class DraftModelProposer:
             self.arch.num_layers, num_blocks, self.runner.block_size, self.arch.num_kv_heads,
             self.arch.head_dim, self.runner.kv_cache_dtype, self.runner.device,
         )  # fmt: skip
+
+    def capture_cuda_graphs(self, max_drafting_batch: int) -> None:
+        """The drafter's CUDA graphs: its single-token steps up to the largest batch that drafts,
+        and piecewise graphs for its catch-up passes (a few tokens per request), as the target's."""
+        from tokenmill.worker.cuda_graphs import CudaGraphRunner
+
+        runner = self.runner
+        if not self.attn_backend.supports_cuda_graphs or runner.buffers is None:
+            return
+        self.graphs = CudaGraphRunner(
+            self.model, self.attn_backend, runner.buffers, self.kv_caches,
+            min(max_drafting_batch, runner.config.scheduler.max_num_seqs),
+        )  # fmt: skip
+        self.graphs.capture()
+        if runner.config.kernel.piecewise_cuda_graphs and getattr(self.model, "supports_piecewise_graphs", False):
+            from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(
+                self.model, self.attn_backend, runner.buffers, self.kv_caches,
+                runner.config.scheduler.max_num_batched_tokens,
+            )  # fmt: skip
+            self.piecewise.capture()
+
+    def _forward(self, batch) -> torch.Tensor:  # noqa: ANN001 - a HostBatch
+        """The drafter's final hidden states of a step: a piecewise graph when captured, else eager."""
+        runner = self.runner
+        num_tokens = len(batch.input_ids)
+        size = self.piecewise.padded_size(num_tokens) if self.piecewise is not None else None
+        if size is not None:
+            _, _, meta = runner.build_metadata(batch, padded_tokens=size)
+            return self.piecewise.run(size, num_tokens, meta)[:num_tokens]
+        input_ids, positions, meta = runner.build_metadata(batch)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _decode_step(self, views: list[_DraftView]) -> torch.Tensor:
+        """One token for each of `views` (its newest draft), through a CUDA graph when one fits:
+        the argmax ids [len(views)]."""
+        runner = self.runner
+        key = self.graphs.graph_key(len(views), 1) if self.graphs is not None else None
+        positions = [len(v.token_ids) - 1 for v in views]
+        if key is None:
+            batch = build_host_batch(views, positions, [1] * len(views), runner.block_size)  # type: ignore[arg-type]
+            return self._argmax(self._forward(batch))
+        batch = build_host_batch(
+            views, positions, [1] * len(views), runner.block_size,  # type: ignore[arg-type]
+            block_table_width=runner.max_blocks_per_req,
+        )  # fmt: skip
+        runner.build_metadata(batch, padded_reqs=key[0])
+        logits = self.graphs.replay(key)[: len(views)]
+        return logits[:, : self.target_vocab_size].argmax(dim=-1)
 
     @torch.inference_mode()
     def propose(
@@ -140,8 +192,7 @@ class DraftModelProposer:
         proposing = [
             i for i, s in enumerate(states) if num_drafts.get(s.request_id, 0) > 0 and starts[i] + lens[i] == len(s.token_ids)
         ]
-        input_ids, positions, meta = runner.build_metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(batch)
         if not proposing:
             return {}
         last_rows = torch.tensor([int(batch.query_start_loc[i + 1]) - 1 for i in proposing], device=hidden.device)
@@ -165,15 +216,7 @@ class DraftModelProposer:
             for j in active:
                 views[j].token_ids.append(drafts[j][-1])
                 views[j].num_tokens += 1
-            active_views = [views[j] for j in active]
-            batch = build_host_batch(
-                active_views,  # type: ignore[arg-type]
-                [len(v.token_ids) - 1 for v in active_views],
-                [1] * len(active_views),
-                runner.block_size,
-            )
-            input_ids, positions, meta = runner.build_metadata(batch)
-            step_ids = self._argmax(self.model(input_ids, positions, self.kv_caches, meta))
+            step_ids = self._decode_step([views[j] for j in active])
             full = torch.zeros(len(views), dtype=step_ids.dtype, device=step_ids.device)
             full[torch.tensor(active, device=step_ids.device)] = step_ids
             next_ids = full

@@ -293,6 +293,8 @@ class ModelRunner:
             logger.info("%s", groups.describe())
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
+            if drafter is not None and hasattr(drafter, "capture_cuda_graphs"):
+                drafter.capture_cuda_graphs(self.speculator.policy.disable_by_batch_size)  # type: ignore[union-attr]
         if self.device.type == "cuda":
             from tokenmill.worker.kernel_warmup import warm_up_eager_steps
 
