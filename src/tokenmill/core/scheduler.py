@@ -412,9 +412,9 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if status is None:
+                # Drafts follow the tokens just appended: only this step's proposal is current.
                 proposal = runner_output.spec_token_ids.get(request_id) if runner_output.spec_token_ids else None
-                if proposal and request.status == RequestStatus.RUNNING:
-                    request.spec_token_ids = proposal
+                request.spec_token_ids = proposal if proposal and request.status == RequestStatus.RUNNING else []
             else:
                 if request.status == RequestStatus.RUNNING:
                     any_finished = True

@@ -34,7 +34,6 @@ from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.model.resolve import ResolvedModel, resolve_model
-from tokenmill.spec_decode.draft_policy import disable_by_batch_size
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -108,13 +107,8 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
         # Speculative decoding: drafts follow a request's last token, which must be on the host when
-        # they are scheduled, so steps do not overlap while requests draft (up to this many
-        # running); a larger batch drafts nothing and overlaps its steps as without speculation.
-        self._spec_sync_batch_size = (
-            disable_by_batch_size(speculative.disable_by_batch_size, self.executor.device_type)
-            if speculative is not None
-            else -1
-        )
+        # they are scheduled, so steps do not overlap while requests draft.
+        self._speculative = speculative is not None
         self._drafts_pending = False  # the last step's results proposed drafts
         # The launched step whose results the host has not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
@@ -234,16 +228,15 @@ class EngineCore:
         """Apply a step's results (its record is traced as done now)."""
         if self.tracer is not None:
             self.tracer.done(scheduler_output, runner_output)
-        if self._spec_sync_batch_size >= 0:
+        if self._speculative:
             self._drafts_pending = bool(runner_output.spec_token_ids)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _speculating(self) -> bool:
-        """Requests may draft this step (speculative decoding, a batch small enough, or drafts
-        waiting): the step must not overlap the previous one."""
-        if self._spec_sync_batch_size < 0:
-            return False
-        return self._drafts_pending or self.scheduler.num_running + self.scheduler.num_waiting <= self._spec_sync_batch_size
+        """The last step's results proposed drafts: the next step must see them, so it waits for
+        the step in flight (async scheduling) instead of overlapping it. A batch that drafts
+        nothing (too large, or its drafts keep failing) overlaps its steps as without speculation."""
+        return self._drafts_pending
 
     def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput | None:
         """Launch a step (async scheduling). None: a constrained step whose forward is launched and
