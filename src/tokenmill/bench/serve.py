@@ -32,6 +32,7 @@ from tokenmill.bench.datasets import (
     random_requests,
     to_text_prompts,
 )
+from tokenmill.bench.prometheus_text import scrape
 from tokenmill.bench.results import DEFAULT_RESULTS_DIR, write_result
 from tokenmill.bench.serve_client import build_payload, is_chat_endpoint, send_request
 from tokenmill.bench.serve_metrics import (
@@ -42,6 +43,7 @@ from tokenmill.bench.serve_metrics import (
     latency_samples,
     parse_goodput,
 )
+from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, totals_from_samples
 
 REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -336,12 +338,19 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             )
             print(f"Model {model} at {url}: {len(requests)} requests, rate {args.request_rate}, "
                   f"burstiness {args.burstiness}, max concurrency {max_concurrency or 'inf'}")  # fmt: skip
+            # The server's speculative decoding counters, read around the run (none: not speculating).
+            spec_before = totals_from_samples(await scrape(session, base_url, headers))
             results, duration = await run_load(
                 session, url, headers, requests, payloads, offsets, max_concurrency, not args.disable_tqdm
             )
+            spec_after = totals_from_samples(await scrape(session, base_url, headers))
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
             print(format_report(metrics, max_concurrency, args.request_rate))
+            spec_decode = spec_decode_summary(spec_before, spec_after)
+            if spec_decode is not None:
+                metrics["spec_decode"] = spec_decode
+                print(format_spec_decode(spec_decode))
             if args.server_trace_dir:
                 from tokenmill.bench.tail import TRACE_SETTLE_S, format_tail, tail_report
 
