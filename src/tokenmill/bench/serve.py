@@ -22,7 +22,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from tokenmill.bench import structured
+from tokenmill.bench import copy_heavy, structured
 from tokenmill.bench.datasets import (
     LocalTokenSource,
     SampleRequest,
@@ -69,10 +69,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
-        choices=("random", "prefix-repetition", "json-schema"),
+        choices=("random", "prefix-repetition", "json-schema", "copy-heavy"),
         default="random",
         help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache); "
-        "json-schema: structured output, each prompt plain then constrained by its JSON schema",
+        "json-schema: structured output, each prompt plain then constrained by its JSON schema; "
+        "copy-heavy: text prompts to rewrite / edit / extract from (n-gram speculation's case)",
     )
     data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
@@ -97,6 +98,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
     structured.add_cli_args(parser)
+    copy_heavy.add_cli_args(parser)
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -219,6 +221,19 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, headers: di
 
 
 async def build_requests(args: argparse.Namespace, source: TokenSource) -> list[SampleRequest]:
+    if args.dataset_name == "copy-heavy":
+
+        async def count_tokens(text: str) -> int:
+            return len(await source.encode(text))
+
+        return await copy_heavy.copy_heavy_requests(
+            args.num_prompts,
+            args.seed,
+            count_tokens,
+            args.copy_heavy_min_input_len,
+            args.copy_heavy_max_input_len,
+            args.copy_heavy_output_len,
+        )
     rng = np.random.default_rng(args.seed)
     pool = await source.token_pool()
     if args.dataset_name == "random":
@@ -266,6 +281,11 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
     if args.dataset_name == "random":
         config |= {
             k: getattr(args, k) for k in ("random_input_len", "random_output_len", "random_range_ratio")
+        }
+    elif args.dataset_name == "copy-heavy":
+        config |= {
+            f"copy_heavy_{k}": getattr(args, f"copy_heavy_{k}")
+            for k in ("min_input_len", "max_input_len", "output_len")
         }
     else:
         prefix_keys = ("prefix_len", "suffix_len", "num_prefixes", "output_len")
