@@ -6,9 +6,9 @@
 # and runs both concurrencies on it. Writes spec-ngram-cpu-<TAG>-<side>-c<N>.json (bench serve's
 # results; the "on" ones carry metrics.spec_decode) and spec-ngram-cpu-<TAG>-summary.json (output
 # tok/s on / off per concurrency, acceptance) to OUT, and prints the summary.
-#   benchmarks/spec_ngram_cpu.sh                 both sides (about 10 minutes on 2 cores)
+#   benchmarks/spec_ngram_cpu.sh                 both sides (about 5 minutes on 2 cores)
 #   SIDES=off benchmarks/spec_ngram_cpu.sh       one side only (the summary needs both)
-# Env: SIDES ("off on"), K (4), NUM_PROMPTS_C1 (16), NUM_PROMPTS_C8 (32), WARMUPS (2), SEED (0),
+# Env: SIDES ("off on"), K (4), NUM_PROMPTS_C1 (32), NUM_PROMPTS_C8 (64), WARMUPS (2), SEED (0),
 # PORT (8743), PY (.venv/bin/python, else python3), OUT (benchmarks/results), LOGS (server logs,
 # /tmp/tokenmill-spec-ngram), TAG (result name part; default: the short commit),
 # TOKENMILL_COMMIT (a copy of the tree without .git).
@@ -24,8 +24,8 @@ if [ $# -gt 0 ]; then
 fi
 SIDES=${SIDES:-off on}
 K=${K:-4}
-NUM_PROMPTS_C1=${NUM_PROMPTS_C1:-16}
-NUM_PROMPTS_C8=${NUM_PROMPTS_C8:-32}
+NUM_PROMPTS_C1=${NUM_PROMPTS_C1:-32}
+NUM_PROMPTS_C8=${NUM_PROMPTS_C8:-64}
 WARMUPS=${WARMUPS:-2}
 SEED=${SEED:-0}
 PORT=${PORT:-8743}
@@ -79,7 +79,7 @@ for side in $SIDES; do
       --dataset-name copy-heavy --num-prompts "$prompts" --max-concurrency "$concurrency" \
       --num-warmups "$WARMUPS" --seed "$((SEED + concurrency))" --temperature 0 --disable-tqdm --save-result \
       --result-dir "$OUT" --result-filename "$NAME-$side-c$concurrency" 2>&1 |
-      grep -E "Successful|Failed|Output token|Mean TPOT|Mean TTFT|Drafts|Accept|acceptance|failed" || true
+      grep -E "Successful|Failed|Output token|Mean TPOT|Mean TTFT|Draft|Accept|acceptance|failed" || true
     if [ ! -f "$OUT/$NAME-$side-c$concurrency.json" ]; then
       echo "bench serve wrote no result for $side c$concurrency; see above" >&2
       exit 1
