@@ -30,6 +30,15 @@ ENGINE_HISTOGRAMS = {
     "structured_output_compile_seconds": "Time compiling a structured-output grammar (cache misses).",
     "structured_output_mask_seconds": "Host time filling the grammar bitmask of one step with constrained requests.",
 }
+# Speculative decoding totals in engine stats (vLLM's counter names): drafts (request-steps that
+# verified any), draft tokens, accepted tokens, and accepted tokens per draft position, whose stats
+# keys carry the 0-based position after a dot ("spec_decode_num_accepted_tokens_per_pos.0").
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Request-steps that verified draft tokens.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted by the target model.",
+}
+SPEC_DECODE_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
@@ -131,6 +140,18 @@ class ServerMetrics:
             "num_preemptions_total": self._num_preemptions,
         }
         self._last_totals: dict[str, float] = {}
+        # Speculative decoding: the counters are declared up front, but a series (a labelled
+        # child) appears only once the engine reports its key, so a server without speculation
+        # exports none rather than zeros that would read as "nothing accepted".
+        self._spec_decode = {
+            key: counter(key, doc) for key, doc in SPEC_DECODE_COUNTERS.items()
+        }
+        self._spec_decode_per_position = counter(
+            SPEC_DECODE_PER_POSITION,
+            "Draft tokens accepted at each draft position (0-based): the request-steps whose "
+            "first position + 1 drafts were all accepted.",
+            ("position",),
+        )
         # Histograms the engine keeps itself (grammar compiles, per-step bitmask fills): their
         # latest buckets, exported as they are.
         self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS)
@@ -179,15 +200,26 @@ class ServerMetrics:
         if "kv_cache_usage" in stats:
             self._kv_cache_usage.set(stats["kv_cache_usage"])
         for key, counter in self._engine_counters.items():
-            if key not in stats:
-                continue
-            total = float(stats[key])
-            last = self._last_totals.get(key, 0.0)
-            delta = total - last if total >= last else total
-            if delta > 0:
-                counter.inc(delta)
-            self._last_totals[key] = total
+            if key in stats:
+                self._count_total(key, float(stats[key]), counter)
+        for key, family in self._spec_decode.items():
+            if key in stats:
+                self._count_total(key, float(stats[key]), family.labels(self.model_name))
+        per_position_prefix = SPEC_DECODE_PER_POSITION + "."
+        for key, total in stats.items():
+            if key.startswith(per_position_prefix):
+                position = key[len(per_position_prefix) :]
+                child = self._spec_decode_per_position.labels(self.model_name, position)
+                self._count_total(key, float(total), child)
         self._engine_histograms.update(stats)
+
+    def _count_total(self, key: str, total: float, counter: Counter) -> None:
+        """Grow `counter` by what the engine total `key` gained since its last report."""
+        last = self._last_totals.get(key, 0.0)
+        delta = total - last if total >= last else total
+        if delta > 0:
+            counter.inc(delta)
+        self._last_totals[key] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector, for GET /metrics."""

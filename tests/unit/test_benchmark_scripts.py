@@ -48,3 +48,19 @@ def test_the_benchmark_scripts_parse_help_on_the_cpu() -> None:
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+def test_the_shell_scripts_parse_and_the_speculation_one_answers_help() -> None:
+    """Every benchmarks/*.sh is valid bash (`bash -n` runs nothing); spec_ngram_cpu.sh prints its
+    usage for --help and starts no server (it returns at once)."""
+    shell_scripts = sorted((ROOT / "benchmarks").glob("*.sh"))
+    assert shell_scripts
+    for path in shell_scripts:
+        check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, f"{path.name}: {check.stderr}"
+    script = ROOT / "benchmarks" / "spec_ngram_cpu.sh"
+    result = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stdout + result.stderr
+    assert "num_speculative_tokens" in result.stdout
+    wrong = subprocess.run(["bash", str(script), "--port"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert wrong.returncode == 2 and "takes no arguments" in wrong.stderr

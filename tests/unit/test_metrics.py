@@ -122,3 +122,43 @@ def test_structured_output_engine_histograms_are_exported_with_their_buckets() -
         'tokenmill:structured_output_mask_seconds_count{model_name="m"} 10.0',
     ):
         assert line in text, (line, text)
+
+
+def test_spec_decode_counters_appear_only_when_the_engine_reports_them() -> None:
+    m = ServerMetrics("smol")
+    m.update_engine_stats({"num_running": 1, "prefix_cache_queries": 10})  # speculation off
+    assert not any("spec_decode" in name for name, _ in samples(m))
+    per_pos = "spec_decode_num_accepted_tokens_per_pos"
+    m.update_engine_stats(
+        {
+            "spec_decode_num_drafts": 10.0,
+            "spec_decode_num_draft_tokens": 40.0,
+            "spec_decode_num_accepted_tokens": 25.0,
+            f"{per_pos}.0": 9.0,
+            f"{per_pos}.1": 7.0,
+            f"{per_pos}.2": 5.0,
+            f"{per_pos}.3": 4.0,
+        }
+    )
+    m.update_engine_stats(
+        {
+            "spec_decode_num_drafts": 12.0,
+            "spec_decode_num_draft_tokens": 48.0,
+            "spec_decode_num_accepted_tokens": 29.0,
+            f"{per_pos}.0": 11.0,
+            f"{per_pos}.1": 8.0,
+            f"{per_pos}.2": 6.0,
+            f"{per_pos}.3": 4.0,
+        }
+    )
+    assert value(m, "tokenmill:spec_decode_num_drafts_total") == 12
+    assert value(m, "tokenmill:spec_decode_num_draft_tokens_total") == 48
+    assert value(m, "tokenmill:spec_decode_num_accepted_tokens_total") == 29
+    per_position = [value(m, f"tokenmill:{per_pos}_total", position=str(i)) for i in range(4)]
+    assert per_position == [11, 8, 6, 4]
+    # A report without them (a step with no stats of the kind) leaves them; a restart counts anew.
+    m.update_engine_stats({"num_running": 0})
+    m.update_engine_stats({"spec_decode_num_drafts": 3.0, f"{per_pos}.0": 2.0})
+    assert value(m, "tokenmill:spec_decode_num_drafts_total") == 15
+    assert value(m, f"tokenmill:{per_pos}_total", position="0") == 13
+    assert value(m, f"tokenmill:{per_pos}_total", position="1") == 8

@@ -134,6 +134,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     from tokenmill.args import EngineArgs
     from tokenmill.bench.results import engine_options, write_result
+    from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, spec_decode_totals
     from tokenmill.engine.llm import LLM
     from tokenmill.model.layers.moe import unread_expert_bytes
 
@@ -145,7 +146,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # a one-block prefill. The baseline below gets the last run's prompt.
     prompts = rng.integers(100, llm.info.vocab_size, size=(args.num_iters + 1, args.input_len)).tolist()
     one_stream(llm, prompts[0], 8)  # warm-up
+    spec_before = spec_decode_totals(llm.engine.get_stats())
     runs = [one_stream(llm, prompt, args.output_len) for prompt in prompts[1:]]
+    # Over every timed run (the engine counts per step, not per run); None without speculation.
+    spec_decode = spec_decode_summary(spec_before, spec_decode_totals(llm.engine.get_stats()))
     prompt = prompts[-1]
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
     bandwidth = copy_bandwidth(llm.info.device)
@@ -168,11 +172,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         * (weight_bytes + embedding_bytes(llm) + kv_bytes)
         / bandwidth,
     }
+    if spec_decode is not None:
+        metrics["spec_decode"] = spec_decode
     print(
         f"single stream: TTFT {best['ttft_s'] * 1000:.1f} ms, decode {best['decode_tokens_per_s']:.1f} tok/s "
         f"(TPOT {best['tpot_ms']:.2f} ms); roofline {roofline_tps:.1f} tok/s at {bandwidth / 1e12:.2f} TB/s "
         f"-> roofline_fraction {metrics['roofline_fraction']:.3f}"
     )
+    if spec_decode is not None:
+        print(format_spec_decode(spec_decode))
     if args.baseline == "hf-generate":
         import torch
 

@@ -22,7 +22,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from tokenmill.bench import structured
+from tokenmill.bench import copy_heavy, structured
 from tokenmill.bench.datasets import (
     LocalTokenSource,
     SampleRequest,
@@ -32,6 +32,7 @@ from tokenmill.bench.datasets import (
     random_requests,
     to_text_prompts,
 )
+from tokenmill.bench.prometheus_text import scrape
 from tokenmill.bench.results import DEFAULT_RESULTS_DIR, write_result
 from tokenmill.bench.serve_client import build_payload, is_chat_endpoint, send_request
 from tokenmill.bench.serve_metrics import (
@@ -42,6 +43,7 @@ from tokenmill.bench.serve_metrics import (
     latency_samples,
     parse_goodput,
 )
+from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, totals_from_samples
 
 REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -67,10 +69,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
-        choices=("random", "prefix-repetition", "json-schema"),
+        choices=("random", "prefix-repetition", "json-schema", "copy-heavy"),
         default="random",
         help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache); "
-        "json-schema: structured output, each prompt plain then constrained by its JSON schema",
+        "json-schema: structured output, each prompt plain then constrained by its JSON schema; "
+        "copy-heavy: text prompts to rewrite / edit / extract from (n-gram speculation's case)",
     )
     data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")
@@ -95,6 +98,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
     structured.add_cli_args(parser)
+    copy_heavy.add_cli_args(parser)
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -217,6 +221,19 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, headers: di
 
 
 async def build_requests(args: argparse.Namespace, source: TokenSource) -> list[SampleRequest]:
+    if args.dataset_name == "copy-heavy":
+
+        async def count_tokens(text: str) -> int:
+            return len(await source.encode(text))
+
+        return await copy_heavy.copy_heavy_requests(
+            args.num_prompts,
+            args.seed,
+            count_tokens,
+            args.copy_heavy_min_input_len,
+            args.copy_heavy_max_input_len,
+            args.copy_heavy_output_len,
+        )
     rng = np.random.default_rng(args.seed)
     pool = await source.token_pool()
     if args.dataset_name == "random":
@@ -264,6 +281,11 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
     if args.dataset_name == "random":
         config |= {
             k: getattr(args, k) for k in ("random_input_len", "random_output_len", "random_range_ratio")
+        }
+    elif args.dataset_name == "copy-heavy":
+        config |= {
+            f"copy_heavy_{k}": getattr(args, f"copy_heavy_{k}")
+            for k in ("min_input_len", "max_input_len", "output_len")
         }
     else:
         prefix_keys = ("prefix_len", "suffix_len", "num_prefixes", "output_len")
@@ -336,12 +358,19 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             )
             print(f"Model {model} at {url}: {len(requests)} requests, rate {args.request_rate}, "
                   f"burstiness {args.burstiness}, max concurrency {max_concurrency or 'inf'}")  # fmt: skip
+            # The server's speculative decoding counters, read around the run (none: not speculating).
+            spec_before = totals_from_samples(await scrape(session, base_url, headers))
             results, duration = await run_load(
                 session, url, headers, requests, payloads, offsets, max_concurrency, not args.disable_tqdm
             )
+            spec_after = totals_from_samples(await scrape(session, base_url, headers))
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
             print(format_report(metrics, max_concurrency, args.request_rate))
+            spec_decode = spec_decode_summary(spec_before, spec_after)
+            if spec_decode is not None:
+                metrics["spec_decode"] = spec_decode
+                print(format_spec_decode(spec_decode))
             if args.server_trace_dir:
                 from tokenmill.bench.tail import TRACE_SETTLE_S, format_tail, tail_report
 

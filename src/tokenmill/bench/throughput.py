@@ -81,6 +81,7 @@ def run_tokenmill(
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.args import EngineArgs
     from tokenmill.bench.results import engine_options, write_result
+    from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, spec_decode_totals
     from tokenmill.engine.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -90,11 +91,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup:
         # Enough prompts for a mixed prefill + decode step: compiles the kernel variants the run needs.
         run_tokenmill(llm, prompts[: min(32, len(prompts))], 8, use_tqdm=False)
+    spec_before = spec_decode_totals(llm.engine.get_stats())
     metrics: dict[str, Any] = run_tokenmill(llm, prompts, args.output_len)
+    spec_decode = spec_decode_summary(spec_before, spec_decode_totals(llm.engine.get_stats()))
     print(
         f"tokenmill: {metrics['output_tokens_per_s']:.1f} output tok/s, {metrics['total_tokens_per_s']:.1f} total tok/s "
         f"({metrics['num_requests']} requests in {metrics['elapsed_s']:.1f} s)"
     )
+    if spec_decode is not None:  # None without speculation
+        metrics["spec_decode"] = spec_decode
+        print(format_spec_decode(spec_decode))
 
     if args.baseline != "none":
         from tokenmill.bench import hf_baseline
