@@ -39,6 +39,9 @@ TIERS: list[set[str]] = [
         "chat_template",
         "metrics",
         "stats_histogram",
+        # Speculative decoding's torch-free parts (its config, the n-gram proposer, the draft
+        # policy, its counters): the scheduler in core/ and the arguments use them.
+        "spec_decode",
     },
     {"core"},
     {"kernels"},
