@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def drafts_allowed(state: RequestState) -> bool:
     """Requests whose sampling reads their earlier output (penalties, min_tokens, bad words) get no
     drafts: each draft row's logits would depend on the drafts before it. (A grammar does not stop
