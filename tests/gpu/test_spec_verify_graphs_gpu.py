@@ -112,11 +112,11 @@ def test_multi_token_decode_launch_matches_the_prefill_flavour_at_llama_8b_shape
 
     heads, kv_heads, dim, block = 32, 8, 128, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(2, 600, block, kv_heads, dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    cache = torch.randn(2, 1024, block, kv_heads, dim, dtype=torch.bfloat16, device="cuda", generator=gen)
     for num_reqs, q, contexts in [(1, 2, [3000]), (5, 4, [700, 31, 1500, 2, 96]), (3, 8, [4000, 64, 257])]:
         seqs = [c + q for c in contexts]
         width = -(-max(seqs) // block)
-        tables = torch.randperm(600, device="cuda", generator=gen)[: num_reqs * width].view(num_reqs, width)
+        tables = torch.randperm(1024, device="cuda", generator=gen)[: num_reqs * width].view(num_reqs, width)
         qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q
         lens = torch.tensor(seqs, dtype=torch.int32)
         qt = torch.randn(num_reqs * q, heads, dim, dtype=torch.bfloat16, device="cuda", generator=gen)
