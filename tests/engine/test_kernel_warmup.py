@@ -271,20 +271,26 @@ def test_kernel_variants_are_what_the_backend_launches(monkeypatch):
     backend._num_sms = H100_SMS
     cpu = torch.device("cpu")
     window = AttentionLayerSpec(sliding_window=64, logits_soft_cap=30.0, sinks=torch.zeros(heads))
-    cases = [  # (query_lens, seq_lens, layer)
-        ([5], [5], PLAIN_ATTENTION),
-        ([40, 1, 1], [40, 3000, 20], PLAIN_ATTENTION),
-        ([1, 9], [700, 9], window),
-        ([1], [2000], PLAIN_ATTENTION),
-        ([1, 1, 1], [2000, 100, 5], PLAIN_ATTENTION),
-        ([1, 1], [2000, 100], window),
+    cases = [  # (query_lens, seq_lens, layer, multi_token_decode)
+        ([5], [5], PLAIN_ATTENTION, False),
+        ([40, 1, 1], [40, 3000, 20], PLAIN_ATTENTION, False),
+        ([1, 9], [700, 9], window, False),
+        ([1], [2000], PLAIN_ATTENTION, False),
+        ([1, 1, 1], [2000, 100, 5], PLAIN_ATTENTION, False),
+        ([1, 1], [2000, 100], window, False),
+        # speculative verification steps: in the decode launch, and (a 9-token query) not
+        ([3, 3], [900, 40], PLAIN_ATTENTION, True),
+        ([2], [3000], window, True),
+        ([8, 8, 8], [2000, 100, 5], PLAIN_ATTENTION, True),
+        ([9, 2], [900, 40], PLAIN_ATTENTION, True),
     ]
     every = set()
     for dtype in (torch.float32, torch.float8_e4m3fn):
-        for query_lens, seq_lens, layer in cases:
+        for query_lens, seq_lens, layer, multi_token_decode in cases:
             decode_only = max(query_lens) == 1
             blocks = -(-max(seq_lens) // 16)
             _, meta = scratch_step(query_lens, seq_lens, blocks, cpu, decode_only)
+            meta.multi_token_decode = multi_token_decode
             tokens = sum(query_lens)
             q = torch.zeros(tokens, heads, dim)
             k = v = torch.zeros(tokens, kv_heads, dim)
@@ -304,10 +310,12 @@ def test_kernel_variants_are_what_the_backend_launches(monkeypatch):
                 kv_cache_dtype=dtype,
                 device=cpu,
                 layer=layer,
+                multi_token_decode=multi_token_decode,
             )
             assert tuple(launched) == planned, (query_lens, seq_lens, layer, dtype)
             every.update(planned)
     assert len({v.splits_pad for v in every}) >= 3 and {v.rope for v in every} == {False, True}
+    assert {v.config.block_q for v in every if v.decode} == {1, 2, 4, 8}  # the multi-token decodes' tiles
 
 
 def test_warm_up_runs_the_planned_attention_steps_over_a_one_block_scratch_pool(tiny_llama_dir, monkeypatch):

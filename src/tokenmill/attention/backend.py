@@ -101,6 +101,9 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # host copies, for the reference backend and for planning
     seq_lens_cpu: torch.Tensor
     is_decode_only: bool  # every request has query_len == 1
+    # A speculative verification step: every request's query tokens (its last token and k drafts,
+    # at most a few) sit at decode positions; a backend may serve them as decodes of several rows.
+    multi_token_decode: bool = False
     # KV cache groups 1.. of this step (empty with one group). Built once per step, so a backend
     # that plans per metadata object plans once per group.
     kv_group_siblings: tuple[AttentionMetadata, ...] = ()
@@ -132,6 +135,8 @@ class AttentionBackend(ABC):
     # Whether forward_decode_with_rope also applies a deferred input RMSNorm (norm_source).
     fused_decode_rope_applies_norm: bool = False
 
+    # Whether multi_token_decode steps read each KV tile once for all of a request's query tokens.
+    supports_multi_token_decode: bool = False
     # Whether a decode step on this backend can be captured as a CUDA graph (no host reads, fixed
     # buffers refreshed by prepare_for_replay).
     supports_cuda_graphs: bool = False
@@ -221,8 +226,11 @@ class AttentionBackend(ABC):
 
     # CUDA-graph hooks (mini-sglang style): a backend that keeps its own buffers sizes them once
     # before capture and refreshes them before each replay. The torch reference needs neither.
-    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int) -> None:  # noqa: B027
-        pass
+    def prepare_for_capture(  # noqa: B027
+        self, max_num_reqs: int, max_blocks_per_req: int, max_decode_query_len: int = 1
+    ) -> None:
+        """`max_decode_query_len`: the most query tokens per request of the decode steps that will be
+        captured (1 + k for speculative verification)."""
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027
         pass

@@ -8,6 +8,10 @@ captured batch size use a split count that depends on the batch size alone and w
 partial results into scratch allocated there, so a captured graph replays correctly for any
 context length and capture allocates nothing of ours.
 
+Multi-token decodes (metadata's multi_token_decode: speculative verification, every request
+computing 1 + k tokens, k <= 7) run in the decode launch too (kernels/triton/paged_attention.py, `decode_query_block`), with the split
+rule and the graph scratch of single-token decodes; scratch rows are per query token.
+
 Small decode-only steps can skip the model's separate RoPE + KV-store launch:
 `forward_decode_with_rope` takes q and k un-rotated and does RoPE, the KV store and attention in
 one launch per layer (`supports_fused_decode_rope` says when the model should call it).
@@ -40,6 +44,7 @@ from tokenmill.kernels.triton.kv_store import store_kv
 from tokenmill.kernels.triton.paged_attention import (
     DecodeRope,
     KernelVariant,
+    decode_query_block,
     launch_variants,
     paged_attention,
 )
@@ -102,19 +107,21 @@ class _SplitScratch:
         )
 
     def views(
-        self, num_reqs: int, num_heads: int, num_splits: int, head_dim: int
+        self, num_rows: int, num_heads: int, num_splits: int, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = num_reqs * num_splits
+        """[num_rows, heads, splits, (head_dim)]: a row per decode request, or per query token of a
+        multi-token decode."""
+        rows = num_rows * num_splits
         if rows * num_heads > self.partial_lse.numel():
             raise RuntimeError(
-                f"split-KV scratch holds {self.partial_lse.numel() // num_heads} request-splits but this "
-                f"step needs {rows} ({num_reqs} requests x {num_splits} splits); call prepare_for_capture "
-                f"with the largest batch size that will be captured"
+                f"split-KV scratch holds {self.partial_lse.numel() // num_heads} row-splits but this "
+                f"step needs {rows} ({num_rows} decode rows x {num_splits} splits); call prepare_for_capture "
+                f"with the largest batch size and decode query length that will be captured"
             )
         partial_out = self.partial_out[: rows * num_heads * head_dim].view(
-            num_reqs, num_heads, num_splits, head_dim
+            num_rows, num_heads, num_splits, head_dim
         )
-        partial_lse = self.partial_lse[: rows * num_heads].view(num_reqs, num_heads, num_splits)
+        partial_lse = self.partial_lse[: rows * num_heads].view(num_rows, num_heads, num_splits)
         return partial_out, partial_lse
 
 
@@ -124,6 +131,7 @@ class TritonPagedBackend(AttentionBackend):
     accepts_kv_stored_by_rope = True  # its cache takes K/V from the RoPE launch (rope_and_store_kv)
     fused_decode_rope_applies_norm = True  # DecodeRope's norm_source
     supports_cuda_graphs = True
+    supports_multi_token_decode = True
 
     def __init__(
         self,
@@ -143,20 +151,25 @@ class TritonPagedBackend(AttentionBackend):
         self.forced_num_kv_splits = num_kv_splits
         self._num_sms: int | None = None
         self._graph_max_reqs = 0  # decode batches up to this size use the batch-size-only split rule
+        self._graph_max_decode_q = 1  # ... and decode query blocks (decode_query_block) up to this
         self._graph_max_context_len = 0
         self._graph_scratch: _SplitScratch | None = None
         self._plan_memo: tuple | None = None  # (metadata, window, plan) of the step being run
 
     # -- CUDA-graph hooks -----------------------------------------------------------------------
 
-    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        """Fix the split rule for decode batches <= max_num_reqs and allocate their scratch once."""
+    def prepare_for_capture(
+        self, max_num_reqs: int, max_blocks_per_req: int, max_decode_query_len: int = 1
+    ) -> None:
+        """Fix the split rule for decode batches <= max_num_reqs (of up to max_decode_query_len
+        tokens per request) and allocate their scratch once."""
         if not torch.cuda.is_available():
             raise RuntimeError("prepare_for_capture needs CUDA: graphs are captured on the GPU only")
         device = torch.device("cuda", torch.cuda.current_device())
         self._graph_max_reqs = max_num_reqs
+        self._graph_max_decode_q = decode_query_block(max_decode_query_len)
         self._graph_max_context_len = max_blocks_per_req * self.block_size
-        capacity_rows = max(
+        capacity_rows = self._graph_max_decode_q * max(
             batch * self._graph_num_kv_splits(batch, device) for batch in range(1, max_num_reqs + 1)
         )
         self._graph_scratch = _SplitScratch.allocate(
@@ -170,6 +183,11 @@ class TritonPagedBackend(AttentionBackend):
             raise RuntimeError(
                 f"replaying a decode batch of {meta.num_reqs} requests, but prepare_for_capture "
                 f"was called for at most {self._graph_max_reqs}"
+            )
+        if _decode_query_len(meta) > self._graph_max_decode_q:
+            raise RuntimeError(
+                f"replaying a decode step of {meta.max_query_len} tokens per request, but "
+                f"prepare_for_capture was called for at most {self._graph_max_decode_q}"
             )
 
     # -- the step ------------------------------------------------------------------------------
@@ -265,6 +283,7 @@ class TritonPagedBackend(AttentionBackend):
         num_splits, (partial_out, partial_lse, split_counters), all_decode = self._step_plan(
             meta, q.device, layer.sliding_window
         )
+        decode_q = _decode_query_len(meta)
         paged_attention(
             out,
             q,
@@ -290,6 +309,7 @@ class TritonPagedBackend(AttentionBackend):
             sinks=layer.sinks,
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
+            decode_query_len=decode_q,
         )
         return out
 
@@ -323,7 +343,11 @@ class TritonPagedBackend(AttentionBackend):
         return self._num_sms
 
     def _uses_graph_rule(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only and meta.num_reqs <= self._graph_max_reqs
+        decode_q = _decode_query_len(meta)
+        all_in_decode_launch = meta.is_decode_only or decode_q > 1
+        return (
+            all_in_decode_launch and meta.num_reqs <= self._graph_max_reqs and decode_q <= self._graph_max_decode_q
+        )
 
     def _graph_num_kv_splits(self, num_reqs: int, device: torch.device, window: int | None = None) -> int:
         """Fixed per batch size (and layer window) before capture. A window only lowers the
@@ -337,7 +361,8 @@ class TritonPagedBackend(AttentionBackend):
     def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device, window: int | None = None) -> int:
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
-        if meta.is_decode_only:
+        decode_q = _decode_query_len(meta)
+        if meta.is_decode_only or decode_q > 1:
             num_decodes = meta.num_reqs
         else:
             # Only the decodes of a mixed batch split; the host copy of query_start_loc says
@@ -345,7 +370,7 @@ class TritonPagedBackend(AttentionBackend):
             query_lens = meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
             num_decodes = int((query_lens == 1).sum())
         return self._plan_num_kv_splits(
-            meta.is_decode_only, meta.num_reqs, num_decodes, meta.max_seq_len, device, window
+            meta.is_decode_only, meta.num_reqs, num_decodes, meta.max_seq_len, device, window, decode_q
         )
 
     def _plan_num_kv_splits(
@@ -356,10 +381,19 @@ class TritonPagedBackend(AttentionBackend):
         max_seq_len: int,
         device: torch.device,
         window: int | None = None,
+        decode_q: int = 1,
     ) -> int:
-        """The split count of a step, from the host-side facts `_num_kv_splits` reads off its metadata."""
+        """The split count of a step, from the host-side facts `_num_kv_splits` reads off its metadata.
+        A multi-token decode step (decode_q > 1: every request in the decode launch) splits as a
+        decode-only step of as many requests."""
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
+        if decode_q > 1:
+            if num_reqs <= self._graph_max_reqs and decode_q <= self._graph_max_decode_q:  # _uses_graph_rule
+                return self._graph_num_kv_splits(num_reqs, device, window)
+            return choose_num_kv_splits(
+                num_reqs, self.num_kv_heads, _keys_seen(max_seq_len, window), self._sm_count(device)
+            )
         if not decode_only:
             if num_decodes == 0:
                 return 1
@@ -384,17 +418,22 @@ class TritonPagedBackend(AttentionBackend):
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
         fused_rope: bool = True,
         decode_only: bool | None = None,
+        multi_token_decode: bool = False,
     ) -> tuple[KernelVariant, ...]:
         """The paged-attention kernel variants a step of `layer` launches, from the facts its
         metadata holds (num_decodes: its requests with query_len 1; decode_only: by default
         max_query_len == 1, as the model runner sets it, and then one row per request).
         `fused_rope`: whether the model calls forward_decode_with_rope for the steps
         supports_fused_decode_rope admits. The start-up warm-up (worker/kernel_warmup.py) plans
-        with this, so that no serving step compiles one."""
+        with this, so that no serving step compiles one. `multi_token_decode`: the metadata's flag
+        (a verification step, every request in the decode launch when max_query_len fits)."""
         if decode_only is None:
             decode_only = max_query_len == 1
+        decode_q = decode_query_block(max_query_len) if multi_token_decode and not decode_only else 1
+        if decode_q > 1:  # a multi-token decode step: every request in the decode launch
+            num_decodes = num_reqs
         splits = self._plan_num_kv_splits(
-            decode_only, num_reqs, num_decodes, max_seq_len, device, layer.sliding_window
+            decode_only, num_reqs, num_decodes, max_seq_len, device, layer.sliding_window, decode_q
         )
         return launch_variants(
             self.num_heads,
@@ -411,26 +450,37 @@ class TritonPagedBackend(AttentionBackend):
             sliding=layer.sliding_window is not None,
             soft_cap=layer.logits_soft_cap is not None,
             sinks=layer.sinks is not None,
+            decode_query_len=decode_q,
         )
 
     def _scratch(
         self, num_splits: int, meta: AttentionMetadata, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Partial outputs, log-sum-exps and merge counters for this step's split decodes."""
+        """Partial outputs, log-sum-exps and merge counters for this step's split decodes (a row per
+        query token of a multi-token decode: num_reqs * decode query block)."""
         scratch = self._graph_scratch
+        rows = meta.num_reqs * _decode_query_len(meta)
         if scratch is None or not self._uses_graph_rule(meta):
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("split-KV during CUDA-graph capture needs prepare_for_capture first")
             scratch = _SplitScratch.allocate(
-                meta.num_reqs * num_splits,
+                rows * num_splits,
                 meta.num_reqs,
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
                 device,
             )
-        partial_out, partial_lse = scratch.views(meta.num_reqs, self.num_heads, num_splits, self.head_dim)
+        partial_out, partial_lse = scratch.views(rows, self.num_heads, num_splits, self.head_dim)
         return partial_out, partial_lse, scratch.split_counters
+
+
+def _decode_query_len(meta: AttentionMetadata) -> int:
+    """The step's decode query block: 1 unless it is a multi-token decode step (then 2, 4 or 8, or 1
+    for queries too long for the decode launch)."""
+    if not meta.multi_token_decode or meta.is_decode_only:
+        return 1
+    return decode_query_block(meta.max_query_len)
 
 
 def _keys_seen(context_len: int, window: int | None) -> int:

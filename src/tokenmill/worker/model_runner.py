@@ -539,7 +539,9 @@ class ModelRunner:
         eager_only = self.speculator is not None and self.speculator.needs_aux_hidden_states
         graph_key = None if eager_only else self._graph_key(so, requests, num_computed_tokens)
         if graph_key is not None:
-            # Decode-only step: pad to a captured batch size and replay its graph.
+            # Decode step (q tokens per request, q = 1 + k for a verification step): pad to a
+            # captured batch size and replay its graph.
+            padded_reqs, q = graph_key
             num_reqs = len(requests)
             batch = build_host_batch(
                 requests,
@@ -549,9 +551,19 @@ class ModelRunner:
                 block_table_width=self.max_blocks_per_req,
                 drafts=drafts,
             )
-            self.build_metadata(batch, padded_reqs=graph_key[0])
-            output.cuda_graph_size = graph_key[0]
-            logits = self.graph_runner.replay(graph_key)[:num_reqs]  # type: ignore[union-attr]
+            self.build_metadata(batch, padded_reqs=padded_reqs, padded_tokens=padded_reqs * q)
+            output.cuda_graph_size = padded_reqs
+            # Logits PER ROW, not per request: [num_reqs * q, vocab] in the step's row order, request
+            # i's q query tokens at rows i*q .. i*q + q - 1 (for q = 1, one row per request).
+            logits = self.graph_runner.replay(graph_key, num_reqs * q)  # type: ignore[union-attr]
+            if q > 1:
+                # Until verification takes every row, a sampling request samples from its last row
+                # (the row an eager step would sample), as build_host_batch's sample_rows say.
+                last_rows = logits.view(num_reqs, q, -1)[:, -1]
+                if len(batch.sampling_req_indices) < num_reqs:
+                    index = torch.from_numpy(np.asarray(batch.sampling_req_indices, dtype=np.int64))
+                    last_rows = last_rows.index_select(0, index.to(self.device, non_blocking=True))
+                logits = last_rows
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size, drafts=drafts)
         piecewise = None if eager_only else self.piecewise
@@ -577,21 +589,21 @@ class ModelRunner:
     def _graph_key(
         self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
     ) -> tuple[int, int] | None:
-        """The captured graph (padded batch size, tokens per request) that runs this step, if any:
-        only steps where every request decodes one token take a graph today."""
+        """The captured graph (padded batch size, tokens per request q) that runs this step, if any:
+        steps where every request computes the same q tokens past its prompt, q = 1 or one of the
+        graph runner's spec_tokens_per_request (a verification step's 1 + k)."""
         graphs = self.graph_runner
         if graphs is None:
             return None
         num_reqs = len(requests)
-        if (
-            so.total_num_scheduled_tokens == num_reqs
-            and num_reqs <= graphs.max_size
-            and all(
-                start >= r.num_prompt_tokens for r, start in zip(requests, num_computed_tokens, strict=True)
-            )
-        ):
-            return graphs.graph_key(num_reqs, 1)
-        return None
+        q, remainder = divmod(so.total_num_scheduled_tokens, num_reqs)
+        if remainder or q not in graphs.sizes_by_q:
+            return None
+        if q > 1 and any(n != q for n in so.num_scheduled_tokens.values()):
+            return None
+        if not all(start >= r.num_prompt_tokens for r, start in zip(requests, num_computed_tokens, strict=True)):
+            return None
+        return graphs.graph_key(num_reqs, q)
 
     def _sample(
         self,

@@ -11,6 +11,15 @@ and serves the requests whose query_len is 1 with 16-row tiles. The prefill flav
 q-blocks of up to 128 rows and skips those requests, so decodes in a mixed batch do not pay for
 128-row matrix products on one useful row. A decode-only step launches only the first.
 
+Multi-token decodes (`decode_query_len` > 1: a speculative verification step, where each request
+computes its last token and k draft tokens): the decode flavour then serves every request with
+1..decode_query_len query tokens, one program per (request, KV head, split) whose tile holds all
+of the request's query tokens times the GQA group, so each K/V tile is read once for all of them
+(as for the group's heads) and split-KV applies as for single-token decodes. Row j of a request
+sees keys up to its own position (causal within the step's tokens). Partials are kept per query
+row: [num_reqs * decode_query_len, heads, splits, head_dim]. A step whose requests all fit launches
+no prefill flavour.
+
 Split-KV (flash-decoding), decode flavour only: with `num_kv_splits > 1`, grid axis 2 cuts each
 request's KV range into that many pieces; each writes a normalised partial output and its base-2
 log-sum-exp, and the program of a (request, KV head) that finishes last combines them: each
@@ -59,8 +68,22 @@ class TileConfig:
     merge_chunk: int = 8  # decode: split partials read per round of the merge
 
 
+# The longest query a decode launch serves (a verification step's 1 + k tokens, k <= 7); longer
+# ones take the prefill flavour.
+MAX_DECODE_QUERY_LEN = 8
+
+
+def decode_query_block(max_query_len: int) -> int:
+    """The decode launch's query tokens per request for a multi-token decode step (speculative
+    verification) whose longest query is `max_query_len`: that, rounded up to a power of two; 1
+    (multi-token rows take the prefill flavour) past MAX_DECODE_QUERY_LEN."""
+    if max_query_len <= 1 or max_query_len > MAX_DECODE_QUERY_LEN:
+        return 1
+    return _next_power_of_2(max_query_len)
+
+
 def decode_tile_config(
-    group_pad: int, head_dim_pad: int, num_reqs: int = 0, kv_fp8: bool = False
+    group_pad: int, head_dim_pad: int, num_reqs: int = 0, kv_fp8: bool = False, *, query_len: int = 1
 ) -> TileConfig:
     """The decode launch's tiles. They must not depend on whether the RoPE + KV store is fused
     in: the fused and the plain launch of one batch take the same tiles in the same order, so
@@ -79,17 +102,20 @@ def decode_tile_config(
     launch, fp8 with these tiles against fp8 with the bf16 tiles / the bf16 cache with its own):
     batch 1 at 8K 18.7 against 27.2 / 28.0, at 32K 62.7 against 73.8 / 80.4; batch 8 at 8K 83.7
     against 97.8 / 105.8, at 32K 285.0 against 342.4 / 378.3. (128-token tiles: 55.1 at batch 1
-    and 32K, slower elsewhere; 8 warps slower throughout.)"""
+    and 32K, slower elsewhere; 8 warps slower throughout.)
+
+    `query_len` > 1 (a power of two): multi-token decodes, a tile of query_len tokens times the
+    group per program; the KV tiles stay as for single-token decodes."""
     merge_chunk = max(1, min(32, 16384 // (group_pad * head_dim_pad)))
-    block_m = max(16, group_pad)
+    block_m = max(16, group_pad * query_len)
     if kv_fp8 and head_dim_pad <= 128:
         return TileConfig(
-            block_q=1, block_m=block_m, block_n=64, num_warps=4, num_stages=2, merge_chunk=merge_chunk
+            block_q=query_len, block_m=block_m, block_n=64, num_warps=4, num_stages=2, merge_chunk=merge_chunk
         )
     small = num_reqs == 1 and head_dim_pad <= 128
     block_n = 64 if head_dim_pad <= 128 else 32
     return TileConfig(
-        block_q=1,
+        block_q=query_len,
         block_m=block_m,
         block_n=32 if small else block_n,
         num_warps=4,
@@ -162,6 +188,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
     k_scale: torch.Tensor | None = None,  # FP8 cache only: float32 [num_kv_heads]; None = 1.0
     v_scale: torch.Tensor | None = None,
+    decode_query_len: int = 1,
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
@@ -181,6 +208,10 @@ def paged_attention(
     An FP8 (float8_e4m3fn) cache holds e4m3 of value / scale per KV head (kernels/kv_fp8.py): its
     tiles are widened to q's dtype, the dots accumulate in fp32, K's scale multiplies the scores
     and V's the output (with `rope`, this step's K/V are stored that way and attended as stored).
+    `decode_query_len` (1, 2, 4 or 8; see `decode_query_block`): the decode launch serves the
+    requests with 1..decode_query_len query tokens, and the prefill launch the longer ones (none
+    run when max_query_len <= decode_query_len > 1); split partials then hold
+    num_reqs * decode_query_len rows.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -198,6 +229,18 @@ def paged_attention(
         raise ValueError(
             f"split_counters must be int32 with at least {num_reqs * num_kv_heads} entries "
             f"(requests x KV heads), got {split_counters.dtype} x {split_counters.numel()}"
+        )
+    if decode_query_len not in (1, 2, 4, 8) or decode_query_len > MAX_DECODE_QUERY_LEN:
+        raise ValueError(f"decode_query_len must be 1, 2, 4 or 8, got {decode_query_len}")
+    if decode_query_len > 1 and (rope is not None or decode_only or all_decode):
+        raise ValueError(
+            "decode_query_len > 1 serves multi-token decodes: not with decode_only / all_decode (one row "
+            "per request) or the fused RoPE + KV store (one new token per request)"
+        )
+    if use_splits and partial_lse is not None and partial_lse.shape[0] < num_reqs * decode_query_len:
+        raise ValueError(
+            f"partial_out / partial_lse need {num_reqs * decode_query_len} rows (requests x "
+            f"decode_query_len), got {partial_lse.shape[0]}"
         )
     if rope is not None:
         _check_rope(rope, q, kv_cache, decode_only)
@@ -224,11 +267,14 @@ def paged_attention(
         layer,
         k_scale,
         v_scale,
+        decode_query_len,
     )
     prefill, config = _tile_configs(
         group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, is_fp8_kv(kv_cache.dtype),
-        prefill_config, decode_config,
+        prefill_config, decode_config, decode_query_len,
     )  # fmt: skip
+    if config.block_q != decode_query_len:
+        raise ValueError(f"the decode tiles' block_q {config.block_q} must equal decode_query_len {decode_query_len}")
     if prefill is not None:
         launch.attention(prefill, num_tokens // prefill.block_q + num_reqs, decode=False, num_kv_splits=1)
     min_tiles = max(1, min_kv_per_split // config.block_n)
@@ -254,13 +300,18 @@ def _tile_configs(
     kv_fp8: bool,
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
+    decode_query_len: int = 1,
 ) -> tuple[TileConfig | None, TileConfig]:
-    """(the prefill launch's tiles, None in a decode-only step; the decode launch's). In a mixed
-    batch the decode launch runs even when no request decodes: its programs then exit at once."""
+    """(the prefill launch's tiles, None in a decode-only step or a multi-token decode step whose
+    requests all fit the decode launch; the decode launch's). In a mixed batch the decode launch
+    runs even when no request decodes: its programs then exit at once."""
     prefill = None
-    if not decode_only:
+    if not decode_only and not (decode_query_len > 1 and max_query_len <= decode_query_len):
         prefill = prefill_config or prefill_tile_config(group_pad, head_dim_pad, max_query_len)
-    return prefill, decode_config or decode_tile_config(group_pad, head_dim_pad, num_reqs, kv_fp8)
+    decode = decode_config or decode_tile_config(
+        group_pad, head_dim_pad, num_reqs, kv_fp8, query_len=decode_query_len
+    )
+    return prefill, decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +353,7 @@ def launch_variants(
     sliding: bool = False,
     soft_cap: bool = False,
     sinks: bool = False,
+    decode_query_len: int = 1,
 ) -> tuple[KernelVariant, ...]:
     """The kernel variants `paged_attention` launches with these arguments (the default tiles),
     in launch order: what a step compiles the first time a process runs one like it."""
@@ -309,7 +361,9 @@ def launch_variants(
         return ()
     group_pad = _next_power_of_2(num_heads // num_kv_heads)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
-    prefill, decode = _tile_configs(group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, kv_fp8)
+    prefill, decode = _tile_configs(
+        group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, kv_fp8, decode_query_len=decode_query_len
+    )
     switches = {"kv_fp8": kv_fp8, "sliding": sliding, "soft_cap": soft_cap, "sinks": sinks}
     launches = []
     if prefill is not None:
@@ -389,6 +443,7 @@ class _Launch:
     layer: _LayerOptions
     k_scale: torch.Tensor  # FP8 cache: float32 [num_kv_heads] (else unused)
     v_scale: torch.Tensor
+    decode_query_len: int  # the decode launch serves the requests with 1..this many query tokens
 
     def attention(
         self,
@@ -473,6 +528,8 @@ class _Launch:
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             DECODE=decode,
+            DECODE_MAX_Q=self.decode_query_len,
+            ONE_ROW=decode and self.decode_query_len == 1,
             ALL_DECODE=decode and all_decode,
             USE_SPLITS=num_kv_splits > 1,
             FUSED_MERGE=decode and num_kv_splits > 1 and self.fused_merge,
@@ -495,6 +552,7 @@ class _Launch:
         )
 
     def merge(self, num_kv_splits: int, min_tiles: int, config: TileConfig) -> None:
+        """Merge the decode launch's split partials (its tiles: `config`)."""
         out = self.out
         num_heads, num_kv_heads = out.shape[1], self.kv_cache.shape[3]
         layer = self.layer
@@ -524,5 +582,6 @@ class _Launch:
             BLOCK_N=config.block_n,
             SLIDING=layer.sliding_window is not None,
             SINKS=layer.sinks is not None,
+            DECODE_MAX_Q=self.decode_query_len,
             num_warps=4,
         )

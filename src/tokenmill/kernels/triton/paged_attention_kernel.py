@@ -82,10 +82,12 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_Q: tl.constexpr,  # query tokens per program (DECODE: per request, DECODE_MAX_Q)
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD (at least 16 rows for tl.dot)
     BLOCK_N: tl.constexpr,  # KV tokens per tile
-    DECODE: tl.constexpr,  # program axis 0 is the request; only requests with query_len == 1
+    DECODE: tl.constexpr,  # program axis 0 is the request; only requests with 1..DECODE_MAX_Q rows
+    DECODE_MAX_Q: tl.constexpr,  # the longest query the decode launch serves (1, or a verify step's 1+k)
+    ONE_ROW: tl.constexpr,  # DECODE with DECODE_MAX_Q == 1: one query position per request
     ALL_DECODE: tl.constexpr,  # DECODE, and every request has query_len 1 (no query_start_loc reads)
     USE_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,  # the last split program of a (request, KV head) merges
@@ -120,10 +122,10 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if DECODE:
-        if q_len != 1:  # a prefill chunk, or a CUDA-graph padding request with no rows
+        if (q_len < 1) | (q_len > DECODE_MAX_Q):  # a prefill chunk, or a CUDA-graph padding request with no rows
             return
     else:
-        if q_len == 1:  # the decode launch serves it
+        if q_len <= DECODE_MAX_Q:  # the decode launch serves it (or a padding request with no rows)
             return
         if q_block_local * BLOCK_Q >= q_len:
             return
@@ -237,7 +239,7 @@ def _paged_attention_kernel(
         # the loop, likewise; the loop keeps plain loads (software-pipelined).
         m_i, l_i, acc = _attend_loaded(
             q, m_i, l_i, acc, first_key_t, first_value, tile_begin, kv_begin, kv_end, q_pos, k_new, v_new,
-            scale_log2, sliding_window, soft_cap_log2, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT,
+            scale_log2, sliding_window, soft_cap_log2, BLOCK_N, ONE_ROW, True, SLIDING, SOFT_CAP, UPCAST_DOT,
             DOT_PRECISION,
         )  # fmt: skip
         owns_last = tile_end == num_tiles
@@ -251,7 +253,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile, kv_begin, kv_end, kv_end, q_pos, block_table_row, key_cache_ptr,
             value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2, sliding_window, soft_cap_log2,
-            stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, DECODE, False, SLIDING,
+            stride_cache_block, stride_cache_slot, stride_cache_head, PAGE_SIZE, BLOCK_N, ONE_ROW, False, SLIDING,
             SOFT_CAP, UPCAST_DOT, DOT_PRECISION, KV_FP8, compute_dtype,
         )  # fmt: skip
     if ROPE_KV:  # noqa: SIM102 (owns_last exists only when ROPE_KV)
@@ -260,7 +262,7 @@ def _paged_attention_kernel(
                 q, m_i, l_i, acc, num_tiles - 1, kv_begin, kv_end, kv_end - 1, q_pos, block_table_row,
                 key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, k_new, v_new, scale_log2,
                 sliding_window, soft_cap_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
-                PAGE_SIZE, BLOCK_N, DECODE, True, SLIDING, SOFT_CAP, UPCAST_DOT, DOT_PRECISION, KV_FP8,
+                PAGE_SIZE, BLOCK_N, ONE_ROW, True, SLIDING, SOFT_CAP, UPCAST_DOT, DOT_PRECISION, KV_FP8,
                 compute_dtype,
             )  # fmt: skip
         if owns_last:  # exactly one split per (request, KV head)
@@ -287,13 +289,15 @@ def _paged_attention_kernel(
         result = result * v_scale
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if USE_SPLITS:
-        # Partials are per request (only decodes split): [num_reqs, heads, splits, head_dim].
+        # Partials are per query row of a decode (only decodes split): [num_reqs * DECODE_MAX_Q,
+        # heads, splits, head_dim], row req * DECODE_MAX_Q + j for the request's query token j.
         req64 = req.to(tl.int64)
-        partial_row = req64 * stride_partial_req + head * stride_partial_head + split * stride_partial_split
+        partial_req = req64 * DECODE_MAX_Q + q_tok
+        partial_row = partial_req * stride_partial_req + head * stride_partial_head + split * stride_partial_split
         tl.store(partial_out_ptr + partial_row[:, None] + dims[None, :], result, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(
-            partial_lse_ptr + req64 * stride_lse_req + head * stride_lse_head + split,
+            partial_lse_ptr + partial_req * stride_lse_req + head * stride_lse_head + split,
             lse,
             mask=row_valid,
         )
@@ -312,30 +316,40 @@ def _paged_attention_kernel(
             counter = split_counter_ptr + req64 * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == num_active - 1:
-                _merge_group(
-                    out_ptr,
-                    partial_out_ptr,
-                    partial_lse_ptr,
-                    sinks_ptr,
-                    q_start.to(tl.int64),
-                    req64,
-                    kv_head,
-                    num_active,
-                    stride_out_token,
-                    stride_out_head,
-                    stride_partial_req,
-                    stride_partial_head,
-                    stride_partial_split,
-                    stride_lse_req,
-                    stride_lse_head,
-                    GROUP,
-                    GROUP_PAD,
-                    HEAD_DIM,
-                    HEAD_DIM_PAD,
-                    SPLITS_PAD,
-                    MERGE_CHUNK,
-                    SINKS,
-                )
+                if ONE_ROW:
+                    _merge_group(
+                        out_ptr,
+                        partial_out_ptr,
+                        partial_lse_ptr,
+                        sinks_ptr,
+                        q_start.to(tl.int64),
+                        req64,
+                        kv_head,
+                        num_active,
+                        stride_out_token,
+                        stride_out_head,
+                        stride_partial_req,
+                        stride_partial_head,
+                        stride_partial_split,
+                        stride_lse_req,
+                        stride_lse_head,
+                        GROUP,
+                        GROUP_PAD,
+                        HEAD_DIM,
+                        HEAD_DIM_PAD,
+                        SPLITS_PAD,
+                        MERGE_CHUNK,
+                        SINKS,
+                    )
+                else:  # a multi-token decode: every query row of the request, one after another
+                    for j in range(0, q_len):
+                        _merge_group(
+                            out_ptr, partial_out_ptr, partial_lse_ptr, sinks_ptr, q_start.to(tl.int64) + j,
+                            req64 * DECODE_MAX_Q + j, kv_head, num_active, stride_out_token, stride_out_head,
+                            stride_partial_req, stride_partial_head, stride_partial_split, stride_lse_req,
+                            stride_lse_head, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
+                            SINKS,
+                        )  # fmt: skip
                 tl.atomic_xchg(counter, 0)
     else:
         out_offset = token_row[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]

@@ -114,41 +114,52 @@ def _merge_splits_kernel(
     BLOCK_N: tl.constexpr,  # the attention launch's, for its split plan
     SLIDING: tl.constexpr,
     SINKS: tl.constexpr,
+    DECODE_MAX_Q: tl.constexpr = 1,  # the attention launch's: its decodes have 1..DECODE_MAX_Q rows
 ):
     """The merge as a launch of its own, one program per (request, KV head), for callers that
     pass no split counters; the same `_merge_group` the attention launch runs otherwise."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:  # not served by the decode launch
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if (q_len < 1) | (q_len > DECODE_MAX_Q):  # not served by the decode launch
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    if SLIDING:  # the attention launch split the window's tiles only
-        _, first_tile = _window_first_tile(seq_len - 1, sliding_window, BLOCK_N)
+    if SLIDING:  # the attention launch split the window's tiles only (from its earliest row's)
+        _, first_tile = _window_first_tile(seq_len - q_len, sliding_window, BLOCK_N)
         _, num_active = _split_plan(seq_len - first_tile * BLOCK_N, num_kv_splits, min_tiles_per_split, BLOCK_N)
     else:
         _, num_active = _split_plan(seq_len, num_kv_splits, min_tiles_per_split, BLOCK_N)
-    _merge_group(
-        out_ptr,
-        partial_out_ptr,
-        partial_lse_ptr,
-        sinks_ptr,
-        q_start.to(tl.int64),
-        req.to(tl.int64),
-        kv_head,
-        num_active,
-        stride_out_token,
-        stride_out_head,
-        stride_partial_req,
-        stride_partial_head,
-        stride_partial_split,
-        stride_lse_req,
-        stride_lse_head,
-        GROUP,
-        GROUP_PAD,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        SPLITS_PAD,
-        MERGE_CHUNK,
-        SINKS,
-    )
+    if DECODE_MAX_Q == 1:
+        _merge_group(
+            out_ptr,
+            partial_out_ptr,
+            partial_lse_ptr,
+            sinks_ptr,
+            q_start.to(tl.int64),
+            req.to(tl.int64),
+            kv_head,
+            num_active,
+            stride_out_token,
+            stride_out_head,
+            stride_partial_req,
+            stride_partial_head,
+            stride_partial_split,
+            stride_lse_req,
+            stride_lse_head,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            SPLITS_PAD,
+            MERGE_CHUNK,
+            SINKS,
+        )
+    else:  # partial rows req * DECODE_MAX_Q + j, one per query token j of the request
+        for j in range(0, q_len):
+            _merge_group(
+                out_ptr, partial_out_ptr, partial_lse_ptr, sinks_ptr, q_start.to(tl.int64) + j,
+                req.to(tl.int64) * DECODE_MAX_Q + j, kv_head, num_active, stride_out_token, stride_out_head,
+                stride_partial_req, stride_partial_head, stride_partial_split, stride_lse_req, stride_lse_head,
+                GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_CHUNK, SINKS,
+            )  # fmt: skip
