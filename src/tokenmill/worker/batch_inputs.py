@@ -141,3 +141,45 @@ def build_host_batch(
         max_seq_len=max_seq_len,
         sampling_drafts=sampling_drafts if drafts is not None else None,
     )
+
+
+def pad_to_uniform_query(batch: HostBatch, q: int) -> HostBatch:
+    """The batch with every request's rows padded to `q` (a CUDA graph of q tokens per request
+    replays it): request i's real rows first, then padding rows (token 0 at position 0, slot -1:
+    their K/V are written nowhere). Each request's context grows by its padding rows, which only
+    the padding rows themselves attend to (attention is causal within the step), so the real rows
+    compute exactly what they would unpadded. One KV cache group only."""
+    if batch.extra_slot_mappings:
+        raise ValueError("padding to a uniform query length serves one KV cache group")
+    num_reqs = len(batch.seq_lens)
+    starts = batch.query_start_loc[:-1].astype(np.int64)
+    lens = np.diff(batch.query_start_loc).astype(np.int64)
+    if (lens > q).any():
+        raise ValueError(f"a request computes {int(lens.max())} tokens, more than the padded {q}")
+    # Destination row of each real row: its request's block of q rows, in order.
+    req_of_row = np.repeat(np.arange(num_reqs), lens)
+    dst = req_of_row * q + (np.arange(len(batch.input_ids)) - starts[req_of_row])
+    total = num_reqs * q
+    input_ids = np.zeros(total, np.int64)
+    positions = np.zeros(total, np.int64)
+    slot_mapping = np.full(total, -1, np.int64)
+    input_ids[dst] = batch.input_ids
+    positions[dst] = batch.positions
+    slot_mapping[dst] = batch.slot_mapping
+    return HostBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=(np.arange(num_reqs + 1) * q).astype(np.int32),
+        seq_lens=(batch.seq_lens + (q - lens)).astype(np.int32),
+        block_tables=batch.block_tables,
+        extra_slot_mappings=[],
+        extra_block_tables=[],
+        sample_rows=dst[batch.sample_rows],
+        sampling_req_indices=batch.sampling_req_indices,
+        placeholder_rows=[int(dst[r]) for r in batch.placeholder_rows],
+        placeholder_req_ids=batch.placeholder_req_ids,
+        max_query_len=q,
+        max_seq_len=int(batch.seq_lens.max() + q) if num_reqs else 0,
+        sampling_drafts=batch.sampling_drafts,
+    )

@@ -25,7 +25,7 @@ from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.rejection_sampler import VerifyLayout, verify_drafts
 from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
-from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
+from tokenmill.worker.batch_inputs import HostBatch, build_host_batch, pad_to_uniform_query
 from tokenmill.worker.kv_cache import (
     allocate_kv_caches,
     kv_bytes_per_block,
@@ -307,7 +307,7 @@ class ModelRunner:
         return num_blocks
 
     def capture_cuda_graphs(self) -> None:
-        from tokenmill.worker.cuda_graphs import CudaGraphRunner
+        from tokenmill.worker.cuda_graphs import MAX_TOKENS_PER_REQUEST, CudaGraphRunner
 
         if not self.attn_backend.supports_cuda_graphs:
             logger.warning(
@@ -315,9 +315,21 @@ class ModelRunner:
                 self.attn_backend.name,
             )
             return
+        # Speculative decoding: verification steps replay graphs of 1 + k rows per request (shorter
+        # draft runs padded to it). Not with EAGLE-3, whose target steps run eagerly.
+        speculator = self.speculator
+        verify_q = ()
+        if (
+            speculator is not None
+            and not speculator.needs_aux_hidden_states
+            and self.attn_backend.supports_multi_token_decode
+            and 1 + speculator.k <= MAX_TOKENS_PER_REQUEST
+        ):
+            verify_q = (1 + speculator.k,)
         self.graph_runner = CudaGraphRunner(
-            self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs
-        )
+            self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs,
+            spec_tokens_per_request=(1, *verify_q),
+        )  # fmt: skip
         self.graph_runner.capture()
         if not self.config.kernel.piecewise_cuda_graphs:
             return
@@ -413,6 +425,8 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(batch.query_start_loc),
             seq_lens_cpu=torch.from_numpy(batch.seq_lens),
             is_decode_only=batch.max_query_len == 1,
+            # A verification step: its requests' last tokens and drafts as decodes of a few rows.
+            multi_token_decode=batch.sampling_drafts is not None and self.attn_backend.supports_multi_token_decode,
         )
         if extra_groups:
             meta.with_kv_groups(extra_groups)
@@ -551,12 +565,20 @@ class ModelRunner:
                 block_table_width=self.max_blocks_per_req,
                 drafts=drafts,
             )
+            if drafts is not None and len(batch.input_ids) != num_reqs * q:
+                # Drafts of different lengths: each request's rows padded to the graph's q.
+                batch = pad_to_uniform_query(batch, q)
             self.build_metadata(batch, padded_reqs=padded_reqs, padded_tokens=padded_reqs * q)
             output.cuda_graph_size = padded_reqs
             # Logits PER ROW, not per request: [num_reqs * q, vocab] in the step's row order, request
             # i's q query tokens at rows i*q .. i*q + q - 1 (for q = 1, one row per request).
             logits = self.graph_runner.replay(graph_key, num_reqs * q)  # type: ignore[union-attr]
-            if q > 1:
+            if drafts is not None:
+                # A verification step samples the rows of each request's last token and drafts.
+                if len(batch.sample_rows) != num_reqs * q:
+                    rows = self.buffers.stage_sample_rows(batch.sample_rows)  # type: ignore[union-attr]
+                    logits = logits.index_select(0, rows)
+            elif q > 1:
                 # Until verification takes every row, a sampling request samples from its last row
                 # (the row an eager step would sample), as build_host_batch's sample_rows say.
                 last_rows = logits.view(num_reqs, q, -1)[:, -1]
@@ -596,6 +618,8 @@ class ModelRunner:
         if graphs is None:
             return None
         num_reqs = len(requests)
+        if so.scheduled_spec_decode_tokens:
+            return self._verify_graph_key(so, requests, num_computed_tokens)
         q, remainder = divmod(so.total_num_scheduled_tokens, num_reqs)
         if remainder or q not in graphs.sizes_by_q:
             return None
@@ -604,6 +628,23 @@ class ModelRunner:
         if not all(start >= r.num_prompt_tokens for r, start in zip(requests, num_computed_tokens, strict=True)):
             return None
         return graphs.graph_key(num_reqs, q)
+
+    def _verify_graph_key(
+        self, so: SchedulerOutput, requests: list[RequestState], num_computed_tokens: list[int]
+    ) -> tuple[int, int] | None:
+        """A verification step replays the graph of the smallest captured q that holds every
+        request's last token and drafts (shorter ones padded: pad_to_uniform_query), when every
+        request decodes and the padding stays inside max_model_len."""
+        graphs = self.graph_runner
+        assert graphs is not None
+        longest = max(so.num_scheduled_tokens.values())
+        q = min((n for n in graphs.sizes_by_q if n >= longest), default=None)
+        if q is None or q == 1 or self.kv_groups.num_groups > 1:
+            return None
+        for r, start in zip(requests, num_computed_tokens, strict=True):
+            if start < r.num_prompt_tokens or start + q > self.max_model_len:
+                return None
+        return graphs.graph_key(len(requests), q)
 
     def _sample(
         self,
