@@ -41,7 +41,9 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
 def test_greedy_output_is_unchanged_on_the_gpu(tiny_llama_dir, method):
     prompts = _prompts(12)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    expected = _tokens(_llm(tiny_llama_dir), prompts, params)
+    baseline = _llm(tiny_llama_dir)
+    expected = _tokens(baseline, prompts, params)
+    baseline.engine.runner.release()
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "draft_model":
         spec["model"] = str(tiny_llama_dir)

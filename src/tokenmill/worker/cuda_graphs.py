@@ -26,8 +26,11 @@ sizes up to 256 at q = 8, about 9 GB), and the lm_head then skips the padding ro
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm
@@ -42,6 +45,21 @@ GraphKey = tuple[int, int]  # (padded batch size, tokens per request)
 # The longest uniform multi-token decode captured (1 + k draft tokens, k <= 7): the attention
 # kernel's decode launch serves up to this many query tokens per request.
 MAX_TOKENS_PER_REQUEST = 8
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """No garbage collection while graphs are captured: collecting an unreachable CUDA graph (an
+    earlier engine's in the same process) resets it mid-capture, which CUDA forbids, and the capture
+    in progress is invalidated. Whatever is garbage is collected just before."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -292,9 +292,12 @@ class ModelRunner:
         if groups.has_sliding or groups.num_groups > 1:
             logger.info("%s", groups.describe())
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.capture_cuda_graphs()
-            if drafter is not None and hasattr(drafter, "capture_cuda_graphs"):
-                drafter.capture_cuda_graphs(self.speculator.policy.disable_by_batch_size)  # type: ignore[union-attr]
+            from tokenmill.worker.cuda_graphs import garbage_collection_paused
+
+            with garbage_collection_paused():
+                self.capture_cuda_graphs()
+                if drafter is not None and hasattr(drafter, "capture_cuda_graphs"):
+                    drafter.capture_cuda_graphs(self.speculator.policy.disable_by_batch_size)  # type: ignore[union-attr]
         if self.device.type == "cuda":
             from tokenmill.worker.kernel_warmup import warm_up_eager_steps
 
