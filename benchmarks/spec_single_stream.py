@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="float32 keeps a random model's near-tied logits from flipping between step shapes")
     parser.add_argument("--settings", type=_settings, default=_settings("2:2,3:2,3:3,4:2,4:4"),
                         help="k:accepted pairs (mean acceptance length = accepted + 1)")  # fmt: skip
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -104,7 +105,7 @@ def main() -> None:
     rows = []
     for k, accepted in args.settings:
         llm = LLM(
-            args.model, load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
+            args.model, load_format="dummy", dtype=args.dtype, max_model_len=args.input_len + args.output_len + 64,
             speculative_config={"method": "ngram", "num_speculative_tokens": k, "min_acceptance_rate": 0.0},
         )  # fmt: skip
         speculator = llm.engine.runner.speculator
@@ -150,7 +151,7 @@ def main() -> None:
             f"k={k} accepted={accepted}: mean acceptance length {row['mean_acceptance_length']:.2f}, "
             f"off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, speedup {row['speedup']:.2f}x"
         )
-        config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len}
+        config = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len}
         engine = dataclasses.asdict(llm.config)
         llm.engine.runner.release()  # the next setting's engine needs the memory
         del llm, speculator
