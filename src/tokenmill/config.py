@@ -98,7 +98,7 @@ class SpeculativeConfig:
     revision: str | None = None
     # ngram: the longest suffix of the request's tokens of length max..min that occurred before
     # proposes the tokens that followed it.
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # No drafts in a step with more running requests than this (verification then costs more
     # than it saves); None: tokenmill's measured default for the device.

@@ -51,12 +51,12 @@ def test_policy_gates_large_batches_and_cools_down_poor_acceptance():
     policy = DraftPolicy(4, disable_by_batch_size=8, min_acceptance_rate=0.3)
     assert policy.drafting_allowed(8) and not policy.drafting_allowed(9)
     assert policy.num_drafts("r") == 4
-    for _ in range(5):
-        policy.record("r", 4, 0)
-    assert policy.num_drafts("r") == 0  # cooling down
-    for _ in range(16):
-        policy.num_drafts("r")
-    assert policy.num_drafts("r") == 4  # probes again
+    policy.record("r", 4, 0)
+    assert policy.num_drafts("r") == 4  # one bad step is not enough
+    policy.record("r", 4, 0)
+    assert [policy.num_drafts("r") for _ in range(5)] == [0, 0, 0, 0, 4]  # 4 steps off, then a probe
+    policy.record("r", 4, 0)  # the probe fails too: twice as long off
+    assert [policy.num_drafts("r") for _ in range(9)] == [0] * 8 + [4]
     policy.record("good", 4, 4)
     assert policy.num_drafts("good") == 4
     policy.forget("r")

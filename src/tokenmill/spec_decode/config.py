@@ -60,7 +60,11 @@ def parse_speculative_config(value: dict[str, Any] | str | SpeculativeConfig | N
             raise ValueError("speculative_config method 'ngram' uses no model; drop 'model'")
     elif not isinstance(model, str) or not model:
         raise ValueError(f"speculative_config method {method!r} needs 'model': the drafter's directory or Hub id")
-    lookup_min = _int(value, "prompt_lookup_min", 1, minimum=1)
+    # Default 2: a one-token match is mostly chance (random text repeats single tokens, rarely pairs),
+    # and every failed draft costs a verification row.
+    max_given = value.get("prompt_lookup_max")
+    default_min = min(2, max_given) if isinstance(max_given, int) and max_given >= 1 else 2
+    lookup_min = _int(value, "prompt_lookup_min", default_min, minimum=1)
     lookup_max = _int(value, "prompt_lookup_max", max(4, lookup_min), minimum=1)
     if lookup_max < lookup_min:
         raise ValueError(

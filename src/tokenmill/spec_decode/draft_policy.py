@@ -25,7 +25,7 @@ MAX_COOLDOWN = 64
 
 @dataclass(slots=True)
 class _Acceptance:
-    rate: float = 1.0  # optimistic: a new request drafts at once
+    rate: float  # moving average; a new request starts at twice the threshold: two bad steps stop it
     cooldown: int = 0  # steps left without drafts
     next_cooldown: int = FIRST_COOLDOWN
 
@@ -54,7 +54,9 @@ class DraftPolicy:
         """A step verified `num_drafts` drafts of the request and kept `num_accepted`."""
         if num_drafts <= 0:
             return
-        state = self._requests.setdefault(request_id, _Acceptance())
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _Acceptance(min(1.0, 2 * self.min_acceptance_rate))
         state.rate = (1 - EMA_WEIGHT) * state.rate + EMA_WEIGHT * (num_accepted / num_drafts)
         if state.rate < self.min_acceptance_rate:
             state.cooldown = state.next_cooldown
