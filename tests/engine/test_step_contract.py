@@ -88,16 +88,25 @@ def test_runner_fed_decoded_scheduler_outputs_gives_identical_results(tiny_llama
     llm.engine.check_invariants()
 
 
-def test_runner_refuses_draft_tokens_until_speculative_decoding_lands(tiny_llama_dir):
+def test_drafts_set_by_hand_are_verified_by_the_runner(tiny_llama_dir):
+    """The step contract's draft tokens reach the runner's verification with no proposer configured:
+    right drafts are kept, a wrong one is replaced by the model's own token, output unchanged."""
     llm = _make(tiny_llama_dir)
-    request = llm.input_processor.make_request(
-        "drafted", _prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    )
-    llm.engine.add_request(request)
-    llm.engine.step()  # the prefill
-    llm.engine.scheduler.requests["drafted"].spec_token_ids = [5, 6]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = _prompts(1)[0]
+    expected = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.add_request(llm.input_processor.make_request("drafted", prompt, params))
+    [first] = llm.engine.step()  # the prefill
+    assert first.new_token_ids == expected[:1]
+    # Two right drafts, then a wrong one: 2 kept + the model's own third token.
+    llm.engine.scheduler.requests["drafted"].spec_token_ids = [expected[1], expected[2], expected[3] + 1]
     [out] = llm.engine.step()
-    assert out.finish_reason == "error" and "draft tokens" in (out.error or "")
-    llm.engine.step()
+    assert out.new_token_ids == expected[1:4]
+    tokens = first.new_token_ids + out.new_token_ids
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+    assert tokens == expected
+    llm.engine.step()  # the runner drops ended requests with the next step's finished ids
     assert len(llm.engine.runner.requests) == 0
     llm.engine.check_invariants()

@@ -70,7 +70,7 @@ def test_captured_metadata_siblings_view_the_group_buffers() -> None:
     graphs = object.__new__(CudaGraphRunner)  # the metadata only, without a model or a capture
     graphs.buffers = buffers
     graphs.attn_backend = type("Backend", (), {"block_size": BLOCK})()
-    meta = graphs._meta(2)
+    meta = graphs._meta(2, 1)
     sibling = meta.for_kv_group(1)
     assert meta.for_kv_group(0) is meta and sibling.kv_group_siblings == ()
     assert sibling.block_tables.shape == (2, 3)

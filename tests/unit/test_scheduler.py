@@ -658,13 +658,16 @@ def test_rejected_drafts_roll_num_computed_tokens_back(num_right: int) -> None:
         drafts = true[:num_right] + wrong(true[num_right:])
         request.spec_token_ids = list(drafts)
         num_tokens_before = request.num_tokens
+        # Drafts past max_tokens are not scheduled (the run would be cut there anyway).
+        scheduled = drafts[: max(request.max_tokens - request.num_output_tokens - 1, 0)]
         outputs = h.step()
-        assert h.steps[-1].scheduled_spec_decode_tokens == {"a": drafts}
-        assert h.steps[-1].num_scheduled_tokens == {"a": 4}
+        assert h.steps[-1].scheduled_spec_decode_tokens == ({"a": scheduled} if scheduled else {})
+        assert h.steps[-1].num_scheduled_tokens == {"a": 1 + len(scheduled)}
         if not request.is_finished:
             # a accepted + 1 more appended; the k - a rejected positions are computed again.
-            assert [len(o.new_token_ids) for o in outputs] == [num_right + 1]
-            assert request.num_tokens == num_tokens_before + num_right + 1
+            num_kept = min(num_right, len(scheduled))
+            assert [len(o.new_token_ids) for o in outputs] == [num_kept + 1]
+            assert request.num_tokens == num_tokens_before + num_kept + 1
             assert request.num_computed_tokens == request.num_tokens - 1
     assert h.tokens["a"] == reference_output(prompt, 10, 256)
 
