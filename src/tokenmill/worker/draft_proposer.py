@@ -32,6 +32,7 @@ from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
+    from tokenmill.model.arch import ArchConfig
     from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,35 @@ class _DraftView:
     num_tokens: int
 
 
-class DraftModelProposer:
+class DrafterKVCache:
+    """What a proposer that runs a model keeps beside the target: its own KV cache over the
+    target's block tables (the pool is sized for both), written up to k - 1 positions past a
+    request's newest token (the scheduler's lookahead slots)."""
+
+    runner: ModelRunner
+    arch: ArchConfig
+    k: int
+    num_kv_layers: int
+    kv_caches: list[torch.Tensor]
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.k
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(
+            self.num_kv_layers, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            self.runner.kv_cache_dtype,
+        )  # fmt: skip
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.num_kv_layers, num_blocks, self.runner.block_size, self.arch.num_kv_heads,
+            self.arch.head_dim, self.runner.kv_cache_dtype, self.runner.device,
+        )  # fmt: skip
+
+
+class DraftModelProposer(DrafterKVCache):
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         from tokenmill.model.registry import load_model
         from tokenmill.model.resolve import resolve_model
@@ -87,6 +116,7 @@ class DraftModelProposer:
             )
         self.target_vocab_size = target_vocab
         self.arch = arch
+        self.num_kv_layers = arch.num_layers
         self.attn_backend = runner.make_attention_backend(runner.config.attention_backend, arch)
         self.model = load_model(
             model_config, arch, runner.device, runner.dtype, self.attn_backend, resolved=self.resolved,
@@ -98,23 +128,6 @@ class DraftModelProposer:
         logger.info(
             "draft model %s: %d layers, hidden %d (%s)", config.model, arch.num_layers, arch.hidden_size,
             self.resolved.format,
-        )  # fmt: skip
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        """The drafts after a request's newest token write drafter KV up to k - 1 positions past it."""
-        return self.k
-
-    def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
-            self.arch.num_layers, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim,
-            self.runner.kv_cache_dtype,
-        )  # fmt: skip
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(
-            self.arch.num_layers, num_blocks, self.runner.block_size, self.arch.num_kv_heads,
-            self.arch.head_dim, self.runner.kv_cache_dtype, self.runner.device,
         )  # fmt: skip
 
     def capture_cuda_graphs(self, max_drafting_batch: int) -> None:

@@ -27,8 +27,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.draft_proposer import _DraftView
-from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tokenmill.worker.draft_proposer import DrafterKVCache, _DraftView
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -37,8 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(DrafterKVCache):
     needs_aux_hidden_states = True
+    num_kv_layers = 1  # the drafter's one decoder layer
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         from tokenmill.model.eagle3 import load_eagle3_drafter
@@ -59,28 +59,13 @@ class Eagle3Proposer:
         self.drafter = load_eagle3_drafter(
             path, runner.model, runner.device, runner.dtype, self.attn_backend, kernel=runner.config.kernel
         )
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[torch.Tensor] = []
         # The target's aux hidden states of the step being finished, and its host batch.
         self._aux: torch.Tensor | None = None
         logger.info(
             "EAGLE-3 drafter %s: aux layers %s, draft vocabulary %d",
             config.model, self.aux_layers, drafter_config.draft_vocab_size,
         )  # fmt: skip
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        return self.k
-
-    def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
-            1, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim, self.runner.kv_cache_dtype
-        )
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = allocate_kv_caches(
-            1, num_blocks, self.runner.block_size, self.arch.num_kv_heads, self.arch.head_dim,
-            self.runner.kv_cache_dtype, self.runner.device,
-        )[0]  # fmt: skip
 
     def target_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta
@@ -126,7 +111,7 @@ class Eagle3Proposer:
         row_index = torch.from_numpy(np.concatenate([rows[i] for i in keep])).to(aux.device)
         input_ids, positions, meta = runner.build_metadata(first_batch)
         drafter = self.drafter
-        out = drafter(input_ids, positions, aux[row_index], self.kv_cache, meta)
+        out = drafter(input_ids, positions, aux[row_index], self.kv_caches[0], meta)
         proposing = [
             j for j, i in enumerate(keep)
             if num_drafts.get(states[i].request_id, 0) > 0 and step_starts[i] + lens[i] == len(states[i].token_ids) - 1
@@ -159,7 +144,7 @@ class Eagle3Proposer:
             )
             input_ids, positions, meta = runner.build_metadata(step_batch)
             index = torch.tensor(active, device=hidden.device)
-            out = drafter(input_ids, positions, hidden[index], self.kv_cache, meta)
+            out = drafter(input_ids, positions, hidden[index], self.kv_caches[0], meta)
             hidden = hidden.clone()
             hidden[index] = out.hidden_out
             step_ids = drafter.greedy_draft_tokens(out.normed)

@@ -680,17 +680,7 @@ class ModelRunner:
             else:
                 sampled_ids = logits.argmax(dim=-1)
         else:
-            infos = [
-                RowSamplingInfo(
-                    params=r.sampling_params,
-                    prompt_token_ids=r.prompt_token_ids,
-                    output_token_ids=r.output_token_ids,
-                    generator=self._generator_for(r),
-                    eos_token_ids=r.eos_token_ids,
-                )
-                for r in sampling_reqs
-            ]
-            metadata = SamplingMetadata.build(infos, self.device, logits.shape[-1])
+            metadata = self._row_metadata(sampling_reqs, logits)
             sampled = self.sampler(logits, metadata)
             sampled_ids = sampled.sampled_token_ids
         # NaN / inf logits end only their own request; the flag rides along with the one host sync.
@@ -780,6 +770,8 @@ class ModelRunner:
         return self._verify_host, self._verify_dev
 
     def _row_metadata(self, row_states: list[RequestState], logits: torch.Tensor) -> SamplingMetadata:
+        """Sampling metadata with one row per entry of `row_states` (a request verifying drafts has
+        several rows, sharing its generator)."""
         infos = [
             RowSamplingInfo(
                 params=r.sampling_params,
