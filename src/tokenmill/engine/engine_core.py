@@ -164,7 +164,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         started = time.monotonic()
         outputs, self._pending = self._pending, []
-        speculating = self._speculating()
+        # The last step's results proposed drafts: this step must see them, so it waits for the step
+        # in flight instead of overlapping it. A batch that drafts nothing (too large, or its
+        # drafts keep failing) overlaps its steps as without speculation.
+        speculating = self._drafts_pending
         if (self._needs_history or speculating) and (self._in_flight is not None or self._filling is not None):
             outputs.extend(self._sample_filled())
             outputs.extend(self._finish_in_flight())
@@ -231,12 +234,6 @@ class EngineCore:
         if self._speculative:
             self._drafts_pending = bool(runner_output.spec_token_ids)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
-
-    def _speculating(self) -> bool:
-        """The last step's results proposed drafts: the next step must see them, so it waits for
-        the step in flight (async scheduling) instead of overlapping it. A batch that drafts
-        nothing (too large, or its drafts keep failing) overlaps its steps as without speculation."""
-        return self._drafts_pending
 
     def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | ModelRunnerOutput | None:
         """Launch a step (async scheduling). None: a constrained step whose forward is launched and

@@ -101,18 +101,12 @@ def verify_drafts(
     draft = layout.draft_of_row
     has_draft = draft >= 0
     safe_draft = draft.clamp(min=0)
-    if md is None:
-        emitted = logits.argmax(dim=-1)
+    if md is None or md.all_greedy:
+        # Greedy: a draft is kept while it is the argmax; every row emits its argmax.
+        emitted = (logits if md is None else Sampler.processed_logits(logits.float(), md)).argmax(dim=-1)
         accepted = emitted == draft
-        processed = logits
     else:
         processed = Sampler.processed_logits(logits.float(), md)
-    if md is None:
-        pass
-    elif md.all_greedy:
-        emitted = processed.argmax(dim=-1)
-        accepted = emitted == draft
-    else:
         probs = Sampler.random_probs(processed, md)
         p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
         accepted = has_draft & (_uniforms(probs.shape[0], md, probs.device) < p_draft)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import ModelConfig, SpeculativeConfig
-from tokenmill.worker.batch_inputs import build_host_batch
+from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
 from tokenmill.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tokenmill.worker.request_state import RequestState
 
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
-class _DraftView:
+class DraftView:
     """What build_host_batch reads of a request, with draft tokens appended to its tokens."""
 
     request_id: str
@@ -163,7 +163,7 @@ class DraftModelProposer(DrafterKVCache):
         input_ids, positions, meta = runner.build_metadata(batch)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _decode_step(self, views: list[_DraftView]) -> torch.Tensor:
+    def _decode_step(self, views: list[DraftView]) -> torch.Tensor:
         """One token for each of `views` (its newest draft), through a CUDA graph when one fits:
         the argmax ids [len(views)]."""
         runner = self.runner
@@ -187,10 +187,12 @@ class DraftModelProposer(DrafterKVCache):
         step_starts: list[int],
         step_lens: list[int],
         num_drafts: dict[str, int],
+        batch: HostBatch | None = None,
     ) -> dict[str, list[int]]:
         """Catch the drafter up on the step's tokens and propose `num_drafts[request]` drafts for
         the requests named there. `step_starts` / `step_lens`: per request of the step (batch
-        order), the first position the target computed and how many."""
+        order), the first position the target computed and how many. (`batch`, the target's step,
+        is what EAGLE-3 reads its rows from; a plain drafter rebuilds its own.)"""
         runner = self.runner
         starts: list[int] = []
         lens: list[int] = []
@@ -211,7 +213,7 @@ class DraftModelProposer(DrafterKVCache):
         last_rows = torch.tensor([int(batch.query_start_loc[i + 1]) - 1 for i in proposing], device=hidden.device)
         next_ids = self._argmax(hidden[last_rows])
         views = [
-            _DraftView(states[i].request_id, list(states[i].token_ids), states[i].block_ids, len(states[i].token_ids))
+            DraftView(states[i].request_id, list(states[i].token_ids), states[i].block_ids, len(states[i].token_ids))
             for i in proposing
         ]
         wanted = [num_drafts[v.request_id] for v in views]

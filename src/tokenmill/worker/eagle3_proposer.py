@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.draft_proposer import DrafterKVCache, _DraftView
+from tokenmill.worker.draft_proposer import DrafterKVCache, DraftView
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -89,14 +89,14 @@ class Eagle3Proposer(DrafterKVCache):
         if aux is None or batch is None:
             return {}
         runner = self.runner
-        views: list[_DraftView] = []
+        views: list[DraftView] = []
         lens: list[int] = []
         rows: list[np.ndarray] = []
         for i, (state, start, length) in enumerate(zip(states, step_starts, step_lens, strict=True)):
             # Rows whose next token is known: up to the last accepted one (a verify step), the whole
             # chunk otherwise.
             num_rows = max(min(length, len(state.token_ids) - 1 - start), 0)
-            shifted = _DraftView(state.request_id, state.token_ids[1:], state.block_ids, len(state.token_ids) - 1)
+            shifted = DraftView(state.request_id, state.token_ids[1:], state.block_ids, len(state.token_ids) - 1)
             views.append(shifted)
             lens.append(num_rows)
             first = int(batch.query_start_loc[i])

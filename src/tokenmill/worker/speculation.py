@@ -180,12 +180,7 @@ class Speculator:
                         wanted[state.request_id] = k
         if self.draft_model is not None:
             # Also with nothing wanted: the drafter's cache follows every position the target computed.
-            if self.needs_aux_hidden_states:
-                output.spec_token_ids = self.draft_model.propose(  # type: ignore[call-arg]
-                    requests, step_starts, step_lens, wanted, batch
-                )
-            else:
-                output.spec_token_ids = self.draft_model.propose(requests, step_starts, step_lens, wanted)
+            output.spec_token_ids = self.draft_model.propose(requests, step_starts, step_lens, wanted, batch)
             return
         assert self.ngram is not None
         proposals: dict[str, list[int]] = {}

@@ -15,15 +15,20 @@ from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 BATCH_FILL_MIN_ROWS = 2
 
 
-def restrict(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
-    """Apply each grammar's extra mask (JSON: no control characters) to its filled row, grouped by
-    mask (one vectorised AND for all JSON rows); a row left with no allowed token is an error."""
+def apply_extra_masks(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
+    """AND each row with its grammar's extra mask (JSON: no control characters), grouped by mask
+    (one vectorised AND for all JSON rows). `grammars[i]` is row i's."""
     by_mask: dict[int, tuple[np.ndarray, list[int]]] = {}
     for row, grammar in enumerate(grammars):
         if grammar.extra_mask is not None:
             by_mask.setdefault(id(grammar.extra_mask), (grammar.extra_mask, []))[1].append(row)
     for mask, row_ids in by_mask.values():
         rows[row_ids] &= mask
+
+
+def restrict(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
+    """Apply each grammar's extra mask to its filled row; a row left with no allowed token is an error."""
+    apply_extra_masks(rows, grammars)
     for row in np.flatnonzero(~rows.any(axis=1)):
         grammars[row].no_token_allowed()
 
@@ -98,9 +103,7 @@ class BitmaskFiller:
                 matcher.rollback(accepted)
             row = first + count
         rows = buffer[:total]
-        per_row = [g for (_, g), count in zip(grammars, counts, strict=True) for _ in range(count)]
-        for mask, row_ids in _rows_by_mask(per_row):
-            rows[row_ids] &= mask
+        apply_extra_masks(rows, [g for (_, g), count in zip(grammars, counts, strict=True) for _ in range(count)])
         # Only a request's first row decides "nothing allowed"; an empty draft row repeats the one before.
         for (_, grammar), first in zip(grammars, first_rows, strict=True):
             if not rows[first].any():
@@ -115,12 +118,3 @@ class BitmaskFiller:
             num_words=self.num_words,
             bitmask=rows.tobytes(),
         )
-
-
-def _rows_by_mask(per_row: list[RequestGrammar]) -> list[tuple[np.ndarray, list[int]]]:
-    """The rows of each distinct extra mask (one vectorised AND per mask)."""
-    groups: dict[int, tuple[np.ndarray, list[int]]] = {}
-    for row, grammar in enumerate(per_row):
-        if grammar.extra_mask is not None:
-            groups.setdefault(id(grammar.extra_mask), (grammar.extra_mask, []))[1].append(row)
-    return list(groups.values())
