@@ -26,6 +26,7 @@ from tokenmill.config import (
     CacheConfig,
     EngineConfig,
     KernelConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -153,6 +154,16 @@ class EngineArgs:
         "requests}; greedy output is unchanged, sampled output keeps the model's distribution",
         parse=_json_object,
     )
+    enable_lora: bool = _option(
+        False,
+        "serve LoRA adapters (PEFT format) beside the base model; requests pick one by name "
+        "(--lora-modules, /v1/load_lora_adapter) or offline with LLM.generate(lora_request=...)",
+    )
+    max_loras: int = _option(1, "LoRA: adapters on the device at once (one step serves at most this many)")
+    max_lora_rank: int = _option(16, "LoRA: the largest adapter rank accepted (device slots are this wide)")
+    max_cpu_loras: int | None = _option(
+        None, "LoRA: adapters kept loaded in host memory, least recently used evicted (default: --max-loras)"
+    )
     scheduling_policy: str = _option(
         "fcfs", "fcfs: first come first served; priority: by each request's priority",
         choices=("fcfs", "priority"),
@@ -276,11 +287,29 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             trace_dir=self.trace_dir,
             speculative=parse_speculative_config(self.speculative_config),
+            lora=self._lora_config(),
         )
         if resolve_device:
             config = resolve_device_defaults(config)
         self._log(config)
         return config
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            for name in ("max_cpu_loras",):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set but LoRA is off; add enable_lora (--enable-lora)")
+            return None
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every adapter "
+                "on the device is also kept in host memory"
+            )
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _check(self) -> None:
         if self.max_num_seqs < 1:

@@ -109,6 +109,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA (`--enable-lora`): adapters served beside the base model in the same batches.
+
+    `max_loras` adapters fit on the device at once (one step serves at most that many);
+    `max_cpu_loras` stay loaded in host memory (least recently used evicted), the rest are read
+    from disk again when a request needs them."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -123,3 +140,4 @@ class EngineConfig:
     # per-request timelines (requests.jsonl) there; engine/step_trace.py. None: no tracing.
     trace_dir: str | None = None
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA off

@@ -33,15 +33,17 @@ def extend_block_hashes(request: Request, block_size: int) -> list[bytes]:
     """Hash the request's full blocks not hashed yet; returns `request.block_hashes`.
 
     Incremental: each full block is hashed once in the request's life (preemption keeps them).
-    The cache salt goes into the first block only; the chain carries it to every later block.
+    The cache salt and the LoRA adapter go into the first block only; the chain carries them to
+    every later block.
     """
     hashes = request.block_hashes
     tokens = request.all_token_ids
     num_full_blocks = len(tokens) // block_size
     parent = hashes[-1] if hashes else None
+    first_extra_key = request.block_hash_extra_key if not hashes else None
     for i in range(len(hashes), num_full_blocks):
         start = i * block_size
-        extra_key = request.cache_salt if i == 0 else None
+        extra_key = first_extra_key if i == 0 else None
         parent = hash_block_tokens(parent, tokens[start : start + block_size], extra_key)
         hashes.append(parent)
     return hashes

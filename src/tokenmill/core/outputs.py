@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenmill.core.request_timeline import RequestTimeline
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int  # before this step (a prefix-cache hit; 0 after a preemption)
     # Tokens sampled before a preemption: the runner's token history is prompt + these.
     output_token_ids: list[int] = []
+    lora_request: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

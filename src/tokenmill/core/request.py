@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -52,6 +53,7 @@ class Request:
         "arrival_time",
         "priority",
         "cache_salt",
+        "lora_request",
         "output_token_ids",
         "all_token_ids",
         "num_computed_tokens",
@@ -78,6 +80,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +89,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # lower value = scheduled first (vLLM's convention)
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # None: the base model
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -107,6 +111,14 @@ class Request:
         # A grammar constrains its output (the engine core's structured-output manager keeps the
         # matcher, by request id).
         self.use_structured_output = sampling_params.structured_outputs is not None
+
+    @property
+    def block_hash_extra_key(self) -> str | None:
+        """What the first KV block's hash carries beside the tokens: the cache salt and the adapter."""
+        lora = self.lora_request
+        if lora is None:
+            return self.cache_salt
+        return lora.cache_key if self.cache_salt is None else f"{lora.cache_key}|{self.cache_salt}"
 
     @property
     def num_tokens(self) -> int:

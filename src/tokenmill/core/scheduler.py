@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_cache_manager import GroupBlockIds, KVCacheManager
+from tokenmill.core.lora_admission import LoRAAdmission, LoRAHooks
 from tokenmill.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -59,11 +60,12 @@ class Scheduler:
         kv_cache_groups: KVCacheGroups | None = None,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        lora: LoRAHooks | None = None,
     ) -> None:
         """`kv_cache_groups`: the model's layers grouped by attention type (None: one full group).
         `num_speculative_tokens`: speculative decoding's k (0: off); `num_lookahead_tokens`: KV
         slots reserved after a decoding request's scheduled tokens (a draft model writes its
-        proposals' KV there)."""
+        proposals' KV there). `lora`: LoRA's admission hooks (None: LoRA off)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
@@ -91,6 +93,7 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        self.lora = lora
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -101,6 +104,10 @@ class Scheduler:
         key = (request.priority, request.arrival_time, next(self._sequence))
         self._keys[request.request_id] = key
         self.requests[request.request_id] = request
+        if request.lora_request is not None and self.lora is None:
+            self._finish(request, RequestStatus.FINISHED_ERROR, "LoRA is not enabled: start the engine with --enable-lora")
+            self._pending_outputs.append(self._final_output(request))
+            return
         if request.use_structured_output:
             if self.structured_output is None:
                 self._finish(request, RequestStatus.FINISHED_ERROR, "structured output is not available here")
@@ -215,8 +222,19 @@ class Scheduler:
             i += 1
 
         # Admitting new work right after preempting would only thrash.
+        lora = self._lora_admission() if self.waiting else None
+        skipped: list[Request] = []  # waiting on their adapter: back in the queue, in order, after
         while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if lora is not None and request.lora_request is not None:
+                admitted = lora.admit(request.lora_request)
+                if admitted is not True:
+                    self.waiting.pop()
+                    if admitted is False:
+                        skipped.append(request)
+                    else:
+                        self._end_in_schedule(request, admitted)
+                    continue
             if request.num_tokens > self.max_model_len:  # the engine should have refused it
                 self.waiting.pop()
                 self._end_in_schedule(
@@ -252,11 +270,19 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
+        for request in reversed(skipped):
+            self.waiting.add_preempted(request, self._keys[request.request_id])
         output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         output.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         self._unlaunched = set(num_scheduled)
         return output
+
+    def _lora_admission(self) -> LoRAAdmission | None:
+        if self.lora is None:
+            return None
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return LoRAAdmission(self.lora, active)
 
     def launched(self, scheduler_output: SchedulerOutput) -> None:
         """The runner has queued this step's work on the device: its KV writes happen before any
@@ -299,6 +325,7 @@ class Scheduler:
             [list(table) for table in self.kv.get_block_ids(request.request_id)],
             request.num_computed_tokens,  # before the step
             list(request.output_token_ids),
+            request.lora_request,
         )
         # As vLLM v1, progress is counted at schedule time; a chunk that reaches the last token
         # samples, and the id comes with the step's results.

@@ -241,8 +241,10 @@ class AsyncEngine:
         if live:
             self.client.abort_requests(live)
 
-    async def call_utility(self, method: str, timeout_s: float = 30.0) -> dict[str, float]:
-        return await self.client.call_utility(method, timeout_s)
+    async def call_utility(
+        self, method: str, timeout_s: float = 30.0, args: dict[str, str | int | None] | None = None
+    ) -> dict[str, float]:
+        return await self.client.call_utility(method, timeout_s, args)
 
     # -- what the engine sends ----------------------------------------------------------------
 

@@ -84,8 +84,11 @@ class AsyncEngineCoreClient(EngineCoreClient):
         """Sends the requests; raises EngineDeadError if the engine is gone."""
 
     @abstractmethod
-    async def call_utility(self, method: str, timeout_s: float = 30.0) -> dict[str, float]:
-        """An out-of-band call answered by the engine core: get_stats, check_invariants."""
+    async def call_utility(
+        self, method: str, timeout_s: float = 30.0, args: dict[str, str | int | None] | None = None
+    ) -> dict[str, float]:
+        """An out-of-band call answered by the engine core (engine.core_process.run_utility):
+        get_stats, check_invariants, add_lora, remove_lora."""
 
     @abstractmethod
     def mark_dead(self, reason: str) -> None:
@@ -127,13 +130,11 @@ class InprocClient(EngineCoreClient):
         """Runs one engine step and returns what it produced."""
         return self.engine_core.step()
 
-    def call_utility(self, method: str) -> dict[str, float]:
-        """The calls the core process answers (see core_process._utility): get_stats, check_invariants."""
-        if method == "check_invariants":
-            self.engine_core.check_invariants()
-        elif method != "get_stats":
-            raise ValueError(f"unknown utility method {method!r}")
-        return self.engine_core.get_stats()
+    def call_utility(self, method: str, args: dict[str, str | int | None] | None = None) -> dict[str, float]:
+        """The calls the core process answers (core_process.run_utility), on this thread."""
+        from tokenmill.engine.core_process import run_utility
+
+        return run_utility(self.engine_core, method, args or {})
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

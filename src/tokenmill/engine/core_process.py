@@ -32,6 +32,7 @@ from tokenmill.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -181,14 +182,25 @@ def _busy_loop(core, inbox, decoder, send, parent_pid: int) -> None:
             last_stats = now
 
 
+def run_utility(core, method: str, args: dict[str, str | int | None]) -> dict[str, float]:
+    """One out-of-band call: get_stats, check_invariants, add_lora (lora_name, lora_int_id,
+    lora_path: start loading it), remove_lora (lora_int_id). Raises ValueError for an unknown one."""
+    if method == "check_invariants":
+        core.check_invariants()
+    elif method == "add_lora":
+        core.add_lora(LoRARequest(str(args["lora_name"]), int(args["lora_int_id"]), str(args["lora_path"])))  # type: ignore[arg-type]
+    elif method == "remove_lora":
+        core.remove_lora(int(args["lora_int_id"]))  # type: ignore[arg-type]
+    elif method != "get_stats":
+        raise ValueError(f"unknown utility method {method!r}")
+    return core.get_stats()
+
+
 def _utility(core, call: UtilityCall) -> UtilityResult:
     try:
-        if call.method == "get_stats":
-            return UtilityResult(call.call_id, result=core.get_stats())
-        if call.method == "check_invariants":
-            core.check_invariants()
-            return UtilityResult(call.call_id, result=core.get_stats())
-        return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        return UtilityResult(call.call_id, result=run_utility(core, call.method, call.args))
+    except ValueError as exc:  # a bad call: its message is the answer
+        return UtilityResult(call.call_id, error=str(exc))
     except Exception as exc:
         return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 

@@ -201,7 +201,9 @@ class CoreProcessClient(AsyncEngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send_nowait(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float = 30.0) -> dict[str, float]:
+    async def call_utility(
+        self, method: str, timeout_s: float = 30.0, args: dict[str, str | int | None] | None = None
+    ) -> dict[str, float]:
         if self.dead:
             raise EngineDeadError(f"the engine is not available: {self.dead}")
         self._ids += 1
@@ -209,7 +211,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method))
+            await self._send(UtilityCall(call_id, method, args or {}))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._utility_calls.pop(call_id, None)

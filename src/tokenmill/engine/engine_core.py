@@ -33,6 +33,7 @@ from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.resolve import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class EngineCore:
             kv_cache_groups=kv_cache_groups,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             num_lookahead_tokens=self.executor.num_lookahead_tokens,
+            lora=self.executor.lora_hooks,
         )
         self.config = config
         self.info = EngineInfo(
@@ -138,6 +140,7 @@ class EngineCore:
             priority=req.priority,
             cache_salt=req.cache_salt,
             max_tokens=req.max_tokens,
+            lora_request=req.lora_request,
         )
         self.scheduler.add_request(request)
         if self.tracer is not None:
@@ -330,6 +333,15 @@ class EngineCore:
         self._pending.extend(
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error=message)
         )
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Start loading an adapter (requests naming it wait until it is in host memory)."""
+        self.executor.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter. Its prefix-cache blocks are unreachable from then on: a new load gets a
+        new id, which is in every block hash of its requests."""
+        return self.executor.remove_lora(lora_int_id)
 
     def get_stats(self) -> dict[str, float]:
         return self.scheduler.get_stats() | self.structured_output.get_stats()

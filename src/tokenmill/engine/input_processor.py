@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -100,6 +101,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         max_len = self.info.max_model_len
         num_prompt = len(prompt_token_ids)
@@ -144,6 +146,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
 
 

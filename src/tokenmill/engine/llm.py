@@ -18,6 +18,7 @@ from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import load_tokenizer_or_none  # noqa: F401  (re-exported: older import path)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class LLM:
         self.input_processor = InputProcessor(self.tokenizer, self.info, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked and handed to the engine, by id
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -79,8 +81,12 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one (or None: the base model) per
+        prompt; LoRA must be enabled (`enable_lora=True`)."""
         prompt_list = self._as_prompt_list(prompts)
+        lora_list = self._lora_requests(lora_request, len(prompt_list))
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -110,6 +116,7 @@ class LLM:
                     child.params,
                     priority=priority[i] if priority else 0,
                     cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+                    lora_request=lora_list[i],
                 )
                 children.append((child.request_id, child.index, core_req))
             staged.append((request_id, text, token_ids, params, children))
@@ -201,6 +208,45 @@ class LLM:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
+
+    def _lora_requests(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; each adapter seen for the first time is checked against
+        the model (a bad one raises InvalidRequestError naming the problem) and starts loading."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise InvalidRequestError(
+                    f"got {len(loras)} LoRA requests for {num_prompts} prompts; pass one, or one per prompt",
+                    param="lora_request",
+                )
+        lora_config = self.engine.config.lora
+        for lora in {lora for lora in loras if lora is not None}:
+            if lora_config is None:
+                raise InvalidRequestError(
+                    "lora_request needs LoRA enabled: LLM(..., enable_lora=True)", param="lora_request"
+                )
+            if self._loras.get(lora.lora_int_id) == lora:
+                continue
+            from tokenmill.lora.adapter_files import AdapterError, read_adapter
+
+            try:
+                read_adapter(lora.lora_path, self.engine.resolved.arch, lora_config.max_lora_rank)
+            except AdapterError as exc:
+                raise InvalidRequestError(str(exc), param="lora_request") from None
+            known = self._loras.get(lora.lora_int_id)
+            if known is not None:
+                raise InvalidRequestError(
+                    f"lora_int_id {lora.lora_int_id} is already {known.lora_name!r} at {known.lora_path}; "
+                    "give each adapter its own id",
+                    param="lora_request",
+                )
+            self.engine.add_lora(lora)
+            self._loras[lora.lora_int_id] = lora
+        return loras
 
     def chat(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineInfo(msgspec.Struct):
@@ -48,10 +50,11 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class UtilityCall(msgspec.Struct, tag="utility"):
-    """Out-of-band calls the server and tests make: get_stats, check_invariants."""
+    """Out-of-band calls the server and tests make: get_stats, check_invariants, add_lora, remove_lora."""
 
     call_id: int
     method: str
+    args: dict[str, str | int | None] = {}
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

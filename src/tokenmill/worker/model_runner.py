@@ -159,6 +159,10 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
+        # Multi-LoRA: wraps the adaptable layers' methods; owns the adapter slots (None: LoRA off).
+        self.lora = self._make_lora_manager() if config.lora is not None else None
+        # CUDA graphs without and with LoRA (a step replays the first unless a token has an adapter).
+        self._graph_variants: dict[bool, tuple] = {}
         self.sampler = Sampler()
         # Speculative decoding: proposes drafts after each step (None: off).
         self.speculator = Speculator(config.speculative, self) if config.speculative is not None else None
@@ -197,6 +201,29 @@ class ModelRunner:
                 self.device,
                 num_kv_groups=self.kv_groups.num_groups,
             )
+
+    def _make_lora_manager(self):  # noqa: ANN202 - a LoRAManager
+        from tokenmill.worker.cuda_graphs import MAX_TOKENS_PER_REQUEST
+        from tokenmill.worker.lora.manager import LoRAManager
+
+        sched = self.config.scheduler
+        max_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * MAX_TOKENS_PER_REQUEST)
+        return LoRAManager(self.config.lora, self.model, self.arch, self.device, self.dtype, max_tokens)
+
+    def _set_lora_mapping(self, requests: list[RequestState], batch: HostBatch) -> None:
+        """The step's token -> adapter slot mapping (adapters copied into slots as needed), and the
+        CUDA graphs of the step's kind (with LoRA or without)."""
+        lora = self.lora
+        assert lora is not None
+        slots = lora.slots_for([r.lora_request for r in requests], self.requests.lora_ids())
+        num_reqs = len(requests)
+        tokens_per_req = np.diff(batch.query_start_loc[: num_reqs + 1])
+        lora.mapping.set(np.repeat(slots, tokens_per_req))
+
+    def _use_graph_variant(self, requests: list[RequestState]) -> None:
+        if self._graph_variants:
+            with_lora = any(r.lora_request is not None for r in requests)
+            self.graph_runner, self.piecewise = self._graph_variants[with_lora]
 
     def _reference_for_kv_cache_dtype(self, chosen: str) -> AttentionBackend:
         """The torch reference backend, for a KV cache dtype the chosen backend cannot keep (the C++
@@ -310,7 +337,7 @@ class ModelRunner:
         return num_blocks
 
     def capture_cuda_graphs(self) -> None:
-        from tokenmill.worker.cuda_graphs import MAX_TOKENS_PER_REQUEST, CudaGraphRunner
+        from tokenmill.worker.cuda_graphs import MAX_TOKENS_PER_REQUEST
 
         if not self.attn_backend.supports_cuda_graphs:
             logger.warning(
@@ -329,32 +356,53 @@ class ModelRunner:
             and 1 + speculator.k <= MAX_TOKENS_PER_REQUEST
         ):
             verify_q = (1 + speculator.k,)
-        self.graph_runner = CudaGraphRunner(
+        self.graph_runner, self.piecewise = self._capture_graph_set(verify_q)
+        if self.lora is not None:
+            # Steps with adapters replay graphs that hold the LoRA kernels (reading the slot mapping's
+            # buffers); steps without replay these, which hold none.
+            variants = {False: (self.graph_runner, self.piecewise)}
+            self.lora.mapping.active = True
+            try:
+                variants[True] = self._capture_graph_set(verify_q)
+            finally:
+                self.lora.mapping.clear()
+            self._graph_variants = variants
+            self.graph_runner, self.piecewise = variants[False]
+
+    def _capture_graph_set(self, verify_q: tuple[int, ...]) -> tuple:
+        """Whole-step decode graphs and, where the family allows, piecewise graphs (or None)."""
+        from tokenmill.worker.cuda_graphs import CudaGraphRunner
+
+        graph_runner = CudaGraphRunner(
             self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs,
             spec_tokens_per_request=(1, *verify_q),
         )  # fmt: skip
-        self.graph_runner.capture()
+        graph_runner.capture()
         if not self.config.kernel.piecewise_cuda_graphs:
-            return
+            return graph_runner, None
         if not getattr(self.model, "supports_piecewise_graphs", False):
             logger.info(
                 "%s steps with prefill chunks run eagerly (no piecewise CUDA graphs for this family)",
                 type(self.model).__name__,
             )
-            return
+            return graph_runner, None
         from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 
-        self.piecewise = PiecewiseGraphs(
+        piecewise = PiecewiseGraphs(
             self.model, self.attn_backend, self.buffers, self.kv_caches,
             self.config.scheduler.max_num_batched_tokens,
         )  # fmt: skip
-        self.piecewise.capture()
+        piecewise.capture()
+        return graph_runner, piecewise
 
     def release(self) -> None:
         """Drop the graphs, KV pool and weights and return their memory to the device, so
         another model (a benchmark baseline) can use it in this process. The runner is unusable after."""
         self.graph_runner = None
         self.piecewise = None
+        self._graph_variants = {}
+        if self.lora is not None:
+            self.lora.shutdown()
         self.kv_caches = []
         self.kv_cache_tensors = []
         self.model = None  # type: ignore[assignment]
@@ -373,15 +421,22 @@ class ModelRunner:
         return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
     def build_metadata(
-        self, batch: HostBatch, padded_reqs: int | None = None, padded_tokens: int | None = None
+        self,
+        batch: HostBatch,
+        padded_reqs: int | None = None,
+        padded_tokens: int | None = None,
+        requests: list[RequestState] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Device inputs of a step. On CUDA they go through the persistent pinned buffers (padded to
         `padded_reqs` single-token requests for a CUDA-graph replay, or to `padded_tokens` token
-        rows for piecewise graphs); on CPU they are numpy views."""
+        rows for piecewise graphs); on CPU they are numpy views. `requests` (the batch's, in order):
+        with LoRA on, their tokens are mapped to their adapters' slots."""
         num_tokens = len(batch.input_ids)
         num_reqs = len(batch.seq_lens)
         if self.buffers is not None:
             self.buffers.begin_step()
+            if self.lora is not None and requests is not None:
+                self._set_lora_mapping(requests, batch)
             if padded_tokens is None:
                 padded_tokens = num_tokens if padded_reqs is None else padded_reqs
             input_ids, positions, slot_mapping = self.buffers.stage_tokens(
@@ -404,6 +459,8 @@ class ModelRunner:
                 self._feed_last_sampled(batch, input_ids)
             self.buffers.end_staging()
         else:
+            if self.lora is not None and requests is not None:
+                self._set_lora_mapping(requests, batch)
             input_ids = self._to_device(batch.input_ids, torch.long)
             positions = self._to_device(batch.positions, torch.long)
             slot_mapping = self._to_device(batch.slot_mapping, torch.long)
@@ -546,6 +603,8 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not requests:
             return PendingStep(output)
+        if self.lora is not None:
+            self._use_graph_variant(requests)
         num_computed_tokens = so.batch_num_computed_tokens()  # batch order, as the requests
         num_scheduled_tokens = list(so.num_scheduled_tokens.values())
         drafts = None
@@ -571,7 +630,7 @@ class ModelRunner:
             if drafts is not None and len(batch.input_ids) != num_reqs * q:
                 # Drafts of different lengths: each request's rows padded to the graph's q.
                 batch = pad_to_uniform_query(batch, q)
-            self.build_metadata(batch, padded_reqs=padded_reqs, padded_tokens=padded_reqs * q)
+            self.build_metadata(batch, padded_reqs=padded_reqs, padded_tokens=padded_reqs * q, requests=requests)
             output.cuda_graph_size = padded_reqs
             # Logits PER ROW, not per request: [num_reqs * q, vocab] in the step's row order, request
             # i's q query tokens at rows i*q .. i*q + q - 1 (for q = 1, one row per request).
@@ -595,11 +654,11 @@ class ModelRunner:
         size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
         if size is not None:
             # Graphs between the attention calls, attention itself eager (worker/piecewise_graphs.py).
-            _, _, meta = self.build_metadata(batch, padded_tokens=size)
+            _, _, meta = self.build_metadata(batch, padded_tokens=size, requests=requests)
             output.cuda_graph_size = size
             hidden = piecewise.run(size, so.total_num_scheduled_tokens, meta)
         else:
-            input_ids, positions, meta = self.build_metadata(batch)
+            input_ids, positions, meta = self.build_metadata(batch, requests=requests)
             if eager_only:
                 hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta)  # type: ignore[union-attr]
             else:

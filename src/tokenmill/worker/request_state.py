@@ -23,6 +23,7 @@ class RequestState:
         "num_tokens",
         "block_ids",
         "is_plain_greedy",
+        "lora_request",
     )
 
     def __init__(self, new: NewRequestData) -> None:
@@ -40,6 +41,7 @@ class RequestState:
         # out keep their old ids here (see core/outputs.py: nothing reads them).
         self.block_ids = [list(table) for table in new.block_ids]
         self.is_plain_greedy = new.sampling_params.is_plain_greedy
+        self.lora_request = new.lora_request
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -59,6 +61,10 @@ class RequestStates:
 
     def __len__(self) -> int:
         return len(self.states)
+
+    def lora_ids(self) -> set[int]:
+        """The adapters of every request held (LoRA keeps their device slots)."""
+        return {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request is not None}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states

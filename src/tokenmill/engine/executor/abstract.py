@@ -17,6 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
 
 
@@ -61,6 +62,19 @@ class Executor(ABC):
         """KV slots the scheduler reserves after a decoding request's tokens (a draft model's
         proposals write KV there); 0 unless the speculative method runs a model."""
         return 0
+
+    @property
+    def lora_hooks(self):  # noqa: ANN201 - core.lora_admission.LoRAHooks | None
+        """What the scheduler asks before admitting a request with an adapter; None: LoRA off."""
+        return None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Start loading an adapter into host memory on every worker."""
+        raise ValueError("LoRA is not enabled: start the engine with enable_lora (--enable-lora)")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on every worker; False if none had it."""
+        return False
 
     # -- life cycle -----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOu
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 
 if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
     from tokenmill.worker.model_runner import ModelRunner
 
@@ -37,6 +38,19 @@ class UniProcExecutor(Executor):
     def num_lookahead_tokens(self) -> int:
         speculator = self.driver_runner.speculator
         return speculator.num_lookahead_tokens if speculator is not None else 0
+
+    @property
+    def lora_hooks(self):  # noqa: ANN201 - the runner's LoRAManager, or None
+        return self.driver_runner.lora
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if self.driver_runner.lora is None:
+            super().add_lora(lora)
+        self.driver_runner.lora.add_lora(lora)  # type: ignore[union-attr]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        lora = self.driver_runner.lora
+        return lora is not None and lora.remove_lora(lora_int_id)
 
     def initialize_kv_cache(self) -> int:
         return self.driver_runner.initialize_kv_cache()

@@ -101,6 +101,7 @@ class LinearBase(nn.Module):
         # a cost the CPU decode path (several calls per layer per step) notices. Loads and folds write
         # into the parameter's storage, so the reference stays right.
         object.__setattr__(self, "_applied_bias", self.bias)
+        object.__setattr__(self, "folded_input_scale", None)
 
     def _bias_rows(self) -> int:
         return self.out_features
@@ -205,6 +206,9 @@ class LinearBase(nn.Module):
             raise ValueError(f"{type(self.method).__name__} cannot fold a scale into its weights")
         with torch.no_grad():
             self.weight.mul_(scale)
+        # The layer's input now lacks this scale: what multiplies the same input beside the weight
+        # (a LoRA adapter's A) must take it too.
+        object.__setattr__(self, "folded_input_scale", scale)  # not a parameter of this layer
 
 
 def _check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
