@@ -42,6 +42,9 @@ TIERS: list[set[str]] = [
         # Speculative decoding's torch-free parts (its config, the n-gram proposer, the draft
         # policy, its counters): the scheduler in core/ and the arguments use them.
         "spec_decode",
+        # Multi-LoRA's torch-free parts (LoRARequest, which requests and the step contract carry, and
+        # the adapter-file checks the API server runs).
+        "lora",
     },
     {"core"},
     {"kernels"},

@@ -15,9 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from tokenmill.model.arch import ArchConfig
+from typing import Any, Protocol
 
 # The HF module names a LoRA may adapt, as Llama-style checkpoints name them; Phi-3 fuses q/k/v and
 # gate/up into one module each.
@@ -28,6 +26,19 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _TENSOR_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+
+
+class BaseShapes(Protocol):
+    """What the checks read of the base model (model/arch.py's ArchConfig has it; lora/ sits below
+    model/ in the layering, beside the scheduler that carries LoRARequest)."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class AdapterError(ValueError):
@@ -65,7 +76,7 @@ class AdapterSpec:
         return tuple(sorted({m.module for m in self.modules}))
 
 
-def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+def module_shapes(arch: BaseShapes) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each adaptable module of `arch` (unsharded)."""
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
@@ -87,7 +98,7 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def read_adapter(path: str | Path, arch: ArchConfig, max_rank: int) -> AdapterSpec:
+def read_adapter(path: str | Path, arch: BaseShapes, max_rank: int) -> AdapterSpec:
     """The adapter at `path`, checked against `arch` and `max_rank`; AdapterError naming the problem."""
     directory = Path(path)
     if not directory.is_dir():
@@ -175,7 +186,7 @@ def _tensor_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
 def _pair_tensors(
     shapes: dict[str, tuple[int, ...]],
     weights: Path,
-    arch: ArchConfig,
+    arch: BaseShapes,
     base_rank: int,
     has_rank_pattern: bool,
     alpha: float,
