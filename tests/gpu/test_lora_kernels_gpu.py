@@ -56,8 +56,10 @@ def _check_apply(num_tokens, num_slots, layer, rank, dtype=torch.bfloat16, *, em
     lora_a, lora_b = random_adapters(num_slots, k, part_rows, rank, dtype, seed=seed, device="cuda")
     starts = starts_of(part_rows)
 
-    shrunk = torch.full((num_tokens, len(part_rows) * rank), float("nan"), device="cuda")
-    lora_shrink(x, lora_a, shrunk, *mapping.args())
+    n = len(part_rows) * rank
+    scratch = lora_scratch(num_tokens, num_slots, n, "cuda")
+    shrunk = torch.full((num_tokens, n), float("nan"), device="cuda")
+    lora_shrink(x, lora_a, shrunk, *mapping.args(), scratch=scratch)  # the table's split-K
     expected = reference_shrink(x, lora_a, mapping.slot_of)
     has_slot = mapping.slot_of >= 0
     # 16-bit inputs, float32 sums in another order (or tf32 for float32 inputs)
@@ -65,8 +67,11 @@ def _check_apply(num_tokens, num_slots, layer, rank, dtype=torch.bfloat16, *, em
     assert torch.isnan(shrunk[~has_slot]).all()
 
     y_ref = reference_expand(expected.nan_to_num(), lora_b, y, mapping.slot_of, starts, part_rows, rank)
-    scratch = lora_scratch(num_tokens, len(part_rows), rank, k, "cuda")
-    lora_apply(x, y, lora_a, lora_b, *mapping.args(), starts, part_rows, scratch)
+    assert not scratch.counters.any()
+    unsplit = torch.full_like(shrunk, float("nan"))
+    lora_shrink(x, lora_a, unsplit, *mapping.args())
+    torch.testing.assert_close(unsplit[has_slot], expected[has_slot], rtol=2e-3, atol=2e-3)
+    lora_apply(x, y, lora_a, lora_b, *mapping.args(), starts, part_rows, torch.empty_like(shrunk), scratch)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 * ulp, atol=4 * ulp)
     assert torch.equal(y[~has_slot], y_ref[~has_slot])
@@ -107,9 +112,10 @@ def test_a_captured_graph_follows_new_mappings() -> None:
     first = make_mapping(random_slots(num_tokens, num_slots, seed=6), num_slots, t_cap=num_tokens, device="cuda")
     ids, slot_starts, slot_counts = (t.clone() for t in first.args())
     y = y0.clone()
-    scratch = lora_scratch(num_tokens, len(part_rows), rank, k, "cuda")
+    scratch = lora_scratch(num_tokens, num_slots, len(part_rows) * rank, "cuda")
+    shrunk = torch.empty(num_tokens, len(part_rows) * rank, device="cuda")
     graph = capture_graph(
-        lambda: lora_apply(x, y, lora_a, lora_b, ids, slot_starts, slot_counts, starts, part_rows, scratch)
+        lambda: lora_apply(x, y, lora_a, lora_b, ids, slot_starts, slot_counts, starts, part_rows, shrunk, scratch)
     )
     mappings = [
         random_slots(num_tokens, num_slots, empty=(1, 2, 3), seed=7),

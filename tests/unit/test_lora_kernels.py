@@ -28,6 +28,7 @@ from tokenmill.kernels.triton.lora_tiles import (  # noqa: E402
     MAX_SPLIT_K,
     LoraTiles,
     expand_tiles,
+    shrink_counters,
     shrink_scratch_numel,
     shrink_tiles,
 )
@@ -130,10 +131,13 @@ def test_split_k_falls_as_tokens_grow_and_the_scratch_serves_every_size() -> Non
     for n, k in ((48, 4096), (16, 14336), (32, 4096), (192, 4096), (8, 64)):
         splits = [shrink_tiles(t, n, k).split_k for t in range(1, 8193, 37)]
         assert splits == sorted(splits, reverse=True) and min(splits) >= 1 and max(splits) <= MAX_SPLIT_K
-        for max_tokens in (1, 100, 128, 129, 1000, 4096, 8192):
-            numel = shrink_scratch_numel(max_tokens, n, k)
-            need = max(shrink_tiles(t, n, k).split_k * t * n for t in range(1, max_tokens + 1))
-            assert numel == need, (n, k, max_tokens)
+        for max_tokens in (1, 100, 512, 513, 1000, 4096, 8192):
+            numel, counters = shrink_scratch_numel(max_tokens, n), shrink_counters(max_tokens, 32, n)
+            for t in range(1, max_tokens + 1, 7):
+                tiles = shrink_tiles(t, n, k)
+                assert tiles.split_k * t * n <= numel, (n, k, max_tokens, t)
+                programs = (-(-t // tiles.block_m) + min(32, t)) * -(-n // tiles.block_n)
+                assert programs <= counters, (n, k, max_tokens, t)
     for t in (1, 64, 512, 4096, 8192):
         for cfg in (shrink_tiles(t, 48, 4096), expand_tiles(t, 28672, 16)):
             cfg.check()
@@ -151,24 +155,29 @@ def test_refuses_bad_calls() -> None:
         lora_shrink(x, lora_a, torch.zeros(4, 16), m.sorted_token_ids.long(), m.slot_starts, m.slot_counts)
     with pytest.raises(ValueError, match="one entry per slot"):
         lora_shrink(x, lora_a, torch.zeros(4, 16), m.sorted_token_ids, m.slot_starts[:1], m.slot_counts)
+    with pytest.raises(ValueError, match="the scratch holds"):
+        small = lora_scratch(1, 1, 8, "cpu")  # 16 splits of 1 row of 8 columns
+        split_16 = dataclasses.replace(SMALL, split_k=16)
+        lora_shrink(x, lora_a, torch.zeros(4, 16), *m.args(), scratch=small, tiles=split_16)
     with pytest.raises(ValueError, match="tile OUT in order"):
         lora_expand(torch.zeros(4, 16), lora_b, torch.zeros(4, 24), *m.args(), (0, 8), (16, 8), 8)
     with pytest.raises(ValueError, match="cover 20 rows"):
         lora_expand(torch.zeros(4, 16), lora_b, torch.zeros(4, 24), *m.args(), (0, 16), (16, 4), 8)
-    with pytest.raises(ValueError, match="scratch must be 1-D float32 with >= "):
-        lora_apply(x, torch.zeros(4, 24), lora_a, lora_b, *m.args(), (0, 16), (16, 8), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"y must be \[T, 24\]"):
+        lora_expand(torch.zeros(4, 16), lora_b, torch.zeros(4, 32), *m.args(), (0, 16), (16, 8), 8)
 
 
 # -- the kernels, interpreted ----------------------------------------------------------------------------
 
 SMALL = LoraTiles(16, 16, 16, num_warps=1, num_stages=1)
 
-
-def _run_shrink(x, lora_a, mapping, splits=1, tiles=None):
-    """The kernel's shrunk rows (split planes summed) and the out buffer as written (NaN = not written)."""
-    out = torch.full((splits, x.shape[0], lora_a.shape[1]), float("nan"))
-    lora_shrink(x, lora_a, out if splits > 1 else out[0], *mapping.args(), tiles=tiles)
-    return out.sum(0), out
+def _run_shrink(x, lora_a, mapping, tiles=None):
+    """The shrink's out as written (NaN: not written), split-K over a scratch when tiles say so."""
+    out = torch.full((x.shape[0], lora_a.shape[1]), float("nan"))
+    scratch = lora_scratch(x.shape[0], lora_a.shape[0], lora_a.shape[1], "cpu")
+    lora_shrink(x, lora_a, out, *mapping.args(), scratch=scratch, tiles=tiles)
+    assert not scratch.counters.any()  # every tile's count reset for the next launch
+    return out
 
 
 @interpreted_only
@@ -190,20 +199,21 @@ def test_shrink_and_expand_match_the_reference(num_tokens, num_slots, k, part_ro
     x = torch.randn(num_tokens, k, generator=gen).to(dtype)
     lora_a, lora_b = random_adapters(num_slots, k, part_rows, rank, dtype, seed=3)
 
-    shrunk, planes = _run_shrink(x, lora_a, mapping, splits, tiles)
+    if tiles is not None:
+        tiles = dataclasses.replace(tiles, split_k=splits)
+    shrunk = _run_shrink(x, lora_a, mapping, tiles)
     expected = reference_shrink(x, lora_a, slot_of)
     has_slot = slot_of >= 0
     # float32 sums of exact products either way
     torch.testing.assert_close(shrunk[has_slot], expected[has_slot], rtol=1e-5, atol=1e-5)
-    assert torch.isnan(planes[:, ~has_slot]).all()  # tokens with no slot: never written
+    assert torch.isnan(shrunk[~has_slot]).all()  # tokens with no slot: never written
+    if splits > 1:  # the same sums in the same order: bit for bit on a second launch
+        assert torch.equal(_run_shrink(x, lora_a, mapping, tiles)[has_slot], shrunk[has_slot])
 
-    planes = torch.nan_to_num(planes)
+    shrunk = torch.nan_to_num(shrunk)
     y = torch.randn(num_tokens, sum(part_rows), generator=gen).to(dtype)
-    y_ref = reference_expand(planes.sum(0), lora_b, y, slot_of, starts_of(part_rows), part_rows, rank)
-    lora_expand(
-        planes if splits > 1 else planes[0], lora_b, y, *mapping.args(), starts_of(part_rows), part_rows, rank,
-        tiles=tiles,
-    )  # fmt: skip
+    y_ref = reference_expand(shrunk, lora_b, y, slot_of, starts_of(part_rows), part_rows, rank)
+    lora_expand(shrunk, lora_b, y, *mapping.args(), starts_of(part_rows), part_rows, rank, tiles=tiles)
     torch.testing.assert_close(y, y_ref, **tolerances(dtype))
     assert torch.equal(y[slot_of < 0], y_ref[slot_of < 0])  # untouched rows: bit for bit
 
@@ -212,7 +222,7 @@ def test_shrink_and_expand_match_the_reference(num_tokens, num_slots, k, part_ro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_with_all_tokens_on_one_slot(dtype) -> None:
     """Every token on the last slot: it spans several M tiles, the other slots are empty."""
-    num_tokens, num_slots, k, part_rows, rank = 40, 3, 64, (32, 16), 8
+    num_tokens, num_slots, k, part_rows, rank = 40, 3, 256, (32, 16), 8  # K 256: split-K 4
     slot_of = torch.full((num_tokens,), num_slots - 1)
     mapping = make_mapping(slot_of, num_slots)
     gen = torch.Generator().manual_seed(4)
@@ -221,8 +231,9 @@ def test_apply_with_all_tokens_on_one_slot(dtype) -> None:
     lora_a, lora_b = random_adapters(num_slots, k, part_rows, rank, dtype, seed=5)
     shrunk = reference_shrink(x, lora_a, slot_of)
     y_ref = reference_expand(shrunk, lora_b, y, slot_of, starts_of(part_rows), part_rows, rank)
-    scratch = lora_scratch(num_tokens, len(part_rows), rank, k, "cpu")
-    lora_apply(x, y, lora_a, lora_b, *mapping.args(), starts_of(part_rows), part_rows, scratch)
+    scratch = lora_scratch(num_tokens, num_slots, len(part_rows) * rank, "cpu")
+    out = torch.empty(num_tokens, len(part_rows) * rank)
+    lora_apply(x, y, lora_a, lora_b, *mapping.args(), starts_of(part_rows), part_rows, out, scratch)
     torch.testing.assert_close(y, y_ref, **tolerances(dtype))
 
 
@@ -233,8 +244,9 @@ def test_apply_leaves_every_row_alone_when_no_token_has_a_slot() -> None:
     lora_a, lora_b = random_adapters(4, k, part_rows, rank, torch.float32)
     y = torch.randn(num_tokens, 16)
     before = y.clone()
-    scratch = lora_scratch(num_tokens, 1, rank, k, "cpu")
-    lora_apply(torch.randn(num_tokens, k), y, lora_a, lora_b, *mapping.args(), (0,), part_rows, scratch)
+    scratch = lora_scratch(num_tokens, 4, rank, "cpu")
+    out = torch.empty(num_tokens, rank)
+    lora_apply(torch.randn(num_tokens, k), y, lora_a, lora_b, *mapping.args(), (0,), part_rows, out, scratch)
     assert torch.equal(y, before)
 
 

@@ -10,7 +10,7 @@ nowhere and their rows are neither read nor written.
 
     lora_shrink:  shrunk[t] = x[t] @ lora_a[slot(t)].T                      (float32)
     lora_expand:  y[t, part p] += shrunk[t, p*R:(p+1)*R] @ lora_b[slot(t), part p].T
-    lora_apply:   both, with the shrink's K split over a caller-owned scratch
+    lora_apply:   both, the shrink's K split over a caller-owned LoraScratch
 
 CUDA-graph safe: no host syncs, no allocations, and grids from static shapes only. The M axis
 of both grids enumerates the step's (slot, M tile) pairs compactly: each program reads the S
@@ -22,13 +22,20 @@ once. Tiles by shape class: lora_tiles.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.lora_tiles import LoraTiles, expand_tiles, shrink_scratch_numel, shrink_tiles
+from tokenmill.kernels.triton.lora_tiles import (
+    LoraTiles,
+    expand_tiles,
+    shrink_counters,
+    shrink_scratch_numel,
+    shrink_tiles,
+)
 
 MAX_PARTS = 4  # the expand kernel takes each part's bounds as scalar arguments
 _NO_PART = 1 << 30  # the first column block of a part that does not exist
@@ -54,7 +61,9 @@ def _slot_tile(counts_ptr, S, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 def _shrink_kernel(
     x_ptr,  # [T, K], last dimension contiguous
     a_ptr,  # [S, N, K] contiguous
-    out_ptr,  # [SPLIT_K, T, N] float32, last dimension contiguous
+    out_ptr,  # [T, N] float32, last dimension contiguous
+    part_ptr,  # [SPLIT_K, T, N] float32 partial sums (read only with SPLIT_K > 1)
+    counter_ptr,  # int32, one per (M program, column block), zero between launches (SPLIT_K > 1)
     ids_ptr,  # [T_cap] int32
     starts_ptr,  # [S] int32
     counts_ptr,  # [S] int32
@@ -64,8 +73,9 @@ def _shrink_kernel(
     k_per_split,  # a multiple of BLOCK_K
     stride_xm,
     stride_as,
-    stride_os,
     stride_om,
+    stride_ps,  # T * N: one split's partial sums
+    SPLIT_K: tl.constexpr,
     S_PAD: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32 inputs
@@ -104,13 +114,29 @@ def _shrink_kernel(
         else:
             a = a.to(x.dtype)
         acc = tl.dot(x, a, acc, input_precision=PRECISION)
-    out_at = out_ptr + tl.program_id(2) * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_at, acc, mask=row_ok[:, None] & col_ok[None, :])
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        part_at = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(part_at + tl.program_id(2) * stride_ps, acc, mask=out_ok)
+        # Every thread's partial sums are stored before one thread counts the program in; the
+        # count's release (and the last program's acquire) order them for the last program.
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split: add all in split order, reset the count
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other programs' stores are, not from a stale L1 line.
+                acc += tl.load(part_at + split * stride_ps, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=out_ok)
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=out_ok)
 
 
 @triton.jit
 def _expand_kernel(
-    s_ptr,  # [NUM_SPLITS, T, P*R] float32 (partial sums of the shrink), last dimension contiguous
+    s_ptr,  # [T, P*R] float32 (the shrink's output), last dimension contiguous
     b_ptr,  # [S, OUT, R] contiguous
     y_ptr,  # [T, >= OUT], last dimension contiguous
     ids_ptr,
@@ -118,14 +144,12 @@ def _expand_kernel(
     counts_ptr,
     S,
     R,
-    stride_ss,
     stride_sm,
     stride_bs,
     stride_ym,
     start0, start1, start2, start3,  # part p's first row of OUT
     rows0, rows1, rows2, rows3,  # part p's rows
     block1, block2, block3,  # part p's first column block (the grid's axis 1); _NO_PART if absent
-    NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -153,9 +177,7 @@ def _expand_kernel(
     r_ok = rs < R
 
     s_at = s_ptr + rows[:, None] * stride_sm + (part * R + rs)[None, :]
-    shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        shrunk += tl.load(s_at + split * stride_ss, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    shrunk = tl.load(s_at, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     b_at = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * R + rs[:, None]  # [BLOCK_R, BLOCK_N]
     b = tl.load(b_at, mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     if UPCAST_DOT:
@@ -171,6 +193,26 @@ def _expand_kernel(
 # -- launches ---------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraScratch:
+    """What a split-K shrink needs besides its output, allocated once before graphs are captured
+    (`lora_scratch`); one serves every layer up to its sizes, one launch at a time."""
+
+    partials: torch.Tensor  # float32, split * T * P*R partial sums
+    counters: torch.Tensor  # int32 tile counters, zero between launches (each launch resets its own)
+
+
+def lora_scratch(
+    max_tokens: int, max_slots: int, max_cols: int, device: torch.device | str
+) -> LoraScratch:
+    """The scratch of a split-K shrink for up to `max_tokens` rows, `max_slots` slots and
+    `max_cols` = P*R shrunk columns (the widest layer's), for any K."""
+    return LoraScratch(
+        torch.empty(shrink_scratch_numel(max_tokens, max_cols), dtype=torch.float32, device=device),
+        torch.zeros(shrink_counters(max_tokens, max_slots, max_cols), dtype=torch.int32, device=device),
+    )
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -179,36 +221,47 @@ def lora_shrink(
     slot_starts: torch.Tensor,
     slot_counts: torch.Tensor,
     *,
+    scratch: LoraScratch | None = None,
     tiles: LoraTiles | None = None,
 ) -> None:
-    """out[t, :] = x[t] @ lora_a[slot(t)].T for every token with a slot; other rows are not written.
+    """out[t, :] = x[t] @ lora_a[slot(t)].T (float32 out [T, P*R]) for every token with a slot;
+    other rows of out are not written.
 
-    `out` is float32 [T, P*R], or [SPLIT_K, T, P*R]: then K is split SPLIT_K ways, plane i holds
-    split i's partial sums and the result is their sum (lora_expand takes the planes as they are).
-    `tiles` overrides the shape-class table (tests, tuning); its split_k is ignored here."""
-    planes = out if out.dim() == 3 else out.unsqueeze(0)
+    With a `scratch`, K is split as the tile table says (few tokens); without one, never.
+    `tiles` overrides the table (tests, tuning)."""
     num_tokens, k = x.shape
     num_slots, n, k_a = lora_a.shape
     _check_mapping(sorted_token_ids, slot_starts, slot_counts, num_slots)
-    if k_a != k or planes.shape[1:] != (num_tokens, n) or planes.dtype != torch.float32:
+    if k_a != k or out.shape != (num_tokens, n) or out.dtype != torch.float32:
         raise ValueError(
             f"lora_shrink: x {tuple(x.shape)} and lora_a {tuple(lora_a.shape)} need a float32 out of "
-            f"[T, P*R] = [{num_tokens}, {n}] (or [splits, {num_tokens}, {n}]); got {out.dtype} {tuple(out.shape)}"
+            f"[T, P*R] = [{num_tokens}, {n}]; got {out.dtype} {tuple(out.shape)}"
         )
-    _check_inner_contiguous(x=x, out=planes)
+    _check_inner_contiguous(x=x, out=out)
     if not lora_a.is_contiguous():
         raise ValueError("lora_shrink: lora_a must be contiguous [S, P*R, K]")
     if num_tokens == 0:
         return
     t = tiles or shrink_tiles(num_tokens, n, k)
-    split_k = planes.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), split_k) * t.block_k
+    split_k = t.split_k if scratch is not None else 1
     grid = (_m_programs(num_tokens, num_slots, t.block_m), triton.cdiv(n, t.block_n), split_k)
+    partials, counters = out, slot_counts  # not read unsplit
+    if split_k > 1:
+        assert scratch is not None
+        partials, counters = scratch.partials, scratch.counters
+        if partials.numel() < split_k * num_tokens * n or counters.numel() < grid[0] * grid[1]:
+            raise ValueError(
+                f"lora_shrink: the scratch holds {partials.numel()} partial sums and {counters.numel()} "
+                f"counters; T={num_tokens}, P*R={n}, {num_slots} slots need {split_k * num_tokens * n} "
+                f"and {grid[0] * grid[1]} (size it with lora_scratch for the largest layer)"
+            )
+    k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), split_k) * t.block_k
     _shrink_kernel[grid](
-        x, lora_a, planes, sorted_token_ids, slot_starts, slot_counts,
-        num_slots, n, k, k_per_split, x.stride(0), lora_a.stride(0), planes.stride(0), planes.stride(1),
-        S_PAD=_s_pad(num_slots), EVEN_K=k % t.block_k == 0, PRECISION=_precision(x.dtype),
-        UPCAST_DOT=_upcast_dot(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        x, lora_a, out, partials, counters, sorted_token_ids, slot_starts, slot_counts,
+        num_slots, n, k, k_per_split, x.stride(0), lora_a.stride(0), out.stride(0), num_tokens * n,
+        SPLIT_K=split_k, S_PAD=_s_pad(num_slots), EVEN_K=k % t.block_k == 0,
+        PRECISION=_precision(x.dtype), UPCAST_DOT=_upcast_dot(x),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
 
@@ -229,23 +282,19 @@ def lora_expand(
     """y[t, part p] += shrunk[t, p*R:(p+1)*R] @ lora_b[slot(t), part p].T in place, in y's dtype
     (accumulated in float32), for every token with a slot; other rows of y are untouched.
 
-    `shrunk` is float32 [T, P*R] or the [SPLIT_K, T, P*R] planes of a split shrink (summed here).
-    `y` may be wider than OUT (a view into a larger output is fine: its rows need only a
-    contiguous last dimension)."""
-    planes = shrunk if shrunk.dim() == 3 else shrunk.unsqueeze(0)
+    `y` may be a column slice of a wider output: its rows need only a contiguous last dimension."""
     num_slots, out_rows, r = lora_b.shape
     num_parts = len(part_starts)
     _check_mapping(sorted_token_ids, slot_starts, slot_counts, num_slots)
     _check_parts(part_starts, part_rows, out_rows)
-    if r != rank or planes.dtype != torch.float32 or planes.shape[1:] != (y.shape[0], num_parts * rank):
+    if r != rank or shrunk.dtype != torch.float32 or shrunk.shape != (y.shape[0], num_parts * rank):
         raise ValueError(
             f"lora_expand: lora_b {tuple(lora_b.shape)} with rank {rank} and {num_parts} parts needs a float32 "
-            f"shrunk of [T, P*R] = [{y.shape[0]}, {num_parts * rank}] (or [splits, T, P*R]); "
-            f"got {shrunk.dtype} {tuple(shrunk.shape)}"
+            f"shrunk of [T, P*R] = [{y.shape[0]}, {num_parts * rank}]; got {shrunk.dtype} {tuple(shrunk.shape)}"
         )
-    if y.dim() != 2 or y.shape[1] < out_rows:
-        raise ValueError(f"lora_expand: y must be [T, >= {out_rows}], got {tuple(y.shape)}")
-    _check_inner_contiguous(shrunk=planes, y=y)
+    if y.dim() != 2 or y.shape[1] != out_rows:
+        raise ValueError(f"lora_expand: y must be [T, {out_rows}], got {tuple(y.shape)}")
+    _check_inner_contiguous(shrunk=shrunk, y=y)
     if not lora_b.is_contiguous():
         raise ValueError("lora_expand: lora_b must be contiguous [S, OUT, R]")
     num_tokens = y.shape[0]
@@ -253,26 +302,18 @@ def lora_expand(
         return
     t = tiles or expand_tiles(num_tokens, out_rows, rank)
     blocks = [triton.cdiv(rows, t.block_n) for rows in part_rows]
-    firsts = [sum(blocks[:p]) for p in range(1, MAX_PARTS)]
-    firsts = [f if p < num_parts else _NO_PART for p, f in enumerate(firsts, start=1)]
+    firsts = [sum(blocks[:p]) if p < num_parts else _NO_PART for p in range(1, MAX_PARTS)]
     starts = list(part_starts) + [0] * (MAX_PARTS - num_parts)
     rows = list(part_rows) + [0] * (MAX_PARTS - num_parts)
     grid = (_m_programs(num_tokens, num_slots, t.block_m), sum(blocks))
     _expand_kernel[grid](
-        planes, lora_b, y, sorted_token_ids, slot_starts, slot_counts,
-        num_slots, rank, planes.stride(0), planes.stride(1), lora_b.stride(0), y.stride(0),
+        shrunk, lora_b, y, sorted_token_ids, slot_starts, slot_counts,
+        num_slots, rank, shrunk.stride(0), lora_b.stride(0), y.stride(0),
         *starts, *rows, *firsts,
-        NUM_SPLITS=planes.shape[0], S_PAD=_s_pad(num_slots), PRECISION=_precision(lora_b.dtype),
-        UPCAST_DOT=_upcast_dot(lora_b), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), num_warps=t.num_warps, num_stages=t.num_stages,
+        S_PAD=_s_pad(num_slots), PRECISION=_precision(lora_b.dtype), UPCAST_DOT=_upcast_dot(lora_b),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-
-
-def lora_scratch(max_tokens: int, num_parts: int, rank: int, k: int, device: torch.device | str) -> torch.Tensor:
-    """The float32 scratch that `lora_apply` needs for up to `max_tokens` rows of a layer with K
-    inputs and P*R shrunk columns; allocate once, before capturing graphs (the largest layer's
-    serves every layer)."""
-    return torch.empty(shrink_scratch_numel(max_tokens, num_parts * rank, k), dtype=torch.float32, device=device)
 
 
 def lora_apply(
@@ -285,27 +326,20 @@ def lora_apply(
     slot_counts: torch.Tensor,
     part_starts: Sequence[int],
     part_rows: Sequence[int],
-    scratch: torch.Tensor,
+    shrunk: torch.Tensor,
+    scratch: LoraScratch,
 ) -> None:
     """y[t] += the LoRA delta of x[t] through its slot's adapter (all P parts), in place: the shrink
-    with the table's split-K into `scratch` (1-D float32, from `lora_scratch`), then the expand."""
-    num_tokens, k = x.shape
-    n = lora_a.shape[1]
+    into `shrunk` (float32 [T, P*R], e.g. a view of a buffer sized for the largest layer) with the
+    table's split-K over `scratch`, then the expand."""
     num_parts = len(part_starts)
-    if n % num_parts:
-        raise ValueError(f"lora_apply: lora_a has {n} rows, not a multiple of the {num_parts} parts")
-    split_k = shrink_tiles(num_tokens, n, k).split_k
-    need = split_k * num_tokens * n
-    if scratch.dim() != 1 or scratch.dtype != torch.float32 or scratch.numel() < need:
-        raise ValueError(
-            f"lora_apply: scratch must be 1-D float32 with >= {need} elements for T={num_tokens}, "
-            f"P*R={n}, K={k} (see lora_scratch); got {scratch.dtype} {tuple(scratch.shape)}"
-        )
-    planes = scratch[:need].view(split_k, num_tokens, n)
-    lora_shrink(x, lora_a, planes, sorted_token_ids, slot_starts, slot_counts)
+    if lora_a.shape[1] % num_parts:
+        raise ValueError(f"lora_apply: lora_a has {lora_a.shape[1]} rows, not a multiple of the {num_parts} parts")
+    lora_shrink(x, lora_a, shrunk, sorted_token_ids, slot_starts, slot_counts, scratch=scratch)
     lora_expand(
-        planes, lora_b, y, sorted_token_ids, slot_starts, slot_counts, part_starts, part_rows, n // num_parts
-    )
+        shrunk, lora_b, y, sorted_token_ids, slot_starts, slot_counts, part_starts, part_rows,
+        lora_a.shape[1] // num_parts,
+    )  # fmt: skip
 
 
 # -- helpers ----------------------------------------------------------------------------------------
