@@ -166,9 +166,17 @@ class TritonPagedBackend(AttentionBackend):
         if not torch.cuda.is_available():
             raise RuntimeError("prepare_for_capture needs CUDA: graphs are captured on the GPU only")
         device = torch.device("cuda", torch.cuda.current_device())
-        self._graph_max_reqs = max_num_reqs
-        self._graph_max_decode_q = decode_query_block(max_decode_query_len)
-        self._graph_max_context_len = max_blocks_per_req * self.block_size
+        limits = (max_num_reqs, decode_query_block(max_decode_query_len), max_blocks_per_req * self.block_size)
+        if self._graph_scratch is not None:
+            # A second set of graphs (LoRA captures one with its kernels and one without) shares the
+            # first's scratch: graphs already captured read it, so it must stay where it is.
+            if limits != (self._graph_max_reqs, self._graph_max_decode_q, self._graph_max_context_len):
+                raise RuntimeError(
+                    f"prepare_for_capture called again with other limits {limits}; graphs captured "
+                    "before still read the first call's scratch"
+                )
+            return
+        self._graph_max_reqs, self._graph_max_decode_q, self._graph_max_context_len = limits
         capacity_rows = self._graph_max_decode_q * max(
             batch * self._graph_num_kv_splits(batch, device) for batch in range(1, max_num_reqs + 1)
         )

@@ -40,15 +40,14 @@ class LoRALinearMethod(WrappingLinearMethod):
         return y
 
     def _add_with_kernels(self, layer: LinearBase, x: torch.Tensor, y: torch.Tensor) -> None:
-        from tokenmill.kernels.triton.lora import lora_expand, lora_shrink
+        from tokenmill.kernels.triton.lora import lora_apply
 
         m, g = self.mapping, self.geometry
         width = g.num_parts * self.rank
         shrunk = m.shrunk[: x.shape[0] * width].view(x.shape[0], width)
-        lora_shrink(x, layer.lora_a, shrunk, m.sorted_token_ids, m.slot_starts, m.slot_counts)
-        lora_expand(
-            shrunk, layer.lora_b, y, m.sorted_token_ids, m.slot_starts, m.slot_counts,
-            g.part_starts, g.part_rows, self.rank,
+        lora_apply(
+            x, y, layer.lora_a, layer.lora_b, m.sorted_token_ids, m.slot_starts, m.slot_counts,
+            g.part_starts, g.part_rows, shrunk, m.scratch,
         )  # fmt: skip
 
     def _add_segments(self, layer: LinearBase, x: torch.Tensor, y: torch.Tensor) -> None:

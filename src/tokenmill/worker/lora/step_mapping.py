@@ -28,8 +28,12 @@ class LoRAStepMapping:
             self.sorted_token_ids = self._device[:max_tokens]
             self.slot_starts = self._device[max_tokens : max_tokens + num_slots]
             self.slot_counts = self._device[max_tokens + num_slots :]
-            # The shrink's float32 output, [tokens, parts * R] viewed per layer.
+            from tokenmill.kernels.triton.lora import lora_scratch
+
+            # The shrink's float32 output, [tokens, parts * R] viewed per layer, and its split-K
+            # partials: one layer's LoRA runs at a time, so every layer shares them.
             self.shrunk = torch.empty(max_tokens * max_shrunk_width, dtype=torch.float32, device=device)
+            self.scratch = lora_scratch(max_tokens, num_slots, max_shrunk_width, device)
 
     def set(self, token_slots: np.ndarray) -> None:
         """`token_slots`: the slot of each token row of the step (-1: no adapter). On a GPU the copy
