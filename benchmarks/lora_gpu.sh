@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-LoRA throughput on one GPU (issue 18, "Benchmarks"), every ratio taken within one device
 # call: Llama-3.1-8B shapes, dummy bf16 weights, dummy bf16 adapters on all of q/k/v/o/gate/up/down
-# (written by the bench itself, bench/lora_adapters.py), offline `bench throughput` 512 x 512/256, a fresh process per run:
+# (written by the bench itself, bench/lora_adapters.py), offline `bench throughput` 512 x 512/256,
+# a fresh process per run:
 #   off        LoRA disabled: the reference of every ratio (each call runs it first)
 #   base-only  LoRA enabled (8 slots, rank 16), every request on the base model   target >= 0.97x off
 #   n8-r16     8 adapters of rank 16 in 8 slots, requests round-robin             target >= 0.8x off

@@ -175,6 +175,22 @@ def test_lora_options_fill_the_engine_options() -> None:
         build_parser().parse_args(["bench", "throughput", "--lora-targets", "q_proj,embed_tokens"])
 
 
+@pytest.mark.parametrize(
+    ("extra", "slots", "max_rank"),
+    [
+        (["--lora-adapters", "4", "--lora-rank", "8"], 4, 8),  # slots min(N, 8); slot width = the rank
+        (["--lora-adapters", "4", "--max-loras", "1"], 1, 16),  # an explicit 1 is not the default 1
+        (["--lora-adapters", "4", "--lora-rank", "8", "--max-lora-rank", "16"], 4, 16),  # rank 8 in rank-16 slots
+    ],
+)
+def test_explicit_engine_lora_options_win_over_the_workload_defaults(extra: list[str], slots: int, max_rank: int) -> None:
+    args = build_parser().parse_args(["bench", "throughput", *extra])
+    workload = lora_workload.resolve(args)
+    assert workload is not None and workload.slots == slots
+    assert (args.max_loras, args.max_lora_rank) == (slots, max_rank)
+    assert type(args.max_loras) is int and type(args.max_lora_rank) is int
+
+
 def test_lora_gpu_script_answers_help_and_refuses_unknown_arguments() -> None:
     script = ROOT / "benchmarks" / "lora_gpu.sh"
     done = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, cwd=ROOT)

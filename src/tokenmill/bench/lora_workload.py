@@ -22,7 +22,6 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.model.arch import ArchConfig
 
 DEFAULT_SLOTS_CAP = 8  # --max-loras default: min(N, this)
-_ENGINE_DEFAULTS = {"max_loras": 1, "max_lora_rank": 16}  # EngineArgs' own, when LoRA is off
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +53,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="directory of the adapters (lora-000, lora-001, ...); ones already there with this rank, "
         "targets and dtype are reused (default: a temporary directory, removed afterwards)",
     )
-    # --max-loras / --max-lora-rank (engine options) default to what the workload needs; see resolve().
-    parser.set_defaults(max_loras=None, max_lora_rank=None)
+    # --max-loras / --max-lora-rank (engine options, defaults 1 and 16) follow the workload unless given.
+    for dest in ("max_loras", "max_lora_rank"):
+        _mark_given(parser, dest)
+
+
+class _Given(int):
+    """An option's value as parsed from the command line (or --config), not its default."""
+
+
+def _mark_given(parser: argparse.ArgumentParser, dest: str) -> None:
+    """Make `dest`'s parsed values _Given ints, so resolve() tells `--max-loras 1` from the
+    engine's default 1 (the engine flags keep their defaults on every command)."""
+    for action in parser._actions:  # argparse has no public lookup by dest
+        if action.dest == dest:
+            parse = action.type or int
+
+            def given(text: str, parse=parse) -> _Given:  # noqa: ANN001 - argparse's type callable
+                return _Given(parse(text))
+
+            given.__name__ = getattr(parse, "__name__", "int")  # argparse's "invalid int value" message
+            action.type = given
+            return
+    raise ValueError(f"no option of this parser stores {dest!r}; add the engine options first")
+
+
+def _given(value: object) -> bool:
+    return isinstance(value, _Given)
 
 
 def _targets(text: str) -> tuple[str, ...]:
@@ -106,16 +130,14 @@ def resolve(args: argparse.Namespace) -> LoRAWorkload | None:
                 "--lora-base-only needs --lora-adapters N >= 1: N sizes the engine (slots, host cache) "
                 "as in the adapter run it is compared with"
             )
-        for name, default in _ENGINE_DEFAULTS.items():
-            if getattr(args, name) is None:
-                setattr(args, name, default)
+        args.max_loras, args.max_lora_rank = int(args.max_loras), int(args.max_lora_rank)
         return None  # --enable-lora alone still works: the engine options as given
     if getattr(args, "baseline", "none") != "none":
         raise ValueError("--baseline measures transformers without adapters; run it without --lora-adapters")
-    slots = args.max_loras if args.max_loras is not None else min(n, DEFAULT_SLOTS_CAP)
+    slots = int(args.max_loras) if _given(args.max_loras) else min(n, DEFAULT_SLOTS_CAP)
     if slots < 1:
         raise ValueError(f"--max-loras must be >= 1, got {slots}")
-    if args.max_lora_rank is not None and args.max_lora_rank < rank:
+    if _given(args.max_lora_rank) and args.max_lora_rank < rank:
         raise ValueError(f"--max-lora-rank {args.max_lora_rank} is below --lora-rank {rank}; drop it or raise it")
     host = args.max_cpu_loras if args.max_cpu_loras is not None else max(n, slots)
     if host < n and not args.lora_base_only:
@@ -124,8 +146,8 @@ def resolve(args: argparse.Namespace) -> LoRAWorkload | None:
             "again and again; drop --max-cpu-loras (default max(N, slots))"
         )
     args.enable_lora = True
-    args.max_loras = slots
-    args.max_lora_rank = args.max_lora_rank if args.max_lora_rank is not None else rank
+    args.max_loras = slots  # plain ints from here on: the result records them
+    args.max_lora_rank = int(args.max_lora_rank) if _given(args.max_lora_rank) else rank
     args.max_cpu_loras = host
     return LoRAWorkload(n, rank, tuple(args.lora_targets), slots, host, args.lora_base_only, args.lora_dtype)
 
@@ -137,6 +159,7 @@ class AdapterSet:
     def __init__(self, workload: LoRAWorkload, arch: ArchConfig, directory: str | None, model_name: str | None):
         self._tmp = None
         self.requests: list[LoRARequest] = []
+        self.directory: Path | None = None
         if workload.base_only:
             return
         if directory is None:
