@@ -1,7 +1,8 @@
 """`tokenmill bench throughput`: offline, in-process throughput with random prompts.
 
 Optionally measures a `transformers` baseline in the same run on the same weights, so the result
-is a ratio taken on one machine at one time.
+is a ratio taken on one machine at one time. `--lora-adapters N` spreads the prompts over N dummy
+LoRA adapters (bench/lora_workload.py); benchmarks/lora_gpu.sh compares that with the base model.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import numpy as np
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.args import EngineArgs
+    from tokenmill.bench import lora_workload
 
     EngineArgs.add_cli_args(parser)
+    lora_workload.add_cli_args(parser)
     parser.add_argument("--num-prompts", type=int, default=64, help="random prompts, all submitted at once")
     parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
     parser.add_argument(
@@ -55,8 +58,13 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> 
 
 
 def run_tokenmill(
-    llm: Any, prompts: list[list[int]], output_len: int, use_tqdm: bool = True
+    llm: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    use_tqdm: bool = True,
+    lora_requests: list[Any] | None = None,
 ) -> dict[str, float]:
+    """Generate `output_len` tokens for each prompt (prompt i with lora_requests[i], if given)."""
     from tokenmill.sampling_params import SamplingParams
 
     # Without tokenizer files (dummy weights at a real model's shapes) there is nothing to detokenize.
@@ -64,7 +72,9 @@ def run_tokenmill(
         temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=llm.tokenizer is not None
     )
     started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm, lora_request=lora_requests
+    )
     elapsed = time.perf_counter() - started
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
@@ -80,19 +90,34 @@ def run_tokenmill(
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.args import EngineArgs
+    from tokenmill.bench import lora_workload
     from tokenmill.bench.results import engine_options, write_result
     from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, spec_decode_totals
     from tokenmill.engine.llm import LLM
 
+    lora = lora_workload.resolve(args)  # fills the engine's LoRA options in args
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**engine_args.as_kwargs())
     engine_config = llm.config  # recorded in the result; the baseline below deletes llm
     prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, seed=args.seed)
-    if args.warmup:
-        # Enough prompts for a mixed prefill + decode step: compiles the kernel variants the run needs.
-        run_tokenmill(llm, prompts[: min(32, len(prompts))], 8, use_tqdm=False)
-    spec_before = spec_decode_totals(llm.engine.get_stats())
-    metrics: dict[str, Any] = run_tokenmill(llm, prompts, args.output_len)
+    adapters = None
+    if lora is not None:
+        adapters = lora_workload.AdapterSet(lora, llm.resolved.arch, args.lora_dir, args.model)
+    try:
+        per_prompt = adapters.per_prompt(len(prompts)) if adapters is not None else None
+        if args.warmup:
+            # Enough prompts for a mixed prefill + decode step: compiles the kernel variants the run
+            # needs; with adapters, enough to meet each one, so all are in host memory before the timing.
+            count = min(len(prompts), max(32, lora.adapters if lora is not None else 0))
+            warm_loras = per_prompt[:count] if per_prompt is not None else None
+            run_tokenmill(llm, prompts[:count], 8, use_tqdm=False, lora_requests=warm_loras)
+        spec_before = spec_decode_totals(llm.engine.get_stats())
+        lora_before = lora_workload.lora_counters(llm)
+        metrics: dict[str, Any] = run_tokenmill(llm, prompts, args.output_len, lora_requests=per_prompt)
+        lora_after = lora_workload.lora_counters(llm)
+    finally:
+        if adapters is not None:
+            adapters.close()
     spec_decode = spec_decode_summary(spec_before, spec_decode_totals(llm.engine.get_stats()))
     print(
         f"tokenmill: {metrics['output_tokens_per_s']:.1f} output tok/s, {metrics['total_tokens_per_s']:.1f} total tok/s "
@@ -101,6 +126,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if spec_decode is not None:  # None without speculation
         metrics["spec_decode"] = spec_decode
         print(format_spec_decode(spec_decode))
+    if lora is not None and lora_before is not None and lora_after is not None:
+        # Loads during the timed run: host loads should be 0 (all adapters warmed up); slot loads
+        # count the adapter swaps when there are more adapters than slots.
+        metrics["lora"] = {key: lora_after[key] - lora_before[key] for key in lora_after}
+        print(f"LoRA during the timed run: {metrics['lora']}")
 
     if args.baseline != "none":
         from tokenmill.bench import hf_baseline
@@ -139,6 +169,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         else 0,
         **engine_options(engine_args, engine_config),
     }
+    if lora is not None:
+        config["lora"] = lora.config_block()
     if args.save_result:
         path = write_result("throughput", config, metrics, out_dir=args.result_dir, name=args.result_name)
         print(f"wrote {path}")
