@@ -95,6 +95,12 @@ TOKENMILL_API_KEY = _str(
     None,
     "`tokenmill serve`: require 'Authorization: Bearer <key>' when --api-key is not given",
 )
+TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING = _bool(
+    "TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING",
+    False,
+    "`tokenmill serve`: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as "
+    "--allow-runtime-lora-updating; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+)
 TOKENMILL_COMMIT = _str(
     "TOKENMILL_COMMIT",
     None,

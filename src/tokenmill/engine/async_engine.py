@@ -26,6 +26,8 @@ from tokenmill.engine.messages import EngineInfo, StepOutputs
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request_trace import RequestTraceLog
 from tokenmill.errors import EngineDeadError
+from tokenmill.lora.request import LoRARequest
+from tokenmill.model.arch import ArchConfig
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -75,6 +77,7 @@ class AsyncEngine:
         self.client.on_dead = self._fail_streams
         self.client.num_waiting = lambda: len(self._streams)
         self.info: EngineInfo | None = None
+        self.arch: ArchConfig | None = None  # the model's shapes, once start() resolved it (LoRA checks)
         self.tokenizer: Any = None
         # The model's sampling defaults (--generation-config), for fields a request leaves unset.
         self.default_sampling: dict[str, Any] = {}
@@ -96,6 +99,7 @@ class AsyncEngine:
         # reuses the cache; Hub revisions are pinned to the commits found here, so the engine
         # process loads the very snapshot this process reads the tokenizer from.
         resolved = await asyncio.to_thread(resolve_model, self.config.model)
+        self.arch = resolved.arch
         self.config = dataclasses.replace(self.config, model=pin_snapshots(self.config.model, resolved))
         from tokenmill.model.generation_defaults import generation_defaults
 
@@ -168,6 +172,7 @@ class AsyncEngine:
         stream: bool = True,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields per-sequence RequestOutputs (delta text when stream=True) until all n finish.
 
@@ -181,7 +186,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self.input_processor is not None and self.output_processor is not None
         children = [
-            (child.index, self.input_processor.make_request(child.request_id, prompt_token_ids, child.params, priority=priority, cache_salt=cache_salt))
+            (child.index, self.input_processor.make_request(child.request_id, prompt_token_ids, child.params, priority=priority, cache_salt=cache_salt, lora_request=lora_request))
             for child in fan_out(request_id, params)
         ]  # fmt: skip
         record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -18,6 +18,7 @@ from tokenmill import __version__
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE
 from tokenmill.server.chat_prompt import render_chat_prompt
+from tokenmill.server.lora_registry import RUNTIME_FLAG, LoRARegistry, LoRAUpdatingDisabledError
 from tokenmill.server.openapi import document_request_bodies
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -32,6 +33,7 @@ from tokenmill.server.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from tokenmill.server.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import EventStream, tokenize_off_loop, wait_for_disconnect
 from tokenmill.server.serving_completion import create_completion
@@ -303,11 +305,35 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = state.engine.info
-        cards = [
-            ModelCard(id=name, root=state.model_root, max_model_len=info.max_model_len if info else None)
-            for name in state.model_names
-        ]
+        max_model_len = info.max_model_len if info else None
+        cards = [ModelCard(id=name, root=state.model_root, max_model_len=max_model_len) for name in state.model_names]
+        for adapter in state.lora.adapters if state.lora is not None else ():
+            lora = adapter.request
+            cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path, parent=adapter.parent, max_model_len=max_model_len))
         return ModelList(data=cards).model_dump()
+
+    # In the schema only where they are served; elsewhere they answer 404 naming the flag that serves them.
+    runtime_lora = state.lora is not None and state.lora.allow_runtime_updating
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=runtime_lora)
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"}; the adapter is checked against the base model before it
+        is served (400 naming the problem), a path outside --lora-allowed-dirs is 403."""
+        registry = _runtime_lora(state)
+        state.check_available()
+        body = parse_request(LoadLoRAAdapterRequest, await read_body(state, request))
+        await registry.load(state.engine, body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", include_in_schema=runtime_lora)
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: {"lora_name"}. 409 while requests using the adapter are in flight: finish or cancel
+        them first. The adapter's cached KV blocks are never reused: a later load gets a new id."""
+        registry = _runtime_lora(state)
+        state.check_available()
+        body = parse_request(UnloadLoRAAdapterRequest, await read_body(state, request))
+        await registry.unload(state.engine, body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -366,6 +392,16 @@ def create_app(state: ServerState) -> FastAPI:
         )
 
     return app
+
+
+def _runtime_lora(state: ServerState) -> LoRARegistry:
+    """The registry, when this server loads and unloads adapters at runtime; else 404 naming the flags."""
+    if state.lora is None:
+        raise LoRAUpdatingDisabledError(
+            f"LoRA is off on this server; start it with --enable-lora and {RUNTIME_FLAG} to load adapters at runtime"
+        )
+    state.lora.check_runtime_updating()
+    return state.lora
 
 
 class _ClientStalled(Exception):  # not an OSError: starlette turns those into ClientDisconnect

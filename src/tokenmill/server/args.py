@@ -141,6 +141,35 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "15 s, httpx 5 s, so the server never closes one as a client reuses it: that race resets requests)",
     )
     add_tool_and_reasoning_args(parser)
+    add_lora_serving_args(parser)
+
+
+def add_lora_serving_args(parser: argparse.ArgumentParser) -> None:
+    """Which LoRA adapters the server serves (the engine's --enable-lora, --max-loras, --max-lora-rank
+    and --max-cpu-loras are EngineArgs')."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served from start-up, each as name=path or as JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one with "model": name. '
+        "Needs --enable-lora",
+    )
+    parser.add_argument(
+        "--lora-allowed-dirs",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="POST /v1/load_lora_adapter loads only adapters inside one of these directories (symlinks "
+        "resolved); a path elsewhere is refused with 403. Unset: any path the server can read",
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every "
+        "/v1 route); also TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING=true. Needs --enable-lora",
+    )
 
 
 def add_tool_and_reasoning_args(parser: argparse.ArgumentParser) -> None:

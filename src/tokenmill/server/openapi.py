@@ -21,6 +21,7 @@ from tokenmill.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenmill.server.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 # path -> the models one of which its POST body must be (/tokenize takes a prompt or messages).
 REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
@@ -28,19 +29,25 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/chat/completions": (ChatCompletionRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
+    # Published only on servers that load adapters at runtime (--allow-runtime-lora-updating).
+    "/v1/load_lora_adapter": (LoadLoRAAdapterRequest,),
+    "/v1/unload_lora_adapter": (UnloadLoRAAdapterRequest,),
 }
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 
 def add_request_bodies(schema: dict[str, Any]) -> dict[str, Any]:
     """Puts the request body of every route in REQUEST_BODIES into an OpenAPI document (in place)."""
-    models = sorted({m for ms in REQUEST_BODIES.values() for m in ms}, key=lambda m: m.__name__)
+    published = {
+        path: accepted
+        for path, accepted in REQUEST_BODIES.items()
+        if schema.get("paths", {}).get(path, {}).get("post") is not None
+    }
+    models = sorted({m for ms in published.values() for m in ms}, key=lambda m: m.__name__)
     refs, definitions = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
-    for path, accepted in REQUEST_BODIES.items():
-        operation = schema.get("paths", {}).get(path, {}).get("post")
-        if operation is None:
-            continue
+    for path, accepted in published.items():
+        operation = schema["paths"][path]["post"]
         options = [refs[(m, "validation")] for m in accepted]
         body_schema = options[0] if len(options) == 1 else {"anyOf": options}
         operation["requestBody"] = {

@@ -101,7 +101,7 @@ def _prompt_logprobs(
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
     """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
-    state.check_model(request.model)
+    lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
     check_priority(state, request.priority)
     tool_plan = plan_tools(state, request)
@@ -122,7 +122,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     request_id = request.request_id or random_id("chatcmpl")
     model = request.model or state.model_names[0]
     choices = [ChoiceState(index=j) for j in range(params.n)]
-    status = admit(state, [prompt], params, request.request_timeout, constraint_param)
+    status = admit(state, [prompt], params, request.request_timeout, constraint_param, lora)
     outputs = generate_all(
         state,
         request_id,

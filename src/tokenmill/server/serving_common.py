@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionTicket, QueueTimeoutError
+from tokenmill.server.lora_registry import LoRAHold
 from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from tokenmill.server.state import ServerState
 
@@ -64,9 +66,13 @@ class RunStatus:
     queue_expired: set[tuple[int, int]] = field(default_factory=set)
     # The request field its output constraint came from: the engine's compile errors name it.
     constraint_param: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    lora_hold: LoRAHold | None = None  # keeps the adapter from being unloaded until the request ends
 
     def release(self) -> None:
         self.ticket.release()
+        if self.lora_hold is not None:
+            self.lora_hold.release()
 
     def never_started(self, choices: list[ChoiceState]) -> bool:
         """True when the queue-time limit ended every sequence before any produced a token."""
@@ -79,14 +85,26 @@ def admit(
     params: SamplingParams,
     requested_timeout: float | None,
     constraint_param: str | None = None,
+    lora: LoRARequest | None = None,
 ) -> RunStatus:
-    """Admission control (429 when too much is waiting), then the request's deadlines."""
+    """Admission control (429 when too much is waiting), the hold on its LoRA adapter (404 if it
+    was unloaded meanwhile), then the request's deadlines. RunStatus.release() gives both back."""
     ticket = state.admission.admit([len(p.token_ids) for p in prompts], params.n)
+    hold = None
+    if lora is not None:
+        assert state.lora is not None  # resolve_model found the adapter there
+        try:
+            hold = state.lora.hold(lora)
+        except TokenmillError:
+            ticket.release()
+            raise
     return RunStatus(
         ticket=ticket,
         timeout_s=request_timeout(state, requested_timeout),
         queue_timeout_s=state.max_queue_time,
         constraint_param=constraint_param,
+        lora=lora,
+        lora_hold=hold,
     )
 
 
@@ -177,7 +195,8 @@ async def generate_all(
     aborts its sequences in the engine. When `status.timeout_s` passes first, the unfinished
     sequences are aborted and end with finish_reason "abort"; `status.timed_out` tells. When
     `status.queue_timeout_s` passes, the sequences that have not produced a token yet end the
-    same way; `status.queue_expired` tells which. Ending releases the request's admission.
+    same way; `status.queue_expired` tells which. Ending releases the request's admission and
+    its hold on its LoRA adapter.
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -194,6 +213,7 @@ async def generate_all(
                 stream=True,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=status.lora,
             ):
                 if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
                     ticket.started(i, out.outputs[0].index)
@@ -234,7 +254,7 @@ async def generate_all(
             else:
                 yield item
     finally:
-        ticket.release()
+        status.release()
         for task in [*tasks, *timers]:
             if not task.done():
                 task.cancel()

@@ -88,7 +88,7 @@ def _completion_logprobs(
 
 async def create_completion(state: ServerState, request: CompletionRequest):
     """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
-    state.check_model(request.model)
+    lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
     check_priority(state, request.priority)
     if request.echo and request.stream and request.logprobs is not None:
@@ -103,7 +103,7 @@ async def create_completion(state: ServerState, request: CompletionRequest):
     n = params.n
     # OpenAI numbers the choices of prompt i as i * n + j.
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
-    status = admit(state, prompts, params, request.request_timeout, request.constraint_param)
+    status = admit(state, prompts, params, request.request_timeout, request.constraint_param, lora)
     outputs = generate_all(
         state,
         request_id,

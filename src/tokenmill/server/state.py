@@ -8,9 +8,11 @@ from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.admission import AdmissionControl
+from tokenmill.server.lora_registry import LoRARegistry
 
 
 class ServiceUnavailableError(TokenmillError):
@@ -47,6 +49,7 @@ class ServerState:
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
     admission: AdmissionControl = field(default_factory=AdmissionControl)
+    lora: LoRARegistry | None = None  # the served LoRA adapters; None: LoRA off (--enable-lora)
     ready: bool = False
     draining: bool = False
     startup_error: str | None = None
@@ -88,11 +91,21 @@ class ServerState:
         return tokenizer
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ModelNotFoundError(
-                f"the model {model!r} does not exist; this server serves: {', '.join(self.model_names)}",
-                param="model",
-            )
+        self.resolve_model(model)
+
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 naming everything
+        served when it names nothing served."""
+        if model is None or model in self.model_names:
+            return None
+        lora = self.lora.get(model) if self.lora is not None else None
+        if lora is None:
+            served = ", ".join(self.model_names)
+            if self.lora is not None:
+                adapters = ", ".join(a.request.lora_name for a in self.lora.adapters) or "none loaded"
+                served = f"{served} (base model); LoRA adapters: {adapters}"
+            raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves: {served}", param="model")
+        return lora
 
     def observe_output(self, out: RequestOutput, now: float) -> None:
         """Feeds the latency histograms from every output as it leaves the engine."""
