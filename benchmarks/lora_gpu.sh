@@ -20,7 +20,8 @@ usage() {
   echo "usage: [OUT=dir] [LOGS=dir] [ADAPTERS=dir] [NUM_PROMPTS=512] [RUN_TIMEOUT=240] [BUDGET_S=480]"
   echo "       [TOKENMILL_COMMIT=id] [MODEL=dir] [INPUT_LEN=512] [OUTPUT_LEN=256] [EXTRA_ARGS='bench options']"
   echo "       benchmarks/lora_gpu.sh [--only main,rank,count]"
-  echo "  main: off, base-only, n8-r16; rank: n8-r8, n8-r16, n8-r64; count: n1-r16, n8-r16, n32-r16"
+  echo "  main: off, base-only, n8-r16; rank: n8-r8, n8-r16, n8-r64; count: n1-r16, n8-r16, n32-r16;"
+  echo "  or single runs by label (base-only, nN-rR)"
   echo "  (off, LoRA disabled, always runs first: every ratio is against it, in the same call)"
 }
 ONLY=main,rank,count
@@ -99,6 +100,7 @@ for part in ${ONLY//,/ }; do
     main) run base-only; run n8-r16 ;;
     rank) for r in 8 16 64; do run "n8-r$r"; done ;;
     count) for n in 1 8 32; do run "n$n-r16"; done ;;
+    *) run "$part" ;;  # one run by its label, e.g. n32-r16
   esac
 done
 
