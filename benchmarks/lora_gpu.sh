@@ -35,7 +35,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 for part in ${ONLY//,/ }; do
-  case $part in main | rank | count) ;; *) echo "--only: unknown part '$part'; use main, rank, count" >&2; exit 2 ;; esac
+  case $part in
+    main | rank | count | base-only | n[0-9]*-r[0-9]*) ;;
+    *) echo "--only: unknown part '$part'; use main, rank, count or run labels (base-only, n8-r16, ...)" >&2; exit 2 ;;
+  esac
 done
 
 OUT=${OUT:-/tmp/tokenmill-lora-gpu}
