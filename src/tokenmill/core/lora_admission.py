@@ -20,6 +20,10 @@ class LoRAHooks(Protocol):
         failed, and why (the request ends with that error)."""
         ...
 
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until an adapter load finishes or `timeout` seconds pass."""
+        ...
+
 
 class LoRAAdmission:
     """Per schedule(): the adapters of the running requests, and whether one more may join."""

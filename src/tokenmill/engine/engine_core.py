@@ -186,6 +186,10 @@ class EngineCore:
             if not outputs and self.scheduler.waiting_for_grammar:
                 # Nothing to run until a grammar compiles: wait for it rather than spin.
                 self.structured_output.wait_for_compiles(timeout=0.005)
+            lora = self.scheduler.lora
+            if not outputs and lora is not None and self.scheduler.num_waiting:
+                # Nothing to run until an adapter loads: wait for it rather than spin.
+                lora.wait_for_loads(timeout=0.005)
             return self._annotate(outputs)
         if self.tracer is not None:
             self.tracer.scheduled(
