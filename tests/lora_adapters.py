@@ -59,3 +59,43 @@ def greedy_tokens(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
         pad_token_id=0,
     )  # fmt: skip
     return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_adapter_adds_its_product(llm, adapter_dir: Path, *, quantized: bool, tol: float) -> None:
+    """Every adapted layer of `llm` (LoRA on, adapter in slot 0..): output = the layer's own method's
+    product + x A^T B^T for tokens with the adapter, + nothing for the others."""
+    import numpy as np
+
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
+
+    runner = llm.engine.executor.driver_runner
+    manager = runner.lora
+    lora = LoRARequest("a", 1, str(adapter_dir))
+    manager.add_lora(lora)
+    adapter = manager._host[1].result(timeout=60)
+    slot = int(manager.slots_for([lora], {1})[0])
+    num_checked = 0
+    for geometry in manager.geometries:
+        layer = geometry.layer
+        inner = layer.method.inner
+        assert isinstance(inner, QuantizedLinearMethod) == quantized
+        gen = torch.Generator().manual_seed(geometry.index)
+        x = torch.randn(5, layer.in_features, generator=gen).to(runner.device, runner.dtype)
+        residual = torch.randn(5, layer.out_features, generator=gen).to(runner.device, runner.dtype)
+        manager.mapping.set(np.array([slot, slot, -1, slot, -1]))
+        with torch.inference_mode():
+            y = layer(x.clone(), residual=residual.clone())
+            base = inner.apply(layer, x.clone(), residual=residual.clone())
+        a, b = (t.to(runner.device, torch.float32) for t in adapter.layers[geometry.index])
+        delta = torch.zeros(base.shape, device=runner.device)
+        rank = manager.rank
+        for part, (start, rows) in enumerate(zip(geometry.part_starts, geometry.part_rows, strict=True)):
+            shrunk = x.float() @ a[part * rank : (part + 1) * rank].T
+            delta[:, start : start + rows] = shrunk @ b[start : start + rows].T
+        delta[[2, 4]] = 0  # tokens without an adapter
+        torch.testing.assert_close(y.float(), base.float() + delta, rtol=tol, atol=tol)
+        assert delta.abs().max() > 10 * tol  # the adapter does change this layer
+        num_checked += 1
+    manager.mapping.clear()
+    assert num_checked == 4 * 2  # qkv, o, gate_up, down of both layers

@@ -80,3 +80,16 @@ def test_bf16_adapter_close_to_fp32(tiny_llama_dir, adapters):
         llm.engine.executor.driver_runner.release()
     agree = sum(a == b for a, b in zip(results["float32"], results["bfloat16"], strict=True))
     assert agree >= 6, results
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "awq"])
+def test_adapter_adds_to_the_quantized_product_on_the_gpu(tiny_llama_dir, adapters, quantization):
+    """bf16 kernels (FP8 W8A8 and INT4 quantized at load, residual in the epilogue): the Triton
+    shrink / expand add exactly the adapter's product to the layer's own."""
+    from tests.lora_adapters import assert_adapter_adds_its_product
+
+    llm = LLM(
+        str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kv_blocks=64,
+        enable_lora=True, max_loras=2, max_lora_rank=16, quantization=quantization, enforce_eager=True,
+    )  # fmt: skip
+    assert_adapter_adds_its_product(llm, adapters[0], quantized=quantization is not None, tol=3e-2)
