@@ -211,8 +211,8 @@ class ModelRunner:
         return LoRAManager(self.config.lora, self.model, self.arch, self.device, self.dtype, max_tokens)
 
     def _set_lora_mapping(self, requests: list[RequestState], batch: HostBatch) -> None:
-        """The step's token -> adapter slot mapping (adapters copied into slots as needed), and the
-        CUDA graphs of the step's kind (with LoRA or without)."""
+        """The step's token -> adapter slot mapping, which every LoRA layer reads (adapters are
+        copied into slots as needed, on the step's stream)."""
         lora = self.lora
         assert lora is not None
         slots = lora.slots_for([r.lora_request for r in requests], self.requests.lora_ids())
@@ -221,6 +221,7 @@ class ModelRunner:
         lora.mapping.set(np.repeat(slots, tokens_per_req))
 
     def _use_graph_variant(self, requests: list[RequestState]) -> None:
+        """The CUDA graphs of the step's kind: with the LoRA kernels if a request has an adapter."""
         if self._graph_variants:
             with_lora = any(r.lora_request is not None for r in requests)
             self.graph_runner, self.piecewise = self._graph_variants[with_lora]
