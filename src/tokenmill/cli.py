@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from tokenmill import __version__
 from tokenmill.arg_parser import ArgumentParser
 from tokenmill.args import EngineArgs
 
@@ -110,6 +111,7 @@ def _serve_quality_gate(args: argparse.Namespace) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,7 +42,7 @@ from tokenmill.server.state import ServerState, ServiceUnavailableError
 
 logger = logging.getLogger("tokenmill.server")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class PayloadTooLargeError(TokenmillError):
@@ -107,8 +108,9 @@ def error_response(exc: TokenmillError) -> JSONResponse:
     )
 
 
-def is_authorized(scope: Scope, api_key: str) -> bool:
-    """True when the request carries `Authorization: Bearer <api_key>` (compared in constant time)."""
+def is_authorized(scope: Scope, api_keys: tuple[str, ...]) -> bool:
+    """True when the request carries `Authorization: Bearer <key>` for one of `api_keys` (each
+    compared in constant time, all of them every time)."""
     header = b""
     for name, value in scope.get("headers", ()):
         if name.lower() == b"authorization":
@@ -117,7 +119,10 @@ def is_authorized(scope: Scope, api_key: str) -> bool:
     scheme, _, token = header.strip().partition(b" ")
     # compare_digest's time depends only on the lengths, never on where the bytes differ; it
     # always runs, so a wrong scheme costs the same as a wrong key.
-    key_ok = hmac.compare_digest(token.strip(), api_key.encode())
+    token = token.strip()
+    key_ok = False
+    for api_key in api_keys:
+        key_ok |= hmac.compare_digest(token, api_key.encode())
     return scheme.lower() == b"bearer" and key_ok
 
 
@@ -150,7 +155,7 @@ class HeaderLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Refuses every route but /health and /metrics without the key, before routing.
+    """Refuses every route but /health, /metrics and /version without a key, before routing.
 
     It reads the ASGI `path` — the one routing uses — so no Host header, absolute request target
     or unusual spelling can reach a route around it: an unknown or odd path just needs the key too.
@@ -161,12 +166,12 @@ class ApiKeyMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        api_key = self.state.api_key
+        api_keys = self.state.api_keys
         if (
-            api_key is None
+            not api_keys
             or scope["type"] not in ("http", "websocket")
             or (scope["type"] == "http" and scope["path"] in OPEN_PATHS)
-            or is_authorized(scope, api_key)
+            or is_authorized(scope, api_keys)
         ):
             await self.app(scope, receive, send)
             return
@@ -239,11 +244,17 @@ async def read_body(state: ServerState, request: Request) -> bytes:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="tokenmill", version=__version__)
+    app = FastAPI(title="tokenmill", version=__version__, root_path=state.root_path)
     app.state.tm = state
     document_request_bodies(app)
     app.add_middleware(ApiKeyMiddleware, state=state)
-    app.add_middleware(HeaderLimitMiddleware, state=state)  # added last: runs first
+    app.add_middleware(HeaderLimitMiddleware, state=state)
+    if state.cors is not None:  # added last, runs first: a browser's preflight carries no API key
+        cors = state.cors
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials,
+        )  # fmt: skip
 
     @app.exception_handler(TokenmillError)
     async def _tokenmill_error(_: Request, exc: TokenmillError):

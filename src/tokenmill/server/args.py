@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
+from tokenmill.server.operator_options import add_operator_args
 from tokenmill.server.protocol import MAX_N
 
 # The engine reports at least every 0.5 s while idle; a shorter hang timeout would kill a healthy one.
@@ -57,9 +58,7 @@ def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=_int_in(1, 65535), default=8000, help="port to listen on")
-    parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer <key>' (or $TOKENMILL_API_KEY)"
-    )
+    add_operator_args(parser)
     parser.add_argument(
         "--shutdown-timeout",
         type=_seconds(allow_zero=True),

@@ -70,6 +70,9 @@ def make_uvicorn_config(
     client_read_timeout: float = 30.0,
     keep_alive_timeout: float = 5.0,
     timeout_graceful_shutdown: float | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_ca_certs: str | None = None,
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -82,4 +85,7 @@ def make_uvicorn_config(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
+        ssl_ca_certs=ssl_ca_certs,
     )

@@ -22,6 +22,7 @@ from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.api_server import create_app
 from tokenmill.server.http_protocol import make_uvicorn_config
 from tokenmill.server.lora_registry import RUNTIME_FLAG, LoRAModule, LoRARegistry, parse_lora_module
+from tokenmill.server.operator_options import api_keys_from_args, check_tls_args, cors_from_args
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger("tokenmill.server")
@@ -111,7 +112,9 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     config = engine_args.create_engine_config(resolve_device=False)
     model_root = model or DEFAULT_MODEL_NAME
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
-    api_key = args.api_key or envs.TOKENMILL_API_KEY.get() or None
+    api_keys = api_keys_from_args(args)
+    cors = cors_from_args(args)
+    check_tls_args(args)
     check_tool_and_reasoning_args(args)
     lora_modules = check_lora_args(args, lora_enabled=config.lora is not None)
     state = ServerState(
@@ -119,7 +122,9 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         model_names=names,
         model_root=model_root,
         metrics=ServerMetrics(names[0]),
-        api_key=api_key,
+        api_keys=api_keys,
+        cors=cors,
+        root_path=args.root_path,
         max_n=args.max_n,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
@@ -150,6 +155,9 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         client_read_timeout=args.client_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules

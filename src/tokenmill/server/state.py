@@ -13,6 +13,7 @@ from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.lora_registry import LoRARegistry
+from tokenmill.server.operator_options import CorsOptions
 
 
 class ServiceUnavailableError(TokenmillError):
@@ -26,7 +27,10 @@ class ServerState:
     model_names: list[str]  # the first is the canonical id; all are accepted in requests
     model_root: str
     metrics: ServerMetrics
-    api_key: str | None = None
+    api_key: str | None = None  # one key; `api_keys` holds every accepted key (this one too)
+    api_keys: tuple[str, ...] = ()
+    cors: CorsOptions | None = None  # --allowed-origins and friends; None: no CORS headers
+    root_path: str = ""  # --root-path: the prefix a proxy serves the API under
     max_n: int = 16
     max_body_bytes: int = 8 * 2**20
     request_timeout: float | None = None
@@ -55,6 +59,10 @@ class ServerState:
     startup_error: str | None = None
     # Per engine sequence: (last token time, tokens so far), for inter-token latency metrics.
     _token_clock: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and self.api_key not in self.api_keys:
+            self.api_keys = (self.api_key, *self.api_keys)
 
     def attach_engine(self) -> None:
         """Route the engine's per-output and per-step reports into this server's metrics."""
