@@ -123,6 +123,8 @@ def _as_flags(name: str, action: argparse.Action, value: Any) -> list[str]:
         return [flag] if value else ["--no-" + name]
     if action.nargs == 0:  # store_true / store_false: the flag sets `const`
         return [flag] if value == action.const else []
+    if isinstance(value, list) and action.nargs in ("+", "*"):  # a flag of several values
+        return [flag, *(str(v) for v in value)] if value else []
     if isinstance(value, dict | list):
         value = json.dumps(value)
     elif isinstance(value, bool):

@@ -58,9 +58,12 @@ _KERNEL_ENV_DEFAULTS: dict[str, envs.EnvVar[bool | None]] = {
 }
 
 
-def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, parse: Any = None) -> Any:
-    """A field of EngineArgs: its default, its help text, and for the CLI its choices / value parser."""
-    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+def _option(
+    default: Any, help: str, *, choices: tuple[str, ...] | None = None, parse: Any = None, several: bool = False
+) -> Any:
+    """A field of EngineArgs: its default, its help text, and for the CLI its choices / value parser;
+    `several`: a string option whose flag takes one or more values, kept comma-joined."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse, "several": several})
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -96,7 +99,9 @@ class EngineArgs:
     tokenizer: str | None = _option(None, "tokenizer directory, .gguf file or Hub id (default: the model's)")
     tokenizer_revision: str | None = _option(None, "a Hub tokenizer's branch, tag or commit (default: main)")
     served_model_name: str | None = _option(
-        None, "name(s) the model is served as, comma-separated; the first is its own (default: the model)"
+        None,
+        "name(s) the model is served as, space- or comma-separated; the first is its own (default: the model)",
+        several=True,
     )
     max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's)")
     max_num_seqs: int = _option(256, "most sequences running in one step")
@@ -225,6 +230,8 @@ class EngineArgs:
                 kwargs["type"] = f.metadata["parse"] or base
                 if f.metadata["choices"]:
                     kwargs["choices"] = f.metadata["choices"]
+                if f.metadata["several"]:
+                    kwargs["nargs"] = "+"
             group.add_argument(flag, **kwargs)
         add_config_file_arg(group)
 
@@ -234,7 +241,11 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        for f in fields(cls):
+            if f.metadata["several"] and isinstance(values[f.name], list):  # `--served-model-name a b`
+                values[f.name] = ",".join(values[f.name])
+        return cls(**values)
 
     # -- the config -----------------------------------------------------------------------------
 

@@ -128,3 +128,15 @@ def test_tls_files_reach_uvicorn(tmp_path, monkeypatch):
 def test_tokenmill_version():
     result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == f"tokenmill {__version__}"
+
+
+def test_served_model_names_space_or_comma_separated(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    for argv in (["--served-model-name", "a", "b"], ["--served-model-name", "a, b"], ["--served-model-name", "a", "b,c"]):
+        server, config = build(["/models/m", *argv])
+        assert server.tm_state.model_names[:2] == ["a", "b"], argv
+        assert config.model.served_model_name == "a"
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("served-model-name: [x, y]\n")
+    server, _ = build(["/models/m", "--config", str(config_file)])
+    assert server.tm_state.model_names == ["x", "y"]

@@ -27,7 +27,7 @@ def test_no_arguments_serve_the_default_model_on_loopback_port_8000(monkeypatch)
     state = server.tm_state
     assert (server.config.host, server.config.port) == ("127.0.0.1", 8000)
     assert config.model.model is None and state.model_names == [DEFAULT_MODEL_NAME]
-    assert config.cache.enable_prefix_caching and state.api_key is None
+    assert config.cache.enable_prefix_caching and state.api_keys == ()
     assert config.kernel.cpu_weight_packing and config.kernel.cpu_quantized_gemv
     assert server.shutdown_timeout == 30.0
 
@@ -53,7 +53,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
     state = server.tm_state
     assert (server.config.host, server.config.port) == ("0.0.0.0", 8123)
     assert state.model_names == ["a", "b"] and state.model_root == "/models/m"
-    assert state.metrics.model_name == "a" and state.api_key == "k3y"
+    assert state.metrics.model_name == "a" and state.api_keys == ("k3y",)
     assert config.model.model == "/models/m" and config.model.max_model_len == 512
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (7, 99)
     assert (config.cache.num_kv_blocks, config.cache.kv_cache_memory) == (33, 2 * 2**30)
@@ -74,7 +74,7 @@ def test_every_flag_reaches_what_it_configures(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     server, config = build(["--chat-template", TEMPLATE, "--enable-prefix-caching"])
     assert config.model.chat_template == TEMPLATE and config.cache.enable_prefix_caching
-    assert server.tm_state.api_key == "from-env"
+    assert server.tm_state.api_keys == ("from-env",)
     # `tokenmill serve MODEL` and `--model MODEL` are the same; the same model twice is fine too.
     for argv in (["/models/x"], ["--model", "/models/x"], ["/models/x", "--model", "/models/x"]):
         server, config = build(argv)

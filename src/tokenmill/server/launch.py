@@ -111,7 +111,7 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=model)
     config = engine_args.create_engine_config(resolve_device=False)
     model_root = model or DEFAULT_MODEL_NAME
-    names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [model_root]
+    names = [n.strip() for n in (engine_args.served_model_name or "").split(",") if n.strip()] or [model_root]
     api_keys = api_keys_from_args(args)
     cors = cors_from_args(args)
     check_tls_args(args)
