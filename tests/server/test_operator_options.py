@@ -140,3 +140,37 @@ def test_served_model_names_space_or_comma_separated(tmp_path, monkeypatch):
     config_file.write_text("served-model-name: [x, y]\n")
     server, _ = build(["/models/m", "--config", str(config_file)])
     assert server.tm_state.model_names == ["x", "y"]
+
+
+def test_access_log_on_by_default(monkeypatch):
+    import logging
+
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    server, _ = build([])
+    assert server.config.access_log and logging.getLogger("uvicorn.access").isEnabledFor(logging.INFO)
+    server, _ = build(["--disable-uvicorn-access-log"])
+    assert not server.config.access_log
+
+
+def test_log_level_reaches_the_engine_process(monkeypatch):
+    """The engine process is started with the API server's level (--log-level DEBUG shows its debug lines)."""
+    import logging
+
+    from tokenmill.engine import core_process_client
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_popen(command, **kwargs):
+        seen["command"] = command
+        raise Stop
+
+    monkeypatch.setattr(core_process_client.subprocess, "Popen", fake_popen)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.DEBUG)
+    with pytest.raises(Stop):
+        core_process_client._spawn_engine_process(None, "ipc:///x", "ipc:///y")  # type: ignore[arg-type]
+    command = seen["command"]
+    assert command[command.index("--log-level") + 1] == "DEBUG"

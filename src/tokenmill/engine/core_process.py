@@ -80,7 +80,9 @@ class _ParentGone(Exception):
     pass
 
 
-def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int) -> None:
+def run_engine_core(
+    config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int, log_level: str = "INFO"
+) -> None:
     """Entry point of the spawned engine process. `config_bytes` is the msgpack of EngineConfig."""
     # The API server owns shutdown: on SIGINT / SIGTERM it drains, then sends Shutdown. Those
     # signals often reach the whole process group (Ctrl-C, `timeout`, systemd), and dying on them
@@ -91,7 +93,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
     _die_with_parent()
     if os.getppid() != parent_pid:
         return  # the parent died before prctl took effect
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
 
     ctx = zmq.Context()
@@ -211,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-addr", required=True, help="ipc:// address the API server sends on")
     parser.add_argument("--output-addr", required=True, help="ipc:// address the API server receives on")
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
+    parser.add_argument("--log-level", default="INFO", help="the API server's log level (tokenmill --log-level)")
     args = parser.parse_args(argv)
     for addr in (args.input_addr, args.output_addr):
         if not addr.startswith("ipc://"):
             parser.error(f"engine addresses must be ipc:// paths, got {addr!r}")
     config_bytes = sys.stdin.buffer.read()
     sys.stdin.close()
-    run_engine_core(config_bytes, args.input_addr, args.output_addr, args.parent_pid)
+    run_engine_core(config_bytes, args.input_addr, args.output_addr, args.parent_pid, args.log_level)
     # Stopped and its sockets closed: skip the interpreter's final garbage-collection passes over
     # every object torch made (~0.3 s of an idle server's shutdown; see api_server.run_server).
     gc.freeze()

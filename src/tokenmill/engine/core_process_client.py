@@ -68,6 +68,8 @@ def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: st
     command = [
         sys.executable, "-m", "tokenmill.engine.core_process",
         "--input-addr", input_addr, "--output-addr", output_addr, "--parent-pid", str(os.getpid()),
+        # `tokenmill --log-level` reaches the engine process too.
+        "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdin=subprocess.PIPE, close_fds=True, start_new_session=False)
     assert process.stdin is not None

@@ -106,6 +106,11 @@ class EngineCore:
                 max_model_len,
             ),
         )
+        capacity = self.info.kv_capacity_tokens or num_blocks * config.cache.block_size
+        logger.info(
+            "KV cache holds %d tokens: maximum concurrency for %d tokens per request (max_model_len): %.2fx",
+            capacity, max_model_len, capacity / max_model_len,
+        )  # fmt: skip
         self._pending: list[EngineCoreOutput] = []  # outputs produced between steps (aborts)
         self.async_scheduling = bool(config.async_scheduling)  # resolved above
         # Speculative decoding: drafts follow a request's last token, which must be on the host when

@@ -11,6 +11,7 @@ size of the request line plus headers; beyond it the client gets 400 and the con
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import h11
@@ -73,8 +74,9 @@ def make_uvicorn_config(
     ssl_keyfile: str | None = None,
     ssl_certfile: str | None = None,
     ssl_ca_certs: str | None = None,
+    access_log: bool = False,
 ) -> uvicorn.Config:
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -82,10 +84,13 @@ def make_uvicorn_config(
         h11_max_incomplete_event_size=max_header_bytes,
         timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  # uvicorn takes seconds as int or float
         log_level="warning",
-        access_log=False,
+        access_log=access_log,
         lifespan="off",
         timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
         ssl_ca_certs=ssl_ca_certs,
     )
+    if access_log:  # one INFO line per request ("GET /v1/models HTTP/1.1" 200); uvicorn's own at WARNING
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    return config

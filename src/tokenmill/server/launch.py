@@ -158,6 +158,7 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
+        access_log=not args.disable_uvicorn_access_log,
     )
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules

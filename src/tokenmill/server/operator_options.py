@@ -36,6 +36,10 @@ def add_operator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file (with --ssl-keyfile)")
     parser.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates to verify clients with")
     parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true",
+        help="no access log line per HTTP request (on by default, as in vLLM)",
+    )  # fmt: skip
+    parser.add_argument(
         "--root-path", default="",
         help="the path prefix a reverse proxy serves the API under (it strips the prefix before forwarding)",
     )  # fmt: skip
