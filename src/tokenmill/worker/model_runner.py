@@ -215,7 +215,11 @@ class ModelRunner:
         copied into slots as needed, on the step's stream)."""
         lora = self.lora
         assert lora is not None
-        slots = lora.slots_for([r.lora_request for r in requests], self.requests.lora_ids())
+        loras = [r.lora_request for r in requests]
+        if not any(loras):  # a base-only step: nothing to map, no slot to keep
+            lora.mapping.clear()
+            return
+        slots = lora.slots_for(loras, self.requests.lora_ids())
         num_reqs = len(requests)
         tokens_per_req = np.diff(batch.query_start_loc[: num_reqs + 1])
         lora.mapping.set(np.repeat(slots, tokens_per_req))

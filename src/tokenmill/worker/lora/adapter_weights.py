@@ -45,6 +45,7 @@ def load_host_adapter(
     spec: AdapterSpec = read_adapter(lora.lora_path, arch, max_rank)
     tensors = load_file(str(spec.weights_file))
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    geometries: dict[int, LayerGeometry] = {}
     for module in spec.modules:
         target = targets.get((module.layer, module.module))
         if target is None:
@@ -55,24 +56,18 @@ def load_host_adapter(
             a = torch.zeros(geometry.num_parts * max_rank, layer.in_features, dtype=torch.float32)
             b = torch.zeros(layer.out_features, max_rank, dtype=torch.float32)
             layers[geometry.index] = (a, b)
+            geometries[geometry.index] = geometry
         a, b = layers[geometry.index]
         lora_a = tensors[module.a_name].float()
         lora_b = tensors[module.b_name].float() * module.scale
-        if len(target.parts) > 1:  # a fused module (Phi-3's qkv_proj): its B rows split over the parts
-            b_rows = lora_b
-        else:
-            b_rows = None
+        fused = len(target.parts) > 1  # a fused module (Phi-3's qkv_proj): its B rows split over the parts
         for part in target.parts:
             start, rows = geometry.part_starts[part], geometry.part_rows[part]
             a[part * max_rank : part * max_rank + module.rank] = lora_a
-            if b_rows is not None:
-                part_b = b_rows[start : start + rows]
-            else:
-                part_b = lora_b
+            part_b = lora_b[start : start + rows] if fused else lora_b
             b[start : start + rows, : module.rank] = _rows_in_model_layout(model, geometry, part, part_b)
     for index, (a, b) in layers.items():
-        geometry = _geometry_by_index(targets, index)
-        a = _fold_input_scale(geometry, a)
+        a = _fold_input_scale(geometries[index], a)
         layers[index] = (_host(a, dtype, pin), _host(b, dtype, pin))
     return HostAdapter(lora, spec.rank, layers)
 
@@ -88,13 +83,6 @@ def _fold_input_scale(geometry: LayerGeometry, a: torch.Tensor) -> torch.Tensor:
     lacks it: A takes it too."""
     scale = getattr(geometry.layer, "folded_input_scale", None)
     return a if scale is None else a * scale.detach().to("cpu", torch.float32)
-
-
-def _geometry_by_index(targets: dict[tuple[int, str], ModuleTarget], index: int) -> LayerGeometry:
-    for target in targets.values():
-        if target.geometry.index == index:
-            return target.geometry
-    raise KeyError(index)
 
 
 def _host(tensor: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
