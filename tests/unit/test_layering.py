@@ -38,6 +38,7 @@ TIERS: list[set[str]] = [
         "paths",
         "chat_template",
         "metrics",
+        "metrics_info",
         "stats_histogram",
         # Speculative decoding's torch-free parts (its config, the n-gram proposer, the draft
         # policy, its counters): the scheduler in core/ and the arguments use them.
@@ -53,7 +54,8 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    {"server", "bench", "quality"},
+    # The dashboard (torch-free, FastAPI) sits with the server that mounts it (and the router).
+    {"server", "bench", "quality", "dashboard"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

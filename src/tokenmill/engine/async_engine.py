@@ -87,6 +87,9 @@ class AsyncEngine:
         self.stats: dict[str, float] = {}
         self.on_step_stats = None  # callback(stats) for metrics
         self.on_output = None  # callback(RequestOutput, now) for metrics
+        # callback(EngineCoreOutput, arrival, now) for each finished engine sequence, with the
+        # RequestTimeline it carries: the dashboard's recent requests.
+        self.on_finished_sequence = None
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
 
@@ -282,6 +285,10 @@ class AsyncEngine:
             to_abort.extend(processed.reqs_to_abort)  # stop strings matched here
             for out in processed.request_outputs:
                 self._deliver(out, now)
+            if core_output.finished and self.on_finished_sequence is not None:
+                timeline = core_output.timeline
+                arrival = timeline.arrival if timeline is not None else state.arrival_time if state is not None else now
+                self._callback(self.on_finished_sequence, core_output, arrival, now)
         if to_abort:
             self.client.abort_requests(to_abort)
 

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
+from tokenmill.dashboard import dashboard_router
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE
 from tokenmill.server.chat_prompt import render_chat_prompt
@@ -43,6 +44,14 @@ from tokenmill.server.state import ServerState, ServiceUnavailableError
 logger = logging.getLogger("tokenmill.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# The dashboard shows what /metrics shows (and the recent requests' timings, never their text), so
+# it is open exactly when /metrics is: a browser opening the page sends no Authorization header.
+DASHBOARD_PREFIX = "/dashboard"
+
+
+def is_open_path(path: str) -> bool:
+    """Served without an API key: /health, /metrics, /version and the dashboard's routes."""
+    return path in OPEN_PATHS or path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
 
 
 class PayloadTooLargeError(TokenmillError):
@@ -155,7 +164,8 @@ class HeaderLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Refuses every route but /health, /metrics and /version without a key, before routing.
+    """Refuses every route but /health, /metrics, /version and the dashboard without a key, before
+    routing.
 
     It reads the ASGI `path` — the one routing uses — so no Host header, absolute request target
     or unusual spelling can reach a route around it: an unknown or odd path just needs the key too.
@@ -170,7 +180,7 @@ class ApiKeyMiddleware:
         if (
             not api_keys
             or scope["type"] not in ("http", "websocket")
-            or (scope["type"] == "http" and scope["path"] in OPEN_PATHS)
+            or (scope["type"] == "http" and is_open_path(scope["path"]))
             or is_authorized(scope, api_keys)
         ):
             await self.app(scope, receive, send)
@@ -312,6 +322,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    if state.dashboard is not None:
+        app.include_router(dashboard_router(state.dashboard, state.recent_requests, title=f"tokenmill · {state.model_names[0]}"))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
+from tokenmill.metrics import METRICS_PREFIXES
 from tokenmill.server.operator_options import add_operator_args
 from tokenmill.server.protocol import MAX_N
 
@@ -141,6 +142,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add_tool_and_reasoning_args(parser)
     add_lora_serving_args(parser)
+    add_observability_args(parser)
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-prefix", choices=sorted(METRICS_PREFIXES), default="tokenmill",
+        help="the prefix of every /metrics name: tokenmill (tokenmill:time_to_first_token_seconds...) or vllm "
+        "(vLLM's exact names, for dashboards and alerts written for vLLM)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cost-per-hour", type=_price, default=None, metavar="DOLLARS",
+        help="what the hardware serving this costs per hour: /dashboard shows $ per million output tokens",
+    )  # fmt: skip
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a price in dollars per hour, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite price above 0 dollars per hour, got {text!r}")
+    return value
 
 
 def add_lora_serving_args(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ import uvicorn
 from tokenmill import __version__, envs
 from tokenmill.args import EngineArgs
 from tokenmill.errors import TokenmillError
-from tokenmill.metrics import ServerMetrics
+from tokenmill.metrics import METRICS_PREFIXES, ServerMetrics
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.api_server import create_app
 from tokenmill.server.http_protocol import make_uvicorn_config
@@ -121,7 +121,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
         model_names=names,
         model_root=model_root,
-        metrics=ServerMetrics(names[0]),
+        metrics=ServerMetrics(names[0], prefix=METRICS_PREFIXES[args.metrics_prefix]),
+        cost_per_hour=args.cost_per_hour,
         api_keys=api_keys,
         cors=cors,
         root_path=args.root_path,

@@ -98,6 +98,9 @@ def admit(
         except TokenmillError:
             ticket.release()
             raise
+    for prompt in prompts:
+        max_tokens = params.max_tokens if params.max_tokens is not None else state.max_model_len - len(prompt.token_ids)
+        state.metrics.on_request_params(params.n, max_tokens)
     return RunStatus(
         ticket=ticket,
         timeout_s=request_timeout(state, requested_timeout),
