@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -46,12 +47,15 @@ logger = logging.getLogger("tokenmill.server")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # The dashboard shows what /metrics shows (and the recent requests' timings, never their text), so
 # it is open exactly when /metrics is: a browser opening the page sends no Authorization header.
-DASHBOARD_PREFIX = "/dashboard"
+# Exactly its routes' shapes: no other path (an odd spelling, "..") gets past the key this way.
+DASHBOARD_PATH = re.compile(r"/dashboard(/data|/static/[A-Za-z0-9_-]+\.[a-z]+|/requests/[^/]+)?")
 
 
 def is_open_path(path: str) -> bool:
     """Served without an API key: /health, /metrics, /version and the dashboard's routes."""
-    return path in OPEN_PATHS or path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
+    if path in OPEN_PATHS:
+        return True
+    return DASHBOARD_PATH.fullmatch(path) is not None and not path.endswith(("/.", "/.."))
 
 
 class PayloadTooLargeError(TokenmillError):
