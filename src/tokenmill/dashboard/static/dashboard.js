@@ -123,6 +123,7 @@
     for (const r of rows) {
       const tr = document.createElement("tr");
       tr.dataset.id = r.id;
+      tr.title = r.id;
       if (r.id === selected) tr.className = "selected";
       const cells = [r.id, r.e2e, r.ttft, r.queue, r.prompt_tokens, r.output_tokens, r.preemptions, r.finish_reason];
       tr.innerHTML = cells.map((c, i) => `<td>${i >= 1 && i <= 3 ? (c == null ? "–" : c.toFixed(3)) : esc(c ?? "–")}</td>`).join("");
