@@ -104,11 +104,9 @@ class MetricsHistory:
         return [p for p in self.points if p["t"] > wall_time]
 
     def totals(self) -> dict[str, Any]:
-        """Cumulative numbers of the latest snapshot (equal to /metrics when it was taken), and the
-        price of a million output tokens over the whole run."""
-        latest = self.latest
-        if latest is None:
-            return {}
+        """Cumulative numbers read now (equal to /metrics at this moment, not up to an interval
+        old like the series), and the price of a million output tokens over the whole run."""
+        latest = take_snapshot(self.source(), self.prefix, self._clock(), self._wall_clock())
         out: dict[str, Any] = {key: latest.value(name) for key, name in TOTALS.items()}
         out["finished_by_reason"] = latest.labeled.get("request_success_total", {})
         out["rejected_by_reason"] = latest.labeled.get("request_rejected_total", {})
