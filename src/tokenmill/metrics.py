@@ -127,6 +127,10 @@ class ServerMetrics:
         self._itl = histogram(
             "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
         ).labels(model_name)
+        # vLLM's older name for the same per-token gaps, still queried by dashboards written for it.
+        self._tpot_legacy = histogram(
+            "time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name).", ITL_BUCKETS
+        ).labels(model_name)
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
         ).labels(model_name)
@@ -156,6 +160,10 @@ class ServerMetrics:
         ).labels(model_name)
         self._request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per sequence.", TOKEN_COUNT_BUCKETS
+        ).labels(model_name)
+        self._max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The most tokens any of a request's n sequences generated.",
+            TOKEN_COUNT_BUCKETS,
         ).labels(model_name)
         self._params_n = histogram("request_params_n", "The n of each request.", N_BUCKETS).labels(model_name)
         self._params_max_tokens = histogram(
@@ -204,11 +212,16 @@ class ServerMetrics:
 
     def on_token_gap(self, itl: float) -> None:
         self._itl.observe(itl)
+        self._tpot_legacy.observe(itl)
 
     def on_request_params(self, n: int, max_tokens: int) -> None:
         """One admitted request's n and (effective) max_tokens."""
         self._params_n.observe(n)
         self._params_max_tokens.observe(max_tokens)
+
+    def on_request_max_generation_tokens(self, tokens: int) -> None:
+        """A prompt's n sequences all finished: the longest one's output tokens."""
+        self._max_generation_tokens.observe(tokens)
 
     def on_request_finished(
         self,

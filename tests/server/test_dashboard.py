@@ -74,6 +74,10 @@ def test_page_data_and_timelines_match_metrics() -> None:
         assert totals["requests_finished"] == exported["tokenmill:request_success_total"] == 12
         assert totals["output_tokens"] == exported["tokenmill:generation_tokens_total"] == sum(3 + i % 7 for i in range(12))
         assert totals["prompt_tokens"] == exported["tokenmill:prompt_tokens_total"]
+        # vLLM's per-request parameter histograms: 12 requests of n=1, max_tokens 3..9.
+        assert exported["tokenmill:request_params_n_count"] == 12 and exported["tokenmill:request_params_n_sum"] == 12
+        assert exported["tokenmill:request_params_max_tokens_sum"] == sum(3 + i % 7 for i in range(12))
+        assert exported["tokenmill:request_max_num_generation_tokens_sum"] == sum(3 + i % 7 for i in range(12))
         assert data["points"], "no chart point after two samples"
         last = data["points"][-1]
         assert last["ttft_p50"] is not None and last["output_tps"] > 0

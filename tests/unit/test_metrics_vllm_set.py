@@ -20,8 +20,8 @@ VLLM_NAMES = (
     "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
     "prompt_tokens_total", "generation_tokens_total", "request_success_total",
     "request_prompt_tokens_bucket", "request_generation_tokens_bucket", "iteration_tokens_total_bucket",
-    "request_params_n_bucket", "request_params_max_tokens_bucket",
-    "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+    "request_params_n_bucket", "request_params_max_tokens_bucket", "request_max_num_generation_tokens_bucket",
+    "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket",
     "request_time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
     "request_queue_time_seconds_bucket", "request_inference_time_seconds_bucket",
     "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket",
@@ -37,6 +37,7 @@ def _busy_metrics(prefix: str) -> ServerMetrics:
     m.info.set_cache_config(block_size=16, num_gpu_blocks=100, cache_dtype="auto", enable_prefix_caching=True)
     m.info.set_lora_load(lambda: {"ada": 2, "idle": 0}, max_loras=4)
     m.on_request_params(n=2, max_tokens=64)
+    m.on_request_max_generation_tokens(7)
     m.on_first_token(0.2)
     m.on_token_gap(0.01)
     m.on_request_finished("stop", prompt_tokens=10, generation_tokens=5, e2e=1.0, queue_time=0.1, ttft=0.2)
@@ -82,6 +83,7 @@ def test_request_phase_histograms_split_e2e() -> None:
     assert total("request_time_per_output_token_seconds") == pytest.approx(0.8 / 4)
     assert total("request_prompt_tokens") == 10 and total("request_generation_tokens") == 5
     assert total("request_params_n") == 2 and total("request_params_max_tokens") == 64
+    assert total("request_max_num_generation_tokens") == 7
     assert total("iteration_tokens_total") == 17
 
 

@@ -207,6 +207,7 @@ async def generate_all(
     ticket = status.ticket
 
     async def pump(i: int, prompt: PreparedPrompt) -> None:
+        generated = [0] * params.n  # tokens per sequence: vLLM's request_max_num_generation_tokens
         try:
             async for out in state.engine.generate(
                 engine_ids[i],
@@ -220,7 +221,9 @@ async def generate_all(
             ):
                 if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
                     ticket.started(i, out.outputs[0].index)
+                    generated[out.outputs[0].index] += len(out.outputs[0].token_ids)
                 queue.put_nowait((i, out))
+            state.metrics.on_request_max_generation_tokens(max(generated))
             queue.put_nowait(done)
         except Exception as exc:
             queue.put_nowait(exc)
