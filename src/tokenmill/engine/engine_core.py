@@ -60,7 +60,9 @@ class EngineCore:
         # The API server leaves the device and its defaults unresolved (it has no torch).
         unresolved = config
         # First: a --trace-dir that cannot be written is refused before the model loads.
-        self.tracer = StepTracer(config.trace_dir) if config.trace_dir else None
+        # --otlp-traces-endpoint needs the request timelines (the API server makes spans of them).
+        timelines = bool(config.trace_dir or config.otlp_traces_endpoint)
+        self.tracer = StepTracer(config.trace_dir) if timelines else None
         config = resolve_device_defaults(config)
         if config != unresolved:
             logger.info(

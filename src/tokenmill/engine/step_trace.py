@@ -17,6 +17,9 @@ step's `launched` comes before the previous step's `done`: the device runs them 
 a step's device time is about done - max(launched, the previous step's done).
 
 `bench serve --server-trace-dir` joins both files with the client's own times (bench/tail.py).
+
+With `--otlp-traces-endpoint` and no `--trace-dir` the tracer keeps only the request timelines
+(no steps.jsonl): the API server turns them into OpenTelemetry spans (engine/otel_spans.py).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class StepRecord(msgspec.Struct):
 
 
 class StepTracer:
-    def __init__(self, trace_dir: str) -> None:
-        self._file = open_trace_file(trace_dir, STEPS_FILE)
+    def __init__(self, trace_dir: str | None) -> None:
+        # None: request timelines only (for the OTLP spans), no per-step records.
+        self._file = open_trace_file(trace_dir, STEPS_FILE) if trace_dir else None
         self._encoder = msgspec.json.Encoder()
         self._last_flush = time.monotonic()
         self._timelines: dict[str, RequestTimeline] = {}
@@ -61,10 +65,13 @@ class StepTracer:
         self._records: dict[int, StepRecord] = {}  # id(scheduler output) -> its record, until done
         self._outputs: dict[int, SchedulerOutput] = {}  # keeps those ids unique while pending
         self._num_steps = 0
-        from tokenmill.kernels.jit_compiles import JitCompiles  # engine side only (Triton)
+        self._gc: GcPauses | None = None
+        self._compiles = None
+        if self._file is not None:
+            from tokenmill.kernels.jit_compiles import JitCompiles  # engine side only (Triton)
 
-        self._gc = GcPauses()
-        self._compiles = JitCompiles()
+            self._gc = GcPauses()
+            self._compiles = JitCompiles()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -115,6 +122,8 @@ class StepTracer:
             if done < timeline.prompt_tokens:
                 timeline.prefill_chunks.append((now, step, min(num_tokens, timeline.prompt_tokens - done)))
                 computed[request_id] = done + num_tokens
+        if self._file is None:
+            return
         self._records[id(so)] = StepRecord(
             step=step,
             start=start,
@@ -131,14 +140,14 @@ class StepTracer:
 
     def launched(self, so: SchedulerOutput) -> None:
         record = self._records.get(id(so))
-        if record is not None:
+        if record is not None and self._compiles is not None:
             record.launched = time.monotonic()
             record.compiles = self._compiles.drain()
 
     def done(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         record = self._records.pop(id(so), None)
         self._outputs.pop(id(so), None)
-        if record is None:
+        if record is None or self._file is None or self._compiles is None or self._gc is None:
             return
         now = time.monotonic()
         if not record.launched:
@@ -155,16 +164,19 @@ class StepTracer:
         """Forget the collections and compiles of the start-up after this tracer was made (the core
         process's full collection before it freezes the heap took ~100 ms, and was charged to the
         first step)."""
-        self._gc.drain()
-        self._compiles.drain()
+        if self._gc is not None and self._compiles is not None:
+            self._gc.drain()
+            self._compiles.drain()
 
     def flush(self) -> None:
-        self._file.flush()
+        if self._file is not None:
+            self._file.flush()
         self._last_flush = time.monotonic()
 
     def close(self) -> None:
-        if self._file.closed:
+        if self._file is None or self._file.closed:
             return
         self._file.close()
-        self._gc.close()
-        self._compiles.close()
+        if self._gc is not None and self._compiles is not None:
+            self._gc.close()
+            self._compiles.close()

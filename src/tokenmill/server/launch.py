@@ -99,6 +99,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     """The server `tokenmill serve` runs, every flag in place; nothing started yet. Raises
     ValueError naming the flag when an engine flag is invalid."""
     from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.request_log import RequestLog
+    from tokenmill.engine.stats_log import StatsLog
     from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
 
     model = args.model
@@ -160,6 +162,12 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         ssl_ca_certs=args.ssl_ca_certs,
         access_log=not args.disable_uvicorn_access_log,
     )
+    if args.enable_log_requests:
+        state.engine.request_log = RequestLog(args.max_log_len)
+    elif args.max_log_len is not None:
+        raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
+    if not args.disable_log_stats:
+        state.engine.stats_log = StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules
     return server
@@ -257,10 +265,14 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
 
     print("tokenmill: loading the model; /health answers 503 until it is ready", file=sys.stderr, flush=True)
     starter = asyncio.create_task(start_engine())
+    stats_log = state.engine.stats_log
+    stats_task = asyncio.create_task(stats_log.run(lambda: state.engine.stats)) if stats_log is not None else None
     try:
         await server.serve()
     finally:
         starter.cancel()
-        await asyncio.gather(starter, return_exceptions=True)
+        if stats_task is not None:
+            stats_task.cancel()
+        await asyncio.gather(starter, *([stats_task] if stats_task else []), return_exceptions=True)
         await state.engine.shutdown()
     return 1 if state.startup_error else 0

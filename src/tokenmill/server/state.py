@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.otel_spans import TRACE_HEADERS, TraceContext
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import ServerMetrics
@@ -68,6 +69,13 @@ class ServerState:
         """Route the engine's per-output and per-step reports into this server's metrics."""
         self.engine.on_step_stats = self.metrics.update_engine_stats
         self.engine.on_output = self.observe_output
+
+    def trace_context(self, headers: Any, received: float, model: str | None) -> TraceContext | None:
+        """What a request's span needs from its HTTP request; None (nothing kept) with tracing off."""
+        if self.engine.spans is None:
+            return None
+        carried = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return TraceContext(carried, received, model or self.model_names[0])
 
     @property
     def max_model_len(self) -> int:
