@@ -214,7 +214,7 @@ class AsyncEngine:
                 if self.spans is not None:
                     self.spans.add(
                         core_req.request_id, request_id, index, core_req.sampling_params,
-                        len(prompt_token_ids), core_req.arrival_time, trace,
+                        len(prompt_token_ids), core_req.arrival_time, trace, n=params.n,
                     )  # fmt: skip
             if self.request_log is not None:
                 self.request_log.arrived(request_id, prompt, prompt_token_ids, params, lora_request)

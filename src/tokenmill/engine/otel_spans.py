@@ -52,7 +52,8 @@ class TraceContext:
 class _Sequence:
     parent_id: str
     index: int
-    params: SamplingParams
+    params: SamplingParams  # the sequence's own (n=1 after the fan-out)
+    n: int  # the user request's n
     prompt_tokens: int
     arrival: float  # stamped after tokenization (the engine request's arrival_time)
     trace: TraceContext | None
@@ -114,8 +115,9 @@ class RequestSpans:
         prompt_tokens: int,
         arrival: float,
         trace: TraceContext | None,
+        n: int = 1,
     ) -> None:
-        self._sequences[request_id] = _Sequence(parent_id, index, params, prompt_tokens, arrival, trace)
+        self._sequences[request_id] = _Sequence(parent_id, index, params, n, prompt_tokens, arrival, trace)
 
     def output(self, out: EngineCoreOutput, now: float) -> None:
         seq = self._sequences.get(out.request_id)
@@ -202,7 +204,7 @@ def _attributes(
         "gen_ai.request.id": seq.parent_id,
         "gen_ai.request.temperature": params.temperature,
         "gen_ai.request.top_p": params.top_p,
-        "gen_ai.request.n": params.n,
+        "gen_ai.request.n": seq.n,
         "gen_ai.usage.prompt_tokens": seq.prompt_tokens,
         "gen_ai.usage.completion_tokens": seq.num_tokens,
         "gen_ai.response.finish_reasons": [finish_reason],
