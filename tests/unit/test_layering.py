@@ -53,7 +53,7 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    {"server", "bench", "quality"},
+    {"server", "bench", "quality", "plan"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

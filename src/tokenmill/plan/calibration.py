@@ -61,6 +61,39 @@ CALIBRATION: dict[str, Calibration] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class FormatFactor:
+    """How much slower than 16-bit dense weights our kernels run a weight format, as multipliers of
+    the bandwidth and prefill efficiencies; fitted on one H100 run pair each and applied on every GPU."""
+
+    bandwidth: float
+    prefill: float
+    source: str
+
+
+# fit_format() over these files gives the numbers (a test checks they agree).
+FORMAT_FACTORS: dict[str, FormatFactor] = {
+    "fp8": FormatFactor(0.7989, 0.8399, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"),
+    "int4": FormatFactor(0.5940, 0.8482, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"),
+    "moe": FormatFactor(0.4952, 0.2396, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"),
+}
+
+
+def format_key(quantization: str | None, is_moe: bool) -> str | None:
+    if is_moe:
+        return "moe"  # quantized MoE does not run yet
+    if quantization == "fp8":
+        return "fp8"
+    return "int4" if quantization in ("awq", "gptq") else None
+
+
+def for_format(eff: Efficiency, key: str | None) -> Efficiency:
+    if key is None:
+        return eff
+    factor = FORMAT_FACTORS[key]
+    return Efficiency(eff.bandwidth * factor.bandwidth, eff.prefill * factor.prefill, eff.first_token_overhead_s)
+
+
 def calibration_for(gpu: GpuSpec) -> Calibration:
     known = CALIBRATION.get(gpu.name)
     if known is not None:
@@ -83,13 +116,21 @@ def _metrics(path: Path) -> dict:
     return json.loads(path.read_text())["metrics"]
 
 
-def fit(gpu: GpuSpec, arch: ArchConfig, latency_file: Path, throughput_file: Path) -> Efficiency:
+def fit_format(gpu: GpuSpec, arch: ArchConfig, quantization: str | None, base: Efficiency, latency_file: Path, throughput_file: Path) -> FormatFactor:
+    """A weight format's factors: its run pair's fitted efficiencies over the GPU's 16-bit ones."""
+    eff = fit(gpu, arch, latency_file, throughput_file, quantization)
+    return FormatFactor(eff.bandwidth / base.bandwidth, eff.prefill / base.prefill, f"{latency_file.name}, {throughput_file.name}")
+
+
+def fit(
+    gpu: GpuSpec, arch: ArchConfig, latency_file: Path, throughput_file: Path, quantization: str | None = None
+) -> Efficiency:
     """The factors that make the model reproduce a single-stream and an offline-throughput run of
-    `arch` in bf16 (512 in / 256 out; 512 prompts at max_num_seqs 256)."""
+    `arch` (512 in / 256 out; 512 prompts at max_num_seqs 256)."""
     latency, throughput = _metrics(latency_file), _metrics(throughput_file)
     input_len, output_len = 512, 256
-    machine = Machine(gpu, 1, fp8_compute=False)
-    weights = model_bytes(arch)
+    machine = Machine(gpu, 1, fp8_compute=quantization == "fp8")
+    weights = model_bytes(arch, quantization)
     kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
     context = input_len + output_len / 2
     read = weights.decode_read_bytes(1) + context * kv.mean_bytes_per_token(int(context))

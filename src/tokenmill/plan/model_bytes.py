@@ -71,7 +71,10 @@ def model_bytes(arch: ArchConfig, quantization: str | None = None, dtype_bytes: 
     attention_params = hidden * (q + 2 * kv) + q * hidden
     biases = (q + 2 * kv) * int(arch.attention_bias) + hidden * int(arch.o_proj_bias)
     norms = (4 if arch.architecture in ("gemma2", "gemma3") else 2) * hidden + (2 * arch.head_dim if arch.qk_norm else 0)
-    dense_mlp = 3 * lin(hidden, arch.intermediate_size)
+    def mlp(inter: int) -> float:  # gate and up (hidden -> inter), down (inter -> hidden)
+        return 2 * lin(hidden, inter) + lin(inter, hidden)
+
+    dense_mlp = mlp(arch.intermediate_size)
     dense_mlp_params = 3 * hidden * arch.intermediate_size
     moe = arch.moe
     sparse = set(moe.sparse_layers) if moe is not None else set()
@@ -82,8 +85,8 @@ def model_bytes(arch: ArchConfig, quantization: str | None = None, dtype_bytes: 
         read += attention + (biases + norms) * dtype_bytes
         params += attention_params
         if layer in sparse and moe is not None:
-            expert_bytes = 3 * lin(hidden, moe.expert_intermediate_size)
-            shared = 3 * lin(hidden, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else 0.0
+            expert_bytes = mlp(moe.expert_intermediate_size)
+            shared = mlp(moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else 0.0
             router = hidden * moe.num_experts * dtype_bytes + (hidden * dtype_bytes if moe.shared_expert_intermediate_size else 0)
             read += shared + router
             params += (moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size) * 3 * hidden

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model.arch import ArchConfig
-from tokenmill.plan.calibration import calibration_for
+from tokenmill.plan.calibration import FORMAT_FACTORS, calibration_for, for_format, format_key
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
 from tokenmill.plan.roofline import Machine, Workload, predict
@@ -100,7 +100,10 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         )
     machine = Machine(gpu, tp, fp8_compute=req.quantization == "fp8")
     work = Workload(req.input_len, req.output_len, concurrency)
-    pred = predict(machine, weights, kv, cal.efficiency, work, arch.q_size, arch.num_layers)
+    key = format_key(req.quantization, arch.moe is not None)
+    pred = predict(machine, weights, kv, for_format(cal.efficiency, key), work, arch.q_size, arch.num_layers)
+    if key is not None:
+        plan["format_factor"] = {"format": key, "source": FORMAT_FACTORS[key].source}
     total_tps = pred.output_tokens_per_s * (req.input_len + req.output_len) / req.output_len
     plan["batch1"] = {
         "roofline_tokens_per_s": pred.batch1_roofline_tokens_per_s,
