@@ -196,3 +196,24 @@ def test_an_unreachable_collector_does_not_disturb_serving(monkeypatch, caplog):
     started = time.monotonic()
     _serve_fake(engine, scenario)
     assert time.monotonic() - started < 8, "shutting down waited on the dead collector too long"
+
+
+def test_serve_flags_reach_the_engine_and_the_logs(monkeypatch):
+    from tests.server.test_serve_args import build
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    url = f"http://127.0.0.1:{free_port()}/v1/traces"
+    server, config = build(["--otlp-traces-endpoint", url, "--enable-log-requests", "--max-log-len", "5"])
+    engine = server.tm_state.engine
+    assert config.otlp_traces_endpoint == url and engine.spans is not None and engine.spans.endpoint == url
+    assert engine.request_log is not None and engine.request_log.max_log_len == 5
+    assert engine.stats_log is not None and engine.stats_log.interval_s == 10.0
+    server, config = build(["--disable-log-stats"])
+    engine = server.tm_state.engine
+    assert config.otlp_traces_endpoint is None and engine.spans is None
+    assert engine.request_log is None and engine.stats_log is None
+    with pytest.raises(ValueError, match="add --enable-log-requests"):
+        build(["--max-log-len", "5"])
+    with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http"):
+        build(["--otlp-traces-endpoint", "localhost:4317"])

@@ -119,6 +119,11 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     check_tls_args(args)
     check_tool_and_reasoning_args(args)
     lora_modules = check_lora_args(args, lora_enabled=config.lora is not None)
+    # Checked before the engine client exists (it owns sockets that a refusal would leave behind).
+    if args.max_log_len is not None and not args.enable_log_requests:
+        raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
+    request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
+    stats_log = None if args.disable_log_stats else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
     state = ServerState(
         engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
         model_names=names,
@@ -162,12 +167,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         ssl_ca_certs=args.ssl_ca_certs,
         access_log=not args.disable_uvicorn_access_log,
     )
-    if args.enable_log_requests:
-        state.engine.request_log = RequestLog(args.max_log_len)
-    elif args.max_log_len is not None:
-        raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
-    if not args.disable_log_stats:
-        state.engine.stats_log = StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
+    state.engine.request_log = request_log
+    state.engine.stats_log = stats_log
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules
     return server
