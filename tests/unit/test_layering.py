@@ -55,7 +55,7 @@ TIERS: list[set[str]] = [
     {"worker"},
     {"engine"},
     # The dashboard (torch-free, FastAPI) sits with the server that mounts it (and the router).
-    {"server", "bench", "quality", "dashboard"},
+    {"server", "bench", "quality", "dashboard", "plan"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

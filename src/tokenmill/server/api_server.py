@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -405,18 +406,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        received = time.monotonic()
         state.check_available()
         body = parse_request(CompletionRequest, await read_body(state, request))
+        trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_completion(state, body), body.stream, state.stream_write_timeout
+            request, create_completion(state, body, trace), body.stream, state.stream_write_timeout
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        received = time.monotonic()
         state.check_available()
         body = parse_request(ChatCompletionRequest, await read_body(state, request))
+        trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_chat_completion(state, body), body.stream, state.stream_write_timeout
+            request, create_chat_completion(state, body, trace), body.stream, state.stream_write_timeout
         )
 
     return app

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tokenmill.engine.otel_spans import TraceContext
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -68,6 +69,7 @@ class RunStatus:
     constraint_param: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     lora_hold: LoRAHold | None = None  # keeps the adapter from being unloaded until the request ends
+    trace: TraceContext | None = None  # the HTTP request's trace context (--otlp-traces-endpoint)
 
     def release(self) -> None:
         self.ticket.release()
@@ -218,6 +220,7 @@ async def generate_all(
                 priority=priority,
                 cache_salt=cache_salt,
                 lora_request=status.lora,
+                trace=status.trace,
             ):
                 if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
                     ticket.started(i, out.outputs[0].index)

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenmill.dashboard import MetricsHistory, RecentRequests, registry_source
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.otel_spans import TRACE_HEADERS, TraceContext
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import ServerMetrics
@@ -102,6 +103,13 @@ class ServerState:
         # without a task of their own; a snapshot is taken at most every interval.
         if self.dashboard is not None:
             self.dashboard.maybe_sample()
+
+    def trace_context(self, headers: Any, received: float, model: str | None) -> TraceContext | None:
+        """What a request's span needs from its HTTP request; None (nothing kept) with tracing off."""
+        if self.engine.spans is None:
+            return None
+        carried = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return TraceContext(carried, received, model or self.model_names[0])
 
     @property
     def max_model_len(self) -> int:
