@@ -123,6 +123,10 @@ def _serve_fake(engine: FakeEngine, scenario) -> None:
     asyncio.run(main())
 
 
+def _request_spans(exporter) -> list:
+    return [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+
+
 def test_the_request_span_joins_the_callers_trace_through_the_api():
     engine = FakeEngine()
     engine.spans, exporter = in_memory_spans()
@@ -136,10 +140,15 @@ def test_the_request_span_joins_the_callers_trace_through_the_api():
         assert r.status_code == 200, r.text
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True})
         assert r.status_code == 200
-        await wait_until(lambda: len(exporter.get_finished_spans()) == 3)
+        await wait_until(lambda: len(_request_spans(exporter)) == 3)
 
     _serve_fake(engine, scenario)
-    chat = [s for s in exporter.get_finished_spans() if s.attributes["gen_ai.usage.completion_tokens"] == 5]
+    requests = _request_spans(exporter)
+    # The fake engine sends timelines, so each request span also has queue / prefill / decode children.
+    assert {s.parent.span_id for s in exporter.get_finished_spans() if s.name != "llm_request"} == {
+        s.context.span_id for s in requests
+    }
+    chat = [s for s in requests if s.attributes["gen_ai.usage.completion_tokens"] == 5]
     assert sorted(s.attributes["tokenmill.sequence_index"] for s in chat) == [0, 1]
     for span in chat:
         assert format(span.context.trace_id, "032x") == TRACE_ID
@@ -147,7 +156,7 @@ def test_the_request_span_joins_the_callers_trace_through_the_api():
         assert span.context.trace_state.get("k") == "v"
         assert span.attributes["gen_ai.request.n"] == 2 and span.attributes["gen_ai.request.max_tokens"] == 5
         assert span.attributes["gen_ai.response.model"] == MODEL
-    (plain,) = [s for s in exporter.get_finished_spans() if s not in chat]
+    (plain,) = [s for s in requests if s not in chat]
     assert plain.parent is None and plain.attributes["gen_ai.usage.completion_tokens"] == 3
     assert [e.name for e in plain.events][:2] == ["http.received", "tokenized"]
     assert engine.spans.num_followed == 0
