@@ -117,8 +117,13 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     check_tls_args(args)
     check_tool_and_reasoning_args(args)
     lora_modules = check_lora_args(args, lora_enabled=config.lora is not None)
+    client = None
+    if args.data_parallel_size > 1:
+        from tokenmill.engine.dp_client import DataParallelClient
+
+        client = DataParallelClient(config, args.data_parallel_size, hang_timeout_s=args.engine_hang_timeout)
     state = ServerState(
-        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
+        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout, client=client),
         model_names=names,
         model_root=model_root,
         metrics=ServerMetrics(names[0]),
