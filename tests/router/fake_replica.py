@@ -128,10 +128,16 @@ class RouterRig:
 
 @contextlib.asynccontextmanager
 async def router_rig(
-    num_replicas: int = 2, *, policy: str = "cache_aware", chunk_s: float = 0.01, **settings
+    num_replicas: int = 2,
+    *,
+    policy: str = "cache_aware",
+    chunk_s: float = 0.01,
+    unhealthy_at_start: tuple[int, ...] = (),
+    **settings,
 ) -> AsyncIterator[RouterRig]:
     replicas = [FakeReplica(f"r{i}", chunk_s=chunk_s) for i in range(num_replicas)]
-    for replica in replicas:
+    for i, replica in enumerate(replicas):
+        replica.healthy = i not in unhealthy_at_start
         await replica.start()
     settings.setdefault("health", HealthSettings(interval_s=0.05, timeout_s=1.0, failure_threshold=2))
     router = Router(RouterSettings(replicas=[r.url for r in replicas], policy=policy, **settings))

@@ -176,3 +176,26 @@ def test_no_healthy_replica_is_503_and_other_routes_pass_through() -> None:
         assert refused.status_code == 503 and "unhealthy" in refused.json()["error"]["message"]
 
     run(scenario)
+
+
+def test_a_replica_not_ready_at_start_joins_when_it_answers() -> None:
+    async def scenario(rig: RouterRig) -> None:
+        late = rig.replicas[1]
+        assert not rig.router.balancer.is_healthy(late.url)  # one failed start-up check drops it
+        assert {await post(rig, chat(f"t{i}", "x")) for i in range(3)} == {rig.replicas[0].url}
+        late.healthy = True
+        await wait_until(lambda: rig.router.balancer.is_healthy(late.url))
+
+    run(scenario, unhealthy_at_start=(1,))
+
+
+def test_a_client_leaving_a_stream_releases_the_replica() -> None:
+    async def scenario(rig: RouterRig) -> None:
+        async with rig.client.stream("POST", "/v1/chat/completions", json=chat(SYSTEM, "go", stream=True)) as response:
+            owner = rig.replica(response.headers[REPLICA_HEADER])
+            async for _ in response.aiter_raw():
+                break  # the client goes away after the first event
+        await wait_until(lambda: owner.running == 0 and rig.router.balancer.load_of(owner.url).in_flight == 0)
+        assert len(owner.seen) == 1
+
+    run(scenario, chunk_s=0.3)

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from tokenmill.router.balancer import LoadBalancer, NoReplicaError
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAwareSettings, make_policy
-from tokenmill.router.proxy import error_body, relay, request_headers, response_headers
+from tokenmill.router.proxy import UpstreamRelease, error_body, relay, request_headers, response_headers
 from tokenmill.router.replicas import HealthChecker, HealthSettings
 from tokenmill.router.request_key import prefix_hashes, session_of
 
@@ -81,7 +82,7 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.health = HealthChecker(self.balancer, self.metrics, self.client, self.settings.health)
-        await self.health.check_all()  # replicas still starting are dropped until they answer
+        await self.health.check_all(at_once=True)  # replicas still starting join once they answer
         self._health_task = asyncio.create_task(self.health.run())
 
     async def stop(self) -> None:
@@ -154,14 +155,13 @@ class Router:
             self.metrics.responses.labels(replica, str(upstream.status_code)).inc()
             is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
             handed_over = True
+            release = UpstreamRelease(upstream, lambda: self.balancer.end(replica))
             return StreamingResponse(
-                relay(
-                    upstream, replica, is_sse=is_sse,
-                    on_cut=lambda reason: self._on_cut(replica, reason),
-                    on_close=lambda: self.balancer.end(replica),
-                ),
+                relay(upstream, replica, is_sse=is_sse, on_cut=lambda reason: self._on_cut(replica, reason),
+                      release=release),
                 status_code=upstream.status_code,
                 headers=response_headers(upstream.headers, replica),
+                background=BackgroundTask(release),
             )  # fmt: skip
         except httpx.TimeoutException as exc:
             if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):

@@ -41,18 +41,38 @@ def sse_error_event(message: str, status_code: int = 502, error_type: str = "bad
     return b"data: " + json.dumps(error_body(message, status_code, error_type)).encode() + b"\n\n"
 
 
+class UpstreamRelease:
+    """Closes the replica's response and runs `on_close` once, whoever calls first: the relay when
+    it ends, or the response's background task when the client left before the relay even started
+    (an async generator never started never runs its `finally`)."""
+
+    def __init__(self, response: httpx.Response, on_close: Callable[[], None]) -> None:
+        self.response = response
+        self.on_close = on_close
+        self.done = False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            await self.response.aclose()  # the replica sees the disconnect and aborts the request
+        finally:
+            self.on_close()
+
+
 async def relay(
     response: httpx.Response,
     replica: str,
     *,
     is_sse: bool,
     on_cut: Callable[[str], None],
-    on_close: Callable[[], None],
+    release: UpstreamRelease,
 ) -> AsyncIterator[bytes]:
     """The replica's body chunk by chunk as it arrives. If the replica goes away mid-body, an SSE
     stream ends with an error event and `data: [DONE]` (a partial event is closed first so the
-    client's parser sees a well-formed event); `on_cut` hears why. `on_close` runs however it ends
-    (the client leaving included: closing the upstream response makes the replica abort)."""
+    client's parser sees a well-formed event); `on_cut` hears why. `release` runs however it ends
+    (the client leaving included)."""
     ends_event = True
     try:
         async for chunk in response.aiter_raw():
@@ -65,5 +85,4 @@ async def relay(
         if is_sse:
             yield (b"" if ends_event else b"\n\n") + sse_error_event(reason) + SSE_DONE
     finally:
-        await response.aclose()
-        on_close()
+        await release()

@@ -72,15 +72,16 @@ class HealthChecker:
     def last_error(self, name: str) -> str | None:
         return self._streaks[name].last_error
 
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(name) for name in self.balancer.names))
+    async def check_all(self, *, at_once: bool = False) -> None:
+        """One check of every replica; `at_once` (start-up): one failure drops a replica."""
+        await asyncio.gather(*(self._check(name, at_once) for name in self.balancer.names))
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.settings.interval_s)
             await self.check_all()
 
-    async def _check(self, name: str) -> None:
+    async def _check(self, name: str, at_once: bool = False) -> None:
         timeout = self.settings.timeout_s
         try:
             health = await self.client.get(f"{name}/health", timeout=timeout)
@@ -92,7 +93,8 @@ class HealthChecker:
             if load is not None:
                 self.balancer.set_reported_load(name, *load)
         except (httpx.HTTPError, RuntimeError) as exc:
-            self._report_failure(name, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._report_failure(name, error, at_once=at_once)
 
     def _report_ok(self, name: str) -> None:
         streak = self._streaks[name]
