@@ -68,3 +68,25 @@ def test_balancer_sessions_health_and_exclusion() -> None:
     assert balancer.load_of("a").load == 1 and balancer.load_of("b").load == 3
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'; choose one of cache_aware"):
         make_policy("fastest")
+
+
+def test_the_router_imports_no_torch_and_checks_its_flags() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom tokenmill.cli import build_parser\nfrom tokenmill.router import app, launch\n"
+        "args = build_parser().parse_args(['router', '--replica', 'http://a:1/', '--replica', 'http://b:2'])\n"
+        "assert launch.settings_from_args(args).replicas == ['http://a:1', 'http://b:2']\n"
+        "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    from tokenmill.cli import build_parser
+    from tokenmill.router.launch import settings_from_args
+
+    with pytest.raises(ValueError, match="must start with http:// or https://, got 'localhost:8000'"):
+        settings_from_args(build_parser().parse_args(["router", "--replica", "localhost:8000"]))
+    with pytest.raises(ValueError, match="repeats a URL"):
+        settings_from_args(build_parser().parse_args(["router", "--replica", "http://a:1", "--replica", "http://a:1/"]))
