@@ -51,6 +51,8 @@ def test_shared_prefix_requests_stick_to_one_replica_and_distinct_ones_spread() 
         text = (await rig.client.get("/metrics")).text
         assert metric(text, "tokenmill_router:affinity_hits_total") >= 5
         assert metric(text, "tokenmill_router:affinity_queries_total") == 12
+        hit_rate = metric(text, "tokenmill_router:affinity_hit_rate")
+        assert hit_rate == metric(text, "tokenmill_router:affinity_hits_total") / 12
 
     run(scenario)
 

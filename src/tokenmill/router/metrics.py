@@ -20,6 +20,7 @@ PREFIX = "tokenmill_router:"
 class RouterMetrics:
     def __init__(self, balancer: LoadBalancer) -> None:
         self.registry = CollectorRegistry()
+        self._num_queries = self._num_hits = 0  # what the two affinity counters hold, for the rate
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}requests", "requests sent to each replica (retries included), by routing reason",
@@ -35,6 +36,11 @@ class RouterMetrics:
         self.affinity_hits = Counter(
             f"{PREFIX}affinity_hits", "keyed requests sent to the replica holding their prefix", registry=r
         )
+        self._hit_rate = Gauge(
+            f"{PREFIX}affinity_hit_rate", "affinity_hits_total / affinity_queries_total (0 before any query)",
+            registry=r,
+        )  # fmt: skip
+        self._hit_rate.set_function(self._affinity_hit_rate)
         self.prefix_match_ratio = Histogram(
             f"{PREFIX}prefix_match_ratio", "share of the prompt's chunks the chosen replica was known to hold",
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r,
@@ -68,12 +74,17 @@ class RouterMetrics:
         for replica in balancer.names:
             gauge.labels(replica).set_function(lambda replica=replica: read(replica))
 
+    def _affinity_hit_rate(self) -> float:
+        return self._num_hits / self._num_queries if self._num_queries else 0.0
+
     def on_routed(self, decision: Decision) -> None:
         self.requests.labels(decision.replica, decision.reason).inc()
         if decision.total_chunks and decision.reason != "round_robin" and decision.reason != "least_load":
             self.affinity_queries.inc()
+            self._num_queries += 1
             if decision.reason in ("prefix_hit", "session"):
                 self.affinity_hits.inc()
+                self._num_hits += 1
             if decision.reason != "session":
                 self.prefix_match_ratio.observe(decision.matched_chunks / decision.total_chunks)
 
