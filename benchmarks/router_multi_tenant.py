@@ -131,7 +131,8 @@ def run_policy(policy: str, args: argparse.Namespace, log_dir: str) -> dict:
             "router_metrics": {
                 line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
                 for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
-                if line.startswith("tokenmill_router:") and ("_total" in line or "affinity" in line)
+                if line.startswith("tokenmill_router:") and "_created" not in line
+                and ("_total" in line or "affinity" in line)
             },
         }  # fmt: skip
         print(f"   prefix-cache hit rate {metrics['prefix_cache_hit_rate']:.3f}, TTFT p50 "
