@@ -35,6 +35,7 @@ class FakeReplica:
     seen: list[dict] = field(default_factory=list)  # every generation payload, in arrival order
     running: int = 0
     extra_waiting: int = 0  # added to what /metrics reports as waiting (load from other clients)
+    fail_status: int | None = None  # generation requests get this status (an error body) when set
     server: uvicorn.Server | None = None
     task: asyncio.Task | None = None
     url: str = ""
@@ -61,6 +62,9 @@ class FakeReplica:
         async def generate(request: Request) -> Response:
             payload = await request.json()
             self.seen.append(payload)
+            if self.fail_status is not None:
+                error = {"message": f"{self.name} refuses", "type": "x", "param": None, "code": self.fail_status}
+                return JSONResponse({"error": error}, status_code=self.fail_status)
             if payload.get("stream"):
                 return StreamingResponse(self._chunks(), media_type="text/event-stream")
             self.running += 1

@@ -201,3 +201,19 @@ def test_a_client_leaving_a_stream_releases_the_replica() -> None:
         assert len(owner.seen) == 1
 
     run(scenario, chunk_s=0.3)
+
+
+def test_a_5xx_or_429_before_any_byte_is_retried_elsewhere_and_the_last_one_returned() -> None:
+    async def scenario(rig: RouterRig) -> None:
+        first, second = rig.replicas
+        first.fail_status = 503
+        for i in range(3):  # whichever replica the policy picks, the answer comes from the good one
+            assert await post(rig, chat(f"p{i}", "x", stream=i % 2 == 1)) == second.url
+        second.fail_status = 429
+        both = await rig.client.post("/v1/chat/completions", json=chat("q", "x"))
+        assert both.status_code in (429, 503) and both.json()["error"]["message"].endswith("refuses")
+        text = (await rig.client.get("/metrics")).text
+        assert metric(text, "tokenmill_router:retries_total", replica=first.url, reason="status_503") >= 2
+        assert rig.router.balancer.healthy_names() == [first.url, second.url]  # answers are not deaths
+
+    run(scenario, policy="round_robin")

@@ -134,7 +134,8 @@ class Router:
         self, replica: str, method: str, path: str, body: bytes, headers: dict[str, str], *, stream: bool
     ) -> Response:
         """One attempt. Raises _Retry when nothing reached the client yet and another replica may
-        serve it: the connection failed, the replica closed it before answering, or it answered 5xx."""
+        serve it: the connection failed, the replica closed it before answering, or it answered 5xx
+        or 429."""
         assert self.client is not None and self.health is not None
         self.balancer.begin(replica)
         handed_over = False
@@ -142,13 +143,14 @@ class Router:
             upstream = await self.client.send(
                 self.client.build_request(method, f"{replica}{path}", content=body, headers=headers), stream=True
             )
-            if upstream.status_code >= 500 or not stream:
+            retryable = upstream.status_code >= 500 or upstream.status_code == 429  # overloaded: try another
+            if retryable or not stream:
                 # A failure answer, or a whole JSON answer: read it all before the client sees
                 # anything, so a replica dying meanwhile is still a retry.
                 await upstream.aread()
                 await upstream.aclose()
                 out = Response(upstream.content, upstream.status_code, response_headers(upstream.headers, replica))
-                if upstream.status_code >= 500:
+                if retryable:
                     raise _Retry(f"status_{upstream.status_code}", f"{replica} answered {upstream.status_code}", out)
                 self.metrics.responses.labels(replica, str(upstream.status_code)).inc()
                 return out
