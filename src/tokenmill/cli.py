@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | chat | envs | quality-gate | bench throughput | bench latency |
+"""`tokenmill serve | router | generate | chat | envs | quality-gate | bench throughput | bench latency |
 bench serve`."""
 
 from __future__ import annotations
@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_gate.add_serve_args(serve)
 
+    from tokenmill.router.launch import add_router_args
+
+    add_router_args(sub.add_parser("router", help="cache-aware router over OpenAI-compatible replicas"))
+
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -184,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             if refused is not None:
                 return refused
         return run_server(args) or 0
+    if args.command == "router":
+        from tokenmill.router.launch import run_router
+
+        return run_router(args)
     if args.command == "quality-gate":
         from tokenmill.quality import cli as quality_cli
 

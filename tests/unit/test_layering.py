@@ -48,6 +48,8 @@ TIERS: list[set[str]] = [
         "lora",
     },
     {"core"},
+    # The router (torch-free, nothing of the engine): data parallelism (engine/) reuses its policy.
+    {"router"},
     {"kernels"},
     {"attention"},
     {"model"},

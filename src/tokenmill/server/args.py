@@ -128,6 +128,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "failed with 503, /health 503. Raise it if one step can take longer; 0 disables the check",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        type=_int_in(1, 64),
+        default=1,
+        help="engine cores behind this server, each a whole engine (own process, model copy and KV "
+        "pool; on GPUs, core r gets the r-th visible device); each request goes to one by prefix "
+        "affinity balanced against load (docs/ROUTER.md). If any core dies the server is unavailable",
+    )
+    parser.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
         help="serve GET /debug/invariants: the engine checks its queues and KV block ref counts "

@@ -124,8 +124,13 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
     stats_log = None if args.disable_log_stats else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
+    client = None
+    if args.data_parallel_size > 1:
+        from tokenmill.engine.dp_client import DataParallelClient
+
+        client = DataParallelClient(config, args.data_parallel_size, hang_timeout_s=args.engine_hang_timeout)
     state = ServerState(
-        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
+        engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout, client=client),
         model_names=names,
         model_root=model_root,
         metrics=ServerMetrics(names[0], prefix=METRICS_PREFIXES[args.metrics_prefix]),
