@@ -50,6 +50,15 @@ def test_the_router_relays_tokenmill_servers_intact() -> None:
                             break
                         await asyncio.sleep(0.02)
                     assert (loads.running, loads.waiting) == (3, 2)
+                    # The router's dashboard sums its replicas' /metrics: finished requests and
+                    # output tokens equal what the two replicas' own dashboards report together.
+                    await router.health.check_all()
+                    page = await client.get("/dashboard")
+                    assert page.status_code == 200 and "tokenmill router" in page.text
+                    totals = (await client.get("/dashboard/data")).json()["totals"]
+                    own = [(await s.client.get("/dashboard/data")).json()["totals"] for s in servers]
+                    assert totals["requests_finished"] == sum(t["requests_finished"] for t in own) == 2
+                    assert totals["output_tokens"] == sum(t["output_tokens"] for t in own) > 0
             finally:
                 server.should_exit = True
                 await asyncio.wait_for(task, 10)

@@ -48,6 +48,8 @@ TIERS: list[set[str]] = [
         "lora",
     },
     {"core"},
+    # The dashboard (torch-free, FastAPI): the server and the router mount it.
+    {"dashboard"},
     # The router (torch-free, nothing of the engine): data parallelism (engine/) reuses its policy.
     {"router"},
     {"kernels"},
@@ -56,8 +58,7 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    # The dashboard (torch-free, FastAPI) sits with the server that mounts it (and the router).
-    {"server", "bench", "quality", "dashboard", "plan"},
+    {"server", "bench", "quality", "plan"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from tokenmill.dashboard import MetricsHistory, dashboard_router, text_source
 from tokenmill.router.balancer import LoadBalancer, NoReplicaError
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAwareSettings, make_policy
@@ -40,6 +41,7 @@ class RouterSettings:
     prefix_chunk_chars: int = 64
     connect_timeout_s: float = 5.0
     request_timeout_s: float | None = None  # a replica's silence before 504; None: no limit
+    cost_per_hour: float | None = None  # --cost-per-hour of all replicas together: the dashboard's $ / M tokens
 
     def __post_init__(self) -> None:
         self.replicas = [normalize_url(url) for url in self.replicas]
@@ -47,6 +49,8 @@ class RouterSettings:
             raise ValueError("give at least one --replica URL")
         if len(set(self.replicas)) != len(self.replicas):
             raise ValueError(f"--replica repeats a URL: {self.replicas}")
+        if self.cost_per_hour is not None and not self.cost_per_hour > 0:
+            raise ValueError(f"--cost-per-hour must be above 0, got {self.cost_per_hour}")
         if self.prefix_chunk_chars < 1:
             raise ValueError(f"--prefix-chunk-chars must be at least 1, got {self.prefix_chunk_chars}")
 
@@ -76,6 +80,18 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
+        # The dashboard sums the replicas' last /metrics pages (tokenmill's names), sampled after
+        # each round of health checks.
+        self.dashboard = MetricsHistory(
+            text_source(self._replica_metrics_text),
+            "tokenmill:",
+            interval_s=max(1.0, settings.health.interval_s),
+            window_s=max(10.0, 2 * settings.health.interval_s),
+            cost_per_hour=settings.cost_per_hour,
+        )
+
+    def _replica_metrics_text(self) -> str:
+        return "\n".join(self.health.metrics_texts.values()) if self.health is not None else ""
 
     async def start(self) -> None:
         timeout = httpx.Timeout(self.settings.request_timeout_s, connect=self.settings.connect_timeout_s)
@@ -83,7 +99,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.health = HealthChecker(self.balancer, self.metrics, self.client, self.settings.health)
         await self.health.check_all(at_once=True)  # replicas still starting join once they answer
-        self._health_task = asyncio.create_task(self.health.run())
+        self.dashboard.sample()
+        self._health_task = asyncio.create_task(self.health.run(on_round=self.dashboard.maybe_sample))
 
     async def stop(self) -> None:
         if self._health_task is not None:
@@ -257,6 +274,8 @@ def create_router_app(router: Router) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    app.include_router(dashboard_router(router.dashboard, None, title="tokenmill router"))
 
     for path in GENERATION_PATHS:
 

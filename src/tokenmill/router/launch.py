@@ -57,6 +57,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="good checks in a row that re-admit a dropped replica",
     )  # fmt: skip
     parser.add_argument(
+        "--cost-per-hour", type=float, default=None,
+        help="what all replicas together cost per hour: the dashboard shows $ per million output tokens",
+    )  # fmt: skip
+    parser.add_argument(
         "--request-timeout", type=float, default=None,
         help="seconds a replica may stay silent on a request before the client gets 504 (default: no limit)",
     )  # fmt: skip
@@ -83,6 +87,7 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings (app impo
         session_header=args.session_header.lower(),
         prefix_chunk_chars=args.prefix_chunk_chars,
         request_timeout_s=args.request_timeout,
+        cost_per_hour=args.cost_per_hour,
     )
 
 

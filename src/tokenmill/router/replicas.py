@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -68,6 +69,8 @@ class HealthChecker:
         self.client = client
         self.settings = settings
         self._streaks = {name: _Streak() for name in balancer.names}
+        # Each replica's last /metrics page: its load, and the router dashboard's sum over replicas.
+        self.metrics_texts: dict[str, str] = {}
 
     def last_error(self, name: str) -> str | None:
         return self._streaks[name].last_error
@@ -76,10 +79,12 @@ class HealthChecker:
         """One check of every replica; `at_once` (start-up): one failure drops a replica."""
         await asyncio.gather(*(self._check(name, at_once) for name in self.balancer.names))
 
-    async def run(self) -> None:
+    async def run(self, on_round: Callable[[], object] | None = None) -> None:
         while True:
             await asyncio.sleep(self.settings.interval_s)
             await self.check_all()
+            if on_round is not None:
+                on_round()
 
     async def _check(self, name: str, at_once: bool = False) -> None:
         timeout = self.settings.timeout_s
@@ -90,11 +95,14 @@ class HealthChecker:
             self._report_ok(name)
             metrics = await self.client.get(f"{name}/metrics", timeout=timeout)
             load = parse_load(metrics.text) if metrics.status_code == 200 else None
+            if metrics.status_code == 200:
+                self.metrics_texts[name] = metrics.text
             if load is not None:
                 self.balancer.set_reported_load(name, *load)
         except (httpx.HTTPError, RuntimeError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self._report_failure(name, error, at_once=at_once)
+            self.metrics_texts.pop(name, None)  # a replica that is down counts for nothing on the dashboard
 
     def _report_ok(self, name: str) -> None:
         streak = self._streaks[name]
