@@ -73,6 +73,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # CPU: pool size in bytes
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Host-memory KV tier (core/host_kv_tier.py): GiB of host memory for blocks evicted from the
+    # device prefix cache; 0: off.
+    kv_offload_gb: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tokenmill.args import resolve_device_defaults
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
+from tokenmill.core.kv_connector_factory import make_kv_connector
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -97,6 +98,11 @@ class EngineCore:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             num_lookahead_tokens=self.executor.num_lookahead_tokens,
             lora=self.executor.lora_hooks,
+            kv_connector=(
+                make_kv_connector(config.cache, self.executor.kv_bytes_per_block)
+                if config.cache.kv_offload_gb
+                else None
+            ),
         )
         self.config = config
         self.info = EngineInfo(
@@ -191,7 +197,11 @@ class EngineCore:
         # The previous constrained step samples now, after this schedule ran beside its mask fill.
         outputs.extend(self._sample_filled())
         if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+            if (
+                scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+                or scheduler_output.kv_connector_metadata is not None
+            ):
                 self.executor.execute_model(scheduler_output)  # lets the runner drop those requests' state
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
@@ -303,8 +313,8 @@ class EngineCore:
             runner_output = self._failed_step(scheduler_output, exc)
         return self._update(scheduler_output, runner_output)
 
-    @staticmethod
-    def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+    def _failed_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        self.scheduler.step_failed(scheduler_output)
         request_ids = scheduler_output.num_scheduled_tokens
         logger.exception("model step failed; ending the %d requests in it", len(request_ids))
         reason = f"model execution failed: {type(exc).__name__}: {exc}"

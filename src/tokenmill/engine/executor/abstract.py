@@ -64,6 +64,12 @@ class Executor(ABC):
         return 0
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block over one worker's layer tensors (the host KV tier's slot size);
+        valid after initialize_kv_cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not report its KV block size")
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - core.lora_admission.LoRAHooks | None
         """What the scheduler asks before admitting a request with an adapter; None: LoRA off."""
         return None

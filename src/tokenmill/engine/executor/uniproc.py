@@ -40,6 +40,10 @@ class UniProcExecutor(Executor):
         return speculator.num_lookahead_tokens if speculator is not None else 0
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        return self.driver_runner.kv_bytes_per_block
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - the runner's LoRAManager, or None
         return self.driver_runner.lora
 

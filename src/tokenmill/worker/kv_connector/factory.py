@@ -1,0 +1,21 @@
+"""Which KV connector a model runner runs (worker side), mirroring core/kv_connector_factory.py."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import CacheConfig
+from tokenmill.core.host_kv_tier import check_kv_cache_groups, num_host_blocks
+from tokenmill.core.kv_cache_groups import KVCacheGroups
+from tokenmill.worker.kv_connector.base import KVConnectorWorker
+
+
+def make_kv_connector_worker(
+    cache: CacheConfig, groups: KVCacheGroups, kv_cache_tensors: list[torch.Tensor], bytes_per_block: int
+) -> KVConnectorWorker | None:
+    if not cache.kv_offload_gb:
+        return None
+    check_kv_cache_groups(groups)  # before pinning gigabytes of host memory
+    from tokenmill.worker.kv_connector.host_tier import HostKVTierWorker
+
+    return HostKVTierWorker(kv_cache_tensors, num_host_blocks(cache.kv_offload_gb, bytes_per_block))
