@@ -79,7 +79,7 @@ def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_ti
 
 def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer) -> None:
     path = write_sliding_checkpoint(tmp_path / "mistral", "mistral", tiny_tokenizer)
-    with pytest.raises(ValueError, match="kv_offload_gb .* needs a model without sliding-window layers"):
+    with pytest.raises(ValueError, match="needs a model without sliding-window layers"):
         LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, kv_offload_gb=0.01)
 
 

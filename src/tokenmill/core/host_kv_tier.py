@@ -132,6 +132,8 @@ class HostKVTier(KVConnectorScheduler):
         return None
 
     def step_failed(self, metadata: KVConnectorMetadata) -> None:
+        if not isinstance(metadata, HostTierMetadata):
+            return
         failed = set(metadata.save_host_slots)
         if not failed:
             return
@@ -189,6 +191,6 @@ def check_kv_cache_groups(groups: KVCacheGroups) -> None:
     """The host tier indexes a prefix of full blocks: one full-attention KV cache group only."""
     if groups.num_groups != 1 or groups.has_sliding:
         raise ValueError(
-            "kv_offload_gb (the host KV tier) needs a model without sliding-window layers (one "
-            f"full-attention KV cache group); this model has {groups.describe()}. Set kv_offload_gb to 0"
+            "a KV connector (kv_offload_gb, kv_role) needs a model without sliding-window layers (one "
+            f"full-attention KV cache group); this model has {groups.describe()}. Turn the option off"
         )

@@ -54,8 +54,14 @@ class KVConnectorScheduler(ABC):
         """Cached device blocks handed out again this step: their KV is overwritten by this step's
         forward unless the connector copies it first."""
 
-    def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
-        """A request ended (finished, aborted, errored) and its blocks were released."""
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """A request ended (its status says how); `block_ids` (its first KV cache group's table) are
+        being released now, and stay unwritten until the next step's forward, which runs after the
+        next step's metadata is executed."""
+
+    def has_pending_work(self) -> bool:
+        """True while the connector needs a step to run even without requests (e.g. sends queued)."""
+        return False
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata | None:

@@ -31,5 +31,31 @@ class HostTierMetadata(msgspec.Struct, tag="host_tier", array_like=True, omit_de
         return not self.save_device_blocks and not self.load_host_slots
 
 
-# Every connector's metadata (a union of tagged structs as more connectors come).
-KVConnectorMetadata = HostTierMetadata
+class KVSendMetadata(msgspec.Struct, tag="kv_send", array_like=True, omit_defaults=True):
+    """A disaggregated producer's sends for one step: the full prompt blocks of requests that
+    finished since the previous step (their blocks are free but not reused before this step's
+    forward, which runs after the sends), with their prefix-cache keys and token ids."""
+
+    device_blocks: list[int] = []
+    keys: list[bytes] = []
+    token_ids: list[list[int]] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.device_blocks
+
+
+class KVReceiveMetadata(msgspec.Struct, tag="kv_receive", array_like=True, omit_defaults=True):
+    """A disaggregated consumer's loads for one step: received blocks' bytes (every layer tensor's
+    block, in the pool's tensor order) into the device blocks its requests start from."""
+
+    device_blocks: list[int] = []
+    payloads: list[bytes] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.device_blocks
+
+
+# Every connector's metadata: a union of tagged structs (msgspec decodes the right one).
+KVConnectorMetadata = HostTierMetadata | KVSendMetadata | KVReceiveMetadata

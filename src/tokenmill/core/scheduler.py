@@ -142,6 +142,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
+    def has_pending_kv_work(self) -> bool:
+        """The KV connector needs a step even without requests (a producer's queued sends)."""
+        return self.kv_connector is not None and self.kv_connector.has_pending_work()
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -581,6 +585,10 @@ class Scheduler:
         request.status = status
         if error is not None:
             request.error = error
+        connector = self.kv_connector
+        if connector is not None:
+            has_blocks = self.kv.has_blocks(request.request_id)
+            connector.request_finished(request, self.kv.get_block_ids(request.request_id)[0] if has_blocks else [])
         self.kv.free(request, uncache=uncache)
         request_id = request.request_id
         del self.requests[request_id]
@@ -589,8 +597,6 @@ class Scheduler:
         self._finished_req_ids.add(request_id)
         if request.use_structured_output and self.structured_output is not None:
             self.structured_output.free(request_id)
-        if self.kv_connector is not None:
-            self.kv_connector.request_finished(request)
 
     def _final_output(self, request: Request) -> EngineCoreOutput:
         return EngineCoreOutput(

@@ -99,8 +99,8 @@ class EngineCore:
             num_lookahead_tokens=self.executor.num_lookahead_tokens,
             lora=self.executor.lora_hooks,
             kv_connector=(
-                make_kv_connector(config.cache, self.executor.kv_bytes_per_block)
-                if config.cache.kv_offload_gb
+                make_kv_connector(config.cache, self.executor.kv_bytes_per_block, self.executor.kv_layout)
+                if config.cache.kv_offload_gb or config.cache.kv_role
                 else None
             ),
         )
@@ -179,6 +179,7 @@ class EngineCore:
             or self._in_flight is not None
             or self._filling is not None
             or self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_pending_kv_work()
         )
 
     # -- the step ---------------------------------------------------------------------------

@@ -323,8 +323,9 @@ class ModelRunner:
         )  # fmt: skip
         self.kv_caches = layer_kv_caches(self.kv_cache_tensors, groups)
         self.kv_connector = make_kv_connector_worker(
-            self.config.cache, groups, self.kv_cache_tensors, self.kv_bytes_per_block
-        )
+            self.config.cache, groups, self.kv_cache_tensors, self.kv_bytes_per_block,
+            self.config.model.served_model_name or self.config.model.model or "",
+        )  # fmt: skip
         if drafter is not None:
             drafter.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks

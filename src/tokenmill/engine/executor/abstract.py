@@ -70,6 +70,12 @@ class Executor(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not report its KV block size")
 
     @property
+    def kv_layout(self):  # noqa: ANN201 - core.kv_transfer.KVLayout | None
+        """What one KV block's bytes mean (a disaggregated consumer checks transfers against it);
+        None without a transfer connector."""
+        return None
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - core.lora_admission.LoRAHooks | None
         """What the scheduler asks before admitting a request with an adapter; None: LoRA off."""
         return None

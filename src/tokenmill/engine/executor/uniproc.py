@@ -44,6 +44,10 @@ class UniProcExecutor(Executor):
         return self.driver_runner.kv_bytes_per_block
 
     @property
+    def kv_layout(self):  # noqa: ANN201 - core.kv_transfer.KVLayout | None
+        return getattr(self.driver_runner.kv_connector, "layout", None)
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - the runner's LoRAManager, or None
         return self.driver_runner.lora
 

@@ -11,8 +11,20 @@ from tokenmill.worker.kv_connector.base import KVConnectorWorker
 
 
 def make_kv_connector_worker(
-    cache: CacheConfig, groups: KVCacheGroups, kv_cache_tensors: list[torch.Tensor], bytes_per_block: int
+    cache: CacheConfig,
+    groups: KVCacheGroups,
+    kv_cache_tensors: list[torch.Tensor],
+    bytes_per_block: int,
+    model_name: str = "",
 ) -> KVConnectorWorker | None:
+    if cache.kv_role is not None:
+        from tokenmill.worker.kv_connector.transfer import KVReceiverWorker, KVSenderWorker, kv_layout
+
+        check_kv_cache_groups(groups)
+        layout = kv_layout(model_name, cache.block_size, kv_cache_tensors)
+        if cache.kv_role == "producer":
+            return KVSenderWorker(kv_cache_tensors, layout, cache.kv_transfer_address)  # type: ignore[arg-type]
+        return KVReceiverWorker(kv_cache_tensors, layout)
     if not cache.kv_offload_gb:
         return None
     check_kv_cache_groups(groups)  # before pinning gigabytes of host memory
