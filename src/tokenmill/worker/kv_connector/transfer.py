@@ -51,6 +51,9 @@ class KVSenderWorker(KVConnectorWorker):
         self._socket = zmq.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        # Queue only towards a connected consumer: with none (not started, or dead) a send is
+        # dropped at once instead of piling up for a peer that may never come.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(address)
         self._encoder = msgspec.msgpack.Encoder()
         self.blocks_dropped = 0
