@@ -52,6 +52,13 @@ KV_OFFLOAD_COUNTERS = {
     "kv_offload_blocks_stored": "KV blocks copied to the host-memory tier when the device prefix cache evicted them.",
     "kv_offload_blocks_loaded": "KV blocks copied back from the host-memory tier on a prefix hit.",
     "kv_offload_saves_dropped": "Evicted KV blocks not stored because every host slot was in use by the step.",
+    # Disaggregated prefill / decode (--kv-role): a producer reports what it sent, a consumer the rest.
+    "kv_transfer_blocks_sent": "Prompt KV blocks a producer sent to its consumer.",
+    "kv_transfer_hits": "Prompt tokens a consumer loaded from received blocks instead of computing them.",
+    "kv_transfer_blocks_received": "KV blocks a consumer received.",
+    "kv_transfer_blocks_claimed": "Received KV blocks a request started from.",
+    "kv_transfer_blocks_expired": "Received KV blocks dropped unclaimed (claim timeout or buffer bound).",
+    "kv_transfer_messages_refused": "KV transfers refused (undecodable, corrupt, or another KV layout).",
 }
 KV_OFFLOAD_GAUGES = {
     "kv_offload_bytes": "Bytes of KV blocks held in the host-memory tier.",
