@@ -60,7 +60,8 @@ class KVConnectorScheduler(ABC):
         next step's metadata is executed."""
 
     def has_pending_work(self) -> bool:
-        """True while the connector needs a step to run even without requests (e.g. sends queued)."""
+        """True while the connector has work queued that may run between steps, without a forward
+        (a producer's sends): the engine then runs `build_connector_meta()`'s result at once."""
         return False
 
     @abstractmethod

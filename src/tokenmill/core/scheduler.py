@@ -38,6 +38,7 @@ from tokenmill.core.host_kv_tier import check_kv_cache_groups
 from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_cache_manager import GroupBlockIds, KVCacheManager
 from tokenmill.core.kv_connector import KVConnectorScheduler
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.lora_admission import LoRAAdmission, LoRAHooks
 from tokenmill.core.outputs import (
     EngineCoreOutput,
@@ -141,6 +142,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
+
+    def take_kv_connector_flush(self) -> KVConnectorMetadata | None:
+        """The KV connector's queued work that may run between steps (a producer's sends: their
+        blocks are not reused before the next schedule()); None when there is none."""
+        if self.kv_connector is None or not self.kv_connector.has_pending_work():
+            return None
+        return self.kv_connector.build_connector_meta()
 
     def has_pending_kv_work(self) -> bool:
         """The KV connector needs a step even without requests (a producer's queued sends)."""

@@ -323,7 +323,12 @@ class EngineCore:
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Attach each request's queue time to its first output and its timeline to its last;
-        forget ended requests."""
+        forget ended requests. A KV connector's work that need not wait for a step (a producer's
+        sends of the requests that just ended) runs first, so a client that reads a request's
+        final output knows its blocks are on their way."""
+        flush = self.scheduler.take_kv_connector_flush()
+        if flush is not None:
+            self.executor.run_kv_connector(flush)
         self.timelines.outputs(outputs)
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)

@@ -17,6 +17,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.arch import ArchConfig
@@ -566,11 +567,15 @@ class ModelRunner:
                 self.speculator.forget(req_id)
         requests = self.requests.update(so)
         if so.kv_connector_metadata is not None:
-            if self.kv_connector is None:
-                raise RuntimeError("the step carries KV connector metadata but this runner has no KV connector")
-            self.kv_connector.start_load_kv(so.kv_connector_metadata)
-            self.kv_connector.wait_for_load()
+            self.run_kv_connector(so.kv_connector_metadata)
         return self.launch(so, requests)
+
+    def run_kv_connector(self, metadata: KVConnectorMetadata) -> None:
+        """The KV connector's copies (before a step's forward, or between steps for a producer's sends)."""
+        if self.kv_connector is None:
+            raise RuntimeError("got KV connector metadata but this runner has no KV connector")
+        self.kv_connector.start_load_kv(metadata)
+        self.kv_connector.wait_for_load()
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingStep:

@@ -110,6 +110,10 @@ class Executor(ABC):
 
     # -- the step -------------------------------------------------------------------------------
 
+    def run_kv_connector(self, metadata) -> None:  # noqa: ANN001 - core.kv_connector_metadata.KVConnectorMetadata
+        """Run a KV connector's work outside a step (a producer's sends) on every worker."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector")
+
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step and waits for its sampled tokens."""

@@ -76,6 +76,9 @@ class UniProcExecutor(Executor):
 
     # The runner's methods are looked up at each call (not bound once), so a test that wraps
     # `engine.runner.execute` to inject a fault still sees its wrapper called.
+    def run_kv_connector(self, metadata) -> None:  # noqa: ANN001 - KVConnectorMetadata
+        self.driver_runner.run_kv_connector(metadata)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_runner.execute(scheduler_output)
 
