@@ -86,3 +86,18 @@ def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer)
 def test_a_tier_too_small_for_one_block_is_refused(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match=f"holds no KV block of {BYTES_PER_BLOCK} bytes"):
         LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, num_kv_blocks=64, kv_offload_gb=1e-9)
+
+
+def test_an_fp8_kv_cache_round_trips_through_the_host_tier(tiny_llama_dir) -> None:
+    """The tier copies raw bytes: an fp8 (e4m3) cache comes back exactly, so the output with the
+    tier equals the output without it."""
+    results = []
+    for gb in (0, HOST_GB / 4):  # fp8: a quarter of the fp32 block
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS,
+            kv_cache_dtype="fp8", kv_offload_gb=gb,
+        )  # fmt: skip
+        results.append(_multi_turn(llm, llm.info.vocab_size))
+        llm.engine.check_invariants()
+    assert results[1][1] == results[0][1]
+    assert llm.engine.get_stats()["kv_offload_hits"] > 0

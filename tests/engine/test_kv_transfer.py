@@ -173,3 +173,18 @@ def test_bad_kv_role_options_are_refused(kwargs: dict, message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="x", **kwargs).create_engine_config(resolve_device=False)
+
+
+def test_a_consumer_that_dies_between_transfers_leaves_the_producer_serving(tiny_llama_dir, tmp_path) -> None:
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+    prompts = _prompts(consumer.info.vocab_size, 4)
+    _prefill(producer, prompts[:2])
+    _wait_for_blocks(consumer, 1)
+    consumer.engine.scheduler.kv_connector.close()  # the consumer is gone
+    time.sleep(0.2)
+    _prefill(producer, prompts[2:])  # sends go nowhere; requests still finish
+    producer.engine.check_invariants()
+    assert producer.engine.get_stats()["kv_transfer_blocks_sent"] == sum((len(p) - 1) // 16 for p in prompts)
