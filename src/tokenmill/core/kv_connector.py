@@ -76,6 +76,9 @@ class KVConnectorScheduler(ABC):
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget everything stored (with the device prefix cache's reset, e.g. between benchmark runs)."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sockets and memory (the engine shuts down)."""
+
     def get_stats(self) -> dict[str, float]:
         """Absolute totals and gauges for the engine's stats (and /metrics)."""
         return {}

@@ -362,6 +362,8 @@ class EngineCore:
             self.tracer.close()
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.close()
 
     def fail_request(self, request_id: str, message: str) -> None:
         self._pending.extend(
