@@ -46,11 +46,12 @@ def _engine(path: str, **kwargs) -> LLM:
     return LLM(path, device="cpu", max_model_len=256, **kwargs)
 
 
-def test_producer_to_consumer_equals_colocated(tiny_llama_dir, tmp_path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_producer_to_consumer_equals_colocated(tiny_llama_dir, tmp_path, async_scheduling: bool) -> None:
     path = str(tiny_llama_dir)
     address = f"ipc://{tmp_path}/kv"
-    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address)
-    producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, async_scheduling=async_scheduling)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address, async_scheduling=async_scheduling)
     prompts = _prompts(consumer.info.vocab_size)
     _prefill(producer, prompts)
     sent = producer.engine.get_stats()["kv_transfer_blocks_sent"]
