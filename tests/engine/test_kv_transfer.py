@@ -189,3 +189,15 @@ def test_a_consumer_that_dies_between_transfers_leaves_the_producer_serving(tiny
     _prefill(producer, prompts[2:])  # sends go nowhere; requests still finish
     producer.engine.check_invariants()
     assert producer.engine.get_stats()["kv_transfer_blocks_sent"] == sum((len(p) - 1) // 16 for p in prompts)
+
+
+def test_a_consumer_address_in_use_is_refused_by_name() -> None:
+    taken = zmq.Context.instance().socket(zmq.PULL)
+    taken.setsockopt(zmq.LINGER, 0)
+    taken.bind("tcp://127.0.0.1:*")
+    try:
+        address = taken.getsockopt(zmq.LAST_ENDPOINT).decode()
+        with pytest.raises(ValueError, match="cannot bind kv_transfer_address"):
+            KVConsumer(address, LAYOUT, claim_timeout_s=1.0, max_bytes=64)
+    finally:
+        taken.close(0)

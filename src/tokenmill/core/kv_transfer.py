@@ -125,7 +125,14 @@ class KVConsumer(KVConnectorScheduler):
         self._clock = clock
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            raise ValueError(
+                f"the KV consumer cannot bind kv_transfer_address {address!r} ({exc}); give a free "
+                "tcp://HOST:PORT or an ipc:// path this process may create"
+            ) from None
         self._decoder = msgspec.msgpack.Decoder(KVBlocksMessage)
         # key -> (token ids, payload, arrival time), oldest first.
         self._entries: OrderedDict[bytes, tuple[tuple[int, ...], bytes, float]] = OrderedDict()
