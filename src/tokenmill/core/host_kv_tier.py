@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.block_hash import extend_block_hashes
-from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_connector import EvictedBlock, KVConnectorScheduler
 from tokenmill.core.kv_connector_metadata import HostTierMetadata, KVConnectorMetadata
 from tokenmill.core.request import Request
@@ -186,11 +185,3 @@ def num_host_blocks(kv_offload_gb: float, bytes_per_block: int) -> int:
         )
     return num
 
-
-def check_kv_cache_groups(groups: KVCacheGroups) -> None:
-    """The host tier indexes a prefix of full blocks: one full-attention KV cache group only."""
-    if groups.num_groups != 1 or groups.has_sliding:
-        raise ValueError(
-            "a KV connector (kv_offload_gb, kv_role) needs a model without sliding-window layers (one "
-            f"full-attention KV cache group); this model has {groups.describe()}. Turn the option off"
-        )

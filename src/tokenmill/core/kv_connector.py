@@ -25,6 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.request import Request
 
@@ -85,3 +86,13 @@ class KVConnectorScheduler(ABC):
 
     def check_invariants(self) -> None:  # noqa: B027 - optional hook
         """Raise AssertionError naming the first broken invariant (tests)."""
+
+
+def check_kv_cache_groups(groups: KVCacheGroups) -> None:
+    """The connectors index a prefix of full blocks by their hashes: one full-attention KV cache
+    group only (a sliding group's hit needs the blocks just before the hit point, not a prefix)."""
+    if groups.num_groups != 1 or groups.has_sliding:
+        raise ValueError(
+            "a KV connector (kv_offload_gb, kv_role) needs a model without sliding-window layers (one "
+            f"full-attention KV cache group); this model has {groups.describe()}. Turn the option off"
+        )

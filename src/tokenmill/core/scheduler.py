@@ -34,10 +34,9 @@ import itertools
 from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.host_kv_tier import check_kv_cache_groups
 from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_cache_manager import GroupBlockIds, KVCacheManager
-from tokenmill.core.kv_connector import KVConnectorScheduler
+from tokenmill.core.kv_connector import KVConnectorScheduler, check_kv_cache_groups
 from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.lora_admission import LoRAAdmission, LoRAHooks
 from tokenmill.core.outputs import (

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import CacheConfig
-from tokenmill.core.host_kv_tier import check_kv_cache_groups, num_host_blocks
+from tokenmill.core.host_kv_tier import num_host_blocks
 from tokenmill.core.kv_cache_groups import KVCacheGroups
+from tokenmill.core.kv_connector import check_kv_cache_groups
 from tokenmill.worker.kv_connector.base import KVConnectorWorker
 
 
