@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import types
@@ -128,6 +129,23 @@ class EngineArgs:
     kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)
     gpu_memory_utilization: float = _option(0.9, "GPU: fraction of the GPU's memory the engine may use")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompts' shared prefixes")
+    kv_offload_gb: float = _option(
+        0.0,
+        "GiB of host memory for KV blocks evicted from the device prefix cache, copied back on a later "
+        "prefix hit instead of recomputed (pinned on CUDA); 0: off. Needs prefix caching and a model "
+        "without sliding-window layers",
+    )
+    kv_role: str | None = _option(
+        None,
+        "disaggregated prefill/decode: producer sends the prompt KV blocks of its finished requests to "
+        "the consumer at --kv-transfer-address, which starts the same prompts from them (docs/KV_OFFLOAD.md)",
+        choices=("producer", "consumer"),
+    )
+    kv_transfer_address: str | None = _option(
+        None, "ZMQ address the consumer binds and the producer connects to, e.g. tcp://127.0.0.1:5590 or ipc:///tmp/kv"
+    )
+    kv_claim_timeout: float = _option(30.0, "consumer: seconds a received block waits for its request")
+    kv_transfer_buffer_gb: float = _option(2.0, "consumer: GiB of received blocks kept unclaimed at most")
     block_size: int = _option(16, "tokens per KV cache block")
     kv_cache_dtype: str = _option(
         "auto",
@@ -304,6 +322,11 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_offload_gb=self.kv_offload_gb,
+                kv_role=self.kv_role,
+                kv_transfer_address=self.kv_transfer_address,
+                kv_claim_timeout_s=self.kv_claim_timeout,
+                kv_transfer_buffer_gb=self.kv_transfer_buffer_gb,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -349,6 +372,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self._check_kv_offload()
+        self._check_kv_transfer()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -367,6 +392,53 @@ class EngineArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_role is None:
+            if self.kv_transfer_address is not None:
+                raise ValueError("kv_transfer_address is set but kv_role is not; add --kv-role producer|consumer")
+            return
+        if not self.kv_transfer_address:
+            raise ValueError(
+                f"kv_role {self.kv_role!r} needs kv_transfer_address (e.g. tcp://127.0.0.1:5590), the address "
+                "the consumer binds and the producer connects to"
+            )
+        if self.kv_offload_gb:
+            raise ValueError("kv_role and kv_offload_gb cannot be combined yet (one KV connector per engine)")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_role needs prefix caching (blocks travel by their prefix-cache keys)")
+        from tokenmill.spec_decode.config import parse_speculative_config
+
+        speculative = parse_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"kv_role does not support speculative method {speculative.method!r} yet (its draft model's "
+                "KV cache is not transferred); use ngram or no speculative decoding"
+            )
+        for name in ("kv_claim_timeout", "kv_transfer_buffer_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def _check_kv_offload(self) -> None:
+        value = self.kv_offload_gb
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"kv_offload_gb must be a finite number of GiB >= 0 (0: off), got {value!r}")
+        if value == 0:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_gb needs prefix caching: the host tier holds blocks the prefix cache evicts; "
+                "drop --no-enable-prefix-caching or set kv_offload_gb to 0"
+            )
+        from tokenmill.spec_decode.config import parse_speculative_config
+
+        speculative = parse_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"kv_offload_gb does not support speculative method {speculative.method!r} yet (its draft "
+                "model's KV cache is not offloaded); use ngram or set kv_offload_gb to 0"
+            )
 
     def create_kernel_config(self) -> KernelConfig:
         """KernelConfig: --kernel-config's keys, else $TOKENMILL_ROW_GEMV and the like when set,

@@ -73,6 +73,15 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # CPU: pool size in bytes
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Host-memory KV tier (core/host_kv_tier.py): GiB of host memory for blocks evicted from the
+    # device prefix cache; 0: off.
+    kv_offload_gb: float = 0.0
+    # Disaggregated prefill / decode (core/kv_transfer.py): "producer" sends the prompt blocks of
+    # finished requests to the consumer at kv_transfer_address (ZMQ), which loads them; None: off.
+    kv_role: str | None = None
+    kv_transfer_address: str | None = None
+    kv_claim_timeout_s: float = 30.0  # consumer: received blocks no request claims are dropped after this
+    kv_transfer_buffer_gb: float = 2.0  # consumer: most unclaimed received bytes kept (oldest dropped)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,26 @@ SPEC_DECODE_COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the target model.",
 }
 SPEC_DECODE_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+# Host-memory KV tier (--kv-offload-gb) totals and gauges in engine stats; like speculative
+# decoding's, a series appears only once the engine reports its key (a server without the tier
+# exports none).
+KV_OFFLOAD_COUNTERS = {
+    "kv_offload_hits": "Prompt tokens whose KV was loaded from the host-memory tier instead of computed.",
+    "kv_offload_blocks_stored": "KV blocks copied to the host-memory tier when the device prefix cache evicted them.",
+    "kv_offload_blocks_loaded": "KV blocks copied back from the host-memory tier on a prefix hit.",
+    "kv_offload_saves_dropped": "Evicted KV blocks not stored because every host slot was in use by the step.",
+    # Disaggregated prefill / decode (--kv-role): a producer reports what it sent, a consumer the rest.
+    "kv_transfer_blocks_sent": "Prompt KV blocks a producer sent to its consumer.",
+    "kv_transfer_hits": "Prompt tokens a consumer loaded from received blocks instead of computing them.",
+    "kv_transfer_blocks_received": "KV blocks a consumer received.",
+    "kv_transfer_blocks_claimed": "Received KV blocks a request started from.",
+    "kv_transfer_blocks_expired": "Received KV blocks dropped unclaimed (claim timeout or buffer bound).",
+    "kv_transfer_messages_refused": "KV transfers refused (undecodable, corrupt, or another KV layout).",
+}
+KV_OFFLOAD_GAUGES = {
+    "kv_offload_bytes": "Bytes of KV blocks held in the host-memory tier.",
+    "kv_offload_capacity_bytes": "Bytes the host-memory tier can hold.",
+}
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
@@ -197,6 +217,8 @@ class ServerMetrics:
             "first position + 1 drafts were all accepted.",
             ("position",),
         )
+        self._kv_offload_counters = {key: counter(key, doc) for key, doc in KV_OFFLOAD_COUNTERS.items()}
+        self._kv_offload_gauges = {key: gauge(key, doc) for key, doc in KV_OFFLOAD_GAUGES.items()}
         # Histograms the engine keeps itself (grammar compiles, per-step bitmask fills): their
         # latest buckets, exported as they are.
         self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS, prefix)
@@ -276,6 +298,12 @@ class ServerMetrics:
         for key, family in self._spec_decode.items():
             if key in stats:
                 self._count_total(key, float(stats[key]), family.labels(self.model_name))
+        for key, family in self._kv_offload_counters.items():
+            if key in stats:
+                self._count_total(key, float(stats[key]), family.labels(self.model_name))
+        for key, gauge_family in self._kv_offload_gauges.items():
+            if key in stats:
+                gauge_family.labels(self.model_name).set(float(stats[key]))
         per_position_prefix = SPEC_DECODE_PER_POSITION + "."
         for key, total in stats.items():
             if key.startswith(per_position_prefix):

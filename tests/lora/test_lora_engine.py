@@ -198,3 +198,26 @@ def test_lora_request_needs_lora_enabled(tiny_llama_dir, adapter_dirs):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32")
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         llm.generate(["hi"], GREEDY, lora_request=_loras(adapter_dirs)[0])
+
+
+def test_host_kv_tier_is_keyed_by_adapter(tiny_llama_dir, adapter_dirs, prompts, oracle):
+    """--kv-offload-gb: blocks evicted from the device come back from the host tier only for the
+    adapter that computed them (the adapter is in the block hashes)."""
+    llm = _llm(tiny_llama_dir, block_size=8, max_model_len=64, num_kv_blocks=12, kv_offload_gb=64 * 4096 / 2**30)
+    a, b = _loras(adapter_dirs)[:2]
+    target = _token_prompts(prompts[:1])
+    llm.generate(target, GREEDY, lora_request=a)
+    for filler in prompts[1:4]:  # base-model prompts that push the target's blocks out of the device
+        llm.generate(_token_prompts([filler]), GREEDY)
+    assert llm.engine.get_stats()["kv_offload_blocks_stored"] > 0
+    other = llm.generate(target, GREEDY, lora_request=b)[0]
+    assert other.num_cached_tokens == 0  # adapter a's blocks are not adapter b's
+    assert list(other.outputs[0].token_ids) == oracle[(adapter_dirs[1], 0)]
+    hits_before = llm.engine.get_stats()["kv_offload_hits"]
+    for filler in prompts[4:7]:
+        llm.generate(_token_prompts([filler]), GREEDY)
+    again = llm.generate(target, GREEDY, lora_request=a)[0]
+    assert llm.engine.get_stats()["kv_offload_hits"] > hits_before  # from the host tier
+    assert again.num_cached_tokens > 0
+    assert list(again.outputs[0].token_ids) == oracle[(adapter_dirs[0], 0)]
+    llm.engine.check_invariants()

@@ -113,6 +113,7 @@ def test_history_points_cover_the_window_from_a_server_registry() -> None:
     assert last["prefix_hit_rate"] == pytest.approx(0.4)
     assert last["preemptions"] == 3.0
     assert last["spec_acceptance"] is None  # no speculation: no number, not 0
+    assert last["external_hit_rate"] is None  # no KV connector: no number, not 0
     assert last["cost_per_m_output"] == pytest.approx(7.2 / (200 * 3600) * 1e6)
     assert 0.0025 < last["tpot_p50"] <= 0.005  # (1.0 - 0.05) / 199 = 4.8 ms per token
     totals = history.totals()
@@ -146,3 +147,17 @@ def test_labelled_series_sum_and_split() -> None:
     s = take_snapshot(registry.collect(), "p:", 0.0, 0.0)
     assert s.value("lora_hits_total") == 5 and s.labeled["lora_hits_total"] == {"a": 2.0, "b": 3.0}
     assert s.histograms["lat"].counts == [1.0, 1.0] and s.histograms["lat"].sum == 0.5
+
+
+def test_host_tier_hits_are_charted_over_the_prefix_cache_queries() -> None:
+    metrics = ServerMetrics("m")
+    clock = FakeClock()
+    history = MetricsHistory(registry_source(metrics.registry), "tokenmill:", interval_s=1.0, window_s=2.0, clock=clock)
+    history.sample()
+    metrics.update_engine_stats({"prefix_cache_queries": 100, "kv_offload_hits": 10})
+    clock.now += 1.0
+    history.sample()
+    metrics.update_engine_stats({"prefix_cache_queries": 300, "kv_offload_hits": 70})
+    clock.now += 1.0
+    history.sample()
+    assert history.points[-1]["external_hit_rate"] == pytest.approx(70 / 300)

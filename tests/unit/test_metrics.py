@@ -162,3 +162,13 @@ def test_spec_decode_counters_appear_only_when_the_engine_reports_them() -> None
     assert value(m, "tokenmill:spec_decode_num_drafts_total") == 15
     assert value(m, f"tokenmill:{per_pos}_total", position="0") == 13
     assert value(m, f"tokenmill:{per_pos}_total", position="1") == 8
+
+
+def test_kv_offload_series_appear_once_the_engine_reports_them() -> None:
+    m = ServerMetrics("smol")
+    assert not any("kv_offload" in name for name, _ in samples(m))
+    m.update_engine_stats({"kv_offload_hits": 64, "kv_offload_blocks_stored": 5, "kv_offload_bytes": 4096})
+    m.update_engine_stats({"kv_offload_hits": 96, "kv_offload_blocks_stored": 5, "kv_offload_bytes": 2048})
+    assert value(m, "tokenmill:kv_offload_hits_total") == 96
+    assert value(m, "tokenmill:kv_offload_blocks_stored_total") == 5
+    assert value(m, "tokenmill:kv_offload_bytes") == 2048

@@ -12,8 +12,11 @@ cached, and nothing ever writes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+# Told of the cached blocks one allocation evicts: (block id, prefix-cache key, token ids) each.
+EvictionListener = Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +98,8 @@ class BlockPool:
         self.null_block: KVCacheBlock | None = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
         self.free_queue = FreeBlockQueue(b for b in self.blocks if b is not self.null_block)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # A KV connector that saves evicted blocks elsewhere (core/kv_connector.py); None: nobody.
+        self.on_evict: EvictionListener | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -115,12 +120,17 @@ class BlockPool:
         if num_blocks > self.free_queue.num_free:
             raise ValueError(f"asked for {num_blocks} KV blocks but only {self.free_queue.num_free} are free")
         blocks = []
+        evicted = [] if self.on_evict is not None else None
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if evicted is not None:
+                    evicted.append((block.block_id, block.block_hash, block.token_ids))
                 self.uncache(block)
             block.ref_count = 1
             blocks.append(block)
+        if evicted:
+            self.on_evict(evicted)  # type: ignore[misc]
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -103,7 +103,7 @@ class KVCacheManager:
             for w in self.windows
         )
 
-    def _uses_prefix_cache(self, request: Request) -> bool:
+    def uses_prefix_cache(self, request: Request) -> bool:
         # Prompt logprobs need logits at every prompt position, so such requests compute it all.
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
@@ -113,7 +113,7 @@ class KVCacheManager:
 
         Never the whole request: the last token is always recomputed, its logits are needed.
         """
-        if not self._uses_prefix_cache(request):
+        if not self.uses_prefix_cache(request):
             return [], 0
         block_size = self.block_size
         hashes = extend_block_hashes(request, block_size)
@@ -181,7 +181,7 @@ class KVCacheManager:
         if tables is None:
             tables = self._block_ids[request_id] = [[] for _ in range(self.num_groups)]
             self._num_registered_blocks[request_id] = num_hits
-            if self._uses_prefix_cache(request):
+            if self.uses_prefix_cache(request):
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hits * block_size
         if new_computed_block_ids:

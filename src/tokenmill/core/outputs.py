@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.request_timeline import RequestTimeline
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
@@ -88,6 +89,9 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     # Requests preempted by this schedule: the runner drops their token state; they come back
     # as new requests (with their output so far) when they resume.
     preempted_req_ids: set[str] = set()
+    # The KV connector's copies for this step (core/kv_connector_metadata.py), run by the worker
+    # before the forward; None without a connector or with nothing to copy.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

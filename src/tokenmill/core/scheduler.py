@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_groups import KVCacheGroups
 from tokenmill.core.kv_cache_manager import GroupBlockIds, KVCacheManager
+from tokenmill.core.kv_connector import KVConnectorScheduler, check_kv_cache_groups
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.lora_admission import LoRAAdmission, LoRAHooks
 from tokenmill.core.outputs import (
     EngineCoreOutput,
@@ -61,11 +63,13 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         lora: LoRAHooks | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         """`kv_cache_groups`: the model's layers grouped by attention type (None: one full group).
         `num_speculative_tokens`: speculative decoding's k (0: off); `num_lookahead_tokens`: KV
         slots reserved after a decoding request's scheduled tokens (a draft model writes its
-        proposals' KV there). `lora`: LoRA's admission hooks (None: LoRA off)."""
+        proposals' KV there). `lora`: LoRA's admission hooks (None: LoRA off). `kv_connector`:
+        KV kept outside the device pool (core/kv_connector.py; None: none, and no call is made)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
@@ -94,6 +98,10 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
         self.lora = lora
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            check_kv_cache_groups(self.kv.groups)
+            self.kv.pool.on_evict = kv_connector.on_blocks_evicted
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -134,6 +142,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
+    def take_kv_connector_flush(self) -> KVConnectorMetadata | None:
+        """The KV connector's queued work that may run between steps (a producer's sends: their
+        blocks are not reused before the next schedule()); None when there is none."""
+        if self.kv_connector is None or not self.kv_connector.has_pending_work():
+            return None
+        return self.kv_connector.build_connector_meta()
+
+    def has_pending_kv_work(self) -> bool:
+        """The KV connector needs a step even without requests (a producer's queued sends)."""
+        return self.kv_connector is not None and self.kv_connector.has_pending_work()
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -151,7 +170,7 @@ class Scheduler:
             "num_preemptions_total": self.num_preemptions_total,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + len(self.waiting_for_grammar),
-        }
+        } | (self.kv_connector.get_stats() if self.kv_connector is not None else {})
 
     # -- scheduling -------------------------------------------------------------------------
 
@@ -244,21 +263,34 @@ class Scheduler:
                 )
                 continue
             hit_ids, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            # Tokens right after the local hit that the KV connector loads (no budget: not computed).
+            num_external = 0
+            if self.kv_connector is not None and self.kv.uses_prefix_cache(request):
+                num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            num_start = num_hit_tokens + num_external
+            num_new = min(request.num_tokens - num_start, budget)
             # A chunk that samples reserves the lookahead slots a draft model writes after it.
-            lookahead = self.num_lookahead_tokens if num_hit_tokens + num_new >= request.num_tokens else 0
-            if self.kv.allocate_slots(request, num_new, hit_ids, lookahead) is None:
+            lookahead = self.num_lookahead_tokens if num_start + num_new >= request.num_tokens else 0
+            new_block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_ids, lookahead)
+            if new_block_ids is None:
                 if running:
                     break  # wait for running requests to free blocks
                 # Every block is free and it still does not fit: it never will.
                 self.waiting.pop()
-                self._end_in_schedule(request, self._too_big_message(request, num_hit_tokens, num_new))
+                self._end_in_schedule(
+                    request, self._too_big_message(request, num_hit_tokens, num_external + num_new)
+                )
                 continue
             self.waiting.pop()
+            if num_external:
+                block_size = self.kv.block_size
+                self.kv_connector.update_state_after_alloc(  # type: ignore[union-attr]
+                    request, num_hit_tokens // block_size, new_block_ids[0][: num_external // block_size]
+                )
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
+                request.num_cached_tokens = num_start
+            request.num_computed_tokens = num_start
             if self.config.policy == "priority":
                 keys = self._keys
                 bisect.insort(running, request, key=lambda r: keys[r.request_id])
@@ -276,6 +308,8 @@ class Scheduler:
         output.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         self._unlaunched = set(num_scheduled)
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return output
 
     def _lora_admission(self) -> LoRAAdmission | None:
@@ -283,6 +317,12 @@ class Scheduler:
             return None
         active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         return LoRAAdmission(self.lora, active)
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """The step failed as a whole (its requests end as errored): the KV connector forgets what
+        its copies would have stored."""
+        if self.kv_connector is not None and scheduler_output.kv_connector_metadata is not None:
+            self.kv_connector.step_failed(scheduler_output.kv_connector_metadata)
 
     def launched(self, scheduler_output: SchedulerOutput) -> None:
         """The runner has queued this step's work on the device: its KV writes happen before any
@@ -552,6 +592,10 @@ class Scheduler:
         request.status = status
         if error is not None:
             request.error = error
+        connector = self.kv_connector
+        if connector is not None:
+            has_blocks = self.kv.has_blocks(request.request_id)
+            connector.request_finished(request, self.kv.get_block_ids(request.request_id)[0] if has_blocks else [])
         self.kv.free(request, uncache=uncache)
         request_id = request.request_id
         del self.requests[request_id]
@@ -605,3 +649,5 @@ class Scheduler:
             f"holders {sorted(self.kv.request_ids_with_blocks())}, running {sorted(running_ids)}"
         )
         self.kv.check_invariants()
+        if self.kv_connector is not None:
+            self.kv_connector.check_invariants()

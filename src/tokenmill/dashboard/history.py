@@ -142,6 +142,14 @@ def point(now: MetricsSnapshot, base: MetricsSnapshot, cost_per_hour: float | No
     p["waiting"] = now.value("num_requests_waiting")
     p["kv_usage"] = now.value("kv_cache_usage_perc")
     p["prefix_hit_rate"] = ratio(counter_increase("prefix_cache_hits_total"), counter_increase("prefix_cache_queries_total"))
+    # KV connectors (docs/KV_OFFLOAD.md): prompt tokens loaded from the host tier or a producer
+    # instead of computed, over the same queries; None when no connector reports.
+    external = [name for name in ("kv_offload_hits_total", "kv_transfer_hits_total") if name in now.values]
+    p["external_hit_rate"] = (
+        ratio(sum(counter_increase(name) for name in external), counter_increase("prefix_cache_queries_total"))
+        if external
+        else None
+    )
     p["preemptions"] = counter_increase("num_preemptions_total")
     p["rejections"] = counter_increase("request_rejected_total")
     p["spec_acceptance"] = ratio(

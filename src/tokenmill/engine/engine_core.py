@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tokenmill.args import resolve_device_defaults
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
+from tokenmill.core.kv_connector_factory import make_kv_connector
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -97,6 +98,11 @@ class EngineCore:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             num_lookahead_tokens=self.executor.num_lookahead_tokens,
             lora=self.executor.lora_hooks,
+            kv_connector=(
+                make_kv_connector(config.cache, self.executor.kv_bytes_per_block, self.executor.kv_layout)
+                if config.cache.kv_offload_gb or config.cache.kv_role
+                else None
+            ),
         )
         self.config = config
         self.info = EngineInfo(
@@ -173,6 +179,7 @@ class EngineCore:
             or self._in_flight is not None
             or self._filling is not None
             or self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_pending_kv_work()
         )
 
     # -- the step ---------------------------------------------------------------------------
@@ -191,7 +198,11 @@ class EngineCore:
         # The previous constrained step samples now, after this schedule ran beside its mask fill.
         outputs.extend(self._sample_filled())
         if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+            if (
+                scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+                or scheduler_output.kv_connector_metadata is not None
+            ):
                 self.executor.execute_model(scheduler_output)  # lets the runner drop those requests' state
             outputs.extend(self._finish_in_flight())
             # Requests the scheduler ended itself (e.g. can never fit) report through here.
@@ -303,8 +314,8 @@ class EngineCore:
             runner_output = self._failed_step(scheduler_output, exc)
         return self._update(scheduler_output, runner_output)
 
-    @staticmethod
-    def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+    def _failed_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        self.scheduler.step_failed(scheduler_output)
         request_ids = scheduler_output.num_scheduled_tokens
         logger.exception("model step failed; ending the %d requests in it", len(request_ids))
         reason = f"model execution failed: {type(exc).__name__}: {exc}"
@@ -312,7 +323,12 @@ class EngineCore:
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Attach each request's queue time to its first output and its timeline to its last;
-        forget ended requests."""
+        forget ended requests. A KV connector's work that need not wait for a step (a producer's
+        sends of the requests that just ended) runs first, so a client that reads a request's
+        final output knows its blocks are on their way."""
+        flush = self.scheduler.take_kv_connector_flush()
+        if flush is not None:
+            self.executor.run_kv_connector(flush)
         self.timelines.outputs(outputs)
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)
@@ -346,6 +362,8 @@ class EngineCore:
             self.tracer.close()
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.close()
 
     def fail_request(self, request_id: str, message: str) -> None:
         self._pending.extend(

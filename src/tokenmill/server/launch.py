@@ -124,6 +124,11 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
     stats_log = None if args.disable_log_stats else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
+    if args.data_parallel_size > 1 and config.cache.kv_role is not None:
+        raise ValueError(
+            "--kv-role needs one engine core (--data-parallel-size 1): every core would bind or send to "
+            "the same --kv-transfer-address; run one producer / consumer pair per replica behind the router"
+        )
     client = None
     if args.data_parallel_size > 1:
         from tokenmill.engine.dp_client import DataParallelClient

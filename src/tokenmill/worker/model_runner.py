@@ -17,6 +17,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.model.arch import ArchConfig
@@ -33,6 +34,7 @@ from tokenmill.worker.kv_cache import (
     num_blocks_for_cpu,
     resolve_kv_cache_dtype,
 )
+from tokenmill.worker.kv_connector import KVConnectorWorker, make_kv_connector_worker
 from tokenmill.worker.request_state import RequestState, RequestStates
 from tokenmill.worker.speculation import PendingVerifyStep, Speculator
 
@@ -184,6 +186,8 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._num_sample_fetches = 0
         self.kv_caches: list[torch.Tensor] = []  # per model layer (layers of different groups share tensors)
+        self.kv_bytes_per_block = 0  # one block over the pool's layer tensors (without a drafter's)
+        self.kv_connector: KVConnectorWorker | None = None  # e.g. the host KV tier (--kv-offload-gb)
         self.kv_cache_tensors: list[torch.Tensor] = []  # the pool: one per layer of a group
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
@@ -302,6 +306,7 @@ class ModelRunner:
             groups.num_tensors, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype,
         )  # fmt: skip
+        self.kv_bytes_per_block = per_block
         drafter = self.speculator.draft_model if self.speculator is not None else None
         if drafter is not None:  # its cache shares the block tables: one pool, both caches per block
             per_block += drafter.kv_bytes_per_block()
@@ -318,6 +323,10 @@ class ModelRunner:
             self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.kv_caches = layer_kv_caches(self.kv_cache_tensors, groups)
+        self.kv_connector = make_kv_connector_worker(
+            self.config.cache, groups, self.kv_cache_tensors, self.kv_bytes_per_block,
+            self.config.model.served_model_name or self.config.model.model or "",
+        )  # fmt: skip
         if drafter is not None:
             drafter.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -410,6 +419,9 @@ class ModelRunner:
             self.lora.shutdown()
         self.kv_caches = []
         self.kv_cache_tensors = []
+        if self.kv_connector is not None:
+            self.kv_connector.release()
+            self.kv_connector = None
         self.model = None  # type: ignore[assignment]
         self.buffers = None
         if self.device.type == "cuda":
@@ -554,7 +566,16 @@ class ModelRunner:
             for req_id in so.finished_req_ids | so.preempted_req_ids:
                 self.speculator.forget(req_id)
         requests = self.requests.update(so)
+        if so.kv_connector_metadata is not None:
+            self.run_kv_connector(so.kv_connector_metadata)
         return self.launch(so, requests)
+
+    def run_kv_connector(self, metadata: KVConnectorMetadata) -> None:
+        """The KV connector's copies (before a step's forward, or between steps for a producer's sends)."""
+        if self.kv_connector is None:
+            raise RuntimeError("got KV connector metadata but this runner has no KV connector")
+        self.kv_connector.start_load_kv(metadata)
+        self.kv_connector.wait_for_load()
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingStep:

@@ -14,7 +14,7 @@
     { id: "throughput", title: "Throughput", unit: "tok/s", series: [["output", (p) => p.output_tps], ["prompt", (p) => p.prompt_tps]] },
     { id: "requests", title: "Requests", unit: "", series: [["running", (p) => p.running], ["waiting", (p) => p.waiting]] },
     { id: "kv", title: "KV cache use", unit: "%", series: [["used", (p) => pct(p.kv_usage)]], max: 100 },
-    { id: "prefix", title: "Prefix cache hit rate", unit: "%", series: [["hits / queries", (p) => pct(p.prefix_hit_rate)]], max: 100 },
+    { id: "prefix", title: "Prefix cache hit rate", unit: "%", series: [["hits / queries", (p) => pct(p.prefix_hit_rate)], ["host tier or producer hits / queries", (p) => pct(p.external_hit_rate)]], max: 100 },
     { id: "events", title: "Preemptions and rejections (per window)", unit: "", series: [["preemptions", (p) => p.preemptions], ["rejections", (p) => p.rejections]] },
     { id: "spec", title: "Speculative acceptance", unit: "%", series: [["accepted / drafted", (p) => pct(p.spec_acceptance)]], max: 100 },
     { id: "lora", title: "LoRA adapters: requests in flight", unit: "", series: "lora" },

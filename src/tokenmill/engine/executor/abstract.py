@@ -64,6 +64,18 @@ class Executor(ABC):
         return 0
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block over one worker's layer tensors (the host KV tier's slot size);
+        valid after initialize_kv_cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not report its KV block size")
+
+    @property
+    def kv_layout(self):  # noqa: ANN201 - core.kv_transfer.KVLayout | None
+        """What one KV block's bytes mean (a disaggregated consumer checks transfers against it);
+        None without a transfer connector."""
+        return None
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - core.lora_admission.LoRAHooks | None
         """What the scheduler asks before admitting a request with an adapter; None: LoRA off."""
         return None
@@ -97,6 +109,10 @@ class Executor(ABC):
         """Releases everything and ends the workers; idempotent."""
 
     # -- the step -------------------------------------------------------------------------------
+
+    def run_kv_connector(self, metadata) -> None:  # noqa: ANN001 - core.kv_connector_metadata.KVConnectorMetadata
+        """Run a KV connector's work outside a step (a producer's sends) on every worker."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector")
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

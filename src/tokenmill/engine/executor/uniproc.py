@@ -40,6 +40,14 @@ class UniProcExecutor(Executor):
         return speculator.num_lookahead_tokens if speculator is not None else 0
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        return self.driver_runner.kv_bytes_per_block
+
+    @property
+    def kv_layout(self):  # noqa: ANN201 - core.kv_transfer.KVLayout | None
+        return getattr(self.driver_runner.kv_connector, "layout", None)
+
+    @property
     def lora_hooks(self):  # noqa: ANN201 - the runner's LoRAManager, or None
         return self.driver_runner.lora
 
@@ -68,6 +76,9 @@ class UniProcExecutor(Executor):
 
     # The runner's methods are looked up at each call (not bound once), so a test that wraps
     # `engine.runner.execute` to inject a fault still sees its wrapper called.
+    def run_kv_connector(self, metadata) -> None:  # noqa: ANN001 - KVConnectorMetadata
+        self.driver_runner.run_kv_connector(metadata)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_runner.execute(scheduler_output)
 

@@ -1,0 +1,249 @@
+"""Disaggregated prefill / decode, scheduler sides: a producer engine ships the prompt blocks of its
+finished requests to a consumer engine, which starts the same prompts from them.
+
+Blocks travel keyed by their prefix-cache key (the chained token hash, with the LoRA adapter and
+cache salt in it) and carry their token ids, so the consumer needs no request id from the
+producer: a request whose prompt runs into received blocks loads them (like a prefix hit) and
+computes only the rest (at least the last prompt token, whose logits it needs). Greedy output is
+the same as colocated serving; a request that arrives before its blocks (or whose blocks were
+refused or expired) is simply computed whole.
+
+The wire (worker/kv_connector/transfer.py sends, `KVConsumer` receives): ZMQ PUSH -> PULL, one
+msgspec message per batch of blocks (`KVBlocksMessage`), never pickle. The message names the KV
+layout it was cut from (`KVLayout`: model, block size, dtype, tensor shapes); a consumer refuses a
+message whose layout differs from its own, or that does not decode, counting it. Received blocks
+no request claims within the claim timeout are dropped, and so are the oldest past the byte bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import msgspec
+import zmq
+
+from tokenmill.core.block_hash import extend_block_hashes
+from tokenmill.core.kv_connector import KVConnectorScheduler
+from tokenmill.core.kv_connector_metadata import KVConnectorMetadata, KVReceiveMetadata, KVSendMetadata
+from tokenmill.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_SENT_STATUSES = (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+
+
+class KVLayout(msgspec.Struct, frozen=True, array_like=True):
+    """What a block's bytes mean: both ends must agree on all of it."""
+
+    model: str
+    block_size: int
+    dtype: str
+    num_tensors: int  # layer tensors of the pool; a block's payload is one block of each, in order
+    block_shape: tuple[int, ...]  # one tensor's block: (2, block_size, kv_heads, head_dim)
+    bytes_per_block: int
+
+    def differences(self, other: KVLayout) -> list[str]:
+        return [
+            f"{name} {getattr(other, name)!r} (ours {getattr(self, name)!r})"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+class KVBlocksMessage(msgspec.Struct, array_like=True):
+    layout: KVLayout
+    keys: list[bytes]
+    token_ids: list[list[int]]
+    payloads: list[bytes]
+
+
+class KVProducer(KVConnectorScheduler):
+    """Queues the full prompt blocks of each request that finished normally; the worker sends them
+    before the next step's forward (which is what may overwrite them)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._pending = KVSendMetadata()
+        self.blocks_sent = 0
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
+        return 0
+
+    def update_state_after_alloc(self, request: Request, first_block_index: int, device_block_ids: Sequence[int]) -> None:
+        raise AssertionError("a producer never offers external tokens")
+
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> None:
+        if request.status not in _SENT_STATUSES or not block_ids:
+            return
+        block_size = self.block_size
+        # The consumer computes the prompt's last token itself (it needs its logits): a block
+        # ending there is never claimed.
+        num_full = min((len(request.prompt_token_ids) - 1) // block_size, len(block_ids))
+        if num_full == 0:
+            return
+        hashes = extend_block_hashes(request, block_size)
+        tokens = request.all_token_ids
+        pending = self._pending
+        for i in range(num_full):
+            pending.device_blocks.append(block_ids[i])
+            pending.keys.append(hashes[i])
+            pending.token_ids.append(tokens[i * block_size : (i + 1) * block_size])
+
+    def has_pending_work(self) -> bool:
+        return not self._pending.is_empty
+
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        if self._pending.is_empty:
+            return None
+        meta, self._pending = self._pending, KVSendMetadata()
+        self.blocks_sent += len(meta.device_blocks)
+        return meta
+
+    def get_stats(self) -> dict[str, float]:
+        return {"kv_transfer_blocks_sent": self.blocks_sent}
+
+
+class KVConsumer(KVConnectorScheduler):
+    """Receives blocks (ZMQ PULL, bound at `address`), offers them to requests whose prompt runs
+    into them, and has the worker copy a claimed block's bytes into its device block."""
+
+    def __init__(
+        self,
+        address: str,
+        layout: KVLayout,
+        claim_timeout_s: float,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.claim_timeout_s = claim_timeout_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            raise ValueError(
+                f"the KV consumer cannot bind kv_transfer_address {address!r} ({exc}); give a free "
+                "tcp://HOST:PORT or an ipc:// path this process may create"
+            ) from None
+        self._decoder = msgspec.msgpack.Decoder(KVBlocksMessage)
+        # key -> (token ids, payload, arrival time), oldest first.
+        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], bytes, float]] = OrderedDict()
+        self._loads = KVReceiveMetadata()
+        self.blocks_received = 0
+        self.blocks_claimed = 0
+        self.blocks_expired = 0
+        self.messages_refused = 0
+        self.hit_tokens = 0
+
+    def close(self) -> None:
+        self._socket.close(0)
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Take every message waiting on the socket, then drop what expired or overflows."""
+        while True:
+            try:
+                frame = self._socket.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._accept(frame)
+        self._expire()
+
+    def _accept(self, frame: bytes) -> None:
+        try:
+            message = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.messages_refused += 1
+            logger.warning("refused a KV transfer that does not decode (%s)", exc)
+            return
+        differences = self.layout.differences(message.layout)
+        if differences:
+            self.messages_refused += 1
+            logger.warning("refused a KV transfer cut from another KV layout: %s", "; ".join(differences))
+            return
+        if not (len(message.keys) == len(message.token_ids) == len(message.payloads)) or any(
+            len(p) != self.layout.bytes_per_block for p in message.payloads
+        ) or any(len(t) != self.block_size for t in message.token_ids):
+            self.messages_refused += 1
+            logger.warning(
+                "refused a corrupt KV transfer (%d keys, %d token lists, %d payloads; a payload must be %d bytes)",
+                len(message.keys), len(message.token_ids), len(message.payloads), self.layout.bytes_per_block,
+            )  # fmt: skip
+            return
+        now = self._clock()
+        for key, token_ids, payload in zip(message.keys, message.token_ids, message.payloads, strict=True):
+            self._entries.pop(key, None)
+            self._entries[key] = (tuple(token_ids), payload, now)
+        self.blocks_received += len(message.keys)
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.claim_timeout_s
+        entries = self._entries
+        while entries:
+            key, (_, _, arrived) = next(iter(entries.items()))
+            if arrived > deadline and len(entries) * self.layout.bytes_per_block <= self.max_bytes:
+                break
+            del entries[key]
+            self.blocks_expired += 1
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
+        self.poll()
+        if not self._entries:
+            return 0
+        block_size = self.block_size
+        hashes = extend_block_hashes(request, block_size)
+        tokens = request.all_token_ids
+        first = num_local_hit_tokens // block_size
+        index = first
+        while index < (request.num_tokens - 1) // block_size:
+            entry = self._entries.get(hashes[index])
+            if entry is None or entry[0] != tuple(tokens[index * block_size : (index + 1) * block_size]):
+                break
+            index += 1
+        return (index - first) * block_size
+
+    def update_state_after_alloc(self, request: Request, first_block_index: int, device_block_ids: Sequence[int]) -> None:
+        hashes = request.block_hashes
+        for offset, device_block in enumerate(device_block_ids):
+            _, payload, _ = self._entries.pop(hashes[first_block_index + offset])
+            self._loads.device_blocks.append(device_block)
+            self._loads.payloads.append(payload)
+        self.blocks_claimed += len(device_block_ids)
+        self.hit_tokens += len(device_block_ids) * self.block_size
+
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        if self._loads.is_empty:
+            return None
+        meta, self._loads = self._loads, KVReceiveMetadata()
+        return meta
+
+    def reset(self) -> None:
+        self._entries.clear()
+
+    @property
+    def num_unclaimed_blocks(self) -> int:
+        return len(self._entries)
+
+    def get_stats(self) -> dict[str, float]:
+        return {
+            "kv_transfer_hits": self.hit_tokens,
+            "kv_transfer_blocks_received": self.blocks_received,
+            "kv_transfer_blocks_claimed": self.blocks_claimed,
+            "kv_transfer_blocks_expired": self.blocks_expired,
+            "kv_transfer_messages_refused": self.messages_refused,
+        }
+
+    def check_invariants(self) -> None:
+        assert len(self._entries) * self.layout.bytes_per_block <= self.max_bytes, "unclaimed blocks past the bound"
+        assert self._loads.is_empty, "consumer loads outlived their step (build_connector_meta not called)"

@@ -1,0 +1,103 @@
+"""The host-memory KV tier (--kv-offload-gb) end to end on the CPU: a device pool small enough
+that a multi-turn workload's earlier conversations are evicted, so their second turns hit blocks
+copied back from the host tier. Greedy output must equal transformers' (fp32) and the output
+without the tier, cached-token accounting must include the host hits, and every block and host
+slot must be accounted for at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.sliding_window_checkpoints import write_sliding_checkpoint
+from tokenmill import LLM, SamplingParams
+
+NUM_CONVERSATIONS = 8
+PROMPT_LEN = 64  # 4 blocks of 16
+MAX_NEW = 6
+NUM_DEVICE_BLOCKS = 24  # 384 tokens: the 8 first turns (5 blocks each) do not all fit
+BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 16 tokens, 2 heads of 16, fp32
+HOST_GB = 64 * BYTES_PER_BLOCK / 2**30  # 64 host blocks
+
+
+def _multi_turn(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Two turns of every conversation (each turn's requests together); the second turn's prompts,
+    all outputs, and the second turn's cached tokens."""
+    rng = random.Random(7)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = [[rng.randrange(5, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(NUM_CONVERSATIONS)]
+    outs1 = llm.generate([{"prompt_token_ids": p} for p in first], params)
+    second = [
+        p + o.outputs[0].token_ids + [rng.randrange(5, vocab_size) for _ in range(10)]
+        for p, o in zip(first, outs1, strict=True)
+    ]
+    outs2 = llm.generate([{"prompt_token_ids": p} for p in second], params)
+    outputs = [o.outputs[0].token_ids for o in outs1 + outs2]
+    return second, outputs, [o.num_cached_tokens for o in outs2]
+
+
+@pytest.fixture(scope="module")
+def without_tier(tiny_llama_dir) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS)
+    result = _multi_turn(llm, llm.info.vocab_size)
+    assert "kv_offload_hits" not in llm.engine.get_stats()
+    return result
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_tier, async_scheduling: bool) -> None:
+    path = str(tiny_llama_dir)
+    llm = LLM(
+        path, device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS, kv_offload_gb=HOST_GB,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    second, outputs, cached = _multi_turn(llm, llm.info.vocab_size)
+    base_second, base_outputs, base_cached = without_tier
+    assert second == base_second
+    assert outputs == base_outputs, "the host tier changed greedy output"
+    for prompt, output in zip(second, outputs[NUM_CONVERSATIONS:], strict=True):
+        assert output == hf_greedy(path, prompt, MAX_NEW)[0]
+    stats = llm.engine.get_stats()
+    assert stats["kv_offload_blocks_stored"] > 0
+    assert stats["kv_offload_hits"] > 0, "no second turn was served from the host tier"
+    # The host hits are counted as cached prompt tokens (usage.prompt_tokens_details.cached_tokens);
+    # the tier's counter also has the hits of requests resuming after a preemption, which report
+    # the cached tokens of their first admission.
+    gained = sum(cached) - sum(base_cached)
+    assert 0 < gained <= stats["kv_offload_hits"]
+    assert all(c % 16 == 0 and c <= len(p) - 1 for c, p in zip(cached, second, strict=True))
+    assert stats["kv_offload_bytes"] <= stats["kv_offload_capacity_bytes"] == 64 * BYTES_PER_BLOCK
+    # Every device block free (or evictable), every host slot held or free, nothing pending.
+    llm.engine.check_invariants()
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert llm.engine.runner.kv_connector is not None
+    assert llm.engine.runner.kv_connector.host_bytes == 64 * BYTES_PER_BLOCK
+
+
+def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer) -> None:
+    path = write_sliding_checkpoint(tmp_path / "mistral", "mistral", tiny_tokenizer)
+    with pytest.raises(ValueError, match="needs a model without sliding-window layers"):
+        LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, kv_offload_gb=0.01)
+
+
+def test_a_tier_too_small_for_one_block_is_refused(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match=f"holds no KV block of {BYTES_PER_BLOCK} bytes"):
+        LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, num_kv_blocks=64, kv_offload_gb=1e-9)
+
+
+def test_an_fp8_kv_cache_round_trips_through_the_host_tier(tiny_llama_dir) -> None:
+    """The tier copies raw bytes: an fp8 (e4m3) cache comes back exactly, so the output with the
+    tier equals the output without it."""
+    results = []
+    for gb in (0, HOST_GB / 4):  # fp8: a quarter of the fp32 block
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS,
+            kv_cache_dtype="fp8", kv_offload_gb=gb,
+        )  # fmt: skip
+        results.append(_multi_turn(llm, llm.info.vocab_size))
+        llm.engine.check_invariants()
+    assert results[1][1] == results[0][1]
+    assert llm.engine.get_stats()["kv_offload_hits"] > 0

@@ -1,0 +1,203 @@
+"""Disaggregated prefill / decode on the CPU: a producer engine prefills, ships its prompt blocks
+over ZMQ (msgspec) to a consumer engine, which starts the same prompts from them. Output equals
+colocated serving and transformers; a mismatched or corrupt transfer is refused; unclaimed blocks
+expire; a producer without a consumer keeps serving; no engine leaks a block."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from tests.engine.hf_oracle import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.kv_transfer import KVBlocksMessage, KVConsumer, KVLayout
+
+MAX_NEW = 6
+
+
+def _prompts(vocab_size: int, count: int = 5) -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(5, vocab_size) for _ in range(rng.randint(20, 90))] for _ in range(count)]
+
+
+def _prefill(producer: LLM, prompts: list[list[int]]) -> None:
+    producer.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=1))
+
+
+def _decode(consumer: LLM, prompts: list[list[int]]):  # noqa: ANN202 - list[RequestOutput]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    return consumer.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _wait_for_blocks(consumer: LLM, count: int) -> None:
+    connector = consumer.engine.scheduler.kv_connector
+    assert isinstance(connector, KVConsumer)
+    deadline = time.monotonic() + 10
+    while connector.blocks_received + connector.messages_refused < count and time.monotonic() < deadline:
+        connector.poll()
+        time.sleep(0.01)
+
+
+def _engine(path: str, **kwargs) -> LLM:
+    return LLM(path, device="cpu", max_model_len=256, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_producer_to_consumer_equals_colocated(tiny_llama_dir, tmp_path, async_scheduling: bool) -> None:
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, async_scheduling=async_scheduling)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address, async_scheduling=async_scheduling)
+    prompts = _prompts(consumer.info.vocab_size)
+    _prefill(producer, prompts)
+    sent = producer.engine.get_stats()["kv_transfer_blocks_sent"]
+    assert sent == sum((len(p) - 1) // 16 for p in prompts)
+    _wait_for_blocks(consumer, sent)
+    outputs = _decode(consumer, prompts)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16  # every full block came over
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_hits"] == sum(out.num_cached_tokens for out in outputs) > 0
+    assert stats["kv_transfer_blocks_claimed"] == sent and stats["kv_transfer_messages_refused"] == 0
+    for engine in (producer.engine, consumer.engine):
+        engine.check_invariants()  # every block back in the free list
+    assert consumer.engine.scheduler.kv_connector.num_unclaimed_blocks == 0
+
+
+def test_a_transfer_from_another_layout_is_refused_and_the_prompt_computed(tiny_llama_dir, tmp_path) -> None:
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, block_size=32)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address)  # block size 16
+    prompts = _prompts(consumer.info.vocab_size, 2)
+    _prefill(producer, prompts)
+    _wait_for_blocks(consumer, 1)
+    outputs = _decode(consumer, prompts)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+        assert out.num_cached_tokens == 0
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_messages_refused"] >= 1 and stats["kv_transfer_hits"] == 0
+    consumer.engine.check_invariants()
+
+
+def test_a_producer_without_a_consumer_keeps_serving(tiny_llama_dir, tmp_path) -> None:
+    """The consumer is gone (nobody binds the address): sends are dropped, requests still finish."""
+    producer = _engine(str(tiny_llama_dir), kv_role="producer", kv_transfer_address=f"ipc://{tmp_path}/nobody")
+    prompts = _prompts(producer.info.vocab_size, 3)
+    _prefill(producer, prompts)
+    _prefill(producer, prompts)
+    assert producer.engine.runner.kv_connector.blocks_dropped > 0
+    producer.engine.check_invariants()
+
+
+LAYOUT = KVLayout("m", 4, "float32", 1, (2, 4, 1, 2), 64)
+
+
+def _consumer(tmp_path, clock) -> tuple[KVConsumer, zmq.Socket]:
+    consumer = KVConsumer(f"ipc://{tmp_path}/c", LAYOUT, claim_timeout_s=5.0, max_bytes=3 * 64, clock=clock)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"ipc://{tmp_path}/c")
+    return consumer, push
+
+
+def _drain(consumer: KVConsumer, expected_messages: int) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        consumer.poll()
+        if consumer.blocks_received + consumer.messages_refused >= expected_messages:
+            return
+        time.sleep(0.01)
+
+
+def test_unclaimed_blocks_expire_and_the_buffer_is_bounded(tmp_path) -> None:
+    now = [0.0]
+    consumer, push = _consumer(tmp_path, lambda: now[0])
+    try:
+        message = KVBlocksMessage(LAYOUT, [b"k1", b"k2"], [[1, 2, 3, 4], [5, 6, 7, 8]], [bytes(64)] * 2)
+        push.send(msgspec.msgpack.encode(message))
+        _drain(consumer, 2)
+        assert consumer.num_unclaimed_blocks == 2
+        now[0] = 10.0  # past the claim timeout
+        consumer.poll()
+        assert consumer.num_unclaimed_blocks == 0 and consumer.blocks_expired == 2
+        keys = [bytes([i]) for i in range(5)]
+        push.send(msgspec.msgpack.encode(KVBlocksMessage(LAYOUT, keys, [[1, 2, 3, 4]] * 5, [bytes(64)] * 5)))
+        _drain(consumer, 7)
+        assert consumer.num_unclaimed_blocks == 3  # 3 blocks of 64 bytes at most
+        consumer.check_invariants()
+    finally:
+        push.close(0)
+        consumer.close()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"not msgpack at all",
+        msgspec.msgpack.encode(KVBlocksMessage(LAYOUT, [b"k"], [[1, 2, 3, 4]], [bytes(63)])),  # short payload
+        msgspec.msgpack.encode(
+            KVBlocksMessage(KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64), [b"k"], [[1, 2, 3, 4]], [bytes(64)])
+        ),
+    ],
+    ids=["undecodable", "short-payload", "other-model"],
+)
+def test_corrupt_or_mismatched_transfers_are_refused(tmp_path, frame: bytes) -> None:
+    consumer, push = _consumer(tmp_path, time.monotonic)
+    try:
+        push.send(frame)
+        _drain(consumer, 1)
+        assert consumer.messages_refused == 1 and consumer.num_unclaimed_blocks == 0
+    finally:
+        push.close(0)
+        consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_role": "producer"}, "needs kv_transfer_address"),
+        ({"kv_transfer_address": "ipc:///tmp/x"}, "kv_role is not"),
+        ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_offload_gb": 1}, "cannot be combined"),
+        ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_claim_timeout": 0}, "kv_claim_timeout must"),
+        ({"kv_role": "sideways", "kv_transfer_address": "ipc:///tmp/x"}, "kv_role must be one of"),
+    ],
+)
+def test_bad_kv_role_options_are_refused(kwargs: dict, message: str) -> None:
+    from tokenmill.args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="x", **kwargs).create_engine_config(resolve_device=False)
+
+
+def test_a_consumer_that_dies_between_transfers_leaves_the_producer_serving(tiny_llama_dir, tmp_path) -> None:
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+    prompts = _prompts(consumer.info.vocab_size, 4)
+    _prefill(producer, prompts[:2])
+    _wait_for_blocks(consumer, 1)
+    consumer.engine.scheduler.kv_connector.close()  # the consumer is gone
+    time.sleep(0.2)
+    _prefill(producer, prompts[2:])  # sends go nowhere; requests still finish
+    producer.engine.check_invariants()
+    assert producer.engine.get_stats()["kv_transfer_blocks_sent"] == sum((len(p) - 1) // 16 for p in prompts)
+
+
+def test_a_consumer_address_in_use_is_refused_by_name() -> None:
+    taken = zmq.Context.instance().socket(zmq.PULL)
+    taken.setsockopt(zmq.LINGER, 0)
+    taken.bind("tcp://127.0.0.1:*")
+    try:
+        address = taken.getsockopt(zmq.LAST_ENDPOINT).decode()
+        with pytest.raises(ValueError, match="cannot bind kv_transfer_address"):
+            KVConsumer(address, LAYOUT, claim_timeout_s=1.0, max_bytes=64)
+    finally:
+        taken.close(0)
