@@ -47,7 +47,8 @@ TIERS: list[set[str]] = [
         "lora",
     },
     {"core"},
-    {"kernels"},
+    # torch.distributed's group and collectives: the sharded layers (model) and the workers use them.
+    {"kernels", "distributed"},
     {"attention"},
     {"model"},
     {"sample"},

@@ -33,6 +33,7 @@ from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.errors import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.resolve import ResolvedModel, resolve_model
 
@@ -295,6 +296,9 @@ class EngineCore:
 
     @staticmethod
     def _failed_step(scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        if isinstance(exc, EngineDeadError):
+            # A lost worker (tensor parallelism) is no batch's fault: the engine cannot go on.
+            raise exc
         request_ids = scheduler_output.num_scheduled_tokens
         logger.exception("model step failed; ending the %d requests in it", len(request_ids))
         reason = f"model execution failed: {type(exc).__name__}: {exc}"
