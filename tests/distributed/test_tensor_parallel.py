@@ -24,14 +24,25 @@ MAX_NEW = 8
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [300, 17, 42]]
 SMALL_ENGINE = {"device": "cpu", "max_model_len": 128, "num_kv_blocks": 64}
 # vocab 1001 (the tokenizer's 1000 + 1): 2 and 3 ranks both need padding rows.
-TP_SHAPES = {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6, "head_dim": 16, "vocab_size": 1001}
+TP_SHAPES = {
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_attention_heads": 6,
+    "head_dim": 16,
+    "vocab_size": 1001,
+}
 
 
 @pytest.fixture(scope="module")
 def tp_qwen2_dir(tmp_path_factory, tiny_tokenizer):
     """q/k/v biases (sharded with their rows), untied lm_head, 6 KV heads: split over the ranks."""
     return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("tp_qwen2"), "qwen2", tiny_tokenizer, seed=11, num_key_value_heads=6, **TP_SHAPES
+        tmp_path_factory.mktemp("tp_qwen2"),
+        "qwen2",
+        tiny_tokenizer,
+        seed=11,
+        num_key_value_heads=6,
+        **TP_SHAPES,
     )
 
 
@@ -82,7 +93,9 @@ def test_default_model_on_three_ranks_equals_transformers(default_model_path):
 
 
 def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads.*: 1, 3"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads.*: 1, 3"
+    ):
         LLM(None, tensor_parallel_size=2, **SMALL_ENGINE)
 
 

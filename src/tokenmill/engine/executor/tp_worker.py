@@ -73,7 +73,9 @@ def run_worker(spec: WorkerSpec) -> None:
         logger.warning("tensor-parallel rank %d: the engine process is gone; exiting", rank)
     except Exception as exc:
         logger.exception("tensor-parallel rank %d failed", rank)
-        replies.send(encoder.encode(WorkerFailed(rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        replies.send(
+            encoder.encode(WorkerFailed(rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        )
         raise
     finally:
         from tokenmill.distributed.parallel_state import destroy_tensor_parallel
@@ -101,7 +103,11 @@ def _start(spec: WorkerSpec):  # noqa: ANN202 - a ModelRunner (torch imported he
         config = dataclasses.replace(config, device=f"cuda:{spec.rank}")  # one GPU per local rank
     init_tensor_parallel(spec.rank, spec.size, spec.dist_init_method)
     logger.info(
-        "tensor-parallel rank %d of %d: pid %d, %d torch threads", spec.rank, spec.size, os.getpid(), spec.torch_threads
+        "tensor-parallel rank %d of %d: pid %d, %d torch threads",
+        spec.rank,
+        spec.size,
+        os.getpid(),
+        spec.torch_threads,
     )
     return ModelRunner(config, resolve_model(config.model), spec.max_model_len)
 

@@ -99,8 +99,16 @@ class WorkerGroupExecutor(Executor):
             level = logging.getLevelName(logging.getLogger("tokenmill").getEffectiveLevel())
             specs = [
                 WorkerSpec(
-                    config, rank, self.size, max_model_len, init_method, command_addrs[rank], reply_addr,
-                    parent_pid=os.getpid(), torch_threads=threads, log_level=str(level),
+                    config,
+                    rank,
+                    self.size,
+                    max_model_len,
+                    init_method,
+                    command_addrs[rank],
+                    reply_addr,
+                    parent_pid=os.getpid(),
+                    torch_threads=threads,
+                    log_level=str(level),
                 )  # fmt: skip
                 for rank in range(self.size)
             ]
