@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from tests.conftest import write_tiny_checkpoint
+from tests.distributed.conftest import SMALL_ENGINE
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.args import EngineArgs
@@ -22,40 +22,9 @@ from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
 
 MAX_NEW = 8
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [300, 17, 42]]
-SMALL_ENGINE = {"device": "cpu", "max_model_len": 128, "num_kv_blocks": 64}
-# vocab 1001 (the tokenizer's 1000 + 1): 2 and 3 ranks both need padding rows.
-TP_SHAPES = {
-    "hidden_size": 96,
-    "intermediate_size": 192,
-    "num_attention_heads": 6,
-    "head_dim": 16,
-    "vocab_size": 1001,
-}
 
 
-@pytest.fixture(scope="module")
-def tp_qwen2_dir(tmp_path_factory, tiny_tokenizer):
-    """q/k/v biases (sharded with their rows), untied lm_head, 6 KV heads: split over the ranks."""
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("tp_qwen2"),
-        "qwen2",
-        tiny_tokenizer,
-        seed=11,
-        num_key_value_heads=6,
-        **TP_SHAPES,
-    )
-
-
-@pytest.fixture(scope="module")
-def tp_llama_mqa_dir(tmp_path_factory, tiny_tokenizer):
-    """One KV head (replicated on every rank), tied embeddings (the lm_head shares the vocab shard)."""
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("tp_llama_mqa"), "llama", tiny_tokenizer, seed=12, num_key_value_heads=1,
-        tie_word_embeddings=True, **TP_SHAPES,
-    )  # fmt: skip
-
-
-def _assert_greedy_equals_hf(llm: LLM, path: str, prompts: list[list[int]]) -> None:
+def assert_greedy_equals_hf(llm: LLM, path: str, prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -73,9 +42,9 @@ def test_greedy_equals_transformers(request, checkpoint, size, async_scheduling)
     try:
         assert llm.info.vocab_size % size, "the vocabulary should need padding rows"
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
-        _assert_greedy_equals_hf(llm, path, PROMPTS)
+        assert_greedy_equals_hf(llm, path, PROMPTS)
         # A second batch: the workers' request states follow finished requests and prefix hits.
-        _assert_greedy_equals_hf(llm, path, [PROMPTS[1][:30] + [7, 8], PROMPTS[0]])
+        assert_greedy_equals_hf(llm, path, [PROMPTS[1][:30] + [7, 8], PROMPTS[0]])
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.executor._processes), "workers outlived shutdown"
@@ -87,7 +56,7 @@ def test_default_model_on_three_ranks_equals_transformers(default_model_path):
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
-        _assert_greedy_equals_hf(llm, str(default_model_path), prompts)
+        assert_greedy_equals_hf(llm, str(default_model_path), prompts)
     finally:
         llm.shutdown()
 

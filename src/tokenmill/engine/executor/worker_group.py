@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_MS = 100  # while waiting for a reply, how often the workers' liveness is checked
+PEER_LOSS_GRACE_S = 2.0  # after a rank's failure, how long to look for a peer that died first
 
 
 class _PendingReply:
@@ -273,11 +275,23 @@ class WorkerGroupExecutor(Executor):
             elif isinstance(reply, StepDeferred):
                 self._deferred.add(reply.step_id)
             elif isinstance(reply, WorkerFailed):
-                self._declare_dead(f"tensor-parallel rank {reply.rank} failed: {reply.error}")
+                self._rank_failed(reply)
             elif self._collecting is not None and isinstance(reply, self._collecting[0]):
                 self._collecting[1][reply.rank] = reply  # type: ignore[union-attr]
             else:
                 logger.warning("ignoring an unexpected %s from a worker", type(reply).__name__)
+
+    def _rank_failed(self, reply: WorkerFailed) -> None:
+        """A rank's own failure is often a lost peer seen from a collective (gloo's "connection
+        reset"): name the rank that is gone first, when one is (its loss may take a moment to show)."""
+        logger.error("tensor-parallel rank %d failed:\n%s", reply.rank, reply.error)
+        summary = reply.error.splitlines()[0] if reply.error else "no reason given"
+        deadline = time.monotonic() + PEER_LOSS_GRACE_S
+        while (dead := self._dead_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead is not None:
+            self._declare_dead(f"{dead} (rank {reply.rank} then failed: {summary[:300]})")
+        self._declare_dead(f"tensor-parallel rank {reply.rank} failed: {summary[:500]}")
 
     def _check_alive(self) -> None:
         if self._dead is not None:
