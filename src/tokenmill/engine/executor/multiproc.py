@@ -63,9 +63,9 @@ class MultiprocExecutor(WorkerGroupExecutor):
             process.stdin.write(msgspec.msgpack.encode(spec))
             process.stdin.close()
 
-    def _dead_worker(self) -> str | None:
+    def _dead_worker(self, besides: int | None = None) -> str | None:
         for rank, process in enumerate(self._processes):
-            code = process.poll()
+            code = None if rank == besides else process.poll()
             if code is not None:
                 return f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}"
         return None

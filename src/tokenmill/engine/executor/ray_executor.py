@@ -127,13 +127,15 @@ class RayExecutor(WorkerGroupExecutor):
             for actor, spec in zip(self._actors, specs, strict=True)
         ]
 
-    def _dead_worker(self) -> str | None:
+    def _dead_worker(self, besides: int | None = None) -> str | None:
         ray = self._ray
         if not self._loops or ray is None:
             return None
         done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
         for ref in done:
             rank = self._loops.index(ref)
+            if rank == besides:
+                continue
             try:
                 ray.get(ref)
                 return f"tensor-parallel rank {rank}'s Ray actor stopped serving"

@@ -140,8 +140,8 @@ class WorkerGroupExecutor(Executor):
     def _start_workers(self, specs: list[WorkerSpec]) -> None: ...
 
     @abstractmethod
-    def _dead_worker(self) -> str | None:
-        """A sentence about a worker that is gone, or None while all live."""
+    def _dead_worker(self, besides: int | None = None) -> str | None:
+        """A sentence about a worker that is gone (other than rank `besides`), or None while all live."""
 
     @abstractmethod
     def _stop_workers(self) -> None:
@@ -287,7 +287,7 @@ class WorkerGroupExecutor(Executor):
         logger.error("tensor-parallel rank %d failed:\n%s", reply.rank, reply.error)
         summary = reply.error.splitlines()[0] if reply.error else "no reason given"
         deadline = time.monotonic() + PEER_LOSS_GRACE_S
-        while (dead := self._dead_worker()) is None and time.monotonic() < deadline:
+        while (dead := self._dead_worker(besides=reply.rank)) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if dead is not None:
             self._declare_dead(f"{dead} (rank {reply.rank} then failed: {summary[:300]})")
