@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--models", nargs="+", default=["default-model", "llama-30m"], choices=["default-model", "llama-30m"]
+    )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the workers' budget: threads x size below
@@ -71,8 +74,15 @@ def main() -> None:
     from tokenmill.bench.results import git_commit, write_result
 
     torch.set_num_threads(args.threads)
-    llama = write_llama_checkpoint(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "llama-30m")
-    setups = {"default-model": (None, (1, 3)), "llama-30m": (str(llama), (1, 2))}
+    from tokenmill.model.loader.default_model import default_model_path
+
+    setups = {"default-model": (None, (1, 3)), "llama-30m": (None, (1, 2))}
+    if "llama-30m" in args.models:
+        llama = write_llama_checkpoint(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "llama-30m")
+        setups["llama-30m"] = (str(llama), (1, 2))
+    setups = {name: setup for name, setup in setups.items() if name in args.models}
+    # The random Llama has the default model's vocabulary size: it borrows its tokenizer.
+    tokenizer = {"default-model": None, "llama-30m": str(default_model_path())}
     metrics: dict[str, dict] = {}
     for name, (model, sizes) in setups.items():
         engines = {}
@@ -80,8 +90,8 @@ def main() -> None:
             os.environ["OMP_NUM_THREADS"] = str(args.threads * size)  # split back to `threads` per rank
             # cpu_quantized_gemv off: tensor parallelism runs the GGUF's dequantized fp32 weights, so TP=1 must too.
             engines[size] = LLM(
-                model, device="cpu", max_model_len=256, num_kv_blocks=512, tensor_parallel_size=size,
-                cpu_quantized_gemv=False,
+                model, tokenizer=tokenizer[name], device="cpu", max_model_len=256, num_kv_blocks=512,
+                tensor_parallel_size=size, cpu_quantized_gemv=False,
             )  # fmt: skip
         for batch in args.batch:
             samples: dict[int, list[float]] = {size: [] for size in sizes}
@@ -103,7 +113,7 @@ def main() -> None:
             llm.shutdown()
     path = write_result(
         "tp-step-overhead",
-        {"batch": args.batch, "output_len": args.output_len, "repeats": args.repeats, "threads_per_rank": args.threads,
+        {"batch": args.batch, "models_run": args.models, "output_len": args.output_len, "repeats": args.repeats, "threads_per_rank": args.threads,
          "models": {"default-model": "SmolLM2-135M-Instruct GGUF, dequantized fp32 (cpu_quantized_gemv off)",
                     "llama-30m": "random Llama, hidden 512, 8 layers, 8/4 heads, fp32"}},
         metrics,

@@ -19,6 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.args import EngineArgs
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
+from tokenmill.sampling_params import StructuredOutputsParams as SO
 
 MAX_NEW = 8
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [300, 17, 42]]
@@ -45,9 +46,27 @@ def test_greedy_equals_transformers(request, checkpoint, size, async_scheduling)
         assert_greedy_equals_hf(llm, path, PROMPTS)
         # A second batch: the workers' request states follow finished requests and prefix hits.
         assert_greedy_equals_hf(llm, path, [PROMPTS[1][:30] + [7, 8], PROMPTS[0]])
+        _check_constrained_and_sampled_steps(llm)
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.executor._processes), "workers outlived shutdown"
+
+
+def _check_constrained_and_sampled_steps(llm: LLM) -> None:
+    """Constrained steps go through the two-phase protocol (forward, then the bitmask to every rank);
+    sampled steps take rank 0's tokens on every rank, so a seeded request repeats itself exactly."""
+    choices = ["alpha", "beta"]
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=SO(choice=choices))
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}], [constrained, free]
+    )
+    assert out[0].outputs[0].text in choices, out[0].outputs[0].text
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    first, again = (
+        llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded)[0].outputs[0].token_ids for _ in range(2)
+    )
+    assert first == again and len(first) == 12
 
 
 def test_default_model_on_three_ranks_equals_transformers(default_model_path):
