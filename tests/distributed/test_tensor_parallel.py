@@ -17,6 +17,7 @@ from tests.distributed.conftest import SMALL_ENGINE
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.args import EngineArgs
+from tokenmill.errors import EngineDeadError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
 from tokenmill.sampling_params import StructuredOutputsParams as SO
@@ -47,6 +48,12 @@ def test_greedy_equals_transformers(request, checkpoint, size, async_scheduling)
         # A second batch: the workers' request states follow finished requests and prefix hits.
         assert_greedy_equals_hf(llm, path, [PROMPTS[1][:30] + [7, 8], PROMPTS[0]])
         _check_constrained_and_sampled_steps(llm)
+        # The last rank killed: the next step (launched ahead of the previous one's result with async
+        # scheduling) raises instead of waiting on it, naming the rank.
+        workers = llm.engine.executor._processes
+        workers[-1].kill()
+        with pytest.raises(EngineDeadError, match=rf"rank {size - 1} \(pid {workers[-1].pid}\) exited"):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_NEW))
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.executor._processes), "workers outlived shutdown"

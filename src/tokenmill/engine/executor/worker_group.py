@@ -193,8 +193,8 @@ class WorkerGroupExecutor(Executor):
         try:
             if self._dead is None:
                 self._send(StopWorker())
-        except zmq.ZMQError:
-            pass  # the sockets may be half made (a failed start-up): the workers are stopped below
+        except (zmq.ZMQError, EngineDeadError):
+            pass  # half-made sockets (a failed start-up) or a lost worker: the workers are stopped below
         try:
             self._stop_workers()
         finally:
@@ -244,7 +244,16 @@ class WorkerGroupExecutor(Executor):
         self._check_alive()
         data = self._encoder.encode(command)
         for socket in self._commands:
-            socket.send(data)
+            # A PUSH socket whose worker is gone blocks a plain send forever: wait only while it lives.
+            while True:
+                try:
+                    socket.send(data, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    dead = self._dead_worker()
+                    if dead:
+                        self._declare_dead(dead)
+                    time.sleep(0.001)
 
     def _wait_for_step(self, step_id: int) -> ModelRunnerOutput:
         self._wait_for(lambda: step_id in self._results)
