@@ -36,14 +36,16 @@ def tp_size() -> int:
     return _STATE.size
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float = 600.0) -> None:
-    """Join the group of `size` ranks at `init_method` (tcp://host:port) as `rank`. `timeout_s`
-    bounds a collective whose peers never come (gloo raises instead of waiting forever)."""
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 600.0
+) -> None:
+    """Join the group of `size` ranks at `init_method` (tcp://host:port) as `rank`; `backend`: gloo
+    for CPU tensors, nccl for CUDA ones. `timeout_s` bounds a collective whose peers never come
+    (gloo raises instead of waiting forever)."""
     global _STATE
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside the tensor-parallel size {size}")
     if size > 1:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
         )

@@ -99,9 +99,13 @@ def _start(spec: WorkerSpec):  # noqa: ANN202 - a ModelRunner (torch imported he
     torch.set_num_threads(spec.torch_threads)
     torch.manual_seed(spec.config.model.seed)  # what the one-process engine does (dummy weights)
     config = resolve_device_defaults(spec.config)
-    if config.device.startswith("cuda") and spec.size > 1 and torch.cuda.device_count() >= spec.size:
+    on_gpu = config.device.startswith("cuda")
+    if on_gpu and spec.size > 1 and torch.cuda.device_count() >= spec.size:
         config = dataclasses.replace(config, device=f"cuda:{spec.rank}")  # one GPU per local rank
-    init_tensor_parallel(spec.rank, spec.size, spec.dist_init_method)
+    if on_gpu and torch.device(config.device).index is not None:
+        torch.cuda.set_device(torch.device(config.device))  # NCCL's communicator binds the current device
+    # The collectives run on the tensors' device: gloo for the CPU (even on a machine with GPUs).
+    init_tensor_parallel(spec.rank, spec.size, spec.dist_init_method, backend="nccl" if on_gpu else "gloo")
     logger.info(
         "tensor-parallel rank %d of %d: pid %d, %d torch threads",
         spec.rank,
