@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | chat | envs | quality-gate | bench throughput | bench latency |
+"""`tokenmill serve | router | generate | chat | envs | quality-gate | bench throughput | bench latency |
 bench serve`."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from tokenmill import __version__
 from tokenmill.arg_parser import ArgumentParser
 from tokenmill.args import EngineArgs
+from tokenmill.errors import TokenmillError
 
 # What a sampling flag the user leaves out takes when the model has no default for it either
 # (--generation-config): greedy replies of up to 256 tokens.
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_gate.add_serve_args(serve)
 
+    from tokenmill.router.launch import add_router_args
+
+    add_router_args(sub.add_parser("router", help="cache-aware router over OpenAI-compatible replicas"))
+
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -145,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="measure a quantized model against its base (perplexity, KL, agreement); "
             "exit 1 past thresholds",
         )
+    )
+
+    from tokenmill.plan import cli as plan_cli
+
+    plan_cli.add_cli_args(
+        sub.add_parser("plan", help="capacity and cost of a model on a GPU for a workload (no weights loaded)")
     )
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -177,10 +188,22 @@ def main(argv: list[str] | None = None) -> int:
             if refused is not None:
                 return refused
         return run_server(args) or 0
+    if args.command == "router":
+        from tokenmill.router.launch import run_router
+
+        return run_router(args)
     if args.command == "quality-gate":
         from tokenmill.quality import cli as quality_cli
 
         return quality_cli.main(args)
+    if args.command == "plan":
+        from tokenmill.plan import cli as plan_cli
+
+        try:
+            return plan_cli.main(args)
+        except (ValueError, OSError, TokenmillError) as exc:
+            print(f"tokenmill plan: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "generate":
         return _cmd_generate(args)
     if args.command == "chat":

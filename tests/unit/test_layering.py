@@ -38,6 +38,7 @@ TIERS: list[set[str]] = [
         "paths",
         "chat_template",
         "metrics",
+        "metrics_info",
         "stats_histogram",
         # Speculative decoding's torch-free parts (its config, the n-gram proposer, the draft
         # policy, its counters): the scheduler in core/ and the arguments use them.
@@ -47,6 +48,10 @@ TIERS: list[set[str]] = [
         "lora",
     },
     {"core"},
+    # The dashboard (torch-free, FastAPI): the server and the router mount it.
+    {"dashboard"},
+    # The router (torch-free, nothing of the engine): data parallelism (engine/) reuses its policy.
+    {"router"},
     # torch.distributed's group and collectives: the sharded layers (model) and the workers use them.
     {"kernels", "distributed"},
     {"attention"},
@@ -54,7 +59,7 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    {"server", "bench", "quality"},
+    {"server", "bench", "quality", "plan"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

@@ -1,4 +1,4 @@
-"""Synthetic benchmark prompts: `random` and `prefix-repetition`, as token ids.
+"""Synthetic benchmark prompts: `random`, `prefix-repetition` and `multi-tenant`, as token ids.
 
 Prompts are built from token ids so their lengths are exact. The ids come from a pool of
 ordinary tokens: the whole vocabulary less special tokens when a local tokenizer is given, else
@@ -155,6 +155,35 @@ def prefix_repetition_requests(
         requests.append(SampleRequest(prompt, len(prompt), output_len))
     order = rng.permutation(num_prompts)
     return [requests[i] for i in order]
+
+
+def multi_tenant_requests(
+    pool: list[int],
+    num_prompts: int,
+    num_tenants: int,
+    system_len_range: tuple[int, int],
+    user_len: int,
+    output_len: int,
+    rng: np.random.Generator,
+) -> list[SampleRequest]:
+    """Many tenants, many users each: every tenant has its own system prompt (a length drawn
+    uniformly in `system_len_range`), every request is one tenant's system prompt followed by a
+    user message of its own; tenants drawn uniformly, requests in random order. The router's case:
+    which replica holds which tenant's prefix (SGLang's multi-tenant benchmark)."""
+    low, high = system_len_range
+    if num_tenants < 1 or not 1 <= low <= high or user_len < 1:
+        raise ValueError(
+            f"multi-tenant needs >= 1 tenant, 1 <= system length min <= max and a user length >= 1; got "
+            f"{num_tenants} tenants, system lengths {low}..{high}, user length {user_len}"
+        )
+    pool_arr = np.asarray(pool)
+    systems = [rng.choice(pool_arr, size=int(rng.integers(low, high + 1))).tolist() for _ in range(num_tenants)]
+    tenants = rng.integers(0, num_tenants, size=num_prompts)
+    requests = []
+    for tenant in tenants:
+        prompt = systems[int(tenant)] + rng.choice(pool_arr, size=user_len).tolist()
+        requests.append(SampleRequest(prompt, len(prompt), output_len))
+    return requests
 
 
 async def to_text_prompts(requests: list[SampleRequest], source: TokenSource, concurrency: int = 16) -> None:

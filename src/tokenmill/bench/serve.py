@@ -28,6 +28,7 @@ from tokenmill.bench.datasets import (
     SampleRequest,
     ServerTokenSource,
     TokenSource,
+    multi_tenant_requests,
     prefix_repetition_requests,
     random_requests,
     to_text_prompts,
@@ -69,9 +70,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
-        choices=("random", "prefix-repetition", "json-schema", "copy-heavy"),
+        choices=("random", "prefix-repetition", "multi-tenant", "json-schema", "copy-heavy"),
         default="random",
         help="random: random token ids; prefix-repetition: prompts sharing a few prefixes (prefix cache); "
+        "multi-tenant: tenants' system prompts, each shared by many users' requests (the router's case); "
         "json-schema: structured output, each prompt plain then constrained by its JSON schema; "
         "copy-heavy: text prompts to rewrite / edit / extract from (n-gram speculation's case)",
     )
@@ -96,6 +98,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--prefix-repetition-output-len", type=int, default=128, help="max_tokens (prefix-repetition)"
     )
+
+    data.add_argument("--multi-tenant-num-tenants", type=int, default=16, help="tenants (multi-tenant)")
+    data.add_argument(
+        "--multi-tenant-system-len", default="400,800", help="MIN,MAX tokens of a tenant's system prompt"
+    )
+    data.add_argument("--multi-tenant-user-len", type=int, default=32, help="tokens of each user message")
+    data.add_argument("--multi-tenant-output-len", type=int, default=32, help="max_tokens (multi-tenant)")
 
     structured.add_cli_args(parser)
     copy_heavy.add_cli_args(parser)
@@ -245,6 +254,16 @@ async def build_requests(args: argparse.Namespace, source: TokenSource) -> list[
             args.random_range_ratio,
             rng,
         )
+    if args.dataset_name == "multi-tenant":
+        return multi_tenant_requests(
+            pool,
+            args.num_prompts,
+            args.multi_tenant_num_tenants,
+            _min_max(args.multi_tenant_system_len, "--multi-tenant-system-len"),
+            args.multi_tenant_user_len,
+            args.multi_tenant_output_len,
+            rng,
+        )
     return prefix_repetition_requests(
         pool,
         args.num_prompts,
@@ -254,6 +273,14 @@ async def build_requests(args: argparse.Namespace, source: TokenSource) -> list[
         args.prefix_repetition_output_len,
         rng,
     )
+
+
+def _min_max(text: str, flag: str) -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be MIN,MAX token counts like 400,800, got {text!r}") from None
+    return low, high
 
 
 def base_run_config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
@@ -281,6 +308,11 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurr
     if args.dataset_name == "random":
         config |= {
             k: getattr(args, k) for k in ("random_input_len", "random_output_len", "random_range_ratio")
+        }
+    elif args.dataset_name == "multi-tenant":
+        config |= {
+            f"multi_tenant_{k}": getattr(args, f"multi_tenant_{k}")
+            for k in ("num_tenants", "system_len", "user_len", "output_len")
         }
     elif args.dataset_name == "copy-heavy":
         config |= {

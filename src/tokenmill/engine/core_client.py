@@ -9,15 +9,13 @@ thing that knows where the engine core is and how to talk to it:
 - `CoreProcessClient` (core_process_client.py): the engine core in a child process, spawned and
   watched by the client (ZMQ + msgspec msgpack, a watchdog for death and hangs); asynchronous, for
   the API server's event loop.
+- `DataParallelClient` (dp_client.py): N `CoreProcessClient`s behind one frontend
+  (`serve --data-parallel-size N`); each request goes to one core by the router's cache-aware
+  policy (router/policy.py), aborts go to the owning core, stats are merged, utility calls reach
+  every core.
 
-A router or a data-parallel front end is one more client, with the frontend above it unchanged:
-it holds one `CoreProcessClient` per engine-core process, and
-- `add_requests` picks an engine for each request (the least loaded by each engine's last stats,
-  or the one that holds the prompt's prefix blocks, by hashing its first block) and remembers it;
-- `abort_requests` sends each id to the engine that has it;
-- outputs of every engine reach the same `on_outputs` callback (stats summed per engine);
-- `call_utility` asks every engine and merges the answers;
-- it is dead when the engines it needs are, and `engine_pid` becomes one pid per engine.
+The HTTP router (`tokenmill router`, router/) sits in front of whole servers instead and shares
+that policy.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ def _kill_if_alive(process: subprocess.Popen) -> None:
         process.wait(5.0)
 
 
-def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> subprocess.Popen:
+def _spawn_engine_process(
+    config: EngineConfig, input_addr: str, output_addr: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Starts `python -m tokenmill.engine.core_process` with the config's msgpack on its stdin.
 
     A plain subprocess rather than multiprocessing, whose spawn start method pickles the target
@@ -71,7 +73,10 @@ def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: st
         # `tokenmill --log-level` reaches the engine process too.
         "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, close_fds=True, start_new_session=False)
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, close_fds=True, start_new_session=False,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
     assert process.stdin is not None
     try:
         process.stdin.write(msgspec.msgpack.encode(config))
@@ -85,12 +90,19 @@ class CoreProcessClient(AsyncEngineCoreClient):
     """One engine-core process (`python -m tokenmill.engine.core_process`); see AsyncEngineCoreClient
     for the life cycle and the frontend's callbacks."""
 
-    def __init__(self, config: EngineConfig, *, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+        env: dict[str, str] | None = None,  # set in the engine process's environment (data parallelism)
+    ) -> None:
         if hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the check), got {hang_timeout_s}")
         super().__init__()
         self.config = config
         self._hang_timeout_s = hang_timeout_s
+        self._env = env
         self.last_heard = time.monotonic()  # when the engine process last sent anything
         self.info = None
         self.dead = None
@@ -125,7 +137,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         output_addr = f"ipc://{self._ipc_dir}/output"
         self._to_engine.bind(input_addr)
         self._from_engine.bind(output_addr)
-        self._process = _spawn_engine_process(self.config, input_addr, output_addr)
+        self._process = _spawn_engine_process(self.config, input_addr, output_addr, self._env)
         # If this process exits without shutdown() (an exception in the caller), kill the engine
         # rather than leave it to notice the parent is gone.
         atexit.register(_kill_if_alive, self._process)
