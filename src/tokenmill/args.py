@@ -30,6 +30,7 @@ from tokenmill.config import (
     KernelConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -206,6 +207,19 @@ class EngineArgs:
     max_cpu_loras: int | None = _option(
         None, "LoRA: adapters kept loaded in host memory, least recently used evicted (default: --max-loras)"
     )
+    tensor_parallel_size: int = _option(
+        1,
+        "split the model over this many worker processes (tensor parallelism: heads, MLP columns and "
+        "the vocabulary sharded; one all-reduce after attention and one after the MLP); the query heads "
+        "must divide by it, and the KV heads divide by it or it by them (docs/DISTRIBUTED.md)",
+    )
+    distributed_executor_backend: str | None = _option(
+        None,
+        "how tensor-parallel workers run: mp = one local process per rank, ray = Ray actors in a "
+        "placement group on a Ray cluster (ray.init(address='auto'), else a local one) "
+        "(default: mp when tensor_parallel_size > 1)",
+        choices=("mp", "ray"),
+    )
     scheduling_policy: str = _option(
         "fcfs", "fcfs: first come first served; priority: by each request's priority",
         choices=("fcfs", "priority"),
@@ -342,11 +356,35 @@ class EngineArgs:
             otlp_traces_endpoint=resolve_otlp_traces_endpoint(self.otlp_traces_endpoint),
             speculative=parse_speculative_config(self.speculative_config),
             lora=self._lora_config(),
+            parallel=self._parallel_config(),
         )
         if resolve_device:
             config = resolve_device_defaults(config)
         self._log(config)
         return config
+
+    def _parallel_config(self) -> ParallelConfig:
+        """Refuses, naming the option, what tensor parallelism does not shard yet (docs/DISTRIBUTED.md)."""
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if size > 1:
+            unsupported = {
+                "enable_lora (--enable-lora)": self.enable_lora,
+                "quantization (--quantization)": self.quantization is not None,
+                "speculative_config (--speculative-config)": self.speculative_config is not None,
+                "kv_cache_dtype fp8 (--kv-cache-dtype)": self.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
+            }
+            refused = [name for name, on in unsupported.items() if on]
+            if refused:
+                raise ValueError(
+                    f"tensor_parallel_size={size} does not support {', '.join(refused)} yet; "
+                    "turn it off or use tensor_parallel_size=1"
+                )
+        backend = self.distributed_executor_backend
+        if backend is None and size > 1:
+            backend = "mp"
+        return ParallelConfig(size, backend)  # type: ignore[arg-type]
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

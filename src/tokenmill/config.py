@@ -135,6 +135,17 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism (`--tensor-parallel-size`): every linear layer, the embedding and the KV
+    heads split over this many worker processes (docs/DISTRIBUTED.md)."""
+
+    tensor_parallel_size: int = 1
+    # How the workers run: mp = one local process per rank; ray = Ray actors in a placement group
+    # (a cluster's nodes). None: mp when tensor_parallel_size > 1.
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -153,3 +164,4 @@ class EngineConfig:
     otlp_traces_endpoint: str | None = None
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

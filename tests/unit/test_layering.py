@@ -52,7 +52,8 @@ TIERS: list[set[str]] = [
     {"dashboard"},
     # The router (torch-free, nothing of the engine): data parallelism (engine/) reuses its policy.
     {"router"},
-    {"kernels"},
+    # torch.distributed's group and collectives: the sharded layers (model) and the workers use them.
+    {"kernels", "distributed"},
     {"attention"},
     {"model"},
     {"sample"},

@@ -35,6 +35,7 @@ from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
 from tokenmill.engine.request_timelines import RequestTimelines
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.errors import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.resolve import ResolvedModel, resolve_model
 from tokenmill.stats_histogram import StatsHistogram
@@ -315,6 +316,9 @@ class EngineCore:
         return self._update(scheduler_output, runner_output)
 
     def _failed_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        if isinstance(exc, EngineDeadError):
+            # A lost worker (tensor parallelism) is no batch's fault: the engine cannot go on.
+            raise exc
         self.scheduler.step_failed(scheduler_output)
         request_ids = scheduler_output.num_scheduled_tokens
         logger.exception("model step failed; ending the %d requests in it", len(request_ids))

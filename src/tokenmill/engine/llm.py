@@ -64,6 +64,10 @@ class LLM:
         self._ids = itertools.count()
         self._loras: dict[int, LoRARequest] = {}  # adapters checked and handed to the engine, by id
 
+    def shutdown(self) -> None:
+        """Free the engine's devices and end its workers (tensor parallelism's processes); idempotent."""
+        self.client.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

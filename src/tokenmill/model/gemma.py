@@ -122,6 +122,7 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
 
     def __init__(
         self,

@@ -49,6 +49,7 @@ _MOE_WEIGHTS = (
 
 class GptOssCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
 
     def _make_layer(
         self,

@@ -27,6 +27,7 @@ from tokenmill.attention.backend import (
     AttentionMetadata,
 )
 from tokenmill.config import KernelConfig
+from tokenmill.distributed import parallel_state
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.attention import SelfAttention
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs, select_layer_ops
@@ -41,6 +42,7 @@ from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.rmsnorm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, partial_rotary_permutation
+from tokenmill.model.layers.vocab_parallel import ParallelLMHead, VocabShard
 
 
 class DecoderLayer(nn.Module):
@@ -56,18 +58,24 @@ class DecoderLayer(nn.Module):
         device=None,
         dtype: torch.dtype | None = None,
         mlp: nn.Module | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        """`mlp` replaces the dense SwiGLU MLP (a mixture-of-experts block: model/moe_models.py)."""
+        """`mlp` replaces the dense SwiGLU MLP (a mixture-of-experts block: model/moe_models.py).
+        `tp_rank` of `tp_size`: the shard of the attention heads and MLP columns this layer holds."""
         super().__init__()
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
+        shard = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, **place)
         self.self_attn = SelfAttention(
-            arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec, **place
+            arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec, **shard, **place
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, **place)
         if mlp is None:
-            mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place)
+            mlp = SwiGLUMLP(
+                arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **shard, **place
+            )
         self.mlp = mlp
         self.ops = ops
         self.eps = eps
@@ -133,6 +141,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if (
             attn.q_norm is not None
+            # Sharded layers: the row-parallel epilogue adds the residual on rank 0 only and
+            # all-reduces after it, and nothing on a GPU is checked with that yet.
+            or attn.o_proj.tp_size > 1
             or attn.qkv_proj.bias is not None
             or attn.o_proj.bias is not None
             or not (attn.qkv_proj.method.folds_input_scale and mlp.gate_up_proj.method.folds_input_scale)
@@ -150,6 +161,9 @@ class CausalLM(nn.Module):
     # count (worker/piecewise_graphs.py): no host logic that depends on the data. A family whose
     # forward has some, or that is not checked yet, sets False.
     supports_piecewise_graphs = True
+    # Whether the family is built from the sharded layers throughout (model/tensor_parallel.py); a
+    # family with its own layers or MLP sets False until they are sharded.
+    supports_tensor_parallel = True
 
     def __init__(
         self,
@@ -174,8 +188,14 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.ops = select_layer_ops(device or "cpu")
         self.max_positions = max_positions or arch.max_position_embeddings  # positions < this
+        # This process's tensor-parallel rank (0 of 1 outside a tensor-parallel worker).
+        self.tp_rank, self.tp_size = parallel_state.tp_rank(), parallel_state.tp_size()
+        if self.tp_size > 1 and not type(self).supports_tensor_parallel:
+            raise ValueError(f"{type(self).__name__} is not sharded for tensor parallelism")
+        # The embedding table holds this rank's rows of the vocabulary (all of them on one rank).
+        self.vocab_shard = VocabShard(arch.vocab_size, self.tp_rank, self.tp_size)
         self.embed_tokens = nn.Parameter(
-            torch.empty((arch.vocab_size, arch.hidden_size), device=device, dtype=dtype), requires_grad=False
+            torch.empty((self.vocab_shard.rows, arch.hidden_size), device=device, dtype=dtype), requires_grad=False
         )
         self.layers = nn.ModuleList(
             self._make_layer(i, kernel, linear_method, device, dtype) for i in range(arch.num_layers)
@@ -183,10 +203,17 @@ class CausalLM(nn.Module):
         self.norm = nn.Parameter(
             torch.empty(arch.hidden_size, device=device, dtype=dtype), requires_grad=False
         )
-        self.lm_head = ReplicatedLinear(
-            arch.hidden_size, arch.vocab_size, method=linear_method, device=device, dtype=dtype,
-            shared_weight=self.embed_tokens if arch.tie_word_embeddings else None,
-        )  # fmt: skip
+        tied = self.embed_tokens if arch.tie_word_embeddings else None
+        if self.tp_size == 1:
+            self.lm_head = ReplicatedLinear(
+                arch.hidden_size, arch.vocab_size, method=linear_method, device=device, dtype=dtype,
+                shared_weight=tied,
+            )  # fmt: skip
+        else:
+            self.lm_head = ParallelLMHead(
+                arch.hidden_size, self.vocab_shard, method=linear_method, device=device, dtype=dtype,
+                shared_weight=tied,
+            )  # fmt: skip
         self.rotary = RotaryEmbedding(
             arch.head_dim,
             self.max_positions,
@@ -217,6 +244,7 @@ class CausalLM(nn.Module):
             self.arch, self.attn_backend, self.ops, kernel, linear_method=linear_method,
             layer_spec=AttentionLayerSpec(sliding_window=self.arch.layer_sliding_window(index)),
             device=device, dtype=dtype, mlp=self.make_mlp(index, linear_method, device, dtype),
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
         )  # fmt: skip
 
     def make_mlp(
@@ -234,7 +262,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden], ready for compute_logits."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.tp_size == 1:
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:
+            x = self.vocab_shard.embed(input_ids, self.embed_tokens)
         rope = self.ops.rope_inputs(self.rotary, positions)
         fuse_rope = self.fuse_decode_rope and self.attn_backend.supports_fused_decode_rope(meta)
         pending = None
@@ -304,6 +335,8 @@ class CausalLM(nn.Module):
                     tensor = self._qk_in_rotary_layout(tensor, shard_id)
                 if param_name in _KV_SCALES and isinstance(module, SelfAttention):
                     module.load_kv_scale(param_name, tensor)
+                elif module is self and param_name == "embed_tokens":
+                    self.vocab_shard.load_rows(self.embed_tokens.data, tensor)  # this rank's rows
                 elif hasattr(module, "weight_loader"):  # linear layers, stacked experts: their shard
                     module.weight_loader(param_name, tensor, shard_id)
                 else:

@@ -39,6 +39,7 @@ _SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_p
 
 class MoECausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
 
     def make_mlp(
         self, layer: int, linear_method: LinearMethod | None, device, dtype: torch.dtype

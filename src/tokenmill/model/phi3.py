@@ -25,6 +25,7 @@ _PHI3_LAYER_WEIGHTS = (
 
 class Phi3ForCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
 
     @property
     def checkpoint_layer_weights(self) -> tuple[str, ...]:

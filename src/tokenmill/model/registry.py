@@ -12,6 +12,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import KernelConfig, ModelConfig
 from tokenmill.device import resolve_dtype
+from tokenmill.distributed import parallel_state
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.gemma import GemmaCausalLM
 from tokenmill.model.gpt_oss import GptOssCausalLM
@@ -26,6 +27,7 @@ from tokenmill.model.loader.safetensors_loader import iter_safetensors_weights
 from tokenmill.model.moe_models import MoECausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.resolve import ResolvedModel, WeightFormat, resolve_model  # noqa: F401  (re-exported)
+from tokenmill.model.tensor_parallel import check_tensor_parallel
 
 # ArchConfig.architecture (the family) -> the module that implements it; a new family is one model
 # file plus a line here (docs/adding-a-model.md).
@@ -67,6 +69,7 @@ def load_model(
     max_positions = model_config.max_model_len or arch.max_position_embeddings
     quantization = resolved.quantization
     linear_method = select_linear_method(device, dtype, kernel, quantization)
+    check_tensor_parallel(arch, parallel_state.tp_size(), quantization)
     model_class = MODEL_CLASSES.get(arch.architecture)
     if model_class is None:
         raise ValueError(
@@ -96,6 +99,7 @@ def load_model(
         and model_config.load_format != "dummy"
         and kernel.cpu_quantized_gemv
         and quantization is None  # --quantization replaces the GGUF's own blocks
+        and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
     ):
         _attach_gguf_blocks(model, resolved.path, arch)
     return model.eval()

@@ -20,8 +20,10 @@ from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.kv_connector_metadata import KVConnectorMetadata
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.device import resolve_device, resolve_dtype
+from tokenmill.distributed import parallel_state
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.registry import ResolvedModel, load_model
+from tokenmill.model.tensor_parallel import rank_arch
 from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.rejection_sampler import VerifyLayout, verify_drafts
@@ -136,6 +138,9 @@ class ModelRunner:
         self.config = config
         self.resolved = resolved
         self.arch = resolved.arch
+        # What this rank's attention and KV pool hold: its share of the heads (all of them on one rank).
+        self.tp_size = parallel_state.tp_size()
+        self.rank_arch = rank_arch(self.arch, self.tp_size)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         # Layers grouped by attention type for the KV cache; the scheduler builds the same plan.
@@ -254,7 +259,7 @@ class ModelRunner:
         )
 
     def _make_attention_backend(self, name: str) -> AttentionBackend:
-        return self.make_attention_backend(name, self.arch)
+        return self.make_attention_backend(name, self.rank_arch)
 
     def make_attention_backend(self, name: str, arch: ArchConfig) -> AttentionBackend:
         """An attention backend for a model of `arch` on this runner's device and block size (the
@@ -303,7 +308,7 @@ class ModelRunner:
         """Size and allocate the KV pool; returns the number of blocks."""
         groups = self.kv_groups
         per_block = kv_bytes_per_block(
-            groups.num_tensors, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            groups.num_tensors, self.block_size, self.rank_arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype,
         )  # fmt: skip
         self.kv_bytes_per_block = per_block
@@ -318,8 +323,10 @@ class ModelRunner:
             num_blocks = num_blocks_for_gpu(self, per_block, min_blocks)
         else:
             num_blocks = num_blocks_for_cpu(self.config.cache, per_block, min_blocks)
+        # Each tensor-parallel rank sized its own pool; the scheduler's block ids must fit every one.
+        num_blocks = parallel_state.min_over_ranks(num_blocks)
         self.kv_cache_tensors = allocate_kv_caches(
-            groups.num_tensors, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            groups.num_tensors, num_blocks, self.block_size, self.rank_arch.num_kv_heads, self.arch.head_dim,
             self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.kv_caches = layer_kv_caches(self.kv_cache_tensors, groups)
@@ -774,6 +781,11 @@ class ModelRunner:
             if nonfinite is None:
                 nonfinite = ~torch.isfinite(logits.sum(dim=-1))
             packed = torch.stack([sampled_ids, nonfinite.long()])
+        if self.tp_size > 1:
+            # Every rank sampled from the same gathered logits; rank 0's ids are the step's, and each
+            # rank's next step feeds them (below), so none may follow its own RNG instead.
+            packed = parallel_state.broadcast_from_driver(packed)
+            sampled_ids = packed[0]
         self._last_sampled = (sampled_ids, {r.request_id: i for i, r in enumerate(sampling_reqs)})
         ready = None
         if self.buffers is not None:

@@ -1,11 +1,10 @@
 """The executor: what `EngineCore` calls to run a scheduled step on the model runner(s).
 
 The engine core schedules and keeps the requests' bookkeeping; the executor owns the devices.
-With one device it is one `ModelRunner` in this process (`UniProcExecutor`). A tensor-parallel
-executor would start one worker process per GPU, send each step's `SchedulerOutput` (msgspec, like
-everything that crosses a process boundary here) to all of them and return the driver rank's
-output; a Ray executor does the same through Ray actors. Either is one new subclass plus one line in
-`Executor.get_class`: `EngineCore` only sees the methods below.
+With one device it is one `ModelRunner` in this process (`UniProcExecutor`). With tensor
+parallelism (worker_group.py) one worker per rank, local processes (`MultiprocExecutor`) or Ray
+actors (`RayExecutor`), gets each step's `SchedulerOutput` (msgspec, like everything that crosses a
+process boundary here) and rank 0's output comes back. `EngineCore` only sees the methods below.
 """
 
 from __future__ import annotations
@@ -35,8 +34,17 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor class for `config`. Today every engine runs on one device in its own
-        process; a `tensor_parallel_size > 1` (or a Ray backend) would pick its class here."""
+        """The executor class for `config`: one device in this process, or tensor-parallel workers
+        as local processes (mp) or Ray actors (ray)."""
+        backend = config.parallel.distributed_executor_backend
+        if backend == "ray":
+            from tokenmill.engine.executor.ray_executor import RayExecutor
+
+            return RayExecutor
+        if backend == "mp" or config.parallel.tensor_parallel_size > 1:
+            from tokenmill.engine.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
         from tokenmill.engine.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor

@@ -4,8 +4,9 @@ Each layer holds the weight of its tensor-parallel shard (`tp_rank` of `tp_size`
 default) and a `method` (layers/linear_method.py) that creates, loads, post-processes and applies
 it. Sharding follows the usual split: a column-parallel layer keeps a slice of the output rows
 (its outputs concatenate to the full one), a row-parallel layer a slice of the input columns (its
-partial outputs sum to the full one; only rank 0 adds the bias). The gather and the all-reduce
-come with the tensor-parallel executor; here each shard computes its part.
+partial outputs sum to the full one; only rank 0 adds the bias). A row-parallel layer all-reduces its
+output (distributed/parallel_state.py: nothing on one rank), so attention's o_proj and the MLP's
+down_proj return the whole sum; column-parallel outputs stay sharded for the next layer.
 
 A layer's weight loader takes a whole checkpoint tensor, checks its shape against the unsharded
 one, and copies this rank's part into the right rows (merged layers: of the shard named by
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import all_reduce
 from tokenmill.model.layers.linear_method import LinearMethod
 
 ShardId = str | int | None
@@ -308,8 +310,14 @@ class RowParallelLinear(LinearBase):
         residual: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        bias = self._applied_bias if self.tp_rank == 0 else None  # added once to the sum of the partials
-        return self.method.apply(self, x, bias, residual, out_dtype)
+        if self.tp_size == 1:
+            return self.method.apply(self, x, self._applied_bias, residual, out_dtype)
+        # The bias and a residual epilogue's residual are added once, by rank 0, to the sum of the partials.
+        first = self.tp_rank == 0
+        partial = self.method.apply(
+            self, x, self._applied_bias if first else None, residual if first else None, out_dtype
+        )
+        return all_reduce(partial)
 
     forward = __call__
 

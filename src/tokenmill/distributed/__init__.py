@@ -1,0 +1,1 @@
+"""Tensor parallelism's process group and collectives (parallel_state.py)."""

@@ -1,0 +1,58 @@
+"""What tensor parallelism can split, checked before any worker starts, and each rank's heads.
+
+Supported: the dense Llama decoder (llama, mistral, qwen2, qwen3) with 16/32-bit weights (HF
+safetensors / .bin, GGUF dequantized at load, dummy). The query heads split evenly; the KV heads
+split evenly, or, with fewer KV heads than ranks, each is replicated on size / num_kv_heads ranks.
+Everything else is refused by name here (or in EngineArgs for options: LoRA, --quantization,
+speculative decoding, an FP8 KV cache) rather than run wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tokenmill.model.arch import ArchConfig
+
+TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_tensor_parallel(arch: ArchConfig, size: int, quantization: object | None = None) -> None:
+    """ValueError naming what stops `arch` from splitting over `size` ranks; nothing for size 1."""
+    if size == 1:
+        return
+    if arch.architecture not in TENSOR_PARALLEL_FAMILIES:
+        raise ValueError(
+            f"tensor_parallel_size={size}: the {arch.architecture!r} family is not sharded for tensor "
+            f"parallelism yet (supported: {', '.join(TENSOR_PARALLEL_FAMILIES)}); use tensor_parallel_size=1"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"tensor_parallel_size={size}: quantized checkpoints ({quantization}) are not sharded for "
+            "tensor parallelism yet; use a 16-bit checkpoint or tensor_parallel_size=1"
+        )
+    heads, kv_heads = arch.num_heads, arch.num_kv_heads
+    if heads % size:
+        divisors = [n for n in range(1, heads + 1) if heads % n == 0 and _kv_heads_fit(kv_heads, n)]
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {heads} attention heads; "
+            f"sizes that work for this model: {', '.join(map(str, divisors))}"
+        )
+    if not _kv_heads_fit(kv_heads, size):
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {kv_heads} KV heads: one must divide the other "
+            "(KV heads are split over the ranks, or replicated when there are fewer of them than ranks)"
+        )
+
+
+def _kv_heads_fit(kv_heads: int, size: int) -> bool:
+    return kv_heads % size == 0 if size <= kv_heads else size % kv_heads == 0
+
+
+def rank_arch(arch: ArchConfig, size: int) -> ArchConfig:
+    """`arch` as one rank's attention sees it: its query heads and its KV heads (one, replicated,
+    when there are fewer KV heads than ranks). The KV pool and the attention backend use it."""
+    if size == 1:
+        return arch
+    return dataclasses.replace(
+        arch, num_heads=arch.num_heads // size, num_kv_heads=max(1, arch.num_kv_heads // size)
+    )
