@@ -374,6 +374,9 @@ class EngineArgs:
                 "quantization (--quantization)": self.quantization is not None,
                 "speculative_config (--speculative-config)": self.speculative_config is not None,
                 "kv_cache_dtype fp8 (--kv-cache-dtype)": self.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
+                # The KV connectors' worker side reads one process's KV pool (docs/KV_OFFLOAD.md).
+                "kv_offload_gb (--kv-offload-gb)": bool(self.kv_offload_gb),
+                "kv_role (--kv-role)": self.kv_role is not None,
             }
             refused = [name for name, on in unsupported.items() if on]
             if refused:

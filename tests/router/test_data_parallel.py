@@ -108,3 +108,12 @@ def test_the_serve_flag_builds_one_frontend_over_n_cores(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--data-parallel-size", "0"])
     assert "--data-parallel-size: must be between 1 and 64, got '0'" in capsys.readouterr().err
+
+
+def test_data_parallel_with_tensor_parallel_is_refused_naming_both() -> None:
+    from tokenmill.cli import build_parser
+    from tokenmill.server.launch import build_server
+
+    args = ["serve", "--device", "cpu", "--data-parallel-size", "2", "--tensor-parallel-size", "3"]
+    with pytest.raises(ValueError, match="--data-parallel-size > 1 with --tensor-parallel-size > 1"):
+        build_server(build_parser().parse_args(args))

@@ -129,6 +129,11 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
             "--kv-role needs one engine core (--data-parallel-size 1): every core would bind or send to "
             "the same --kv-transfer-address; run one producer / consumer pair per replica behind the router"
         )
+    if args.data_parallel_size > 1 and config.parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet (each engine core "
+            "would need its own group of devices); use one of them, or several servers behind `tokenmill router`"
+        )
     client = None
     if args.data_parallel_size > 1:
         from tokenmill.engine.dp_client import DataParallelClient
