@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -38,6 +39,7 @@ from tokenmill.engine.messages import (
 )
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.metrics import ServerMetrics
+from tokenmill.server.api_server import create_app
 from tokenmill.server.state import ServerState
 
 CHAT_TEMPLATE = (
@@ -66,6 +68,31 @@ def fake_server_state(
     )
     state.attach_engine()
     return state
+
+
+InProcessScenario = Callable[[httpx.AsyncClient, ServerState, "FakeEngine"], Awaitable[None]]
+
+
+def serve_over_fake_engine(
+    scenario: InProcessScenario, *, timeout: float = 15.0, engine: FakeEngine | None = None, **state_kwargs
+) -> None:
+    """Runs `scenario(client, state, engine)` against the real app over a fake engine (a fresh one
+    unless given; in process, through httpx's ASGI transport), then shuts the engine down whatever
+    happened."""
+
+    async def main() -> None:
+        nonlocal engine
+        engine = engine or FakeEngine()
+        await engine.start()
+        state = fake_server_state(engine, **state_kwargs)
+        transport = httpx.ASGITransport(app=create_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+                await asyncio.wait_for(scenario(client, state, engine), timeout)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:

@@ -14,28 +14,23 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tests.server.fake_engine import MODEL, REPLY, FakeEngine, fake_server_state, wait_until
-from tokenmill.server.api_server import create_app, drain
+from tests.server.fake_engine import (
+    MODEL,
+    REPLY,
+    FakeEngine,
+    serve_over_fake_engine,
+    wait_until,
+)
+from tokenmill.server.api_server import drain
 from tokenmill.server.state import ServerState
 
 Scenario = Callable[[httpx.AsyncClient, ServerState, FakeEngine], Awaitable[None]]
 
 
 def run(scenario: Scenario, *, api_key: str | None = None, ready: bool = True, **state_kwargs) -> None:
-    async def main() -> None:
-        engine = FakeEngine()
-        await engine.start()
-        state = fake_server_state(
-            engine, model_names=[MODEL, "tiny-alias"], api_key=api_key, ready=ready, **state_kwargs
-        )
-        transport = httpx.ASGITransport(app=create_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-                await asyncio.wait_for(scenario(client, state, engine), 10)
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
+    serve_over_fake_engine(
+        scenario, timeout=10, model_names=[MODEL, "tiny-alias"], api_key=api_key, ready=ready, **state_kwargs
+    )
 
 
 def sse_events(text: str) -> list[str]:

@@ -12,26 +12,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.fake_engine import MODEL, FakeEngine, fake_server_state
-from tokenmill.server.api_server import create_app, is_open_path
+from tests.server.fake_engine import MODEL, FakeEngine, serve_over_fake_engine
+from tokenmill.server.api_server import is_open_path
 from tokenmill.server.state import ServerState
 
 Scenario = Callable[[httpx.AsyncClient, ServerState, FakeEngine], Awaitable[None]]
 
 
 def run(scenario: Scenario, **state_kwargs) -> None:
-    async def main() -> None:
-        engine = FakeEngine()
-        await engine.start()
-        state = fake_server_state(engine, **state_kwargs)
-        transport = httpx.ASGITransport(app=create_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-                await asyncio.wait_for(scenario(client, state, engine), 15)
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
+    serve_over_fake_engine(scenario, **state_kwargs)
 
 
 def metrics_totals(text: str) -> dict[str, float]:

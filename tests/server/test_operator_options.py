@@ -3,33 +3,20 @@ key, CORS, TLS files, --root-path and `tokenmill --version`."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from tests.server.fake_engine import FakeEngine, fake_server_state
+from tests.server.fake_engine import serve_over_fake_engine
 from tests.server.test_serve_args import build
 from tokenmill import __version__
-from tokenmill.server.api_server import create_app
 from tokenmill.server.operator_options import CorsOptions
 
 
 def _client_run(scenario, **state_kwargs) -> None:
-    async def main() -> None:
-        engine = FakeEngine()
-        await engine.start()
-        state = fake_server_state(engine, **state_kwargs)
-        transport = httpx.ASGITransport(app=create_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-                await asyncio.wait_for(scenario(client), 10)
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
+    serve_over_fake_engine(lambda client, _state, _engine: scenario(client), timeout=10, **state_kwargs)
 
 
 def test_several_keys_from_flags_and_a_file(tmp_path, monkeypatch):

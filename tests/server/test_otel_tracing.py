@@ -18,14 +18,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
 
-from tests.server.fake_engine import MODEL, FakeEngine, fake_server_state, wait_until  # noqa: E402
+from tests.server.fake_engine import MODEL, FakeEngine, fake_server_state, serve_over_fake_engine, wait_until  # noqa: E402
 from tests.server.server_process import free_port  # noqa: E402
 from tokenmill.args import EngineArgs, resolve_otlp_traces_endpoint  # noqa: E402
 from tokenmill.core.outputs import EngineCoreOutput  # noqa: E402
 from tokenmill.core.request_timeline import RequestTimeline  # noqa: E402
 from tokenmill.engine.otel_spans import SPAN_NAME, RequestSpans, TraceContext  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
-from tokenmill.server.api_server import create_app  # noqa: E402
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"
@@ -110,17 +109,7 @@ def test_without_a_traceparent_the_span_starts_a_trace_and_errors_are_marked():
 
 
 def _serve_fake(engine: FakeEngine, scenario) -> None:
-    async def main() -> None:
-        await engine.start()
-        state = fake_server_state(engine)
-        transport = httpx.ASGITransport(app=create_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-                await asyncio.wait_for(scenario(client), 10)
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
+    serve_over_fake_engine(lambda client, _state, _engine: scenario(client), timeout=10, engine=engine)
 
 
 def _request_spans(exporter) -> list:
