@@ -390,3 +390,21 @@ def test_a_fresh_lock_of_a_killed_build_is_waited_out_not_forever(tmp_path):
     wait_for_build_lock(tmp_path, max_age_s=0.3, poll_s=0.05)
     assert not lock.exists() and 0.2 < time.monotonic() - start < 5
     wait_for_build_lock(tmp_path, max_age_s=0.3, poll_s=0.05)  # no lock: returns at once
+
+
+def test_each_checkout_builds_the_cpu_kernels_in_its_own_directory(tmp_path, monkeypatch):
+    # ninja's build file records the sources' paths: two checkouts of the same sources sharing one
+    # build directory rebuilt it in turn, each start waiting on the other's lock.
+    import shutil
+
+    from tokenmill.kernels.cpu import build
+
+    here = build.build_directory()
+    assert build.build_directory() == here  # stable for one checkout
+    copies = []
+    for source in build._SOURCES:
+        copy = tmp_path / source.name
+        shutil.copy(source, copy)
+        copies.append(copy)
+    monkeypatch.setattr(build, "_SOURCES", copies)
+    assert build.build_directory() != here

@@ -49,6 +49,9 @@ def build_directory() -> Path:
     key = hashlib.sha256()
     for part in (
         *(source.read_bytes() for source in _SOURCES),
+        # The sources' paths too: ninja's build file records them, so two checkouts sharing one
+        # directory would rebuild it in turn (each waiting on the other's lock) on every start.
+        *(str(source.resolve()).encode() for source in _SOURCES),
         torch.__version__.encode(),
         _cpu_model().encode(),
     ):
