@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
 PREFIX = "tokenmill:"
@@ -40,7 +41,7 @@ SPEC_DECODE_COUNTERS = {
 }
 SPEC_DECODE_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "shed")  # shed: the slo policy gave up on it
 # Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
 # invalid 400 / 405, unauthorized 401, not_found 404 (unknown model or route), timeout 408 (body
 # too slow), too_large 413 / 431, queue_full 429 (admission), unavailable 503 (starting, draining,
@@ -156,6 +157,7 @@ class ServerMetrics:
         # latest buckets, exported as they are.
         self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS)
         self.registry.register(self._engine_histograms)
+        self._slo = SloMetrics(PREFIX, model_name, self.registry)  # goodput, SLO attainment
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -212,6 +214,7 @@ class ServerMetrics:
                 child = self._spec_decode_per_position.labels(self.model_name, position)
                 self._count_total(key, float(total), child)
         self._engine_histograms.update(stats)
+        self._slo.update(stats, self._count_total)
 
     def _count_total(self, key: str, total: float, counter: Counter) -> None:
         """Grow `counter` by what the engine total `key` gained since its last report."""
