@@ -1,16 +1,17 @@
 """SLO-aware scheduling under overload: fcfs vs priority vs slo, back to back, same load (CPU).
 
-    PYTHONPATH=src python benchmarks/slo_overload.py            # default model, ~5 min
+    PYTHONPATH=src python benchmarks/slo_overload.py            # default model, ~5 min on 2 cores
 
 1. A `tokenmill serve` under fcfs measures the unloaded time to first token (a few requests one at
    a time) and the saturation rate (requests/s completed when many arrive at once).
 2. The SLO classes follow from those: priority 0 (interactive, 30 % of requests) must see its
    first token within 3x the unloaded TTFT, priority 1 (batch, 70 %) within 15x; both a TPOT
    within 3x the TPOT seen at saturation (unless --classes sets them).
-3. For each policy, a server with the same flags (`--scheduling-policy slo` also gets the classes
-   as `--slo-class`) takes Poisson arrivals at 1.5x and 2x the saturation rate for --duration-s,
-   the same prompts and arrival times each time (`tokenmill bench serve` with --priority-mix
-   and --slo-classes). fcfs gets no `priority` field (it would refuse it).
+3. One server per policy with the same flags (`--scheduling-policy slo` also gets the classes as
+   `--slo-class`), all three up at once, take Poisson arrivals at 1.5x then 2x the saturation rate
+   for --duration-s, interleaved (fcfs, priority, slo at each load), the same prompts and arrival
+   times each time (`tokenmill bench serve` with --priority-mix and --slo-classes). fcfs gets no
+   `priority` field (it would refuse it).
 
 Reported per run: goodput (requests that met their class's SLO, client-measured, per second),
 attainment per class (met / sent), 429s. One JSON in benchmarks/results/ (bench/results.py).
@@ -54,9 +55,9 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=24)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each overload run")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="arrival window of each overload run")
     parser.add_argument("--loads", default="1.5,2", help="multiples of the saturation rate")
-    parser.add_argument("--saturation-prompts", type=int, default=32)
+    parser.add_argument("--saturation-prompts", type=int, default=24)
     parser.add_argument("--classes", default=None, help="PRIORITY=TTFT_MS/TPOT_MS,... (default: derived)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-name", default=None)
@@ -95,18 +96,23 @@ def main() -> int:
     print(f"saturation {saturation_rps:.2f} req/s, unloaded TTFT {ttft0_ms:.0f} ms, TPOT at saturation "
           f"{tpot_sat_ms:.0f} ms -> classes {classes}", flush=True)  # fmt: skip
 
-    for policy in POLICIES:
-        flags = [*server_flags, "--scheduling-policy", policy]
-        if policy == "slo":
-            flags += ["--slo-class", classes]
-        server = start_server(tmp, *flags)
-        try:
-            run_bench(server.port, *workload, "--num-prompts", "2")  # warm the server (not reported)
-            for load in loads:
-                rate = load * saturation_rps
+    # The three servers run side by side (idle ones cost nothing) and take the loads interleaved,
+    # fcfs / priority / slo at one load, then the next: on a shared machine, drift in the other
+    # load on it then hits every policy alike.
+    servers = {}
+    try:
+        for policy in POLICIES:
+            flags = [*server_flags, "--scheduling-policy", policy]
+            if policy == "slo":
+                flags += ["--slo-class", classes]
+            servers[policy] = start_server(tmp, *flags)
+            run_bench(servers[policy].port, *workload, "--num-prompts", "2")  # warm it (not reported)
+        for load in loads:
+            rate = load * saturation_rps
+            for policy in POLICIES:
                 print(f"== {policy} at {load}x ({rate:.2f} req/s) ==", flush=True)
                 metrics = run_bench(
-                    server.port, *workload, "--num-prompts", str(max(8, round(rate * args.duration_s))),
+                    servers[policy].port, *workload, "--num-prompts", str(max(8, round(rate * args.duration_s))),
                     "--request-rate", f"{rate:.4f}", "--priority-mix", MIX, "--slo-classes", classes,
                     *(["--no-priority-field"] if policy == "fcfs" else []),
                 )  # fmt: skip
@@ -125,7 +131,8 @@ def main() -> int:
                     "median_ttft_ms": metrics["median_ttft_ms"],
                     "p99_ttft_ms": metrics.get("p99_ttft_ms"),
                 }
-        finally:
+    finally:
+        for server in servers.values():
             server.stop()
 
     results["wall_s"] = time.monotonic() - started

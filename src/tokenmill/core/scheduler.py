@@ -4,7 +4,9 @@ There are no prefill and decode phases. Each step every running request, then ev
 gets `num_tokens - num_computed_tokens` tokens to compute, capped by what is left of the step's
 token budget (so long prompts are chunked) and by max_model_len, while `max_num_seqs` and the KV
 blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
-is preempted: its blocks are freed and it is recomputed later.
+is preempted: its blocks are freed and it is recomputed later. The waiting queue is the
+scheduling policy's seam (core/request_queue.py): fcfs, priority, or slo (core/slo_queue.py), which
+also sheds waiting requests that can no longer meet their latency targets (finish reason "shed").
 
 Contract with the engine: call `update_from_output` once for every `schedule()`, in order, also
 when the output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests
