@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import types
 import typing
@@ -59,6 +60,18 @@ _KERNEL_ENV_DEFAULTS: dict[str, envs.EnvVar[bool | None]] = {
     "fused_decode_rope": envs.TOKENMILL_FUSED_DECODE_ROPE,
     "deferred_norm": envs.TOKENMILL_DEFERRED_NORM,
 }
+
+
+def resolve_otlp_traces_endpoint(flag: str | None) -> str | None:
+    """--otlp-traces-endpoint, else the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; checked to be an
+    http(s) URL (the exporter speaks OTLP over HTTP/protobuf)."""
+    url = flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+    if url is not None and not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError(
+            f"otlp_traces_endpoint must be an http(s) URL of an OTLP/HTTP collector such as "
+            f"http://localhost:4318/v1/traces, got {url!r}"
+        )
+    return url
 
 
 def _option(
@@ -153,6 +166,12 @@ class EngineArgs:
         "write per-request timelines (requests.jsonl: arrival, queued, each prefill chunk, first token) "
         "and per-step records (steps.jsonl: tokens, batch shape, host and device time, JIT compiles, GC "
         "pauses) to this directory; `bench serve --server-trace-dir` reads them",
+    )
+    otlp_traces_endpoint: str | None = _option(
+        None,
+        "`serve`: export one OpenTelemetry span per request (stages as events, the caller's W3C "
+        "traceparent as parent) to this OTLP/HTTP traces URL, e.g. http://localhost:4318/v1/traces "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing); needs tokenmill[otel]",
     )
     speculative_config: dict[str, Any] | None = _option(
         None,
@@ -315,6 +334,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
             trace_dir=self.trace_dir,
+            otlp_traces_endpoint=resolve_otlp_traces_endpoint(self.otlp_traces_endpoint),
             speculative=parse_speculative_config(self.speculative_config),
             lora=self._lora_config(),
         )

@@ -11,6 +11,7 @@ from typing import Any
 from tokenmill import __version__
 from tokenmill.arg_parser import ArgumentParser
 from tokenmill.args import EngineArgs
+from tokenmill.errors import TokenmillError
 
 # What a sampling flag the user leaves out takes when the model has no default for it either
 # (--generation-config): greedy replies of up to 256 tokens.
@@ -147,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    from tokenmill.plan import cli as plan_cli
+
+    plan_cli.add_cli_args(
+        sub.add_parser("plan", help="capacity and cost of a model on a GPU for a workload (no weights loaded)")
+    )
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.bench import latency as bench_latency
@@ -181,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.quality import cli as quality_cli
 
         return quality_cli.main(args)
+    if args.command == "plan":
+        from tokenmill.plan import cli as plan_cli
+
+        try:
+            return plan_cli.main(args)
+        except (ValueError, OSError, TokenmillError) as exc:
+            print(f"tokenmill plan: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "generate":
         return _cmd_generate(args)
     if args.command == "chat":

@@ -153,5 +153,8 @@ class EngineConfig:
     # A directory: the engine core writes per-step records (steps.jsonl) and the API server
     # per-request timelines (requests.jsonl) there; engine/step_trace.py. None: no tracing.
     trace_dir: str | None = None
+    # An OTLP/HTTP collector's traces URL: the engine keeps each request's timeline and the API
+    # server exports one span per request there (engine/otel_spans.py). None: no OpenTelemetry.
+    otlp_traces_endpoint: str | None = None
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off

@@ -101,6 +101,12 @@ TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING = _bool(
     "`tokenmill serve`: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as "
     "--allow-runtime-lora-updating; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
 )
+TOKENMILL_LOG_STATS_INTERVAL = _float(
+    "TOKENMILL_LOG_STATS_INTERVAL",
+    10.0,
+    "`tokenmill serve`: seconds between the stats lines (throughput, running / waiting, KV cache, prefix "
+    "hits); --disable-log-stats turns them off",
+)
 TOKENMILL_COMMIT = _str(
     "TOKENMILL_COMMIT",
     None,

@@ -22,14 +22,19 @@ from prometheus_client import (
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenmill.metrics_info import InfoMetrics
 from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
 PREFIX = "tokenmill:"
+# --metrics-prefix: `vllm` gives vLLM's exact names (`vllm:time_to_first_token_seconds`...), so
+# dashboards and alerts written for vLLM work unchanged.
+METRICS_PREFIXES = {"tokenmill": "tokenmill:", "vllm": "vllm:"}
 # Histograms kept in the engine process and reported in its stats (core/stats_histogram.py).
 ENGINE_HISTOGRAMS = {
     "structured_output_compile_seconds": "Time compiling a structured-output grammar (cache misses).",
     "structured_output_mask_seconds": "Host time filling the grammar bitmask of one step with constrained requests.",
+    "iteration_tokens_total": "Tokens computed per engine step (prompt and output tokens together).",
 }
 # Speculative decoding totals in engine stats (vLLM's counter names): drafts (request-steps that
 # verified any), draft tokens, accepted tokens, and accepted tokens per draft position, whose stats
@@ -69,26 +74,30 @@ REQUEST_LATENCY_BUCKETS = (
     0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# Token counts and request parameters: 1, 2, 5, 10, 20, 50, ... (vLLM's 1-2-5 series).
+TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = PREFIX) -> None:
         # The `_created` timestamp series only add noise (vLLM turns them off too); the switch
         # is process-wide in prometheus_client.
         disable_created_metrics()
         self.model_name = model_name
+        self.prefix = prefix
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             # prometheus_client appends `_total` to counter names on export.
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+            return Counter(prefix + name, doc, labels + list(extra), registry=self.registry)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+            return Gauge(prefix + name, doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=self.registry)
 
         self._request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
@@ -119,6 +128,10 @@ class ServerMetrics:
         self._itl = histogram(
             "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
         ).labels(model_name)
+        # vLLM's older name for the same per-token gaps, still queried by dashboards written for it.
+        self._tpot_legacy = histogram(
+            "time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name).", ITL_BUCKETS
+        ).labels(model_name)
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
         ).labels(model_name)
@@ -126,6 +139,38 @@ class ServerMetrics:
             "request_queue_time_seconds",
             "Time spent waiting before first scheduled.",
             REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        # vLLM's per-request phases: prefill = first scheduled to first token, decode = first to last
+        # token, inference = both (all from the API server's clock, with the engine's queue time).
+        self._tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1).",
+            ITL_BUCKETS,
+        ).labels(model_name)
+        self._prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first scheduled to the first token.", REQUEST_LATENCY_BUCKETS
+        ).labels(model_name)
+        self._decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", REQUEST_LATENCY_BUCKETS
+        ).labels(model_name)
+        self._inference_time = histogram(
+            "request_inference_time_seconds", "Time from first scheduled to the last token.", REQUEST_LATENCY_BUCKETS
+        ).labels(model_name)
+        self._request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        ).labels(model_name)
+        self._request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per sequence.", TOKEN_COUNT_BUCKETS
+        ).labels(model_name)
+        self._max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The most tokens any of a request's n sequences generated.",
+            TOKEN_COUNT_BUCKETS,
+        ).labels(model_name)
+        self._params_n = histogram("request_params_n", "The n of each request.", N_BUCKETS).labels(model_name)
+        self._params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens of each request (max_model_len - prompt when unset).",
+            TOKEN_COUNT_BUCKETS,
         ).labels(model_name)
         self._num_running = gauge("num_requests_running", "Requests in the running batch.").labels(model_name)
         self._num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(
@@ -155,9 +200,12 @@ class ServerMetrics:
         )
         # Histograms the engine keeps itself (grammar compiles, per-step bitmask fills): their
         # latest buckets, exported as they are.
-        self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS)
+        self._engine_histograms = EngineHistograms(model_name, ENGINE_HISTOGRAMS, prefix)
         self.registry.register(self._engine_histograms)
-        self._slo = SloMetrics(PREFIX, model_name, self.registry)  # goodput, SLO attainment
+        # cache_config_info (once the engine is up) and the LoRA adapters' load (metrics_info.py).
+        self.info = InfoMetrics(model_name, prefix)
+        self.registry.register(self.info)
+        self._slo = SloMetrics(prefix, model_name, self.registry)  # goodput, SLO attainment
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -166,6 +214,16 @@ class ServerMetrics:
 
     def on_token_gap(self, itl: float) -> None:
         self._itl.observe(itl)
+        self._tpot_legacy.observe(itl)
+
+    def on_request_params(self, n: int, max_tokens: int) -> None:
+        """One admitted request's n and (effective) max_tokens."""
+        self._params_n.observe(n)
+        self._params_max_tokens.observe(max_tokens)
+
+    def on_request_max_generation_tokens(self, tokens: int) -> None:
+        """A prompt's n sequences all finished: the longest one's output tokens."""
+        self._max_generation_tokens.observe(tokens)
 
     def on_request_finished(
         self,
@@ -174,13 +232,26 @@ class ServerMetrics:
         generation_tokens: int,
         e2e: float,
         queue_time: float | None = None,
+        ttft: float | None = None,
     ) -> None:
+        """One finished engine sequence; `prompt_tokens` is 0 for the 2nd..nth of a request's n
+        (its prompt counts once). `ttft` None: it produced no token."""
         self._request_success.labels(self.model_name, finish_reason).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
+        if prompt_tokens:
+            self._request_prompt_tokens.observe(prompt_tokens)
+        self._request_generation_tokens.observe(generation_tokens)
         self._e2e.observe(e2e)
         if queue_time is not None:
             self._queue_time.observe(queue_time)
+            self._inference_time.observe(max(0.0, e2e - queue_time))
+        if ttft is not None:
+            self._decode_time.observe(max(0.0, e2e - ttft))
+            if queue_time is not None:
+                self._prefill_time.observe(max(0.0, ttft - queue_time))
+            if generation_tokens > 1:
+                self._tpot.observe((e2e - ttft) / (generation_tokens - 1))
 
     def on_request_rejected(self, reason: str) -> None:
         if reason not in REJECTION_REASONS:
@@ -233,8 +304,9 @@ class EngineHistograms(Collector):
     """Prometheus histograms whose buckets the engine counts (only plain numbers cross the process
     boundary); each scrape reports the latest ones."""
 
-    def __init__(self, model_name: str, histograms: Mapping[str, str]) -> None:
+    def __init__(self, model_name: str, histograms: Mapping[str, str], prefix: str = PREFIX) -> None:
         self.model_name = model_name
+        self.prefix = prefix
         self.histograms = dict(histograms)
         self._latest: dict[str, tuple[list[tuple[str, float]], float]] = {}
 
@@ -246,7 +318,7 @@ class EngineHistograms(Collector):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         for name, documentation in self.histograms.items():
-            family = HistogramMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+            family = HistogramMetricFamily(self.prefix + name, documentation, labels=["model_name"])
             if name in self._latest:
                 buckets, total = self._latest[name]
                 family.add_metric([self.model_name], buckets, total)

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
+from tokenmill.core.request_timeline import RequestTimeline
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core_process import STATS_INTERVAL_S
 from tokenmill.engine.core_process_client import DEFAULT_HANG_TIMEOUT_S, CoreProcessClient
@@ -96,6 +97,7 @@ class _Seq:
     request: EngineCoreRequest
     num_generated: int = 0
     started: bool = False
+    timeline: RequestTimeline | None = None  # as the real engine keeps one, and sends it at the end
 
 
 class FakeCore:
@@ -126,12 +128,20 @@ class FakeCore:
             for req in message.requests:
                 self.added.append(req.request_id)
                 self.requests.append(req)
-                self.running[req.request_id] = _Seq(req)
+                timeline = RequestTimeline(
+                    arrival=req.arrival_time, received=time.monotonic(), prompt_tokens=len(req.prompt_token_ids)
+                )
+                self.running[req.request_id] = _Seq(req, timeline=timeline)
         elif isinstance(message, AbortRequests):
             for rid in message.request_ids:
-                if self.running.pop(rid, None) is not None:
+                seq = self.running.pop(rid, None)
+                if seq is not None:
                     self.aborted.append(rid)
-                    self.pending.append(EngineCoreOutput(rid, finish_reason="abort"))
+                    out = EngineCoreOutput(rid, finish_reason="abort")
+                    if seq.timeline is not None:
+                        seq.timeline.finished = time.monotonic()
+                        out.timeline = seq.timeline
+                    self.pending.append(out)
         elif isinstance(message, UtilityCall):
             if message.method == "check_invariants" and self.invariant_error:
                 self._deliver(UtilityResult(message.call_id, error=self.invariant_error))
@@ -183,6 +193,16 @@ class FakeCore:
             out.finish_reason = "stop"
         elif seq.num_generated >= req.max_tokens:
             out.finish_reason = "length"
+        timeline, now = seq.timeline, time.monotonic()
+        if timeline is not None:
+            timeline.num_steps += 1
+            timeline.output_tokens += 1
+            if not timeline.prefill_chunks:  # the whole prompt in this step, as the engine's first chunk
+                timeline.prefill_chunks.append((now, self.steps, timeline.prompt_tokens))
+                timeline.first_token = now
+            if out.finish_reason is not None:
+                timeline.finished = now
+                out.timeline = timeline
         return out
 
     @staticmethod

@@ -30,8 +30,10 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
+        # The whole log: with uvicorn's access log on, a slow start-up's /health polls can push the
+        # start-up lines out of any fixed-size tail.
         with open(self.log_path, errors="replace") as f:
-            return f.read()[-5000:]
+            return f.read()
 
     def child_pids(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)

@@ -220,6 +220,24 @@ def test_metrics_export_every_series_and_count_requests(server, client, model_id
     assert metric(server, "e2e_request_latency_seconds_count") >= 1
 
 
+def test_dashboard_shows_the_real_engines_timelines_and_metrics(server, client, model_id):
+    """The real engine's RequestTimeline reaches the dashboard's recent requests (through the core
+    process's socket), and the engine-side metrics (tokens per step, cache config) are exported."""
+    out = client.completions.create(model=model_id, prompt="Dashboard timelines " * 5, max_tokens=6, temperature=0)
+    data = httpx.get(f"{server.base_url}/dashboard/data", params={"slowest": 1000}).json()
+    mine = [r for r in data["slowest"] if r["id"].startswith(out.id)]
+    assert len(mine) == 1, [r["id"] for r in data["slowest"]]
+    assert mine[0]["output_tokens"] == out.usage.completion_tokens
+    assert mine[0]["prompt_tokens"] == out.usage.prompt_tokens
+    detail = httpx.get(f"{server.base_url}/dashboard/requests/{mine[0]['id']}").json()
+    assert [p["name"] for p in detail["phases"]] == ["to engine", "waiting", "prefill", "decode", "to client"]
+    assert sum(int(m["note"].split()[0]) for m in detail["marks"] if m["name"] == "prefill chunk") <= out.usage.prompt_tokens
+    assert data["totals"]["requests_finished"] >= 1
+    assert metric(server, "iteration_tokens_total_count") >= 1
+    assert metric(server, "cache_config_info") == 1
+    assert metric(server, "request_prefill_time_seconds_count") >= 1
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -38,6 +38,7 @@ TIERS: list[set[str]] = [
         "paths",
         "chat_template",
         "metrics",
+        "metrics_info",
         "stats_histogram",
         "slo",  # latency targets: the arguments, the scheduler's slo policy and the server read them
         "slo_metrics",
@@ -55,7 +56,8 @@ TIERS: list[set[str]] = [
     {"sample"},
     {"worker"},
     {"engine"},
-    {"server", "bench", "quality"},
+    # The dashboard (torch-free, FastAPI) sits with the server that mounts it (and the router).
+    {"server", "bench", "quality", "dashboard", "plan"},
     {"cli"},  # the entry point: dispatches to the server and the benchmarks
 ]
 

@@ -1,8 +1,8 @@
 """What happened to one request inside the engine, with times: the tail's evidence.
 
-Filled by the engine core's step tracer (engine/step_trace.py) only when tracing is on
-(`--trace-dir`), and sent with the request's final output so the API server can log it beside its
-own times. Every time is `time.monotonic()` seconds: on Linux one clock for every process of the
+Kept by the engine core for every request (engine/request_timelines.py) and sent with the
+request's final output: the API server's dashboard keeps the recent ones (the slowest requests and
+their timelines), and with `--trace-dir` logs them beside its own times. Every time is `time.monotonic()` seconds: on Linux one clock for every process of the
 host, so the API server's, the engine's and a local load generator's stamps compare directly.
 """
 
@@ -22,3 +22,4 @@ class RequestTimeline(msgspec.Struct, omit_defaults=True):
     preempted: list[float] = []  # each time it lost its KV blocks to a preemption
     finished: float = 0.0
     num_steps: int = 0  # steps it was scheduled in
+    output_tokens: int = 0  # tokens sampled for it (accepted drafts included)

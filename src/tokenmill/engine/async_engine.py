@@ -23,8 +23,11 @@ from tokenmill.engine.core_process_client import DEFAULT_HANG_TIMEOUT_S, CorePro
 from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import EngineInfo, StepOutputs
+from tokenmill.engine.otel_spans import RequestSpans, TraceContext
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.request_log import RequestLog
 from tokenmill.engine.request_trace import RequestTraceLog
+from tokenmill.engine.stats_log import StatsLog
 from tokenmill.errors import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.arch import ArchConfig
@@ -70,6 +73,12 @@ class AsyncEngine:
         self.config = config
         # First: a --trace-dir that cannot be written is refused before any socket or process exists.
         self._trace = RequestTraceLog(config.trace_dir) if config.trace_dir else None
+        # --otlp-traces-endpoint: one OpenTelemetry span per sequence (None: off, nothing imported).
+        self.spans: RequestSpans | None = (
+            RequestSpans(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+        )
+        self.request_log: RequestLog | None = None  # --enable-log-requests (the server sets it)
+        self.stats_log: StatsLog | None = None  # the periodic stats line (the server sets it)
         self.client = (
             client if client is not None else CoreProcessClient(config, hang_timeout_s=hang_timeout_s)
         )
@@ -87,6 +96,9 @@ class AsyncEngine:
         self.stats: dict[str, float] = {}
         self.on_step_stats = None  # callback(stats) for metrics
         self.on_output = None  # callback(RequestOutput, now) for metrics
+        # callback(EngineCoreOutput, arrival, now) for each finished engine sequence, with the
+        # RequestTimeline it carries: the dashboard's recent requests.
+        self.on_finished_sequence = None
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
 
@@ -151,6 +163,8 @@ class AsyncEngine:
         await self.client.shutdown(timeout_s)
         if self._trace is not None:
             self._trace.close()
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.shutdown)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -173,12 +187,13 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        trace: TraceContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields per-sequence RequestOutputs (delta text when stream=True) until all n finish.
 
         Raises InvalidRequestError before anything reaches the engine if the request is bad, and
         EngineDeadError if the engine is gone. Cancelling the iteration (client disconnect)
-        aborts the request in the engine.
+        aborts the request in the engine. `trace`: the HTTP request's trace context, for its span.
         """
         if self.dead:
             raise EngineDeadError(f"the engine is not available: {self.dead}")
@@ -192,24 +207,40 @@ class AsyncEngine:
         record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])
         self._streams[request_id] = record
         finished_cleanly = False
+        generated: dict[int, int] = {}  # tokens per sequence index, for the request log
         try:
             for index, core_req in children:
                 self.output_processor.add_request(
                     core_req.request_id, request_id, index, prompt, prompt_token_ids, core_req.sampling_params,
                     stream=stream, arrival_time=core_req.arrival_time,
                 )  # fmt: skip
+                if self.spans is not None:
+                    self.spans.add(
+                        core_req.request_id, request_id, index, core_req.sampling_params,
+                        len(prompt_token_ids), core_req.arrival_time, trace, n=params.n,
+                    )  # fmt: skip
+            if self.request_log is not None:
+                self.request_log.arrived(request_id, prompt, prompt_token_ids, params, lora_request)
             await self.client.add_requests([c for _, c in children])
             while record.num_finished < len(record.child_ids):
                 item = await record.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if self.request_log is not None:
+                    index, new_tokens = item.outputs[0].index, len(item.outputs[0].token_ids)
+                    # Streamed outputs carry only the new tokens; the others all so far.
+                    generated[index] = generated.get(index, 0) + new_tokens if stream else new_tokens
                 if item.finished:
                     record.num_finished += 1
+                    if self.request_log is not None:
+                        self.request_log.finished(item, generated.get(item.outputs[0].index, 0))
                 yield item
             finished_cleanly = True
         finally:
             if not finished_cleanly:
                 self._abort_children(record, deliver=False)
+                if self.request_log is not None:
+                    self.request_log.abandoned(request_id, record.num_finished, len(record.child_ids))
             self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str, indexes: Collection[int] | None = None) -> None:
@@ -266,10 +297,14 @@ class AsyncEngine:
         for core_output in message.outputs:
             if self._trace is not None:
                 self._trace.output(core_output, now)
+            if self.spans is not None:
+                self._callback(self.spans.output, core_output, now)
             # One at a time, so a failure (a detokenizer bug, say) ends only its own request. The
             # state is looked up first: the processor forgets a finished sequence before building its
             # last output, and a failure there must still end the sequence for its client.
             state = self.output_processor.states.get(core_output.request_id)
+            if self.stats_log is not None and state is not None:
+                self.stats_log.output(core_output, len(state.prompt_token_ids))
             try:
                 processed = self.output_processor.process_outputs([core_output], now)
             except Exception as exc:
@@ -282,6 +317,10 @@ class AsyncEngine:
             to_abort.extend(processed.reqs_to_abort)  # stop strings matched here
             for out in processed.request_outputs:
                 self._deliver(out, now)
+            if core_output.finished and self.on_finished_sequence is not None:
+                timeline = core_output.timeline
+                arrival = timeline.arrival if timeline is not None else state.arrival_time if state is not None else now
+                self._callback(self.on_finished_sequence, core_output, arrival, now)
         if to_abort:
             self.client.abort_requests(to_abort)
 
@@ -304,12 +343,14 @@ class AsyncEngine:
 
     def _fail_streams(self, error: EngineDeadError) -> None:
         """The engine is gone: every live request ends with `error`."""
+        if self.spans is not None:
+            self._callback(self.spans.fail_all, str(error))
         for record in list(self._streams.values()):
             record.queue.put_nowait(error)
 
     @staticmethod
     def _callback(fn: Any, *args: Any) -> None:
-        # Metrics hooks: a bug there is logged, and must not take the output loop (every
+        # Metrics and tracing hooks: a bug there is logged, and must not take the output loop (every
         # request) down with it.
         try:
             fn(*args)

@@ -31,10 +31,12 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.executor import Executor, PendingOutput
 from tokenmill.engine.messages import EngineCoreRequest, EngineInfo
+from tokenmill.engine.request_timelines import RequestTimelines
 from tokenmill.engine.step_trace import StepTracer
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.resolve import ResolvedModel, resolve_model
+from tokenmill.stats_histogram import StatsHistogram
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -55,12 +57,19 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     return requested
 
 
+# Powers of two: a decode step of one request up to the largest prefill chunks.
+ITERATION_TOKENS_BUCKETS = tuple(float(2**i) for i in range(15))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
         # The API server leaves the device and its defaults unresolved (it has no torch).
         unresolved = config
         # First: a --trace-dir that cannot be written is refused before the model loads.
         self.tracer = StepTracer(config.trace_dir) if config.trace_dir else None
+        self.timelines = RequestTimelines()  # always: the dashboard shows the slowest requests
+        # Tokens per step (vLLM's iteration_tokens_total), counted here and exported by the API server.
+        self.iteration_tokens = StatsHistogram("iteration_tokens_total", ITERATION_TOKENS_BUCKETS)
         config = resolve_device_defaults(config)
         if config != unresolved:
             logger.info(
@@ -148,8 +157,7 @@ class EngineCore:
             lora_request=req.lora_request,
         )
         self.scheduler.add_request(request)
-        if self.tracer is not None:
-            self.tracer.request_added(req.request_id, request.arrival_time, len(req.prompt_token_ids))
+        self.timelines.request_added(req.request_id, request.arrival_time, len(req.prompt_token_ids))
         if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 
@@ -196,11 +204,13 @@ class EngineCore:
                 # Nothing to run until an adapter loads: wait for it rather than spin.
                 lora.wait_for_loads(timeout=0.005)
             return self._annotate(outputs)
+        now = time.monotonic()
+        step_number = self.timelines.scheduled(scheduler_output, now)
+        self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         if self.tracer is not None:
             self.tracer.scheduled(
-                scheduler_output, started, self.scheduler.num_running, self.scheduler.num_waiting
+                scheduler_output, step_number, started, now, self.scheduler.num_running, self.scheduler.num_waiting
             )
-        now = time.monotonic()
         requests = self.scheduler.requests
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.request_id
@@ -301,10 +311,9 @@ class EngineCore:
         return ModelRunnerOutput(errored=dict.fromkeys(request_ids, reason))
 
     def _annotate(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Attach each request's queue time to its first output (and, tracing, its timeline to its
-        last); forget ended requests."""
-        if self.tracer is not None:
-            self.tracer.outputs(outputs)
+        """Attach each request's queue time to its first output and its timeline to its last;
+        forget ended requests."""
+        self.timelines.outputs(outputs)
         for out in outputs:
             queue_time = self._queue_times.pop(out.request_id, None)
             if queue_time is not None:
@@ -353,7 +362,7 @@ class EngineCore:
         return self.executor.remove_lora(lora_int_id)
 
     def get_stats(self) -> dict[str, float]:
-        return self.scheduler.get_stats() | self.structured_output.get_stats()
+        return self.scheduler.get_stats() | self.structured_output.get_stats() | self.iteration_tokens.stats()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

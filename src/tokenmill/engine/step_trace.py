@@ -11,8 +11,8 @@ steps.jsonl gets a line per step once its results are on the host:
   during the step's host part), gc ([start, seconds, generation] of collections since the
   previous step)
 
-and each request's `RequestTimeline` (core/request_timeline.py) rides on its final output to the
-API server, which logs it to requests.jsonl (engine/request_trace.py). With async scheduling a
+and each request's `RequestTimeline` (kept always, engine/request_timelines.py) rides on its final
+output to the API server, which logs it to requests.jsonl (engine/request_trace.py). With async scheduling a
 step's `launched` comes before the previous step's `done`: the device runs them back to back, so
 a step's device time is about done - max(launched, the previous step's done).
 
@@ -25,8 +25,7 @@ import time
 
 import msgspec
 
-from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from tokenmill.core.request_timeline import RequestTimeline
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.gc_pauses import GcPauses
 from tokenmill.engine.trace_files import STEPS_FILE, open_trace_file
 
@@ -56,65 +55,18 @@ class StepTracer:
         self._file = open_trace_file(trace_dir, STEPS_FILE)
         self._encoder = msgspec.json.Encoder()
         self._last_flush = time.monotonic()
-        self._timelines: dict[str, RequestTimeline] = {}
-        self._computed: dict[str, int] = {}  # prompt tokens scheduled so far, per request
         self._records: dict[int, StepRecord] = {}  # id(scheduler output) -> its record, until done
         self._outputs: dict[int, SchedulerOutput] = {}  # keeps those ids unique while pending
-        self._num_steps = 0
         from tokenmill.kernels.jit_compiles import JitCompiles  # engine side only (Triton)
 
         self._gc = GcPauses()
         self._compiles = JitCompiles()
 
-    # -- requests -----------------------------------------------------------------------------
-
-    def request_added(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
-        self._timelines[request_id] = RequestTimeline(
-            arrival=arrival, received=time.monotonic(), prompt_tokens=prompt_tokens
-        )
-        self._computed[request_id] = 0
-
-    def outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """Stamp first tokens and ends; a final output takes its request's timeline along."""
-        now = time.monotonic()
-        for out in outputs:
-            timeline = self._timelines.get(out.request_id)
-            if timeline is None:
-                continue
-            if out.new_token_ids and not timeline.first_token:
-                timeline.first_token = now
-            if out.finished:
-                timeline.finished = now
-                out.timeline = self._timelines.pop(out.request_id)
-                self._computed.pop(out.request_id, None)
-
     # -- steps --------------------------------------------------------------------------------
 
-    def scheduled(self, so: SchedulerOutput, start: float, num_running: int, num_waiting: int) -> None:
-        now = time.monotonic()
-        step = self._num_steps
-        self._num_steps += 1
-        timelines, computed = self._timelines, self._computed
-        for request_id in so.preempted_req_ids:  # they start over (recompute) when they resume
-            timeline = timelines.get(request_id)
-            if timeline is not None:
-                timeline.preempted.append(now)
-                computed[request_id] = 0
-        for new in so.scheduled_new_reqs:  # a prefix-cache hit starts past the prompt's beginning
-            if new.request_id in computed:
-                computed[new.request_id] = new.num_computed_tokens
-        prefill_tokens = 0
-        for request_id, num_tokens in so.num_scheduled_tokens.items():
-            if num_tokens > 1:
-                prefill_tokens += num_tokens
-            timeline = timelines.get(request_id)
-            if timeline is None:
-                continue
-            timeline.num_steps += 1
-            done = computed[request_id]
-            if done < timeline.prompt_tokens:
-                timeline.prefill_chunks.append((now, step, min(num_tokens, timeline.prompt_tokens - done)))
-                computed[request_id] = done + num_tokens
+    def scheduled(self, so: SchedulerOutput, step: int, start: float, now: float, num_running: int, num_waiting: int) -> None:
+        """Open the record of step number `step` (its number from the request timelines)."""
+        prefill_tokens = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
         self._records[id(so)] = StepRecord(
             step=step,
             start=start,

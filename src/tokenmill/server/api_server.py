@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -16,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
+from tokenmill.dashboard import dashboard_router
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.metrics import METRICS_CONTENT_TYPE
 from tokenmill.server.chat_prompt import render_chat_prompt
@@ -43,6 +46,17 @@ from tokenmill.server.state import ServerState, ServiceUnavailableError
 logger = logging.getLogger("tokenmill.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# The dashboard shows what /metrics shows (and the recent requests' timings, never their text), so
+# it is open exactly when /metrics is: a browser opening the page sends no Authorization header.
+# Exactly its routes' shapes: no other path (an odd spelling, "..") gets past the key this way.
+DASHBOARD_PATH = re.compile(r"/dashboard(/data|/static/[A-Za-z0-9_-]+\.[a-z]+|/requests/[^/]+)?")
+
+
+def is_open_path(path: str) -> bool:
+    """Served without an API key: /health, /metrics, /version and the dashboard's routes."""
+    if path in OPEN_PATHS:
+        return True
+    return DASHBOARD_PATH.fullmatch(path) is not None and not path.endswith(("/.", "/.."))
 
 
 class PayloadTooLargeError(TokenmillError):
@@ -155,7 +169,8 @@ class HeaderLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Refuses every route but /health, /metrics and /version without a key, before routing.
+    """Refuses every route but /health, /metrics, /version and the dashboard without a key, before
+    routing.
 
     It reads the ASGI `path` — the one routing uses — so no Host header, absolute request target
     or unusual spelling can reach a route around it: an unknown or odd path just needs the key too.
@@ -170,7 +185,7 @@ class ApiKeyMiddleware:
         if (
             not api_keys
             or scope["type"] not in ("http", "websocket")
-            or (scope["type"] == "http" and scope["path"] in OPEN_PATHS)
+            or (scope["type"] == "http" and is_open_path(scope["path"]))
             or is_authorized(scope, api_keys)
         ):
             await self.app(scope, receive, send)
@@ -314,6 +329,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    if state.dashboard is not None:
+        app.include_router(dashboard_router(state.dashboard, state.recent_requests, title=f"tokenmill · {state.model_names[0]}"))
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = state.engine.info
@@ -389,18 +407,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        received = time.monotonic()
         state.check_available()
         body = parse_request(CompletionRequest, await read_body(state, request))
+        trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_completion(state, body), body.stream, state.stream_write_timeout
+            request, create_completion(state, body, trace), body.stream, state.stream_write_timeout
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        received = time.monotonic()
         state.check_available()
         body = parse_request(ChatCompletionRequest, await read_body(state, request))
+        trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_chat_completion(state, body), body.stream, state.stream_write_timeout
+            request, create_chat_completion(state, body, trace), body.stream, state.stream_write_timeout
         )
 
     return app

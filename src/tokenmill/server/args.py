@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from tokenmill.engine.async_engine import DEFAULT_HANG_TIMEOUT_S
+from tokenmill.metrics import METRICS_PREFIXES
 from tokenmill.server.operator_options import add_operator_args
 from tokenmill.server.protocol import MAX_N
 
@@ -139,8 +140,54 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle kept-alive connection stays open (longer than clients keep theirs: aiohttp "
         "15 s, httpx 5 s, so the server never closes one as a client reuses it: that race resets requests)",
     )
+    add_logging_args(parser)
     add_tool_and_reasoning_args(parser)
     add_lora_serving_args(parser)
+    add_observability_args(parser)
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-prefix", choices=sorted(METRICS_PREFIXES), default="tokenmill",
+        help="the prefix of every /metrics name: tokenmill (tokenmill:time_to_first_token_seconds...) or vllm "
+        "(vLLM's exact names, for dashboards and alerts written for vLLM)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cost-per-hour", type=_price, default=None, metavar="DOLLARS",
+        help="what the hardware serving this costs per hour: /dashboard shows $ per million output tokens",
+    )  # fmt: skip
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a price in dollars per hour, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite price above 0 dollars per hour, got {text!r}")
+    return value
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    """What the server logs beyond uvicorn's access log (docs/TRACING.md, "Logs")."""
+    parser.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request as it arrives (id, sampling params, prompt length, the prompt and its "
+        "token ids cut to --max-log-len) and each of its sequences as it finishes",
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=_int_in(0),
+        default=None,
+        help="--enable-log-requests: characters of prompt and prompt token ids logged (default: all)",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (prompt / generation tokens/s, running / waiting, KV cache %%, prefix "
+        "hit %%; every $TOKENMILL_LOG_STATS_INTERVAL s, default 10)",
+    )
 
 
 def add_lora_serving_args(parser: argparse.ArgumentParser) -> None:

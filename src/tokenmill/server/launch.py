@@ -17,7 +17,7 @@ import uvicorn
 from tokenmill import __version__, envs
 from tokenmill.args import EngineArgs
 from tokenmill.errors import TokenmillError
-from tokenmill.metrics import ServerMetrics
+from tokenmill.metrics import METRICS_PREFIXES, ServerMetrics
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.api_server import create_app
 from tokenmill.server.http_protocol import make_uvicorn_config
@@ -99,6 +99,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     """The server `tokenmill serve` runs, every flag in place; nothing started yet. Raises
     ValueError naming the flag when an engine flag is invalid."""
     from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.request_log import RequestLog
+    from tokenmill.engine.stats_log import StatsLog
     from tokenmill.model.loader.default_model import DEFAULT_MODEL_NAME
 
     model = args.model
@@ -117,11 +119,17 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     check_tls_args(args)
     check_tool_and_reasoning_args(args)
     lora_modules = check_lora_args(args, lora_enabled=config.lora is not None)
+    # Checked before the engine client exists (it owns sockets that a refusal would leave behind).
+    if args.max_log_len is not None and not args.enable_log_requests:
+        raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
+    request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
+    stats_log = None if args.disable_log_stats else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
     state = ServerState(
         engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout),
         model_names=names,
         model_root=model_root,
-        metrics=ServerMetrics(names[0]),
+        metrics=ServerMetrics(names[0], prefix=METRICS_PREFIXES[args.metrics_prefix]),
+        cost_per_hour=args.cost_per_hour,
         api_keys=api_keys,
         cors=cors,
         root_path=args.root_path,
@@ -160,6 +168,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         ssl_ca_certs=args.ssl_ca_certs,
         access_log=not args.disable_uvicorn_access_log,
     )
+    state.engine.request_log = request_log
+    state.engine.stats_log = stats_log
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules
     return server
@@ -257,10 +267,14 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
 
     print("tokenmill: loading the model; /health answers 503 until it is ready", file=sys.stderr, flush=True)
     starter = asyncio.create_task(start_engine())
+    stats_log = state.engine.stats_log
+    stats_task = asyncio.create_task(stats_log.run(lambda: state.engine.stats)) if stats_log is not None else None
     try:
         await server.serve()
     finally:
         starter.cancel()
-        await asyncio.gather(starter, return_exceptions=True)
+        if stats_task is not None:
+            stats_task.cancel()
+        await asyncio.gather(starter, *([stats_task] if stats_task else []), return_exceptions=True)
         await state.engine.shutdown()
     return 1 if state.startup_error else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from tokenmill.engine.otel_spans import TraceContext
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.server.chat_output import ChatOutputParsing, has_content
@@ -100,7 +101,7 @@ def _prompt_logprobs(
     ]
 
 
-async def create_chat_completion(state: ServerState, request: ChatCompletionRequest):
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, trace: TraceContext | None = None):
     """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
@@ -125,6 +126,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     model = request.model or state.model_names[0]
     choices = [ChoiceState(index=j) for j in range(params.n)]
     status = admit(state, [prompt], params, request.request_timeout, constraint_param, lora)
+    status.trace = trace
     outputs = generate_all(
         state,
         request_id,

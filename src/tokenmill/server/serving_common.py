@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tokenmill.engine.otel_spans import TraceContext
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -69,6 +70,7 @@ class RunStatus:
     constraint_param: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     lora_hold: LoRAHold | None = None  # keeps the adapter from being unloaded until the request ends
+    trace: TraceContext | None = None  # the HTTP request's trace context (--otlp-traces-endpoint)
 
     def release(self) -> None:
         self.ticket.release()
@@ -99,6 +101,9 @@ def admit(
         except TokenmillError:
             ticket.release()
             raise
+    for prompt in prompts:
+        max_tokens = params.max_tokens if params.max_tokens is not None else state.max_model_len - len(prompt.token_ids)
+        state.metrics.on_request_params(params.n, max_tokens)
     return RunStatus(
         ticket=ticket,
         timeout_s=request_timeout(state, requested_timeout),
@@ -215,6 +220,7 @@ async def generate_all(
     ticket = status.ticket
 
     async def pump(i: int, prompt: PreparedPrompt) -> None:
+        generated = [0] * params.n  # tokens per sequence: vLLM's request_max_num_generation_tokens
         try:
             async for out in state.engine.generate(
                 engine_ids[i],
@@ -225,10 +231,13 @@ async def generate_all(
                 priority=priority,
                 cache_salt=cache_salt,
                 lora_request=status.lora,
+                trace=status.trace,
             ):
                 if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
                     ticket.started(i, out.outputs[0].index)
+                    generated[out.outputs[0].index] += len(out.outputs[0].token_ids)
                 queue.put_nowait((i, out))
+            state.metrics.on_request_max_generation_tokens(max(generated))
             queue.put_nowait(done)
         except Exception as exc:
             queue.put_nowait(exc)

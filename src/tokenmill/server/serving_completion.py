@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from tokenmill.engine.otel_spans import TraceContext
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.server.protocol import (
@@ -87,7 +88,7 @@ def _completion_logprobs(
     return result
 
 
-async def create_completion(state: ServerState, request: CompletionRequest):
+async def create_completion(state: ServerState, request: CompletionRequest, trace: TraceContext | None = None):
     """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
@@ -106,6 +107,7 @@ async def create_completion(state: ServerState, request: CompletionRequest):
     # OpenAI numbers the choices of prompt i as i * n + j.
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
     status = admit(state, prompts, params, request.request_timeout, request.constraint_param, lora)
+    status.trace = trace
     outputs = generate_all(
         state,
         request_id,

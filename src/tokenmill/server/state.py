@@ -6,7 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.dashboard import MetricsHistory, RecentRequests, registry_source
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.otel_spans import TRACE_HEADERS, TraceContext
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import ServerMetrics
@@ -54,20 +56,60 @@ class ServerState:
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
     admission: AdmissionControl = field(default_factory=AdmissionControl)
     lora: LoRARegistry | None = None  # the served LoRA adapters; None: LoRA off (--enable-lora)
+    cost_per_hour: float | None = None  # --cost-per-hour: the dashboard's $ per million output tokens
+    # The dashboard's time series (sampled from `metrics`) and recent requests' timelines; built
+    # from `metrics` and `cost_per_hour` when not given.
+    dashboard: MetricsHistory | None = None
+    recent_requests: RecentRequests = field(default_factory=RecentRequests)
     ready: bool = False
     draining: bool = False
     startup_error: str | None = None
-    # Per engine sequence: (last token time, tokens so far), for inter-token latency metrics.
-    _token_clock: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    # Per engine sequence: (last token time, tokens so far, first token time), for the latency metrics.
+    _token_clock: dict[tuple[str, int], tuple[float, int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and self.api_key not in self.api_keys:
             self.api_keys = (self.api_key, *self.api_keys)
+        if self.dashboard is None:
+            self.dashboard = MetricsHistory(
+                registry_source(self.metrics.registry), self.metrics.prefix, cost_per_hour=self.cost_per_hour
+            )
 
     def attach_engine(self) -> None:
-        """Route the engine's per-output and per-step reports into this server's metrics."""
-        self.engine.on_step_stats = self.metrics.update_engine_stats
+        """Route the engine's per-output and per-step reports into this server's metrics and its
+        dashboard."""
+        self.engine.on_step_stats = self.observe_engine_stats
         self.engine.on_output = self.observe_output
+        self.engine.on_finished_sequence = self.recent_requests.record_output
+        info = self.engine.info
+        if info is not None:
+            cache = self.engine.config.cache
+            self.metrics.info.set_cache_config(
+                block_size=info.block_size, num_gpu_blocks=info.num_kv_blocks, cache_dtype=cache.kv_cache_dtype,
+                enable_prefix_caching=cache.enable_prefix_caching, gpu_memory_utilization=cache.gpu_memory_utilization,
+                max_model_len=info.max_model_len,
+            )  # fmt: skip
+        lora = self.lora
+        if lora is not None:
+            config = self.engine.config.lora
+            self.metrics.info.set_lora_load(
+                lambda: {a.request.lora_name: lora.num_holding(a.request.lora_name) for a in lora.adapters},
+                config.max_loras if config is not None else 0,
+            )
+
+    def observe_engine_stats(self, stats: dict[str, float]) -> None:
+        self.metrics.update_engine_stats(stats)
+        # The engine reports at least every 0.5 s, so the dashboard's series keep their pace
+        # without a task of their own; a snapshot is taken at most every interval.
+        if self.dashboard is not None:
+            self.dashboard.maybe_sample()
+
+    def trace_context(self, headers: Any, received: float, model: str | None) -> TraceContext | None:
+        """What a request's span needs from its HTTP request; None (nothing kept) with tracing off."""
+        if self.engine.spans is None:
+            return None
+        carried = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return TraceContext(carried, received, model or self.model_names[0])
 
     @property
     def max_model_len(self) -> int:
@@ -121,25 +163,27 @@ class ServerState:
         key = (out.request_id, completion.index)
         new_tokens = len(completion.token_ids)
         previous = self._token_clock.get(key)
+        arrival = out.metrics.get("arrival_time", now)
         if new_tokens:
             if previous is None:
-                self.metrics.on_first_token(now - out.metrics.get("arrival_time", now))
-                self._token_clock[key] = (now, new_tokens)
+                self.metrics.on_first_token(now - arrival)
+                self._token_clock[key] = (now, new_tokens, now)
             else:
                 gap = now - previous[0]
                 for _ in range(new_tokens):
                     self.metrics.on_token_gap(gap / new_tokens)
-                self._token_clock[key] = (now, previous[1] + new_tokens)
+                self._token_clock[key] = (now, previous[1] + new_tokens, previous[2])
         if out.finished:
-            _, generated = self._token_clock.pop(key, (now, 0))
+            _, generated, first_token = self._token_clock.pop(key, (now, 0, None))
             if previous is None and not new_tokens:
                 generated = 0
             self.metrics.on_request_finished(
                 completion.finish_reason or "abort",
                 len(out.prompt_token_ids) if completion.index == 0 else 0,
                 generated,
-                now - out.metrics.get("arrival_time", now),
+                now - arrival,
                 out.metrics.get("queue_time"),
+                ttft=None if first_token is None else first_token - arrival,
             )
 
 

@@ -1,0 +1,150 @@
+"""The efficiency factors of the roofline model (roofline.py), fitted from our own benchmark runs.
+
+Per GPU, from two recorded results of Llama-3.1-8B shapes in bf16 (benchmarks/results/):
+- the single stream (`bench latency`, 512 in / 256 out): its decode tok/s gives the bandwidth
+  efficiency, its TTFT the first-token overhead;
+- the offline throughput (`bench throughput`, 512 prompts of 512 in / 256 out, max_num_seqs 256):
+  the prefill (FLOP/s) efficiency, solved so the model reproduces the measured output tok/s.
+`fit()` redoes this from the files; CALIBRATION holds the result (a test checks the two agree), and
+the KV pool's memory overhead at --gpu-memory-utilization 0.9 comes from the pools the engine
+reported (BENCHMARKS.md). GPUs without runs of ours borrow the Hopper mean, and say so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.model.arch import ArchConfig
+from tokenmill.plan.gpu_specs import GpuSpec
+from tokenmill.plan.model_bytes import kv_layout, model_bytes
+from tokenmill.plan.roofline import Efficiency, Machine, Workload, predict
+
+GIB = 2**30
+# The engine's defaults in those runs.
+BENCH_MAX_NUM_SEQS = 256
+BENCH_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    efficiency: Efficiency
+    # Device memory the engine sees (torch's total) and what it keeps beyond weights and the KV
+    # pool at --gpu-memory-utilization 0.9 (activations of the profiling forward, CUDA graphs,
+    # cuBLAS workspaces).
+    visible_memory_bytes: float
+    memory_overhead_bytes: float
+    source: str
+    calibrated: bool = True
+
+
+# Fitted by fit() at the commit that added it; the files are in benchmarks/results/.
+CALIBRATION: dict[str, Calibration] = {
+    "H100": Calibration(
+        Efficiency(bandwidth=0.8351, prefill=0.5524, first_token_overhead_s=0.01591),
+        visible_memory_bytes=81559 * 2**20,  # nvidia-smi's 81,559 MiB of an H100 80GB HBM3
+        # 0.9 x 81,559 MiB - 16.06 GB weights - 27,229 blocks x 2 MiB (fp8-kv-llama-3.1-8b-h100-engine.json)
+        memory_overhead_bytes=3.8e9,
+        source="latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json (185.3 tok/s, TTFT 30.1 ms); "
+        "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json (9,400 output tok/s); pool: "
+        "fp8-kv-llama-3.1-8b-h100-engine.json",
+    ),
+    "H200": Calibration(
+        Efficiency(bandwidth=0.8001, prefill=0.4993, first_token_overhead_s=0.0),
+        visible_memory_bytes=139.8 * GIB,  # BENCHMARKS.md, "GPU: NVIDIA H200": 139.8 GiB visible
+        # 0.9 x 139.8 GiB - 16.06 GB weights - 55,347 blocks x 2 MiB (BENCHMARKS.md, same section)
+        memory_overhead_bytes=3.0e9,
+        source="latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json (254.5 tok/s, TTFT 14.9 ms); "
+        "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json (10,186 output tok/s); pool: BENCHMARKS.md",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FormatFactor:
+    """How much slower than 16-bit dense weights our kernels run a weight format, as multipliers of
+    the bandwidth and prefill efficiencies; fitted on one H100 run pair each and applied on every GPU."""
+
+    bandwidth: float
+    prefill: float
+    source: str
+
+
+# fit_format() over these files gives the numbers (a test checks they agree).
+FORMAT_FACTORS: dict[str, FormatFactor] = {
+    "fp8": FormatFactor(0.7989, 0.8399, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"),
+    "int4": FormatFactor(0.5940, 0.8482, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"),
+    "moe": FormatFactor(0.4952, 0.2396, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"),
+}
+
+
+def format_key(quantization: str | None, is_moe: bool) -> str | None:
+    if is_moe:
+        return "moe"  # quantized MoE does not run yet
+    if quantization == "fp8":
+        return "fp8"
+    return "int4" if quantization in ("awq", "gptq") else None
+
+
+def for_format(eff: Efficiency, key: str | None) -> Efficiency:
+    if key is None:
+        return eff
+    factor = FORMAT_FACTORS[key]
+    return Efficiency(eff.bandwidth * factor.bandwidth, eff.prefill * factor.prefill, eff.first_token_overhead_s)
+
+
+def calibration_for(gpu: GpuSpec) -> Calibration:
+    known = CALIBRATION.get(gpu.name)
+    if known is not None:
+        return known
+    hopper = list(CALIBRATION.values())
+    n = len(hopper)
+    mean = Efficiency(
+        bandwidth=sum(c.efficiency.bandwidth for c in hopper) / n,
+        prefill=sum(c.efficiency.prefill for c in hopper) / n,
+        first_token_overhead_s=sum(c.efficiency.first_token_overhead_s for c in hopper) / n,
+    )
+    overhead = sum(c.memory_overhead_bytes for c in hopper) / n
+    return Calibration(
+        mean, gpu.memory_bytes, overhead,
+        source=f"no {gpu.name} runs of ours: the H100 / H200 mean factors", calibrated=False,
+    )  # fmt: skip
+
+
+def _metrics(path: Path) -> dict:
+    return json.loads(path.read_text())["metrics"]
+
+
+def fit_format(gpu: GpuSpec, arch: ArchConfig, quantization: str | None, base: Efficiency, latency_file: Path, throughput_file: Path) -> FormatFactor:
+    """A weight format's factors: its run pair's fitted efficiencies over the GPU's 16-bit ones."""
+    eff = fit(gpu, arch, latency_file, throughput_file, quantization)
+    return FormatFactor(eff.bandwidth / base.bandwidth, eff.prefill / base.prefill, f"{latency_file.name}, {throughput_file.name}")
+
+
+def fit(
+    gpu: GpuSpec, arch: ArchConfig, latency_file: Path, throughput_file: Path, quantization: str | None = None
+) -> Efficiency:
+    """The factors that make the model reproduce a single-stream and an offline-throughput run of
+    `arch` (512 in / 256 out; 512 prompts at max_num_seqs 256)."""
+    latency, throughput = _metrics(latency_file), _metrics(throughput_file)
+    input_len, output_len = 512, 256
+    machine = Machine(gpu, 1, fp8_compute=quantization == "fp8")
+    weights = model_bytes(arch, quantization)
+    kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
+    context = input_len + output_len / 2
+    read = weights.decode_read_bytes(1) + context * kv.mean_bytes_per_token(int(context))
+    bandwidth = latency["decode_tokens_per_s"] * read / gpu.bandwidth_bytes_per_s
+    eff = Efficiency(bandwidth, 0.5, 0.0)
+    offline = Workload(input_len, output_len, BENCH_MAX_NUM_SEQS)
+    for _ in range(4):  # the overhead and the prefill efficiency each depend a little on the other
+        low, high = 0.01, 1.5  # bisect the prefill efficiency on the offline tok/s
+        for _ in range(60):
+            mid = (low + high) / 2
+            trial = Efficiency(bandwidth, mid, eff.first_token_overhead_s)
+            got = predict(machine, weights, kv, trial, offline, arch.q_size, arch.num_layers).output_tokens_per_s
+            low, high = (low, mid) if got > throughput["output_tokens_per_s"] else (mid, high)
+        prefill = (low + high) / 2
+        single = predict(machine, weights, kv, Efficiency(bandwidth, prefill, 0.0), Workload(input_len, output_len, 1), arch.q_size, arch.num_layers)
+        eff = Efficiency(bandwidth, prefill, max(0.0, latency["ttft_s"] - single.prefill_s))
+    return eff

@@ -1,0 +1,290 @@
+"""`tokenmill plan`: the byte math on tiny configs and against a real load, the recorded weight bytes
+and KV pools, the calibration table against the result files it was fitted from, and predictions
+within PREDICTION_TOLERANCE of our recorded H100 / H200 runs (calibration points and held-out ones)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
+from tokenmill.model.arch import ArchConfig
+from tokenmill.plan import calibration
+from tokenmill.plan.cli import main as plan_main
+from tokenmill.plan.gpu_specs import GPUS, gpu_spec
+from tokenmill.plan.model_bytes import kv_layout, model_bytes
+from tokenmill.plan.planner import PlanRequest, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+CONFIGS = ROOT / "benchmarks" / "configs"
+PREDICTION_TOLERANCE = 0.25  # the stated error of the planner's predictions
+
+
+def bench_arch(name: str) -> ArchConfig:
+    return ArchConfig.from_hf_config(json.loads((CONFIGS / name / "config.json").read_text()))
+
+
+def metrics(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())["metrics"]
+
+
+def tiny(**overrides) -> ArchConfig:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    } | overrides  # fmt: skip
+    return ArchConfig.from_hf_config(cfg)
+
+
+# ----------------------------------------------------------------------------- byte math
+
+
+def test_weight_and_kv_bytes_of_a_tiny_llama_by_hand():
+    arch = tiny()
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q k v, o, gate up down, 2 norms
+    weights = model_bytes(arch)
+    assert weights.dense_read_bytes == 2 * (2 * per_layer + 100 * 64 + 64)  # + lm_head + final norm
+    assert weights.embedding_bytes == 2 * 100 * 64
+    assert weights.total_bytes == weights.dense_read_bytes + weights.embedding_bytes
+    tied = model_bytes(tiny(tie_word_embeddings=True))
+    assert tied.embedding_bytes == 0 and tied.total_bytes == weights.dense_read_bytes
+    kv = kv_layout(arch, 256, block_size=16)
+    assert kv.bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    assert kv.bytes_per_block == 16 * kv.bytes_per_token
+    assert kv_layout(arch, 256, kv_dtype_bytes=1).bytes_per_token == kv.bytes_per_token // 2  # fp8 KV
+    assert kv_layout(arch, 256, tensor_parallel=2).bytes_per_token == kv.bytes_per_token // 2  # half the heads a rank
+    assert kv.max_sequences(num_blocks=100, num_tokens=33) == 100 // 3
+
+
+def test_quantized_linear_bytes_are_smaller_by_their_format():
+    arch = tiny(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    bf16, fp8, int4 = (model_bytes(arch, q) for q in (None, "fp8", "awq"))
+    linear = 2 * (256 * 256 * 4 + 3 * 256 * 512)  # two layers of q k v o (all 256 x 256) and the MLP
+    rows = 2 * (256 * 4 + 512 * 2 + 256)
+    assert bf16.dense_read_bytes - fp8.dense_read_bytes == linear * 2 - (linear + 8 * rows)
+    groups = 2 * (4 * 2 * 256 + 2 * 2 * 512 + 4 * 256)  # per layer: groups (in / 128) x output rows of each matrix
+    assert bf16.dense_read_bytes - int4.dense_read_bytes == linear * 2 - (linear / 2 + 4 * groups + rows)
+
+
+def test_sliding_window_layers_hold_fewer_blocks():
+    """Half the layers slide (window 32): a long sequence holds about half the KV of a full model
+    (the engine's own block math: its peak during a prefill chunk of max_num_batched_tokens)."""
+    arch = tiny(num_hidden_layers=4, max_position_embeddings=2048)
+    sliding = dataclasses.replace(arch, sliding_windows=(32, None, 32, None))
+    full = kv_layout(arch, 2048, max_num_batched_tokens=64)
+    half = kv_layout(sliding, 2048, max_num_batched_tokens=64)
+    groups = plan_kv_cache_groups(4, (32, None, 32, None), 2048)
+    assert half.groups == groups and half.bytes_per_block == groups.num_tensors * 16 * half.bytes_per_token_per_layer
+    assert half.blocks_for(2048) == groups.blocks_for_one_sequence(2048, 16, 64)
+    assert half.mean_bytes_per_token(2048) < 0.6 * full.mean_bytes_per_token(2048)
+    assert full.mean_bytes_per_token(2048) == full.bytes_per_token
+
+
+def test_moe_reads_the_experts_its_tokens_pick():
+    arch = bench_arch("qwen3-30b-a3b")
+    weights = model_bytes(arch)
+    assert weights.num_experts == 128 and weights.top_k == 8
+    recorded = metrics("latency-qwen3-30b-a3b-h100-827f681.json")
+    assert weights.decode_read_bytes(1) == pytest.approx(recorded["weight_bytes"], rel=1e-3)
+    held_not_read = weights.total_bytes - weights.embedding_bytes - weights.decode_read_bytes(1)
+    assert held_not_read == pytest.approx(recorded["unread_expert_weight_bytes"], rel=1e-3)
+    assert weights.decode_read_bytes(1) < weights.decode_read_bytes(8) < weights.decode_read_bytes(512)
+    assert weights.decode_read_bytes(10_000) == pytest.approx(weights.total_bytes - weights.embedding_bytes, rel=1e-6)
+    assert weights.params_per_token == pytest.approx(3.04e9, rel=0.02)  # "30B-A3B": ~3 B active
+
+
+@pytest.mark.parametrize(
+    ("config", "quantization", "result"),
+    [
+        ("llama-3.1-8b", None, "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json"),
+        ("llama-3.1-8b", "fp8", "latency-llama-3.1-8b-fp8-h100.json"),
+        ("llama-3.1-8b", "awq", "latency-llama-3.1-8b-awq-h100.json"),
+        ("gemma-2-9b", None, "latency-gemma-2-9b-h100-47868d2.json"),
+    ],
+)
+def test_decode_read_bytes_match_what_bench_latency_measured_on_the_loaded_model(config, quantization, result):
+    weights = model_bytes(bench_arch(config), quantization)
+    assert weights.decode_read_bytes(1) == pytest.approx(metrics(result)["weight_bytes"], rel=1e-3)
+
+
+def test_the_kv_layout_matches_a_real_load(tiny_llama_dir):
+    """The engine's own pool (CPU, fp32, kv_cache_memory bytes) holds the blocks the planner computes."""
+    from tokenmill.engine.llm import LLM
+
+    budget = 3_000_000
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, block_size=4, kv_cache_memory=budget)
+    arch = llm.resolved.arch
+    layout = kv_layout(arch, 128, kv_dtype_bytes=4, block_size=4)
+    assert llm.info.num_kv_blocks == budget // layout.bytes_per_block
+    # Every tensor of the checkpoint the planner counts (its safetensors header: fp32, tied embeddings).
+    stored = 0
+    for file in Path(tiny_llama_dir).glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        stored += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    assert stored == model_bytes(arch, dtype_bytes=4).total_bytes
+
+
+# ----------------------------------------------------------------------------- memory and calibration
+
+
+@pytest.mark.parametrize(("gpu", "blocks"), [("H100", 27_229), ("H200", 55_347)])
+def test_kv_pool_matches_the_pools_the_engine_reported(gpu, blocks):
+    plan = make_plan(PlanRequest(bench_arch("llama-3.1-8b"), GPUS[gpu], 512, 256, max_model_len=4096))
+    assert plan["kv_cache"]["num_blocks"] == pytest.approx(blocks, rel=0.02)
+
+
+def test_fp8_kv_doubles_the_tokens():
+    arch = bench_arch("llama-3.1-8b")
+    auto = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096))
+    fp8 = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096, kv_cache_dtype="fp8"))
+    # Recorded: 877,328 / 435,664 tokens = 2.01x (fp8-kv-llama-3.1-8b-h100-engine.json).
+    assert fp8["kv_cache"]["capacity_tokens"] / auto["kv_cache"]["capacity_tokens"] == pytest.approx(2.0, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "latency", "throughput"),
+    [
+        ("H100", "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
+        ("H200", "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
+    ],
+)
+def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
+    fitted = calibration.fit(GPUS[gpu], bench_arch("llama-3.1-8b"), RESULTS / latency, RESULTS / throughput)
+    table = calibration.CALIBRATION[gpu]
+    assert latency in table.source and throughput in table.source
+    assert fitted.bandwidth == pytest.approx(table.efficiency.bandwidth, rel=1e-3)
+    assert fitted.prefill == pytest.approx(table.efficiency.prefill, rel=1e-3)
+    assert fitted.first_token_overhead_s == pytest.approx(table.efficiency.first_token_overhead_s, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("key", "config", "quantization"),
+    [("fp8", "llama-3.1-8b", "fp8"), ("int4", "llama-3.1-8b", "awq"), ("moe", "qwen3-30b-a3b", None)],
+)
+def test_the_format_factors_are_what_their_files_give(key, config, quantization):
+    table = calibration.FORMAT_FACTORS[key]
+    latency, throughput = table.source.split(", ")
+    base = calibration.CALIBRATION["H100"].efficiency
+    fitted = calibration.fit_format(GPUS["H100"], bench_arch(config), quantization, base, RESULTS / latency, RESULTS / throughput)
+    assert fitted.bandwidth == pytest.approx(table.bandwidth, rel=1e-3)
+    assert fitted.prefill == pytest.approx(table.prefill, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- predictions vs recorded runs
+
+
+def predicted(config: str, gpu: str, concurrency: int, quantization: str | None = None) -> dict:
+    return make_plan(
+        PlanRequest(bench_arch(config), GPUS[gpu], 512, 256, quantization=quantization, concurrency=concurrency, max_model_len=4096)
+    )
+
+
+def within(got: float, recorded: float) -> bool:
+    return abs(got / recorded - 1) <= PREDICTION_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("config", "gpu", "quantization", "latency", "throughput"),
+    [
+        # Calibration points (the table's own files):
+        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
+        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
+        ("llama-3.1-8b", "H100", "fp8", "latency-llama-3.1-8b-fp8-h100.json", "throughput-llama-3.1-8b-fp8-h100.json"),
+        ("qwen3-30b-a3b", "H100", None, "latency-qwen3-30b-a3b-h100-827f681.json", "throughput-qwen3-30b-a3b-h100-827f681.json"),
+        # Held out: other runs of other commits.
+        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-e72e1d5-a.json", "throughput-llama-3.1-8b-h200.json"),
+        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-seams-8a66eea-a.json", "throughput-llama-3.1-8b-h100-seams-8a66eea.json"),
+    ],
+)
+def test_single_stream_and_offline_predictions_hold(config, gpu, quantization, latency, throughput):
+    single = predicted(config, gpu, 1, quantization)["batch1"]["predicted_tokens_per_s"]
+    offline = predicted(config, gpu, 256, quantization)["at_concurrency"]["output_tokens_per_s"]
+    assert within(single, metrics(latency)["decode_tokens_per_s"]), (single, metrics(latency)["decode_tokens_per_s"])
+    assert within(offline, metrics(throughput)["output_tokens_per_s"]), (offline, metrics(throughput)["output_tokens_per_s"])
+
+
+def test_a_model_never_calibrated_gemma_single_stream_holds():
+    single = predicted("gemma-2-9b", "H100", 1)["batch1"]["predicted_tokens_per_s"]
+    assert within(single, metrics("latency-gemma-2-9b-h100-47868d2.json")["decode_tokens_per_s"])
+
+
+def test_h200_from_the_h100_factors_holds(monkeypatch):
+    """Across GPUs: the H200 predicted with the H100's efficiencies (only the datasheet differs)."""
+    h100 = calibration.CALIBRATION["H100"]
+    monkeypatch.setitem(calibration.CALIBRATION, "H200", dataclasses.replace(calibration.CALIBRATION["H200"], efficiency=h100.efficiency))
+    single = predicted("llama-3.1-8b", "H200", 1)["batch1"]["predicted_tokens_per_s"]
+    offline = predicted("llama-3.1-8b", "H200", 256)["at_concurrency"]["output_tokens_per_s"]
+    assert within(single, metrics("latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json")["decode_tokens_per_s"])
+    assert within(offline, metrics("throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json")["output_tokens_per_s"])
+
+
+@pytest.mark.parametrize(
+    ("gpu", "result"),
+    [
+        ("H100", "serve-llama-3.1-8b-h100-seams-b5c6bbd-rate-8-1.json"),
+        ("H100", "serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json"),
+        ("H100", "serve-tail-llama-3.1-8b-h100-rate-24-0c78bdb.json"),
+        ("H100", "serve-tail-llama-3.1-8b-h100-rate-32-0c78bdb.json"),
+        ("H200", "serve-llama-3.1-8b-h200-rate-4.json"),
+        ("H200", "serve-llama-3.1-8b-h200-rate-8.json"),
+        ("H200", "serve-llama-3.1-8b-h200-rate-16.json"),
+    ],
+)
+def test_serving_tpot_at_the_measured_concurrency_holds(gpu, result):
+    """Held out: `bench serve` runs (512 in / 256 out) at a request rate; their mean concurrency
+    (Little's law: completed req/s x mean e2e) is what the planner is asked about."""
+    run = metrics(result)
+    concurrency = round(run["request_throughput"] * run["mean_e2el_ms"] / 1000)
+    tpot = predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["tpot_ms"]
+    assert within(tpot, run["mean_tpot_ms"]), (concurrency, tpot, run["mean_tpot_ms"])
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_plan_command_json_and_text(capsys):
+    config = str(CONFIGS / "llama-3.1-8b" / "config.json")
+    from tokenmill.cli import main
+
+    assert main(["plan", config, "--gpu", "h100", "--input-len", "512", "--output-len", "256", "--price-per-hour", "3", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["cost"]["usd_per_million_output_tokens"] > 0
+    assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(plan["kv_cache"]["capacity_tokens"] / 131072)
+    assert main(["plan", str(CONFIGS / "gemma-2-9b"), "--gpu", "L40S", "--tp", "2", "--input-len", "100", "--output-len", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "UNCALIBRATED" in text and "2 x L40S" in text and "TPOT" in text
+    # 61 GB of Qwen3-30B-A3B weights do not leave room on an L40S.
+    assert main(["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", config, "--gpu", "B200", "--input-len", "8", "--output-len", "8"]) == 2
+    assert "unknown --gpu 'B200'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--tp 3 must divide"):
+        make_plan(PlanRequest(bench_arch("llama-3.1-8b"), gpu_spec("H100"), 8, 8, tensor_parallel=3))
+
+
+def test_plan_imports_no_torch():
+    code = (
+        "import sys; from tokenmill.cli import main;"
+        f"main(['plan', {str(CONFIGS / 'llama-3.1-8b')!r}, '--gpu', 'H200', '--input-len', '8', '--output-len', '8']);"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_plan_main_returns_nonzero_when_it_does_not_fit(capsys):
+    import argparse
+
+    args = argparse.Namespace(
+        model=str(CONFIGS / "qwen3-30b-a3b" / "config.json"), gpu="L40S", tp=1, quantization=None, kv_cache_dtype="auto",
+        input_len=8, output_len=8, concurrency=None, max_model_len=None, price_per_hour=None, json=True,
+    )  # fmt: skip
+    assert plan_main(args) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
