@@ -3,7 +3,8 @@
     PYTHONPATH=src python benchmarks/slo_overload.py            # default model, ~5 min on 2 cores
 
 1. A `tokenmill serve` under fcfs measures the unloaded time to first token (a few requests one at
-   a time) and the saturation rate (requests/s completed when many arrive at once).
+   a time) and the saturation rate (requests/s completed when many arrive at once), each twice,
+   keeping the faster.
 2. The SLO classes follow from those: priority 0 (interactive, 30 % of requests) must see its
    first token within 3x the unloaded TTFT, priority 1 (batch, 70 %) within 15x; both a TPOT
    within 3x the TPOT seen at saturation (unless --classes sets them).
@@ -78,18 +79,28 @@ def main() -> int:
     print("== calibration (fcfs) ==", flush=True)
     server = start_server(tmp, *server_flags, "--scheduling-policy", "fcfs")
     try:
-        unloaded = run_bench(server.port, *workload, "--num-prompts", "4", "--max-concurrency", "1", "--num-warmups", "1")
-        saturated = run_bench(server.port, *workload, "--num-prompts", str(args.saturation_prompts))
+        # Twice each, keeping the faster: other load on a shared machine only ever slows a
+        # measurement, and an underestimated saturation rate would make "2x" no overload at all.
+        unloaded = [
+            run_bench(server.port, *workload, "--num-prompts", "4", "--max-concurrency", "1", "--num-warmups", "1")
+            for _ in range(2)
+        ]
+        saturated = [
+            run_bench(server.port, *workload, "--num-prompts", str(args.saturation_prompts)) for _ in range(2)
+        ]
     finally:
         server.stop()
-    saturation_rps = saturated["request_throughput"]
-    ttft0_ms, tpot_sat_ms = unloaded["median_ttft_ms"], saturated["median_tpot_ms"]
+    fastest = max(saturated, key=lambda m: m["request_throughput"])
+    saturation_rps = fastest["request_throughput"]
+    ttft0_ms = min(m["median_ttft_ms"] for m in unloaded)
+    tpot_sat_ms = fastest["median_tpot_ms"]
     classes = args.classes or (
         f"0={3 * ttft0_ms:.0f}/{3 * tpot_sat_ms:.0f},1={15 * ttft0_ms:.0f}/{3 * tpot_sat_ms:.0f}"
     )
     results["calibration"] = {
         "unloaded_median_ttft_ms": ttft0_ms,
         "saturation_request_rps": saturation_rps,
+        "saturation_request_rps_both": [m["request_throughput"] for m in saturated],
         "saturation_median_tpot_ms": tpot_sat_ms,
         "classes": classes,
     }
