@@ -150,7 +150,8 @@ def test_priority_classes_set_targets_and_count_attainment_by_class() -> None:
     h.add(req("batch", 8, arrival=99.0, priority=1))
     h.add(req("interactive", 8, arrival=100.0, priority=0))
     h.add(req("own-target", 8, arrival=100.0, priority=0, ttft_ms=120_000))  # its own field wins
-    assert [r.request_id for r in h.scheduler.waiting] == ["interactive", "batch", "own-target"]
+    # Priority first, then slack: batch (priority 1) waits behind both priority 0 requests.
+    assert [r.request_id for r in h.scheduler.waiting] == ["interactive", "own-target", "batch"]
     h.step()
     clock.now += 0.2  # interactive's first token at 100.2: within 400 ms
     h.run()

@@ -4,11 +4,13 @@ Each request has latency targets (tokenmill/slo.py): time to first token (TTFT) 
 output token (TPOT). Goodput is the number of requests that finish within theirs; this queue
 orders and sheds to maximise it:
 
-- Order: earliest *latest start* first, where latest start = arrival + TTFT target - predicted
-  prefill time of its prompt (the prediction comes from measured step costs, core/step_cost.py).
-  That is least slack first (slack = latest start - now, the same `now` for everyone). Requests
-  with no TTFT target come after every one with a target, in arrival order. Preempted requests
-  keep their place.
+- Order: by priority (lower first, as the priority policy), then earliest *latest start* first,
+  where latest start = arrival + TTFT target - predicted prefill time of its prompt (the
+  prediction comes from measured step costs, core/step_cost.py). Within a priority that is least
+  slack first (slack = latest start - now, the same `now` for everyone). Priority goes first so
+  that a high-priority class's targets hold under overload: the lower classes are the ones that
+  wait and get shed. Requests with no TTFT target come after every one of their priority with a
+  target, in arrival order. Preempted requests keep their place.
 - Shed: each step, walking the queue in that order and adding up the prompt tokens that would be
   prefilled before each request, a request whose predicted first token (now + those prefills
   + its own, in steps of the token budget that also carry the running batch's decodes) is past
@@ -57,9 +59,9 @@ class SloQueue(PolicyHooks):
         self.clock = clock
         self.cost = cost if cost is not None else StepCostModel()
         self.timer = StepTimer(clock)
-        # (latest start, arrival time if no TTFT target, sequence number, request), sorted: the
-        # head is scheduled first.
-        self._entries: list[tuple[float, float, int, Request]] = []
+        # (priority, latest start, arrival time if no TTFT target, sequence number, request),
+        # sorted: the head is scheduled first.
+        self._entries: list[tuple[int, float, float, int, Request]] = []
         self._sequence = itertools.count()
         self._latest_start: dict[str, float] = {}
         self.targets: dict[str, SloTarget] = {}  # every live request this queue has seen
@@ -91,24 +93,25 @@ class SloQueue(PolicyHooks):
             self._latest_start[request.request_id] = latest_start
         # Requests with no target (inf) among themselves: by arrival.
         order = request.arrival_time if latest_start == math.inf else 0.0
-        bisect.insort(self._entries, (latest_start, order, next(self._sequence), request), key=_sort_key)
+        entry = (request.priority, latest_start, order, next(self._sequence), request)
+        bisect.insort(self._entries, entry, key=_sort_key)
 
     add_preempted = add  # keeps its latest start, so its place
 
     def peek(self) -> Request:
-        return self._entries[0][3]
+        return self._entries[0][-1]
 
     def pop(self) -> Request:
-        return self._entries.pop(0)[3]
+        return self._entries.pop(0)[-1]
 
     def remove(self, request_ids: set[str]) -> None:
-        self._entries = [e for e in self._entries if e[3].request_id not in request_ids]
+        self._entries = [e for e in self._entries if e[-1].request_id not in request_ids]
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in self._entries)
+        return (e[-1] for e in self._entries)
 
     # -- shedding ---------------------------------------------------------------------------
 
@@ -120,11 +123,11 @@ class SloQueue(PolicyHooks):
             return []
         now = self.clock()
         cost, budget = self.cost, self.token_budget
-        kept: list[tuple[float, float, int, Request]] = []
+        kept: list[tuple[int, float, float, int, Request]] = []
         hopeless: list[tuple[Request, float]] = []
         tokens_ahead = 0
         for entry in self._entries:
-            request = entry[3]
+            request = entry[-1]
             own = request.num_tokens - request.num_computed_tokens
             target = self.targets[request.request_id]
             if target.ttft_s is not None and request.num_output_tokens == 0:
@@ -202,5 +205,5 @@ class SloQueue(PolicyHooks):
         return stats
 
 
-def _sort_key(entry: tuple[float, float, int, Request]) -> tuple[float, float, int]:
-    return entry[0], entry[1], entry[2]
+def _sort_key(entry: tuple[int, float, float, int, Request]) -> tuple[int, float, float, int]:
+    return entry[0], entry[1], entry[2], entry[3]
