@@ -32,7 +32,9 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SloConfig,
 )
+from tokenmill.slo import check_target_ms, parse_slo_classes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -221,9 +224,23 @@ class EngineArgs:
         choices=("mp", "ray"),
     )
     scheduling_policy: str = _option(
-        "fcfs", "fcfs: first come first served; priority: by each request's priority",
-        choices=("fcfs", "priority"),
+        "fcfs", "fcfs: first come first served; priority: by each request's priority; slo: least slack "
+        "to its latency targets first, shedding (429) requests that can no longer meet them "
+        "(docs/SLO_SCHEDULING.md)",
+        choices=SCHEDULING_POLICIES,
     )  # fmt: skip
+    slo_ttft_ms: float | None = _option(
+        None, "--scheduling-policy slo: the time-to-first-token target (ms) of requests that set none"
+    )
+    slo_tpot_ms: float | None = _option(
+        None, "--scheduling-policy slo: the time-per-output-token target (ms) of requests that set none"
+    )
+    slo_class: str | None = _option(
+        None,
+        "--scheduling-policy slo: targets by request priority, PRIORITY=TTFT_MS/TPOT_MS each (either may "
+        "be empty), e.g. `--slo-class 0=500/50 1=5000/`; a request's own slo_ttft_ms / slo_tpot_ms win",
+        several=True,
+    )
     attention_backend: str = _option(
         "auto",
         "auto: triton on CUDA, the C++ paged kernels (cpu) on CPU; torch: the reference (gather + SDPA)",
@@ -346,6 +363,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
+                slo=self.create_slo_config(),
             ),
             kernel=self.create_kernel_config(),
             device=self.device,
@@ -406,6 +424,24 @@ class EngineArgs:
             )
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
+    def create_slo_config(self) -> SloConfig:
+        """The `slo` policy's targets; setting them under another policy is an error (they would
+        be ignored)."""
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_class")
+            if getattr(self, name) is not None
+        ]
+        if given and self.scheduling_policy != "slo":
+            raise ValueError(
+                f"{', '.join(given)} only apply with --scheduling-policy slo (this is "
+                f"{self.scheduling_policy}); add --scheduling-policy slo or leave them out"
+            )
+        check_target_ms("--slo-ttft-ms", self.slo_ttft_ms)
+        check_target_ms("--slo-tpot-ms", self.slo_tpot_ms)
+        classes = parse_slo_classes(self.slo_class) if self.slo_class else ()
+        return SloConfig(self.slo_ttft_ms, self.slo_tpot_ms, classes)
+
     def _check(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -417,10 +453,11 @@ class EngineArgs:
         self._check_kv_transfer()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
+        self.create_slo_config()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:

@@ -85,12 +85,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SloConfig:
+    """Latency targets for the `slo` scheduling policy (docs/SLO_SCHEDULING.md).
+
+    A request's targets: its own `slo_ttft_ms` / `slo_tpot_ms`, else its priority's class, else
+    these defaults; None: no target of that kind."""
+
+    ttft_ms: float | None = None  # time to first token
+    tpot_ms: float | None = None  # mean time per output token after the first
+    # (priority, ttft_ms, tpot_ms) per class; a None target falls back to the defaults above.
+    classes: tuple[tuple[int, float | None, float | None], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     # None until args.resolve_device_defaults fills in the device's default (the engine core does).
     max_num_batched_tokens: int | None = 2048
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     max_model_len: int = 2048  # resolved against the model before the scheduler is built
+    slo: SloConfig = field(default_factory=SloConfig)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.metrics_info import InfoMetrics
+from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
 PREFIX = "tokenmill:"
@@ -65,7 +66,7 @@ KV_OFFLOAD_GAUGES = {
     "kv_offload_capacity_bytes": "Bytes the host-memory tier can hold.",
 }
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "shed")  # shed: the slo policy gave up on it
 # Why a request was refused before it reached the engine (the `reason` of request_rejected_total):
 # invalid 400 / 405, unauthorized 401, not_found 404 (unknown model or route), timeout 408 (body
 # too slow), too_large 413 / 431, queue_full 429 (admission), unavailable 503 (starting, draining,
@@ -226,6 +227,7 @@ class ServerMetrics:
         # cache_config_info (once the engine is up) and the LoRA adapters' load (metrics_info.py).
         self.info = InfoMetrics(model_name, prefix)
         self.registry.register(self.info)
+        self._slo = SloMetrics(prefix, model_name, self.registry)  # goodput, SLO attainment
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -311,6 +313,7 @@ class ServerMetrics:
                 child = self._spec_decode_per_position.labels(self.model_name, position)
                 self._count_total(key, float(total), child)
         self._engine_histograms.update(stats)
+        self._slo.update(stats, self._count_total)
 
     def _count_total(self, key: str, total: float, counter: Counter) -> None:
         """Grow `counter` by what the engine total `key` gained since its last report."""

@@ -23,7 +23,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # "stop" | "length" | "abort" | "error" | "shed" (the slo policy gave up on it before it started)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

@@ -16,6 +16,8 @@ MAX_LOGIT_BIAS = 100.0
 # The longest constraint text (a JSON schema's JSON, a regex, a grammar, all choices together)
 # the engine compiles: larger specs are refused before any compile work.
 MAX_STRUCTURED_OUTPUT_SPEC_BYTES = 64 * 1024
+# The largest latency target accepted (a day): beyond it a target means nothing to a scheduler.
+MAX_SLO_MS = 86_400_000.0
 
 
 @dataclass(slots=True)
@@ -137,6 +139,11 @@ class SamplingParams:
     # a leading space) into bad_words_token_ids before the request reaches the engine core.
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Latency targets for the `slo` scheduling policy (tokenmill/slo.py), in milliseconds: time to first
+    # token and mean time per output token. Not sampling, but they travel with the request the
+    # same way to the scheduler; None: the server's class / default targets.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -240,6 +247,12 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_SLO_MS
+            ):
+                raise bad(name, f"must be a number of milliseconds in (0, {MAX_SLO_MS:g}]")
         self._validate_logits_processors(bad)
 
     def _validate_logits_processors(self, bad: Any) -> None:

@@ -40,6 +40,8 @@ TIERS: list[set[str]] = [
         "metrics",
         "metrics_info",
         "stats_histogram",
+        "slo",  # latency targets: the arguments, the scheduler's slo policy and the server read them
+        "slo_metrics",
         # Speculative decoding's torch-free parts (its config, the n-gram proposer, the draft
         # policy, its counters): the scheduler in core/ and the arguments use them.
         "spec_decode",

@@ -773,7 +773,7 @@ scheduler_configs = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 6),
         "max_num_batched_tokens": st.integers(1, 32),
         "max_model_len": st.integers(8, 96),
-        "policy": st.sampled_from(["fcfs", "priority"]),
+        "policy": st.sampled_from(["fcfs", "priority", "slo"]),
         "enable_prefix_caching": st.booleans(),
     }
 )

@@ -44,7 +44,9 @@ from tokenmill.bench.serve_metrics import (
     latency_samples,
     parse_goodput,
 )
+from tokenmill.bench.slo_mix import assign_priorities, format_slo_report, parse_priority_mix, slo_report
 from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, totals_from_samples
+from tokenmill.slo import parse_slo_classes
 
 REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -126,6 +128,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     load.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     load.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
+    load.add_argument(
+        "--priority-mix",
+        default=None,
+        help="PRIORITY:WEIGHT,... e.g. 0:0.3,1:0.7: each request's `priority`, drawn with the seed (bench/slo_mix.py)",
+    )
+    load.add_argument(
+        "--no-priority-field",
+        action="store_true",
+        help="with --priority-mix: do not send `priority` (a server under fcfs refuses it); the classes "
+        "only group the report",
+    )
     load.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
     report = parser.add_argument_group("report")
@@ -134,6 +147,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help='SLOs in ms, e.g. "ttft:500 tpot:50" (keys: ttft, tpot, e2el)',
+    )
+    report.add_argument(
+        "--slo-classes",
+        default=None,
+        help="per-priority SLOs to report attainment and goodput against, PRIORITY=TTFT_MS/TPOT_MS,... "
+        "(the server's --slo-class syntax), e.g. 0=1500/300,1=8000/600; needs --priority-mix",
     )
     report.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 90,99")
     report.add_argument(
@@ -305,6 +324,8 @@ def base_run_config(args: argparse.Namespace, base_url: str, model: str, max_con
 def _run_config(args: argparse.Namespace, base_url: str, model: str, max_concurrency: int | None) -> dict:
     config = base_run_config(args, base_url, model, max_concurrency)
     config["goodput"] = parse_goodput(args.goodput)
+    config["priority_mix"] = args.priority_mix
+    config["slo_classes"] = args.slo_classes
     if args.dataset_name == "random":
         config |= {
             k: getattr(args, k) for k in ("random_input_len", "random_output_len", "random_range_ratio")
@@ -339,6 +360,11 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
 
         return await run_structured(args)
     slos = parse_goodput(args.goodput)  # refuse bad flags before sending anything
+    priority_mix = parse_priority_mix(args.priority_mix) if args.priority_mix else None
+    if args.slo_classes and priority_mix is None:
+        raise ValueError("--slo-classes judges requests by their priority: give --priority-mix too")
+    if args.slo_classes:
+        parse_slo_classes(args.slo_classes)
     concurrencies = parse_concurrencies(args.max_concurrency)
     percentiles = tuple(float(p) for p in str(args.metric_percentiles).split(",") if p.strip())
     extra_body = json.loads(args.extra_body) if args.extra_body else None
@@ -370,6 +396,10 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
         payloads = [
             build_payload(r, model, chat, args.ignore_eos, args.temperature, extra_body) for r in requests
         ]
+        priorities = assign_priorities(len(requests), priority_mix, args.seed) if priority_mix else None
+        if priorities is not None and not args.no_priority_field:
+            for payload, priority in zip(payloads, priorities, strict=True):
+                payload["priority"] = priority
 
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} requests...")
@@ -398,7 +428,11 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             spec_after = totals_from_samples(await scrape(session, base_url, headers))
             metrics = compute_metrics(results, duration, slos, percentiles)
             metrics["max_concurrency"] = max_concurrency
+            metrics["rejected_429"] = sum(r.error.startswith("HTTP 429") for r in results)
             print(format_report(metrics, max_concurrency, args.request_rate))
+            if priorities is not None:
+                metrics["slo"] = slo_report(results, priorities, args.slo_classes, duration)
+                print(format_slo_report(metrics["slo"]))
             spec_decode = spec_decode_summary(spec_before, spec_after)
             if spec_decode is not None:
                 metrics["spec_decode"] = spec_decode

@@ -169,10 +169,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int] = []
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "shed"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # finish_reason "shed" (the `slo` policy gave up on it before it started): seconds after which
+    # a retry may succeed (the server's Retry-After).
+    retry_after: float | None = None
     # Seconds from arrival to first being scheduled; set on a request's first output only.
     queue_time: float | None = None
     # With tracing on (--trace-dir), on the final output: what happened to it in the engine.

@@ -20,6 +20,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    # The `slo` policy gave up on it before it started: it could no longer meet its latency target.
+    FINISHED_SHED = 8
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_SHED: "shed",
 }
 
 

@@ -1,17 +1,52 @@
-"""The scheduler's waiting queues: first come first served, or by priority."""
+"""The scheduler's waiting queues: first come first served, or by priority.
+
+A queue is the scheduling policy's seam: besides ordering, it may shed requests and watch steps
+and requests end (the `slo` policy, core/slo_queue.py); these two need none of that.
+"""
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request
 
 SortKey = tuple[int, float, int]  # (priority, arrival_time, admission sequence number): lower first
 
 
-class FcfsQueue:
+@dataclass(slots=True)
+class ShedRequest:
+    """A waiting request the policy gives up on: it ends with finish_reason "shed" (HTTP 429)."""
+
+    request: Request
+    message: str  # why, for the client
+    retry_after_s: float  # when trying again may succeed
+
+
+class PolicyHooks:
+    """What the scheduler tells its waiting queue beyond add / pop; nothing, by default."""
+
+    def step_scheduled(self) -> None:
+        """schedule() has begun a step."""
+
+    def take_hopeless(self, num_running: int) -> list[ShedRequest]:
+        """Waiting requests to end now instead of admitting, already out of the queue."""
+        return []
+
+    def step_finished(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """A step's results were applied (update_from_output), one call per schedule(), in order."""
+
+    def request_finished(self, request: Request) -> None:
+        """A live request ended, any way (its status says which)."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class FcfsQueue(PolicyHooks):
     """Waiting requests in arrival order; preempted ones go back to the front."""
 
     def __init__(self) -> None:
@@ -39,7 +74,7 @@ class FcfsQueue:
         return iter(self._queue)
 
 
-class PriorityQueue:
+class PriorityQueue(PolicyHooks):
     """Waiting requests by (priority, arrival time); preempted ones keep their original place."""
 
     def __init__(self) -> None:

@@ -4,7 +4,9 @@ There are no prefill and decode phases. Each step every running request, then ev
 gets `num_tokens - num_computed_tokens` tokens to compute, capped by what is left of the step's
 token budget (so long prompts are chunked) and by max_model_len, while `max_num_seqs` and the KV
 blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
-is preempted: its blocks are freed and it is recomputed later.
+is preempted: its blocks are freed and it is recomputed later. The waiting queue is the
+scheduling policy's seam (core/request_queue.py): fcfs, priority, or slo (core/slo_queue.py), which
+also sheds waiting requests that can no longer meet their latency targets (finish reason "shed").
 
 Contract with the engine: call `update_from_output` once for every `schedule()`, in order, also
 when the output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests
@@ -48,6 +50,7 @@ from tokenmill.core.outputs import (
 )
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FcfsQueue, PriorityQueue, SortKey
+from tokenmill.core.slo_queue import SloQueue
 from tokenmill.core.structured_output import StructuredOutputHooks
 from tokenmill.spec_decode.stats import SpecDecodingStats
 
@@ -70,9 +73,9 @@ class Scheduler:
         slots reserved after a decoding request's scheduled tokens (a draft model writes its
         proposals' KV there). `lora`: LoRA's admission hooks (None: LoRA off). `kv_connector`:
         KV kept outside the device pool (core/kv_connector.py; None: none, and no call is made)."""
-        if scheduler_config.policy not in ("fcfs", "priority"):
+        if scheduler_config.policy not in _WAITING_QUEUES:
             raise ValueError(
-                f"scheduling policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}"
+                f"scheduling policy must be one of {', '.join(_WAITING_QUEUES)}, got {scheduler_config.policy!r}"
             )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
@@ -80,7 +83,8 @@ class Scheduler:
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_cache_groups
         )
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
-        self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue()
+        # The policy's seam: its queue orders the waiting requests and may shed some (slo).
+        self.waiting: FcfsQueue | PriorityQueue | SloQueue = _WAITING_QUEUES[scheduler_config.policy](scheduler_config)
         # Running requests, highest priority first (FCFS: in admission order): the tail is the victim.
         self.running: list[Request] = []
         self.num_preemptions_total = 0
@@ -170,13 +174,14 @@ class Scheduler:
             "num_preemptions_total": self.num_preemptions_total,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + len(self.waiting_for_grammar),
-        } | (self.kv_connector.get_stats() if self.kv_connector is not None else {})
+        } | self.waiting.stats() | (self.kv_connector.get_stats() if self.kv_connector is not None else {})
 
     # -- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
             self._poll_grammars()
+        self.waiting.step_scheduled()
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput()
         # Filled in batch order: running (cached) requests first, then admitted (new) ones.
@@ -240,6 +245,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        if self.waiting:
+            for shed in self.waiting.take_hopeless(len(running)):
+                self._end_in_schedule(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
         # Admitting new work right after preempting would only thrash.
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter: back in the queue, in order, after
@@ -418,10 +426,18 @@ class Scheduler:
             "num_kv_blocks or lower max_model_len / max_tokens"
         )
 
-    def _end_in_schedule(self, request: Request, error: str) -> None:
+    def _end_in_schedule(
+        self,
+        request: Request,
+        error: str,
+        status: RequestStatus = RequestStatus.FINISHED_ERROR,
+        retry_after: float | None = None,
+    ) -> None:
         """End a request (already out of the queues) during schedule(); update_from_output reports it."""
-        self._finish(request, RequestStatus.FINISHED_ERROR, error)
-        self._pending_outputs.append(self._final_output(request))
+        self._finish(request, status, error)
+        output = self._final_output(request)
+        output.retry_after = retry_after
+        self._pending_outputs.append(output)
 
     # -- results ----------------------------------------------------------------------------
 
@@ -506,6 +522,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         if finished_waiting:
             self.waiting.remove(finished_waiting)
+        self.waiting.step_finished(scheduler_output, runner_output)
         return outputs
 
     def _append_run(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
@@ -604,6 +621,7 @@ class Scheduler:
         self._finished_req_ids.add(request_id)
         if request.use_structured_output and self.structured_output is not None:
             self.structured_output.free(request_id)
+        self.waiting.request_finished(request)
 
     def _final_output(self, request: Request) -> EngineCoreOutput:
         return EngineCoreOutput(
@@ -651,3 +669,11 @@ class Scheduler:
         self.kv.check_invariants()
         if self.kv_connector is not None:
             self.kv_connector.check_invariants()
+
+
+# Each scheduling policy's waiting queue, built from the scheduler's config.
+_WAITING_QUEUES = {
+    "fcfs": lambda config: FcfsQueue(),
+    "priority": lambda config: PriorityQueue(),
+    "slo": SloQueue,
+}

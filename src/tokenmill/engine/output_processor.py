@@ -47,6 +47,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     queue_time: float | None = None
+    retry_after: float | None = None  # finish_reason "shed": when a retry may succeed
 
 
 @dataclass(slots=True)
@@ -180,6 +181,7 @@ class OutputProcessor:
             state.finish_reason = out.finish_reason
             state.stop_reason = out.stop_reason
             state.error = out.error
+            state.retry_after = out.retry_after
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         finished = state.finish_reason is not None
@@ -213,6 +215,8 @@ class OutputProcessor:
             metrics["last_token_time"] = state.last_token_time
         if state.queue_time is not None:
             metrics["queue_time"] = state.queue_time
+        if state.retry_after is not None:
+            metrics["retry_after"] = state.retry_after
         output = RequestOutput(
             request_id=state.parent_id,
             prompt=state.prompt,

@@ -8,6 +8,7 @@ never pass a bound, even with nothing else waiting, gets 400 instead (retrying w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequestError, TokenmillError
@@ -26,6 +27,19 @@ class OverloadedError(TokenmillError):
     def __init__(self, message: str, *, retry_after_s: int = RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class SloShedError(OverloadedError):
+    """The `slo` scheduler gave up on a request before it started: it could no longer meet its
+    latency target (HTTP 429, with Retry-After). Admitted, so not counted as a refusal: the engine
+    counts it (finish_reason "shed")."""
+
+    reached_engine = True
+
+
+def shed_error(message: str | None, retry_after: float | None) -> SloShedError:
+    retry_after_s = max(1, math.ceil(retry_after)) if retry_after is not None else RETRY_AFTER_S
+    return SloShedError(message or "shed by the SLO scheduler; retry later", retry_after_s=retry_after_s)
 
 
 class QueueTimeoutError(TokenmillError):

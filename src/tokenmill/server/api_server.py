@@ -275,7 +275,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _tokenmill_error(_: Request, exc: TokenmillError):
         if exc.status_code >= 500:
             logger.error("request failed: %s", exc.message)
-        count_rejection(state, exc.status_code)
+        if not getattr(exc, "reached_engine", False):  # a shed request was admitted: the engine counts it
+            count_rejection(state, exc.status_code)
         return error_response(exc)
 
     @app.exception_handler(404)

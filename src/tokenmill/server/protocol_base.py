@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, MAX_SLO_MS, SamplingParams
 from tokenmill.server.protocol_structured import StructuredOutputFields
 from tokenmill.server.request_model import OpenAIModel as OpenAIModel
 from tokenmill.server.request_model import RequestModel as RequestModel
@@ -84,6 +84,9 @@ class SamplingFields(StructuredOutputFields):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     request_timeout: float | None = Field(default=None, gt=0)  # seconds
+    # Latency targets for --scheduling-policy slo (docs/SLO_SCHEDULING.md), milliseconds.
+    slo_ttft_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS)
+    slo_tpot_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = None
     # Keep only the last N prompt tokens (vLLM's; -1: as many as the context allows).
@@ -187,4 +190,6 @@ class SamplingFields(StructuredOutputFields):
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words) if self.bad_words else None,  # tokenized by the input processor
             structured_outputs=self.structured_outputs_params(),
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
         )

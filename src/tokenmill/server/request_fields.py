@@ -1,20 +1,33 @@
 """Request fields both generation endpoints honour on the server side, before the engine:
-priority and prompt truncation."""
+priority, SLO targets and prompt truncation."""
 
 from __future__ import annotations
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.state import ServerState
 
 
 def check_priority(state: ServerState, priority: int) -> None:
-    """A priority only means something to a priority scheduler; under FCFS it would be ignored."""
-    if priority != 0 and state.scheduling_policy != "priority":
+    """A priority only means something to a priority scheduler (or to the slo one, whose classes
+    go by priority); under FCFS it would be ignored."""
+    if priority != 0 and state.scheduling_policy not in ("priority", "slo"):
         raise InvalidRequestError(
-            f"priority {priority} needs the server started with --scheduling-policy priority "
+            f"priority {priority} needs the server started with --scheduling-policy priority or slo "
             f"(it schedules {state.scheduling_policy}); leave priority out or send 0",
             param="priority",
         )
+
+
+def check_slo_targets(state: ServerState, params: SamplingParams) -> None:
+    """SLO targets only mean something to the slo scheduler; under another they would be ignored."""
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if getattr(params, name) is not None and state.scheduling_policy != "slo":
+            raise InvalidRequestError(
+                f"{name} needs the server started with --scheduling-policy slo (it schedules "
+                f"{state.scheduling_policy}); leave {name} out",
+                param=name,
+            )
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

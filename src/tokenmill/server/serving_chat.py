@@ -27,20 +27,21 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import check_priority
+from tokenmill.server.request_fields import check_priority, check_slo_targets
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
     PreparedPrompt,
     RunStatus,
     admit,
-    check_constraint_compiles,
+    check_first_output,
     fail_fast,
     finish_event,
     generate_all,
     make_usage,
     raise_if_never_started,
     stream_failure_event,
+    stream_waits_for_first_output,
     token_namer,
     tokenize_off_loop,
     validate_prompts,
@@ -105,6 +106,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
     check_priority(state, request.priority)
+    check_slo_targets(state, params)
     tool_plan = plan_tools(state, request)
     constraint_param = request.constraint_param
     if tool_plan.constraint is not None:
@@ -136,8 +138,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     )
     top_k = request.top_logprobs or 0
     if request.stream:
-        if params.structured_outputs is not None:
-            outputs = await check_constraint_compiles(outputs, status)
+        if stream_waits_for_first_output(state, params):
+            outputs = await check_first_output(outputs, status)
         events = _stream(state, request, request_id, model, prompt, choices, outputs, status, top_k, parsing)
         return EventStream(events, status)
 
@@ -157,6 +159,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
                 choice.finish_reason = completion.finish_reason
                 choice.stop_reason = completion.stop_reason
                 choice.error = out.error
+                choice.retry_after = out.metrics.get("retry_after")
                 cached = max(cached, out.num_cached_tokens)
                 fail_fast(choice, len(choices), constraint_param)
     finally:

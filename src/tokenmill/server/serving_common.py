@@ -14,7 +14,7 @@ from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.admission import AdmissionTicket, QueueTimeoutError
+from tokenmill.server.admission import AdmissionTicket, QueueTimeoutError, shed_error
 from tokenmill.server.lora_registry import LoRAHold
 from tokenmill.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from tokenmill.server.state import ServerState
@@ -40,6 +40,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    retry_after: float | None = None  # finish_reason "shed": the engine's estimate
     sent_first: bool = False
 
 
@@ -113,17 +114,27 @@ def admit(
     )
 
 
-async def check_constraint_compiles(
+def stream_waits_for_first_output(state: ServerState, params: SamplingParams) -> bool:
+    """Whether a stream's response starts only with its first output: with an output constraint
+    (it may not compile: 400), and under the slo policy (a request may be shed: 429)."""
+    return params.structured_outputs is not None or state.scheduling_policy == "slo"
+
+
+async def check_first_output(
     outputs: AsyncIterator[tuple[int, RequestOutput]], status: RunStatus
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """For a stream with an output constraint: waits for the first output before the response starts,
-    so that a constraint the engine cannot compile is a 400 like any other bad field, not an error
-    event inside a 200 stream. Returns the outputs, the first one included."""
+    """For a stream: waits for the first output before the response starts, so that a constraint
+    the engine cannot compile is a 400 like any other bad field, and a request the slo scheduler
+    shed before it started a 429 with Retry-After, not an error event inside a 200 stream.
+    Returns the outputs, the first one included."""
     try:
         first = await outputs.__anext__()
     except StopAsyncIteration:
         return outputs
     _, out = first
+    if out.finished and out.outputs[0].finish_reason == "shed":
+        await outputs.aclose()  # type: ignore[attr-defined]  # aborts its other sequences
+        raise shed_error(out.error, out.metrics.get("retry_after"))
     if out.finished and out.outputs[0].finish_reason == "error":
         error = sequence_error(out.outputs[0].index, out.error, status.constraint_param)
         if isinstance(error, InvalidRequestError):
@@ -325,6 +336,8 @@ def finish_event(status: RunStatus, prompt_index: int, choice_index: int, out: R
     completion = out.outputs[0]
     if completion.finish_reason == "error":
         return exception_event(sequence_error(choice_index, out.error, status.constraint_param))
+    if completion.finish_reason == "shed":
+        return exception_event(shed_error(out.error, out.metrics.get("retry_after")))
     if completion.finish_reason == "abort":
         if (prompt_index, completion.index) in status.queue_expired:
             return queue_timeout_event(status)
@@ -370,7 +383,9 @@ def fail_fast(choice: ChoiceState, num_choices: int, constraint_param: str | Non
     """Non-streaming: a response cannot carry both an error and choices, so a choice that ended with
     finish_reason "error" makes the whole response its error, at once. The handler's loop closes
     generate_all as this leaves it, which aborts the other sequences in the engine instead of
-    generating them for nobody."""
+    generating them for nobody. A choice the slo scheduler shed makes the response a 429."""
+    if choice.finish_reason == "shed":
+        raise shed_error(choice.error, choice.retry_after)
     if choice.finish_reason != "error":
         return
     error = sequence_error(choice.index, choice.error, constraint_param)

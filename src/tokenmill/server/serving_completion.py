@@ -18,20 +18,21 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import check_priority, truncate_prompt
+from tokenmill.server.request_fields import check_priority, check_slo_targets, truncate_prompt
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
     PreparedPrompt,
     RunStatus,
     admit,
-    check_constraint_compiles,
+    check_first_output,
     fail_fast,
     finish_event,
     generate_all,
     make_usage,
     raise_if_never_started,
     stream_failure_event,
+    stream_waits_for_first_output,
     token_namer,
     tokenize_off_loop,
     validate_prompts,
@@ -92,6 +93,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
     check_priority(state, request.priority)
+    check_slo_targets(state, params)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:
@@ -116,8 +118,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
         status=status,
     )
     if request.stream:
-        if params.structured_outputs is not None:
-            outputs = await check_constraint_compiles(outputs, status)
+        if stream_waits_for_first_output(state, params):
+            outputs = await check_first_output(outputs, status)
         return EventStream(
             _stream(state, request, request_id, model, prompts, choices, outputs, status), status
         )
@@ -138,6 +140,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
                 choice.finish_reason = completion.finish_reason
                 choice.stop_reason = completion.stop_reason
                 choice.error = out.error
+                choice.retry_after = out.metrics.get("retry_after")
                 cached[i] = max(cached[i], out.num_cached_tokens)
                 fail_fast(choice, len(choices), status.constraint_param)
     finally:

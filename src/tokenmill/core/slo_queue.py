@@ -1,0 +1,209 @@
+"""The `slo` scheduling policy: least slack first, and shed early what can no longer make it.
+
+Each request has latency targets (tokenmill/slo.py): time to first token (TTFT) and mean time per
+output token (TPOT). Goodput is the number of requests that finish within theirs; this queue
+orders and sheds to maximise it:
+
+- Order: by priority (lower first, as the priority policy), then earliest *latest start* first,
+  where latest start = arrival + TTFT target - predicted prefill time of its prompt (the
+  prediction comes from measured step costs, core/step_cost.py). Within a priority that is least
+  slack first (slack = latest start - now, the same `now` for everyone). Priority goes first so
+  that a high-priority class's targets hold under overload: the lower classes are the ones that
+  wait and get shed. Requests with no TTFT target come after every one of their priority with a
+  target, in arrival order. Preempted requests keep their place.
+- Shed: each step, walking the queue in that order and adding up the prompt tokens that would be
+  prefilled before each request, a request whose predicted first token (now + those prefills
+  + its own, in steps of the token budget that also carry the running batch's decodes) is past
+  its TTFT deadline is ended with finish_reason "shed" (the server answers 429 with
+  Retry-After). Only requests that have not produced a token are shed: one that streamed
+  tokens (even if preempted since) is never shed. Nothing is shed until the cost model has seen
+  enough steps to predict.
+
+It also counts, per SLO class, the requests that completed within their targets (goodput),
+missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
+TTFT and TPOT are measured here, when the engine gets each token back: a few milliseconds
+earlier than a client sees them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import PolicyHooks, ShedRequest, SortKey
+from tokenmill.core.step_cost import StepCostModel, StepTimer
+from tokenmill.slo import SloTarget, resolve_target
+
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+# Engine stats keys (absolute totals); ".<class>" follows the per-class ones.
+GOODPUT_KEY = "slo_goodput_requests"
+ATTAINED_KEY = "slo_attained_requests"
+MISSED_KEY = "slo_missed_requests"
+SHED_KEY = "slo_shed_requests"
+
+
+class SloQueue(PolicyHooks):
+    def __init__(
+        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic, cost: StepCostModel | None = None
+    ) -> None:
+        self.slo = config.slo
+        self.token_budget = config.max_num_batched_tokens or 2048
+        self.clock = clock
+        self.cost = cost if cost is not None else StepCostModel()
+        self.timer = StepTimer(clock)
+        # (priority, latest start, arrival time if no TTFT target, sequence number, request),
+        # sorted: the head is scheduled first.
+        self._entries: list[tuple[int, float, float, int, Request]] = []
+        self._sequence = itertools.count()
+        self._latest_start: dict[str, float] = {}
+        self.targets: dict[str, SloTarget] = {}  # every live request this queue has seen
+        self._first_token_at: dict[str, float] = {}
+        self.goodput = 0
+        self.attained: Counter[str] = Counter()
+        self.missed: Counter[str] = Counter()
+        self.shed: Counter[str] = Counter()
+
+    # -- the queue --------------------------------------------------------------------------
+
+    def target(self, request: Request) -> SloTarget:
+        target = self.targets.get(request.request_id)
+        if target is None:
+            params = request.sampling_params
+            target = resolve_target(self.slo, request.priority, params.slo_ttft_ms, params.slo_tpot_ms)
+            self.targets[request.request_id] = target
+        return target
+
+    def add(self, request: Request, key: SortKey) -> None:
+        latest_start = self._latest_start.get(request.request_id)
+        if latest_start is None:
+            target = self.target(request)
+            if target.ttft_s is None:
+                latest_start = math.inf
+            else:
+                prefill = self.cost.seconds_for(request.num_tokens, self.token_budget)
+                latest_start = request.arrival_time + target.ttft_s - prefill
+            self._latest_start[request.request_id] = latest_start
+        # Requests with no target (inf) among themselves: by arrival.
+        order = request.arrival_time if latest_start == math.inf else 0.0
+        entry = (request.priority, latest_start, order, next(self._sequence), request)
+        bisect.insort(self._entries, entry, key=_sort_key)
+
+    add_preempted = add  # keeps its latest start, so its place
+
+    def peek(self) -> Request:
+        return self._entries[0][-1]
+
+    def pop(self) -> Request:
+        return self._entries.pop(0)[-1]
+
+    def remove(self, request_ids: set[str]) -> None:
+        self._entries = [e for e in self._entries if e[-1].request_id not in request_ids]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in self._entries)
+
+    # -- shedding ---------------------------------------------------------------------------
+
+    def step_scheduled(self) -> None:
+        self.timer.scheduled()
+
+    def take_hopeless(self, num_running: int) -> list[ShedRequest]:
+        if not self.cost.ready or not self._entries:
+            return []
+        now = self.clock()
+        cost, budget = self.cost, self.token_budget
+        kept: list[tuple[int, float, float, int, Request]] = []
+        hopeless: list[tuple[Request, float]] = []
+        tokens_ahead = 0
+        for entry in self._entries:
+            request = entry[-1]
+            own = request.num_tokens - request.num_computed_tokens
+            target = self.targets[request.request_id]
+            if target.ttft_s is not None and request.num_output_tokens == 0:
+                first_token_at = now + cost.seconds_for(tokens_ahead + own, budget, num_running)
+                deadline = request.arrival_time + target.ttft_s
+                if first_token_at > deadline:
+                    hopeless.append((request, first_token_at - now))
+                    continue
+            tokens_ahead += own
+            kept.append(entry)
+        if not hopeless:
+            return []
+        self._entries = kept
+        # The queue that stays drains in about this long: a retry before that meets the same queue.
+        retry_after = max(1.0, math.ceil(cost.seconds_for(tokens_ahead, budget, num_running)))
+        return [
+            ShedRequest(
+                request,
+                f"shed by the SLO scheduler: its first token was predicted in {predicted:.2f} s, after its "
+                f"time-to-first-token target of {self.targets[request.request_id].ttft_s * 1000:g} ms "
+                f"({now - request.arrival_time:.2f} s already waited); the server is overloaded, retry after "
+                f"{retry_after:g} s or send a looser slo_ttft_ms",
+                retry_after,
+            )
+            for request, predicted in hopeless
+        ]
+
+    # -- measuring --------------------------------------------------------------------------
+
+    def step_finished(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        seconds = self.timer.finished()
+        if seconds is not None and scheduler_output.total_num_scheduled_tokens:
+            self.cost.observe(scheduler_output.total_num_scheduled_tokens, seconds)
+        if not runner_output.req_ids:
+            return
+        now = self.clock()
+        first = self._first_token_at
+        targets = self.targets
+        for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            if token_ids and request_id not in first and request_id in targets:
+                first[request_id] = now
+
+    def request_finished(self, request: Request) -> None:
+        request_id = request.request_id
+        target = self.targets.pop(request_id, None)
+        self._latest_start.pop(request_id, None)
+        first_token_at = self._first_token_at.pop(request_id, None)
+        if target is None:
+            return  # ended before it was ever queued (refused by the scheduler)
+        if request.status == RequestStatus.FINISHED_SHED:
+            self.shed[target.slo_class] += 1
+            self.missed[target.slo_class] += 1
+            return
+        if request.status not in _COMPLETED or first_token_at is None:
+            return  # aborted or failed: the client or the model ended it, not the schedule
+        now = self.clock()
+        num_output = request.num_output_tokens
+        tpot = (now - first_token_at) / (num_output - 1) if num_output > 1 else None
+        if target.met(first_token_at - request.arrival_time, tpot):
+            self.attained[target.slo_class] += 1
+            self.goodput += 1
+        else:
+            self.missed[target.slo_class] += 1
+
+    def stats(self) -> dict[str, float]:
+        overhead, per_token = self.cost.coefficients()
+        stats: dict[str, float] = {
+            GOODPUT_KEY: self.goodput,
+            "slo_step_overhead_seconds": overhead,
+            "slo_step_seconds_per_token": per_token,
+        }
+        for key, counts in ((ATTAINED_KEY, self.attained), (MISSED_KEY, self.missed), (SHED_KEY, self.shed)):
+            for slo_class, count in counts.items():
+                stats[f"{key}.{slo_class}"] = count
+        return stats
+
+
+def _sort_key(entry: tuple[int, float, float, int, Request]) -> tuple[int, float, float, int]:
+    return entry[0], entry[1], entry[2], entry[3]

@@ -1,0 +1,85 @@
+"""What a step costs, learned from the steps the engine ran: seconds ≈ overhead + per_token × tokens.
+
+The `slo` policy predicts from it how long the prefills ahead of a waiting request will take. A
+least-squares line over the recent steps, with older steps forgotten geometrically so the model
+follows the load (a batch that grows makes each token dearer). Pure Python, O(1) a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+
+class StepCostModel:
+    def __init__(self, decay: float = 0.98, min_steps: int = 8) -> None:
+        """`decay`: the weight each older step keeps per newer one; `min_steps`: steps seen before
+        predictions are trusted (before that `ready` is False)."""
+        self.decay = decay
+        self.min_steps = min_steps
+        self.num_steps = 0
+        # Decayed sums for the weighted least-squares fit of seconds on tokens.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.num_steps >= self.min_steps
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + num_tokens
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + num_tokens * num_tokens
+        self._xy = self._xy * d + num_tokens * seconds
+        self.num_steps += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(seconds per step, seconds per token), both >= 0; (0, 0) before any step."""
+        if self._w == 0.0:
+            return 0.0, 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x <= 1e-9 * max(mean_x * mean_x, 1.0):  # every step the same size: all of it per token
+            per_token = mean_y / mean_x if mean_x > 0 else 0.0
+            return 0.0, max(per_token, 0.0)
+        per_token = (self._xy / self._w - mean_x * mean_y) / var_x
+        if per_token < 0.0:  # noise: a line that falls with more tokens means nothing
+            return max(mean_y, 0.0), 0.0
+        overhead = mean_y - per_token * mean_x
+        if overhead < 0.0:
+            return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
+        return overhead, per_token
+
+    def seconds_for(self, num_tokens: int, token_budget: int, tokens_per_step_besides: int = 0) -> float:
+        """Predicted time to compute `num_tokens` of prefill in steps of at most `token_budget`
+        tokens, each step also carrying `tokens_per_step_besides` (the running batch's decodes)."""
+        if num_tokens <= 0:
+            return 0.0
+        overhead, per_token = self.coefficients()
+        room = max(token_budget - tokens_per_step_besides, 1)
+        num_steps = -(-num_tokens // room)
+        return num_steps * (overhead + per_token * tokens_per_step_besides) + per_token * num_tokens
+
+
+class StepTimer:
+    """Durations of the scheduler's steps, from the scheduler's own calls: a step starts when it
+    is scheduled or when the previous one's results came back, whichever is later (async
+    scheduling schedules step N+1 while step N runs), and ends when its results come back."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._scheduled_at: deque[float] = deque()
+        self._last_result = 0.0
+
+    def scheduled(self) -> None:
+        self._scheduled_at.append(self.clock())
+
+    def finished(self) -> float | None:
+        """Seconds the step whose results just came back took; None without a matching schedule."""
+        now = self.clock()
+        if not self._scheduled_at:
+            return None
+        started = max(self._scheduled_at.popleft(), self._last_result)
+        self._last_result = now
+        return now - started
