@@ -59,6 +59,7 @@ KV_OFFLOAD_COUNTERS = {
     "kv_transfer_blocks_claimed": "Received KV blocks a request started from.",
     "kv_transfer_blocks_expired": "Received KV blocks dropped unclaimed (claim timeout or buffer bound).",
     "kv_transfer_messages_refused": "KV transfers refused (undecodable, corrupt, or another KV layout).",
+    "kv_transfer_wait_timeouts": "Consumer requests whose named transfer did not arrive within --kv-transfer-wait.",
 }
 KV_OFFLOAD_GAUGES = {
     "kv_offload_bytes": "Bytes of KV blocks held in the host-memory tier.",

@@ -105,6 +105,9 @@ def _spec_size(spec: Any) -> int:
     return 0
 
 
+MAX_KV_TRANSFER_ID_CHARS = 256
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -137,6 +140,10 @@ class SamplingParams:
     # a leading space) into bad_words_token_ids before the request reaches the engine core.
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Disaggregated prefill / decode (kv_transfer_params.transfer_id): on a producer, the id its
+    # prompt blocks travel under; on a consumer, the transfer the request waits for before it starts
+    # (docs/KV_OFFLOAD.md). An engine without --kv-role refuses it.
+    kv_transfer_id: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -240,6 +247,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.kv_transfer_id is not None and (
+            not isinstance(self.kv_transfer_id, str) or not 1 <= len(self.kv_transfer_id) <= MAX_KV_TRANSFER_ID_CHARS
+        ):
+            raise bad("kv_transfer_id", f"must be a string of 1 to {MAX_KV_TRANSFER_ID_CHARS} characters")
         self._validate_logits_processors(bad)
 
     def _validate_logits_processors(self, bad: Any) -> None:

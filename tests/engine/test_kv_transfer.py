@@ -6,6 +6,7 @@ expire; a producer without a consumer keeps serving; no engine leaks a block."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import msgspec
@@ -201,3 +202,73 @@ def test_a_consumer_address_in_use_is_refused_by_name() -> None:
             KVConsumer(address, LAYOUT, claim_timeout_s=1.0, max_bytes=64)
     finally:
         taken.close(0)
+
+
+def _params(max_tokens: int, transfer_id: str | None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, kv_transfer_id=transfer_id)
+
+
+def test_a_consumer_request_waits_for_its_transfer_instead_of_computing_whole(tiny_llama_dir, tmp_path) -> None:
+    """The race: the consumer gets the requests before the producer has even started them. Each
+    names its transfer, waits for it (holding no block) and still starts from every full block;
+    a request without a transfer id, queued behind them, is not held up."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, kv_transfer_wait=30)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+    prompts = _prompts(consumer.info.vocab_size, 3)
+    results: dict[str, list] = {}
+    start = time.monotonic()
+    waiting = threading.Thread(
+        target=lambda: results.setdefault(
+            "out", consumer.generate([{"prompt_token_ids": p} for p in prompts], [_params(MAX_NEW, f"t{i}") for i in range(3)])
+        )
+    )  # fmt: skip
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # still waiting: nothing was sent
+    producer.generate([{"prompt_token_ids": p} for p in prompts], [_params(1, f"t{i}") for i in range(3)])
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    assert time.monotonic() - start < 30  # released by the arrivals, not the wait timeout
+    for prompt, out in zip(prompts, results["out"], strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_wait_timeouts"] == 0
+    connector = consumer.engine.scheduler.kv_connector
+    assert connector.num_waiting_requests == 0 and connector.num_unclaimed_blocks == 0
+    producer.engine.check_invariants()
+    consumer.engine.check_invariants()
+
+
+def test_a_waiting_request_does_not_hold_up_others_and_gives_up_after_the_wait(tiny_llama_dir, tmp_path) -> None:
+    """No producer ever sends: the named request is computed whole after --kv-transfer-wait; a
+    request behind it without an id finishes first."""
+    path = str(tiny_llama_dir)
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=f"ipc://{tmp_path}/kv", kv_transfer_wait=1.0)
+    prompts = _prompts(consumer.info.vocab_size, 2)
+    finished_order: list[str] = []
+    engine = consumer.engine
+    make = consumer.input_processor.make_request
+    engine.add_request(make("named", prompts[0], _params(MAX_NEW, "never-sent")))
+    engine.add_request(make("plain", prompts[1], _params(MAX_NEW, None)))
+    outputs = {}
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                finished_order.append(out.request_id)
+                outputs[out.request_id] = out
+    assert finished_order == ["plain", "named"]
+    assert outputs["named"].finish_reason == "length" and outputs["named"].num_cached_tokens == 0
+    assert engine.get_stats()["kv_transfer_wait_timeouts"] == 1
+    assert engine.scheduler.kv_connector.num_waiting_requests == 0
+    engine.check_invariants()
+
+
+def test_kv_transfer_id_without_a_kv_role_is_refused_by_name(tiny_llama_dir) -> None:
+    llm = _engine(str(tiny_llama_dir))
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(2, "t"))
+    assert out.outputs[0].finish_reason == "error" and "kv_transfer_params" in (out.error or "")
+    llm.engine.check_invariants()

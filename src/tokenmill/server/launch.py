@@ -158,6 +158,7 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
         enable_debug_endpoints=args.enable_debug_endpoints,
         scheduling_policy=config.scheduler.policy,
+        kv_role=config.cache.kv_role,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -4,6 +4,7 @@ priority and prompt truncation."""
 from __future__ import annotations
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.server.protocol_base import SamplingFields
 from tokenmill.server.state import ServerState
 
 
@@ -14,6 +15,16 @@ def check_priority(state: ServerState, priority: int) -> None:
             f"priority {priority} needs the server started with --scheduling-policy priority "
             f"(it schedules {state.scheduling_policy}); leave priority out or send 0",
             param="priority",
+        )
+
+
+def check_kv_transfer(state: ServerState, request: SamplingFields) -> None:
+    """kv_transfer_params means something only to a disaggregated engine (--kv-role)."""
+    if request.kv_transfer_params is not None and state.kv_role is None:
+        raise InvalidRequestError(
+            "kv_transfer_params needs a server started with --kv-role producer or consumer (disaggregated "
+            "prefill / decode); leave it out",
+            param="kv_transfer_params",
         )
 
 

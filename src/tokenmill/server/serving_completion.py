@@ -18,7 +18,7 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import check_priority, truncate_prompt
+from tokenmill.server.request_fields import check_kv_transfer, check_priority, truncate_prompt
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
@@ -92,6 +92,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
     check_priority(state, request.priority)
+    check_kv_transfer(state, request)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:
