@@ -5,7 +5,11 @@ expire; a producer without a consumer keeps serving; no engine leaks a block."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.engine import kv_peer_process
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_transfer import KVBlocksMessage, KVConsumer, KVLayout
@@ -272,3 +277,70 @@ def test_kv_transfer_id_without_a_kv_role_is_refused_by_name(tiny_llama_dir) -> 
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(2, "t"))
     assert out.outputs[0].finish_reason == "error" and "kv_transfer_params" in (out.error or "")
     llm.engine.check_invariants()
+
+
+def _peer(role: str, path: str, address: str, *rest: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.kv_peer_process", role, path, address, *rest],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def _read_line(process: subprocess.Popen, expected: str) -> None:
+    line = process.stdout.readline().strip()  # type: ignore[union-attr]
+    assert line == expected, f"peer said {line!r} (exit code {process.poll()}), expected {expected!r}"
+
+
+def test_a_producer_killed_mid_transfer_leaves_the_consumer_correct_and_leak_free(tiny_llama_dir, tmp_path) -> None:
+    """The producer process (SIGKILL by pid) dies after its first transfer, before the others: the
+    consumer's requests for the transfers that never come wait at most --kv-transfer-wait, then
+    compute their prompts; the one that came starts from its blocks; all equal transformers."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, kv_transfer_wait=1.5)
+    producer = _peer("producer", path, address, "7", "4")
+    try:
+        _read_line(producer, "sent 0")
+        _wait_for_blocks(consumer, 1)
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.wait(timeout=10)
+    finally:
+        if producer.poll() is None:
+            os.kill(producer.pid, signal.SIGKILL)
+    prompts = kv_peer_process.prompts(consumer.info.vocab_size, 7, 4)
+    outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], [_params(MAX_NEW, f"t{i}") for i in range(4)])
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+    assert outputs[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_wait_timeouts"] == sum(out.num_cached_tokens == 0 for out in outputs) >= 1
+    connector = consumer.engine.scheduler.kv_connector
+    assert connector.num_waiting_requests == 0
+    consumer.engine.check_invariants()
+
+
+def test_a_consumer_killed_mid_transfer_leaves_the_producer_serving_and_leak_free(tiny_llama_dir, tmp_path) -> None:
+    """The consumer process (SIGKILL by pid) dies while the producer is sending: every producer
+    request still finishes and every block goes back to the producer's pool."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _peer("consumer", path, address)
+    try:
+        _read_line(consumer, "ready")
+        producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+        prompts = _prompts(producer.info.vocab_size, 12)
+        done: list = []
+        sending = threading.Thread(target=lambda: done.extend(producer.generate(
+            [{"prompt_token_ids": p} for p in prompts], [_params(1, f"t{i}") for i in range(len(prompts))]
+        )))  # fmt: skip
+        sending.start()
+        time.sleep(0.05)
+        os.kill(consumer.pid, signal.SIGKILL)
+        sending.join(timeout=60)
+        assert len(done) == len(prompts) and all(out.outputs[0].finish_reason == "length" for out in done)
+        _prefill(producer, _prompts(producer.info.vocab_size, 3))  # the consumer is gone: still serving
+        producer.engine.check_invariants()
+    finally:
+        if consumer.poll() is None:
+            os.kill(consumer.pid, signal.SIGKILL)
+        consumer.wait(timeout=10)

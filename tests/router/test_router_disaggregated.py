@@ -123,9 +123,26 @@ def test_a_refused_prefill_reaches_the_client_and_other_routes_go_to_decode() ->
     [
         ({"prefill": ["http://a"]}, "at least one --prefill URL and one --decode URL"),
         ({"replicas": ["http://a"], "prefill": ["http://b"], "decode": ["http://c"]}, "not both"),
-        ({"prefill": ["http://a"], "decode": ["http://a"]}, "given twice"),
+        ({"prefill": ["http://a"], "decode": ["http://a"]}, "repeats a URL"),
     ],
 )
 def test_bad_disaggregated_settings_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RouterSettings(**kwargs)
+
+
+def test_the_cli_flags_select_the_mode() -> None:
+    from tokenmill.cli import build_parser
+    from tokenmill.router.launch import settings_from_args
+
+    def settings(*argv: str) -> RouterSettings:
+        return settings_from_args(build_parser().parse_args(["router", *argv]))
+
+    pd = settings("--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "--decode", "http://d:2")
+    assert pd.disaggregated and pd.prefill == ["http://p:1"] and pd.decode == ["http://d:1", "http://d:2"]
+    assert settings("--prefill", "http://p:1", "--decode", "http://d:1").disaggregated  # implied
+    assert not settings("--replica", "http://r:1").disaggregated
+    with pytest.raises(ValueError, match="--pd-disaggregation needs"):
+        settings("--pd-disaggregation", "--prefill", "http://p:1")
+    with pytest.raises(ValueError, match="give at least one --replica URL"):
+        settings()

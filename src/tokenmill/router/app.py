@@ -61,7 +61,7 @@ class RouterSettings:
         if not self.replicas:
             raise ValueError("give at least one --replica URL (or --prefill and --decode URLs)")
         if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError(f"a URL is given twice (--replica / --prefill / --decode): {self.replicas}")
+            raise ValueError(f"--replica / --prefill / --decode repeats a URL: {self.replicas}")
         if self.cost_per_hour is not None and not self.cost_per_hour > 0:
             raise ValueError(f"--cost-per-hour must be above 0, got {self.cost_per_hour}")
         if self.prefix_chunk_chars < 1:
