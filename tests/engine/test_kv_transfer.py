@@ -344,3 +344,40 @@ def test_a_consumer_killed_mid_transfer_leaves_the_producer_serving_and_leak_fre
         if consumer.poll() is None:
             os.kill(consumer.pid, signal.SIGKILL)
         consumer.wait(timeout=10)
+
+
+def test_waiting_for_a_transfer_is_bounded_released_by_its_id_and_forgotten_at_the_end(tmp_path) -> None:
+    from tokenmill.core.request import Request
+
+    now = [0.0]
+    consumer, push = _consumer(tmp_path, lambda: now[0])
+    consumer.wait_timeout_s = 2.0
+    try:
+        waiting = Request("a", [1] * 9, _params(4, "ta"))
+        late = Request("b", [1] * 9, _params(4, "tb"))
+        plain = Request("c", [1] * 9, _params(4, None))
+        assert consumer.waits_for_transfer(waiting) and consumer.waits_for_transfer(late)
+        assert not consumer.waits_for_transfer(plain)
+        # An id-only message (no blocks) releases its request; a refused layout still does.
+        other = KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64)
+        push.send(msgspec.msgpack.encode(KVBlocksMessage(other, [], [], [], ["ta"])))
+        deadline = time.monotonic() + 5
+        while consumer.waits_for_transfer(waiting):
+            assert time.monotonic() < deadline, "the transfer id never arrived"
+            time.sleep(0.01)
+        assert consumer.messages_refused == 1
+        now[0] = 1.0
+        assert consumer.waits_for_transfer(late)
+        now[0] = 2.5  # past its wait: it computes, counted once
+        assert not consumer.waits_for_transfer(late) and not consumer.waits_for_transfer(late)
+        assert consumer.transfers_timed_out == 1
+        preempted = Request("d", [1] * 9, _params(4, "td"))
+        preempted.num_cached_tokens = 0  # it started once: it never waits again
+        assert not consumer.waits_for_transfer(preempted)
+        for request in (waiting, late, plain, preempted):
+            consumer.request_finished(request, [])
+        assert consumer.num_waiting_requests == 0
+        consumer.check_invariants()
+    finally:
+        push.close(0)
+        consumer.close()

@@ -239,7 +239,8 @@ class KVConsumer(KVConnectorScheduler):
     def waits_for_transfer(self, request: Request) -> bool:
         transfer_id = request.sampling_params.kv_transfer_id
         request_id = request.request_id
-        if transfer_id is None or request_id in self._gave_up:
+        # Only before its first start: a preempted request recomputes, it does not wait again.
+        if transfer_id is None or request_id in self._gave_up or request.num_cached_tokens >= 0:
             return False
         self.poll()
         if transfer_id in self._arrived:
