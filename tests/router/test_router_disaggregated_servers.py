@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -27,8 +28,18 @@ def _body(prompt: str, **extra) -> dict:
 def test_producer_router_consumer_equals_colocated_and_survives_killed_peers(tiny_llama_dir, tmp_path) -> None:
     address = f"ipc://{tmp_path}/kv"
     common = ("--enable-debug-endpoints", "--served-model-name", "tiny", "--kv-transfer-address", address)
-    consumer = start_tiny_server(str(tmp_path), str(tiny_llama_dir), "--kv-role", "consumer", "--kv-transfer-wait", "3", *common)
-    producer = start_tiny_server(str(tmp_path), str(tiny_llama_dir), "--kv-role", "producer", *common)
+    with ThreadPoolExecutor(2) as pool:  # both start at once (start-up is most of this test's time)
+        starting = [
+            pool.submit(start_tiny_server, str(tmp_path), str(tiny_llama_dir), "--kv-role", role, *extra, *common)
+            for role, extra in (("consumer", ("--kv-transfer-wait", "3")), ("producer", ()))
+        ]
+        servers = [s.result() if s.exception() is None else None for s in starting]
+    if None in servers:
+        for server in servers:
+            if server is not None:
+                server.stop(signal.SIGKILL)
+        raise next(s.exception() for s in starting if s.exception() is not None)
+    consumer, producer = servers
     try:
 
         async def main() -> None:
