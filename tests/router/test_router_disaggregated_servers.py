@@ -66,6 +66,13 @@ def test_producer_router_consumer_equals_colocated_and_survives_killed_peers(tin
                     answer = through.json()
                     assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
                     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # every time: no race
+                # Concurrent requests: each still waits for its own transfer and starts from it.
+                fresh = [f"concurrent {i}: " + "a stitch in time saves nine " * (3 + i) for i in range(4)]
+                answers = await asyncio.gather(*(client.post("/v1/completions", json=_body(p)) for p in fresh))
+                for i, (prompt, answer) in enumerate(zip(fresh, answers, strict=True)):
+                    alone = (await direct.post("/v1/completions", json=_body(prompt, cache_salt=f"c{i}"))).json()
+                    assert answer.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+                    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 streamed = await client.post("/v1/completions", json=_body(PROMPTS[0], stream=True))
                 assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
             assert metric(consumer.base_url, "kv_transfer_wait_timeouts_total") == 0
