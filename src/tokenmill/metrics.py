@@ -230,6 +230,15 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ request-level observations
 
+    def set_kv_transfer(self, role: str, address: str) -> None:
+        """--kv-role: exported so that a router in disaggregated mode sends each request's decode to
+        a consumer its producer feeds (the same --kv-transfer-address)."""
+        info = Gauge(
+            self.prefix + "kv_transfer_info", "1, labelled with this server's --kv-role and --kv-transfer-address.",
+            ["model_name", "kv_role", "kv_transfer_address"], registry=self.registry,
+        )  # fmt: skip
+        info.labels(self.model_name, role, address).set(1)
+
     def on_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)
 

@@ -20,9 +20,10 @@ from tokenmill.router.replicas import HealthSettings
 
 
 @contextlib.asynccontextmanager
-async def pd_rig(num_prefill: int = 2, num_decode: int = 1):
-    prefill = [FakeReplica(f"p{i}") for i in range(num_prefill)]
-    decode = [FakeReplica(f"d{i}") for i in range(num_decode)]
+async def pd_rig(num_prefill: int = 2, num_decode: int = 1, paired: bool = False):
+    """`paired`: prefill server i sends its KV to decode server i (their /metrics say so)."""
+    prefill = [FakeReplica(f"p{i}", kv_transfer=("producer", f"ipc://kv{i}") if paired else None) for i in range(num_prefill)]
+    decode = [FakeReplica(f"d{i}", kv_transfer=("consumer", f"ipc://kv{i}") if paired else None) for i in range(num_decode)]
     for replica in prefill + decode:
         await replica.start()
     settings = RouterSettings(
@@ -116,6 +117,37 @@ def test_a_refused_prefill_reaches_the_client_and_other_routes_go_to_decode() ->
         assert models.json()["data"][0]["root"] == "d0"
 
     run(scenario, num_prefill=1)
+
+
+def test_each_decode_goes_to_the_consumer_its_producer_feeds() -> None:
+    """Two producer / consumer pairs (each producer sends to its own consumer's address): whatever
+    the policy picks for the prefill, the decode goes to that producer's consumer; when that
+    consumer is down, the other computes the prompt without waiting for a transfer."""
+
+    async def scenario(client, prefill, decode) -> None:
+        for i in range(8):
+            response = await client.post("/v1/chat/completions", json=chat(f"tenant {i}: " + "x" * 200, "hi"))
+            assert response.status_code == 200
+        for p, d in zip(prefill, decode, strict=True):
+            sent = {r["kv_transfer_params"]["transfer_id"] for r in p.seen}
+            assert sent == {r["kv_transfer_params"]["transfer_id"] for r in d.seen}
+        assert all(p.seen for p in prefill)  # both pairs were used
+        decode[1].kill()
+        for _ in range(100):
+            if not (await client.get("/health")).json()["replicas"][decode[1].url]["healthy"]:
+                break
+            await asyncio.sleep(0.02)
+        prefill[0].healthy = False  # p1 prefills from now on
+        for _ in range(100):
+            if not (await client.get("/health")).json()["replicas"][prefill[0].url]["healthy"]:
+                break
+            await asyncio.sleep(0.02)
+        before = len(decode[0].seen)
+        response = await client.post("/v1/chat/completions", json=chat("tenant 99", "hi"))
+        assert response.status_code == 200 and response.headers[REPLICA_HEADER] == decode[0].url
+        assert len(decode[0].seen) == before + 1 and "kv_transfer_params" not in decode[0].seen[-1]
+
+    run(scenario, num_prefill=2, num_decode=2, paired=True)
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,9 @@ def test_producer_router_consumer_equals_colocated_and_survives_killed_peers(tin
                 streamed = await client.post("/v1/completions", json=_body(PROMPTS[0], stream=True))
                 assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
             assert metric(consumer.base_url, "kv_transfer_wait_timeouts_total") == 0
+            # What the router pairs producers and consumers by.
+            assert metric(consumer.base_url, "kv_transfer_info", kv_role="consumer", kv_transfer_address=address) == 1
+            assert metric(producer.base_url, "kv_transfer_info", kv_role="producer", kv_transfer_address=address) == 1
             assert metric(consumer.base_url, "kv_transfer_hits_total") > 0
 
             # The producer dies (SIGKILL by pid) with a request in flight: it is recomputed on the consumer.

@@ -20,7 +20,14 @@ from tokenmill.router.balancer import LoadBalancer, NoReplicaError
 from tokenmill.router.disaggregation import decode_body, new_transfer_id, prefill_body
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAwareSettings, make_policy
-from tokenmill.router.proxy import UpstreamRelease, error_body, relay, request_headers, response_headers
+from tokenmill.router.proxy import (
+    REPLICA_HEADER,
+    UpstreamRelease,
+    error_body,
+    relay,
+    request_headers,
+    response_headers,
+)
 from tokenmill.router.replicas import HealthChecker, HealthSettings
 from tokenmill.router.request_key import prefix_hashes, session_of
 
@@ -168,11 +175,29 @@ class Router:
             self.metrics.pd_prefills.labels("failed").inc()
             logger.warning("prefill failed (%d); the decode server computes the prompt", prefill.status_code)
             transfer_id = None
+        decode_pool = self._decode_pool
+        if transfer_id is not None:
+            producer = prefill.headers.get(REPLICA_HEADER, "")
+            fed = self._consumers_fed_by(producer)
+            if fed is not None and fed & set(self.balancer.healthy_names()):
+                decode_pool = fed
+            elif fed is not None:
+                # Its blocks went to a consumer that is down: any decode server computes the prompt.
+                logger.warning("no healthy decode server receives %s's KV blocks; the prompt is recomputed", producer)
+                transfer_id = None
         stream = payload.get("stream") is True
         decode = json.dumps(decode_body(payload, transfer_id)).encode()
-        return await self._forward(
-            path, decode, headers, hashes, decode_session, stream=stream, pool=self._decode_pool
-        )
+        return await self._forward(path, decode, headers, hashes, decode_session, stream=stream, pool=decode_pool)
+
+    def _consumers_fed_by(self, producer: str) -> frozenset[str] | None:
+        """The decode servers at the --kv-transfer-address the producer sends to (they report it on
+        /metrics); None when the producer's is unknown (not reported yet, or not tokenmill)."""
+        assert self.health is not None
+        known = self.health.kv_transfer
+        if producer not in known:
+            return None
+        address = known[producer][1]
+        return frozenset(name for name in self.settings.decode if known.get(name) == ("consumer", address))
 
     @property
     def _prefill_pool(self) -> frozenset[str]:

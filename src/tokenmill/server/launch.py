@@ -164,6 +164,8 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
     )
+    if config.cache.kv_role is not None:
+        state.metrics.set_kv_transfer(config.cache.kv_role, config.cache.kv_transfer_address or "")
     if config.lora is not None:
         state.lora = LoRARegistry(
             max_lora_rank=config.lora.max_lora_rank,
