@@ -173,6 +173,11 @@ def test_corrupt_or_mismatched_transfers_are_refused(tmp_path, frame: bytes) -> 
         ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_offload_gb": 1}, "cannot be combined"),
         ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_claim_timeout": 0}, "kv_claim_timeout must"),
         ({"kv_role": "sideways", "kv_transfer_address": "ipc:///tmp/x"}, "kv_role must be one of"),
+        ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_transfer_wait": -1}, "kv_transfer_wait must"),
+        (
+            {"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_transfer_wait": float("nan")},
+            "kv_transfer_wait must",
+        ),
     ],
 )
 def test_bad_kv_role_options_are_refused(kwargs: dict, message: str) -> None:
