@@ -55,7 +55,7 @@ consumer=$(serve 8001 "$OUT/disagg-itl-consumer.log" --gpu-memory-utilization 0.
 wait_healthy 8001
 producer=$(serve 8002 "$OUT/disagg-itl-producer.log" --gpu-memory-utilization 0.9 --kv-role producer --kv-transfer-address $ADDR)
 wait_healthy 8002
-python3 -m tokenmill.server.disagg_proxy --producer http://127.0.0.1:8002 --consumer http://127.0.0.1:8001 --port 8003 \
+python3 -m tokenmill.cli router --pd-disaggregation --prefill http://127.0.0.1:8002 --decode http://127.0.0.1:8001 --port 8003 \
   >"$OUT/disagg-itl-proxy.log" 2>&1 &
 proxy=$!
 wait_healthy 8003 && bench 8003 disagg-itl-disaggregated.json

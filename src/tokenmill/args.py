@@ -150,6 +150,10 @@ class EngineArgs:
     )
     kv_claim_timeout: float = _option(30.0, "consumer: seconds a received block waits for its request")
     kv_transfer_buffer_gb: float = _option(2.0, "consumer: GiB of received blocks kept unclaimed at most")
+    kv_transfer_wait: float = _option(
+        5.0, "consumer: seconds a request naming a transfer id (kv_transfer_params) waits for the producer's "
+        "blocks before it computes its prompt itself",
+    )  # fmt: skip
     block_size: int = _option(16, "tokens per KV cache block")
     kv_cache_dtype: str = _option(
         "auto",
@@ -358,6 +362,7 @@ class EngineArgs:
                 kv_transfer_address=self.kv_transfer_address,
                 kv_claim_timeout_s=self.kv_claim_timeout,
                 kv_transfer_buffer_gb=self.kv_transfer_buffer_gb,
+                kv_transfer_wait_s=self.kv_transfer_wait,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -493,7 +498,7 @@ class EngineArgs:
                 f"kv_role does not support speculative method {speculative.method!r} yet (its draft model's "
                 "KV cache is not transferred); use ngram or no speculative decoding"
             )
-        for name in ("kv_claim_timeout", "kv_transfer_buffer_gb"):
+        for name in ("kv_claim_timeout", "kv_transfer_buffer_gb", "kv_transfer_wait"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -82,6 +82,8 @@ class CacheConfig:
     kv_transfer_address: str | None = None
     kv_claim_timeout_s: float = 30.0  # consumer: received blocks no request claims are dropped after this
     kv_transfer_buffer_gb: float = 2.0  # consumer: most unclaimed received bytes kept (oldest dropped)
+    # consumer: a request naming a transfer id (kv_transfer_params) waits this long for it to arrive
+    kv_transfer_wait_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

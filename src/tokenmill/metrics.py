@@ -60,6 +60,7 @@ KV_OFFLOAD_COUNTERS = {
     "kv_transfer_blocks_claimed": "Received KV blocks a request started from.",
     "kv_transfer_blocks_expired": "Received KV blocks dropped unclaimed (claim timeout or buffer bound).",
     "kv_transfer_messages_refused": "KV transfers refused (undecodable, corrupt, or another KV layout).",
+    "kv_transfer_wait_timeouts": "Consumer requests whose named transfer did not arrive within --kv-transfer-wait.",
 }
 KV_OFFLOAD_GAUGES = {
     "kv_offload_bytes": "Bytes of KV blocks held in the host-memory tier.",
@@ -230,6 +231,15 @@ class ServerMetrics:
         self._slo = SloMetrics(prefix, model_name, self.registry)  # goodput, SLO attainment
 
     # ------------------------------------------------------------------ request-level observations
+
+    def set_kv_transfer(self, role: str, address: str) -> None:
+        """--kv-role: exported so that a router in disaggregated mode sends each request's decode to
+        a consumer its producer feeds (the same --kv-transfer-address)."""
+        info = Gauge(
+            self.prefix + "kv_transfer_info", "1, labelled with this server's --kv-role and --kv-transfer-address.",
+            ["model_name", "kv_role", "kv_transfer_address"], registry=self.registry,
+        )  # fmt: skip
+        info.labels(self.model_name, role, address).set(1)
 
     def on_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)

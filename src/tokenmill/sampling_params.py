@@ -107,6 +107,9 @@ def _spec_size(spec: Any) -> int:
     return 0
 
 
+MAX_KV_TRANSFER_ID_CHARS = 256
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -144,6 +147,10 @@ class SamplingParams:
     # same way to the scheduler; None: the server's class / default targets.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Disaggregated prefill / decode (kv_transfer_params.transfer_id): on a producer, the id its
+    # prompt blocks travel under; on a consumer, the transfer the request waits for before it starts
+    # (docs/KV_OFFLOAD.md). An engine without --kv-role refuses it.
+    kv_transfer_id: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -253,6 +260,10 @@ class SamplingParams:
                 isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_SLO_MS
             ):
                 raise bad(name, f"must be a number of milliseconds in (0, {MAX_SLO_MS:g}]")
+        if self.kv_transfer_id is not None and (
+            not isinstance(self.kv_transfer_id, str) or not 1 <= len(self.kv_transfer_id) <= MAX_KV_TRANSFER_ID_CHARS
+        ):
+            raise bad("kv_transfer_id", f"must be a string of 1 to {MAX_KV_TRANSFER_ID_CHARS} characters")
         self._validate_logits_processors(bad)
 
     def _validate_logits_processors(self, bad: Any) -> None:

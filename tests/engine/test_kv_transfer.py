@@ -5,13 +5,19 @@ expire; a producer without a consumer keeps serving; no engine leaks a block."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import msgspec
 import pytest
 import zmq
 
+from tests.engine import kv_peer_process
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_transfer import KVBlocksMessage, KVConsumer, KVLayout
@@ -167,6 +173,11 @@ def test_corrupt_or_mismatched_transfers_are_refused(tmp_path, frame: bytes) -> 
         ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_offload_gb": 1}, "cannot be combined"),
         ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_claim_timeout": 0}, "kv_claim_timeout must"),
         ({"kv_role": "sideways", "kv_transfer_address": "ipc:///tmp/x"}, "kv_role must be one of"),
+        ({"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_transfer_wait": -1}, "kv_transfer_wait must"),
+        (
+            {"kv_role": "consumer", "kv_transfer_address": "ipc:///tmp/x", "kv_transfer_wait": float("nan")},
+            "kv_transfer_wait must",
+        ),
     ],
 )
 def test_bad_kv_role_options_are_refused(kwargs: dict, message: str) -> None:
@@ -201,3 +212,177 @@ def test_a_consumer_address_in_use_is_refused_by_name() -> None:
             KVConsumer(address, LAYOUT, claim_timeout_s=1.0, max_bytes=64)
     finally:
         taken.close(0)
+
+
+def _params(max_tokens: int, transfer_id: str | None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, kv_transfer_id=transfer_id)
+
+
+def test_a_consumer_request_waits_for_its_transfer_instead_of_computing_whole(tiny_llama_dir, tmp_path) -> None:
+    """The race: the consumer gets the requests before the producer has even started them. Each
+    names its transfer, waits for it (holding no block) and still starts from every full block;
+    a request without a transfer id, queued behind them, is not held up."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, kv_transfer_wait=30)
+    producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+    prompts = _prompts(consumer.info.vocab_size, 3)
+    results: dict[str, list] = {}
+    start = time.monotonic()
+    waiting = threading.Thread(
+        target=lambda: results.setdefault(
+            "out", consumer.generate([{"prompt_token_ids": p} for p in prompts], [_params(MAX_NEW, f"t{i}") for i in range(3)])
+        )
+    )  # fmt: skip
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # still waiting: nothing was sent
+    producer.generate([{"prompt_token_ids": p} for p in prompts], [_params(1, f"t{i}") for i in range(3)])
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    assert time.monotonic() - start < 30  # released by the arrivals, not the wait timeout
+    for prompt, out in zip(prompts, results["out"], strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_wait_timeouts"] == 0
+    connector = consumer.engine.scheduler.kv_connector
+    assert connector.num_waiting_requests == 0 and connector.num_unclaimed_blocks == 0
+    producer.engine.check_invariants()
+    consumer.engine.check_invariants()
+
+
+def test_a_waiting_request_does_not_hold_up_others_and_gives_up_after_the_wait(tiny_llama_dir, tmp_path) -> None:
+    """No producer ever sends: the named request is computed whole after --kv-transfer-wait; a
+    request behind it without an id finishes first."""
+    path = str(tiny_llama_dir)
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=f"ipc://{tmp_path}/kv", kv_transfer_wait=1.0)
+    prompts = _prompts(consumer.info.vocab_size, 2)
+    finished_order: list[str] = []
+    engine = consumer.engine
+    make = consumer.input_processor.make_request
+    engine.add_request(make("named", prompts[0], _params(MAX_NEW, "never-sent")))
+    engine.add_request(make("plain", prompts[1], _params(MAX_NEW, None)))
+    outputs = {}
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                finished_order.append(out.request_id)
+                outputs[out.request_id] = out
+    assert finished_order == ["plain", "named"]
+    assert outputs["named"].finish_reason == "length" and outputs["named"].num_cached_tokens == 0
+    assert engine.get_stats()["kv_transfer_wait_timeouts"] == 1
+    assert engine.scheduler.kv_connector.num_waiting_requests == 0
+    engine.check_invariants()
+
+
+def test_kv_transfer_id_without_a_kv_role_is_refused_by_name(tiny_llama_dir) -> None:
+    llm = _engine(str(tiny_llama_dir))
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(2, "t"))
+    assert out.outputs[0].finish_reason == "error" and "kv_transfer_params" in (out.error or "")
+    llm.engine.check_invariants()
+
+
+def _peer(role: str, path: str, address: str, *rest: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.kv_peer_process", role, path, address, *rest],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def _read_line(process: subprocess.Popen, expected: str) -> None:
+    line = process.stdout.readline().strip()  # type: ignore[union-attr]
+    assert line == expected, f"peer said {line!r} (exit code {process.poll()}), expected {expected!r}"
+
+
+def test_a_producer_killed_mid_transfer_leaves_the_consumer_correct_and_leak_free(tiny_llama_dir, tmp_path) -> None:
+    """The producer process (SIGKILL by pid) dies after its first transfer, before the others: the
+    consumer's requests for the transfers that never come wait at most --kv-transfer-wait, then
+    compute their prompts; the one that came starts from its blocks; all equal transformers."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _engine(path, kv_role="consumer", kv_transfer_address=address, kv_transfer_wait=1.5)
+    producer = _peer("producer", path, address, "7", "4")
+    try:
+        _read_line(producer, "sent 0")
+        _wait_for_blocks(consumer, 1)
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.wait(timeout=10)
+    finally:
+        if producer.poll() is None:
+            os.kill(producer.pid, signal.SIGKILL)
+    prompts = kv_peer_process.prompts(consumer.info.vocab_size, 7, 4)
+    outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], [_params(MAX_NEW, f"t{i}") for i in range(4)])
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0]
+    assert outputs[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
+    stats = consumer.engine.get_stats()
+    assert stats["kv_transfer_wait_timeouts"] == sum(out.num_cached_tokens == 0 for out in outputs) >= 1
+    connector = consumer.engine.scheduler.kv_connector
+    assert connector.num_waiting_requests == 0
+    consumer.engine.check_invariants()
+
+
+def test_a_consumer_killed_mid_transfer_leaves_the_producer_serving_and_leak_free(tiny_llama_dir, tmp_path) -> None:
+    """The consumer process (SIGKILL by pid) dies while the producer is sending: every producer
+    request still finishes and every block goes back to the producer's pool."""
+    path = str(tiny_llama_dir)
+    address = f"ipc://{tmp_path}/kv"
+    consumer = _peer("consumer", path, address)
+    try:
+        _read_line(consumer, "ready")
+        producer = _engine(path, kv_role="producer", kv_transfer_address=address)
+        prompts = _prompts(producer.info.vocab_size, 12)
+        done: list = []
+        sending = threading.Thread(target=lambda: done.extend(producer.generate(
+            [{"prompt_token_ids": p} for p in prompts], [_params(1, f"t{i}") for i in range(len(prompts))]
+        )))  # fmt: skip
+        sending.start()
+        time.sleep(0.05)
+        os.kill(consumer.pid, signal.SIGKILL)
+        sending.join(timeout=60)
+        assert len(done) == len(prompts) and all(out.outputs[0].finish_reason == "length" for out in done)
+        _prefill(producer, _prompts(producer.info.vocab_size, 3))  # the consumer is gone: still serving
+        producer.engine.check_invariants()
+    finally:
+        if consumer.poll() is None:
+            os.kill(consumer.pid, signal.SIGKILL)
+        consumer.wait(timeout=10)
+
+
+def test_waiting_for_a_transfer_is_bounded_released_by_its_id_and_forgotten_at_the_end(tmp_path) -> None:
+    from tokenmill.core.request import Request
+
+    now = [0.0]
+    consumer, push = _consumer(tmp_path, lambda: now[0])
+    consumer.wait_timeout_s = 2.0
+    try:
+        waiting = Request("a", [1] * 9, _params(4, "ta"))
+        late = Request("b", [1] * 9, _params(4, "tb"))
+        plain = Request("c", [1] * 9, _params(4, None))
+        assert consumer.waits_for_transfer(waiting) and consumer.waits_for_transfer(late)
+        assert not consumer.waits_for_transfer(plain)
+        # An id-only message (no blocks) releases its request; a refused layout still does.
+        other = KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64)
+        push.send(msgspec.msgpack.encode(KVBlocksMessage(other, [], [], [], ["ta"])))
+        deadline = time.monotonic() + 5
+        while consumer.waits_for_transfer(waiting):
+            assert time.monotonic() < deadline, "the transfer id never arrived"
+            time.sleep(0.01)
+        assert consumer.messages_refused == 1
+        now[0] = 1.0
+        assert consumer.waits_for_transfer(late)
+        now[0] = 2.5  # past its wait: it computes, counted once
+        assert not consumer.waits_for_transfer(late) and not consumer.waits_for_transfer(late)
+        assert consumer.transfers_timed_out == 1
+        preempted = Request("d", [1] * 9, _params(4, "td"))
+        preempted.num_cached_tokens = 0  # it started once: it never waits again
+        assert not consumer.waits_for_transfer(preempted)
+        for request in (waiting, late, plain, preempted):
+            consumer.request_finished(request, [])
+        assert consumer.num_waiting_requests == 0
+        consumer.check_invariants()
+    finally:
+        push.close(0)
+        consumer.close()

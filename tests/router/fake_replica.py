@@ -36,6 +36,7 @@ class FakeReplica:
     running: int = 0
     extra_waiting: int = 0  # added to what /metrics reports as waiting (load from other clients)
     fail_status: int | None = None  # generation requests get this status (an error body) when set
+    kv_transfer: tuple[str, str] | None = None  # (--kv-role, --kv-transfer-address) reported on /metrics
     server: uvicorn.Server | None = None
     task: asyncio.Task | None = None
     url: str = ""
@@ -53,6 +54,9 @@ class FakeReplica:
                 f'tokenmill:num_requests_running{{model_name="tiny"}} {self.running}\n'
                 f'tokenmill:num_requests_waiting{{model_name="tiny"}} {self.extra_waiting}\n'
             )
+            if self.kv_transfer is not None:
+                role, address = self.kv_transfer
+                text += f'tokenmill:kv_transfer_info{{model_name="tiny",kv_role="{role}",kv_transfer_address="{address}"}} 1.0\n'
             return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")

@@ -35,6 +35,7 @@ def chat(**fields) -> dict:
         (CHAT, chat(modalities=["text", "audio"]), "modalities"),
         (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
         (CHAT, chat(logits_processors=["x"]), "logits_processors"),
+        (CHAT, chat(kv_transfer_params={"transfer_id": "t1"}), "kv_transfer_params"),  # no --kv-role
         (CHAT, chat(priority=3), "priority"),
         (CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
         (CHAT, chat(documents=[{"title": "t", "text": "x"}]), "documents"),
@@ -71,6 +72,20 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(path, body, param):
         assert engine.core.requests == []  # refused before the engine saw it
 
     run(scenario)
+
+
+def test_kv_transfer_params_reach_a_disaggregated_engine_and_unknown_keys_are_refused():
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        r = await client.post(CHAT, json=chat(kv_transfer_params={"transfer_id": "t1"}))
+        assert r.status_code == 200, r.text
+        assert engine.core.requests[-1].sampling_params.kv_transfer_id == "t1"
+        for bad in ({"transfer_id": "t", "remote_block_ids": [1]}, {"transfer_id": ""}, {}):
+            r = await client.post(CHAT, json=chat(kv_transfer_params=bad))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"].startswith("kv_transfer_params"), r.json()
+        assert len(engine.core.requests) == 1
+
+    run(scenario, kv_role="consumer")
 
 
 def test_unknown_fields_are_accepted_and_logged_once_per_name(caplog):

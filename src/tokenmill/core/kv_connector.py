@@ -36,6 +36,10 @@ EvictedBlock = tuple[int, bytes, tuple[int, ...]]
 class KVConnectorScheduler(ABC):
     """The scheduler side of a KV connector (one per engine core)."""
 
+    # Whether requests may name a transfer (SamplingParams.kv_transfer_id); an engine whose
+    # connector does not refuses such requests rather than ignore the field.
+    accepts_transfer_ids = False
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
         """Tokens after the first `num_local_hit_tokens` (a whole number of blocks the device prefix
@@ -59,6 +63,17 @@ class KVConnectorScheduler(ABC):
         """A request ended (its status says how); `block_ids` (its first KV cache group's table) are
         being released now, and stay unwritten until the next step's forward, which runs after the
         next step's metadata is executed."""
+
+    def waits_for_transfer(self, request: Request) -> bool:
+        """True while the waiting `request` must not start yet because KV it was promised is still
+        on its way (a consumer waiting for its producer's transfer); the scheduler skips it this
+        step, holding no block for it and admitting the requests behind it. Must turn False within
+        a bounded time."""
+        return False
+
+    def wait_for_arrivals(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Nothing could be scheduled and requests wait: block up to `timeout_s` for KV to arrive
+        rather than spin."""
 
     def has_pending_work(self) -> bool:
         """True while the connector has work queued that may run between steps, without a forward

@@ -18,7 +18,8 @@ def make_kv_connector(
     if cache.kv_role == "consumer":
         assert layout is not None and cache.kv_transfer_address is not None
         return KVConsumer(
-            cache.kv_transfer_address, layout, cache.kv_claim_timeout_s, int(cache.kv_transfer_buffer_gb * 2**30)
+            cache.kv_transfer_address, layout, cache.kv_claim_timeout_s, int(cache.kv_transfer_buffer_gb * 2**30),
+            wait_timeout_s=cache.kv_transfer_wait_s,
         )
     if not cache.kv_offload_gb:
         return None

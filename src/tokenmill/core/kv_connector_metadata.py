@@ -39,10 +39,13 @@ class KVSendMetadata(msgspec.Struct, tag="kv_send", array_like=True, omit_defaul
     device_blocks: list[int] = []
     keys: list[bytes] = []
     token_ids: list[list[int]] = []
+    # Transfer ids (kv_transfer_params) of the requests whose blocks are all in this batch (maybe
+    # none: a prompt shorter than a block, or a request that failed): the consumer stops waiting.
+    transfer_ids: list[str] = []
 
     @property
     def is_empty(self) -> bool:
-        return not self.device_blocks
+        return not self.device_blocks and not self.transfer_ids
 
 
 class KVReceiveMetadata(msgspec.Struct, tag="kv_receive", array_like=True, omit_defaults=True):

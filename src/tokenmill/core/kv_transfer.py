@@ -2,11 +2,16 @@
 finished requests to a consumer engine, which starts the same prompts from them.
 
 Blocks travel keyed by their prefix-cache key (the chained token hash, with the LoRA adapter and
-cache salt in it) and carry their token ids, so the consumer needs no request id from the
-producer: a request whose prompt runs into received blocks loads them (like a prefix hit) and
-computes only the rest (at least the last prompt token, whose logits it needs). Greedy output is
-the same as colocated serving; a request that arrives before its blocks (or whose blocks were
-refused or expired) is simply computed whole.
+cache salt in it) and carry their token ids: a request whose prompt runs into received blocks
+loads them (like a prefix hit) and computes only the rest (at least the last prompt token, whose
+logits it needs). Greedy output is the same as colocated serving.
+
+Transfer ids close the race between a request and its blocks: a producer request that names one
+(`kv_transfer_params.transfer_id`, SamplingParams.kv_transfer_id) sends it with its blocks (or
+alone, when it has none to send); a consumer request naming the same id waits, holding no block
+and letting others pass, until the id has arrived or `wait_timeout_s` passed (a dead producer, a
+dropped send), and then loads what came. A request without an id, or whose blocks were refused or
+expired, is computed whole.
 
 The wire (worker/kv_connector/transfer.py sends, `KVConsumer` receives): ZMQ PUSH -> PULL, one
 msgspec message per batch of blocks (`KVBlocksMessage`), never pickle. The message names the KV
@@ -33,6 +38,7 @@ from tokenmill.core.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _SENT_STATUSES = (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+MAX_ARRIVED_TRANSFERS = 1 << 16  # transfer ids remembered (each for the claim timeout at most)
 
 
 class KVLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -58,11 +64,14 @@ class KVBlocksMessage(msgspec.Struct, array_like=True):
     keys: list[bytes]
     token_ids: list[list[int]]
     payloads: list[bytes]
+    transfer_ids: list[str] = []  # requests whose blocks are all in this message (see KVSendMetadata)
 
 
 class KVProducer(KVConnectorScheduler):
     """Queues the full prompt blocks of each request that finished normally; the worker sends them
     before the next step's forward (which is what may overwrite them)."""
+
+    accepts_transfer_ids = True
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -76,6 +85,11 @@ class KVProducer(KVConnectorScheduler):
         raise AssertionError("a producer never offers external tokens")
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> None:
+        transfer_id = request.sampling_params.kv_transfer_id
+        if transfer_id is not None:
+            # Announced whatever happened: a consumer waiting on it then starts at once (with what
+            # came, maybe nothing) instead of waiting out its timeout.
+            self._pending.transfer_ids.append(transfer_id)
         if request.status not in _SENT_STATUSES or not block_ids:
             return
         block_size = self.block_size
@@ -110,6 +124,8 @@ class KVConsumer(KVConnectorScheduler):
     """Receives blocks (ZMQ PULL, bound at `address`), offers them to requests whose prompt runs
     into them, and has the worker copy a claimed block's bytes into its device block."""
 
+    accepts_transfer_ids = True
+
     def __init__(
         self,
         address: str,
@@ -117,7 +133,9 @@ class KVConsumer(KVConnectorScheduler):
         claim_timeout_s: float,
         max_bytes: int,
         clock: Callable[[], float] = time.monotonic,
+        wait_timeout_s: float = 5.0,
     ) -> None:
+        self.wait_timeout_s = wait_timeout_s
         self.layout = layout
         self.block_size = layout.block_size
         self.claim_timeout_s = claim_timeout_s
@@ -137,6 +155,13 @@ class KVConsumer(KVConnectorScheduler):
         # key -> (token ids, payload, arrival time), oldest first.
         self._entries: OrderedDict[bytes, tuple[tuple[int, ...], bytes, float]] = OrderedDict()
         self._loads = KVReceiveMetadata()
+        # Transfer ids announced by the producer -> arrival time, oldest first (kept for the claim
+        # timeout, at most MAX_ARRIVED_TRANSFERS).
+        self._arrived: OrderedDict[str, float] = OrderedDict()
+        # Waiting requests that named a transfer not arrived yet -> when they stop waiting.
+        self._wait_deadlines: dict[str, float] = {}
+        self._gave_up: set[str] = set()  # those that waited out their deadline (counted once)
+        self.transfers_timed_out = 0
         self.blocks_received = 0
         self.blocks_claimed = 0
         self.blocks_expired = 0
@@ -165,6 +190,17 @@ class KVConsumer(KVConnectorScheduler):
             self.messages_refused += 1
             logger.warning("refused a KV transfer that does not decode (%s)", exc)
             return
+        self._accept_blocks(message)
+        # After the blocks: a request released by its id finds them. Refused blocks release it too
+        # (it computes its prompt now rather than wait for blocks that will never come).
+        now = self._clock()
+        for transfer_id in message.transfer_ids:
+            self._arrived.pop(transfer_id, None)
+            self._arrived[transfer_id] = now
+        while len(self._arrived) > MAX_ARRIVED_TRANSFERS:
+            self._arrived.popitem(last=False)
+
+    def _accept_blocks(self, message: KVBlocksMessage) -> None:
         differences = self.layout.differences(message.layout)
         if differences:
             self.messages_refused += 1
@@ -194,6 +230,47 @@ class KVConsumer(KVConnectorScheduler):
                 break
             del entries[key]
             self.blocks_expired += 1
+        arrived = self._arrived
+        while arrived and next(iter(arrived.values())) <= deadline:
+            arrived.popitem(last=False)
+
+    # -- waiting for a transfer ---------------------------------------------------------------
+
+    def waits_for_transfer(self, request: Request) -> bool:
+        transfer_id = request.sampling_params.kv_transfer_id
+        request_id = request.request_id
+        # Only before its first start: a preempted request recomputes, it does not wait again.
+        if transfer_id is None or request_id in self._gave_up or request.num_cached_tokens >= 0:
+            return False
+        self.poll()
+        if transfer_id in self._arrived:
+            self._wait_deadlines.pop(request_id, None)
+            return False
+        now = self._clock()
+        deadline = self._wait_deadlines.setdefault(request_id, now + self.wait_timeout_s)
+        if now < deadline:
+            return True
+        del self._wait_deadlines[request_id]
+        self._gave_up.add(request_id)
+        self.transfers_timed_out += 1
+        logger.warning(
+            "KV transfer %r for request %s did not arrive within %g s (producer gone, or its send dropped); "
+            "computing the prompt here", transfer_id, request_id, self.wait_timeout_s,
+        )  # fmt: skip
+        return False
+
+    def wait_for_arrivals(self, timeout_s: float) -> None:
+        if self._wait_deadlines:
+            self._socket.poll(int(timeout_s * 1000), zmq.POLLIN)
+
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> None:
+        self._wait_deadlines.pop(request.request_id, None)
+        self._gave_up.discard(request.request_id)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests this connector tracks (waiting, or gave up waiting): 0 once all have ended."""
+        return len(self._wait_deadlines) + len(self._gave_up)
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -242,6 +319,7 @@ class KVConsumer(KVConnectorScheduler):
             "kv_transfer_blocks_claimed": self.blocks_claimed,
             "kv_transfer_blocks_expired": self.blocks_expired,
             "kv_transfer_messages_refused": self.messages_refused,
+            "kv_transfer_wait_timeouts": self.transfers_timed_out,
         }
 
     def check_invariants(self) -> None:

@@ -116,6 +116,15 @@ class Scheduler:
         key = (request.priority, request.arrival_time, next(self._sequence))
         self._keys[request.request_id] = key
         self.requests[request.request_id] = request
+        if request.sampling_params.kv_transfer_id is not None and not (
+            self.kv_connector is not None and self.kv_connector.accepts_transfer_ids
+        ):
+            self._finish(
+                request, RequestStatus.FINISHED_ERROR,
+                "kv_transfer_params needs an engine started with --kv-role producer or consumer; leave it out",
+            )  # fmt: skip
+            self._pending_outputs.append(self._final_output(request))
+            return
         if request.lora_request is not None and self.lora is None:
             self._finish(request, RequestStatus.FINISHED_ERROR, "LoRA is not enabled: start the engine with --enable-lora")
             self._pending_outputs.append(self._final_output(request))
@@ -250,9 +259,13 @@ class Scheduler:
                 self._end_in_schedule(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
         # Admitting new work right after preempting would only thrash.
         lora = self._lora_admission() if self.waiting else None
-        skipped: list[Request] = []  # waiting on their adapter: back in the queue, in order, after
+        skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
         while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self.kv_connector is not None and self.kv_connector.waits_for_transfer(request):
+                self.waiting.pop()  # its KV is on its way: the requests behind it go first
+                skipped.append(request)
+                continue
             if lora is not None and request.lora_request is not None:
                 admitted = lora.admit(request.lora_request)
                 if admitted is not True:

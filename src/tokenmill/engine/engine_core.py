@@ -211,6 +211,10 @@ class EngineCore:
             if not outputs and self.scheduler.waiting_for_grammar:
                 # Nothing to run until a grammar compiles: wait for it rather than spin.
                 self.structured_output.wait_for_compiles(timeout=0.005)
+            connector = self.scheduler.kv_connector
+            if not outputs and connector is not None and self.scheduler.num_waiting:
+                # Nothing to run until a transfer arrives: wait for it rather than spin.
+                connector.wait_for_arrivals(0.005)
             lora = self.scheduler.lora
             if not outputs and lora is not None and self.scheduler.num_waiting:
                 # Nothing to run until an adapter loads: wait for it rather than spin.

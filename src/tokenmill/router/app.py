@@ -17,9 +17,17 @@ from starlette.background import BackgroundTask
 
 from tokenmill.dashboard import MetricsHistory, dashboard_router, text_source
 from tokenmill.router.balancer import LoadBalancer, NoReplicaError
+from tokenmill.router.disaggregation import decode_body, new_transfer_id, prefill_body
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAwareSettings, make_policy
-from tokenmill.router.proxy import UpstreamRelease, error_body, relay, request_headers, response_headers
+from tokenmill.router.proxy import (
+    REPLICA_HEADER,
+    UpstreamRelease,
+    error_body,
+    relay,
+    request_headers,
+    response_headers,
+)
 from tokenmill.router.replicas import HealthChecker, HealthSettings
 from tokenmill.router.request_key import prefix_hashes, session_of
 
@@ -33,7 +41,11 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass
 class RouterSettings:
-    replicas: list[str]
+    # Colocated mode: the replicas. Disaggregated mode (`prefill` and `decode` given, `replicas`
+    # empty): each request prefills on a prefill server, then a decode server answers it.
+    replicas: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
     policy: str = "cache_aware"
     cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
@@ -44,15 +56,28 @@ class RouterSettings:
     cost_per_hour: float | None = None  # --cost-per-hour of all replicas together: the dashboard's $ / M tokens
 
     def __post_init__(self) -> None:
+        self.prefill = [normalize_url(url) for url in self.prefill]
+        self.decode = [normalize_url(url) for url in self.decode]
+        if self.prefill or self.decode:
+            if self.replicas:
+                raise ValueError("give either --replica URLs or --prefill and --decode URLs, not both")
+            if not self.prefill or not self.decode:
+                raise ValueError("disaggregated mode needs at least one --prefill URL and one --decode URL")
+            self.replicas = self.prefill + self.decode
         self.replicas = [normalize_url(url) for url in self.replicas]
         if not self.replicas:
-            raise ValueError("give at least one --replica URL")
+            raise ValueError("give at least one --replica URL (or --prefill and --decode URLs)")
         if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError(f"--replica repeats a URL: {self.replicas}")
+            raise ValueError(f"--replica / --prefill / --decode repeats a URL: {self.replicas}")
         if self.cost_per_hour is not None and not self.cost_per_hour > 0:
             raise ValueError(f"--cost-per-hour must be above 0, got {self.cost_per_hour}")
         if self.prefix_chunk_chars < 1:
             raise ValueError(f"--prefix-chunk-chars must be at least 1, got {self.prefix_chunk_chars}")
+
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
 
 
 def normalize_url(url: str) -> str:
@@ -122,9 +147,76 @@ class Router:
             return _Unavailable(400, "the request body must be a JSON object", "invalid_request_error").response()
         hashes = prefix_hashes(path, payload, self.settings.prefix_chunk_chars)
         session = session_of(request.headers.get(self.settings.session_header), payload)
-        stream = payload.get("stream") is True
         headers = request_headers(request.headers)
-        tried: set[str] = set()
+        if not self.settings.disaggregated:
+            stream = payload.get("stream") is True
+            return await self._forward(path, body, headers, hashes, session, stream=stream, pool=None)
+        if "kv_transfer_params" in payload:
+            return _Unavailable(
+                400, "kv_transfer_params is set by the router in disaggregated mode; leave it out",
+                "invalid_request_error",
+            ).response()  # fmt: skip
+        # Prefill on a producer; its blocks travel to the consumers under the transfer id.
+        transfer_id: str | None = new_transfer_id()
+        # A session sticks to one server of each pool: its keys are kept apart per pool.
+        prefill_session, decode_session = (None, None) if session is None else (f"prefill|{session}", f"decode|{session}")
+        prefill = await self._forward(
+            path, json.dumps(prefill_body(payload, transfer_id)).encode(), headers, hashes, prefill_session,
+            stream=False, pool=self._prefill_pool,
+        )  # fmt: skip
+        if prefill.status_code == 200:
+            self.metrics.pd_prefills.labels("ok").inc()
+        elif 400 <= prefill.status_code < 500 and prefill.status_code != 429:
+            # The request itself is bad (a consumer would refuse it too): the client gets why.
+            self.metrics.pd_prefills.labels("refused").inc()
+            return prefill
+        else:
+            # No producer could prefill it: the consumer computes the prompt, without waiting.
+            self.metrics.pd_prefills.labels("failed").inc()
+            logger.warning("prefill failed (%d); the decode server computes the prompt", prefill.status_code)
+            transfer_id = None
+        decode_pool = self._decode_pool
+        if transfer_id is not None:
+            producer = prefill.headers.get(REPLICA_HEADER, "")
+            fed = self._consumers_fed_by(producer)
+            if fed is not None and fed & set(self.balancer.healthy_names()):
+                decode_pool = fed
+            elif fed is not None:
+                # Its blocks went to a consumer that is down: any decode server computes the prompt.
+                logger.warning("no healthy decode server receives %s's KV blocks; the prompt is recomputed", producer)
+                transfer_id = None
+        stream = payload.get("stream") is True
+        decode = json.dumps(decode_body(payload, transfer_id)).encode()
+        return await self._forward(path, decode, headers, hashes, decode_session, stream=stream, pool=decode_pool)
+
+    def _consumers_fed_by(self, producer: str) -> frozenset[str] | None:
+        """The decode servers at the --kv-transfer-address the producer sends to (they report it on
+        /metrics); None when the producer's is unknown (not reported yet, or not tokenmill)."""
+        assert self.health is not None
+        known = self.health.kv_transfer
+        if producer not in known:
+            return None
+        address = known[producer][1]
+        return frozenset(name for name in self.settings.decode if known.get(name) == ("consumer", address))
+
+    @property
+    def _prefill_pool(self) -> frozenset[str]:
+        return frozenset(self.settings.prefill)
+
+    @property
+    def _decode_pool(self) -> frozenset[str]:
+        return frozenset(self.settings.decode)
+
+    def _outside(self, pool: frozenset[str] | None) -> set[str]:
+        """Replicas a request for `pool` must not go to (None: every replica may take it)."""
+        return set() if pool is None else set(self.balancer.names) - pool
+
+    async def _forward(
+        self, path: str, body: bytes, headers: dict[str, str], hashes: list, session: str | None, *,
+        stream: bool, pool: frozenset[str] | None,
+    ) -> Response:  # fmt: skip
+        """Route one request within `pool`, retrying elsewhere in it while no byte reached the client."""
+        tried = self._outside(pool)
         last_failure: Response | None = None
         while True:
             try:
@@ -138,7 +230,7 @@ class Router:
             tried.add(replica)
             self.metrics.on_routed(decision)
             try:
-                return await self._send(replica, request.method, path, body, headers, stream=stream)
+                return await self._send(replica, "POST", path, body, headers, stream=stream)
             except _Retry as retry:
                 last_failure = retry.response
                 self.metrics.retries.labels(replica, retry.reason).inc()
@@ -213,7 +305,8 @@ class Router:
         headers = request_headers(request.headers)
         if request.url.query:
             path = f"{path}?{request.url.query}"
-        tried: set[str] = set()
+        # Disaggregated: the decode servers answer (they serve the clients' streams).
+        tried = self._outside(self._decode_pool if self.settings.disaggregated else None)
         last_failure: Response | None = None
         while True:
             try:
@@ -234,8 +327,10 @@ class Router:
 
     def health_report(self) -> tuple[bool, dict]:
         assert self.health is not None
+        roles = {name: "prefill" for name in self.settings.prefill} | {name: "decode" for name in self.settings.decode}
         replicas = {
             name: {
+                "role": roles.get(name, "replica"),
                 "healthy": self.balancer.is_healthy(name),
                 "in_flight": self.balancer.load_of(name).in_flight,
                 "running": self.balancer.load_of(name).running,
@@ -244,7 +339,13 @@ class Router:
             }
             for name in self.balancer.names
         }
-        return bool(self.balancer.healthy_names()), {"policy": self.settings.policy, "replicas": replicas}
+        healthy = self.balancer.healthy_names()
+        if self.settings.disaggregated:
+            # Without a prefill server the decode servers still answer (computing the prompts);
+            # without a decode server nothing does.
+            ok = any(name in healthy for name in self.settings.decode)
+            return ok, {"policy": self.settings.policy, "mode": "disaggregated", "replicas": replicas}
+        return bool(healthy), {"policy": self.settings.policy, "mode": "colocated", "replicas": replicas}
 
 
 class _Retry(Exception):

@@ -1,4 +1,6 @@
-"""`tokenmill router --replica URL [--replica URL ...]`: the flags and the server."""
+"""`tokenmill router --replica URL [--replica URL ...]` (colocated replicas) or
+`tokenmill router --pd-disaggregation --prefill URL [...] --decode URL [...]` (prefill / decode
+disaggregation, SGLang's flags): the flags and the server."""
 
 from __future__ import annotations
 
@@ -11,8 +13,21 @@ from tokenmill.router.replicas import HealthSettings
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--replica", action="append", required=True, metavar="URL",
+        "--replica", action="append", default=[], metavar="URL",
         help="an OpenAI-compatible server to route to (http://host:port); repeat for each replica",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pd-disaggregation", action="store_true",
+        help="prefill / decode disaggregation (also implied by --prefill / --decode): each request prefills on a "
+        "--prefill server, then a --decode server answers it from the transferred KV (docs/ROUTER.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill", action="append", default=[], metavar="URL",
+        help="a `tokenmill serve --kv-role producer` server; repeat for each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode", action="append", default=[], metavar="URL",
+        help="a `tokenmill serve --kv-role consumer` server; repeat for each",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
@@ -69,8 +84,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace):  # -> RouterSettings (app imports httpx, FastAPI)
     from tokenmill.router.app import RouterSettings
 
+    if args.pd_disaggregation and not (args.prefill and args.decode):
+        raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
     return RouterSettings(
         replicas=args.replica,
+        prefill=args.prefill,
+        decode=args.decode,
         policy=args.policy,
         cache_aware=CacheAwareSettings(
             cache_threshold=args.cache_threshold,
@@ -103,7 +122,9 @@ def run_router(args: argparse.Namespace) -> int:
         return 2
     app = create_router_app(Router(settings))
     print(
-        f"tokenmill router ({settings.policy}) on http://{args.host}:{args.port} over {', '.join(settings.replicas)}",
+        f"tokenmill router ({settings.policy}) on http://{args.host}:{args.port} over "
+        + (f"prefill {', '.join(settings.prefill)} / decode {', '.join(settings.decode)}" if settings.disaggregated
+           else ", ".join(settings.replicas)),
         file=sys.stderr, flush=True,
     )  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)

@@ -56,6 +56,11 @@ class RouterMetrics:
         self.no_replica = Counter(
             f"{PREFIX}no_replica", "requests refused with 503: no healthy replica was left", registry=r
         )
+        self.pd_prefills = Counter(
+            f"{PREFIX}pd_prefills", "disaggregated mode: prefill requests by outcome (ok; refused: 4xx, relayed "
+            "to the client; failed: no prefill server could take it, the decode server computed the prompt)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.health_transitions = Counter(
             f"{PREFIX}replica_health_transitions", "replicas dropped (to=down) and re-admitted (to=up)",
             ["replica", "to"], registry=r,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,21 @@ def parse_load(metrics_text: str) -> tuple[int, int] | None:
     return int(found.get("running", 0)), int(found.get("waiting", 0))
 
 
+_KV_TRANSFER_INFO = re.compile(
+    r'^(?:tokenmill|vllm):kv_transfer_info\{[^}]*kv_role="(producer|consumer)"[^}]*kv_transfer_address="([^"]*)"'
+)
+
+
+def parse_kv_transfer(metrics_text: str) -> tuple[str, str] | None:
+    """(kv role, transfer address) a tokenmill `--kv-role` server exports; None: none."""
+    for line in metrics_text.splitlines():
+        if "kv_transfer_info{" in line:
+            match = _KV_TRANSFER_INFO.match(line)
+            if match is not None:
+                return match.group(1), match.group(2)
+    return None
+
+
 @dataclass(slots=True)
 class HealthSettings:
     interval_s: float = 2.0
@@ -71,6 +87,8 @@ class HealthChecker:
         self._streaks = {name: _Streak() for name in balancer.names}
         # Each replica's last /metrics page: its load, and the router dashboard's sum over replicas.
         self.metrics_texts: dict[str, str] = {}
+        # Each --kv-role server's (role, --kv-transfer-address): which consumers a producer feeds.
+        self.kv_transfer: dict[str, tuple[str, str]] = {}
 
     def last_error(self, name: str) -> str | None:
         return self._streaks[name].last_error
@@ -97,6 +115,9 @@ class HealthChecker:
             load = parse_load(metrics.text) if metrics.status_code == 200 else None
             if metrics.status_code == 200:
                 self.metrics_texts[name] = metrics.text
+                kv_transfer = parse_kv_transfer(metrics.text)
+                if kv_transfer is not None:
+                    self.kv_transfer[name] = kv_transfer
             if load is not None:
                 self.balancer.set_reported_load(name, *load)
         except (httpx.HTTPError, RuntimeError) as exc:

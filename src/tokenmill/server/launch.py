@@ -158,11 +158,14 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
         enable_debug_endpoints=args.enable_debug_endpoints,
         scheduling_policy=config.scheduler.policy,
+        kv_role=config.cache.kv_role,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
     )
+    if config.cache.kv_role is not None:
+        state.metrics.set_kv_transfer(config.cache.kv_role, config.cache.kv_transfer_address or "")
     if config.lora is not None:
         state.lora = LoRARegistry(
             max_lora_rank=config.lora.max_lora_rank,

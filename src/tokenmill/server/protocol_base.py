@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_SLO_MS, SamplingParams
 from tokenmill.server.protocol_structured import StructuredOutputFields
@@ -23,6 +23,16 @@ MAX_MESSAGES = 2048
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
+
+
+class KVTransferParams(BaseModel):
+    """Disaggregated prefill / decode (vLLM's field name): the transfer a producer request's prompt
+    blocks travel under, and the one a consumer request waits for (docs/KV_OFFLOAD.md). Every key
+    is honoured or refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_id: str = Field(min_length=1, max_length=256)
 
 
 def random_id(prefix: str) -> str:
@@ -68,7 +78,7 @@ class SamplingFields(StructuredOutputFields):
     use_beam_search: bool = False
     length_penalty: float | None = None
     logits_processors: Any = None
-    kv_transfer_params: Any = None
+    kv_transfer_params: KVTransferParams | None = None  # honoured with --kv-role (request_fields.py)
     vllm_xargs: Any = None
     # Extras (vLLM's names).
     top_k: int | None = Field(default=None, le=_INT64_MAX)  # msgpack to the engine holds 64 bits
@@ -139,7 +149,7 @@ class SamplingFields(StructuredOutputFields):
             raise refuse("use_beam_search", "beam search is not implemented; sample with n instead")
         if self.length_penalty is not None and self.length_penalty != 1.0:
             raise refuse("length_penalty", "it only applies to beam search, which is not implemented")
-        for name in ("logits_processors", "kv_transfer_params", "vllm_xargs"):
+        for name in ("logits_processors", "vllm_xargs"):
             if getattr(self, name) not in (None, [], {}):
                 raise refuse(name, "this server has no such plug-in")
         return self
@@ -192,4 +202,5 @@ class SamplingFields(StructuredOutputFields):
             structured_outputs=self.structured_outputs_params(),
             slo_ttft_ms=self.slo_ttft_ms,
             slo_tpot_ms=self.slo_tpot_ms,
+            kv_transfer_id=self.kv_transfer_params.transfer_id if self.kv_transfer_params is not None else None,
         )

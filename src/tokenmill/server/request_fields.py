@@ -1,10 +1,11 @@
 """Request fields both generation endpoints honour on the server side, before the engine:
-priority, SLO targets and prompt truncation."""
+priority, SLO targets, KV transfer ids and prompt truncation."""
 
 from __future__ import annotations
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol_base import SamplingFields
 from tokenmill.server.state import ServerState
 
 
@@ -28,6 +29,16 @@ def check_slo_targets(state: ServerState, params: SamplingParams) -> None:
                 f"{state.scheduling_policy}); leave {name} out",
                 param=name,
             )
+
+
+def check_kv_transfer(state: ServerState, request: SamplingFields) -> None:
+    """kv_transfer_params means something only to a disaggregated engine (--kv-role)."""
+    if request.kv_transfer_params is not None and state.kv_role is None:
+        raise InvalidRequestError(
+            "kv_transfer_params needs a server started with --kv-role producer or consumer (disaggregated "
+            "prefill / decode); leave it out",
+            param="kv_transfer_params",
+        )
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -27,7 +27,7 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import check_priority, check_slo_targets
+from tokenmill.server.request_fields import check_kv_transfer, check_priority, check_slo_targets
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
@@ -107,6 +107,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
     check_priority(state, request.priority)
     check_slo_targets(state, params)
+    check_kv_transfer(state, request)
     tool_plan = plan_tools(state, request)
     constraint_param = request.constraint_param
     if tool_plan.constraint is not None:

@@ -18,7 +18,12 @@ from tokenmill.server.protocol import (
     random_id,
     sse_event,
 )
-from tokenmill.server.request_fields import check_priority, check_slo_targets, truncate_prompt
+from tokenmill.server.request_fields import (
+    check_kv_transfer,
+    check_priority,
+    check_slo_targets,
+    truncate_prompt,
+)
 from tokenmill.server.serving_common import (
     ChoiceState,
     EventStream,
@@ -94,6 +99,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
     check_priority(state, request.priority)
     check_slo_targets(state, params)
+    check_kv_transfer(state, request)
     if request.echo and request.stream and request.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming", param="echo")
     if request.echo:

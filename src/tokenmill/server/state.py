@@ -49,6 +49,7 @@ class ServerState:
     # The model's sampling defaults for fields a request leaves unset (--generation-config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
     scheduling_policy: str = "fcfs"  # priority is honoured only under "priority"
+    kv_role: str | None = None  # --kv-role: kv_transfer_params is honoured only with one
     # Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser, --reasoning-parser).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None

@@ -62,20 +62,21 @@ class KVSenderWorker(KVConnectorWorker):
         if not isinstance(metadata, KVSendMetadata):
             raise TypeError(f"a KV producer got {type(metadata).__name__} metadata")
         blocks = torch.tensor(metadata.device_blocks, dtype=torch.long, device=self.tensors[0].device)
-        # [num_blocks, bytes of one block of every tensor], on the host.
-        rows = torch.cat(
-            [t.index_select(1, blocks).transpose(0, 1).reshape(len(blocks), -1) for t in self.tensors], dim=1
-        ).cpu()
-        message = KVBlocksMessage(
-            self.layout, metadata.keys, metadata.token_ids, [row.numpy().tobytes() for row in rows]
-        )
+        payloads: list[bytes] = []
+        if len(blocks):  # a batch may only announce transfer ids (requests with no full block)
+            # [num_blocks, bytes of one block of every tensor], on the host.
+            rows = torch.cat(
+                [t.index_select(1, blocks).transpose(0, 1).reshape(len(blocks), -1) for t in self.tensors], dim=1
+            ).cpu()
+            payloads = [row.numpy().tobytes() for row in rows]
+        message = KVBlocksMessage(self.layout, metadata.keys, metadata.token_ids, payloads, metadata.transfer_ids)
         try:
             self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             self.blocks_dropped += len(blocks)
             logger.warning(
-                "KV consumer at %s is not taking blocks: dropped %d (it will compute those prompts)",
-                self.address, len(blocks),
+                "KV consumer at %s is not taking blocks: dropped %d and transfers %s (it will compute those "
+                "prompts)", self.address, len(blocks), metadata.transfer_ids,
             )  # fmt: skip
 
     def wait_for_load(self) -> None:
