@@ -30,6 +30,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 from tokenmill.engine.executor.worker_messages import (
+    DescribeRunner,
     InitKVCache,
     KVCacheReady,
     Released,
@@ -45,6 +46,7 @@ from tokenmill.engine.executor.worker_messages import (
     WorkerSpec,
 )
 from tokenmill.errors import EngineDeadError
+from tokenmill.worker.runner_facts import RunnerFacts
 
 if TYPE_CHECKING:
     from tokenmill.model.resolve import ResolvedModel
@@ -176,6 +178,10 @@ class WorkerGroupExecutor(Executor):
         if len(set(counts.values())) != 1:
             raise RuntimeError(f"the ranks' KV pools differ in size: {counts}")
         return counts[0]
+
+    def describe_runners(self, measure_bandwidth: bool = False) -> list[RunnerFacts]:
+        self._send(DescribeRunner(measure_bandwidth))
+        return self._collect(RunnerFacts)
 
     def check_health(self) -> None:
         dead = self._dead or self._dead_worker()
