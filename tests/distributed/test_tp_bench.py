@@ -31,13 +31,16 @@ def _common(path: str, tmp_path, name: str) -> list[str]:
 def test_latency_and_throughput_at_tp2(tp_qwen2_dir, tmp_path):
     path = str(tp_qwen2_dir)
     latency.main(
-        _args(latency, [*_common(path, tmp_path, "lat"), "--input-len", "16", "--output-len", "4", "--num-iters", "1"])
+        _args(
+            latency,
+            [*_common(path, tmp_path, "lat"), "--input-len", "16", "--output-len", "4", "--num-iters", "1"],
+        )
     )
     record = json.loads((tmp_path / "lat.json").read_text())
     metrics = record["metrics"]
     assert record["config"]["tensor_parallel_size"] == 2 and metrics["tensor_parallel_size"] == 2
     assert len(metrics["per_rank_weight_bytes"]) == 2
-    assert metrics["decode_tokens_per_s"] > 0 and 0 < metrics["roofline_fraction"]
+    assert metrics["decode_tokens_per_s"] > 0 and metrics["roofline_fraction"] > 0
     assert metrics["roofline_tokens_per_s"] == pytest.approx(
         metrics["copy_bandwidth_bytes_per_s"] / (metrics["weight_bytes"] + metrics["mean_kv_bytes_per_step"])
     )
@@ -62,10 +65,21 @@ def test_latency_and_throughput_at_tp2(tp_qwen2_dir, tmp_path):
     throughput.main(
         _args(
             throughput,
-            [*_common(path, tmp_path, "tput"), "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--no-warmup"],
+            [
+                *_common(path, tmp_path, "tput"),
+                "--num-prompts",
+                "4",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--no-warmup",
+            ],
         )
     )
     tput = json.loads((tmp_path / "tput.json").read_text())
     assert tput["config"]["tensor_parallel_size"] == 2
     assert tput["metrics"]["output_tokens"] == 16
-    assert tput["metrics"]["output_tokens_per_s_per_device"] == pytest.approx(tput["metrics"]["output_tokens_per_s"] / 2)
+    assert tput["metrics"]["output_tokens_per_s_per_device"] == pytest.approx(
+        tput["metrics"]["output_tokens_per_s"] / 2
+    )
