@@ -12,12 +12,8 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.worker.runner_facts import copy_bandwidth
-
 if TYPE_CHECKING:
-    from tokenmill.worker.runner_facts import RunnerFacts
-
-__all__ = ["copy_bandwidth", "decode_bytes_per_step", "embedding_bytes", "main", "one_stream"]
+    from tokenmill.core.runner_facts import RunnerFacts
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +36,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--result-name", default=None, help="file name of the result JSON (default: <benchmark>-<UTC time>)"
     )
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a large device-to-device copy moves, counting bytes read and written (the
+    workers measure theirs with the same function; imported here lazily: the CLI that builds the
+    server imports this module, and the API server process imports no worker code)."""
+    from tokenmill.worker.runner_facts import copy_bandwidth as measure
+
+    return measure(device)
 
 
 def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""What one rank's runner holds and reads per decode step: what `bench latency` builds its
-roofline from. Each rank answers for its own shard (worker_messages.DescribeRunner), so a
-tensor-parallel engine's figures are the sum over its ranks, read through the executor.
+"""Filling in one rank's RunnerFacts (core/runner_facts.py) from its runner: what `bench latency`
+builds its roofline from. Each rank answers for its own shard (worker_messages.DescribeRunner), so
+a tensor-parallel engine's figures are the sum over its ranks, read through the executor.
 """
 
 from __future__ import annotations
@@ -8,21 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
-
-class RunnerFacts(msgspec.Struct, tag=True):
-    rank: int
-    device: str
-    device_name: str  # e.g. "NVIDIA H100 80GB HBM3", or the CPU
-    # Bytes one decode step reads of this rank's weights: every matrix once, but not an untied
-    # input embedding (a step gathers one row per token) nor the routed experts a token skips.
-    decode_weight_bytes: float
-    embedding_bytes: float  # this rank's untied input embedding table (0 when tied)
-    unread_expert_bytes: float  # routed-expert weights a one-token step does not read (MoE; else 0)
-    kv_bytes_per_token: float  # this rank's KV heads over every layer, in the cache's own dtype
-    cuda_graphs: bool
-    copy_bandwidth_bytes_per_s: float | None = None  # measured only when asked (costs a second)
+from tokenmill.core.runner_facts import RunnerFacts
 
 
 def copy_bandwidth(device: str) -> float:

@@ -16,9 +16,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from tokenmill.core.runner_facts import RunnerFacts
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
-    from tokenmill.worker.runner_facts import RunnerFacts
 
 
 class PendingOutput(Protocol):

@@ -9,10 +9,10 @@ from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOu
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 
 if TYPE_CHECKING:
+    from tokenmill.core.runner_facts import RunnerFacts
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
     from tokenmill.worker.model_runner import ModelRunner
-    from tokenmill.worker.runner_facts import RunnerFacts
 
 
 class UniProcExecutor(Executor):

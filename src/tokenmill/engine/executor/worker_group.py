@@ -28,6 +28,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.runner_facts import RunnerFacts
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
@@ -46,7 +47,6 @@ from tokenmill.engine.executor.worker_messages import (
     WorkerSpec,
 )
 from tokenmill.errors import EngineDeadError
-from tokenmill.worker.runner_facts import RunnerFacts
 
 if TYPE_CHECKING:
     from tokenmill.model.resolve import ResolvedModel

@@ -12,7 +12,7 @@ import msgspec
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.runner_facts import RunnerFacts
+from tokenmill.core.runner_facts import RunnerFacts
 
 
 class WorkerSpec(msgspec.Struct):
