@@ -3,7 +3,7 @@
     python benchmarks/tp_agreement.py --model DIR --sizes 1,2,4 [--dtype bfloat16] [--max-tokens 32]
     python benchmarks/tp_agreement.py --write-random-checkpoint OUT_DIR --config benchmarks/configs/llama-3.1-8b
 
-Runs each size in turn in this process (an engine, its prompts, shutdown) and compares every
+Runs each size in turn, each in a fresh process (an engine, its prompts), and compares every
 size's greedy tokens with size 1's: identical, except that where size 1's two best logprobs lie
 within --tie-margin of each other (a tie at the precision bf16 logits carry: another summation
 order, as an all-reduce's, may break it the other way) the other token is allowed and the
@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,6 +136,9 @@ def main() -> int:
     parser.add_argument("--engine-args", default="{}", help="JSON of further LLM() keyword arguments")
     parser.add_argument("--name", default=None, help="result name (default: the model directory's name)")
     parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument(
+        "--dump", type=Path, default=None, help=argparse.SUPPRESS
+    )  # internal: one size's tokens
     parser.add_argument("--write-random-checkpoint", type=Path, default=None, help="write one and exit")
     parser.add_argument(
         "--config", type=Path, default=None, help="with --write-random-checkpoint: its config dir"
@@ -157,13 +162,24 @@ def main() -> int:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, min(vocab, 32000), size=(args.num_prompts, args.prompt_len)).tolist()
+    if args.dump is not None:  # one size, in a process of its own (see below)
+        args.dump.write_text(json.dumps(greedy(args.model, sizes[0], prompts, args.max_tokens, engine)))
+        return 0
     runs: dict[int, list[dict]] = {}
-    for size in sizes:
-        started = time.perf_counter()
-        runs[size] = greedy(args.model, size, prompts, args.max_tokens, engine)
-        print(
-            f"TP={size}: {len(prompts)} prompts x {args.max_tokens} tokens in {time.perf_counter() - started:.1f} s"
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            # A fresh process per size: the one-device engine's CUDA context and cached blocks would
+            # otherwise stay on GPU 0 while the next size's rank 0 sizes its KV pool there. The
+            # appended --sizes wins over the given one (argparse keeps the last).
+            started = time.perf_counter()
+            dump = Path(tmp) / f"tp{size}.json"
+            argv = [sys.executable, __file__, *sys.argv[1:], "--sizes", str(size), "--dump", str(dump)]
+            subprocess.run(argv, check=True)
+            runs[size] = json.loads(dump.read_text())
+            elapsed = time.perf_counter() - started
+            print(
+                f"TP={size}: {len(prompts)} prompts x {args.max_tokens} tokens in {elapsed:.1f} s (a fresh process)"
+            )
     reference = sizes[0]
     results: dict[str, list[dict]] = {}
     ok = True
