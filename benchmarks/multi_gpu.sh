@@ -136,7 +136,7 @@ write_tiny_checkpoint(Path('$CKPTS/tiny-qwen2-mha'), 'qwen2', tok, seed=4, num_k
       models="$CKPTS/tiny-llama-gqa $CKPTS/tiny-qwen2-mha"
     if [ -f "$CKPTS/llama-3.1-8b-random/model.safetensors.index.json" ] ||
       run write-8b-checkpoint $PY benchmarks/tp_agreement.py --write-random-checkpoint "$CKPTS/llama-3.1-8b-random" \
-        --config benchmarks/configs/llama-3.1-8b; then
+        --config benchmarks/configs/llama-3.1-8b $([ -d "$TOKENIZER" ] && echo "--tokenizer $TOKENIZER"); then
       models="$models $CKPTS/llama-3.1-8b-random"
     fi
   fi

@@ -31,14 +31,26 @@ DEFAULT_TIE_MARGIN = 2 * 2.0 ** (4 - 7)
 MIN_AGREEING = 4
 
 
-def write_random_checkpoint(out: Path, config_dir: Path, seed: int = 0) -> Path:
+def write_random_checkpoint(
+    out: Path, config_dir: Path, tokenizer: Path | None = None, seed: int = 0
+) -> Path:
     """A Llama-family safetensors checkpoint of config_dir's shapes, N(0, 0.02) bf16 weights (norms 1),
-    one shard per decoder layer, made on the GPU when there is one."""
+    one shard per decoder layer, made on the GPU when there is one. The engine loads a real
+    checkpoint's tokenizer: `tokenizer`'s files, else the tests' tiny one (prompts are token ids
+    and nothing is detokenized, so its vocabulary need not match)."""
     import torch
     from safetensors.torch import save_file
 
     cfg = json.loads((config_dir / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tokenizer)).save_pretrained(str(out))
+    else:
+        from tests.conftest import build_tiny_tokenizer  # run from the repository root
+
+        build_tiny_tokenizer().save_pretrained(str(out))
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}, indent=2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -141,13 +153,16 @@ def main() -> int:
     )  # internal: one size's tokens
     parser.add_argument("--write-random-checkpoint", type=Path, default=None, help="write one and exit")
     parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="with --write-random-checkpoint: tokenizer files to copy"
+    )
+    parser.add_argument(
         "--config", type=Path, default=None, help="with --write-random-checkpoint: its config dir"
     )
     args = parser.parse_args()
     if args.write_random_checkpoint is not None:
         if args.config is None:
             parser.error("--write-random-checkpoint needs --config DIR (a config.json of the shapes)")
-        print(f"wrote {write_random_checkpoint(args.write_random_checkpoint, args.config)}")
+        print(f"wrote {write_random_checkpoint(args.write_random_checkpoint, args.config, args.tokenizer)}")
         return 0
     if not args.model:
         parser.error("--model DIR is required")
