@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.core.runner_facts import RunnerFacts
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -36,34 +39,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Bytes per second a large device-to-device copy moves, counting bytes read and written."""
-    import torch
+    """Bytes per second a large device-to-device copy moves, counting bytes read and written (the
+    workers measure theirs with the same function; imported here lazily: the CLI that builds the
+    server imports this module, and the API server process imports no worker code)."""
+    from tokenmill.worker.runner_facts import copy_bandwidth as measure
 
-    if not device.startswith("cuda"):
-        n = 256 * 2**20
-        src = torch.empty(n, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        started = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src)
-        return 2 * n * 5 / (time.perf_counter() - started)
-    n = 2 * 2**30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 10 / seconds
+    return measure(device)
 
 
 def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
@@ -74,7 +55,9 @@ def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     req = llm.input_processor.make_request("latency", prompt, params)
-    sync = torch.cuda.synchronize if llm.info.device.startswith("cuda") else (lambda: None)
+    # A tensor-parallel engine's GPUs belong to its workers: this process has no CUDA work to wait for.
+    in_process_cuda = llm.info.device.startswith("cuda") and torch.cuda.is_initialized()
+    sync = torch.cuda.synchronize if in_process_cuda else (lambda: None)
     sync()
     started = time.perf_counter()
     llm.engine.add_request(req)
@@ -97,36 +80,46 @@ def one_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]
 
 
 def decode_bytes_per_step(llm: Any, input_len: int, output_len: int) -> tuple[float, float]:
-    """(weight bytes, mean KV bytes) read by one decode step.
+    """(weight bytes, mean KV bytes) one decode step reads, summed over the tensor-parallel ranks.
 
     Every weight matrix is read once; the input embedding table is not (a step gathers one row
     per token), so an untied embedding is left out rather than flattering the fraction. Of a
     mixture-of-experts layer's routed experts one token reads its top_k: the active parameters
-    (the router, attention, norms, dense and shared-expert MLPs are read whole).
+    (the router, attention, norms, dense and shared-expert MLPs are read whole). With tensor
+    parallelism each rank reads its shard; what ranks replicate (norms, KV heads shared by
+    several ranks) every one of them reads, so it counts once per rank.
     """
-    from tokenmill.model.layers.moe import unread_expert_bytes
-    from tokenmill.model.layers.quantized_method import kernel_weight_bytes
+    return step_bytes(llm.engine.executor.describe_runners(), input_len, output_len)
 
-    model = llm.engine.runner.model
-    weight_bytes = (
-        sum(p.numel() * p.element_size() for p in model.parameters())
-        + kernel_weight_bytes(model)  # quantized layers' FP8 / INT4 tensors, scales and zeros
-        - embedding_bytes(llm)
-        - unread_expert_bytes(model)
-    )
-    arch = llm.resolved.arch
-    itemsize = llm.engine.runner.kv_cache_tensors[0].element_size()  # the cache's own dtype (fp8: 1 byte)
-    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
+
+def step_bytes(facts: list[RunnerFacts], input_len: int, output_len: int) -> tuple[float, float]:
+    """decode_bytes_per_step from the ranks' facts."""
     mean_context = input_len + output_len / 2
-    return float(weight_bytes), float(kv_per_token * mean_context)
+    weight_bytes = sum(f.decode_weight_bytes for f in facts)
+    kv_bytes = sum(f.kv_bytes_per_token for f in facts) * mean_context
+    return float(weight_bytes), float(kv_bytes)
+
+
+def aggregate_bandwidth(llm: Any) -> tuple[list[RunnerFacts], list[float], float]:
+    """(the ranks' facts, each device's copy bandwidth, their sum: the roofline's bandwidth).
+
+    GPUs: each rank measures its own device (at the same time: they do not share memory). CPU
+    ranks share one memory system, so it is measured once, here, with the workers idle."""
+    executor = llm.engine.executor
+    if not llm.info.device.startswith("cuda"):
+        bandwidth = copy_bandwidth("cpu")
+        return executor.describe_runners(), [bandwidth], bandwidth
+    facts = executor.describe_runners(measure_bandwidth=True)
+    per_device = {f.device: f.copy_bandwidth_bytes_per_s for f in facts}  # ranks sharing a GPU count it once
+    if any(value is None for value in per_device.values()):
+        raise RuntimeError(f"a rank did not measure its copy bandwidth: {per_device}")
+    values = [float(v) for v in per_device.values()]  # type: ignore[arg-type]
+    return facts, values, sum(values)
 
 
 def embedding_bytes(llm: Any) -> float:
-    """Bytes of an untied input embedding table (0 when tied: lm_head reads it anyway)."""
-    model = llm.engine.runner.model
-    if model.lm_head.weight_is_shared:
-        return 0.0
-    return float(model.embed_tokens.numel() * model.embed_tokens.element_size())
+    """Bytes of an untied input embedding table over the ranks (0 when tied: lm_head reads it anyway)."""
+    return sum(f.embedding_bytes for f in llm.engine.executor.describe_runners())
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +129,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench.results import engine_options, write_result
     from tokenmill.bench.spec_decode import format_spec_decode, spec_decode_summary, spec_decode_totals
     from tokenmill.engine.llm import LLM
-    from tokenmill.model.layers.moe import unread_expert_bytes
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**engine_args.as_kwargs())
@@ -152,24 +144,31 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     spec_decode = spec_decode_summary(spec_before, spec_decode_totals(llm.engine.get_stats()))
     prompt = prompts[-1]
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
-    bandwidth = copy_bandwidth(llm.info.device)
-    weight_bytes, kv_bytes = decode_bytes_per_step(llm, args.input_len, args.output_len)
+    facts, per_device, bandwidth = aggregate_bandwidth(llm)
+    weight_bytes, kv_bytes = step_bytes(facts, args.input_len, args.output_len)
+    untied_embedding = sum(f.embedding_bytes for f in facts)
     roofline_tps = bandwidth / (weight_bytes + kv_bytes)
     metrics: dict[str, Any] = {
         **best,
-        "cuda_graphs": llm.engine.runner.graph_runner is not None,
+        "tensor_parallel_size": len(facts),
+        "cuda_graphs": all(f.cuda_graphs for f in facts),
         "runs": runs,
+        # The roofline's bandwidth: the sum over the ranks' devices (N x one GPU's under tensor
+        # parallelism); ranks that share a memory (CPU) share one measurement.
         "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_bytes": weight_bytes,
+        "per_device_copy_bandwidth_bytes_per_s": per_device,
+        "device_names": sorted({f.device_name for f in facts}),
+        "weight_bytes": weight_bytes,  # summed over the ranks
+        "per_rank_weight_bytes": [f.decode_weight_bytes for f in facts],
         # routed experts a one-token step does not read (mixture-of-experts models; else 0)
-        "unread_expert_weight_bytes": float(unread_expert_bytes(llm.engine.runner.model)),
+        "unread_expert_weight_bytes": sum(f.unread_expert_bytes for f in facts),
         "mean_kv_bytes_per_step": kv_bytes,
         "roofline_tokens_per_s": roofline_tps,
         "roofline_fraction": best["decode_tokens_per_s"] / roofline_tps,
         # Counting the input embedding table as read too (it is not: a step gathers one row), as
         # the reference figures in the GPU issue were taken; for comparison with those only.
         "roofline_fraction_all_weights": best["decode_tokens_per_s"]
-        * (weight_bytes + embedding_bytes(llm) + kv_bytes)
+        * (weight_bytes + untied_embedding + kv_bytes)
         / bandwidth,
     }
     if spec_decode is not None:
@@ -181,6 +180,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     )
     if spec_decode is not None:
         print(format_spec_decode(spec_decode))
+    # Ends tensor-parallel workers too (an engine left to the garbage collector would hang in
+    # ZMQ's context teardown); frees the KV pool and graphs, which would leave transformers no room.
+    llm.shutdown()
     if args.baseline == "hf-generate":
         import torch
 
@@ -188,7 +190,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
         device, dtype = llm.info.device, llm.info.dtype
         weights = llm.resolved.path  # the very files tokenmill ran (a Hub id's snapshot, not its branch)
-        llm.engine.runner.release()  # the KV pool and graphs would leave transformers no room
         del llm
         hf = load_hf_model(weights, args.load_format, device, dtype)
         ids = torch.tensor([prompt], device=device)
@@ -220,6 +221,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
         **engine_options(engine_args, engine_config),
     }
     if args.save_result:

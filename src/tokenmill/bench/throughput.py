@@ -119,6 +119,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if adapters is not None:
             adapters.close()
     spec_decode = spec_decode_summary(spec_before, spec_decode_totals(llm.engine.get_stats()))
+    # Per device, so that tensor-parallel runs compare with one device at equal hardware.
+    devices = engine_config.parallel.tensor_parallel_size
+    metrics["tensor_parallel_size"] = devices
+    metrics["output_tokens_per_s_per_device"] = metrics["output_tokens_per_s"] / devices
+    metrics["total_tokens_per_s_per_device"] = metrics["total_tokens_per_s"] / devices
     print(
         f"tokenmill: {metrics['output_tokens_per_s']:.1f} output tok/s, {metrics['total_tokens_per_s']:.1f} total tok/s "
         f"({metrics['num_requests']} requests in {metrics['elapsed_s']:.1f} s)"
@@ -132,6 +137,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         metrics["lora"] = {key: lora_after[key] - lora_before[key] for key in lora_after}
         print(f"LoRA during the timed run: {metrics['lora']}")
 
+    llm.shutdown()  # ends tensor-parallel workers; frees the KV pool, graphs and weights for the baseline
     if args.baseline != "none":
         from tokenmill.bench import hf_baseline
 
@@ -139,7 +145,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         device = llm.info.device
         dtype = llm.info.dtype
         weights = llm.resolved.path  # the very files tokenmill ran (a Hub id's snapshot, not its branch)
-        llm.engine.runner.release()  # free the KV pool, graphs and weights for the baseline
         del llm
         if args.baseline == "hf-generate":
             base = hf_baseline.measure_generate(
@@ -164,6 +169,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "baseline": args.baseline,
+        "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
         "baseline_num_prompts": len(prompts[: args.baseline_num_prompts or len(prompts)])
         if args.baseline != "none"
         else 0,

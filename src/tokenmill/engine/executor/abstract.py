@@ -16,6 +16,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from tokenmill.core.runner_facts import RunnerFacts
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
 
@@ -87,6 +88,12 @@ class Executor(ABC):
     def lora_hooks(self):  # noqa: ANN201 - core.lora_admission.LoRAHooks | None
         """What the scheduler asks before admitting a request with an adapter; None: LoRA off."""
         return None
+
+    def describe_runners(self, measure_bandwidth: bool = False) -> list[RunnerFacts]:
+        """Each rank's runner facts (weight bytes a decode step reads, KV bytes per token, device,
+        CUDA graphs; its copy bandwidth if asked), in rank order; valid after initialize_kv_cache.
+        Benchmarks build their roofline from these rather than reaching into a runner."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its runners")
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Start loading an adapter into host memory on every worker."""

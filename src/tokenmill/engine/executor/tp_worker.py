@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from tokenmill.engine.executor.worker_messages import (
+    DescribeRunner,
     InitKVCache,
     KVCacheReady,
     Released,
@@ -133,6 +134,10 @@ def _handle(runner, rank: int, command: WorkerCommand):  # noqa: ANN001, ANN202
         return StepDone(command.step_id, output) if rank == 0 else None
     if isinstance(command, InitKVCache):
         return KVCacheReady(rank, runner.initialize_kv_cache())
+    if isinstance(command, DescribeRunner):
+        from tokenmill.worker.runner_facts import describe_runner
+
+        return describe_runner(runner, rank, command.measure_bandwidth)
     if isinstance(command, ReleaseMemory):
         runner.release()
         return Released(rank)

@@ -9,6 +9,7 @@ from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOu
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 
 if TYPE_CHECKING:
+    from tokenmill.core.runner_facts import RunnerFacts
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
     from tokenmill.worker.model_runner import ModelRunner
@@ -50,6 +51,11 @@ class UniProcExecutor(Executor):
     @property
     def lora_hooks(self):  # noqa: ANN201 - the runner's LoRAManager, or None
         return self.driver_runner.lora
+
+    def describe_runners(self, measure_bandwidth: bool = False) -> list[RunnerFacts]:
+        from tokenmill.worker.runner_facts import describe_runner
+
+        return [describe_runner(self.driver_runner, 0, measure_bandwidth)]
 
     def add_lora(self, lora: LoRARequest) -> None:
         if self.driver_runner.lora is None:

@@ -28,8 +28,10 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.runner_facts import RunnerFacts
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 from tokenmill.engine.executor.worker_messages import (
+    DescribeRunner,
     InitKVCache,
     KVCacheReady,
     Released,
@@ -176,6 +178,10 @@ class WorkerGroupExecutor(Executor):
         if len(set(counts.values())) != 1:
             raise RuntimeError(f"the ranks' KV pools differ in size: {counts}")
         return counts[0]
+
+    def describe_runners(self, measure_bandwidth: bool = False) -> list[RunnerFacts]:
+        self._send(DescribeRunner(measure_bandwidth))
+        return self._collect(RunnerFacts)
 
     def check_health(self) -> None:
         dead = self._dead or self._dead_worker()

@@ -12,6 +12,7 @@ import msgspec
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.runner_facts import RunnerFacts
 
 
 class WorkerSpec(msgspec.Struct):
@@ -57,7 +58,13 @@ class StopWorker(msgspec.Struct, tag=True):
     pass
 
 
-WorkerCommand = InitKVCache | RunStep | SampleStep | ReleaseMemory | StopWorker
+class DescribeRunner(msgspec.Struct, tag=True):
+    """Every rank answers with its RunnerFacts (benchmarks' rooflines)."""
+
+    measure_bandwidth: bool = False
+
+
+WorkerCommand = InitKVCache | RunStep | SampleStep | ReleaseMemory | StopWorker | DescribeRunner
 
 
 # -- replies (any worker -> executor) ---------------------------------------------------------------
@@ -96,4 +103,4 @@ class WorkerFailed(msgspec.Struct, tag=True):
     error: str
 
 
-WorkerReply = WorkerReady | KVCacheReady | StepDone | StepDeferred | Released | WorkerFailed
+WorkerReply = WorkerReady | KVCacheReady | StepDone | StepDeferred | Released | WorkerFailed | RunnerFacts
