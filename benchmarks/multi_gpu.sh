@@ -4,7 +4,7 @@
 #   correctness  bf16 greedy agreement of TP=2/4 with TP=1 (first 32 tokens, ties allowed:
 #                benchmarks/tp_agreement.py) on two tiny checkpoints and on Llama-3.1-8B shapes with
 #                random weights written as safetensors (dummy weights differ per rank: not comparable)
-#   pytest       pytest -m gpu tests/gpu tests/distributed
+#   pytest       pytest -m gpu tests/gpu, then tests/distributed (gloo; their CPU tests on this host)
 #   single       Llama-3.1-8B shapes, dummy bf16: `bench latency` 512/256 at TP=1,2,4 (roofline over
 #                the aggregate bandwidth: N x one GPU's copy bandwidth)
 #   offline      Llama-3.1-8B shapes: `bench throughput` 512 x 512/256 at TP=1,2,4 (per GPU too)
@@ -147,7 +147,8 @@ write_tiny_checkpoint(Path('$CKPTS/tiny-qwen2-mha'), 'qwen2', tok, seed=4, num_k
 }
 part_pytest() {
   if [ "$CPU_SMOKE" = 1 ]; then echo "== pytest: GPU tests, not in the CPU smoke run"; return; fi
-  run pytest-gpu $PY -m pytest -m gpu -q tests/gpu tests/distributed
+  run pytest-gpu $PY -m pytest -m gpu -q tests/gpu
+  run pytest-distributed $PY -m pytest -q tests/distributed
 }
 latency() {  # latency MODEL TP
   fits "$2" "latency-$(basename "$1")-tp$2" || return
