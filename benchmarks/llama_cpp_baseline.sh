@@ -23,6 +23,7 @@ LLAMA_PORT=${LLAMA_PORT:-8791}
 TM_PORT=${TM_PORT:-8792}
 LLAMA_THREADS=${LLAMA_THREADS:-$(nproc)}
 TM_SERVE_ARGS=${TM_SERVE_ARGS:-}
+LOG_DIR=${LOG_DIR:-/tmp/tokenmill-llama-cpp-baseline}
 COMMIT=${TOKENMILL_COMMIT:-$(git rev-parse --short HEAD)}
 TAG=${TAG:-$COMMIT}
 export TOKENMILL_COMMIT=$COMMIT
@@ -62,20 +63,21 @@ wait_health() {
   return 1
 }
 
+mkdir -p "$LOG_DIR" "$OUT"
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
 # 3. Both servers up; 32 slots (one per client at c=32) of 512 tokens, continuous batching.
 "$SERVER_BIN" -m "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" -np 32 -cb -c $((32 * 512)) \
-  -t "$LLAMA_THREADS" --no-webui >"$OUT/../llama-server.log" 2>&1 &
+  -t "$LLAMA_THREADS" --no-webui >"$LOG_DIR/llama-server.log" 2>&1 &
 pids+=($!)
 # shellcheck disable=SC2086
-tm serve --port "$TM_PORT" $TM_SERVE_ARGS >"$OUT/../tokenmill-serve.log" 2>&1 &
+tm serve --port "$TM_PORT" $TM_SERVE_ARGS >"$LOG_DIR/tokenmill-serve.log" 2>&1 &
 pids+=($!)
 wait_health "$LLAMA_PORT"
 wait_health "$TM_PORT"
-grep -h "engine on CPU" "$OUT/../tokenmill-serve.log" || true
+grep -h "engine on CPU" "$LOG_DIR/tokenmill-serve.log" || true
 
 # 4. The same client against each, back to back at each concurrency.
 for round in $(seq 1 "$ROUNDS"); do
