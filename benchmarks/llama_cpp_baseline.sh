@@ -22,8 +22,14 @@ ROUNDS=${ROUNDS:-1}  # >1: repeat the llama / tokenmill pairs, alternating, to s
 LLAMA_PORT=${LLAMA_PORT:-8791}
 TM_PORT=${TM_PORT:-8792}
 LLAMA_THREADS=${LLAMA_THREADS:-$(nproc)}
-TM_SERVE_ARGS=${TM_SERVE_ARGS:-}
+TM_SERVE_ARGS=${TM_SERVE_ARGS:-}  # e.g. --kernel-config '{"cpu_quantized_gemm_rows": 0}'
+TM_ENV=${TM_ENV:-}                # e.g. OMP_NUM_THREADS=1 (the engine's torch threads)
 LOG_DIR=${LOG_DIR:-/tmp/tokenmill-llama-cpp-baseline}
+# The CPU's instruction sets. Not GGML_NATIVE: -march=native turns on AMX on Sapphire Rapids, and
+# on this project's VM the first AMX tile instruction dies with SIGILL (the guest may not use AMX
+# state), so llama-server crashed loading the model. The same AVX-512 / VNNI / BF16 sets, spelled out:
+LLAMA_CMAKE_FLAGS=${LLAMA_CMAKE_FLAGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON}
 COMMIT=${TOKENMILL_COMMIT:-$(git rev-parse --short HEAD)}
 TAG=${TAG:-$COMMIT}
 export TOKENMILL_COMMIT=$COMMIT
@@ -40,9 +46,10 @@ if [ ! -x "$SERVER_BIN" ]; then
     tar -xzf "$LLAMA_CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$LLAMA_CACHE"
   fi
   echo "== building llama-server (a few minutes on 2 cores; log in $LLAMA_CACHE/build.log)"
+  # shellcheck disable=SC2086
   cmake -S "$LLAMA_CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$LLAMA_CACHE/build" \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >"$LLAMA_CACHE/cmake.log"
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $LLAMA_CMAKE_FLAGS >"$LLAMA_CACHE/cmake.log"
   cmake --build "$LLAMA_CACHE/build" --target llama-server -j "$(nproc)" >"$LLAMA_CACHE/build.log"
 fi
 
@@ -73,7 +80,8 @@ trap cleanup EXIT
   -t "$LLAMA_THREADS" --no-webui >"$LOG_DIR/llama-server.log" 2>&1 &
 pids+=($!)
 # shellcheck disable=SC2086
-tm serve --port "$TM_PORT" $TM_SERVE_ARGS >"$LOG_DIR/tokenmill-serve.log" 2>&1 &
+env $TM_ENV PYTHONPATH=src "$PY" -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())' \
+  serve --port "$TM_PORT" $TM_SERVE_ARGS >"$LOG_DIR/tokenmill-serve.log" 2>&1 &
 pids+=($!)
 wait_health "$LLAMA_PORT"
 wait_health "$TM_PORT"
