@@ -21,7 +21,10 @@ CONCURRENCIES=${CONCURRENCIES:-1 8 32}
 ROUNDS=${ROUNDS:-1}  # >1: repeat the llama / tokenmill pairs, alternating, to see the spread
 LLAMA_PORT=${LLAMA_PORT:-8791}
 TM_PORT=${TM_PORT:-8792}
-LLAMA_THREADS=${LLAMA_THREADS:-$(nproc)}
+# llama-server's threads. Its default (all cores) collapsed under other jobs' load on this 2-core
+# machine: 3.9 output tok/s at c=1 with -t 2 against 39 with -t 1, same minute. So 1, its faster
+# setting here; LLAMA_THREADS=2 to compare on a quiet machine.
+LLAMA_THREADS=${LLAMA_THREADS:-1}
 TM_SERVE_ARGS=${TM_SERVE_ARGS:-}  # e.g. --kernel-config '{"cpu_quantized_gemm_rows": 0}'
 TM_ENV=${TM_ENV:-}                # e.g. OMP_NUM_THREADS=1 (the engine's torch threads)
 LOG_DIR=${LOG_DIR:-/tmp/tokenmill-llama-cpp-baseline}
@@ -99,7 +102,7 @@ for round in $(seq 1 "$ROUNDS"); do
         --random-input-len 128 --random-output-len 128 --max-concurrency "$c" --ignore-eos --disable-tqdm \
         --num-warmups 1 --save-result --result-dir "$OUT" \
         --result-filename "llama-cpp-baseline-$TAG-$side-r$round-c$c" 2>&1 |
-        grep -E "throughput|TTFT|ITL|Successful|Failed" | head -8
+        grep -E "throughput|TTFT|ITL|Successful|Failed|failed:" | head -12
     done
   done
 done
