@@ -87,3 +87,59 @@ def test_steps_of_more_rows_than_this_build_serves_keep_the_float32_weights() ->
     assert blocks_for_rows(limit + 1) is None
     if limit:
         assert blocks_for_rows(1) is blocks and blocks_for_rows(limit) is blocks
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize(
+    "n, k, m",
+    [(1, 32, 5), (24, 64, 16), (25, 96, 17), (49, 288, 40), (300, 576, 33), (7, 1536, 64)],
+)  # n not a multiple of the 24-row panel; m across 16-row groups (the last one padded)
+def test_quant_gemm_equals_dequantize_then_matmul(name: str, n: int, k: int, m: int) -> None:
+    from tokenmill.kernels.cpu.quant_gemv import gemm_available
+
+    if not gemm_available():
+        pytest.skip("the batched quantized kernel needs AVX-512")
+    qtype, code = TYPES[name]
+    rng = np.random.default_rng(n * 1000 + k + m)
+    rows = random_blocks(rng, qtype, n, k)
+    weight = torch.from_numpy(dequantize(rows, qtype).astype(np.float32))
+    x = torch.randn(m, k, dtype=torch.float64).float()
+    blocks = QuantizedBlocks(torch.from_numpy(split_rows(rows, code)), code, n)
+    out = torch.full((m, n), float("nan"))
+    torch.ops.tokenmill_cpu.quant_gemm(out, x, blocks.blocks, code)
+    expected = (x.double() @ weight.double().t()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    bias = torch.randn(n)
+    with_bias = expected + bias
+    torch.testing.assert_close(
+        quantized_linear(x, blocks, bias), with_bias, rtol=1e-5, atol=1e-5 * with_bias.abs().max().item()
+    )
+
+
+def test_quant_gemm_refuses_bad_shapes_naming_them() -> None:
+    from tokenmill.kernels.cpu.quant_gemv import gemm_available
+
+    if not gemm_available():
+        pytest.skip("the batched quantized kernel needs AVX-512")
+    rng = np.random.default_rng(0)
+    blocks = torch.from_numpy(split_rows(random_blocks(rng, GGMLQuantizationType.Q4_1, 4, 64), 0))
+    with pytest.raises(RuntimeError, match="K = 96 needs"):
+        torch.ops.tokenmill_cpu.quant_gemm(torch.empty(8, 4), torch.randn(8, 96), blocks, 0)
+    with pytest.raises(RuntimeError, match=r"out must be \[8, 4\]"):
+        torch.ops.tokenmill_cpu.quant_gemm(torch.empty(8, 5), torch.randn(8, 64), blocks, 0)
+
+
+def test_decode_batches_up_to_gemm_rows_read_the_blocks() -> None:
+    from tokenmill.kernels.cpu.quant_gemv import gemm_available, rows_limit
+    from tokenmill.model.layers.linear import ReplicatedLinear
+    from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
+
+    layer = ReplicatedLinear(64, 4)
+    rng = np.random.default_rng(2)
+    blocks = QuantizedBlocks(
+        torch.from_numpy(split_rows(random_blocks(rng, GGMLQuantizationType.Q4_1, 4, 64), 0)), 0, 4
+    )
+    attach_quantized_blocks(layer, blocks, gemm_rows=32)
+    limit = 32 if gemm_available() else rows_limit()
+    assert layer.method.blocks_for_rows(limit) is blocks
+    assert layer.method.blocks_for_rows(limit + 1) is None

@@ -72,6 +72,33 @@ async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
                     yield line[5:].strip()
 
 
+class _post_on_a_live_connection:
+    """session.post, sent again once if the pooled keep-alive connection it went out on turns out
+    closed by the server before any response came (llama-server's HTTP library closes idle
+    connections; aiohttp then fails with "Can not write request body" or "Server disconnected"
+    before the status line). Only a server that closed an idle connection does that, so it never
+    ran the request and sending it again is safe; the time lost counts in the request's TTFT."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, payload: dict[str, Any], headers: dict[str, str]):
+        self._send = lambda: session.post(url, json=payload, headers=headers)
+        self._request: Any = None
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        self._request = self._send()
+        try:
+            return await self._request.__aenter__()
+        except aiohttp.ServerDisconnectedError:
+            pass
+        except aiohttp.ClientOSError as exc:
+            if "Can not write request body" not in str(exc):
+                raise
+        self._request = self._send()
+        return await self._request.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._request.__aexit__(*exc_info)
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -90,7 +117,7 @@ async def send_request(
     usage: dict[str, Any] | None = None
     saw_done = False
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        async with _post_on_a_live_connection(session, url, payload, headers) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return result

@@ -46,10 +46,23 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
     return np.concatenate([blocks[:, :, scale_bytes:].reshape(n, -1), scales.reshape(n, -1)], axis=1)
 
 
+_gemm_available: bool | None = None
+
+
+def gemm_available() -> bool:
+    """Whether this build has the batched kernel (csrc/cpu_quant_gemm.cpp: AVX-512 only)."""
+    global _gemm_available
+    if _gemm_available is None:
+        _gemm_available = bool(torch.ops.tokenmill_cpu.quant_gemm_available())
+    return _gemm_available
+
+
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]."""
+    """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]: the one-row
+    kernel up to rows_limit() rows, the batched one (dequantize once, panel x rows) above."""
     out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
-    torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+    op = torch.ops.tokenmill_cpu.quant_gemv if x.shape[0] <= rows_limit() else torch.ops.tokenmill_cpu.quant_gemm
+    op(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     if bias is not None:
         out += bias
     return out

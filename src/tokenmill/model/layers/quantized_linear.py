@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, quantized_linear, rows_limit
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, gemm_available, quantized_linear, rows_limit
 from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod, finish_product
 
 if TYPE_CHECKING:
@@ -25,16 +25,18 @@ if TYPE_CHECKING:
 
 
 class GGUFBlocksMethod(WrappingLinearMethod):
-    """Products of up to rows_limit() float32 rows from one layer's GGUF blocks; the rest (and
-    everything but apply) go to the float method it wraps."""
+    """Products of up to `max_rows` float32 rows from one layer's GGUF blocks (the one-row kernel
+    up to rows_limit(), the batched one above); the rest (prefill chunks, and everything but apply)
+    go to the float method it wraps."""
 
-    def __init__(self, inner: LinearMethod, blocks: QuantizedBlocks) -> None:
+    def __init__(self, inner: LinearMethod, blocks: QuantizedBlocks, gemm_rows: int = 0) -> None:
         super().__init__(inner)
         self.blocks = blocks
+        self.max_rows = max(rows_limit(), gemm_rows if gemm_rows > 0 and gemm_available() else 0)
 
     def blocks_for_rows(self, rows: int) -> QuantizedBlocks | None:
         """The blocks when a product of `rows` rows should use them."""
-        return self.blocks if rows <= rows_limit() else None
+        return self.blocks if rows <= self.max_rows else None
 
     def apply(
         self,
@@ -44,15 +46,16 @@ class GGUFBlocksMethod(WrappingLinearMethod):
         residual: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.shape[0] <= rows_limit():
+        if x.dtype == torch.float32 and x.shape[0] <= self.max_rows:
             return finish_product(quantized_linear(x, self.blocks, bias), residual, out_dtype)
         return self.inner.apply(layer, x, bias, residual, out_dtype)
 
 
-def attach_quantized_blocks(layer: LinearBase, blocks: QuantizedBlocks) -> None:
-    """Route `layer`'s few-row products to `blocks` and free the float copy kept for single rows
-    (the blocks serve those now). Only call it where rows_limit() >= 1."""
-    layer.method = GGUFBlocksMethod(layer.method, blocks)
+def attach_quantized_blocks(layer: LinearBase, blocks: QuantizedBlocks, gemm_rows: int = 0) -> None:
+    """Route `layer`'s few-row products (up to `gemm_rows` rows where the batched kernel exists) to
+    `blocks` and free the float copy kept for single rows (the blocks serve those now). Only call it
+    where rows_limit() >= 1."""
+    layer.method = GGUFBlocksMethod(layer.method, blocks, gemm_rows)
     layer.method.release_single_row_copy(layer)
 
 

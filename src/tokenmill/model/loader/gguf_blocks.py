@@ -22,7 +22,9 @@ class _MapsWeightsToLinears(Protocol):
     def linear_for_weight(self, name: str) -> tuple[LinearBase, ShardId] | None: ...
 
 
-def attach_gguf_blocks(model: _MapsWeightsToLinears, quantized: Iterable[tuple[str, int, np.ndarray]]) -> int:
+def attach_gguf_blocks(
+    model: _MapsWeightsToLinears, quantized: Iterable[tuple[str, int, np.ndarray]], gemm_rows: int = 0
+) -> int:
     """Give each linear layer whose whole weight comes quantized (loader.gguf_loader.iter_gguf_quantized)
     a GGUFBlocksMethod over its blocks. Only unsharded layers (tp_size 1). Returns the bytes attached."""
     parts: dict[int, tuple[LinearBase, dict[ShardId, tuple[int, np.ndarray]]]] = {}
@@ -36,7 +38,7 @@ def attach_gguf_blocks(model: _MapsWeightsToLinears, quantized: Iterable[tuple[s
     for layer, shards in parts.values():
         blocks = _blocks_for(layer, shards)
         if blocks is not None:
-            attach_quantized_blocks(layer, blocks)
+            attach_quantized_blocks(layer, blocks, gemm_rows)
             attached += blocks.blocks.nbytes
     return attached
 

@@ -1,0 +1,98 @@
+"""Where a CPU decode step's time goes, default model (SmolLM2-135M Q4_1 GGUF), offline engine.
+
+For each batch size, `batch` requests with `input_len`-token prompts are prefilled, then:
+- step_ms: median wall time of one whole engine step (schedule, inputs, forward, sample, update);
+- a torch.profiler table of one step's CPU ops by self time (matmuls, the quantized GEMV,
+  attention, norms, sampling, and what is left: Python between ops).
+Run with --threads 1 and 2 to see the engine's torch thread count at work.
+
+    PYTHONPATH=src python benchmarks/profile_cpu_decode.py --batch-sizes 1,32 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+
+def add_requests(llm: LLM, batch: int, input_len: int, tag: str) -> list[str]:
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True, detokenize=False)
+    ids = []
+    for i in range(batch):
+        rid = f"{tag}-{i}"
+        prompt = rng.integers(100, llm.info.vocab_size, size=input_len).tolist()
+        llm.engine.add_request(llm.input_processor.make_request(rid, prompt, params))
+        ids.append(rid)
+    return ids
+
+
+def step_until_decoding(llm: LLM, batch: int) -> None:
+    for _ in range(1000):
+        llm.engine.step()
+        running = llm.engine.scheduler.running
+        if len(running) == batch and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
+            return
+    raise RuntimeError("requests never all reached decode")
+
+
+def wall_per_step(llm: LLM, steps: int) -> tuple[float, float]:
+    """Median (wall ms, process CPU ms) of one step. On a shared machine the CPU time (all of this
+    process's threads) moves less with other jobs' load than the wall time."""
+    walls, cpus = [], []
+    for _ in range(steps):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        llm.engine.step()
+        walls.append(time.perf_counter() - started)
+        cpus.append(time.process_time() - started_cpu)
+    return 1000 * statistics.median(walls), 1000 * statistics.median(cpus)
+
+
+def op_table(llm: LLM, steps: int, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=18)
+    parser.add_argument("--kernel-config", default="{}", help="JSON of KernelConfig fields")
+    parser.add_argument("--no-table", action="store_true", help="step times only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kwargs = {"max_model_len": 1024, "kernel_config": json.loads(args.kernel_config)}
+    llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        ids = add_requests(llm, batch, args.input_len, tag=f"b{batch}")
+        step_until_decoding(llm, batch)
+        wall_per_step(llm, 3)
+        step_ms, cpu_ms = wall_per_step(llm, args.steps)
+        print(
+            f"== batch {batch}, {args.threads} threads: step {step_ms:.2f} ms wall ({1000 * batch / step_ms:.1f} tok/s), "
+            f"{cpu_ms:.2f} ms CPU"
+        )
+        if not args.no_table:
+            print(op_table(llm, 5, args.rows))
+        llm.engine.abort_requests(ids)
+        while llm.engine.has_work():
+            llm.engine.step()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+// Matrix products of a decode batch (a few to a few dozen rows) straight from GGUF-quantized
+// weights (Q4_1, Q8_0, in the split-rows layout of cpu_quant_gemv.cpp), float32 activations.
+//
+// At 32 rows a float32 matmul is arithmetic-bound, but the oneDNN path also streams the float32
+// weights (540 MB a step for SmolLM2-135M, against 96 MB of blocks). Here each weight is
+// dequantized once a step into a small float32 panel (24 output rows x K, in L2) and then used for
+// every activation row: the panel is multiplied with the activations transposed into 16-row
+// groups, [k][16], so one FMA applies one weight (broadcast from the panel) to 16 rows at once and
+// no horizontal sums are needed. Result: the float32 product of the dequantized weights (d * q + m
+// computed with one FMA) up to summation order, like the one-row kernel.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPanelRows = 24;  // output features per panel: 24 accumulators + 1 load register
+constexpr int64_t kGroup = 16;      // activation rows per zmm
+
+#if defined(__AVX512F__)
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// Dequantize weight row `row` (split layout) into the panel: block b's 32 weights at
+// panel_row + b * kPanelRows * 32 (the panel is [block][panel row][32], so the product below reads
+// every weight at a constant offset from one pointer per block).
+void dequantize_row(const uint8_t* row, int64_t quant_type, int64_t num_blocks, float* panel_row) {
+  constexpr int64_t stride = kPanelRows * kBlock;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  if (quant_type == 0) {
+    const uint8_t* d_bytes = row + num_blocks * 16;
+    const uint8_t* m_bytes = row + num_blocks * 18;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const __m512 d = _mm512_set1_ps(half_bits_to_float(d_bytes + 2 * b));
+      const __m512 m = _mm512_set1_ps(half_bits_to_float(m_bytes + 2 * b));
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, low_mask)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_mask)));
+      _mm512_storeu_ps(panel_row + b * stride, _mm512_fmadd_ps(lo, d, m));
+      _mm512_storeu_ps(panel_row + b * stride + 16, _mm512_fmadd_ps(hi, d, m));
+    }
+  } else {
+    const uint8_t* d_bytes = row + num_blocks * 32;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const __m512 d = _mm512_set1_ps(half_bits_to_float(d_bytes + 2 * b));
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16))));
+      _mm512_storeu_ps(panel_row + b * stride, _mm512_mul_ps(lo, d));
+      _mm512_storeu_ps(panel_row + b * stride + 16, _mm512_mul_ps(hi, d));
+    }
+  }
+}
+
+// acc[n] (16 activation rows each) = sum_k panel[block k/32][n][k%32] * xt[k][0..16).
+// The 24 accumulators are named variables: GCC spills an __m512 array to the stack every iteration.
+#define TM_ACC_LIST(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) \
+  X(12) X(13) X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+void panel_times_group(const float* panel, const float* xt, int64_t num_blocks, float* out_tile) {
+  static_assert(kPanelRows == 24, "TM_ACC_LIST names 24 accumulators");
+#define TM_DECLARE(n) __m512 acc##n = _mm512_setzero_ps();
+  TM_ACC_LIST(TM_DECLARE)
+#undef TM_DECLARE
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* pb = panel + b * kPanelRows * kBlock;
+    const float* xb = xt + b * kBlock * kGroup;
+    for (int j = 0; j < kBlock; ++j) {
+      const __m512 xv = _mm512_loadu_ps(xb + j * kGroup);
+#define TM_FMA(n) acc##n = _mm512_fmadd_ps(_mm512_set1_ps(pb[(n) * kBlock + j]), xv, acc##n);
+      TM_ACC_LIST(TM_FMA)
+#undef TM_FMA
+    }
+  }
+#define TM_STORE(n) _mm512_storeu_ps(out_tile + (n) * kGroup, acc##n);
+  TM_ACC_LIST(TM_STORE)
+#undef TM_STORE
+}
+#undef TM_ACC_LIST
+#endif
+
+// out [M, N] float32 = x [M, K] float32 @ dequant(blocks [N, row_bytes])^T; quant_type 0 = Q4_1, 1 = Q8_0.
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "quant_gemm needs AVX-512 (quant_gemm_available() is false on this build)");
+#else
+  TORCH_CHECK(quant_type == 0 || quant_type == 1, "quant_gemm: quant_type must be 0 (Q4_1) or 1 (Q8_0), got ",
+              quant_type);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_gemm: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "quant_gemm: out must be a contiguous float32 [M, N] tensor");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "quant_gemm: blocks must be a contiguous uint8 [N, row_bytes] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  const int64_t block_bytes = quant_type == 0 ? 20 : 34;
+  TORCH_CHECK(k % kBlock == 0, "quant_gemm: K (", k, ") must be a multiple of 32");
+  const int64_t num_blocks = k / kBlock;
+  TORCH_CHECK(blocks.size(1) == num_blocks * block_bytes, "quant_gemm: blocks have ", blocks.size(1),
+              " bytes a row; K = ", k, " needs ", num_blocks * block_bytes);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_gemm: out must be [", m, ", ", n, "]");
+  if (m == 0 || n == 0) return;
+  const float* x_data = x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+
+  // Activations transposed into groups of 16 rows (zero rows pad the last group): xt[g][k][16].
+  const int64_t groups = (m + kGroup - 1) / kGroup;
+  std::vector<float> xt(groups * k * kGroup, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    float* dst = xt.data() + (r / kGroup) * k * kGroup + (r % kGroup);
+    const float* src = x_data + r * k;
+    for (int64_t i = 0; i < k; ++i) dst[i * kGroup] = src[i];
+  }
+  const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanelRows * k);
+    float tile[kPanelRows * kGroup];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kPanelRows, rows = std::min(kPanelRows, n - first);
+      for (int64_t r = 0; r < rows; ++r) {
+        dequantize_row(w + (first + r) * num_blocks * block_bytes, quant_type, num_blocks,
+                       panel.data() + r * kBlock);
+      }
+      if (rows < kPanelRows) {  // zero weights for the missing rows (their outputs are dropped)
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          std::fill_n(panel.data() + (b * kPanelRows + rows) * kBlock, (kPanelRows - rows) * kBlock, 0.f);
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        panel_times_group(panel.data(), xt.data() + g * k * kGroup, num_blocks, tile);
+        const int64_t group_rows = std::min(kGroup, m - g * kGroup);
+        for (int64_t j = 0; j < group_rows; ++j) {
+          float* yr = y + (g * kGroup + j) * n + first;
+          for (int64_t r = 0; r < rows; ++r) yr[r] = tile[r * kGroup + j];
+        }
+      }
+    }
+  });
+#endif
+}
+
+bool quant_gemm_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type) -> ()");
+  m.def("quant_gemm_available() -> bool", &quant_gemm_available);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemm", &quant_gemm); }
