@@ -16,31 +16,10 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
+from profile_decode import add_requests, step_until_decoding  # the same workload as the GPU profile
 
-from tokenmill import LLM, SamplingParams
-
-
-def add_requests(llm: LLM, batch: int, input_len: int, tag: str) -> list[str]:
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True, detokenize=False)
-    ids = []
-    for i in range(batch):
-        rid = f"{tag}-{i}"
-        prompt = rng.integers(100, llm.info.vocab_size, size=input_len).tolist()
-        llm.engine.add_request(llm.input_processor.make_request(rid, prompt, params))
-        ids.append(rid)
-    return ids
-
-
-def step_until_decoding(llm: LLM, batch: int) -> None:
-    for _ in range(1000):
-        llm.engine.step()
-        running = llm.engine.scheduler.running
-        if len(running) == batch and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
-            return
-    raise RuntimeError("requests never all reached decode")
+from tokenmill import LLM
 
 
 def wall_per_step(llm: LLM, steps: int) -> tuple[float, float]:
@@ -79,7 +58,7 @@ def main() -> None:
     kwargs = {"max_model_len": 1024, "kernel_config": json.loads(args.kernel_config)}
     llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        ids = add_requests(llm, batch, args.input_len, tag=f"b{batch}")
+        ids = add_requests(llm, batch, args.input_len, 800, tag=f"b{batch}")
         step_until_decoding(llm, batch)
         wall_per_step(llm, 3)
         step_ms, cpu_ms = wall_per_step(llm, args.steps)
