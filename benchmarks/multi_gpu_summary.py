@@ -10,6 +10,7 @@ saturation against DP=1. Missing runs are left out (the script names what it ski
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -106,10 +107,11 @@ def dp_lines(runs: list[dict]) -> list[str]:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path, help="the folder benchmarks/multi_gpu.sh wrote its results to")
+    out = parser.parse_args().out_dir
+    if not out.is_dir():
+        parser.error(f"{out} is not a folder; give the OUT folder of a benchmarks/multi_gpu.sh run")
     runs, agreements = load(out)
     devices = sorted({r["record"]["device"] for r in runs} | {a["device"] for a in agreements})
     commits = sorted({r["record"]["commit"] for r in runs} | {a["commit"] for a in agreements})

@@ -17,9 +17,9 @@ import statistics
 import time
 
 import torch
-from profile_decode import add_requests, step_until_decoding  # the same workload as the GPU profile
 
 from tokenmill import LLM
+from tokenmill.bench.decoding_batch import add_requests, step_until_decoding
 
 
 def wall_per_step(llm: LLM, steps: int) -> tuple[float, float]:

@@ -21,34 +21,13 @@ import statistics
 import time
 import warnings
 
-import numpy as np
 import torch
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.decoding_batch import add_requests, step_until_decoding
 from tokenmill.bench.results import write_result
 from tokenmill.bench.timing import cuda_ms
 from tokenmill.worker.batch_inputs import build_host_batch
-
-
-def add_requests(llm: LLM, batch: int, input_len: int, output_len: int, tag: str) -> list[str]:
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    ids = []
-    for i in range(batch):
-        rid = f"{tag}-{i}"
-        prompt = rng.integers(100, llm.info.vocab_size, size=input_len).tolist()
-        llm.engine.add_request(llm.input_processor.make_request(rid, prompt, params))
-        ids.append(rid)
-    return ids
-
-
-def step_until_decoding(llm: LLM, batch: int) -> None:
-    for _ in range(1000):
-        llm.engine.step()
-        running = llm.engine.scheduler.running
-        if len(running) == batch and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
-            return
-    raise RuntimeError("requests never all reached decode")
 
 
 def wall_per_step(llm: LLM, steps: int) -> float:
