@@ -195,3 +195,15 @@ def test_a_shed_request_is_never_reported_twice_when_aborted_later() -> None:
     assert h.abort("hopeless") == []  # already gone
     assert h.scheduler.get_stats()["slo_shed_requests.default"] == 1
     assert RequestStatus.FINISHED_SHED.finish_reason == "shed"
+
+
+def test_slo_targets_under_another_policy_end_the_request_naming_the_fields() -> None:
+    # Offline (no API server to refuse them first) the engine must not ignore them silently.
+    h = Harness()  # fcfs
+    h.add(req("targeted", 8, 0.0, ttft_ms=500.0))
+    h.add(req("plain", 8, 0.0))
+    for _ in range(10):
+        h.step()
+    final = h.finals["targeted"]
+    assert final.finish_reason == "error" and "slo_ttft_ms" in (final.error or "") and "'slo'" in final.error
+    assert h.tokens["targeted"] == [] and h.finals["plain"].finish_reason == "length"

@@ -125,6 +125,16 @@ class Scheduler:
             )  # fmt: skip
             self._pending_outputs.append(self._final_output(request))
             return
+        if self.config.policy != "slo" and (
+            request.sampling_params.slo_ttft_ms is not None or request.sampling_params.slo_tpot_ms is not None
+        ):  # only the slo policy reads them: refused, not ignored (the API server refuses them first)
+            self._finish(
+                request, RequestStatus.FINISHED_ERROR,
+                f"slo_ttft_ms / slo_tpot_ms need scheduling_policy 'slo' (this engine schedules "
+                f"{self.config.policy}); leave them out",
+            )  # fmt: skip
+            self._pending_outputs.append(self._final_output(request))
+            return
         if request.lora_request is not None and self.lora is None:
             self._finish(request, RequestStatus.FINISHED_ERROR, "LoRA is not enabled: start the engine with --enable-lora")
             self._pending_outputs.append(self._final_output(request))
