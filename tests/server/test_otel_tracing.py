@@ -215,3 +215,10 @@ def test_serve_flags_reach_the_engine_and_the_logs(monkeypatch):
         build(["--max-log-len", "5"])
     with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http"):
         build(["--otlp-traces-endpoint", "localhost:4317"])
+
+
+def test_the_offline_llm_refuses_an_otlp_endpoint_it_would_not_use():
+    from tokenmill.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="otlp_traces_endpoint: the offline LLM exports no spans"):
+        LLM(None, otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")

@@ -45,6 +45,11 @@ class LLM:
         from tokenmill.model.resolve import resolve_model
         from tokenmill.model.tokenizer import eos_token_ids
 
+        if kwargs.get("otlp_traces_endpoint") is not None:  # refused, not ignored: spans are the server's
+            raise ValueError(
+                "otlp_traces_endpoint: the offline LLM exports no spans (only `tokenmill serve "
+                "--otlp-traces-endpoint` does); leave it out"
+            )
         self.config = build_engine_config(model, **kwargs)
         torch.manual_seed(self.config.model.seed)
         self.resolved = resolve_model(self.config.model)
