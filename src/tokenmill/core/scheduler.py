@@ -119,30 +119,25 @@ class Scheduler:
         if request.sampling_params.kv_transfer_id is not None and not (
             self.kv_connector is not None and self.kv_connector.accepts_transfer_ids
         ):
-            self._finish(
-                request, RequestStatus.FINISHED_ERROR,
-                "kv_transfer_params needs an engine started with --kv-role producer or consumer; leave it out",
-            )  # fmt: skip
-            self._pending_outputs.append(self._final_output(request))
+            self._end_outside_queues(
+                request, "kv_transfer_params needs an engine started with --kv-role producer or consumer; leave it out"
+            )
             return
         if self.config.policy != "slo" and (
             request.sampling_params.slo_ttft_ms is not None or request.sampling_params.slo_tpot_ms is not None
         ):  # only the slo policy reads them: refused, not ignored (the API server refuses them first)
-            self._finish(
-                request, RequestStatus.FINISHED_ERROR,
+            self._end_outside_queues(
+                request,
                 f"slo_ttft_ms / slo_tpot_ms need scheduling_policy 'slo' (this engine schedules "
                 f"{self.config.policy}); leave them out",
-            )  # fmt: skip
-            self._pending_outputs.append(self._final_output(request))
+            )
             return
         if request.lora_request is not None and self.lora is None:
-            self._finish(request, RequestStatus.FINISHED_ERROR, "LoRA is not enabled: start the engine with --enable-lora")
-            self._pending_outputs.append(self._final_output(request))
+            self._end_outside_queues(request, "LoRA is not enabled: start the engine with --enable-lora")
             return
         if request.use_structured_output:
             if self.structured_output is None:
-                self._finish(request, RequestStatus.FINISHED_ERROR, "structured output is not available here")
-                self._pending_outputs.append(self._final_output(request))
+                self._end_outside_queues(request, "structured output is not available here")
                 return
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(request)
@@ -266,7 +261,7 @@ class Scheduler:
 
         if self.waiting:
             for shed in self.waiting.take_hopeless(len(running)):
-                self._end_in_schedule(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
+                self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
         # Admitting new work right after preempting would only thrash.
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
@@ -283,11 +278,11 @@ class Scheduler:
                     if admitted is False:
                         skipped.append(request)
                     else:
-                        self._end_in_schedule(request, admitted)
+                        self._end_outside_queues(request, admitted)
                     continue
             if request.num_tokens > self.max_model_len:  # the engine should have refused it
                 self.waiting.pop()
-                self._end_in_schedule(
+                self._end_outside_queues(
                     request,
                     f"the request has {request.num_tokens} tokens, more than max_model_len "
                     f"({self.max_model_len}); shorten the prompt",
@@ -308,7 +303,7 @@ class Scheduler:
                     break  # wait for running requests to free blocks
                 # Every block is free and it still does not fit: it never will.
                 self.waiting.pop()
-                self._end_in_schedule(
+                self._end_outside_queues(
                     request, self._too_big_message(request, num_hit_tokens, num_external + num_new)
                 )
                 continue
@@ -374,7 +369,7 @@ class Scheduler:
                 request.status = RequestStatus.WAITING
                 self.waiting.add(request, self._keys[request.request_id])
             else:
-                self._end_in_schedule(request, str(state))
+                self._end_outside_queues(request, str(state))
         self.waiting_for_grammar = still
 
     def _grammar_allows_drafts(self, request: Request) -> bool:
@@ -418,7 +413,7 @@ class Scheduler:
         while True:
             if len(running) == 1:  # nothing left to preempt: it can never get the blocks
                 running.pop()
-                self._end_in_schedule(
+                self._end_outside_queues(
                     request, self._too_big_message(request, request.num_computed_tokens, num_new)
                 )
                 return None
@@ -449,14 +444,15 @@ class Scheduler:
             "num_kv_blocks or lower max_model_len / max_tokens"
         )
 
-    def _end_in_schedule(
+    def _end_outside_queues(
         self,
         request: Request,
         error: str,
         status: RequestStatus = RequestStatus.FINISHED_ERROR,
         retry_after: float | None = None,
     ) -> None:
-        """End a request (already out of the queues) during schedule(); update_from_output reports it."""
+        """End a request that is in no queue (refused by add_request, or taken out during
+        schedule()); update_from_output reports it."""
         self._finish(request, status, error)
         output = self._final_output(request)
         output.retry_after = retry_after
