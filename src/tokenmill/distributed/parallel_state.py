@@ -5,8 +5,9 @@ it builds its model runner; the layers read `tp_rank()` / `tp_size()` when they 
 other process (one-device engines, tests) never calls it and gets rank 0 of 1, where each
 collective below returns its input untouched, so the one-device path pays nothing.
 
-The group is torch.distributed's default one: gloo on the CPU (NCCL would be the GPU's; its CUDA
-graph capture is a separate issue). Every rank runs the same code on the same step, so the
+The group is torch.distributed's default one: gloo on the CPU, NCCL on CUDA devices (whose
+collectives CUDA graphs capture like any kernel: the model runner captures each rank's graphs in
+the same order, after an eager warm-up step has created the communicator). Every rank runs the same code on the same step, so the
 collectives line up without any coordination beyond this module.
 """
 
@@ -89,6 +90,8 @@ def min_over_ranks(value: int) -> int:
     """The smallest `value` of every rank: the KV pool's block count (each rank sizes its own)."""
     if _STATE.size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    # NCCL reduces CUDA tensors only (gloo CPU ones): the value travels on the backend's device.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

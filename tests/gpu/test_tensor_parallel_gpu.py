@@ -1,0 +1,104 @@
+"""Tensor parallelism over NCCL on several CUDA GPUs (one worker process per GPU): fp32 greedy
+tokens equal transformers' (on the CPU), eagerly and with CUDA graphs capturing the all-reduces; a
+killed rank ends the engine with an error naming it, and no worker outlives it.
+
+Needs at least 2 GPUs (4 for the TP=4 cases); skipped otherwise. The CPU (gloo) twin of this file is
+tests/distributed/test_tensor_parallel.py; benchmarks/multi_gpu.sh runs this file on several-GPU
+machines, with bf16 agreement against TP=1 at 8B shapes beside it (benchmarks/tp_agreement.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.conftest import write_tiny_checkpoint
+from tests.engine.hf_oracle import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import EngineDeadError
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA devices"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"
+    ),
+]
+
+MAX_NEW = 12
+# 8 query heads: 2 and 4 ranks split them. vocab 1001: both need padding rows on the last rank.
+SHAPES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8, "head_dim": 16,
+          "vocab_size": 1001}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gqa_llama_dir(tmp_path_factory, tiny_tokenizer):
+    """4 KV heads: split at TP=2 and TP=4."""
+    return str(write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp_gpu_llama"), "llama", tiny_tokenizer, seed=21, num_key_value_heads=4,
+        **SHAPES,
+    ))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mqa_qwen2_dir(tmp_path_factory, tiny_tokenizer):
+    """q/k/v biases and one KV head (replicated on every rank)."""
+    return str(write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp_gpu_qwen2"), "qwen2", tiny_tokenizer, seed=22, num_key_value_heads=1,
+        **SHAPES,
+    ))  # fmt: skip
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 1000) for _ in range(rng.randint(3, 60))] for _ in range(count)]
+
+
+def _tp_llm(path: str, size: int, **kwargs) -> LLM:
+    return LLM(
+        path, device="cuda", dtype="float32", tensor_parallel_size=size, max_model_len=256,
+        num_kv_blocks=256, max_num_seqs=32, **kwargs,
+    )  # fmt: skip
+
+
+def _assert_greedy_equals_hf(llm: LLM, path: str, prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"prompt {i} ({len(prompt)} tokens)"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("checkpoint", ["gqa_llama_dir", "mqa_qwen2_dir"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_equals_transformers(request, checkpoint, size, enforce_eager):
+    if size > NUM_GPUS:
+        pytest.skip(f"needs {size} CUDA devices, {NUM_GPUS} here")
+    path = request.getfixturevalue(checkpoint)
+    llm = _tp_llm(path, size, enforce_eager=enforce_eager)
+    try:
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
+        _assert_greedy_equals_hf(llm, path, _prompts(3, seed=1))  # one at a time would be the same graphs
+        _assert_greedy_equals_hf(llm, path, _prompts(16, seed=2))  # 16 concurrent: batched decode graphs
+        llm.engine.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+def test_killed_rank_is_named_and_no_worker_outlives_the_engine(gqa_llama_dir):
+    llm = _tp_llm(gqa_llama_dir, 2)
+    workers = llm.engine.executor._processes
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids) == 4
+        workers[1].kill()
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {workers[1].pid}\) exited"):
+            llm.generate([{"prompt_token_ids": p} for p in _prompts(4, seed=3)], params)
+    finally:
+        llm.shutdown()
+    assert all(p.poll() is not None for p in workers), "workers outlived shutdown"
