@@ -20,7 +20,7 @@ def profile_peak_memory(runner) -> int:
     from tokenmill.worker.scratch_step import scratch_step
 
     sched = runner.config.scheduler
-    arch = runner.arch
+    arch = runner.rank_arch  # this rank's KV heads (the whole model's when not tensor-parallel)
     num_tokens = sched.max_num_batched_tokens
     seq_len = min(runner.max_model_len, num_tokens)
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])

@@ -282,7 +282,7 @@ def warm_up_eager_steps(runner) -> None:
     from tokenmill.worker.scratch_step import scratch_step
 
     started = time.perf_counter()
-    arch = runner.arch
+    arch = runner.rank_arch  # this rank's KV heads (the whole model's when not tensor-parallel)
     device = runner.device
     piecewise = getattr(runner, "piecewise", None)
 

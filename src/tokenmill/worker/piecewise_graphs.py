@@ -120,11 +120,11 @@ class PiecewiseGraphs:
         self.captured: dict[int, _Captured] = {}
         self.pool = None
         self.num_replays = 0
-        arch = model.arch
         device = buffers.device
         dtype = model.embed_tokens.dtype
         largest = self.sizes[-1] if self.sizes else 0
-        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        # The backend's head counts are this rank's (a tensor-parallel shard's), not the model's.
+        heads, kv_heads, head_dim = attn_backend.num_heads, attn_backend.num_kv_heads, attn_backend.head_dim
         self.q = torch.zeros((largest, heads, head_dim), dtype=dtype, device=device)
         self.k = torch.zeros((largest, kv_heads, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((largest, kv_heads, head_dim), dtype=dtype, device=device)

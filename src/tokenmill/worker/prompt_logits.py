@@ -35,7 +35,7 @@ def prompt_logits(runner, token_ids: Sequence[int]) -> torch.Tensor:
     # One tensor per layer (not the pool's grouped layout): every KV cache group can then use the
     # same blocks 0..num_blocks-1 without two groups' layers writing into the same tensor.
     caches = allocate_kv_caches(
-        runner.arch.num_layers, num_blocks, runner.block_size, runner.arch.num_kv_heads,
+        runner.arch.num_layers, num_blocks, runner.block_size, runner.rank_arch.num_kv_heads,
         runner.arch.head_dim, runner.kv_cache_dtype, device,
     )  # fmt: skip
     query_start_loc = np.array([0, num_tokens], np.int32)
