@@ -24,18 +24,24 @@ def _load(name: str) -> ModuleType:
 
 def test_divergence_allowed_only_at_a_reference_tie_after_four_tokens():
     agreement = _load("tp_agreement")
-    ref = {"tokens": [1, 2, 3, 4, 5, 6], "top2_margins": [1.0, 1.0, 1.0, 1.0, 0.1, 1.0]}
-    assert agreement.compare(ref, {"tokens": [1, 2, 3, 4, 5, 6]}, 0.25) == {
-        "agree": True, "first_divergence": None, "compared": 6,
+    lps = [-0.5, -1.0, -0.25, -2.0, -0.75, -1.5]
+    ref = {"tokens": [1, 2, 3, 4, 5, 6], "top2_margins": [1.0, 1.0, 1.0, 1.0, 0.1, 1.0], "logprobs": lps}
+    same = {"tokens": [1, 2, 3, 4, 5, 6], "logprobs": [lp + 0.125 for lp in lps]}
+    assert agreement.compare(ref, same, 0.25) == {
+        "agree": True, "first_divergence": None, "compared": 6, "max_logprob_gap": 0.125,
     }  # fmt: skip
-    tie = agreement.compare(ref, {"tokens": [1, 2, 3, 4, 9, 9]}, 0.25)
+    # The gap counts the tokens before the divergence only (the diverged one's is another token's).
+    tie = agreement.compare(
+        ref, {"tokens": [1, 2, 3, 4, 9, 9], "logprobs": [*lps[:3], -2.5, -9.0, -9.0]}, 0.25
+    )
     assert (
         tie["agree"] and tie["tie"] and tie["first_divergence"] == 4 and tie["reference_top2_margin"] == 0.1
     )
-    no_tie = agreement.compare(ref, {"tokens": [1, 2, 3, 4, 5, 9]}, 0.25)
+    assert tie["compared"] == 4 and tie["max_logprob_gap"] == 0.5
+    no_tie = agreement.compare(ref, {"tokens": [1, 2, 3, 4, 5, 9], "logprobs": lps}, 0.25)
     assert not no_tie["agree"] and not no_tie["tie"] and no_tie["first_divergence"] == 5
-    early = {"tokens": [1, 2, 3], "top2_margins": [1.0, 0.0, 1.0]}
-    assert not agreement.compare(early, {"tokens": [1, 7, 3]}, 0.25)["agree"], (
+    early = {"tokens": [1, 2, 3], "top2_margins": [1.0, 0.0, 1.0], "logprobs": [-1.0, -1.0, -1.0]}
+    assert not agreement.compare(early, {"tokens": [1, 7, 3], "logprobs": [-1.0] * 3}, 0.25)["agree"], (
         "a tie within the first 4 tokens"
     )
 
