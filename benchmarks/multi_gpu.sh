@@ -9,6 +9,8 @@
 #                the aggregate bandwidth: N x one GPU's copy bandwidth)
 #   offline      Llama-3.1-8B shapes: `bench throughput` 512 x 512/256 at TP=1,2,4 (per GPU too)
 #   70b          Llama-3.1-70B shapes at TP=2,4: single stream and offline
+#   profile      the all-reduce's share of a decode step (benchmarks/profile_tp_decode.py): 8B and 70B
+#                shapes at batch 1 and 64, each TP size >= 2
 #   dp           `serve --data-parallel-size 2` (the router's policy inside the server) against 1 on
 #                8B shapes: `bench serve` at saturation (all requests at once), throughput and TTFT
 # Results (JSON, benchmarks/results naming: multi-gpu-<part>-<model>-<tp|dp>N-<gpu>-<commit>.json)
@@ -20,9 +22,9 @@
 set -u
 usage() {
   echo "usage: [OUT=dir] [LOGS=dir] [TOKENIZER=.gputok] [RUN_TIMEOUT=300] [TP_SIZES='1 2 4'] [CKPTS=dir]"
-  echo "       benchmarks/multi_gpu.sh [--only correctness,pytest,single,offline,70b,dp] [--budget S] [--cpu-smoke]"
+  echo "       benchmarks/multi_gpu.sh [--only correctness,pytest,single,offline,70b,profile,dp] [--budget S] [--cpu-smoke]"
 }
-ONLY=correctness,pytest,single,offline,70b,dp
+ONLY=correctness,pytest,single,offline,70b,profile,dp
 BUDGET_S=${BUDGET_S:-540}
 CPU_SMOKE=0
 while [ $# -gt 0 ]; do
@@ -38,8 +40,8 @@ while [ $# -gt 0 ]; do
 done
 for part in ${ONLY//,/ }; do
   case $part in
-    correctness | pytest | single | offline | 70b | dp) ;;
-    *) echo "--only: unknown part '$part'; use correctness, pytest, single, offline, 70b, dp" >&2; exit 2 ;;
+    correctness | pytest | single | offline | 70b | profile | dp) ;;
+    *) echo "--only: unknown part '$part'; use correctness, pytest, single, offline, 70b, profile, dp" >&2; exit 2 ;;
   esac
 done
 
@@ -71,6 +73,7 @@ write_tiny_checkpoint(Path('$TINY'), 'llama', build_tiny_tokenizer(), seed=3)" |
   SERVE_LOAD=(--num-prompts 16 --random-input-len 16 --random-output-len 8)
   AGREE=(--device cpu --dtype float32 --max-tokens 8 --num-prompts 2 --prompt-len 12)
   AGREE_MODELS="$TINY"
+  PROFILE=(--device cpu --dtype float32 --context 32 --max-model-len 256 --steps 3 --profile-steps 2) PROFILE_BATCHES="1"
 else
   GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE "H100|H200|A100|L40S" | tr A-Z a-z)}
   GPU=${GPU:-gpu}
@@ -83,6 +86,7 @@ else
   SERVE_LOAD=(--num-prompts 1000 --random-input-len 512 --random-output-len 256)
   AGREE=(--dtype bfloat16 --max-tokens 32 --num-prompts 4 --prompt-len 24)
   AGREE_MODELS=""  # filled by the correctness part (tiny checkpoints and the 8B-shape one)
+  PROFILE=(--context 512 --max-model-len 4096) PROFILE_BATCHES="1 64"
   {
     nvidia-smi -L
     $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
@@ -190,6 +194,20 @@ serve_dp() {  # serve_dp DP: a fresh server, `bench serve` at saturation through
   fi
   kill -TERM $server 2>/dev/null
   wait $server
+}
+part_profile() {
+  local model n b label
+  for model in "$MODEL_8B" "$MODEL_70B"; do
+    for n in $TP_SIZES; do
+      [ "$n" -ge 2 ] || continue
+      for b in $PROFILE_BATCHES; do
+        label="profile-$(basename "$model")-tp$n-b$b"
+        fits "$n" "$label" || continue
+        run "$label" $PY benchmarks/profile_tp_decode.py --model "$model" --load-format "$LOAD" --tp "$n" \
+          --batch "$b" "${PROFILE[@]}" --result-dir "$OUT" --result-name "$(name profile "$model" "tp$n-b$b")"
+      done
+    done
+  done
 }
 part_dp() { serve_dp 1; serve_dp 2; }
 

@@ -5,7 +5,7 @@
 Reads OUT_DIR's multi-gpu-*.json (bench latency / throughput / serve) and tp-agreement-*.json and
 prints markdown: agreement per checkpoint; per model and size, single-stream tok/s with its
 fraction of the aggregate-bandwidth roofline, offline output tok/s and per GPU; DP serving at
-saturation against DP=1. Missing runs are left out (the script names what it skipped).
+saturation against DP=1; the collectives' share of a decode step (profile_tp_decode.py). Missing runs are left out (the script names what it skipped).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import re
 import sys
 from pathlib import Path
 
-PATTERN = re.compile(r"multi-gpu-(?P<part>single|offline|dp)-(?P<model>.+)-(?P<kind>tp|dp)(?P<n>\d+)-")
+PATTERN = re.compile(
+    r"multi-gpu-(?P<part>single|offline|dp|profile)-(?P<model>.+)-(?P<kind>tp|dp)(?P<n>\d+)(-b(?P<batch>\d+))?-"
+)
 
 
 def load(out: Path) -> tuple[list[dict], list[dict]]:
@@ -106,8 +108,27 @@ def dp_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+def profile_lines(runs: list[dict]) -> list[str]:
+    lines = [
+        "| model | TP | batch | step ms | eager kernels ms | all-reduce ms | all-reduce share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    profiles = sorted(
+        (r for r in runs if r["part"] == "profile"), key=lambda r: (r["model"], r["n"], int(r["batch"] or 0))
+    )
+    for r in profiles:
+        m = r["record"]["metrics"]
+        lines.append(
+            f"| {r['model']} | {r['n']} | {r['batch']} | {m['step_ms']:.2f} | {m['kernel_ms_per_step']:.2f} "
+            f"| {m['collective_ms_per_step']:.2f} | {100 * m['collective_share']:.1f} % |"
+        )
+    return lines
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir", type=Path, help="the folder benchmarks/multi_gpu.sh wrote its results to")
     out = parser.parse_args().out_dir
     if not out.is_dir():
@@ -122,6 +143,7 @@ def main() -> int:
         ("Greedy agreement", agreement_lines(agreements) if agreements else []),
         ("Tensor-parallel scaling", scaling_lines(runs)),
         ("Data parallelism at saturation", dp_lines(runs)),
+        ("All-reduce share of a decode step", profile_lines(runs)),
     ):
         if len(lines) > 2:
             print(f"### {title}\n")

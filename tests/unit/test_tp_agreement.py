@@ -62,11 +62,15 @@ def test_summary_table(tmp_path, capsys):
         "multi-gpu-dp-llama-3.1-8b-dp2-h200-abc.json": {
             "output_throughput": 9500.0, "median_ttft_ms": 80.0, "p99_ttft_ms": 200.0,
         },
+        "multi-gpu-profile-llama-3.1-70b-tp2-b64-h200-abc.json": {
+            "step_ms": 21.5, "kernel_ms_per_step": 20.0, "collective_ms_per_step": 2.5, "collective_share": 0.125,
+        },
     }  # fmt: skip
     for name, metrics in files.items():
         (tmp_path / name).write_text(json.dumps({**common, "metrics": metrics}))
     assert summary.main.__module__  # the script's entry point exists
     runs, agreements = summary.load(tmp_path)
-    assert not agreements and len(runs) == 4
+    assert not agreements and len(runs) == 5
     assert "| llama-3.1-8b | 2 | 250.0 | 0.700 | 8.00 | 9000 | 4500 |" in summary.scaling_lines(runs)
     assert "| llama-3.1-8b | 2 | 9500 | 1.90x | 80 | 200 |" in summary.dp_lines(runs)
+    assert "| llama-3.1-70b | 2 | 64 | 21.50 | 20.00 | 2.50 | 12.5 % |" in summary.profile_lines(runs)
