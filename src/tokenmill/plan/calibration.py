@@ -19,7 +19,15 @@ from pathlib import Path
 from tokenmill.model.arch import ArchConfig
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
-from tokenmill.plan.roofline import Efficiency, Machine, Workload, predict
+from tokenmill.plan.roofline import (
+    AllReduceCost,
+    Efficiency,
+    Machine,
+    Workload,
+    all_reduce_seconds,
+    predict,
+    step_seconds,
+)
 
 GIB = 2**30
 # The engine's defaults in those runs.
@@ -61,6 +69,53 @@ CALIBRATION: dict[str, Calibration] = {
 }
 
 
+# NVLink all-reduce bus bandwidth: the device notes' 1 GiB NCCL all-reduce on 4 H100s (355 GB/s;
+# 329 on 2, 361 on 8); the H200s have the same NVLink generation (NV18) and no reading of their own.
+NVLINK_BUS_BYTES_PER_S = 355e9
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceCalibration:
+    cost: AllReduceCost
+    source: str
+
+
+# Fitted by fit_all_reduce() (a test checks the two agree): the latency that makes the model give
+# the TP=2 single stream of Llama-3.1-8B shapes, on top of this GPU's one-GPU efficiencies.
+ALL_REDUCE: dict[str, AllReduceCalibration] = {
+    "H200": AllReduceCalibration(
+        AllReduceCost(latency_s=23.67e-6, bus_bytes_per_s=NVLINK_BUS_BYTES_PER_S),
+        "multi-gpu-single-llama-3.1-8b-tp2-h200-b614d33.json (287.2 tok/s at TP=2); bus bandwidth: the "
+        "device notes' H100 NCCL all-reduce",
+    ),
+}
+
+
+def all_reduce_for(gpu: GpuSpec) -> AllReduceCalibration:
+    """The GPU's fitted all-reduce cost, else the H200's (the only one measured), saying so."""
+    known = ALL_REDUCE.get(gpu.name)
+    if known is not None:
+        return known
+    h200 = ALL_REDUCE["H200"]
+    return AllReduceCalibration(
+        h200.cost, f"no {gpu.name} tensor-parallel runs of ours: the H200's ({h200.source})"
+    )
+
+
+def fit_all_reduce(gpu: GpuSpec, arch: ArchConfig, latency_file: Path, tensor_parallel: int) -> AllReduceCost:
+    """The per-all-reduce latency that makes the model reproduce a tensor-parallel single stream
+    (512 in / 256 out) given the GPU's one-GPU efficiencies."""
+    measured = _metrics(latency_file)["decode_tokens_per_s"]
+    weights = model_bytes(arch)
+    kv = kv_layout(arch, BENCH_MAX_MODEL_LEN, tensor_parallel=tensor_parallel)
+    eff = CALIBRATION[gpu.name].efficiency
+    bus_only = AllReduceCost(0.0, NVLINK_BUS_BYTES_PER_S)
+    machine = Machine(gpu, tensor_parallel, fp8_compute=False, all_reduce=bus_only)
+    step = step_seconds(machine, weights, kv, eff, 1, 512 + 256 / 2)
+    left = 1 / measured - step - all_reduce_seconds(machine, arch.num_layers, arch.hidden_size, 1)
+    return AllReduceCost(max(0.0, left / (2 * arch.num_layers)), NVLINK_BUS_BYTES_PER_S)
+
+
 @dataclass(frozen=True, slots=True)
 class FormatFactor:
     """How much slower than 16-bit dense weights our kernels run a weight format, as multipliers of
@@ -73,9 +128,15 @@ class FormatFactor:
 
 # fit_format() over these files gives the numbers (a test checks they agree).
 FORMAT_FACTORS: dict[str, FormatFactor] = {
-    "fp8": FormatFactor(0.7989, 0.8399, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"),
-    "int4": FormatFactor(0.5940, 0.8482, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"),
-    "moe": FormatFactor(0.4952, 0.2396, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"),
+    "fp8": FormatFactor(
+        0.7989, 0.8399, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"
+    ),
+    "int4": FormatFactor(
+        0.5940, 0.8482, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"
+    ),
+    "moe": FormatFactor(
+        0.4952, 0.2396, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"
+    ),
 }
 
 
@@ -91,7 +152,9 @@ def for_format(eff: Efficiency, key: str | None) -> Efficiency:
     if key is None:
         return eff
     factor = FORMAT_FACTORS[key]
-    return Efficiency(eff.bandwidth * factor.bandwidth, eff.prefill * factor.prefill, eff.first_token_overhead_s)
+    return Efficiency(
+        eff.bandwidth * factor.bandwidth, eff.prefill * factor.prefill, eff.first_token_overhead_s
+    )
 
 
 def calibration_for(gpu: GpuSpec) -> Calibration:
@@ -116,10 +179,21 @@ def _metrics(path: Path) -> dict:
     return json.loads(path.read_text())["metrics"]
 
 
-def fit_format(gpu: GpuSpec, arch: ArchConfig, quantization: str | None, base: Efficiency, latency_file: Path, throughput_file: Path) -> FormatFactor:
+def fit_format(
+    gpu: GpuSpec,
+    arch: ArchConfig,
+    quantization: str | None,
+    base: Efficiency,
+    latency_file: Path,
+    throughput_file: Path,
+) -> FormatFactor:
     """A weight format's factors: its run pair's fitted efficiencies over the GPU's 16-bit ones."""
     eff = fit(gpu, arch, latency_file, throughput_file, quantization)
-    return FormatFactor(eff.bandwidth / base.bandwidth, eff.prefill / base.prefill, f"{latency_file.name}, {throughput_file.name}")
+    return FormatFactor(
+        eff.bandwidth / base.bandwidth,
+        eff.prefill / base.prefill,
+        f"{latency_file.name}, {throughput_file.name}",
+    )
 
 
 def fit(
@@ -142,9 +216,20 @@ def fit(
         for _ in range(60):
             mid = (low + high) / 2
             trial = Efficiency(bandwidth, mid, eff.first_token_overhead_s)
-            got = predict(machine, weights, kv, trial, offline, arch.q_size, arch.num_layers).output_tokens_per_s
+            got = predict(
+                machine, weights, kv, trial, offline, arch.q_size, arch.num_layers, arch.hidden_size
+            ).output_tokens_per_s
             low, high = (low, mid) if got > throughput["output_tokens_per_s"] else (mid, high)
         prefill = (low + high) / 2
-        single = predict(machine, weights, kv, Efficiency(bandwidth, prefill, 0.0), Workload(input_len, output_len, 1), arch.q_size, arch.num_layers)
+        single = predict(
+            machine,
+            weights,
+            kv,
+            Efficiency(bandwidth, prefill, 0.0),
+            Workload(input_len, output_len, 1),
+            arch.q_size,
+            arch.num_layers,
+            arch.hidden_size,
+        )
         eff = Efficiency(bandwidth, prefill, max(0.0, latency["ttft_s"] - single.prefill_s))
     return eff

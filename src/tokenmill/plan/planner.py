@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model.arch import ArchConfig
-from tokenmill.plan.calibration import FORMAT_FACTORS, calibration_for, for_format, format_key
+from tokenmill.plan.calibration import FORMAT_FACTORS, all_reduce_for, calibration_for, for_format, format_key
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
 from tokenmill.plan.roofline import Machine, Workload, predict
@@ -98,10 +98,28 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
             f"concurrency {concurrency} exceeds the {at_io} sequences of {req.input_len + req.output_len} tokens "
             "the KV cache holds: the rest wait (or are preempted); the prediction assumes they all run"
         )
-    machine = Machine(gpu, tp, fp8_compute=req.quantization == "fp8")
+    all_reduce = all_reduce_for(gpu) if tp > 1 else None
+    machine = Machine(
+        gpu, tp, fp8_compute=req.quantization == "fp8", all_reduce=all_reduce and all_reduce.cost
+    )
     work = Workload(req.input_len, req.output_len, concurrency)
     key = format_key(req.quantization, arch.moe is not None)
-    pred = predict(machine, weights, kv, for_format(cal.efficiency, key), work, arch.q_size, arch.num_layers)
+    pred = predict(
+        machine,
+        weights,
+        kv,
+        for_format(cal.efficiency, key),
+        work,
+        arch.q_size,
+        arch.num_layers,
+        arch.hidden_size,
+    )
+    if all_reduce is not None:
+        plan["all_reduce"] = {
+            "latency_us": 1e6 * all_reduce.cost.latency_s,
+            "bus_bytes_per_s": all_reduce.cost.bus_bytes_per_s,
+            "source": all_reduce.source,
+        }
     if key is not None:
         plan["format_factor"] = {"format": key, "source": FORMAT_FACTORS[key].source}
     total_tps = pred.output_tokens_per_s * (req.input_len + req.output_len) / req.output_len
