@@ -1,6 +1,6 @@
 """Tensor parallelism beyond the dense Llama decoder: Gemma 2 / Gemma 3, the mixture-of-experts
 decoders (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) and Phi-3 at tensor_parallel_size=2
-on the CPU (gloo) give transformers' fp32 greedy tokens on tiny checkpoints.
+on the CPU (gloo) give transformers' fp32 greedy tokens, and their logprobs, on tiny checkpoints.
 
 The checkpoints are the families' CPU-test ones (tests/engine/gemma_checkpoints.py,
 tests/moe_checkpoints.py, tests/engine/rope_window_checkpoints.py): 4 query / 2 KV heads (one KV
@@ -18,8 +18,9 @@ import torch
 
 from tests import moe_checkpoints
 from tests.distributed.conftest import SMALL_ENGINE
-from tests.distributed.test_tensor_parallel import assert_greedy_equals_hf
-from tokenmill import LLM
+from tests.distributed.test_tensor_parallel import MAX_NEW
+from tests.engine.hf_oracle import hf_greedy
+from tokenmill import LLM, SamplingParams
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.layer_ops import select_layer_ops
 from tokenmill.model.layers.moe import SparseMoEBlock, TorchMoEOps
@@ -48,9 +49,23 @@ def test_two_ranks_equal_transformers(request, checkpoint):
     llm = LLM(path, tensor_parallel_size=2, **SMALL_ENGINE)
     try:
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
-        assert_greedy_equals_hf(llm, path, PROMPTS)
+        _assert_greedy_and_logprobs_equal_hf(llm, path)
     finally:
         llm.shutdown()
+
+
+def _assert_greedy_and_logprobs_equal_hf(llm: LLM, path: str) -> None:
+    """transformers' greedy tokens, and their logprobs within 1e-4: the whole logits, not only their
+    argmax (Gemma 2's final soft cap never moves the argmax, only the logprobs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        completion = out.outputs[0]
+        tokens, logprobs = hf_greedy(path, prompt, MAX_NEW)
+        assert completion.token_ids == tokens, f"{len(prompt)}-token prompt"
+        ours = [position[token].logprob for token, position in zip(tokens, completion.logprobs, strict=True)]
+        assert ours == pytest.approx(logprobs, abs=1e-4), f"{len(prompt)}-token prompt"
+    llm.engine.check_invariants()
 
 
 def _moe(**overrides) -> MoEConfig:
