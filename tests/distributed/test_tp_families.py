@@ -1,9 +1,10 @@
 """Tensor parallelism beyond the dense Llama decoder: Gemma 2 / Gemma 3, the mixture-of-experts
-decoders (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) and Phi-3 at tensor_parallel_size=2
+decoders (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, gpt-oss with its sinks and biased
+experts) and Phi-3 at tensor_parallel_size=2
 on the CPU (gloo) give transformers' fp32 greedy tokens, and their logprobs, on tiny checkpoints.
 
 The checkpoints are the families' CPU-test ones (tests/engine/gemma_checkpoints.py,
-tests/moe_checkpoints.py, tests/engine/rope_window_checkpoints.py): 4 query / 2 KV heads (one KV
+tests/moe_checkpoints.py, tests/gpt_oss_checkpoint.py, tests/engine/rope_window_checkpoints.py): 4 query / 2 KV heads (one KV
 head per rank), every intermediate size even. Gemma 2 has a vocabulary of 1001 (padding rows on the
 second rank, under the soft-capped, tied lm_head). Prompts of 41 and 35 tokens span several of
 Gemma's sliding windows (16 / 24) and take Phi-3's long LongRoPE factors (past 32 positions).
@@ -16,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests import moe_checkpoints
+from tests import gpt_oss_checkpoint, moe_checkpoints
 from tests.distributed.conftest import SMALL_ENGINE
 from tests.distributed.test_tensor_parallel import MAX_NEW
 from tests.engine.hf_oracle import hf_greedy
@@ -31,6 +32,7 @@ from tokenmill.model.tensor_parallel import check_tensor_parallel
 tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
 tiny_qwen2_moe_dir = moe_checkpoints.tiny_qwen2_moe_dir
 tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
+tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
 
 PROMPTS = [list(range(20, 61)), [300, 17, 42, *range(500, 532)]]
 CHECKPOINTS = [
@@ -40,6 +42,7 @@ CHECKPOINTS = [
     "tiny_qwen2_moe_dir",
     "tiny_qwen3_moe_dir",
     "tp_phi3_dir",
+    "tiny_gpt_oss_dir",
 ]
 
 

@@ -3,11 +3,11 @@
 Supported, with 16/32-bit weights (HF safetensors / .bin, GGUF dequantized at load, dummy): the
 dense Llama decoder (llama, mistral, qwen2, qwen3), Phi-3 (its fused qkv / gate_up tensors split
 per part), Gemma 2 and Gemma 3 (text), and the mixture-of-experts decoders (mixtral, qwen2_moe,
-qwen3_moe: every expert's intermediate dimension split over the ranks, the router whole). The query
-heads split evenly; the KV heads split evenly, or, with fewer KV heads than ranks, each is
+qwen3_moe, gpt_oss: every expert's intermediate dimension split over the ranks, the router whole).
+The query heads split evenly; the KV heads split evenly, or, with fewer KV heads than ranks, each is
 replicated on size / num_kv_heads ranks; the MLPs' and experts' intermediate sizes split evenly.
-Everything else (gpt_oss) is refused by name here (or in EngineArgs for options: LoRA,
---quantization, speculative decoding, an FP8 KV cache) rather than run wrong.
+Any other family is refused by name here (and options in EngineArgs: LoRA, --quantization,
+speculative decoding, an FP8 KV cache) rather than run wrong.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tokenmill.model.arch import ArchConfig
 
 TENSOR_PARALLEL_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
+    "gpt_oss",
 )  # fmt: skip
 
 
