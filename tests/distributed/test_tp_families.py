@@ -21,11 +21,10 @@ from tests import gpt_oss_checkpoint, moe_checkpoints
 from tests.distributed.conftest import SMALL_ENGINE
 from tests.distributed.test_tensor_parallel import MAX_NEW
 from tests.engine.hf_oracle import hf_greedy
+from tests.moe_shards import moe_config, sharded_moe_blocks
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.layers.layer_ops import select_layer_ops
-from tokenmill.model.layers.moe import SparseMoEBlock, TorchMoEOps
-from tokenmill.model.moe_config import MoEConfig
+from tokenmill.model.layers.moe import TorchMoEOps
 from tokenmill.model.tensor_parallel import check_tensor_parallel
 
 # The MoE checkpoints are session fixtures shared with the one-process MoE tests.
@@ -71,67 +70,31 @@ def _assert_greedy_and_logprobs_equal_hf(llm: LLM, path: str) -> None:
     llm.engine.check_invariants()
 
 
-def _moe(**overrides) -> MoEConfig:
-    base = MoEConfig(
-        num_experts=4, top_k=2, expert_intermediate_size=24, renormalize=False, sparse_layers=(0, 1),
-        shared_expert_intermediate_size=40,
-    )  # fmt: skip
-    return dataclasses.replace(base, **overrides)
-
-
-@torch.no_grad()
 def test_moe_block_partials_sum_to_the_whole_block():
     """Each rank's block (every expert's and the shared expert's intermediate columns split, the
     router whole) returns a partial sum; in one process, where the all-reduce is the identity, the
-    ranks' partials add up to the unsharded block's output. Rank 1 takes the stacked layout."""
-    hidden, moe = 32, _moe()
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * 0.2
-
-    inter, shared_inter = moe.expert_intermediate_size, moe.shared_expert_intermediate_size
-    experts = [(rand(inter, hidden), rand(inter, hidden), rand(hidden, inter)) for _ in range(moe.num_experts)]
-    router, shared_gate = rand(moe.num_experts, hidden), rand(1, hidden)
-    shared = (rand(shared_inter, hidden), rand(shared_inter, hidden), rand(hidden, shared_inter))
-
-    def block(rank: int, size: int, stacked: bool) -> SparseMoEBlock:
-        b = SparseMoEBlock(hidden, moe, select_layer_ops("cpu"), TorchMoEOps(), tp_rank=rank, tp_size=size)
-        b.gate.weight_loader("weight", router)
-        b.shared_expert_gate.weight_loader("weight", shared_gate)
-        for part, tensor in enumerate(shared[:2]):
-            b.shared_expert.gate_up_proj.weight_loader("weight", tensor, part)
-        b.shared_expert.down_proj.weight_loader("weight", shared[2])
-        if stacked:
-            b.experts.weight_loader("gate_up_proj", torch.stack([torch.cat(e[:2]) for e in experts]))
-            b.experts.weight_loader("down_proj", torch.stack([e[2] for e in experts]))
-        else:
-            for index, (gate, up, down) in enumerate(experts):
-                b.experts.weight_loader("gate_up_proj", gate, (index, 0))
-                b.experts.weight_loader("gate_up_proj", up, (index, 1))
-                b.experts.weight_loader("down_proj", down, (index, None))
-        return b
-
-    x = rand(7, hidden)
-    whole = block(0, 1, stacked=False)(x)
-    ranks = [block(0, 2, stacked=False), block(1, 2, stacked=True)]
-    assert ranks[0].experts.gate_up_proj.shape == (moe.num_experts, inter, hidden)  # half of 2 * inter
-    torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(ranks[0](x), whole, atol=1e-3), "one rank alone should hold only part of it"
+    ranks' partials add up to the unsharded block's output. Rank 1 takes the stacked layout.
+    (tests/unit/test_fused_moe_triton.py runs the same on the fused Triton kernels.)"""
+    whole, ranks, x = sharded_moe_blocks(TorchMoEOps())
+    assert ranks[0].experts.gate_up_proj.shape[1] == whole.experts.gate_up_proj.shape[1] // 2
+    with torch.no_grad():
+        expected = whole(x)
+        torch.testing.assert_close(ranks[0](x) + ranks[1](x), expected, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(ranks[0](x), expected, atol=1e-3), "one rank alone should hold only part of it"
 
 
 def test_what_the_ranks_cannot_split_evenly_is_refused_by_name():
     arch = ArchConfig(
         architecture="qwen2_moe", vocab_size=1000, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, moe=_moe(),
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, moe=moe_config(),
     )  # fmt: skip
     check_tensor_parallel(arch, 2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's shared expert's"):
-        check_tensor_parallel(dataclasses.replace(arch, moe=_moe(shared_expert_intermediate_size=42)), 4)
+        check_tensor_parallel(dataclasses.replace(arch, moe=moe_config(shared_expert_intermediate_size=42)), 4)
     with pytest.raises(ValueError, match=r"does not divide the model's experts' intermediate size \(30\)"):
-        check_tensor_parallel(dataclasses.replace(arch, moe=_moe(expert_intermediate_size=30)), 4)
+        check_tensor_parallel(dataclasses.replace(arch, moe=moe_config(expert_intermediate_size=30)), 4)
     # Every layer sparse: the dense MLP's size is not the model's business.
-    all_sparse = dataclasses.replace(arch, intermediate_size=97, moe=_moe(shared_expert_intermediate_size=0))
+    all_sparse = dataclasses.replace(arch, intermediate_size=97, moe=moe_config(shared_expert_intermediate_size=0))
     check_tensor_parallel(all_sparse, 2)
     with pytest.raises(ValueError, match=r"does not divide the model's MLP intermediate size \(97\)"):
         check_tensor_parallel(dataclasses.replace(arch, architecture="gemma2", intermediate_size=97, moe=None), 2)
