@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 from tests import moe_checkpoints  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
+from tests.moe_shards import sharded_moe_blocks  # noqa: E402
 from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
 from tokenmill.kernels.triton import moe_align, moe_tile_configs  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import fused_moe  # noqa: E402
@@ -262,6 +263,17 @@ def test_triton_moe_ops_in_the_tiny_models_match_transformers(request, model_dir
     for _ in range(3):
         harness.step([(r, 1)])
     torch.testing.assert_close(harness.logits_of(r), _hf_logits(path, prompt), atol=1e-4, rtol=1e-4)
+
+
+@interpreted_only
+def test_tensor_parallel_shards_of_the_experts_sum_to_the_whole_block():
+    """The fused kernels on one rank's experts (half of each intermediate dimension, as tensor
+    parallelism holds them): the ranks' partial outputs add up to the whole block's."""
+    whole, ranks, x = sharded_moe_blocks(TritonMoEOps())
+    with torch.no_grad():
+        expected = whole(x)
+        torch.testing.assert_close(ranks[0](x) + ranks[1](x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(expected, sharded_moe_blocks(TorchMoEOps())[0](x), atol=1e-5, rtol=1e-5)
 
 
 # -- tile configs ---------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
@@ -66,19 +65,24 @@ class GemmaDecoderLayer(nn.Module):
         linear_method: LinearMethod | None = None,
         device=None,
         dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """`tp_rank` of `tp_size`: the shard of the attention heads and MLP columns this layer
+        holds (o_proj and down_proj all-reduce, so the norms around them see whole rows)."""
         super().__init__()
         eps = arch.rms_norm_eps
         place = {"device": device, "dtype": dtype}
+        shard = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.self_attn = SelfAttention(
             arch, attn_backend, ops, linear_method=linear_method, layer_spec=layer_spec,
-            qk_norm_class=GemmaRMSNorm, **place,
+            qk_norm_class=GemmaRMSNorm, **shard, **place,
         )  # fmt: skip
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.mlp = GeGLUMLP(
-            arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **place
+            arch.hidden_size, arch.intermediate_size, ops, linear_method=linear_method, **shard, **place
         )
         self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, device)
         self.ops = ops
@@ -122,7 +126,9 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
-    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
+    # Sharded as llama's: heads and GeGLU columns per rank, the vocabulary-parallel embedding
+    # (scaled after its all-reduce) and lm_head (soft-capped after its all-gather).
+    supports_tensor_parallel = True
 
     def __init__(
         self,
@@ -173,7 +179,8 @@ class GemmaCausalLM(CausalLM):
         return GemmaDecoderLayer(
             arch, self.attn_backend, self.ops, layer_spec=spec,
             uses_local_rope=window is not None and arch.local_rope_theta is not None,
-            linear_method=linear_method, device=device, dtype=dtype,
+            linear_method=linear_method, device=device, dtype=dtype, tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
         )  # fmt: skip
 
     def forward(
@@ -185,7 +192,8 @@ class GemmaCausalLM(CausalLM):
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden], ready for compute_logits."""
         ops = self.ops
-        x = F.embedding(input_ids, self.embed_tokens).mul_(self.embed_scale)
+        # This rank's rows of the table, all-reduced into whole ones (one rank: a plain lookup).
+        x = self.vocab_shard.embed(input_ids, self.embed_tokens).mul_(self.embed_scale)
         rope = ops.rope_inputs(self.rotary, positions)
         local_rope = rope if self.local_rotary is None else ops.rope_inputs(self.local_rotary, positions)
         fuse_rope = self.fuse_decode_rope and self.attn_backend.supports_fused_decode_rope(meta)

@@ -49,7 +49,9 @@ _MOE_WEIGHTS = (
 
 class GptOssCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
-    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
+    # Sharded: attention as llama's with each rank's query heads' sinks; the experts (and their
+    # gate / up biases) cut along their intermediate dimension, the down bias added by rank 0 only.
+    supports_tensor_parallel = True
 
     def _make_layer(
         self,
@@ -62,12 +64,17 @@ class GptOssCausalLM(CausalLM):
         arch, moe = self.arch, self.arch.moe
         if moe is None or moe.clamped_swiglu is None:
             raise ValueError("a gpt_oss ArchConfig needs its MoEConfig (model/arch_gpt_oss.py builds it)")
-        sinks = nn.Parameter(torch.empty(arch.num_heads, device=device, dtype=dtype), requires_grad=False)
+        shard = {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
+        # One sink per query head of this rank (its slice of the checkpoint's: _sinks_of_this_rank).
+        heads = arch.num_heads // self.tp_size
+        sinks = nn.Parameter(torch.empty(heads, device=device, dtype=dtype), requires_grad=False)
         spec = AttentionLayerSpec(sliding_window=arch.layer_sliding_window(index), sinks=sinks)
-        mlp = GptOssMoEBlock(arch.hidden_size, moe, linear_method=linear_method, device=device, dtype=dtype)
+        mlp = GptOssMoEBlock(
+            arch.hidden_size, moe, linear_method=linear_method, device=device, dtype=dtype, **shard
+        )
         layer = DecoderLayer(
             arch, self.attn_backend, self.ops, kernel, linear_method=linear_method, layer_spec=spec,
-            device=device, dtype=dtype, mlp=mlp,
+            device=device, dtype=dtype, mlp=mlp, **shard,
         )  # fmt: skip
         # Registered where the checkpoint names it; the spec holds the same tensor, which loading
         # fills in place.
@@ -81,7 +88,19 @@ class GptOssCausalLM(CausalLM):
     # -- loading ------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_in_our_expert_layout(weights))
+        super().load_weights(self._sinks_of_this_rank(_in_our_expert_layout(weights)))
+
+    def _sinks_of_this_rank(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's sinks [num_heads] cut to this rank's query heads (QKVParallelLinear's q split:
+        rank r holds heads [r * h, (r + 1) * h)); a tensor of another size passes whole, and the
+        loader reports it."""
+        heads = self.arch.num_heads // self.tp_size
+        for name, tensor in weights:
+            if self.tp_size > 1 and _SINKS.fullmatch(name) and tensor.shape == (self.arch.num_heads,):
+                tensor = tensor.narrow(0, self.tp_rank * heads, heads)
+            yield name, tensor
 
     def _checkpoint_module(self, name: str):
         match = _EXPERT_TENSOR.fullmatch(name)

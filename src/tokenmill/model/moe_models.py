@@ -39,7 +39,9 @@ _SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_p
 
 class MoECausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
-    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
+    # Sharded: attention as llama's; each expert's intermediate dimension split over the ranks
+    # (layers/moe.py), the router whole, one all-reduce after the block.
+    supports_tensor_parallel = True
 
     def make_mlp(
         self, layer: int, linear_method: LinearMethod | None, device, dtype: torch.dtype
@@ -53,7 +55,7 @@ class MoECausalLM(CausalLM):
             self.moe_ops = select_moe_ops(device or "cpu")  # once per model, like the layer ops
         return SparseMoEBlock(
             self.arch.hidden_size, moe, self.ops, self.moe_ops, linear_method=linear_method,
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )  # fmt: skip
 
     def fold_norm_weights(self) -> bool:

@@ -25,7 +25,9 @@ _PHI3_LAYER_WEIGHTS = (
 
 class Phi3ForCausalLM(CausalLM):
     supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
-    supports_tensor_parallel = False  # not sharded yet (model/tensor_parallel.py)
+    # Sharded as llama's: the fused qkv_proj / gate_up_proj tensors are split into their parts,
+    # and each part is sharded as if loaded alone (MergedColumnParallelLinear.weight_loader).
+    supports_tensor_parallel = True
 
     @property
     def checkpoint_layer_weights(self) -> tuple[str, ...]:

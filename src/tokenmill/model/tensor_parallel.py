@@ -1,9 +1,12 @@
 """What tensor parallelism can split, checked before any worker starts, and each rank's heads.
 
-Supported: the dense Llama decoder (llama, mistral, qwen2, qwen3) with 16/32-bit weights (HF
-safetensors / .bin, GGUF dequantized at load, dummy). The query heads split evenly; the KV heads
-split evenly, or, with fewer KV heads than ranks, each is replicated on size / num_kv_heads ranks.
-Everything else is refused by name here (or in EngineArgs for options: LoRA, --quantization,
+Supported, with 16/32-bit weights (HF safetensors / .bin, GGUF dequantized at load, dummy): the
+dense Llama decoder (llama, mistral, qwen2, qwen3), Phi-3 (its fused qkv / gate_up tensors split
+per part), Gemma 2 and Gemma 3 (text), and the mixture-of-experts decoders (mixtral, qwen2_moe,
+qwen3_moe, gpt_oss: every expert's intermediate dimension split over the ranks, the router whole).
+The query heads split evenly; the KV heads split evenly, or, with fewer KV heads than ranks, each is
+replicated on size / num_kv_heads ranks; the MLPs' and experts' intermediate sizes split evenly.
+Any other family is refused by name here (and options in EngineArgs: LoRA, --quantization,
 speculative decoding, an FP8 KV cache) rather than run wrong.
 """
 
@@ -13,7 +16,10 @@ import dataclasses
 
 from tokenmill.model.arch import ArchConfig
 
-TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TENSOR_PARALLEL_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
+    "gpt_oss",
+)  # fmt: skip
 
 
 def check_tensor_parallel(arch: ArchConfig, size: int, quantization: object | None = None) -> None:
@@ -42,6 +48,25 @@ def check_tensor_parallel(arch: ArchConfig, size: int, quantization: object | No
             f"tensor_parallel_size={size} and the model's {kv_heads} KV heads: one must divide the other "
             "(KV heads are split over the ranks, or replicated when there are fewer of them than ranks)"
         )
+    for what, width in _intermediate_sizes(arch):
+        if width % size:
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide the model's {what} ({width}): each rank "
+                "holds an equal share of its columns"
+            )
+
+
+def _intermediate_sizes(arch: ArchConfig) -> list[tuple[str, int]]:
+    """(name, width) of every MLP's intermediate dimension the layers split over the ranks."""
+    moe = arch.moe
+    sizes = []
+    if moe is None or len(moe.sparse_layers) < arch.num_layers:  # some dense MLP
+        sizes.append(("MLP intermediate size", arch.intermediate_size))
+    if moe is not None:
+        sizes.append(("experts' intermediate size", moe.expert_intermediate_size))
+        if moe.shared_expert_intermediate_size:
+            sizes.append(("shared expert's intermediate size", moe.shared_expert_intermediate_size))
+    return sizes
 
 
 def _kv_heads_fit(kv_heads: int, size: int) -> bool:

@@ -284,7 +284,9 @@ class ColumnParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """Input columns split over the ranks; the partial outputs sum to the full one. The bias is
-    whole on every rank and added by rank 0 only."""
+    whole on every rank and added by rank 0 only. `reduce_results=False` leaves the sum to the
+    caller, which adds this rank's partial output to others' first and all-reduces once (a
+    mixture-of-experts block: its routed experts' and its shared expert's partials)."""
 
     def __init__(
         self,
@@ -297,12 +299,14 @@ class RowParallelLinear(LinearBase):
         tp_size: int = 1,
         device=None,
         dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
     ) -> None:
         in_features = _divide(input_size, tp_size, "input size")
         super().__init__(
             input_size, output_size, in_features, output_size, bias=bias, method=method,
             tp_rank=tp_rank, tp_size=tp_size, device=device, dtype=dtype,
         )  # fmt: skip
+        self.reduce_results = reduce_results
 
     def __call__(
         self,
@@ -317,7 +321,7 @@ class RowParallelLinear(LinearBase):
         partial = self.method.apply(
             self, x, self._applied_bias if first else None, residual if first else None, out_dtype
         )
-        return all_reduce(partial)
+        return all_reduce(partial) if self.reduce_results else partial
 
     forward = __call__
 

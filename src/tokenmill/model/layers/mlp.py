@@ -23,7 +23,10 @@ class SwiGLUMLP(nn.Module):
         tp_size: int = 1,
         device=None,
         dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
     ) -> None:
+        """`reduce_results=False`: with several ranks, forward returns this rank's partial output
+        (down_proj's RowParallelLinear does not all-reduce; the caller does, once)."""
         super().__init__()
         shard = {
             "method": linear_method,
@@ -35,7 +38,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, (intermediate_size, intermediate_size), **shard
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **shard)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results, **shard)
         self.ops = ops
         bind_hot_path(self, gate_up=self.gate_up_proj, down=self.down_proj)
 

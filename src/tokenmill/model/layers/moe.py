@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.parallel_state import all_reduce
 from tokenmill.model.layers.layer_ops import LayerOps
 from tokenmill.model.layers.linear import ReplicatedLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
@@ -151,44 +152,82 @@ def select_moe_ops(device: torch.device | str) -> MoEOps:
 
 
 class MoEExperts(nn.Module):
-    """E SwiGLU experts' weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """E SwiGLU experts' weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+
+    With tensor parallelism (vLLM's TP-MoE) every rank holds every expert, each cut along its
+    intermediate dimension: rank r of n keeps rows [r * I/n, (r + 1) * I/n) of each expert's gate
+    and of its up (column-parallel) and the same columns of its down (row-parallel). A rank's
+    experts then output partial sums that the block all-reduces once; the router stays whole."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, device=None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
     ) -> None:  # fmt: skip
         super().__init__()
         dtype = dtype or torch.float32
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"the experts' intermediate size ({intermediate_size}) is not divisible by the "
+                f"tensor-parallel size {tp_size}"
+            )
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.full_intermediate_size = intermediate_size  # of the checkpoint's experts
+        self.intermediate_size = intermediate_size // tp_size  # this rank's share
+        local = self.intermediate_size
         self.gate_up_proj = nn.Parameter(
-            torch.empty((num_experts, 2 * intermediate_size, hidden_size), device=device, dtype=dtype),
+            torch.empty((num_experts, 2 * local, hidden_size), device=device, dtype=dtype),
             requires_grad=False,
         )
         self.down_proj = nn.Parameter(
-            torch.empty((num_experts, hidden_size, intermediate_size), device=device, dtype=dtype),
+            torch.empty((num_experts, hidden_size, local), device=device, dtype=dtype),
             requires_grad=False,
         )
 
     @torch.no_grad()
     def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ExpertShard = None) -> None:
-        """Copy a checkpoint tensor into `param_name` ("gate_up_proj" or "down_proj"): one expert's
-        gate, up or down matrix (shard_id = (expert, 0 | 1 | None)), or the whole stack (None)."""
+        """Copy this rank's part of a checkpoint tensor into `param_name` ("gate_up_proj" or
+        "down_proj"): one expert's gate, up or down matrix (shard_id = (expert, 0 | 1 | None)), or
+        the whole stack (None)."""
         if param_name not in ("gate_up_proj", "down_proj"):
             raise ValueError(f"no such {param_name}; the experts hold gate_up_proj and down_proj")
         param: torch.Tensor = getattr(self, param_name).data
-        if shard_id is not None:
-            expert, part = shard_id
-            if not 0 <= expert < self.num_experts:
-                raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
-            param = param[expert]
-            if param_name == "gate_up_proj":
-                if part not in (0, 1):
-                    raise ValueError(f"gate_up_proj takes part 0 (gate) or 1 (up), not {part!r}")
-                inter = self.intermediate_size
-                param = param[part * inter : (part + 1) * inter]
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
-        param.copy_(loaded)
+        if shard_id is None:
+            for expert, matrix in enumerate(self._checked_stack(param_name, loaded).unbind(0)):
+                if param_name == "down_proj":
+                    self.weight_loader(param_name, matrix, (expert, None))
+                else:
+                    for part, half in enumerate(matrix.chunk(2, dim=0)):
+                        self.weight_loader(param_name, half, (expert, part))
+            return
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
+        param = param[expert]
+        full, local = self.full_intermediate_size, self.intermediate_size
+        start = self.tp_rank * local
+        if param_name == "gate_up_proj":
+            if part not in (0, 1):
+                raise ValueError(f"gate_up_proj takes part 0 (gate) or 1 (up), not {part!r}")
+            _check_expert_shape(loaded, (full, self.hidden_size))
+            param[part * local : (part + 1) * local].copy_(loaded.narrow(0, start, local))
+        else:
+            _check_expert_shape(loaded, (self.hidden_size, full))
+            param.copy_(loaded.narrow(1, start, local))
+
+    def _checked_stack(self, param_name: str, loaded: torch.Tensor) -> torch.Tensor:
+        rows, cols = (
+            (2 * self.full_intermediate_size, self.hidden_size)
+            if param_name == "gate_up_proj"
+            else (self.hidden_size, self.full_intermediate_size)
+        )
+        _check_expert_shape(loaded, (self.num_experts, rows, cols))
+        return loaded
+
+
+def _check_expert_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's {expected}")
 
 
 class SparseMoEBlock(nn.Module):
@@ -206,15 +245,22 @@ class SparseMoEBlock(nn.Module):
         linear_method: LinearMethod | None = None,
         device=None,
         dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """`tp_rank` of `tp_size`: the share of every expert's (and the shared expert's)
+        intermediate dimension this block holds; the router and the shared expert's gate are whole."""
         super().__init__()
         place = {"device": device, "dtype": dtype}
+        shard = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts, method=linear_method, **place)
-        self.experts = MoEExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, **place)
+        self.experts = MoEExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, **shard, **place)
         if moe.shared_expert_intermediate_size:
+            # Its down_proj leaves the partial sum: the block all-reduces once, routed + shared.
             self.shared_expert = SwiGLUMLP(
-                hidden_size, moe.shared_expert_intermediate_size, ops, linear_method=linear_method, **place
-            )
+                hidden_size, moe.shared_expert_intermediate_size, ops, linear_method=linear_method,
+                reduce_results=False, **shard, **place,
+            )  # fmt: skip
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, method=linear_method, **place)
         else:
             self.shared_expert = None
@@ -232,9 +278,11 @@ class SparseMoEBlock(nn.Module):
             self.weights_in_model_dtype,
         )  # fmt: skip
         if self.shared_expert is not None:
+            # This rank's partial of the shared expert; the gate (whole on every rank) scales the
+            # partials as it would their sum.
             shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared
-        return out
+        return all_reduce(out)  # this rank's experts' partial sums -> the whole output (one rank: as is)
 
     # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
     __call__ = forward
