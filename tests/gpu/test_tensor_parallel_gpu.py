@@ -2,7 +2,8 @@
 tokens equal transformers' (on the CPU), eagerly and with CUDA graphs capturing the all-reduces; a
 killed rank ends the engine with an error naming it, and no worker outlives it.
 
-Needs at least 2 GPUs (4 for the TP=4 cases); skipped otherwise. The CPU (gloo) twin of this file is
+Also every other family that shards (Gemma 2/3, Mixtral, Qwen2/3-MoE, Phi-3, gpt-oss) at TP=2 on the
+checkpoints of its CPU test. Needs at least 2 GPUs (4 for the TP=4 cases); skipped otherwise. The CPU (gloo) twin of this file is
 tests/distributed/test_tensor_parallel.py; benchmarks/multi_gpu.sh runs this file on several-GPU
 machines, with bf16 agreement against TP=1 at 8B shapes beside it (benchmarks/tp_agreement.py).
 """
@@ -15,12 +16,21 @@ import random
 import pytest
 import torch
 
+from tests import gpt_oss_checkpoint, moe_checkpoints
 from tests.conftest import write_tiny_checkpoint
+from tests.distributed.conftest import tp_gemma2_dir, tp_gemma3_dir, tp_phi3_dir  # noqa: F401 - fixtures
+from tests.distributed.test_tp_families import CHECKPOINTS as FAMILY_CHECKPOINTS
+from tests.distributed.test_tp_families import PROMPTS as FAMILY_PROMPTS
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import EngineDeadError
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# The other families' CPU-test checkpoints (tests/distributed/test_tp_families.py), as fixtures here.
+tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
+tiny_qwen2_moe_dir = moe_checkpoints.tiny_qwen2_moe_dir
+tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
+tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,6 +95,19 @@ def test_greedy_equals_transformers(request, checkpoint, size, enforce_eager):
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
         _assert_greedy_equals_hf(llm, path, _prompts(3, seed=1))  # one at a time would be the same graphs
         _assert_greedy_equals_hf(llm, path, _prompts(16, seed=2))  # 16 concurrent: batched decode graphs
+        llm.engine.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("checkpoint", FAMILY_CHECKPOINTS)
+def test_other_families_on_two_gpus_equal_transformers(request, checkpoint):
+    """Gemma 2/3, the MoE decoders (the fused Triton MoE path with each expert's columns split),
+    Phi-3 and gpt-oss at TP=2 with CUDA graphs: fp32 greedy tokens equal transformers'."""
+    path = str(request.getfixturevalue(checkpoint))
+    llm = _tp_llm(path, 2)
+    try:
+        _assert_greedy_equals_hf(llm, path, FAMILY_PROMPTS)
         llm.engine.check_invariants()
     finally:
         llm.shutdown()
