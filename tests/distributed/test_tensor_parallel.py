@@ -112,7 +112,14 @@ def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
     [
         ({"enable_lora": True}, "enable_lora"),
         ({"quantization": "fp8"}, "quantization"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "drafter", "num_speculative_tokens": 2}},
+            "speculative_config method 'draft_model'",
+        ),
+        (
+            {"speculative_config": {"method": "eagle3", "model": "drafter", "num_speculative_tokens": 2}},
+            "speculative_config method 'eagle3'",
+        ),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
         ({"kv_offload_gb": 1.0}, "kv_offload_gb"),
         ({"kv_role": "consumer", "kv_transfer_address": "tcp://127.0.0.1:5590"}, "kv_role"),
