@@ -397,7 +397,6 @@ class EngineArgs:
             speculative = parse_speculative_config(self.speculative_config)
             spec_method = speculative.method if speculative is not None else None
             unsupported = {
-                "enable_lora (--enable-lora)": self.enable_lora,
                 "quantization (--quantization)": self.quantization is not None,
                 # ngram proposes on the host from tokens every rank holds; a drafter model is unsharded.
                 f"speculative_config method {spec_method!r} (--speculative-config)": spec_method not in (None, "ngram"),

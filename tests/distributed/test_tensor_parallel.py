@@ -110,7 +110,6 @@ def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        ({"enable_lora": True}, "enable_lora"),
         ({"quantization": "fp8"}, "quantization"),
         (
             {"speculative_config": {"method": "draft_model", "model": "drafter", "num_speculative_tokens": 2}},

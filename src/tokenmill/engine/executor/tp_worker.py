@@ -22,8 +22,12 @@ from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
     InitKVCache,
     KVCacheReady,
+    LoadLoRA,
+    LoRALoaded,
+    LoRARemoved,
     Released,
     ReleaseMemory,
+    RemoveLoRA,
     RunStep,
     SampleStep,
     StepDeferred,
@@ -138,6 +142,10 @@ def _handle(runner, rank: int, command: WorkerCommand):  # noqa: ANN001, ANN202
         from tokenmill.worker.runner_facts import describe_runner
 
         return describe_runner(runner, rank, command.measure_bandwidth)
+    if isinstance(command, LoadLoRA):
+        return LoRALoaded(rank, runner.lora.load_now(command.lora))
+    if isinstance(command, RemoveLoRA):
+        return LoRARemoved(rank, runner.lora.remove_lora(command.lora_int_id))
     if isinstance(command, ReleaseMemory):
         runner.release()
         return Released(rank)

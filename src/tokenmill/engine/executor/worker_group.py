@@ -34,8 +34,12 @@ from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
     InitKVCache,
     KVCacheReady,
+    LoadLoRA,
+    LoRALoaded,
+    LoRARemoved,
     Released,
     ReleaseMemory,
+    RemoveLoRA,
     RunStep,
     SampleStep,
     StepDeferred,
@@ -49,6 +53,7 @@ from tokenmill.engine.executor.worker_messages import (
 from tokenmill.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
 
 logger = logging.getLogger(__name__)
@@ -127,6 +132,11 @@ class WorkerGroupExecutor(Executor):
             raise
         self._device = ready[0].device
         self._dtype = ready[0].dtype
+        self._lora = None
+        if config.lora is not None:
+            from tokenmill.engine.executor.worker_group_lora import WorkerGroupLoRA
+
+            self._lora = WorkerGroupLoRA(config.lora, self)
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -168,6 +178,28 @@ class WorkerGroupExecutor(Executor):
     @property
     def dtype(self) -> str:
         return self._dtype
+
+    @property
+    def lora_hooks(self):  # noqa: ANN201 - WorkerGroupLoRA | None
+        return self._lora
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if self._lora is None:
+            super().add_lora(lora)
+        self._lora.add_lora(lora)  # type: ignore[union-attr]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora is not None and self._lora.remove_lora(lora_int_id)
+
+    def load_lora_on_ranks(self, lora: LoRARequest) -> list[str | None]:
+        """Every rank loads `lora` into its host cache (its shard of each A / B); per rank, None or
+        why it failed. Replies of a step in flight are kept for that step's result()."""
+        self._send(LoadLoRA(lora))
+        return [reply.error for reply in self._collect(LoRALoaded)]
+
+    def remove_lora_on_ranks(self, lora_int_id: int) -> list[bool]:
+        self._send(RemoveLoRA(lora_int_id))
+        return [reply.known for reply in self._collect(LoRARemoved)]
 
     # -- life cycle -----------------------------------------------------------------------------
 
