@@ -85,6 +85,22 @@ class QuantizationSpec:
         return False
 
 
+def tensor_parallel_refusal(spec: object) -> str | None:
+    """Why weights quantized as `spec` cannot be split over tensor-parallel ranks yet; None when
+    they can: FP8 quantized at load (per-channel scales follow each rank's output rows; a
+    row-parallel layer's scales take the absmax over every rank's columns, so each shard holds
+    the whole weight's FP8 values). Quantized checkpoints (their packed tensors and scales) and INT4
+    are not sharded yet. (GGUF is no spec here: its blocks are dequantized at load.)"""
+    if isinstance(spec, QuantizationSpec) and spec.scheme == "fp8_w8a8" and not spec.from_checkpoint:
+        return None
+    what = spec.describe() if isinstance(spec, QuantizationSpec) else str(spec)
+    return (
+        f"quantized weights ({what}) are not sharded for tensor parallelism yet (supported: "
+        "--quantization fp8 on a 16-bit checkpoint, quantized at load); use a 16-bit checkpoint or "
+        "tensor_parallel_size=1"
+    )
+
+
 def quantization_method(hf_config: dict) -> str | None:
     """The checkpoint's `quantization_config.quant_method` (lower-cased), or None if it is not quantized."""
     quant = hf_config.get("quantization_config")
