@@ -10,6 +10,7 @@ not divide evenly (the last rank's padding rows).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -19,6 +20,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.args import EngineArgs
 from tokenmill.errors import EngineDeadError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader.quant_config import QuantizationSpec
 from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
 from tokenmill.sampling_params import StructuredOutputsParams as SO
 
@@ -110,7 +112,7 @@ def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        ({"quantization": "fp8"}, "quantization"),
+        ({"quantization": "awq"}, "quantization 'awq'"),
         (
             {"speculative_config": {"method": "draft_model", "model": "drafter", "num_speculative_tokens": 2}},
             "speculative_config method 'draft_model'",
@@ -141,8 +143,16 @@ def _arch(**overrides) -> ArchConfig:
 def test_what_cannot_be_split_is_refused_before_loading():
     with pytest.raises(ValueError, match="'gemma2' family is not sharded"):
         check_tensor_parallel(_arch(architecture="gemma2"), 2)
-    with pytest.raises(ValueError, match="quantized checkpoints"):
+    with pytest.raises(ValueError, match=r"quantized weights \(awq\) are not sharded"):
         check_tensor_parallel(_arch(), 2, quantization="awq")
+    fp8_at_load = QuantizationSpec("fp8", "fp8_w8a8", from_checkpoint=False)
+    check_tensor_parallel(_arch(), 2, quantization=fp8_at_load)  # each rank quantizes its shard
+    for refused in (
+        dataclasses.replace(fp8_at_load, from_checkpoint=True),  # an FP8 checkpoint's scales
+        QuantizationSpec("gptq", "int4_w4a16", from_checkpoint=False, int4_format="gptq"),
+    ):
+        with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\)"):
+            check_tensor_parallel(_arch(), 2, quantization=refused)
     with pytest.raises(ValueError, match="KV heads: one must divide the other"):
         check_tensor_parallel(_arch(num_kv_heads=2), 3)
     with pytest.raises(ValueError, match="must be >= 1"):
