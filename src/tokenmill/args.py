@@ -397,9 +397,6 @@ class EngineArgs:
             speculative = parse_speculative_config(self.speculative_config)
             spec_method = speculative.method if speculative is not None else None
             unsupported = {
-                # Only FP8 quantized at load shards (model/loader/quant_config.py tensor_parallel_refusal;
-                # a checkpoint's own quantization is checked there, once its config is read).
-                f"quantization {self.quantization!r} (--quantization)": self.quantization not in (None, "fp8"),
                 # ngram proposes on the host from tokens every rank holds; a drafter model is unsharded.
                 f"speculative_config method {spec_method!r} (--speculative-config)": spec_method not in (None, "ngram"),
                 "kv_cache_dtype fp8 (--kv-cache-dtype)": self.kv_cache_dtype in FP8_KV_CACHE_DTYPES,

@@ -112,7 +112,6 @@ def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        ({"quantization": "awq"}, "quantization 'awq'"),
         (
             {"speculative_config": {"method": "draft_model", "model": "drafter", "num_speculative_tokens": 2}},
             "speculative_config method 'draft_model'",
@@ -145,13 +144,21 @@ def test_what_cannot_be_split_is_refused_before_loading():
         check_tensor_parallel(_arch(architecture="gemma2"), 2)
     with pytest.raises(ValueError, match=r"quantized weights \(awq\) are not sharded"):
         check_tensor_parallel(_arch(), 2, quantization="awq")
-    fp8_at_load = QuantizationSpec("fp8", "fp8_w8a8", from_checkpoint=False)
-    check_tensor_parallel(_arch(), 2, quantization=fp8_at_load)  # each rank quantizes its shard
-    for refused in (
-        dataclasses.replace(fp8_at_load, from_checkpoint=True),  # an FP8 checkpoint's scales
-        QuantizationSpec("gptq", "int4_w4a16", from_checkpoint=False, int4_format="gptq"),
+    # Quantized weights split where each rank's shard keeps the scheme's blocks whole.
+    fp8 = QuantizationSpec("fp8", "fp8_w8a8", from_checkpoint=False)
+    gptq = QuantizationSpec("gptq", "int4_w4a16", from_checkpoint=True, int4_format="gptq", group_size=16)
+    for fits in (fp8, dataclasses.replace(fp8, from_checkpoint=True), gptq):
+        check_tensor_parallel(_arch(), 2, quantization=fits)  # o_proj: 48 input columns per rank
+    for refused, reason in (
+        (dataclasses.replace(gptq, act_order=True), r"\(act-order\)"),
+        (dataclasses.replace(gptq, group_size=32), r"o_proj 48 input columns \(blocks of 32\)"),
+        (dataclasses.replace(gptq, group_size=-1, from_checkpoint=False), "per-channel 4-bit scales"),
+        (
+            dataclasses.replace(fp8, from_checkpoint=True, fp8_weight_strategy="block", fp8_block=(128, 128)),
+            r"q_proj 48 output rows \(blocks of 128\)",
+        ),
     ):
-        with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\)"):
+        with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\).*{reason}"):
             check_tensor_parallel(_arch(), 2, quantization=refused)
     with pytest.raises(ValueError, match="KV heads: one must divide the other"):
         check_tensor_parallel(_arch(num_kv_heads=2), 3)

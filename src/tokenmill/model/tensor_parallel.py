@@ -1,7 +1,7 @@
 """What tensor parallelism can split, checked before any worker starts, and each rank's heads.
 
 Supported: the dense Llama decoder (llama, mistral, qwen2, qwen3) with 16/32-bit weights (HF
-safetensors / .bin, GGUF dequantized at load, dummy), or FP8 quantized at load. The query heads split evenly; the KV heads
+safetensors / .bin, GGUF dequantized at load, dummy), quantized ones whose blocks the shards keep whole (loader/quant_config.py). The query heads split evenly; the KV heads
 split evenly, or, with fewer KV heads than ranks, each is replicated on size / num_kv_heads ranks.
 Everything else is refused by name here (or in EngineArgs for options: a drafter model, an FP8
 KV cache, KV connectors) rather than run wrong.
@@ -28,7 +28,7 @@ def check_tensor_parallel(arch: ArchConfig, size: int, quantization: object | No
     if quantization is not None:
         from tokenmill.model.loader.quant_config import tensor_parallel_refusal
 
-        if (reason := tensor_parallel_refusal(quantization)) is not None:
+        if (reason := tensor_parallel_refusal(quantization, arch, size)) is not None:
             raise ValueError(f"tensor_parallel_size={size}: {reason}")
     heads, kv_heads = arch.num_heads, arch.num_kv_heads
     if heads % size:

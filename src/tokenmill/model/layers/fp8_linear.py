@@ -51,7 +51,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             # Each merged part's blocks start at its first row (a part's last block may be partial).
             block_rows = sum(-(-rows // bn) for rows in part_rows(layer))
             scale = torch.empty((block_rows, -(-in_features // bk)), **f32)
-            layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True)
+            layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True, in_dim=1, in_per_index=bk)
         layer.register_checkpoint_param(spec.fp8_scale_name, scale, layout)
         if spec.fp8_static_input_scales:
             layer.register_checkpoint_param("input_scale", torch.empty((parts, 1), **f32), ParamLayout(per_part=True))

@@ -23,6 +23,7 @@ W4A16); `QUANTIZATION_METHODS` names what each `quant_method` becomes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -85,20 +86,54 @@ class QuantizationSpec:
         return False
 
 
-def tensor_parallel_refusal(spec: object) -> str | None:
-    """Why weights quantized as `spec` cannot be split over tensor-parallel ranks yet; None when
-    they can: FP8 quantized at load (per-channel scales follow each rank's output rows; a
-    row-parallel layer's scales take the absmax over every rank's columns, so each shard holds
-    the whole weight's FP8 values). Quantized checkpoints (their packed tensors and scales) and INT4
-    are not sharded yet. (GGUF is no spec here: its blocks are dequantized at load.)"""
-    if isinstance(spec, QuantizationSpec) and spec.scheme == "fp8_w8a8" and not spec.from_checkpoint:
+def tensor_parallel_refusal(spec: object, arch: object = None, size: int = 1) -> str | None:
+    """Why weights quantized as `spec` cannot be split over `size` tensor-parallel ranks of `arch`
+    (an ArchConfig); None when they can. Each rank loads its part of every checkpoint tensor (the
+    layouts of model/layers/linear.py ParamLayout: output rows for column-parallel layers, input
+    columns for row-parallel ones), or quantizes its own shard at load (FP8: a row-parallel shard's
+    scales take the whole row's absmax). The shards must fall on the scheme's blocks: FP8 blocks
+    and INT4 groups / packed words. Act-order GPTQ (a permuted g_idx) is not sharded. (GGUF is no
+    spec here: its blocks are dequantized at load.)"""
+    if not isinstance(spec, QuantizationSpec):
+        return f"quantized weights ({spec}) are not sharded for tensor parallelism yet; use tensor_parallel_size=1"
+    what = f"quantized weights ({spec.describe()})"
+    if spec.scheme == "int4_w4a16" and spec.act_order:
+        return f"{what} are not sharded for tensor parallelism yet (act-order); use tensor_parallel_size=1"
+    if arch is None or size == 1:
         return None
-    what = spec.describe() if isinstance(spec, QuantizationSpec) else str(spec)
-    return (
-        f"quantized weights ({what}) are not sharded for tensor parallelism yet (supported: "
-        "--quantization fp8 on a 16-bit checkpoint, quantized at load); use a 16-bit checkpoint or "
-        "tensor_parallel_size=1"
-    )
+    heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim  # type: ignore[attr-defined]
+    # What one rank holds: output rows of the column-parallel parts, input columns of the row-parallel layers.
+    rows = {
+        "q_proj": heads * head_dim // size,
+        "k_proj / v_proj": max(1, kv_heads // size) * head_dim,
+        "gate_proj / up_proj": arch.intermediate_size // size,  # type: ignore[attr-defined]
+    }
+    columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}  # type: ignore[attr-defined]
+    if spec.scheme == "fp8_w8a8":
+        if spec.fp8_weight_strategy != "block" or not spec.from_checkpoint:
+            return None
+        assert spec.fp8_block is not None
+        row_align, column_align = spec.fp8_block
+    else:
+        row_align = 8 if spec.from_checkpoint else 1  # 4-bit values packed 8 to a word along N (AWQ, qzeros)
+        if spec.group_size == -1:
+            if not spec.from_checkpoint:
+                return (
+                    f"{what}: per-channel 4-bit scales quantized at load would differ per shard of a row-parallel "
+                    "layer; use a group size (e.g. 128) or tensor_parallel_size=1"
+                )
+            column_align = 8
+        else:
+            # GPTQ packs 8 input columns to a word; groups of columns hold their zeros / scales.
+            column_align = math.lcm(spec.group_size, 8) if spec.from_checkpoint else spec.group_size
+    bad = [f"{name} {n} output rows (blocks of {row_align})" for name, n in rows.items() if n % row_align]
+    bad += [f"{name} {n} input columns (blocks of {column_align})" for name, n in columns.items() if n % column_align]
+    if bad:
+        return (
+            f"{what} cannot be split over {size} ranks: each rank's shard must hold whole blocks / groups, and "
+            f"it would hold {', '.join(bad)}; choose another tensor_parallel_size or use tensor_parallel_size=1"
+        )
+    return None
 
 
 def quantization_method(hf_config: dict) -> str | None:
