@@ -1,7 +1,8 @@
 """What tensor parallelism can split, checked before any worker starts, and each rank's heads.
 
 Supported: the dense Llama decoder (llama, mistral, qwen2, qwen3) with 16/32-bit weights (HF
-safetensors / .bin, GGUF dequantized at load, dummy), quantized ones whose blocks the shards keep whole (loader/quant_config.py). The query heads split evenly; the KV heads
+safetensors / .bin, GGUF dequantized at load, dummy) or quantized ones whose blocks every shard
+keeps whole (loader/quant_config.py tensor_parallel_refusal). The query heads split evenly; the KV heads
 split evenly, or, with fewer KV heads than ranks, each is replicated on size / num_kv_heads ranks.
 Everything else is refused by name here (or in EngineArgs for options: a drafter model, an FP8
 KV cache, KV connectors) rather than run wrong.

@@ -26,10 +26,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tokenmill.config import QUANTIZATION_METHODS  # --quantization's choices = the quant_methods we run
 from tokenmill.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from tokenmill.model.arch import ArchConfig
 
 INT4_GROUP_SIZES = (32, 64, 128, -1)  # -1: one group over the whole input (per-channel)
 FP8_BLOCK = (128, 128)
@@ -86,11 +89,11 @@ class QuantizationSpec:
         return False
 
 
-def tensor_parallel_refusal(spec: object, arch: object = None, size: int = 1) -> str | None:
-    """Why weights quantized as `spec` cannot be split over `size` tensor-parallel ranks of `arch`
-    (an ArchConfig); None when they can. Each rank loads its part of every checkpoint tensor (the
-    layouts of model/layers/linear.py ParamLayout: output rows for column-parallel layers, input
-    columns for row-parallel ones), or quantizes its own shard at load (FP8: a row-parallel shard's
+def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: int = 1) -> str | None:
+    """Why weights quantized as `spec` cannot be split over `size` tensor-parallel ranks of `arch`;
+    None when they can. Each rank loads its part of every checkpoint tensor (the layouts of
+    model/layers/linear.py ParamLayout: output rows for column-parallel layers, input columns for
+    row-parallel ones), or quantizes its own shard at load (FP8: a row-parallel shard's
     scales take the whole row's absmax). The shards must fall on the scheme's blocks: FP8 blocks
     and INT4 groups / packed words. Act-order GPTQ (a permuted g_idx) is not sharded. (GGUF is no
     spec here: its blocks are dequantized at load.)"""
@@ -101,14 +104,14 @@ def tensor_parallel_refusal(spec: object, arch: object = None, size: int = 1) ->
         return f"{what} are not sharded for tensor parallelism yet (act-order); use tensor_parallel_size=1"
     if arch is None or size == 1:
         return None
-    heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim  # type: ignore[attr-defined]
+    heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
     # What one rank holds: output rows of the column-parallel parts, input columns of the row-parallel layers.
     rows = {
         "q_proj": heads * head_dim // size,
         "k_proj / v_proj": max(1, kv_heads // size) * head_dim,
-        "gate_proj / up_proj": arch.intermediate_size // size,  # type: ignore[attr-defined]
+        "gate_proj / up_proj": arch.intermediate_size // size,
     }
-    columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}  # type: ignore[attr-defined]
+    columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}
     if spec.scheme == "fp8_w8a8":
         if spec.fp8_weight_strategy != "block" or not spec.from_checkpoint:
             return None
