@@ -181,7 +181,7 @@ class LinearBase(nn.Module):
             return param, _as_shape(loaded, tuple(param.shape), param_name)
         start, rows = self._part_rows(shard_id)
         per = layout.out_per_index
-        chunk = self._shard_rows[shard_id][2]  # type: ignore[attr-defined] - merged layers only
+        chunk = self.part_shard(shard_id)[2]  # type: ignore[attr-defined] - merged layers only
         if layout.round_up_per_part:
             first = sum(-(-self._part_rows(s)[1] // per) for s in self.shard_ids[:part])
             expected = list(param.shape)
@@ -428,6 +428,11 @@ class MergedColumnParallelLinear(LinearBase):
     def _part_rows(self, shard_id: ShardId) -> tuple[int, int]:
         start, rows, _ = self._shard_rows[shard_id]
         return start, rows
+
+    def part_shard(self, shard_id: ShardId) -> tuple[int, int, int]:
+        """Part `shard_id` on this rank: (first local row, local rows, which chunk of the part's
+        unsharded rows it is; a replicated KV head's chunk is shared by several ranks)."""
+        return self._shard_rows[shard_id]
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

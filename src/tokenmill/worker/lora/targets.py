@@ -99,7 +99,7 @@ def _geometry(index: int, layer: LinearBase) -> LayerGeometry:
     if isinstance(layer, MergedColumnParallelLinear):
         shard_ids = tuple(layer.shard_ids)
         # (first local row, local rows, this rank's chunk of the unsharded part) per part
-        local = [layer._shard_rows[shard_id] for shard_id in shard_ids]
+        local = [layer.part_shard(shard_id) for shard_id in shard_ids]
         return LayerGeometry(
             index, layer, tuple(s for s, _, _ in local), tuple(n for _, n, _ in local), shard_ids,
             full_part_rows=tuple(layer.output_sizes), part_chunks=tuple(c for _, _, c in local),
