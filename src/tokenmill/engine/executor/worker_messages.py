@@ -66,8 +66,9 @@ class DescribeRunner(msgspec.Struct, tag=True):
 
 
 class LoadLoRA(msgspec.Struct, tag=True):
-    """Load an adapter into every rank's host cache (each rank cuts its own shard of A / B) and
-    answer once it is there: the scheduler admits its requests only then."""
+    """Start loading an adapter into every rank's host cache (each rank cuts its own shard of A / B,
+    on its loader thread); each rank answers `LoRALoaded` once it is there, between steps, and the
+    scheduler admits the adapter's requests only when every rank has."""
 
     lora: LoRARequest
 
@@ -114,6 +115,7 @@ class Released(msgspec.Struct, tag=True):
 
 class LoRALoaded(msgspec.Struct, tag=True):
     rank: int
+    lora_int_id: int
     error: str | None = None  # why the load failed (the adapter's requests end with it)
 
 

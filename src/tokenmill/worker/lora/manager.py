@@ -84,17 +84,6 @@ class LoRAManager:
         self._host.move_to_end(lora.lora_int_id)
         return True
 
-    def load_now(self, lora: LoRARequest) -> str | None:
-        """Load `lora` into host memory and wait for it (a tensor-parallel rank, whose engine asks
-        every rank at once); None when it is there, else why it is not."""
-        try:
-            future = self._load(lora)
-        except ValueError as exc:  # the id is taken by another adapter
-            return str(exc)
-        wait([future])
-        state = self.ready(lora)
-        return None if state is True else str(state)
-
     def wait_for_loads(self, timeout: float) -> None:
         """Block (without the GIL) until a load in progress finishes or `timeout` passes: the engine
         calls it when nothing can run until an adapter is loaded, instead of spinning in Python,
