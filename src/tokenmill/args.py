@@ -392,10 +392,13 @@ class EngineArgs:
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
         if size > 1:
+            from tokenmill.spec_decode.config import parse_speculative_config
+
+            speculative = parse_speculative_config(self.speculative_config)
+            spec_method = speculative.method if speculative is not None else None
             unsupported = {
-                "enable_lora (--enable-lora)": self.enable_lora,
-                "quantization (--quantization)": self.quantization is not None,
-                "speculative_config (--speculative-config)": self.speculative_config is not None,
+                # ngram proposes on the host from tokens every rank holds; a drafter model is unsharded.
+                f"speculative_config method {spec_method!r} (--speculative-config)": spec_method not in (None, "ngram"),
                 "kv_cache_dtype fp8 (--kv-cache-dtype)": self.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
                 # The KV connectors' worker side reads one process's KV pool (docs/KV_OFFLOAD.md).
                 "kv_offload_gb (--kv-offload-gb)": bool(self.kv_offload_gb),

@@ -10,6 +10,7 @@ not divide evenly (the last rank's padding rows).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -19,6 +20,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.args import EngineArgs
 from tokenmill.errors import EngineDeadError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader.quant_config import QuantizationSpec
 from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
 from tokenmill.sampling_params import StructuredOutputsParams as SO
 
@@ -110,9 +112,14 @@ def test_default_model_on_two_ranks_is_a_clear_error(default_model_path):
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        ({"enable_lora": True}, "enable_lora"),
-        ({"quantization": "fp8"}, "quantization"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "drafter", "num_speculative_tokens": 2}},
+            "speculative_config method 'draft_model'",
+        ),
+        (
+            {"speculative_config": {"method": "eagle3", "model": "drafter", "num_speculative_tokens": 2}},
+            "speculative_config method 'eagle3'",
+        ),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
         ({"kv_offload_gb": 1.0}, "kv_offload_gb"),
         ({"kv_role": "consumer", "kv_transfer_address": "tcp://127.0.0.1:5590"}, "kv_role"),
@@ -137,8 +144,24 @@ def test_what_cannot_be_split_is_refused_before_loading():
     # registry without sharding: model/llama.py's supports_tensor_parallel stops it at build, too).
     with pytest.raises(ValueError, match=r"'falcon' family is not sharded.*supported: llama, .*gpt_oss"):
         check_tensor_parallel(_arch(architecture="falcon"), 2)
-    with pytest.raises(ValueError, match="quantized checkpoints"):
+    with pytest.raises(ValueError, match=r"quantized weights \(awq\) are not sharded"):
         check_tensor_parallel(_arch(), 2, quantization="awq")
+    # Quantized weights split where each rank's shard keeps the scheme's blocks whole.
+    fp8 = QuantizationSpec("fp8", "fp8_w8a8", from_checkpoint=False)
+    gptq = QuantizationSpec("gptq", "int4_w4a16", from_checkpoint=True, int4_format="gptq", group_size=16)
+    for fits in (fp8, dataclasses.replace(fp8, from_checkpoint=True), gptq):
+        check_tensor_parallel(_arch(), 2, quantization=fits)  # o_proj: 48 input columns per rank
+    for refused, reason in (
+        (dataclasses.replace(gptq, act_order=True), r"\(act-order\)"),
+        (dataclasses.replace(gptq, group_size=32), r"o_proj 48 input columns \(blocks of 32\)"),
+        (dataclasses.replace(gptq, group_size=-1, from_checkpoint=False), "per-channel 4-bit scales"),
+        (
+            dataclasses.replace(fp8, from_checkpoint=True, fp8_weight_strategy="block", fp8_block=(128, 128)),
+            r"q_proj 48 output rows \(blocks of 128\)",
+        ),
+    ):
+        with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\).*{reason}"):
+            check_tensor_parallel(_arch(), 2, quantization=refused)
     with pytest.raises(ValueError, match="KV heads: one must divide the other"):
         check_tensor_parallel(_arch(num_kv_heads=2), 3)
     with pytest.raises(ValueError, match="must be >= 1"):

@@ -67,6 +67,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max of every rank's `x` (in place): a row-parallel layer's per-row absmax over
+    its whole input, when each rank quantizes its shard of the columns at load."""
+    if _STATE.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every rank's `x` side by side along the last dimension: the vocab-parallel logits. Every
     rank gets them (each runner samples the same tokens from them; see broadcast_from_driver)."""

@@ -1,13 +1,14 @@
 """What tensor parallelism can split, checked before any worker starts, and each rank's heads.
 
-Supported, with 16/32-bit weights (HF safetensors / .bin, GGUF dequantized at load, dummy): the
-dense Llama decoder (llama, mistral, qwen2, qwen3), Phi-3 (its fused qkv / gate_up tensors split
-per part), Gemma 2 and Gemma 3 (text), and the mixture-of-experts decoders (mixtral, qwen2_moe,
-qwen3_moe, gpt_oss: every expert's intermediate dimension split over the ranks, the router whole).
-The query heads split evenly; the KV heads split evenly, or, with fewer KV heads than ranks, each is
+Supported: the dense Llama decoder (llama, mistral, qwen2, qwen3), Phi-3 (its fused qkv / gate_up
+tensors split per part), Gemma 2 and Gemma 3 (text), and the mixture-of-experts decoders (mixtral,
+qwen2_moe, qwen3_moe, gpt_oss: every expert's intermediate dimension split over the ranks, the router
+whole), with 16/32-bit weights (HF safetensors / .bin, GGUF dequantized at load, dummy) or quantized
+ones whose blocks every shard keeps whole (loader/quant_config.py tensor_parallel_refusal). The query
+heads split evenly; the KV heads split evenly, or, with fewer KV heads than ranks, each is
 replicated on size / num_kv_heads ranks; the MLPs' and experts' intermediate sizes split evenly.
-Any other family is refused by name here (and options in EngineArgs: LoRA, --quantization,
-speculative decoding, an FP8 KV cache) rather than run wrong.
+Any other family is refused by name here (and options in EngineArgs: a drafter model, an FP8 KV
+cache, KV connectors) rather than run wrong.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def check_tensor_parallel(arch: ArchConfig, size: int, quantization: object | No
             f"parallelism yet (supported: {', '.join(TENSOR_PARALLEL_FAMILIES)}); use tensor_parallel_size=1"
         )
     if quantization is not None:
-        raise ValueError(
-            f"tensor_parallel_size={size}: quantized checkpoints ({quantization}) are not sharded for "
-            "tensor parallelism yet; use a 16-bit checkpoint or tensor_parallel_size=1"
-        )
+        from tokenmill.model.loader.quant_config import tensor_parallel_refusal
+
+        if (reason := tensor_parallel_refusal(quantization, arch, size)) is not None:
+            raise ValueError(f"tensor_parallel_size={size}: {reason}")
     heads, kv_heads = arch.num_heads, arch.num_kv_heads
     if heads % size:
         divisors = [n for n in range(1, heads + 1) if heads % n == 0 and _kv_heads_fit(kv_heads, n)]

@@ -836,6 +836,10 @@ class ModelRunner:
         result = verify_drafts(logits, layout, metadata, nonfinite)
         self._last_sampled = None  # speculative decoding runs without async scheduling
         packed, ready = result.packed, None
+        if self.tp_size > 1:
+            # As in _sample: rank 0's accepted runs are the step's on every rank, so each rank's
+            # token history (and its n-gram proposals, its draft policy) follows rank 0's.
+            packed = parallel_state.broadcast_from_driver(packed.contiguous())
         if self.buffers is not None:
             host = self._verify_result_host[: packed.numel()].view(packed.shape)
             host.copy_(packed, non_blocking=True)

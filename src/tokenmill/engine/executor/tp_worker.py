@@ -22,8 +22,12 @@ from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
     InitKVCache,
     KVCacheReady,
+    LoadLoRA,
+    LoRALoaded,
+    LoRARemoved,
     Released,
     ReleaseMemory,
+    RemoveLoRA,
     RunStep,
     SampleStep,
     StepDeferred,
@@ -34,10 +38,12 @@ from tokenmill.engine.executor.worker_messages import (
     WorkerReady,
     WorkerSpec,
 )
+from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger("tokenmill.tp_worker")
 
 POLL_MS = 200  # how often an idle worker checks that its parent still lives
+LOAD_POLL_MS = 5  # how often it checks its adapter loads while some are in progress
 
 
 class _ParentGone(Exception):
@@ -59,14 +65,23 @@ def run_worker(spec: WorkerSpec) -> None:
         replies.send(encoder.encode(WorkerReady(rank, os.getpid(), str(runner.device), _dtype_name(runner))))
         poller = zmq.Poller()
         poller.register(commands, zmq.POLLIN)
+        loading: dict[int, LoRARequest] = {}  # adapters loading on the runner's loader thread
         while True:
-            if not poller.poll(POLL_MS):
+            for reply in _finished_loads(runner, rank, loading):
+                replies.send(encoder.encode(reply))
+            if not poller.poll(LOAD_POLL_MS if loading else POLL_MS):
                 if spec.parent_pid and os.getppid() != spec.parent_pid:
                     raise _ParentGone
                 continue
             command = decoder.decode(commands.recv())
             if isinstance(command, StopWorker):
                 return
+            if isinstance(command, LoadLoRA):
+                runner.lora.add_lora(command.lora)  # answered by _finished_loads once loaded
+                loading[command.lora.lora_int_id] = command.lora
+                continue
+            if isinstance(command, RemoveLoRA):
+                loading.pop(command.lora_int_id, None)  # its load, if any, is answered no more
             reply = _handle(runner, rank, command)
             if reply is not None:
                 replies.send(encoder.encode(reply))
@@ -138,10 +153,23 @@ def _handle(runner, rank: int, command: WorkerCommand):  # noqa: ANN001, ANN202
         from tokenmill.worker.runner_facts import describe_runner
 
         return describe_runner(runner, rank, command.measure_bandwidth)
+    if isinstance(command, RemoveLoRA):
+        return LoRARemoved(rank, runner.lora.remove_lora(command.lora_int_id))
     if isinstance(command, ReleaseMemory):
         runner.release()
         return Released(rank)
     raise ValueError(f"unknown worker command {type(command).__name__}")
+
+
+def _finished_loads(runner, rank: int, loading: dict[int, LoRARequest]) -> list[LoRALoaded]:  # noqa: ANN001
+    """The answers to the adapter loads that finished (or failed) since the last look."""
+    done = []
+    for lora_id, lora in list(loading.items()):
+        state = runner.lora.ready(lora)
+        if state is not False:
+            del loading[lora_id]
+            done.append(LoRALoaded(rank, lora_id, None if state is True else state))
+    return done
 
 
 def main() -> int:

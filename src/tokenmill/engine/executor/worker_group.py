@@ -34,8 +34,12 @@ from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
     InitKVCache,
     KVCacheReady,
+    LoadLoRA,
+    LoRALoaded,
+    LoRARemoved,
     Released,
     ReleaseMemory,
+    RemoveLoRA,
     RunStep,
     SampleStep,
     StepDeferred,
@@ -49,6 +53,8 @@ from tokenmill.engine.executor.worker_messages import (
 from tokenmill.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from tokenmill.engine.executor.worker_group_lora import WorkerGroupLoRA
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model.resolve import ResolvedModel
 
 logger = logging.getLogger(__name__)
@@ -90,6 +96,7 @@ class WorkerGroupExecutor(Executor):
         self._dead: str | None = None
         # While _collect waits: the reply type it gathers and what came so far, by rank.
         self._collecting: tuple[type, dict[int, object]] | None = None
+        self._lora: WorkerGroupLoRA | None = None  # the scheduler's LoRA hooks (LoRA on)
         try:
             reply_addr = self._bind(self._replies)
             command_addrs = []
@@ -127,6 +134,10 @@ class WorkerGroupExecutor(Executor):
             raise
         self._device = ready[0].device
         self._dtype = ready[0].dtype
+        if config.lora is not None:
+            from tokenmill.engine.executor.worker_group_lora import WorkerGroupLoRA
+
+            self._lora = WorkerGroupLoRA(config.lora, self)
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -168,6 +179,42 @@ class WorkerGroupExecutor(Executor):
     @property
     def dtype(self) -> str:
         return self._dtype
+
+    @property
+    def lora_hooks(self):  # noqa: ANN201 - WorkerGroupLoRA | None
+        return self._lora
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if self._lora is None:
+            super().add_lora(lora)
+        self._lora.add_lora(lora)  # type: ignore[union-attr]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora is not None and self._lora.remove_lora(lora_int_id)
+
+    def start_lora_load(self, lora: LoRARequest) -> None:
+        """Every rank starts loading `lora` into its host cache (its shard of each A / B); each
+        answers LoRALoaded when done, which `poll_replies` (or any wait for a step) hands to the
+        LoRA hooks."""
+        self._send(LoadLoRA(lora))
+
+    def remove_lora_on_ranks(self, lora_int_id: int) -> list[bool]:
+        self._send(RemoveLoRA(lora_int_id))
+        return [reply.known for reply in self._collect(LoRARemoved)]
+
+    def poll_replies(self, timeout_s: float) -> None:
+        """Take the replies that arrive within `timeout_s` (0: those already here) without waiting
+        for any in particular: adapter loads' answers; a step's are kept for its result()."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._replies.poll(wait_ms):
+                dead = self._dead_worker()
+                if dead:
+                    self._declare_dead(dead)
+                return
+            self._dispatch(self._decoder.decode(self._replies.recv()))
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -284,17 +331,21 @@ class WorkerGroupExecutor(Executor):
                 if dead:
                     self._declare_dead(dead)
                 continue
-            reply = self._decoder.decode(self._replies.recv())
-            if isinstance(reply, StepDone):
-                self._results[reply.step_id] = reply.output
-            elif isinstance(reply, StepDeferred):
-                self._deferred.add(reply.step_id)
-            elif isinstance(reply, WorkerFailed):
-                self._rank_failed(reply)
-            elif self._collecting is not None and isinstance(reply, self._collecting[0]):
-                self._collecting[1][reply.rank] = reply  # type: ignore[union-attr]
-            else:
-                logger.warning("ignoring an unexpected %s from a worker", type(reply).__name__)
+            self._dispatch(self._decoder.decode(self._replies.recv()))
+
+    def _dispatch(self, reply: WorkerReply) -> None:
+        if isinstance(reply, StepDone):
+            self._results[reply.step_id] = reply.output
+        elif isinstance(reply, StepDeferred):
+            self._deferred.add(reply.step_id)
+        elif isinstance(reply, WorkerFailed):
+            self._rank_failed(reply)
+        elif isinstance(reply, LoRALoaded) and self._lora is not None:
+            self._lora.on_loaded(reply)
+        elif self._collecting is not None and isinstance(reply, self._collecting[0]):
+            self._collecting[1][reply.rank] = reply  # type: ignore[union-attr]
+        else:
+            logger.warning("ignoring an unexpected %s from a worker", type(reply).__name__)
 
     def _rank_failed(self, reply: WorkerFailed) -> None:
         """A rank's own failure is often a lost peer seen from a collective (gloo's "connection

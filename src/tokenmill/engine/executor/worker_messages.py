@@ -13,6 +13,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.runner_facts import RunnerFacts
+from tokenmill.lora.request import LoRARequest
 
 
 class WorkerSpec(msgspec.Struct):
@@ -64,7 +65,21 @@ class DescribeRunner(msgspec.Struct, tag=True):
     measure_bandwidth: bool = False
 
 
-WorkerCommand = InitKVCache | RunStep | SampleStep | ReleaseMemory | StopWorker | DescribeRunner
+class LoadLoRA(msgspec.Struct, tag=True):
+    """Start loading an adapter into every rank's host cache (each rank cuts its own shard of A / B,
+    on its loader thread); each rank answers `LoRALoaded` once it is there, between steps, and the
+    scheduler admits the adapter's requests only when every rank has."""
+
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag=True):
+    lora_int_id: int
+
+
+WorkerCommand = (
+    InitKVCache | RunStep | SampleStep | ReleaseMemory | StopWorker | DescribeRunner | LoadLoRA | RemoveLoRA
+)
 
 
 # -- replies (any worker -> executor) ---------------------------------------------------------------
@@ -98,9 +113,23 @@ class Released(msgspec.Struct, tag=True):
     rank: int
 
 
+class LoRALoaded(msgspec.Struct, tag=True):
+    rank: int
+    lora_int_id: int
+    error: str | None = None  # why the load failed (the adapter's requests end with it)
+
+
+class LoRARemoved(msgspec.Struct, tag=True):
+    rank: int
+    known: bool  # the rank had the adapter
+
+
 class WorkerFailed(msgspec.Struct, tag=True):
     rank: int
     error: str
 
 
-WorkerReply = WorkerReady | KVCacheReady | StepDone | StepDeferred | Released | WorkerFailed | RunnerFacts
+WorkerReply = (
+    WorkerReady | KVCacheReady | StepDone | StepDeferred | Released | WorkerFailed | RunnerFacts | LoRALoaded
+    | LoRARemoved
+)

@@ -4,7 +4,9 @@ Checkpoint layouts (model/loader/quant_config.py parses which): `weight` e4m3 [N
 `weight_scale` per tensor ([] / [1]; one per merged part), per channel ([N] / [N, 1]) or per
 128x128 block ([N/128, K/128]; Hugging Face `fp8` names it `weight_scale_inv`), and with static
 activation schemes an `input_scale` per tensor. Per-tensor scales become per-channel ones (each
-part's scale over its rows), exactly. 16-bit weights quantized at load get per-channel scales.
+part's scale over its rows), exactly. 16-bit weights quantized at load get per-channel scales (under tensor parallelism each rank
+quantizes its shard; a row-parallel shard's scales take the whole row's absmax, so the ranks' FP8
+values are the one-rank model's).
 
 On the GPU the kernels (kernels/triton/fp8_linear.py) quantize activations dynamically, per token
 (per 1x128 group for block weights); a checkpoint's static `input_scale` is read and checked but
@@ -49,7 +51,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             # Each merged part's blocks start at its first row (a part's last block may be partial).
             block_rows = sum(-(-rows // bn) for rows in part_rows(layer))
             scale = torch.empty((block_rows, -(-in_features // bk)), **f32)
-            layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True)
+            layout = ParamLayout(out_dim=0, out_per_index=bn, round_up_per_part=True, in_dim=1, in_per_index=bk)
         layer.register_checkpoint_param(spec.fp8_scale_name, scale, layout)
         if spec.fp8_static_input_scales:
             layer.register_checkpoint_param("input_scale", torch.empty((parts, 1), **f32), ParamLayout(per_part=True))
@@ -58,7 +60,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         """weight e4m3 [N, K] with float32 scales per channel [N] or per block."""
         spec = self.spec
         if not spec.from_checkpoint:
-            return quantize_fp8_per_channel(layer.weight.data)
+            return quantize_fp8_per_channel(layer.weight.data, _whole_row_absmax(layer))
         scale = getattr(layer, spec.fp8_scale_name).data
         if spec.fp8_static_input_scales:
             _check_input_scales(layer.input_scale.data)
@@ -90,6 +92,19 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         from tokenmill.kernels.triton.fp8_linear import fp8_linear
 
         return fp8_linear(x, kernel_weights, bias, residual, out_dtype)
+
+
+def _whole_row_absmax(layer: LinearBase) -> torch.Tensor | None:
+    """A layer holding a tensor-parallel slice of its input columns (row-parallel): each output row's
+    absmax over every rank's columns, so that each rank's scales, and so its FP8 values, are those
+    of the whole weight quantized at once; None for a layer holding whole rows (column-parallel:
+    its rows' scales are its own). Every rank processes its layers in the same order, so this
+    collective lines up."""
+    if layer.in_features == layer.input_size:
+        return None
+    from tokenmill.distributed.parallel_state import all_reduce_max
+
+    return all_reduce_max(layer.weight.data.abs().amax(dim=1).float())
 
 
 class _PartwiseBlocks(NamedTuple):

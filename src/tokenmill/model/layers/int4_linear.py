@@ -45,22 +45,31 @@ class Int4LinearMethod(QuantizedLinearMethod):
             )
         groups = in_features // group
         i32 = {"device": device, "dtype": torch.int32}
-        packed_out = ParamLayout(out_dim=1, out_per_index=PACK)
+        # Input-dimension entries (a row-parallel shard's columns): one per column, per 8 packed
+        # columns (GPTQ's qweight), per group (zeros, scales).
+        # (Per-channel zeros / scales, group_size -1, hold whole rows: every shard takes them whole.)
+        group_dim = None if spec.group_size == -1 else 0
+        packed_out_per_group = ParamLayout(out_dim=1, out_per_index=PACK, in_dim=group_dim, in_per_index=group)
         if spec.int4_format == "awq":
-            layer.register_checkpoint_param("qweight", torch.empty((in_features, out_features // PACK), **i32), packed_out)
+            layer.register_checkpoint_param(
+                "qweight", torch.empty((in_features, out_features // PACK), **i32),
+                ParamLayout(out_dim=1, out_per_index=PACK, in_dim=0),
+            )  # fmt: skip
         else:
             layer.register_checkpoint_param(
-                "qweight", torch.empty((in_features // PACK, out_features), **i32), ParamLayout(out_dim=1)
-            )
-        layer.register_checkpoint_param("qzeros", torch.empty((groups, out_features // PACK), **i32), packed_out)
+                "qweight", torch.empty((in_features // PACK, out_features), **i32),
+                ParamLayout(out_dim=1, in_dim=0, in_per_index=PACK),
+            )  # fmt: skip
+        layer.register_checkpoint_param("qzeros", torch.empty((groups, out_features // PACK), **i32), packed_out_per_group)
         layer.register_checkpoint_param(
-            "scales", torch.empty((groups, out_features), device=device, dtype=torch.float32), ParamLayout(out_dim=1)
-        )
+            "scales", torch.empty((groups, out_features), device=device, dtype=torch.float32),
+            ParamLayout(out_dim=1, in_dim=group_dim, in_per_index=group),
+        )  # fmt: skip
         if spec.int4_format == "gptq":
             # One g_idx per merged part (their inputs are one, so they must agree: checked after loading).
             parts = len(part_rows(layer))
             layer.register_checkpoint_param(
-                "g_idx", torch.empty((parts, in_features), **i32), ParamLayout(per_part=True),
+                "g_idx", torch.empty((parts, in_features), **i32), ParamLayout(per_part=True, in_dim=0),
                 required=spec.act_order,
             )  # fmt: skip
             if not spec.act_order:  # checkpoints without act-order may omit it: groups in order
@@ -79,8 +88,13 @@ class Int4LinearMethod(QuantizedLinearMethod):
                 "g_idx differs between the merged parts of one layer (q/k/v or gate/up), which share their "
                 "input; tokenmill needs them equal"
             )
+        g_idx = g_idx_parts[0]
+        if layer.in_features != layer.input_size:
+            # A row-parallel shard's columns: groups in order (act-order is refused under tensor
+            # parallelism), numbered from this shard's first group, as its zeros / scales are.
+            g_idx = g_idx - g_idx.min()
         return unpack_gptq(
-            layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx_parts[0], group,
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx, group,
             sym=not spec.zero_point, zeros_offset=spec.gptq_zeros_offset,
         )  # fmt: skip
 

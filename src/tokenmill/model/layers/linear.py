@@ -42,6 +42,11 @@ class ParamLayout:
     # whose sizes are not multiples of 128, as small models have): the part's slice starts after the
     # earlier parts' entries.
     round_up_per_part: bool = False
+    # Where the checkpoint tensor keeps the layer's input features (None: it has no such dimension,
+    # e.g. per-channel scales), `in_per_index` of them per index (8 for nibbles packed along the
+    # input, the group size for group scales): a row-parallel shard takes its columns' entries.
+    in_dim: int | None = None
+    in_per_index: int = 1
 
 
 WEIGHT_LAYOUT = ParamLayout()
@@ -160,22 +165,30 @@ class LinearBase(nn.Module):
     def _shard_by_layout(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId, layout: ParamLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A quantized tensor's slice for `shard_id` (tensor parallelism: one rank only, so far)."""
-        if self.tp_size != 1:
-            raise ValueError(f"{param_name}: quantized weights are not sharded for tensor parallelism yet")
+        """A quantized tensor's slice for `shard_id`, and under tensor parallelism this rank's part of
+        the checkpoint tensor: its output rows' entries (column-parallel), its input columns' entries
+        (row-parallel, along `layout.in_dim`)."""
         part = self._part_index(shard_id)
+        loaded = self._input_columns_of(param_name, loaded, layout)
         if layout.per_part:
             index = 0 if part is None else part
             return param.narrow(0, index, 1), _as_shape(loaded, (1, *param.shape[1:]), param_name)
-        if layout.out_dim is None or part is None:
+        if layout.out_dim is None:
+            return param, _as_shape(loaded, tuple(param.shape), param_name)
+        if part is None:
+            if self.out_features != self.output_size:  # a column-parallel layer: this rank's rows
+                loaded = self._output_chunk(param_name, loaded, layout, self.out_features, self.tp_rank)
             return param, _as_shape(loaded, tuple(param.shape), param_name)
         start, rows = self._part_rows(shard_id)
         per = layout.out_per_index
+        chunk = self.part_shard(shard_id)[2]  # type: ignore[attr-defined] - merged layers only
         if layout.round_up_per_part:
             first = sum(-(-self._part_rows(s)[1] // per) for s in self.shard_ids[:part])
             expected = list(param.shape)
             expected[layout.out_dim] = -(-rows // per)
             target = param.narrow(layout.out_dim, first, expected[layout.out_dim])
+            if self.tp_size > 1:
+                loaded = self._output_chunk(param_name, loaded, layout, rows, chunk)
             return target, _as_shape(loaded, tuple(expected), param_name)
         if start % per or rows % per:
             raise ValueError(
@@ -184,7 +197,38 @@ class LinearBase(nn.Module):
             )
         expected = list(param.shape)
         expected[layout.out_dim] = rows // per
+        if self.tp_size > 1:
+            loaded = self._output_chunk(param_name, loaded, layout, rows, chunk)
         return param.narrow(layout.out_dim, start // per, rows // per), _as_shape(loaded, tuple(expected), param_name)
+
+    def _output_chunk(
+        self, param_name: str, loaded: torch.Tensor, layout: ParamLayout, rows: int, chunk: int
+    ) -> torch.Tensor:
+        """Chunk `chunk` of `rows` output rows of a checkpoint tensor laid out as `layout`."""
+        per, dim = layout.out_per_index, layout.out_dim
+        assert dim is not None
+        if rows % per:
+            raise ValueError(
+                f"{param_name}: a tensor-parallel shard of {rows} output rows does not align with its {per}-row "
+                f"blocks; use a tensor_parallel_size whose shards are multiples of {per} rows"
+            )
+        n = rows // per
+        if loaded.shape[dim] < (chunk + 1) * n:
+            raise ValueError(f"{param_name} has shape {tuple(loaded.shape)}: too few rows for shard {chunk} of {n}")
+        return loaded.narrow(dim, chunk * n, n)
+
+    def _input_columns_of(self, param_name: str, loaded: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+        """A row-parallel layer's entries of a checkpoint tensor along its input dimension."""
+        if layout.in_dim is None or self.in_features == self.input_size:
+            return loaded
+        per = layout.in_per_index
+        if self.in_features % per:
+            raise ValueError(
+                f"{param_name}: a tensor-parallel shard of {self.in_features} input columns does not align with "
+                f"its {per}-column groups; use a tensor_parallel_size whose shards are multiples of {per} columns"
+            )
+        n = self.in_features // per
+        return loaded.narrow(layout.in_dim, self.tp_rank * n, n)
 
     def _part_index(self, shard_id: ShardId) -> int | None:
         """The index of merged part `shard_id`; None for a plain layer (shard_id None)."""
@@ -388,6 +432,11 @@ class MergedColumnParallelLinear(LinearBase):
     def _part_rows(self, shard_id: ShardId) -> tuple[int, int]:
         start, rows, _ = self._shard_rows[shard_id]
         return start, rows
+
+    def part_shard(self, shard_id: ShardId) -> tuple[int, int, int]:
+        """Part `shard_id` on this rank: (first local row, local rows, which chunk of the part's
+        unsharded rows it is; a replicated KV head's chunk is shared by several ranks)."""
+        return self._shard_rows[shard_id]
 
     def _shard(
         self, param_name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

@@ -74,10 +74,11 @@ def quantize_fp8_per_tensor(w: torch.Tensor) -> QuantizedFp8:
     return QuantizedFp8(_to_fp8(w.float() / scale), scale, None)
 
 
-def quantize_fp8_per_channel(w: torch.Tensor) -> QuantizedFp8:
-    """One float32 scale per output row, [N]."""
+def quantize_fp8_per_channel(w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> QuantizedFp8:
+    """One float32 scale per output row, [N]. `row_absmax` [N]: each row's absmax over more columns
+    than `w` holds (a tensor-parallel shard of the input columns quantized as the whole row is)."""
     _check_matrix(w, "quantize_fp8_per_channel")
-    scale = _fp8_scale(w.abs().amax(dim=1))
+    scale = _fp8_scale(w.abs().amax(dim=1) if row_absmax is None else row_absmax)
     return QuantizedFp8(_to_fp8(w.float() / scale[:, None]), scale, None)
 
 

@@ -73,6 +73,12 @@ class ParallelLMHead(LinearBase):
         dtype: torch.dtype | None = None,
         shared_weight: nn.Parameter | None = None,
     ) -> None:
+        from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
+
+        if isinstance(method, QuantizedLinearMethod):
+            # lm_head stays 16-bit in every quantized model (QuantizationSpec); built so from the start,
+            # since a vocabulary shard need not fit a quantized layout's blocks (500 rows, 8 per word).
+            method = method.base
         super().__init__(
             hidden_size, shard.vocab_size, hidden_size, shard.rows, bias=False, method=method,
             tp_rank=shard.tp_rank, tp_size=shard.tp_size, device=device, dtype=dtype,

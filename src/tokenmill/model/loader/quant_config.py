@@ -23,12 +23,16 @@ W4A16); `QUANTIZATION_METHODS` names what each `quant_method` becomes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tokenmill.config import QUANTIZATION_METHODS  # --quantization's choices = the quant_methods we run
 from tokenmill.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from tokenmill.model.arch import ArchConfig
 
 INT4_GROUP_SIZES = (32, 64, 128, -1)  # -1: one group over the whole input (per-channel)
 FP8_BLOCK = (128, 128)
@@ -83,6 +87,56 @@ class QuantizationSpec:
             elif module_name == pattern or module_name.endswith("." + pattern):
                 return True
         return False
+
+
+def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: int = 1) -> str | None:
+    """Why weights quantized as `spec` cannot be split over `size` tensor-parallel ranks of `arch`;
+    None when they can. Each rank loads its part of every checkpoint tensor (the layouts of
+    model/layers/linear.py ParamLayout: output rows for column-parallel layers, input columns for
+    row-parallel ones), or quantizes its own shard at load (FP8: a row-parallel shard's
+    scales take the whole row's absmax). The shards must fall on the scheme's blocks: FP8 blocks
+    and INT4 groups / packed words. Act-order GPTQ (a permuted g_idx) is not sharded. (GGUF is no
+    spec here: its blocks are dequantized at load.)"""
+    if not isinstance(spec, QuantizationSpec):
+        return f"quantized weights ({spec}) are not sharded for tensor parallelism yet; use tensor_parallel_size=1"
+    what = f"quantized weights ({spec.describe()})"
+    if spec.scheme == "int4_w4a16" and spec.act_order:
+        return f"{what} are not sharded for tensor parallelism yet (act-order); use tensor_parallel_size=1"
+    if arch is None or size == 1:
+        return None
+    heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    # What one rank holds: output rows of the column-parallel parts, input columns of the row-parallel layers.
+    rows = {
+        "q_proj": heads * head_dim // size,
+        "k_proj / v_proj": max(1, kv_heads // size) * head_dim,
+        "gate_proj / up_proj": arch.intermediate_size // size,
+    }
+    columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}
+    if spec.scheme == "fp8_w8a8":
+        if spec.fp8_weight_strategy != "block" or not spec.from_checkpoint:
+            return None
+        assert spec.fp8_block is not None
+        row_align, column_align = spec.fp8_block
+    else:
+        row_align = 8 if spec.from_checkpoint else 1  # 4-bit values packed 8 to a word along N (AWQ, qzeros)
+        if spec.group_size == -1:
+            if not spec.from_checkpoint:
+                return (
+                    f"{what}: per-channel 4-bit scales quantized at load would differ per shard of a row-parallel "
+                    "layer; use a group size (e.g. 128) or tensor_parallel_size=1"
+                )
+            column_align = 8
+        else:
+            # GPTQ packs 8 input columns to a word; groups of columns hold their zeros / scales.
+            column_align = math.lcm(spec.group_size, 8) if spec.from_checkpoint else spec.group_size
+    bad = [f"{name} {n} output rows (blocks of {row_align})" for name, n in rows.items() if n % row_align]
+    bad += [f"{name} {n} input columns (blocks of {column_align})" for name, n in columns.items() if n % column_align]
+    if bad:
+        return (
+            f"{what} cannot be split over {size} ranks: each rank's shard must hold whole blocks / groups, and "
+            f"it would hold {', '.join(bad)}; choose another tensor_parallel_size or use tensor_parallel_size=1"
+        )
+    return None
 
 
 def quantization_method(hf_config: dict) -> str | None:

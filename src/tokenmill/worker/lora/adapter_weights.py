@@ -58,14 +58,20 @@ def load_host_adapter(
             layers[geometry.index] = (a, b)
             geometries[geometry.index] = geometry
         a, b = layers[geometry.index]
-        lora_a = tensors[module.a_name].float()
+        lora_a = geometry.a_columns(tensors[module.a_name].float())  # this rank's input columns
         lora_b = tensors[module.b_name].float() * module.scale
         fused = len(target.parts) > 1  # a fused module (Phi-3's qkv_proj): its B rows split over the parts
         for part in target.parts:
             start, rows = geometry.part_starts[part], geometry.part_rows[part]
             a[part * max_rank : part * max_rank + module.rank] = lora_a
-            part_b = lora_b[start : start + rows] if fused else lora_b
-            b[start : start + rows, : module.rank] = _rows_in_model_layout(model, geometry, part, part_b)
+            if fused:
+                full_start = sum(geometry.full_part_rows[:part])
+                part_b = lora_b[full_start : full_start + geometry.full_part_rows[part]]
+            else:
+                part_b = lora_b
+            # Permuted as the model permuted the whole part's rows, then this rank's rows of it.
+            part_b = geometry.part_b_rows(part, _rows_in_model_layout(model, geometry, part, part_b))
+            b[start : start + rows, : module.rank] = part_b
     for index, (a, b) in layers.items():
         a = _fold_input_scale(geometries[index], a)
         layers[index] = (_host(a, dtype, pin), _host(b, dtype, pin))
