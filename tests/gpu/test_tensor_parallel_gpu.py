@@ -18,7 +18,8 @@ import torch
 
 from tests import gpt_oss_checkpoint, moe_checkpoints
 from tests.conftest import write_tiny_checkpoint
-from tests.distributed.conftest import tp_gemma2_dir, tp_gemma3_dir, tp_phi3_dir  # noqa: F401 - fixtures
+from tests.distributed.conftest import tp_gemma2_dir, tp_gemma3_dir, tp_phi3_dir, tp_qwen2_dir  # noqa: F401 - fixtures
+from tests.distributed.test_tp_speculative import PROMPTS as REPEATING_PROMPTS
 from tests.distributed.test_tp_families import CHECKPOINTS as FAMILY_CHECKPOINTS
 from tests.distributed.test_tp_families import PROMPTS as FAMILY_PROMPTS
 from tests.engine.hf_oracle import hf_greedy
@@ -108,6 +109,20 @@ def test_other_families_on_two_gpus_equal_transformers(request, checkpoint):
     llm = _tp_llm(path, 2)
     try:
         _assert_greedy_equals_hf(llm, path, FAMILY_PROMPTS)
+        llm.engine.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+def test_ngram_speculation_on_two_gpus_equals_transformers(tp_qwen2_dir):
+    """Verification steps (CUDA graphs of 1 + k rows per request) on every rank, rank 0's accepted
+    runs broadcast over NCCL: greedy tokens equal transformers', with drafts accepted."""
+    path = str(tp_qwen2_dir)
+    llm = _tp_llm(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        _assert_greedy_equals_hf(llm, path, REPEATING_PROMPTS)
+        stats = llm.engine.get_stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0, "no draft accepted: the test proves nothing"
         llm.engine.check_invariants()
     finally:
         llm.shutdown()
