@@ -18,10 +18,10 @@ import torch
 
 from tests import gpt_oss_checkpoint, moe_checkpoints
 from tests.conftest import write_tiny_checkpoint
-from tests.distributed.conftest import tp_gemma2_dir, tp_gemma3_dir, tp_phi3_dir, tp_qwen2_dir  # noqa: F401 - fixtures
-from tests.distributed.test_tp_speculative import PROMPTS as REPEATING_PROMPTS
+from tests.distributed import conftest as tp_checkpoints
 from tests.distributed.test_tp_families import CHECKPOINTS as FAMILY_CHECKPOINTS
 from tests.distributed.test_tp_families import PROMPTS as FAMILY_PROMPTS
+from tests.distributed.test_tp_speculative import PROMPTS as REPEATING_PROMPTS
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import EngineDeadError
@@ -32,6 +32,10 @@ tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
 tiny_qwen2_moe_dir = moe_checkpoints.tiny_qwen2_moe_dir
 tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
 tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
+tp_gemma2_dir = tp_checkpoints.tp_gemma2_dir
+tp_gemma3_dir = tp_checkpoints.tp_gemma3_dir
+tp_phi3_dir = tp_checkpoints.tp_phi3_dir
+tp_qwen2_dir = tp_checkpoints.tp_qwen2_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,10 +118,10 @@ def test_other_families_on_two_gpus_equal_transformers(request, checkpoint):
         llm.shutdown()
 
 
-def test_ngram_speculation_on_two_gpus_equals_transformers(tp_qwen2_dir):
+def test_ngram_speculation_on_two_gpus_equals_transformers(request):
     """Verification steps (CUDA graphs of 1 + k rows per request) on every rank, rank 0's accepted
     runs broadcast over NCCL: greedy tokens equal transformers', with drafts accepted."""
-    path = str(tp_qwen2_dir)
+    path = str(request.getfixturevalue("tp_qwen2_dir"))
     llm = _tp_llm(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
         _assert_greedy_equals_hf(llm, path, REPEATING_PROMPTS)
