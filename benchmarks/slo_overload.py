@@ -34,6 +34,7 @@ from tests.server.server_process import start_server  # noqa: E402
 
 from tokenmill.bench import serve  # noqa: E402
 from tokenmill.bench.results import write_result  # noqa: E402
+from tokenmill.bench.slo_trace import format_stages, read_requests, ttft_stages_by_class  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "slo")
 MIX = "0:0.3,1:0.7"
@@ -62,6 +63,11 @@ def main() -> int:
     parser.add_argument("--classes", default=None, help="PRIORITY=TTFT_MS/TPOT_MS,... (default: derived)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-name", default=None)
+    parser.add_argument(
+        "--trace-dir", default=None,
+        help="give each policy's server --trace-dir DIR/<policy> and report, per run and class, where the "
+        "engine-side time to first token went (bench/slo_trace.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     server_flags = [
@@ -120,12 +126,15 @@ def main() -> int:
             flags = [*server_flags, "--scheduling-policy", policy]
             if policy == "slo":
                 flags += ["--slo-class", classes]
+            if args.trace_dir:
+                flags += ["--trace-dir", str(Path(args.trace_dir) / policy)]
             servers[policy] = start_server(tmp, *flags)
             run_bench(servers[policy].port, *workload, "--num-prompts", "2")  # warm it (not reported)
         for load in loads:
             rate = load * saturation_rps
             for policy in POLICIES:
                 print(f"== {policy} at {load}x ({rate:.2f} req/s) ==", flush=True)
+                run_started = time.monotonic()
                 metrics = run_bench(
                     servers[policy].port, *workload, "--num-prompts", str(max(8, round(rate * args.duration_s))),
                     "--request-rate", f"{rate:.4f}", "--priority-mix", MIX, "--slo-classes", classes,
@@ -146,6 +155,12 @@ def main() -> int:
                     "median_ttft_ms": metrics["median_ttft_ms"],
                     "p99_ttft_ms": metrics.get("p99_ttft_ms"),
                 }
+                if args.trace_dir:
+                    time.sleep(1.0)  # the last requests' records reach the file
+                    records = read_requests(str(Path(args.trace_dir) / policy), run_started)
+                    stages = ttft_stages_by_class(records)
+                    results["runs"][f"{policy}@{load}x"]["engine_stages"] = stages
+                    print(format_stages(stages), flush=True)
     finally:
         for server in servers.values():
             server.stop()
