@@ -205,6 +205,18 @@ class Scheduler:
         running = self.running
         max_model_len = self.max_model_len
 
+        if self.waiting:
+            # First the policy's decisions about waiting requests (slo: shed the hopeless, then free
+            # seats for urgent higher classes), before any running request is scheduled this step.
+            for shed in self.waiting.take_hopeless(len(running)):
+                self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
+            if self.waiting:
+                for victim in self.waiting.preempt_for_waiting(running, self.config.max_num_seqs):
+                    running.remove(victim)
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+        num_preempted_for_policy = len(preempted)
+
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -259,13 +271,12 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if self.waiting:
-            for shed in self.waiting.take_hopeless(len(running)):
-                self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
-        # Admitting new work right after preempting would only thrash.
+        # Admitting new work right after preempting for KV would only thrash (a policy's preemptions
+        # above were made to admit).
+        no_kv_preemption = len(preempted) == num_preempted_for_policy
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
-        while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+        while no_kv_preemption and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if self.kv_connector is not None and self.kv_connector.waits_for_transfer(request):
                 self.waiting.pop()  # its KV is on its way: the requests behind it go first
@@ -317,7 +328,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_start
             request.num_computed_tokens = num_start
-            if self.config.policy == "priority":
+            if self.waiting.orders_running_by_priority:
                 keys = self._keys
                 bisect.insort(running, request, key=lambda r: keys[r.request_id])
             else:
