@@ -19,6 +19,11 @@ from tokenmill.slo import parse_slo_classes
 CLASSES = SloConfig(classes=parse_slo_classes("0=500/,1=60000/,2=60000/"))
 
 
+def prompt(length: int, seed: int) -> list[int]:
+    """A prompt sharing no prefix with another seed's (no prefix-cache hit between them)."""
+    return [(seed * 37 + 11 * j) % 90 + 5 for j in range(length)]
+
+
 def new_ids(h: Harness) -> list[str]:
     return [s.request_id for s in scheduled(h.steps[-1]) if s.is_new]
 
@@ -97,6 +102,30 @@ def test_the_lowest_class_goes_first_and_only_as_many_as_needed() -> None:
     h.run()
     assert h.scheduler.num_preemptions_total == 2
     assert all(final.finish_reason == "length" for final in h.finals.values())
+
+
+def test_a_lower_class_does_not_join_a_prefill_step_it_would_make_miss_a_first_token() -> None:
+    h, _ = slo_harness(CLASSES, max_num_seqs=4, max_num_batched_tokens=64)
+    h.add(req("low", prompt(16, 0), arrival=99.0, priority=1, max_tokens=3))
+    h.add(req("high-a", prompt(16, 1), arrival=100.0, priority=0, max_tokens=3))
+    h.add(req("high-b", prompt(16, 2), arrival=100.0, priority=0, max_tokens=3))
+    h.step()
+    # The two 16-token prompts end their step at 100 + 0.1 + 0.32, before the deadline 100.5;
+    # with "low" too, 100.58: past it. Same class shares; "low" prefills next step.
+    assert new_ids(h) == ["high-a", "high-b"]
+    h.step()
+    assert new_ids(h) == ["low"]
+    h.run()
+    assert all(final.finish_reason == "length" for final in h.finals.values())
+
+
+def test_a_lower_class_joins_when_the_higher_first_token_has_time_or_no_target() -> None:
+    for classes in ("0=60000/,1=60000/", "0=/100,1=60000/"):  # a loose TTFT target; a TPOT target only
+        h, _ = slo_harness(SloConfig(classes=parse_slo_classes(classes)), max_num_seqs=4)
+        h.add(req("high", prompt(16, 1), arrival=100.0, priority=0, max_tokens=3))
+        h.add(req("low", prompt(16, 2), arrival=100.0, priority=1, max_tokens=3))
+        h.step()
+        assert new_ids(h) == ["high", "low"], classes
 
 
 def test_one_free_seat_serves_the_first_urgent_request_and_one_victim_the_second() -> None:

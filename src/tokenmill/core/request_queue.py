@@ -45,6 +45,11 @@ class PolicyHooks:
         policy ranks above them take their seats now; at most one per seat, from `running`'s tail."""
         return []
 
+    def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
+        """May the queue's head join a step that already admitted `admitted` (non-empty) and
+        schedules `step_tokens` tokens so far? False: it and everything behind it wait for a later step."""
+        return True
+
     def step_finished(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         """A step's results were applied (update_from_output), one call per schedule(), in order."""
 

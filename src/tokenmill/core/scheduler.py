@@ -276,8 +276,13 @@ class Scheduler:
         no_kv_preemption = len(preempted) == num_preempted_for_policy
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
+        admitted: list[Request] = []
         while no_kv_preemption and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if admitted and not self.waiting.joins_step(
+                request, admitted, self.config.max_num_batched_tokens - budget
+            ):
+                break
             if self.kv_connector is not None and self.kv_connector.waits_for_transfer(request):
                 self.waiting.pop()  # its KV is on its way: the requests behind it go first
                 skipped.append(request)
@@ -338,6 +343,7 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            admitted.append(request)
 
         for request in reversed(skipped):
             self.waiting.add_preempted(request, self._keys[request.request_id])

@@ -200,6 +200,29 @@ class SloQueue(PolicyHooks):
             victims.append(candidates.pop(0))
         return victims
 
+    def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
+        """A lower class does not join a step that prefills a higher class's first token (a TTFT
+        target, no token yet) when its prefill would make that step end past that token's deadline:
+        on a CPU one 100-token prompt can cost more than the decodes of the whole batch. It waits
+        one step (the next one carries the higher class's first decode, not its prefill). Before
+        the cost model is ready it always waits."""
+        at_stake = [
+            other
+            for other in admitted
+            if other.priority < request.priority
+            and other.num_output_tokens == 0
+            and self.targets[other.request_id].ttft_s is not None
+        ]
+        if not at_stake:
+            return True
+        if not self.cost.ready:
+            return False
+        own = min(request.num_tokens - request.num_computed_tokens, self.token_budget - step_tokens)
+        step_ends = self.clock() + self.cost.seconds_for(step_tokens + own, self.token_budget)
+        return all(
+            step_ends <= other.arrival_time + self.targets[other.request_id].ttft_s for other in at_stake
+        )
+
     def _decode_steps_left(self, request: Request) -> int:
         """Steps until it ends by length (it may stop earlier on EOS or a stop token)."""
         left = self.max_model_len - request.num_tokens
