@@ -6,7 +6,9 @@ token budget (so long prompts are chunked) and by max_model_len, while `max_num_
 blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
 is preempted: its blocks are freed and it is recomputed later. The waiting queue is the
 scheduling policy's seam (core/request_queue.py): fcfs, priority, or slo (core/slo_queue.py), which
-also sheds waiting requests that can no longer meet their latency targets (finish reason "shed").
+also sheds waiting requests that can no longer meet their latency targets (finish reason "shed"),
+preempts lower classes for urgent waiting requests before a step, and holds lower classes out of a
+step that prefills a tight first token.
 
 Contract with the engine: call `update_from_output` once for every `schedule()`, in order, also
 when the output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests

@@ -18,6 +18,11 @@ orders and sheds to maximise it:
   Retry-After). Only requests that have not produced a token are shed: one that streamed
   tokens (even if preempted since) is never shed. Nothing is shed until the cost model has seen
   enough steps to predict.
+- Preempt: a waiting request with a TTFT target that would miss its latest start waiting for a
+  seat takes the seat of the lowest-class running request of a strictly lower class, which
+  recomputes later (preempt_for_waiting). Running requests are kept in priority order.
+- Keep a first token's step short: a lower class does not join a step that prefills a higher
+  class's first token when it would push that step past the token's deadline (joins_step).
 
 It also counts, per SLO class, the requests that completed within their targets (goodput),
 missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
