@@ -69,6 +69,11 @@ def main() -> int:
         "parent commit) as 'slo-baseline', in the same run: a change to the slo policy against its parent",
     )  # fmt: skip
     parser.add_argument(
+        "--baseline-first", action="store_true",
+        help="run slo-baseline first at each load instead of last (alternate across passes: drift in the "
+        "machine's other load then favours neither)",
+    )  # fmt: skip
+    parser.add_argument(
         "--trace-dir", default=None,
         help="give each policy's server --trace-dir DIR/<policy> and report, per run and class, where the "
         "engine-side time to first token went (bench/slo_trace.py)",
@@ -127,6 +132,8 @@ def main() -> int:
     # load on it then hits every policy alike.
     servers = {}
     policies = [*POLICIES, *(["slo-baseline"] if args.baseline_src else [])]
+    if args.baseline_src and args.baseline_first:
+        policies = ["slo-baseline", *POLICIES]
     try:
         for policy in policies:
             flags = [*server_flags, "--scheduling-policy", policy.removesuffix("-baseline")]
@@ -184,7 +191,7 @@ def main() -> int:
     config = {
         "model": args.model or "default", "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "duration_s": args.duration_s, "loads": loads, "mix": MIX,
-        "seed": args.seed, "baseline_src": args.baseline_src,
+        "seed": args.seed, "baseline_src": args.baseline_src, "order": policies,
     }  # fmt: skip
     path = write_result("slo_overload", config, results, name=args.result_name)
     print(f"Saved {path} ({results['wall_s']:.0f} s)")
