@@ -34,6 +34,7 @@ from tests.server.server_process import start_server  # noqa: E402
 
 from tokenmill.bench import serve  # noqa: E402
 from tokenmill.bench.results import write_result  # noqa: E402
+from tokenmill.bench.slo_trace import format_stages, read_requests, ttft_stages_by_class  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "slo")
 MIX = "0:0.3,1:0.7"
@@ -62,6 +63,21 @@ def main() -> int:
     parser.add_argument("--classes", default=None, help="PRIORITY=TTFT_MS/TPOT_MS,... (default: derived)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-name", default=None)
+    parser.add_argument(
+        "--baseline-src", default=None,
+        help="also run policy slo from this source tree (its src/ directory, e.g. a `git archive` of the "
+        "parent commit) as 'slo-baseline', in the same run: a change to the slo policy against its parent",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-first", action="store_true",
+        help="run slo-baseline first at each load instead of last (alternate across passes: drift in the "
+        "machine's other load then favours neither)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-dir", default=None,
+        help="give each policy's server --trace-dir DIR/<policy> and report, per run and class, where the "
+        "engine-side time to first token went (bench/slo_trace.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     server_flags = [
@@ -115,19 +131,29 @@ def main() -> int:
     # fcfs / priority / slo at one load, then the next: on a shared machine, drift in the other
     # load on it then hits every policy alike.
     servers = {}
+    policies = [*POLICIES, *(["slo-baseline"] if args.baseline_src else [])]
+    if args.baseline_src and args.baseline_first:
+        policies = ["slo-baseline", *POLICIES]
     try:
-        for policy in POLICIES:
-            flags = [*server_flags, "--scheduling-policy", policy]
-            if policy == "slo":
+        for policy in policies:
+            flags = [*server_flags, "--scheduling-policy", policy.removesuffix("-baseline")]
+            if policy.startswith("slo"):
                 flags += ["--slo-class", classes]
-            servers[policy] = start_server(tmp, *flags)
+            if args.trace_dir:
+                flags += ["--trace-dir", str(Path(args.trace_dir) / policy)]
+            env = {"PYTHONPATH": str(Path(args.baseline_src).resolve())} if policy == "slo-baseline" else None
+            servers[policy] = start_server(tmp, *flags, env=env)
             run_bench(servers[policy].port, *workload, "--num-prompts", "2")  # warm it (not reported)
-        for load in loads:
+        for load_index, load in enumerate(loads):
             rate = load * saturation_rps
-            for policy in POLICIES:
+            # New prompts at each load (the same for every policy): a load's prompts must not hit
+            # the prefix cache left by the previous load's, which a policy that shed them lacks.
+            load_workload = [*workload[:-1], str(args.seed + 1 + load_index)]
+            for policy in policies:
                 print(f"== {policy} at {load}x ({rate:.2f} req/s) ==", flush=True)
+                run_started = time.monotonic()
                 metrics = run_bench(
-                    servers[policy].port, *workload, "--num-prompts", str(max(8, round(rate * args.duration_s))),
+                    servers[policy].port, *load_workload, "--num-prompts", str(max(8, round(rate * args.duration_s))),
                     "--request-rate", f"{rate:.4f}", "--priority-mix", MIX, "--slo-classes", classes,
                     *(["--no-priority-field"] if policy == "fcfs" else []),
                 )  # fmt: skip
@@ -146,6 +172,12 @@ def main() -> int:
                     "median_ttft_ms": metrics["median_ttft_ms"],
                     "p99_ttft_ms": metrics.get("p99_ttft_ms"),
                 }
+                if args.trace_dir:
+                    time.sleep(1.0)  # the last requests' records reach the file
+                    records = read_requests(str(Path(args.trace_dir) / policy), run_started)
+                    stages = ttft_stages_by_class(records)
+                    results["runs"][f"{policy}@{load}x"]["engine_stages"] = stages
+                    print(format_stages(stages), flush=True)
     finally:
         for server in servers.values():
             server.stop()
@@ -159,7 +191,7 @@ def main() -> int:
     config = {
         "model": args.model or "default", "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "duration_s": args.duration_s, "loads": loads, "mix": MIX,
-        "seed": args.seed,
+        "seed": args.seed, "baseline_src": args.baseline_src, "order": policies,
     }  # fmt: skip
     path = write_result("slo_overload", config, results, name=args.result_name)
     print(f"Saved {path} ({results['wall_s']:.0f} s)")

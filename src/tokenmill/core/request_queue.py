@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,12 +29,26 @@ class ShedRequest:
 class PolicyHooks:
     """What the scheduler tells its waiting queue beyond add / pop; nothing, by default."""
 
+    # Keep `running` in the queue's key order (priority first), so that the tail, the victim of a
+    # preemption, is the lowest-priority, latest-arrived request; False: admission order.
+    orders_running_by_priority = False
+
     def step_scheduled(self) -> None:
         """schedule() has begun a step."""
 
     def take_hopeless(self, num_running: int) -> list[ShedRequest]:
         """Waiting requests to end now instead of admitting, already out of the queue."""
         return []
+
+    def preempt_for_waiting(self, running: Sequence[Request], max_num_seqs: int) -> list[Request]:
+        """Running requests to preempt (recompute later) before this step, so that waiting ones the
+        policy ranks above them take their seats now; at most one per seat, from `running`'s tail."""
+        return []
+
+    def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
+        """May the queue's head join a step that already admitted `admitted` (non-empty) and
+        schedules `step_tokens` tokens so far? False: it and everything behind it wait for a later step."""
+        return True
 
     def step_finished(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         """A step's results were applied (update_from_output), one call per schedule(), in order."""
@@ -76,6 +90,8 @@ class FcfsQueue(PolicyHooks):
 
 class PriorityQueue(PolicyHooks):
     """Waiting requests by (priority, arrival time); preempted ones keep their original place."""
+
+    orders_running_by_priority = True
 
     def __init__(self) -> None:
         self._heap: list[tuple[SortKey, Request]] = []

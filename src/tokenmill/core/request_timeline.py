@@ -15,6 +15,7 @@ class RequestTimeline(msgspec.Struct, omit_defaults=True):
     arrival: float  # stamped by the API server after tokenization (the request's arrival_time)
     received: float  # the engine core took it off its socket
     prompt_tokens: int = 0
+    priority: int = 0  # its scheduling priority (the SLO class under the slo policy)
     # Each step that computed part of the prompt (again after a preemption), with the time it was
     # scheduled, the step's number and the chunk's tokens.
     prefill_chunks: list[tuple[float, int, int]] = []

@@ -6,7 +6,9 @@ token budget (so long prompts are chunked) and by max_model_len, while `max_num_
 blocks allow. When blocks run out, the lowest-priority running request (the latest, under FCFS)
 is preempted: its blocks are freed and it is recomputed later. The waiting queue is the
 scheduling policy's seam (core/request_queue.py): fcfs, priority, or slo (core/slo_queue.py), which
-also sheds waiting requests that can no longer meet their latency targets (finish reason "shed").
+also sheds waiting requests that can no longer meet their latency targets (finish reason "shed"),
+preempts lower classes for urgent waiting requests before a step, and holds lower classes out of a
+step that prefills a tight first token.
 
 Contract with the engine: call `update_from_output` once for every `schedule()`, in order, also
 when the output is empty (with an empty ModelRunnerOutput): it returns the outputs of requests
@@ -205,6 +207,18 @@ class Scheduler:
         running = self.running
         max_model_len = self.max_model_len
 
+        if self.waiting:
+            # First the policy's decisions about waiting requests (slo: shed the hopeless, then free
+            # seats for urgent higher classes), before any running request is scheduled this step.
+            for shed in self.waiting.take_hopeless(len(running)):
+                self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
+            if self.waiting:
+                for victim in self.waiting.preempt_for_waiting(running, self.config.max_num_seqs):
+                    running.remove(victim)
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+        num_preempted_for_policy = len(preempted)
+
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -259,14 +273,18 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if self.waiting:
-            for shed in self.waiting.take_hopeless(len(running)):
-                self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
-        # Admitting new work right after preempting would only thrash.
+        # Admitting new work right after preempting for KV would only thrash (a policy's preemptions
+        # above were made to admit).
+        no_kv_preemption = len(preempted) == num_preempted_for_policy
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
-        while not preempted and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+        admitted: list[Request] = []
+        while no_kv_preemption and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if admitted and not self.waiting.joins_step(
+                request, admitted, self.config.max_num_batched_tokens - budget
+            ):
+                break
             if self.kv_connector is not None and self.kv_connector.waits_for_transfer(request):
                 self.waiting.pop()  # its KV is on its way: the requests behind it go first
                 skipped.append(request)
@@ -317,7 +335,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_start
             request.num_computed_tokens = num_start
-            if self.config.policy == "priority":
+            if self.waiting.orders_running_by_priority:
                 keys = self._keys
                 bisect.insort(running, request, key=lambda r: keys[r.request_id])
             else:
@@ -327,6 +345,7 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            admitted.append(request)
 
         for request in reversed(skipped):
             self.waiting.add_preempted(request, self._keys[request.request_id])

@@ -18,6 +18,11 @@ orders and sheds to maximise it:
   Retry-After). Only requests that have not produced a token are shed: one that streamed
   tokens (even if preempted since) is never shed. Nothing is shed until the cost model has seen
   enough steps to predict.
+- Preempt: a waiting request with a TTFT target that would miss its latest start waiting for a
+  seat takes the seat of the lowest-class running request of a strictly lower class, which
+  recomputes later (preempt_for_waiting). Running requests are kept in priority order.
+- Keep a first token's step short: a lower class does not join a step that prefills a higher
+  class's first token when it would push that step past the token's deadline (joins_step).
 
 It also counts, per SLO class, the requests that completed within their targets (goodput),
 missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
@@ -32,7 +37,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -51,11 +56,15 @@ SHED_KEY = "slo_shed_requests"
 
 
 class SloQueue(PolicyHooks):
+    # Running requests by priority: a preemption (for KV or for a seat) takes the lowest class first.
+    orders_running_by_priority = True
+
     def __init__(
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic, cost: StepCostModel | None = None
     ) -> None:
         self.slo = config.slo
         self.token_budget = config.max_num_batched_tokens or 2048
+        self.max_model_len = config.max_model_len
         self.clock = clock
         self.cost = cost if cost is not None else StepCostModel()
         self.timer = StepTimer(clock)
@@ -154,6 +163,77 @@ class SloQueue(PolicyHooks):
             )
             for request, predicted in hopeless
         ]
+
+    # -- preempting for a seat ----------------------------------------------------------------
+
+    def preempt_for_waiting(self, running: Sequence[Request], max_num_seqs: int) -> list[Request]:
+        """Lower-class running requests to preempt so that urgent waiting ones start this step.
+
+        Walking the queue in its order, the first waiting requests take the free seats; each one
+        after that is *urgent* when the seat it would otherwise wait for (the k-th running request
+        to finish, at the predicted decode step time) frees after its latest start. An urgent
+        request that has a TTFT target and no token yet takes the seat of the lowest-class,
+        latest-admitted running request of a strictly lower class (the tail of `running`, which
+        this policy keeps in priority order), which recomputes later. The walk stops at the first
+        request that does not get a seat now, so the queue's order holds: nothing jumps ahead of it.
+        Before the cost model is ready every such request counts as urgent (strict priority).
+        """
+        free_seats = max_num_seqs - len(running)
+        if len(self._entries) <= free_seats or not running:
+            return []
+        now = self.clock()
+        ready = self.cost.ready
+        # When the running requests free their seats by themselves, soonest first.
+        step_s = self.cost.seconds_for(len(running), self.token_budget) if ready else 0.0
+        natural_seats = sorted(self._decode_steps_left(r) * step_s for r in running)
+        candidates = list(reversed(running))  # the victims, in the order they would go
+        victims: list[Request] = []
+        num_natural = 0  # natural seats already given to requests ahead in the queue
+        for _, latest_start, _, _, request in self._entries:
+            if free_seats > 0:
+                free_seats -= 1
+                continue
+            seat_in = natural_seats[num_natural] if num_natural < len(natural_seats) else math.inf
+            if ready and now + seat_in <= latest_start:
+                break  # it can wait for a seat; so can everything behind it
+            target = self.targets[request.request_id]
+            if target.ttft_s is None or request.num_output_tokens > 0 or not candidates:
+                break
+            victim = candidates[0]
+            if victim.priority <= request.priority:
+                break  # only a strictly lower class gives up its seat
+            victims.append(candidates.pop(0))
+        return victims
+
+    def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
+        """A lower class does not join a step that prefills a higher class's first token (a TTFT
+        target, no token yet) when its prefill would make that step end past that token's deadline:
+        on a CPU one 100-token prompt can cost more than the decodes of the whole batch. It waits
+        one step (the next one carries the higher class's first decode, not its prefill). Before
+        the cost model is ready it always waits."""
+        at_stake = [
+            other
+            for other in admitted
+            if other.priority < request.priority
+            and other.num_output_tokens == 0
+            and self.targets[other.request_id].ttft_s is not None
+        ]
+        if not at_stake:
+            return True
+        if not self.cost.ready:
+            return False
+        own = min(request.num_tokens - request.num_computed_tokens, self.token_budget - step_tokens)
+        step_ends = self.clock() + self.cost.seconds_for(step_tokens + own, self.token_budget)
+        return all(
+            step_ends <= other.arrival_time + self.targets[other.request_id].ttft_s for other in at_stake
+        )
+
+    def _decode_steps_left(self, request: Request) -> int:
+        """Steps until it ends by length (it may stop earlier on EOS or a stop token)."""
+        left = self.max_model_len - request.num_tokens
+        if request.max_tokens is not None:
+            left = min(left, request.max_tokens - request.num_output_tokens)
+        return max(left, 0)
 
     # -- measuring --------------------------------------------------------------------------
 

@@ -164,7 +164,9 @@ class EngineCore:
             lora_request=req.lora_request,
         )
         self.scheduler.add_request(request)
-        self.timelines.request_added(req.request_id, request.arrival_time, len(req.prompt_token_ids))
+        self.timelines.request_added(
+            req.request_id, request.arrival_time, len(req.prompt_token_ids), request.priority
+        )
         if req.sampling_params.needs_host_history:
             self._needs_history.add(req.request_id)
 

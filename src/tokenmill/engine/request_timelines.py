@@ -24,9 +24,9 @@ class RequestTimelines:
     def __len__(self) -> int:
         return len(self._timelines)
 
-    def request_added(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
+    def request_added(self, request_id: str, arrival: float, prompt_tokens: int, priority: int = 0) -> None:
         self._timelines[request_id] = RequestTimeline(
-            arrival=arrival, received=time.monotonic(), prompt_tokens=prompt_tokens
+            arrival=arrival, received=time.monotonic(), prompt_tokens=prompt_tokens, priority=priority
         )
         self._computed[request_id] = 0
 
