@@ -1,0 +1,71 @@
+// The decoder's small per-layer ops on the CPU, for float32 decode rows: the residual add and
+// RMSNorm in one call. At one row PyTorch's F.rms_norm costs ~20 us (pow, mean, rsqrt, two
+// multiplies, each an op dispatch and a temporary), 61 calls a step for SmolLM2-135M; this is ~1 us.
+//
+// Numerics: x += pending (float32), then x * (1 / sqrt(mean(x^2) + eps)) * weight, as F.rms_norm
+// computes in float32; only the summation order of mean(x^2) differs.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& pending,
+                        const std::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "add_rms_norm: x must be a contiguous float32 [T, hidden] tensor, got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  if (pending.has_value()) {
+    TORCH_CHECK(pending->sizes() == x.sizes() && pending->scalar_type() == at::kFloat && pending->is_contiguous(),
+                "add_rms_norm: pending must be a contiguous float32 tensor shaped like x ", x.sizes());
+  }
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == hidden && weight->scalar_type() == at::kFloat &&
+                    weight->is_contiguous(),
+                "add_rms_norm: weight must be a contiguous float32 [", hidden, "] tensor");
+  }
+  at::Tensor out = at::empty({rows, hidden}, x.options());
+  float* xs = x.data_ptr<float>();
+  const float* ps = pending.has_value() ? pending->data_ptr<float>() : nullptr;
+  const float* ws = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+  float* ys = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = xs + r * hidden;
+    float* yr = ys + r * hidden;
+    float squares = 0.f;
+    if (ps != nullptr) {
+      const float* pr = ps + r * hidden;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) {
+        xr[i] += pr[i];
+        squares += xr[i] * xr[i];
+      }
+    } else {
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
+    }
+    const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+    if (ws != nullptr) {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv_rms * ws[i];
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv_rms;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? pending, Tensor? weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("add_rms_norm", &add_rms_norm); }
