@@ -15,7 +15,16 @@ from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, quantized_linear, 
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
 
-SHAPES = [(1, 32, 1), (5, 64, 1), (3, 96, 2), (7, 224, 1), (300, 576, 1), (65, 576, 3), (192, 1536, 4), (9, 288, 1)]
+SHAPES = [
+    (1, 32, 1),
+    (5, 64, 1),
+    (3, 96, 2),
+    (7, 224, 1),
+    (300, 576, 1),
+    (65, 576, 3),
+    (192, 1536, 4),
+    (9, 288, 1),
+]
 # K = 32..288 blocks: chunks of 4 plus every remainder (1, 2, 3 = 2 + 1); m up to the 4 rows served.
 
 
@@ -44,7 +53,9 @@ def _scaled_quants(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 def _vnni_blocks(rows: np.ndarray, code: int, n: int) -> QuantizedBlocks:
     from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 
-    return QuantizedBlocks(torch.from_numpy(split_rows(rows, code)), code, n, torch.from_numpy(vnni_rows(rows, code)))
+    return QuantizedBlocks(
+        torch.from_numpy(split_rows(rows, code)), code, n, torch.from_numpy(vnni_rows(rows, code))
+    )
 
 
 @pytest.mark.parametrize("name", TYPES)

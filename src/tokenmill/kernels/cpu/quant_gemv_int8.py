@@ -51,7 +51,8 @@ def vnni_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
     parts = []
     for start, size in _chunks(num_blocks):
         chunk = quants[:, start : start + size].reshape(n, size, 8, 4)  # block, group, byte
-        seq = chunk.transpose(0, 2, 1, 3).reshape(n, 32 * size)  # group g = 4-byte group g // size of block g % size
+        # 4-byte group g of the sequence = group g // size of block g % size
+        seq = chunk.transpose(0, 2, 1, 3).reshape(n, 32 * size)
         if quant_type == 0:
             half = 16 * size
             parts.append((seq[:, :half] | (seq[:, half:] << 4)).astype(np.uint8))

@@ -83,10 +83,11 @@ class TorchLayerOps:
 
 
 class CpuNativeLayerOps(TorchLayerOps):
-    """TorchLayerOps with the residual add + RMSNorm of float32 rows in one C++ call
+    """TorchLayerOps with the residual add + RMSNorm, and RoPE, of float32 rows in one C++ call each
     (kernels/cpu/csrc/cpu_layer_ops.cpp): at one decode row F.rms_norm's five op dispatches cost
-    ~20 us a call, ~1.3 ms of a SmolLM2-135M step. The same float32 arithmetic up to the summation
-    order of the mean square. Other dtypes and layouts keep the PyTorch ops."""
+    ~20 us a call (~1.3 ms of a SmolLM2-135M step), RoPE's mul / roll / addcmul ~20 us a layer.
+    The same float32 arithmetic up to the summation order of the mean square (and FMA contraction).
+    Other dtypes and layouts keep the PyTorch ops."""
 
     def add_rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None,
@@ -102,6 +103,21 @@ class CpuNativeLayerOps(TorchLayerOps):
             # float32 x: Llama's and Gemma's orders (weight_in_float32) are the same arithmetic.
             return torch.ops.tokenmill_cpu.add_rms_norm(x, pending, weight, eps)
         return super().add_rms_norm(x, weight, eps, pending, weight_in_float32)
+
+    def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        cos, signed_sin = rope.cos, rope.signed_sin
+        if (
+            x.dtype == torch.float32
+            and x.dim() == 3
+            and x.stride(2) == 1
+            and cos is not None
+            and signed_sin is not None
+            and cos.dtype == signed_sin.dtype == torch.float32
+            and cos.is_contiguous()
+            and signed_sin.is_contiguous()
+        ):
+            return torch.ops.tokenmill_cpu.rotate(x, cos, signed_sin)
+        return super().rotate(x, rope)
 
 
 class TritonLayerOps:

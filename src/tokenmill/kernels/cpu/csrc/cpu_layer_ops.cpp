@@ -1,5 +1,5 @@
 // The decoder's small per-layer ops on the CPU, for float32 decode rows: the residual add and
-// RMSNorm in one call. At one row PyTorch's F.rms_norm costs ~20 us (pow, mean, rsqrt, two
+// RMSNorm in one call, and RoPE in one call. At one row PyTorch's F.rms_norm costs ~20 us (pow, mean, rsqrt, two
 // multiplies, each an op dispatch and a temporary), 61 calls a step for SmolLM2-135M; this is ~1 us.
 //
 // Numerics: x += pending (float32), then x * (1 / sqrt(mean(x^2) + eps)) * weight, as F.rms_norm
@@ -62,10 +62,46 @@ at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& pending,
   return out;
 }
 
+// RoPE (rotate-half form) of x [T, heads, head_dim] (any strides but a contiguous last dim: q and k
+// are views of the qkv projection) into a new contiguous tensor: out = x * cos + roll(x, half) *
+// signed_sin, with cos / signed_sin [T, 1, head_dim] float32 (layers/rotary.apply_rotary's
+// arithmetic, one call instead of mul, roll (slices and a cat) and addcmul).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+              "rotate: x must be a float32 [T, heads, head_dim] tensor with a contiguous last dim");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0, "rotate: head_dim must be even, got ", dim);
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == 1 && t->size(2) == dim &&
+                    t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "rotate: cos and signed_sin must be contiguous float32 [", tokens, ", 1, ", dim, "] tensors");
+  }
+  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
+  const float* xs = x.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos.data_ptr<float>() + t * dim;
+    const float* s = signed_sin.data_ptr<float>() + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = xs + t * x.stride(0) + h * x.stride(1);
+      float* yr = ys + (t * heads + h) * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) yr[i] = xr[i] * c[i] + xr[i + half] * s[i];
+#pragma omp simd
+      for (int64_t i = half; i < dim; ++i) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? pending, Tensor? weight, float eps) -> Tensor");
+  m.def("rotate(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("add_rms_norm", &add_rms_norm); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotate", &rotate);
+}
