@@ -50,3 +50,10 @@ def test_rotate_equals_torch_on_a_strided_view(tokens: int) -> None:
     ours = CpuNativeLayerOps().rotate(qk, rope)
     torch.testing.assert_close(ours, TorchLayerOps().rotate(qk, rope), rtol=1e-6, atol=1e-6)
     assert ours.is_contiguous()
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_silu_mul_equals_torch(tokens: int) -> None:
+    gate_up = torch.randn(tokens, 2 * 1536) * 4
+    expected = TorchLayerOps().silu_mul(gate_up.clone())  # silu in place on its input's gate half
+    torch.testing.assert_close(CpuNativeLayerOps().silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
