@@ -108,3 +108,18 @@ def test_refuses_bad_shapes_naming_them() -> None:
         kernel(torch.empty(1, 5), torch.randn(1, 64), blocks, 0)
     with pytest.raises(RuntimeError, match="quant_type must be 0"):
         kernel(torch.empty(1, 4), torch.randn(1, 64), blocks, 3)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_non_finite_activations_reach_the_output(name: str) -> None:
+    """As with float activations: a NaN or inf in a row makes that row's outputs non-finite (the
+    sampler refuses such logits) instead of being quantized away."""
+    kernel = _int8_kernel()
+    qtype, code = TYPES[name]
+    rows = random_blocks(np.random.default_rng(3), qtype, 8, 128)
+    x = torch.randn(3, 128)
+    x[0, 40], x[2, 100] = float("nan"), float("inf")
+    out = torch.empty(3, 8)
+    kernel(out, x, _vnni_blocks(rows, code, 8).vnni, code)
+    assert not torch.isfinite(out[0]).any() and not torch.isfinite(out[2]).any()
+    assert torch.isfinite(out[1]).all()

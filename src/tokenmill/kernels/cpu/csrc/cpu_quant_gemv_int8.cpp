@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -67,8 +68,15 @@ void quantize_row(const float* x, int64_t num_blocks, bool want_corr, QuantizedR
       amax = std::max(amax, std::fabs(xb[j]));
       s += xb[j];
     }
-    out.scale[b] = amax / 127.f;
     out.sum[b] = s;
+    if (!std::isfinite(s)) {
+      // A NaN / inf activation must reach the output, as in the float kernel (the sampler
+      // refuses non-finite logits): a NaN scale does that; the quants are then irrelevant.
+      out.scale[b] = std::numeric_limits<float>::quiet_NaN();
+      inverse[b] = 0.f;
+      continue;
+    }
+    out.scale[b] = amax / 127.f;
     inverse[b] = amax > 0.f ? 127.f / amax : 0.f;
   }
   int64_t corr_at = 0;
