@@ -526,8 +526,7 @@ class EngineArgs:
     def create_kernel_config(self) -> KernelConfig:
         """KernelConfig: --kernel-config's keys, else $TOKENMILL_ROW_GEMV and the like when set,
         else KernelConfig's defaults; skinny GEMM needs row GEMV's out-major weights, so it is off
-        whenever row GEMV is; int8 CPU activations are off with speculative decoding unless
-        --kernel-config names them."""
+        whenever row GEMV is."""
         kernel_fields = {f.name: f for f in fields(KernelConfig)}
         valid = [name for name in kernel_fields if name not in _KERNEL_FIELDS_WITH_OWN_OPTION]
         chosen = dict(self.kernel_config or {})
@@ -558,11 +557,10 @@ class EngineArgs:
         )
         if not kernel.row_gemv and kernel.skinny_gemm:
             kernel = dataclasses.replace(kernel, skinny_gemm=False)
-        if self.speculative_config is not None and "cpu_int8_activations" not in chosen:
-            # A verify step multiplies k + 1 rows a request: more than 4 rows take the float32
-            # batched kernel, so its tokens could round differently from the one-row (int8) steps
-            # it checks, and speculation must not change greedy output.
-            kernel = dataclasses.replace(kernel, cpu_int8_activations=False)
+        if kernel.cpu_activation_bits not in (0, 8, 16):
+            raise ValueError(
+                f"kernel_config 'cpu_activation_bits' must be 0 (float32), 8 or 16, got {kernel.cpu_activation_bits}"
+            )
         return kernel
 
     def non_default_options(self) -> dict[str, Any]:

@@ -170,14 +170,11 @@ def test_kernel_config_keys_and_values_are_checked(capsys):
     assert "must be a JSON object" in capsys.readouterr().err
 
 
-def test_speculative_decoding_turns_int8_cpu_activations_off_unless_asked_for():
-    """Verify steps of more than 4 rows take the float32 kernel; the one-row steps they check
-    must round the same way, so speculation keeps float32 activations by default."""
-    assert build_engine_config(device="cpu").kernel.cpu_int8_activations
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    assert not build_engine_config(device="cpu", speculative_config=ngram).kernel.cpu_int8_activations
-    asked = build_engine_config(device="cpu", speculative_config=ngram, kernel_config={"cpu_int8_activations": True})
-    assert asked.kernel.cpu_int8_activations
+def test_cpu_activation_bits_are_0_8_or_16():
+    assert build_engine_config(device="cpu").kernel.cpu_activation_bits == 16
+    assert build_engine_config(device="cpu", kernel_config={"cpu_activation_bits": 8}).kernel.cpu_activation_bits == 8
+    with pytest.raises(ValueError, match=r"'cpu_activation_bits' must be 0 \(float32\), 8 or 16, got 4"):
+        build_engine_config(device="cpu", kernel_config={"cpu_activation_bits": 4})
 
 
 def test_fp8_kv_cache_is_parsed_and_e5m2_refused_naming_the_supported_values():
