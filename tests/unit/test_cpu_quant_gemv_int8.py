@@ -92,6 +92,7 @@ def test_error_within_the_activation_rounding_bound(bits: int, name: str, n: int
     rng = np.random.default_rng(n * 1000 + k + m)
     rows = random_blocks(rng, qtype, n, k)
     weight = torch.from_numpy(dequantize(rows, qtype).astype(np.float64))
+    torch.manual_seed(n * 1000 + k + m)
     x = torch.randn(m, k, dtype=torch.float64).float()
     bias = torch.randn(n)
     out = quantized_linear(x, _vnni_blocks(rows, code, n, bits), bias)
@@ -103,7 +104,6 @@ def test_error_within_the_activation_rounding_bound(bits: int, name: str, n: int
     bound = half_step.reshape(m, k) @ torch.from_numpy(_scaled_quants(rows, qtype)).t()
     error = (out.double() - expected).abs()
     assert (error <= bound * 1.001 + 1e-5 * expected.abs().max()).all(), (error - bound).max()
-    assert (error / expected.abs().max()).max() < (0.03 if bits == 8 else 3e-4)  # random weights: a worst case
 
 
 def test_refuses_bad_shapes_naming_them() -> None:
