@@ -1,13 +1,15 @@
-// One-to-four-row matmuls from GGUF Q4_1 / Q8_0 weights with int8-quantized activations (what
-// llama.cpp does on the CPU): AVX-512 VNNI `vpdpbusd` multiplies 64 unsigned weight bytes with 64
-// signed activation bytes and adds them in groups of 4 into 16 int32 lanes, one instruction where
-// the float kernel (cpu_quant_gemv.cpp) widens, converts and multiplies every weight. The one-row
-// decode step is arithmetic-bound on that float dequantization, so this is its main cost cut.
+// One-to-four-row matmuls from GGUF Q4_1 / Q8_0 weights with integer-quantized activations, 8-bit
+// (what llama.cpp does on the CPU) or 16-bit (the default: KernelConfig.cpu_activation_bits).
+// 8 bits: AVX-512 VNNI `vpdpbusd` multiplies 64 unsigned weight bytes with 64 signed activation
+// bytes and adds them in groups of 4 into 16 int32 lanes; 16 bits: the weights are widened to
+// int16 and `vpdpwssd` does 32 pairs. Either replaces the float kernel's (cpu_quant_gemv.cpp)
+// widen / convert / multiply of every weight, on which the one-row decode step was arithmetic-bound;
+// both are now bound by streaming the weights, so 16 bits cost nothing over 8.
 //
-// Numerics: each activation row is quantized per block of 32 to int8 with scale d_x = max|x| / 127
-// (round to nearest), so the result is NOT the float32 product: each block's error is at most
-// d_x / 2 * sum |w| (tests/unit/test_cpu_quant_gemv_int8.py checks that bound). Q4_1's offset term
-// m * sum(x) uses the exact float sum of the block.
+// Numerics: each activation row is quantized per block of 32 with scale d_x = max|x| / 127 (or
+// / 32767), round to nearest, so the result is NOT the float32 product: each block's error is at
+// most d_x / 2 * sum |d_w q_w| (tests/unit/test_cpu_quant_gemv_int8.py checks that bound). Q4_1's
+// offset term m * sum(x) uses the exact float sum of the block.
 //
 // Weight layout (kernels/cpu/quant_gemv.vnni_rows, made once at load): per output row, the blocks
 // in chunks of 4 (then one of 2, then one of 1 for the remainder). Within a chunk of c blocks the
@@ -17,7 +19,7 @@
 // nibble of byte s (s < 16c) or the high nibble of byte s - 16c: 16c bytes a chunk. Q8_0 stores
 // q + 128 (unsigned for dpbusd; the activations' block sums times 128 are subtracted back):
 // 32c bytes a chunk. After the chunks: the blocks' float16 d (and m for Q4_1), as in split_rows.
-// The activations are quantized into the same sequence order per call.
+// The activations are quantized into the same sequence order per call (int8 or int16).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
