@@ -560,6 +560,10 @@ class EngineArgs:
         )
         if not kernel.row_gemv and kernel.skinny_gemm:
             kernel = dataclasses.replace(kernel, skinny_gemm=False)
+        if kernel.cpu_activation_bits not in (0, 8, 16):
+            raise ValueError(
+                f"kernel_config 'cpu_activation_bits' must be 0 (float32), 8 or 16, got {kernel.cpu_activation_bits}"
+            )
         return kernel
 
     def non_default_options(self) -> dict[str, Any]:

@@ -41,12 +41,17 @@ def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path)
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 40))] for _ in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    reference = LLM(None, device="cpu", max_model_len=128, enable_prefix_caching=False).generate(
-        [{"prompt_token_ids": p} for p in prompts], params
-    )
+    # float32 activations on every path: with quantized ones (cpu_activation_bits) a 1-4-row step
+    # rounds differently from a larger one, so tokens may depend on how many requests shared a
+    # step, which this test changes on purpose (preemption, 32-token steps).
+    float_acts = {"cpu_activation_bits": 0}
+    reference = LLM(
+        None, device="cpu", max_model_len=128, enable_prefix_caching=False, kernel_config=float_acts
+    ).generate([{"prompt_token_ids": p} for p in prompts], params)
     squeezed = LLM(
-        None, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8
-    )
+        None, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8,
+        kernel_config=float_acts,
+    )  # fmt: skip
     outputs = squeezed.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4]], params)
     assert squeezed.engine.get_stats()["num_preemptions_total"] > 0
     for ref, out in zip(reference + reference[:4], outputs, strict=True):
@@ -154,9 +159,23 @@ def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(llm):
     llm.engine.check_invariants()
 
 
+def _one_row_tokens_and_logprob_error(
+    llm: LLM, default_model_path, text: str, tokens: int
+) -> tuple[bool, float]:
+    """Greedy decode of `text` alone (every decode step one row): (tokens equal transformers',
+    max |logprob - transformers' logprob| of those tokens)."""
+    prompt = llm.get_tokenizer().encode(text)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    expected, logprobs = hf_greedy(str(default_model_path), prompt, tokens)
+    ours = [pos[t].logprob for pos, t in zip(out.logprobs, out.token_ids, strict=True)]
+    return out.token_ids == expected, max(abs(a - b) for a, b in zip(ours, logprobs, strict=True))
+
+
 def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_model_path):
     """A request decoding alone multiplies by the GGUF's Q4_1 / Q8_0 blocks (the float32 copies
-    kept for that are freed); tokens and logprobs are transformers' on the dequantized weights."""
+    kept for that are freed); with float32 activations (cpu_activation_bits 0) tokens and
+    logprobs are transformers' on the dequantized weights."""
     from tokenmill.model.layers.quantized_linear import quantized_blocks
 
     model = llm.engine.runner.model
@@ -166,13 +185,35 @@ def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_
             assert quantized_blocks(linear).quant_type == 0, name  # Q4_1 in this file
             assert getattr(linear, "plain_weight", None) is None, name
     assert quantized_blocks(model.lm_head).quant_type == 1  # the tied table is Q8_0
-    prompt = llm.get_tokenizer().encode("The three primary colors are")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-    out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
-    tokens, logprobs = hf_greedy(str(default_model_path), prompt, 24)
-    assert out.token_ids == tokens
-    ours = [pos[t].logprob for pos, t in zip(out.logprobs, tokens, strict=True)]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 1e-4
+    float_llm = LLM(None, device="cpu", max_model_len=128, kernel_config={"cpu_activation_bits": 0})
+    assert quantized_blocks(float_llm.engine.runner.model.lm_head).vnni is None
+    same, error = _one_row_tokens_and_logprob_error(
+        float_llm, default_model_path, "The three primary colors are", 24
+    )
+    assert same and error < 1e-4
+
+
+def test_quantized_activation_steps_keep_transformers_greedy_tokens(llm, default_model_path):
+    """Where the CPU has AVX-512 VNNI, one-row steps quantize the activations to 16-bit integers
+    (the default cpu_activation_bits): not the float32 product, so logprobs move a little, but
+    the greedy tokens of these prompts stay transformers' (8 bits, llama.cpp's scheme, flipped
+    near-ties of three of them within 30 tokens)."""
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
+    from tokenmill.model.layers.quantized_linear import quantized_blocks
+
+    if not int8_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: one-row steps keep float32 activations")
+    assert quantized_blocks(llm.engine.runner.model.lm_head).vnni is not None
+    for text in (
+        "The three primary colors are",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The capital of France is",
+        "List three colors:",
+    ):
+        same, error = _one_row_tokens_and_logprob_error(llm, default_model_path, text, 32)
+        assert same, text
+        assert error < 5e-3, (text, error)
 
 
 def test_quantized_one_row_steps_can_be_turned_off(default_model_path):

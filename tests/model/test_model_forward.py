@@ -242,9 +242,14 @@ def test_default_model_greedy_answer(default_model_path):
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers_gguf_loader(default_model_path):
+@pytest.mark.parametrize("activation_bits", [0, 16, 8])
+def test_default_model_matches_transformers_gguf_loader(default_model_path, activation_bits: int):
+    """The prompt in one chunk, then three one-row steps. With float32 activations every logit is
+    transformers'; with quantized ones (the 1-4-row GGUF kernel, AVX-512 VNNI) the one-row steps'
+    logits move (observed: up to ~0.01 with 16 bits, ~1.5 with 8); with 16 they keep their argmax."""
     from transformers import AutoModelForCausalLM
 
+    from tokenmill.kernels.cpu.build import cpu_kernels_available
     from tokenmill.model.tokenizer import load_tokenizer
 
     config = ModelConfig()
@@ -259,7 +264,14 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path):
     backend = TorchReferenceBackend(
         arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, BLOCK_SIZE
     )
-    harness = PagedHarness(load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved), seed=6)
+    if activation_bits:
+        from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
+
+        if not (cpu_kernels_available()[0] and int8_available()):
+            pytest.skip("no AVX-512 VNNI build of the CPU kernels: one-row steps keep float32 activations")
+    kernel = KernelConfig(cpu_activation_bits=activation_bits)
+    model = load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved, kernel=kernel)
+    harness = PagedHarness(model, seed=6)
     r = harness.add(prompt)
     harness.step([(r, len(prompt) - 3)])
     for _ in range(3):
@@ -272,5 +284,12 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path):
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0]
     ours = harness.logits_of(r)
-    torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
-    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    decoded = len(prompt) - 3  # the rows of the one-row steps
+    torch.testing.assert_close(ours[:decoded], expected[:decoded], atol=1e-3, rtol=1e-4)
+    if not activation_bits:
+        torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
+    else:
+        worst = (ours[decoded:] - expected[decoded:]).abs().max().item()
+        assert worst < (0.05 if activation_bits == 16 else 3.0), worst
+    if activation_bits != 8:  # (8 bits flipped one of the one-row steps' argmaxes: a near-tie)
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -170,6 +170,13 @@ def test_kernel_config_keys_and_values_are_checked(capsys):
     assert "must be a JSON object" in capsys.readouterr().err
 
 
+def test_cpu_activation_bits_are_0_8_or_16():
+    assert build_engine_config(device="cpu").kernel.cpu_activation_bits == 16
+    assert build_engine_config(device="cpu", kernel_config={"cpu_activation_bits": 8}).kernel.cpu_activation_bits == 8
+    with pytest.raises(ValueError, match=r"'cpu_activation_bits' must be 0 \(float32\), 8 or 16, got 4"):
+        build_engine_config(device="cpu", kernel_config={"cpu_activation_bits": 4})
+
+
 def test_fp8_kv_cache_is_parsed_and_e5m2_refused_naming_the_supported_values():
     for value in ("fp8", "fp8_e4m3"):
         args = parse(["generate", "hi", "--device", "cpu", "--kv-cache-dtype", value])

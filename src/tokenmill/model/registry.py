@@ -101,7 +101,7 @@ def load_model(
         and quantization is None  # --quantization replaces the GGUF's own blocks
         and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
     ):
-        _attach_gguf_blocks(model, resolved.path, arch, kernel.cpu_quantized_gemm_rows)
+        _attach_gguf_blocks(model, resolved.path, arch, kernel.cpu_quantized_gemm_rows, kernel.cpu_activation_bits)
     return model.eval()
 
 
@@ -119,7 +119,7 @@ def _linear_hf_names(model: CausalLM) -> dict[int, list[str]]:
     return names
 
 
-def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows: int) -> None:
+def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows: int, activation_bits: int) -> None:
     """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build."""
     from tokenmill.kernels.cpu.build import cpu_kernels_available
 
@@ -132,10 +132,15 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows:
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
         return
-    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows)
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
+
+    bits = activation_bits if int8_available() else 0
+    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows, bits)
     if attached:
         logger.info(
-            "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB)",
+            "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
             max(rows_limit(), gemm_rows if gemm_available() else 0),
             attached / 2**20,
+            rows_limit(),
+            f"{bits}-bit integer (AVX-512 VNNI)" if bits else "float32",
         )

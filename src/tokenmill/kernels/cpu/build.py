@@ -23,7 +23,13 @@ from tokenmill.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("cpu_paged_attention.cpp", "cpu_quant_gemv.cpp", "cpu_quant_gemm.cpp")
+    Path(__file__).parent / "csrc" / name for name in (
+        "cpu_paged_attention.cpp",
+        "cpu_quant_gemv.cpp",
+        "cpu_quant_gemv_int8.cpp",
+        "cpu_quant_gemm.cpp",
+        "cpu_layer_ops.cpp",
+    )
 ]
 _lock = threading.Lock()
 _STALE_LOCK_S = 180.0  # a build takes 10-30 s; a lock older than this has no live owner

@@ -34,6 +34,11 @@ class QuantizedBlocks:
     blocks: torch.Tensor  # uint8 [out_features, row_bytes] in the kernel's layout (split_rows)
     quant_type: int  # the kernel's code: 0 = Q4_1, 1 = Q8_0
     out_features: int
+    # The same blocks in the quantized-activation kernel's layout (quant_gemv_int8.vnni_rows), when
+    # that kernel serves the few-row products (KernelConfig.cpu_activation_bits, AVX-512 VNNI builds),
+    # and the bits it quantizes the activations to (8 or 16).
+    vnni: torch.Tensor | None = None
+    activation_bits: int = 16
 
 
 def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
@@ -59,10 +64,18 @@ def gemm_available() -> bool:
 
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]: the one-row
-    kernel up to rows_limit() rows, the batched one (dequantize once, panel x rows) above."""
+    kernel up to rows_limit() rows (its quantized-activation form where `blocks.vnni` is set), the
+    batched one (dequantize once, panel x rows) above."""
     out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
-    op = torch.ops.tokenmill_cpu.quant_gemv if x.shape[0] <= rows_limit() else torch.ops.tokenmill_cpu.quant_gemm
-    op(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+    if x.shape[0] <= rows_limit():
+        if blocks.vnni is not None:
+            torch.ops.tokenmill_cpu.quant_gemv_int8(
+                out, x.contiguous(), blocks.vnni, blocks.quant_type, blocks.activation_bits
+            )
+        else:
+            torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+    else:
+        torch.ops.tokenmill_cpu.quant_gemm(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     if bias is not None:
         out += bias
     return out

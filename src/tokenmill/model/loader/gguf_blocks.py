@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, split_rows
+from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 from tokenmill.model.layers.linear import LinearBase, ShardId
 from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
 
@@ -23,10 +24,15 @@ class _MapsWeightsToLinears(Protocol):
 
 
 def attach_gguf_blocks(
-    model: _MapsWeightsToLinears, quantized: Iterable[tuple[str, int, np.ndarray]], gemm_rows: int = 0
+    model: _MapsWeightsToLinears,
+    quantized: Iterable[tuple[str, int, np.ndarray]],
+    gemm_rows: int = 0,
+    activation_bits: int = 0,
 ) -> int:
     """Give each linear layer whose whole weight comes quantized (loader.gguf_loader.iter_gguf_quantized)
-    a GGUFBlocksMethod over its blocks. Only unsharded layers (tp_size 1). Returns the bytes attached."""
+    a GGUFBlocksMethod over its blocks (and, with `activation_bits` 8 or 16, the same blocks in the
+    quantized-activation kernel's layout too: both layouts stay, the batched kernel reads the first). Only unsharded
+    layers (tp_size 1). Returns the bytes attached."""
     parts: dict[int, tuple[LinearBase, dict[ShardId, tuple[int, np.ndarray]]]] = {}
     for name, code, rows in quantized:
         target = model.linear_for_weight(name)
@@ -36,19 +42,24 @@ def attach_gguf_blocks(
         parts.setdefault(id(layer), (layer, {}))[1][shard_id] = (code, rows)
     attached = 0
     for layer, shards in parts.values():
-        blocks = _blocks_for(layer, shards)
+        blocks = _blocks_for(layer, shards, activation_bits)
         if blocks is not None:
             attach_quantized_blocks(layer, blocks, gemm_rows)
-            attached += blocks.blocks.nbytes
+            attached += blocks.blocks.nbytes + (blocks.vnni.nbytes if blocks.vnni is not None else 0)
     return attached
 
 
-def _blocks_for(layer: LinearBase, shards: dict[ShardId, tuple[int, np.ndarray]]) -> QuantizedBlocks | None:
+def _blocks_for(
+    layer: LinearBase, shards: dict[ShardId, tuple[int, np.ndarray]], activation_bits: int
+) -> QuantizedBlocks | None:
     order: tuple[ShardId, ...] = getattr(layer, "shard_ids", (None,))
     if layer.tp_size != 1 or set(shards) != set(order) or len({code for code, _ in shards.values()}) != 1:
         return None
     code = shards[order[0]][0]
-    rows = split_rows(np.concatenate([shards[s][1] for s in order]), code)  # a copy, off the mmap
-    if rows.shape[0] != layer.out_features:
+    gguf_rows = np.concatenate([shards[s][1] for s in order])  # a copy, off the mmap
+    if gguf_rows.shape[0] != layer.out_features:
         return None
-    return QuantizedBlocks(torch.from_numpy(rows), code, layer.out_features)
+    vnni = torch.from_numpy(vnni_rows(gguf_rows, code)) if activation_bits else None
+    return QuantizedBlocks(
+        torch.from_numpy(split_rows(gguf_rows, code)), code, layer.out_features, vnni, activation_bits or 16
+    )

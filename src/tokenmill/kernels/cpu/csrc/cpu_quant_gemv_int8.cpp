@@ -1,0 +1,376 @@
+// One-to-four-row matmuls from GGUF Q4_1 / Q8_0 weights with integer-quantized activations, 8-bit
+// (what llama.cpp does on the CPU) or 16-bit (the default: KernelConfig.cpu_activation_bits).
+// 8 bits: AVX-512 VNNI `vpdpbusd` multiplies 64 unsigned weight bytes with 64 signed activation
+// bytes and adds them in groups of 4 into 16 int32 lanes; 16 bits: the weights are widened to
+// int16 and `vpdpwssd` does 32 pairs. Either replaces the float kernel's (cpu_quant_gemv.cpp)
+// widen / convert / multiply of every weight, on which the one-row decode step was arithmetic-bound;
+// both are now bound by streaming the weights, so 16 bits cost nothing over 8.
+//
+// Numerics: each activation row is quantized per block of 32 with scale d_x = max|x| / 127 (or
+// / 32767), round to nearest, so the result is NOT the float32 product: each block's error is at
+// most d_x / 2 * sum |d_w q_w| (tests/unit/test_cpu_quant_gemv_int8.py checks that bound). Q4_1's
+// offset term m * sum(x) uses the exact float sum of the block.
+//
+// Weight layout (kernels/cpu/quant_gemv.vnni_rows, made once at load): per output row, the blocks
+// in chunks of 4 (then one of 2, then one of 1 for the remainder). Within a chunk of c blocks the
+// 32c weights are in "sequence order": 4-byte groups interleaved across the c blocks (group g is
+// block g % c, weights 4 (g / c) .. 4 (g / c) + 3), so lane i of a dpbusd belongs to block i % c
+// and one broadcast of the c scales scales every lane. Q4_1 packs sequence value s into the low
+// nibble of byte s (s < 16c) or the high nibble of byte s - 16c: 16c bytes a chunk. Q8_0 stores
+// q + 128 (unsigned for dpbusd; the activations' block sums times 128 are subtracted back):
+// 32c bytes a chunk. After the chunks: the blocks' float16 d (and m for Q4_1), as in split_rows.
+// The activations are quantized into the same sequence order per call (int8 or int16).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define TOKENMILL_VNNI 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPrefetchRows = 4;  // rows ahead; 4 measured best of 0, 2, 4, 8, 16 (one core, cold weights)
+
+// The chunk sizes (blocks) of a row of `num_blocks` blocks, in order: 4, ..., 4, then 2 and/or 1.
+inline int chunk_blocks(int64_t num_blocks, int64_t first_block) {
+  const int64_t left = num_blocks - first_block;
+  return left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+}
+
+// One activation row, quantized: int8 values in sequence order, per-block scales and float sums,
+// and (for Q8_0) per chunk the int32 lanes' -128 * sum(q) corrections.
+struct QuantizedRow {
+  std::vector<int8_t> q;      // 8-bit activations, or
+  std::vector<int16_t> q16;   // 16-bit ones
+  std::vector<float> scale;   // d_x per block
+  std::vector<float> sum;     // exact float sum of x per block
+  std::vector<int32_t> corr;  // per chunk, 4c lanes: -128 * the lane's sum of q (Q8_0 only)
+};
+
+void quantize_row(const float* x, int64_t num_blocks, bool want_corr, int bits, QuantizedRow& out) {
+  const float levels = bits == 16 ? 32767.f : 127.f;
+  if (bits == 16) {
+    out.q16.assign(num_blocks * kBlock, 0);
+    want_corr = false;  // the 16-bit kernel widens the weights and subtracts Q8_0's 128 itself
+  } else {
+    out.q.assign(num_blocks * kBlock, 0);
+  }
+  out.scale.assign(num_blocks, 0.f);
+  out.sum.assign(num_blocks, 0.f);
+  out.corr.assign(want_corr ? num_blocks * 4 : 0, 0);  // 4c lanes for a chunk of c blocks
+  std::vector<float> inverse(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f, s = 0.f;
+    for (int j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      s += xb[j];
+    }
+    out.sum[b] = s;
+    if (!std::isfinite(s)) {
+      // A NaN / inf activation must reach the output, as in the float kernel (the sampler
+      // refuses non-finite logits): a NaN scale does that; the quants are then irrelevant.
+      out.scale[b] = std::numeric_limits<float>::quiet_NaN();
+      inverse[b] = 0.f;
+      continue;
+    }
+    out.scale[b] = amax / levels;
+    inverse[b] = amax > 0.f ? levels / amax : 0.f;
+  }
+  int64_t corr_at = 0;
+  for (int64_t b0 = 0; b0 < num_blocks;) {
+    const int c = chunk_blocks(num_blocks, b0);
+    for (int s = 0; s < 32 * c; ++s) {
+      const int g = s / 4, block = g % c, idx = (g / c) * 4 + s % 4;
+      const float v = x[(b0 + block) * kBlock + idx] * inverse[b0 + block];
+      const int qv = static_cast<int>(std::lrintf(std::min(levels, std::max(-levels, v))));
+      if (bits == 16) {
+        out.q16[b0 * kBlock + s] = static_cast<int16_t>(qv);
+        continue;
+      }
+      out.q[b0 * kBlock + s] = static_cast<int8_t>(qv);
+      if (want_corr) out.corr[corr_at + (s % (16 * c)) / 4] -= 128 * qv;
+    }
+    corr_at += 4 * c;
+    b0 += c;
+  }
+}
+
+#if defined(TOKENMILL_VNNI)
+// One output: weight row `row` (vnni layout) . the quantized activation row.
+template <bool Q4>
+float dot_row(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) {
+  const int64_t quant_bytes = num_blocks * (Q4 ? 16 : 32);
+  const uint16_t* d_w = reinterpret_cast<const uint16_t*>(row + quant_bytes);
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512 acc = _mm512_setzero_ps();
+  __m256 acc2 = _mm256_setzero_ps();
+  __m128 acc1 = _mm_setzero_ps();
+  const uint8_t* w = row;
+  const int8_t* q = xq.q.data();
+  const int32_t* corr = xq.corr.data();
+  int64_t b = 0;
+  for (; b + 4 <= num_blocks; b += 4) {
+    __m512i isum;
+    if (Q4) {
+      const __m512i packed = _mm512_loadu_si512(w);
+      isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low_mask), _mm512_loadu_si512(q));
+      isum = _mm512_dpbusd_epi32(isum, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask),
+                                 _mm512_loadu_si512(q + 64));
+      w += 64;
+    } else {
+      isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr), _mm512_loadu_si512(w), _mm512_loadu_si512(q));
+      isum = _mm512_dpbusd_epi32(isum, _mm512_loadu_si512(w + 64), _mm512_loadu_si512(q + 64));
+      w += 128;
+      corr += 16;
+    }
+    const __m128 s4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d_w + b))),
+                                 _mm_loadu_ps(xq.scale.data() + b));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcast_f32x4(s4), acc);
+    q += 128;
+  }
+  if (b + 2 <= num_blocks) {
+    __m256i isum;
+    if (Q4) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(packed, mask),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      isum = _mm256_dpbusd_epi32(isum, _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+      w += 32;
+    } else {
+      isum = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr)),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      isum = _mm256_dpbusd_epi32(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+      w += 64;
+      corr += 8;
+    }
+    float s2[2];
+    int32_t d_pair;
+    std::memcpy(&d_pair, d_w + b, 4);
+    const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(d_pair));
+    s2[0] = _mm_cvtss_f32(d2) * xq.scale[b];
+    s2[1] = _mm_cvtss_f32(_mm_shuffle_ps(d2, d2, 1)) * xq.scale[b + 1];
+    const __m256 scale = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(s2)));
+    acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc2);
+    q += 64;
+    b += 2;
+  }
+  if (b < num_blocks) {
+    __m128i isum;
+    if (Q4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      isum = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_and_si128(packed, mask),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      isum = _mm_dpbusd_epi32(isum, _mm_and_si128(_mm_srli_epi16(packed, 4), mask),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    } else {
+      isum = _mm_dpbusd_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(corr)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      isum = _mm_dpbusd_epi32(isum, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    }
+    const float d1 = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_w[b]))) * xq.scale[b];
+    acc1 = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_set1_ps(d1), acc1);
+  }
+  float total = _mm512_reduce_add_ps(acc);
+  {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc2), _mm256_extractf128_ps(acc2, 1));
+    t = _mm_add_ps(t, acc1);
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    total += _mm_cvtss_f32(t);
+  }
+  if (Q4) {  // + sum over blocks of m * sum(x)
+    const uint16_t* m_w = d_w + num_blocks;
+    __m512 offsets = _mm512_setzero_ps();
+    for (int64_t i = 0; i < num_blocks; i += 16) {
+      const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
+      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_w + i));
+      offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xq.sum.data() + i), offsets);
+    }
+    total += _mm512_reduce_add_ps(offsets);
+  }
+  return total;
+}
+#endif
+
+#if defined(TOKENMILL_VNNI)
+// The same with 16-bit activations: the weights widened to int16 (Q8_0's 128 subtracted) and
+// multiplied with `vpdpwssd` (32 pairs an instruction, half dpbusd's rate), so the activations'
+// rounding is 258x finer than with 8 bits: about float32's error, so greedy tokens keep
+// transformers' (8 bits flipped near-ties of the default model within 30 tokens).
+// Lane i of a 32-element piece sums sequence elements 2i, 2i + 1: block (i / 2) % c.
+template <bool Q4>
+float dot_row16(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) {
+  const int64_t quant_bytes = num_blocks * (Q4 ? 16 : 32);
+  const uint16_t* d_w = reinterpret_cast<const uint16_t*>(row + quant_bytes);
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  const __m512i offset = _mm512_set1_epi16(Q4 ? 0 : 128);
+  const __m512i by_pair4 = _mm512_set_epi32(3, 3, 2, 2, 1, 1, 0, 0, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i by_pair2 = _mm512_set_epi32(1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0);
+  __m512 acc = _mm512_setzero_ps();
+  const uint8_t* w = row;
+  const int16_t* q = xq.q16.data();
+  const float* scale = xq.scale.data();
+  auto piece = [&](__m512i isum, __m256i bytes, const int16_t* xs) {
+    __m512i w16 = _mm512_cvtepu8_epi16(bytes);
+    if (!Q4) w16 = _mm512_sub_epi16(w16, offset);
+    return _mm512_dpwssd_epi32(isum, w16, _mm512_loadu_si512(xs));
+  };
+  int64_t b = 0;
+  for (; b + 4 <= num_blocks; b += 4) {
+    __m512i isum = _mm512_setzero_si512();
+    if (Q4) {
+      const __m512i packed = _mm512_loadu_si512(w);
+      const __m512i lo = _mm512_and_si512(packed, low_mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+      isum = piece(isum, _mm512_castsi512_si256(lo), q);
+      isum = piece(isum, _mm512_extracti64x4_epi64(lo, 1), q + 32);
+      isum = piece(isum, _mm512_castsi512_si256(hi), q + 64);
+      isum = piece(isum, _mm512_extracti64x4_epi64(hi, 1), q + 96);
+      w += 64;
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        isum = piece(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * p)), q + 32 * p);
+      }
+      w += 128;
+    }
+    const __m128 s4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d_w + b))),
+                                 _mm_loadu_ps(scale + b));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(by_pair4, _mm512_castps128_ps512(s4)), acc);
+    q += 128;
+  }
+  if (b + 2 <= num_blocks) {
+    __m512i isum = _mm512_setzero_si512();
+    if (Q4) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      isum = piece(isum, _mm256_and_si256(packed, mask), q);
+      isum = piece(isum, _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), q + 32);
+      w += 32;
+    } else {
+      isum = piece(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), q);
+      isum = piece(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)), q + 32);
+      w += 64;
+    }
+    int32_t d_pair;
+    std::memcpy(&d_pair, d_w + b, 4);
+    const __m128 s2 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_pair)),
+                                 _mm_setr_ps(scale[b], scale[b + 1], 0.f, 0.f));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(by_pair2, _mm512_castps128_ps512(s2)), acc);
+    q += 64;
+    b += 2;
+  }
+  if (b < num_blocks) {
+    __m256i bytes;
+    if (Q4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      bytes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+    } else {
+      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    }
+    const __m512i isum = piece(_mm512_setzero_si512(), bytes, q);
+    const float d1 = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_w[b]))) * scale[b];
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d1), acc);
+  }
+  float total = _mm512_reduce_add_ps(acc);
+  if (Q4) {
+    const uint16_t* m_w = d_w + num_blocks;
+    __m512 offsets = _mm512_setzero_ps();
+    for (int64_t i = 0; i < num_blocks; i += 16) {
+      const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
+      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_w + i));
+      offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xq.sum.data() + i), offsets);
+    }
+    total += _mm512_reduce_add_ps(offsets);
+  }
+  return total;
+}
+#endif  // TOKENMILL_VNNI
+
+// out [M, N] float32 = x [M, K] float32 (int8-quantized per block of 32) @ dequant(blocks)^T, with
+// `blocks` [N, row_bytes] uint8 in the vnni layout above; quant_type 0 = Q4_1, 1 = Q8_0.
+void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type,
+                     int64_t bits) {
+#if defined(TOKENMILL_VNNI)
+  TORCH_CHECK(quant_type == 0 || quant_type == 1,
+              "quant_gemv_int8: quant_type must be 0 (Q4_1) or 1 (Q8_0), got ", quant_type);
+  TORCH_CHECK(bits == 8 || bits == 16, "quant_gemv_int8: bits (of the activations) must be 8 or 16, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_gemv_int8: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "quant_gemv_int8: out must be a contiguous float32 [M, N] tensor");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "quant_gemv_int8: blocks must be a contiguous uint8 [N, row_bytes] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  const int64_t block_bytes = quant_type == 0 ? 20 : 34;
+  TORCH_CHECK(k % kBlock == 0, "quant_gemv_int8: K (", k, ") must be a multiple of 32");
+  const int64_t num_blocks = k / kBlock;
+  TORCH_CHECK(blocks.size(1) == num_blocks * block_bytes, "quant_gemv_int8: blocks have ", blocks.size(1),
+              " bytes a row; K = ", k, " needs ", num_blocks * block_bytes);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_gemv_int8: out must be [", m, ", ", n, "]");
+  const bool q4 = quant_type == 0;
+  std::vector<QuantizedRow> rows(m);
+  for (int64_t r = 0; r < m; ++r) quantize_row(x.data_ptr<float>() + r * k, num_blocks, !q4, static_cast<int>(bits), rows[r]);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* wrow = w + row * num_blocks * block_bytes;
+      if (kPrefetchRows > 0 && row + kPrefetchRows < end) {
+        // One core streams the weights (tens of MB a step, never cached): asking for the rows a few
+        // ahead keeps more loads in flight than the hardware prefetcher alone.
+        const uint8_t* ahead = wrow + kPrefetchRows * num_blocks * block_bytes;
+        for (int64_t line = 0; line < num_blocks * block_bytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        if (bits == 16) {
+          y[r * n + row] = q4 ? dot_row16<true>(wrow, num_blocks, rows[r]) : dot_row16<false>(wrow, num_blocks, rows[r]);
+        } else {
+          y[r * n + row] = q4 ? dot_row<true>(wrow, num_blocks, rows[r]) : dot_row<false>(wrow, num_blocks, rows[r]);
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "quant_gemv_int8: this build has no AVX-512 VNNI (check quant_gemv_int8_available() first)");
+#endif
+}
+
+// Whether this build (-march=native) has the VNNI kernel; without it the float kernel serves.
+bool quant_gemv_int8_available() {
+#if defined(TOKENMILL_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("quant_gemv_int8(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type, int bits) -> ()");
+  m.def("quant_gemv_int8_available() -> bool", &quant_gemv_int8_available);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemv_int8", &quant_gemv_int8); }
