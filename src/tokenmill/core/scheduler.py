@@ -290,13 +290,13 @@ class Scheduler:
                 skipped.append(request)
                 continue
             if lora is not None and request.lora_request is not None:
-                admitted = lora.admit(request.lora_request)
-                if admitted is not True:
+                adapter = lora.admit(request.lora_request)  # True, False (not yet) or why never
+                if adapter is not True:
                     self.waiting.pop()
-                    if admitted is False:
+                    if adapter is False:
                         skipped.append(request)
                     else:
-                        self._end_outside_queues(request, admitted)
+                        self._end_outside_queues(request, adapter)
                     continue
             if request.num_tokens > self.max_model_len:  # the engine should have refused it
                 self.waiting.pop()
