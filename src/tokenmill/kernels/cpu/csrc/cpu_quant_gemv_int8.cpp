@@ -108,6 +108,18 @@ void quantize_row(const float* x, int64_t num_blocks, bool want_corr, int bits, 
 }
 
 #if defined(TOKENMILL_VNNI)
+// Q4_1's offsets: sum over blocks of the weight block's m (fp16, after the scales) x the exact
+// float sum of the activations in that block (both dot products add it).
+inline float q4_offsets(const uint16_t* m_w, int64_t num_blocks, const QuantizedRow& xq) {
+  __m512 offsets = _mm512_setzero_ps();
+  for (int64_t i = 0; i < num_blocks; i += 16) {
+    const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
+    const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_w + i));
+    offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xq.sum.data() + i), offsets);
+  }
+  return _mm512_reduce_add_ps(offsets);
+}
+
 // One output: weight row `row` (vnni layout) . the quantized activation row.
 template <bool Q4>
 float dot_row(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) {
@@ -197,16 +209,7 @@ float dot_row(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) {
     t = _mm_add_ss(t, _mm_movehdup_ps(t));
     total += _mm_cvtss_f32(t);
   }
-  if (Q4) {  // + sum over blocks of m * sum(x)
-    const uint16_t* m_w = d_w + num_blocks;
-    __m512 offsets = _mm512_setzero_ps();
-    for (int64_t i = 0; i < num_blocks; i += 16) {
-      const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
-      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_w + i));
-      offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xq.sum.data() + i), offsets);
-    }
-    total += _mm512_reduce_add_ps(offsets);
-  }
+  if (Q4) total += q4_offsets(d_w + num_blocks, num_blocks, xq);  // + sum over blocks of m * sum(x)
   return total;
 }
 #endif
@@ -292,16 +295,7 @@ float dot_row16(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) 
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d1), acc);
   }
   float total = _mm512_reduce_add_ps(acc);
-  if (Q4) {
-    const uint16_t* m_w = d_w + num_blocks;
-    __m512 offsets = _mm512_setzero_ps();
-    for (int64_t i = 0; i < num_blocks; i += 16) {
-      const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
-      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_w + i));
-      offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xq.sum.data() + i), offsets);
-    }
-    total += _mm512_reduce_add_ps(offsets);
-  }
+  if (Q4) total += q4_offsets(d_w + num_blocks, num_blocks, xq);
   return total;
 }
 #endif  // TOKENMILL_VNNI
