@@ -98,7 +98,7 @@ def test_greedy_equals_transformers(request, checkpoint, size, enforce_eager):
     llm = _tp_llm(path, size, enforce_eager=enforce_eager)
     try:
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
-        _assert_greedy_equals_hf(llm, path, _prompts(3, seed=1))  # one at a time would be the same graphs
+        _assert_greedy_equals_hf(llm, path, _prompts(3, seed=1))  # 3 requests: the graph of padded size 4
         _assert_greedy_equals_hf(llm, path, _prompts(16, seed=2))  # 16 concurrent: batched decode graphs
         llm.engine.check_invariants()
     finally:
