@@ -7,8 +7,9 @@ collective below returns its input untouched, so the one-device path pays nothin
 
 The group is torch.distributed's default one: gloo on the CPU, NCCL on CUDA devices (whose
 collectives CUDA graphs capture like any kernel: the model runner captures each rank's graphs in
-the same order, after an eager warm-up step has created the communicator). Every rank runs the same code on the same step, so the
-collectives line up without any coordination beyond this module.
+the same order, after an eager warm-up step has created the communicator). Every rank runs the
+same code on the same step, so the collectives line up without any coordination beyond this
+module.
 """
 
 from __future__ import annotations
