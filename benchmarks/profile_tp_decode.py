@@ -20,19 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 COLLECTIVE_PREFIXES = ("nccl", "gloo:", "c10d::")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str) -> None:
@@ -154,11 +147,12 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     from tokenmill.bench.results import write_result
+    from tokenmill.engine.executor.multiproc import free_tcp_port
 
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "rank0.json")
         mp.start_processes(
-            _rank_main, args=(args, _free_port(), result_path), nprocs=args.tp, start_method="spawn"
+            _rank_main, args=(args, free_tcp_port(), result_path), nprocs=args.tp, start_method="spawn"
         )
         metrics = json.loads(Path(result_path).read_text())
     print(

@@ -206,15 +206,8 @@ class WorkerGroupExecutor(Executor):
         """Take the replies that arrive within `timeout_s` (0: those already here) without waiting
         for any in particular: adapter loads' answers; a step's are kept for its result()."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive()
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._replies.poll(wait_ms):
-                dead = self._dead_worker()
-                if dead:
-                    self._declare_dead(dead)
-                return
-            self._dispatch(self._decoder.decode(self._replies.recv()))
+        while self._receive_one(max(0, int((deadline - time.monotonic()) * 1000))):
+            pass
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -325,13 +318,19 @@ class WorkerGroupExecutor(Executor):
     def _wait_for(self, done: Callable[[], bool]) -> None:
         """Receive replies until `done()`; raises EngineDeadError when a worker fails or dies."""
         while not done():
-            self._check_alive()
-            if not self._replies.poll(LIVENESS_POLL_MS):
-                dead = self._dead_worker()
-                if dead:
-                    self._declare_dead(dead)
-                continue
-            self._dispatch(self._decoder.decode(self._replies.recv()))
+            self._receive_one(LIVENESS_POLL_MS)
+
+    def _receive_one(self, wait_ms: int) -> bool:
+        """Dispatch one reply that arrives within `wait_ms`; False when none did. Raises
+        EngineDeadError when a worker failed or died."""
+        self._check_alive()
+        if not self._replies.poll(wait_ms):
+            dead = self._dead_worker()
+            if dead:
+                self._declare_dead(dead)
+            return False
+        self._dispatch(self._decoder.decode(self._replies.recv()))
+        return True
 
     def _dispatch(self, reply: WorkerReply) -> None:
         if isinstance(reply, StepDone):
