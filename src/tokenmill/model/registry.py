@@ -127,7 +127,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows:
     if not available:
         logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
         return
-    from tokenmill.kernels.cpu.quant_gemv import gemm_available, rows_limit
+    from tokenmill.kernels.cpu.quant_gemv import blocks_rows_limit, rows_limit
 
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
@@ -139,7 +139,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows:
     if attached:
         logger.info(
             "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
-            max(rows_limit(), gemm_rows if gemm_available() else 0),
+            blocks_rows_limit(gemm_rows),
             attached / 2**20,
             rows_limit(),
             f"{bits}-bit integer (AVX-512 VNNI)" if bits else "float32",

@@ -4,24 +4,27 @@ is model/layers/quantized_linear.py."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+
 # Steps of up to `rows_limit()` rows use the blocks. With AVX-512 the kernel dequantizes each block
 # once for up to 4 rows, which is most of its work: a 3072 x 576 Q4_1 matmul on one core took 325 /
 # 406 / 486 / 591 us for 1-4 rows against ~820 us for the float32 oneDNN path at any of those, and
 # 1112 against 952 at 8 rows (BENCHMARKS.md). An AVX2 build serves one row; a scalar one none.
-_rows_limit: int | None = None
-
-
+@functools.cache
 def rows_limit() -> int:
     """Rows a step may have to use the blocks on this build of the kernels (0: never)."""
-    global _rows_limit
-    if _rows_limit is None:
-        _rows_limit = int(torch.ops.tokenmill_cpu.quant_gemv_rows())
-    return _rows_limit
+    return int(torch.ops.tokenmill_cpu.quant_gemv_rows())
+
+
+def blocks_rows_limit(gemm_rows: int) -> int:
+    """Rows a step may have to use the blocks at all: the one-row kernel's limit, or `gemm_rows`
+    where the batched kernel exists and is asked for (KernelConfig.cpu_quantized_gemm_rows)."""
+    return max(rows_limit(), gemm_rows if gemm_rows > 0 and gemm_available() else 0)
 
 
 # Bytes of one block of 32 weights and, at its start, of its float16 scales (d; d and m for Q4_1).
@@ -51,15 +54,10 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
     return np.concatenate([blocks[:, :, scale_bytes:].reshape(n, -1), scales.reshape(n, -1)], axis=1)
 
 
-_gemm_available: bool | None = None
-
-
+@functools.cache
 def gemm_available() -> bool:
     """Whether this build has the batched kernel (csrc/cpu_quant_gemm.cpp: AVX-512 only)."""
-    global _gemm_available
-    if _gemm_available is None:
-        _gemm_available = bool(torch.ops.tokenmill_cpu.quant_gemm_available())
-    return _gemm_available
+    return bool(torch.ops.tokenmill_cpu.quant_gemm_available())
 
 
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:

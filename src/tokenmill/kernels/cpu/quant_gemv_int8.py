@@ -3,20 +3,18 @@ once at load from the GGUF's Q4_1 / Q8_0 block rows, and whether this build has 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from tokenmill.kernels.cpu.quant_gemv import split_rows
 
-_available: bool | None = None
 
-
+@functools.cache
 def int8_available() -> bool:
     """Whether this build has the AVX-512 VNNI kernel (the CPU's flags, -march=native)."""
-    global _available
-    if _available is None:
-        _available = bool(torch.ops.tokenmill_cpu.quant_gemv_int8_available())
-    return _available
+    return bool(torch.ops.tokenmill_cpu.quant_gemv_int8_available())
 
 
 def _chunks(num_blocks: int) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, gemm_available, quantized_linear, rows_limit
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, blocks_rows_limit, quantized_linear
 from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod, finish_product
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class GGUFBlocksMethod(WrappingLinearMethod):
     def __init__(self, inner: LinearMethod, blocks: QuantizedBlocks, gemm_rows: int = 0) -> None:
         super().__init__(inner)
         self.blocks = blocks
-        self.max_rows = max(rows_limit(), gemm_rows if gemm_rows > 0 and gemm_available() else 0)
+        self.max_rows = blocks_rows_limit(gemm_rows)
 
     def blocks_for_rows(self, rows: int) -> QuantizedBlocks | None:
         """The blocks when a product of `rows` rows should use them."""
