@@ -86,7 +86,7 @@ else
   SERVE_LOAD=(--num-prompts 1000 --random-input-len 512 --random-output-len 256)
   AGREE=(--dtype bfloat16 --max-tokens 32 --num-prompts 4 --prompt-len 24)
   AGREE_MODELS=""  # filled by the correctness part (tiny checkpoints and the 8B-shape one)
-  PROFILE=(--context 512 --max-model-len 4096) PROFILE_BATCHES="1 64"
+  PROFILE=(--context 512 --max-model-len 4096) PROFILE_BATCHES=${PROFILE_BATCHES:-"1 64"}
   {
     nvidia-smi -L
     $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
