@@ -25,11 +25,18 @@ import sys
 import time
 from pathlib import Path
 
-COLLECTIVE_PREFIXES = ("nccl", "gloo:", "c10d::")
+# Kernel / op names that are collectives: NCCL's kernels, gloo's ops, c10d's wrappers and the
+# one-shot symmetric-memory all-reduce (`c10d::symmetric_memory::one_shot_all_reduce_kernel<...>`).
+COLLECTIVE_MARKERS = ("nccl", "gloo:", "c10d::", "all_reduce")
+
+
+def is_collective(name: str) -> bool:
+    return any(marker in name.lower() for marker in COLLECTIVE_MARKERS)
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str) -> None:
     import dataclasses
+    import faulthandler
     import json
 
     import torch
@@ -46,7 +53,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     engine_args = EngineArgs(
         model=args.model, load_format=args.load_format, tensor_parallel_size=args.tp, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 8), enforce_eager=args.eager,
-        **({"device": args.device} if args.device else {}),
+        disable_custom_all_reduce=args.disable_custom_all_reduce, **({"device": args.device} if args.device else {}),
     )  # fmt: skip
     config = resolve_device_defaults(engine_args.create_engine_config())
     on_gpu = config.device.startswith("cuda")
@@ -56,7 +63,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     torch.manual_seed(config.model.seed)
-    init_tensor_parallel(rank, args.tp, f"tcp://127.0.0.1:{port}", backend="nccl" if on_gpu else "gloo")
+    # A rank stuck in a collective prints every thread's stack and exits instead of hanging the run.
+    faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
+    init_tensor_parallel(
+        rank, args.tp, f"tcp://127.0.0.1:{port}", backend="nccl" if on_gpu else "gloo",
+        custom_all_reduce=config.parallel.custom_all_reduce,
+    )  # fmt: skip
     try:
         resolved = resolve_model(config.model)
         max_model_len = resolve_max_model_len(
@@ -102,11 +114,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
                 by_name[event.key] = by_name.get(event.key, 0.0) + us / 1000 / args.profile_steps
         if rank == 0:
             total = sum(v for k, v in by_name.items() if on_gpu or k != "ProfilerStep*")
-            collective = sum(v for k, v in by_name.items() if k.lower().startswith(COLLECTIVE_PREFIXES))
+            collective = sum(v for k, v in by_name.items() if is_collective(k))
             top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
             Path(result_path).write_text(json.dumps({
                 "step_ms": statistics.median(times),
                 "cuda_graphs": graphs is not None,
+                "custom_all_reduce": config.parallel.custom_all_reduce and on_gpu,
                 "kernel_ms_per_step": total,
                 "collective_ms_per_step": collective,
                 "collective_share": collective / total if total else 0.0,
@@ -114,6 +127,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
                 "device": torch.cuda.get_device_name(rank) if on_gpu else "cpu",
             }))  # fmt: skip
     finally:
+        faulthandler.cancel_dump_traceback_later()
         destroy_tensor_parallel()
 
 
@@ -132,6 +146,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps (CUDA graphs)")
     parser.add_argument("--profile-steps", type=int, default=5, help="profiled eager steps")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs at all")
+    parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="every all-reduce through NCCL (as the engine flag)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=200.0,
+        help="seconds after which a rank dumps its stacks and exits",
+    )
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-name", default=None)
     args = parser.parse_args()
@@ -157,7 +182,8 @@ def main() -> int:
         metrics = json.loads(Path(result_path).read_text())
     print(
         f"TP={args.tp} batch {args.batch}: step {metrics['step_ms']:.2f} ms "
-        f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}); eager-step kernels "
+        f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}, "
+        f"{'one-shot' if metrics['custom_all_reduce'] else 'NCCL'} all-reduce); eager-step kernels "
         f"{metrics['kernel_ms_per_step']:.2f} ms, of which collectives {metrics['collective_ms_per_step']:.2f} ms "
         f"= {100 * metrics['collective_share']:.1f} %"
     )
