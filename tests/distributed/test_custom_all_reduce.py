@@ -36,7 +36,6 @@ def test_only_small_contiguous_cuda_tensors_of_its_dtypes_take_the_one_shot_path
     # takes() reads no process group; a bare instance checks the rules without one.
     one_shot = SymmMemAllReduce.__new__(SymmMemAllReduce)
     one_shot.max_bytes = DEFAULT_MAX_BYTES
-    one_shot._buffers = {}
     assert not one_shot.takes(torch.ones(16))  # a CPU tensor: gloo's
     meta = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
     assert not one_shot.takes(meta)  # not CUDA either
