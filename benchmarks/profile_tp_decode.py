@@ -183,7 +183,7 @@ def main() -> int:
     print(
         f"TP={args.tp} batch {args.batch}: step {metrics['step_ms']:.2f} ms "
         f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}, "
-        f"{'one-shot' if metrics['custom_all_reduce'] else 'NCCL'} all-reduce); eager-step kernels "
+        f"{'one-shot' if metrics['custom_all_reduce'] else 'NCCL or gloo'} all-reduce); eager-step kernels "
         f"{metrics['kernel_ms_per_step']:.2f} ms, of which collectives {metrics['collective_ms_per_step']:.2f} ms "
         f"= {100 * metrics['collective_share']:.1f} %"
     )
