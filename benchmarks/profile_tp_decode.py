@@ -34,6 +34,11 @@ def is_collective(name: str) -> bool:
     return any(marker in name.lower() for marker in COLLECTIVE_MARKERS)
 
 
+def phase(rank: int, what: str) -> None:
+    """A progress line per rank (stderr), so that a run cut off by its timeout says where it was."""
+    print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str) -> None:
     import dataclasses
     import faulthandler
@@ -76,10 +81,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         )
         runner = ModelRunner(config, resolved, max_model_len)
         runner.initialize_kv_cache()
+        phase(rank, "KV cache and graphs ready")
         first, again = uniform_decode_step(
             args.batch, 1, args.context, runner.block_size, runner.arch.vocab_size, seed=1
         )
         runner.execute(first)
+        phase(rank, "first step done")
 
         def sync() -> None:
             if on_gpu:
@@ -88,6 +95,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         for _ in range(3):
             runner.execute(again)
         sync()
+        phase(rank, "warm-up steps done")
         times = []
         for _ in range(args.steps):
             started = time.perf_counter()
@@ -98,6 +106,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         runner.execute(again)
         sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        phase(rank, "timed steps done; profiling eager steps")
         with profile(activities=activities) as prof:
             for _ in range(args.profile_steps):
                 runner.execute(again)
