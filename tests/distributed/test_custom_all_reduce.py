@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.args import EngineArgs
 from tokenmill.distributed import parallel_state
-from tokenmill.distributed.symm_mem_all_reduce import DEFAULT_MAX_BYTES, SymmMemAllReduce
+from tokenmill.distributed.symm_mem_all_reduce import DEFAULT_MAX_BYTES, SymmMemAllReduce, reason_from_facts
 from tokenmill.engine.executor.multiproc import free_tcp_port
 
 
@@ -45,3 +45,15 @@ def test_only_small_contiguous_cuda_tensors_of_its_dtypes_take_the_one_shot_path
         assert not one_shot.takes(small.t())  # not contiguous
         assert not one_shot.takes(small.to(torch.int32))
         assert not one_shot.takes(torch.ones(DEFAULT_MAX_BYTES // 2 + 1, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_it_is_refused_across_hosts_on_a_shared_gpu_and_without_the_torch_op():
+    def rank(host: str = "a", uuid: str = "gpu-0", symm_mem: bool = True) -> dict:
+        return {"host": host, "uuid": uuid, "symm_mem": symm_mem}
+
+    assert reason_from_facts([rank(), rank(uuid="gpu-1")], "2.11") is None
+    assert "several hosts" in reason_from_facts([rank(), rank(host="b", uuid="gpu-1")], "2.11")
+    assert "share a GPU" in reason_from_facts([rank(), rank()], "2.11")
+    assert "(2.9) has no symmetric-memory" in reason_from_facts(
+        [rank(), rank(uuid="gpu-1", symm_mem=False)], "2.9"
+    )

@@ -15,13 +15,14 @@ instead (symm_mem_all_reduce.py) unless `custom_all_reduce` is off (--disable-cu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tokenmill.distributed.symm_mem_all_reduce import SymmMemAllReduce
+from tokenmill.distributed.symm_mem_all_reduce import SymmMemAllReduce, why_not_usable
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class TensorParallelState:
     size: int = 1
 
 
+logger = logging.getLogger(__name__)
 _STATE = TensorParallelState()
 _ONE_SHOT: SymmMemAllReduce | None = None  # NCCL groups with the custom all-reduce on
 
@@ -63,7 +65,11 @@ def init_tensor_parallel(
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
         )
         if custom_all_reduce and backend == "nccl":
-            _ONE_SHOT = SymmMemAllReduce(torch.device("cuda", torch.cuda.current_device()))
+            reason = why_not_usable()  # collective: every rank takes the same path
+            if reason is None:
+                _ONE_SHOT = SymmMemAllReduce(torch.device("cuda", torch.cuda.current_device()))
+            elif rank == 0:
+                logger.warning("tensor parallelism: every all-reduce through NCCL: %s", reason)
     _STATE = TensorParallelState(rank, size)
 
 

@@ -18,6 +18,7 @@ shape, so the collectives still line up.
 from __future__ import annotations
 
 import logging
+import socket
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,50 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # One-shot reads every peer's whole message, so it wins while the message is small; a decode step
 # of 64 requests at hidden size 8192 in bf16 is 1 MiB.
 DEFAULT_MAX_BYTES = 1 << 20
+
+
+def why_not_usable() -> str | None:
+    """Why this NCCL group cannot use the one-shot kernel (None: it can). Collective: every rank
+    calls it and gets the same answer, since a rank that took the kernel while a peer took NCCL
+    would hang both. The kernel reads peers' memory through CUDA IPC, so every rank must be on one
+    host, on its own GPU, with peer access to every other rank's GPU (NVLink, or PCIe P2P where the
+    platform allows it; consumer GPUs often do not)."""
+    device = torch.cuda.current_device()
+    ranks = _gather({
+        "host": socket.gethostname(),
+        "uuid": str(torch.cuda.get_device_properties(device).uuid),
+        "symm_mem": hasattr(torch.ops.symm_mem, "one_shot_all_reduce"),
+    })  # fmt: skip
+    reason = reason_from_facts(ranks, torch.__version__)
+    if reason is not None:
+        return reason
+    # Peer access is asked by device index, which names the same GPU to every rank only if they all
+    # see the same devices: each rank checks the peers it can see, and all must agree.
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    peers = [visible.get(r["uuid"]) for r in ranks]
+    local_ok = all(
+        i is not None and (i == device or torch.cuda.can_device_access_peer(device, i)) for i in peers
+    )
+    if not all(_gather(local_ok)):
+        return "some rank's GPU has no peer access to another's (or cannot see it)"
+    return None
+
+
+def reason_from_facts(ranks: list[dict], torch_version: str) -> str | None:
+    """The part of why_not_usable that needs no device: each rank's host, GPU and torch build."""
+    if not all(r["symm_mem"] for r in ranks):
+        return f"this torch build ({torch_version}) has no symmetric-memory one-shot all-reduce"
+    if len({r["host"] for r in ranks}) > 1:
+        return "the ranks span several hosts (CUDA IPC reaches one host's GPUs only)"
+    if len({r["uuid"] for r in ranks}) < len(ranks):
+        return "two ranks share a GPU"
+    return None
+
+
+def _gather(value: object) -> list:
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 class SymmMemAllReduce:
@@ -47,8 +92,14 @@ class SymmMemAllReduce:
         self.max_bytes = max_bytes
         self.group_name = dist.group.WORLD.group_name
         # One byte buffer, viewed as each dtype: the kernel finds the mapping from the storage.
-        self._buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self._buffer, self.group_name)
+        try:
+            self._buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(self._buffer, self.group_name)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"mapping the one-shot all-reduce's symmetric buffer on {device} failed ({exc}); "
+                "start with --disable-custom-all-reduce to send every all-reduce through NCCL"
+            ) from exc
         # one_shot_all_reduce_copy (copy-in fused into the kernel) is newer than one_shot_all_reduce.
         self._fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
         logger.info("one-shot all-reduce: %d KiB symmetric buffer on %s", max_bytes // 1024, device)
