@@ -11,10 +11,10 @@
 #   70b          Llama-3.1-70B shapes at TP=2,4: single stream and offline
 #   profile      the all-reduce's share of a decode step (benchmarks/profile_tp_decode.py): 8B and 70B
 #                shapes at batch 1 and 64, each TP size >= 2
-#   allreduce    the one-shot symmetric-memory all-reduce (the engine's default on GPUs) against NCCL:
-#                benchmarks/all_reduce_microbench.py at each TP size >= 2, then 8B and 70B single
-#                streams at the largest TP size with --disable-custom-all-reduce (part single / 70b
-#                give the default's figures)
+#   allreduce    the one-shot symmetric-memory all-reduce (--enable-custom-all-reduce) against NCCL
+#                (the default): benchmarks/all_reduce_microbench.py at each TP size >= 2, then 8B and
+#                70B single streams at the largest TP size with the flag (parts single / 70b give
+#                the default's figures; run them in the same call)
 #   dp           `serve --data-parallel-size 2` (the router's policy inside the server) against 1 on
 #                8B shapes: `bench serve` at saturation (all requests at once), throughput and TTFT
 # Results (JSON, benchmarks/results naming: multi-gpu-<part>-<model>-<tp|dp>N-<gpu>-<commit>.json)
@@ -226,9 +226,9 @@ part_allreduce() {
   [ "$largest" -ge 2 ] || return
   local model
   for model in "$MODEL_8B" "$MODEL_70B"; do
-    run "latency-$(basename "$model")-tp$largest-nccl" "${TOKENMILL[@]}" bench latency --model "$model" --load-format "$LOAD" \
-      --tensor-parallel-size "$largest" --disable-custom-all-reduce "${ENGINE[@]}" "${LAT[@]}" --result-dir "$OUT" \
-      --result-name "$(name single "$model" "tp$largest-nccl")"
+    run "latency-$(basename "$model")-tp$largest-oneshot" "${TOKENMILL[@]}" bench latency --model "$model" --load-format "$LOAD" \
+      --tensor-parallel-size "$largest" --enable-custom-all-reduce "${ENGINE[@]}" "${LAT[@]}" --result-dir "$OUT" \
+      --result-name "$(name single "$model" "tp$largest-oneshot")"
   done
 }
 part_dp() { serve_dp 1; serve_dp 2; }

@@ -6,7 +6,7 @@ Reads OUT_DIR's multi-gpu-*.json (bench latency / throughput / serve) and tp-agr
 prints markdown: agreement per checkpoint; per model and size, single-stream tok/s with its
 fraction of the aggregate-bandwidth roofline, offline output tok/s and per GPU; DP serving at
 saturation against DP=1; the collectives' share of a decode step (profile_tp_decode.py); NCCL
-against the one-shot all-reduce (all-reduce-microbench-*.json and the `-nccl` single streams).
+against the one-shot all-reduce (all-reduce-microbench-*.json and the `-oneshot` single streams).
 Missing runs are left out (the script names what it skipped).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 PATTERN = re.compile(
     r"multi-gpu-(?P<part>single|offline|dp|profile)-(?P<model>.+)-(?P<kind>tp|dp)(?P<n>\d+)(-b(?P<batch>\d+))?"
-    r"(-(?P<variant>nccl|oneshot-lazy|oneshot))?-"
+    r"(-(?P<variant>oneshot))?-"
 )
 
 
@@ -134,7 +134,7 @@ def profile_lines(runs: list[dict]) -> list[str]:
 
 def all_reduce_lines(runs: list[dict], microbenches: list[dict]) -> list[str]:
     """Per call (microbenchmark) and per decode step (single streams with and without it)."""
-    lines = ["| what | TP | NCCL | one-shot (default) |", "|---|---|---|---|"]
+    lines = ["| what | TP | NCCL (default) | one-shot |", "|---|---|---|---|"]
     for record in microbenches:
         n = record["config"]["tp"]
         for row in record["metrics"]["rows"]:
@@ -142,18 +142,12 @@ def all_reduce_lines(runs: list[dict], microbenches: list[dict]) -> list[str]:
             lines.append(
                 f"| {row['kib']} KiB all-reduce, us{exact} | {n} | {row['nccl_us']:.1f} | {row['one_shot_us']:.1f} |"
             )
-    for nccl in (r for r in runs if r["part"] == "single" and r["variant"] == "nccl"):
-        default = next(
-            (
-                r
-                for r in runs
-                if (r["part"], r["model"], r["n"], r["variant"]) == ("single", nccl["model"], nccl["n"], None)
-            ),
-            None,
-        )
-        tok_s = nccl["record"]["metrics"]["decode_tokens_per_s"]
-        other = fmt(default["record"]["metrics"] if default else None, "decode_tokens_per_s", "{:.1f}")
-        lines.append(f"| {nccl['model']} single stream tok/s | {nccl['n']} | {tok_s:.1f} | {other} |")
+    for one_shot in (r for r in runs if r["part"] == "single" and r["variant"] == "oneshot"):
+        key = ("single", one_shot["model"], one_shot["n"], None)
+        default = next((r for r in runs if (r["part"], r["model"], r["n"], r["variant"]) == key), None)
+        nccl = fmt(default["record"]["metrics"] if default else None, "decode_tokens_per_s", "{:.1f}")
+        tok_s = one_shot["record"]["metrics"]["decode_tokens_per_s"]
+        lines.append(f"| {one_shot['model']} single stream tok/s | {one_shot['n']} | {nccl} | {tok_s:.1f} |")
     return lines
 
 

@@ -58,7 +58,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     engine_args = EngineArgs(
         model=args.model, load_format=args.load_format, tensor_parallel_size=args.tp, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 8), enforce_eager=args.eager,
-        disable_custom_all_reduce=args.disable_custom_all_reduce, **({"device": args.device} if args.device else {}),
+        enable_custom_all_reduce=args.enable_custom_all_reduce, **({"device": args.device} if args.device else {}),
     )  # fmt: skip
     config = resolve_device_defaults(engine_args.create_engine_config())
     on_gpu = config.device.startswith("cuda")
@@ -156,9 +156,9 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=5, help="profiled eager steps")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs at all")
     parser.add_argument(
-        "--disable-custom-all-reduce",
+        "--enable-custom-all-reduce",
         action="store_true",
-        help="every all-reduce through NCCL (as the engine flag)",
+        help="small all-reduces through the one-shot kernel (as the engine flag)",
     )
     parser.add_argument(
         "--hang-timeout",

@@ -170,8 +170,9 @@ class ParallelConfig:
     # (a cluster's nodes). None: mp when tensor_parallel_size > 1.
     distributed_executor_backend: Literal["mp", "ray"] | None = None
     # Small all-reduces on CUDA through the one-shot symmetric-memory kernel instead of NCCL
-    # (distributed/symm_mem_all_reduce.py); off: --disable-custom-all-reduce.
-    custom_all_reduce: bool = True
+    # (distributed/symm_mem_all_reduce.py; --enable-custom-all-reduce). Off by default: faster per
+    # call in isolation, no faster in a measured TP=2 decode step (BENCHMARKS.md, issue 22).
+    custom_all_reduce: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,10 @@ from tokenmill.distributed.symm_mem_all_reduce import DEFAULT_MAX_BYTES, SymmMem
 from tokenmill.engine.executor.multiproc import free_tcp_port
 
 
-def test_the_flag_turns_it_off_and_it_is_on_by_default():
-    assert EngineArgs(model="m").create_engine_config().parallel.custom_all_reduce is True
-    off = EngineArgs(model="m", disable_custom_all_reduce=True).create_engine_config()
-    assert off.parallel.custom_all_reduce is False
+def test_the_flag_turns_it_on_and_it_is_off_by_default():
+    assert EngineArgs(model="m").create_engine_config().parallel.custom_all_reduce is False
+    on = EngineArgs(model="m", enable_custom_all_reduce=True).create_engine_config()
+    assert on.parallel.custom_all_reduce is True
 
 
 def test_a_gloo_group_never_builds_it_and_sums_through_gloo():

@@ -85,7 +85,9 @@ def _assert_greedy_equals_hf(llm: LLM, path: str, prompts: list[list[int]]) -> N
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], f"prompt {i} ({len(prompt)} tokens)"
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_NEW)[0], (
+            f"prompt {i} ({len(prompt)} tokens)"
+        )
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -105,10 +107,13 @@ def test_greedy_equals_transformers(request, checkpoint, size, enforce_eager):
         llm.shutdown()
 
 
-def test_nccl_only_all_reduces_equal_transformers(gqa_llama_dir):
-    """--disable-custom-all-reduce: every all-reduce through NCCL (the other tests run the default,
-    the one-shot symmetric-memory kernel for the small ones), in and out of CUDA graphs."""
-    llm = _tp_llm(gqa_llama_dir, 2, disable_custom_all_reduce=True)
+@pytest.mark.parametrize("size", [2, 4])
+def test_one_shot_all_reduces_equal_transformers(gqa_llama_dir, size):
+    """--enable-custom-all-reduce: the small all-reduces through the one-shot symmetric-memory
+    kernel (the other tests run the default, NCCL for all), in and out of CUDA graphs."""
+    if size > NUM_GPUS:
+        pytest.skip(f"needs {size} CUDA devices, {NUM_GPUS} here")
+    llm = _tp_llm(gqa_llama_dir, size, enable_custom_all_reduce=True)
     try:
         _assert_greedy_equals_hf(llm, gqa_llama_dir, _prompts(16, seed=4))
         llm.engine.check_invariants()

@@ -9,8 +9,8 @@ The group is torch.distributed's default one: gloo on the CPU, NCCL on CUDA devi
 collectives CUDA graphs capture like any kernel: the model runner captures each rank's graphs in
 the same order, after an eager warm-up step has created the communicator). Every rank runs the
 same code on the same step, so the collectives line up without any coordination beyond this
-module. On NCCL, small all-reduces (decode steps) take a one-shot kernel over symmetric memory
-instead (symm_mem_all_reduce.py) unless `custom_all_reduce` is off (--disable-custom-all-reduce).
+module. On NCCL with `custom_all_reduce` (--enable-custom-all-reduce), small all-reduces (decode
+steps) take a one-shot kernel over symmetric memory instead (symm_mem_all_reduce.py).
 """
 
 from __future__ import annotations

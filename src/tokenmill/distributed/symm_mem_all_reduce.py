@@ -1,8 +1,8 @@
 """A one-shot all-reduce over symmetric memory for the small messages of decode steps.
 
 Why: a decode step of Llama-3.1-70B at TP=4 does 160 all-reduces of a few KB each, and NCCL's
-ring / tree kernels cost about 25 us apiece however small the message (fitted 23.7 us at TP=2 on
-H200s): at TP=4 that was a third of the step (0.640 of the bandwidth roofline). A one-shot
+kernels cost about 18 us apiece however small the message (2 x H200, in CUDA graphs): at TP=4 the
+step reached 0.640 of the bandwidth roofline. A one-shot
 all-reduce needs one kernel: every rank copies its partial sums into a buffer that every peer has
 mapped (CUDA IPC over NVLink), the ranks meet at a device-side barrier, and each reads all the
 peers' copies and adds them. torch's symmetric memory provides the mapped buffer, the barrier
@@ -82,11 +82,10 @@ class SymmMemAllReduce:
 
     def __init__(self, device: torch.device, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         """Allocates and maps the buffer now: a collective, so every rank builds this at the same
-        point (init_tensor_parallel). Made lazily it would not exist when the first small
-        all-reduce is captured into a decode graph (a rendezvous cannot be captured, and the
-        engine's eager warm-up steps are prefill-sized, above `max_bytes`), so every captured
-        all-reduce would stay NCCL's. The first GPU run made it lazily: 2.8x faster per call in
-        the microbenchmark, a decode step no faster."""
+        point (init_tensor_parallel). Made lazily, it would come from whichever eager forward first
+        passed a small all-reduce, and a graph captured before that (a rendezvous cannot be
+        captured) would keep NCCL's; mapped up front, every captured size up to `max_bytes`
+        takes the one-shot kernel."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.max_bytes = max_bytes
@@ -98,7 +97,7 @@ class SymmMemAllReduce:
         except RuntimeError as exc:
             raise RuntimeError(
                 f"mapping the one-shot all-reduce's symmetric buffer on {device} failed ({exc}); "
-                "start with --disable-custom-all-reduce to send every all-reduce through NCCL"
+                "start without --enable-custom-all-reduce to send every all-reduce through NCCL"
             ) from exc
         # one_shot_all_reduce_copy (copy-in fused into the kernel) is newer than one_shot_all_reduce.
         self._fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
