@@ -68,12 +68,28 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     torch.manual_seed(config.model.seed)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    if on_gpu:
+        # CUPTI's first start waits for the devices it attaches to (every visible GPU) to go idle;
+        # started later, it can wait on a peer's NCCL kernel that waits on this rank: a deadlock
+        # (pytorch#48987), and it can hang after CUDA graph captures. Started once here, before any
+        # collective or capture, the later profile only turns activity recording back on.
+        with profile(activities=activities):
+            torch.cuda.synchronize()
     # A rank stuck in a collective prints every thread's stack and exits instead of hanging the run.
     faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
     init_tensor_parallel(
         rank, args.tp, f"tcp://127.0.0.1:{port}", backend="nccl" if on_gpu else "gloo",
         custom_all_reduce=config.parallel.custom_all_reduce,
     )  # fmt: skip
+    # A barrier that launches no GPU kernel (gloo over the same store): no rank starts or stops
+    # the profiler while a peer's collective is in flight.
+    cpu_barrier_group = torch.distributed.new_group(backend="gloo") if on_gpu else None
+
+    def cpu_barrier() -> None:
+        if cpu_barrier_group is not None:
+            torch.distributed.barrier(group=cpu_barrier_group)
+
     try:
         resolved = resolve_model(config.model)
         max_model_len = resolve_max_model_len(
@@ -105,12 +121,15 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         runner.piecewise = None
         runner.execute(again)
         sync()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         phase(rank, "timed steps done; profiling eager steps")
+        cpu_barrier()
         with profile(activities=activities) as prof:
+            cpu_barrier()
             for _ in range(args.profile_steps):
                 runner.execute(again)
             sync()
+            cpu_barrier()
+        phase(rank, "profile done")
         runner.graph_runner = graphs
         by_name: dict[str, float] = {}
         for event in prof.key_averages():
