@@ -592,13 +592,13 @@ class ModelRunner:
         # its own (meta.kv_layer_hooks, set by build_metadata); whatever the forward did not wait
         # for (a whole-step graph, a step without a forward) is waited for at the end.
         connector = self._connector_for(so.kv_connector_metadata)
-        connector.start_load_kv(so.kv_connector_metadata)
-        self._kv_layer_hooks = connector
         try:
+            connector.start_load_kv(so.kv_connector_metadata)
+            self._kv_layer_hooks = connector
             return self.launch(so, requests)
         finally:
             self._kv_layer_hooks = None
-            connector.wait_for_load()  # after a failed forward too: no copy outlives its step
+            connector.wait_for_load()  # after a failed step too: no copy outlives its step
 
     def run_kv_connector(self, metadata: KVConnectorMetadata) -> None:
         """The KV connector's copies between steps, with no forward (a producer's sends)."""

@@ -110,11 +110,12 @@ class HostKVTierWorker(KVConnectorWorker):
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            step = self._plan(metadata)
+            # Set before queueing: should a copy fail to queue, wait_for_load still orders the
+            # compute stream after the ones already queued.
+            self._step = step = self._plan(metadata)
             for layer, event in enumerate(self._layer_events):
                 self._copy_layer(layer, step)
                 event.record(stream)
-        self._step = step
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         step = self._step
