@@ -60,13 +60,32 @@ def without_tier(tiny_llama_dir) -> tuple[list[list[int]], list[list[int]], list
     return result
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_tier, async_scheduling: bool) -> None:
+def _wait_for_all_layers_first(connector: HostKVTierWorker, monkeypatch) -> None:  # noqa: ANN001
+    """Every layer's copies before the forward (what a whole-step CUDA graph replay gets), instead of
+    each at its layer's hook."""
+    start = connector.start_load_kv
+
+    def start_and_wait(metadata) -> None:  # noqa: ANN001
+        start(metadata)
+        connector.wait_for_load()
+
+    monkeypatch.setattr(connector, "start_load_kv", start_and_wait)
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "per_layer"), [(False, True), (True, True), (False, False)],
+    ids=["sync", "async", "sync-wait-all"],
+)  # fmt: skip
+def test_rehits_from_the_host_tier_keep_greedy_output(
+    tiny_llama_dir, without_tier, monkeypatch, async_scheduling: bool, per_layer: bool
+) -> None:
     path = str(tiny_llama_dir)
     llm = LLM(
         path, device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS, kv_offload_gb=HOST_GB,
         async_scheduling=async_scheduling,
     )  # fmt: skip
+    if not per_layer:
+        _wait_for_all_layers_first(llm.engine.runner.kv_connector, monkeypatch)
     second, outputs, cached = _multi_turn(llm, llm.info.vocab_size)
     base_second, base_outputs, base_cached = without_tier
     assert second == base_second
@@ -90,9 +109,10 @@ def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_ti
     connector = llm.engine.runner.kv_connector
     assert isinstance(connector, HostKVTierWorker)
     assert connector.host_bytes == 64 * BYTES_PER_BLOCK
-    # Every layer's copies ran when the forward reached that layer (the attention layers' hooks),
-    # none were left for the end of a step.
-    assert connector.layers_waited_in_forward > 0 and connector.layers_waited_at_once == 0
+    if per_layer:  # every layer's copies ran when the forward reached it (the attention layers' hooks)
+        assert connector.layers_waited_in_forward > 0 and connector.layers_waited_at_once == 0
+    else:
+        assert connector.layers_waited_in_forward == 0 and connector.layers_waited_at_once > 0
 
 
 def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer) -> None:
