@@ -11,6 +11,10 @@
 #   70b          Llama-3.1-70B shapes at TP=2,4: single stream and offline
 #   profile      the all-reduce's share of a decode step (benchmarks/profile_tp_decode.py): 8B and 70B
 #                shapes at batch 1 and 64, each TP size >= 2
+#   allreduce    the one-shot symmetric-memory all-reduce (the engine's default on GPUs) against NCCL:
+#                benchmarks/all_reduce_microbench.py at each TP size >= 2, then 8B and 70B single
+#                streams at the largest TP size with --disable-custom-all-reduce (part single / 70b
+#                give the default's figures)
 #   dp           `serve --data-parallel-size 2` (the router's policy inside the server) against 1 on
 #                8B shapes: `bench serve` at saturation (all requests at once), throughput and TTFT
 # Results (JSON, benchmarks/results naming: multi-gpu-<part>-<model>-<tp|dp>N-<gpu>-<commit>.json)
@@ -22,9 +26,9 @@
 set -u
 usage() {
   echo "usage: [OUT=dir] [LOGS=dir] [TOKENIZER=.gputok] [RUN_TIMEOUT=300] [TP_SIZES='1 2 4'] [CKPTS=dir]"
-  echo "       benchmarks/multi_gpu.sh [--only correctness,pytest,single,offline,70b,profile,dp] [--budget S] [--cpu-smoke]"
+  echo "       benchmarks/multi_gpu.sh [--only correctness,pytest,single,offline,70b,profile,allreduce,dp] [--budget S] [--cpu-smoke]"
 }
-ONLY=correctness,pytest,single,offline,70b,profile,dp
+ONLY=correctness,pytest,single,offline,70b,profile,allreduce,dp
 BUDGET_S=${BUDGET_S:-540}
 CPU_SMOKE=0
 while [ $# -gt 0 ]; do
@@ -40,8 +44,8 @@ while [ $# -gt 0 ]; do
 done
 for part in ${ONLY//,/ }; do
   case $part in
-    correctness | pytest | single | offline | 70b | profile | dp) ;;
-    *) echo "--only: unknown part '$part'; use correctness, pytest, single, offline, 70b, profile, dp" >&2; exit 2 ;;
+    correctness | pytest | single | offline | 70b | profile | allreduce | dp) ;;
+    *) echo "--only: unknown part '$part'; use correctness, pytest, single, offline, 70b, profile, allreduce, dp" >&2; exit 2 ;;
   esac
 done
 
@@ -207,6 +211,24 @@ part_profile() {
           --batch "$b" "${PROFILE[@]}" --result-dir "$OUT" --result-name "$(name profile "$model" "tp$n-b$b")"
       done
     done
+  done
+}
+part_allreduce() {
+  if [ "$CPU_SMOKE" = 1 ]; then echo "== allreduce: CUDA only, not in the CPU smoke run"; return; fi
+  local n largest=0
+  for n in $TP_SIZES; do
+    [ "$n" -ge 2 ] || continue
+    fits "$n" "allreduce-microbench-tp$n" || continue
+    largest=$n
+    run "allreduce-microbench-tp$n" $PY benchmarks/all_reduce_microbench.py --tp "$n" --result-dir "$OUT" \
+      --result-name "all-reduce-microbench-tp$n-$GPU-$TOKENMILL_COMMIT"
+  done
+  [ "$largest" -ge 2 ] || return
+  local model
+  for model in "$MODEL_8B" "$MODEL_70B"; do
+    run "latency-$(basename "$model")-tp$largest-nccl" "${TOKENMILL[@]}" bench latency --model "$model" --load-format "$LOAD" \
+      --tensor-parallel-size "$largest" --disable-custom-all-reduce "${ENGINE[@]}" "${LAT[@]}" --result-dir "$OUT" \
+      --result-name "$(name single "$model" "tp$largest-nccl")"
   done
 }
 part_dp() { serve_dp 1; serve_dp 2; }

@@ -5,7 +5,9 @@
 Reads OUT_DIR's multi-gpu-*.json (bench latency / throughput / serve) and tp-agreement-*.json and
 prints markdown: agreement per checkpoint; per model and size, single-stream tok/s with its
 fraction of the aggregate-bandwidth roofline, offline output tok/s and per GPU; DP serving at
-saturation against DP=1; the collectives' share of a decode step (profile_tp_decode.py). Missing runs are left out (the script names what it skipped).
+saturation against DP=1; the collectives' share of a decode step (profile_tp_decode.py); NCCL
+against the one-shot all-reduce (all-reduce-microbench-*.json and the `-nccl` single streams).
+Missing runs are left out (the script names what it skipped).
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ import sys
 from pathlib import Path
 
 PATTERN = re.compile(
-    r"multi-gpu-(?P<part>single|offline|dp|profile)-(?P<model>.+)-(?P<kind>tp|dp)(?P<n>\d+)(-b(?P<batch>\d+))?-"
+    r"multi-gpu-(?P<part>single|offline|dp|profile)-(?P<model>.+)-(?P<kind>tp|dp)(?P<n>\d+)(-b(?P<batch>\d+))?"
+    r"(-(?P<variant>nccl|oneshot-lazy|oneshot))?-"
 )
 
 
-def load(out: Path) -> tuple[list[dict], list[dict]]:
-    runs, agreements = [], []
+def load(out: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(engine runs, agreement runs, all-reduce microbenchmarks)"""
+    runs, agreements, microbenches = [], [], []
     for path in sorted(out.glob("*.json")):
         record = json.loads(path.read_text())
         if path.name.startswith("tp-agreement-"):
             agreements.append({"name": path.stem.removeprefix("tp-agreement-"), **record})
+        elif path.name.startswith("all-reduce-microbench-"):
+            microbenches.append(record)
         elif match := PATTERN.match(path.name):
             runs.append({**match.groupdict(), "n": int(match["n"]), "record": record})
-    return runs, agreements
+    return runs, agreements, microbenches
 
 
 def agreement_lines(agreements: list[dict]) -> list[str]:
@@ -66,6 +72,7 @@ def scaling_lines(runs: list[dict]) -> list[str]:
         "| model | TP | single stream tok/s | roofline fraction (N x BW) | aggregate BW TB/s | offline out tok/s | per GPU |",
         "|---|---|---|---|---|---|---|",
     ]
+    runs = [r for r in runs if r["variant"] is None]  # the engine's defaults; A/B runs: all_reduce_lines
     keys = sorted({(r["model"], r["n"]) for r in runs if r["part"] in ("single", "offline")})
     for model, n in keys:
         single = next(
@@ -125,6 +132,31 @@ def profile_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+def all_reduce_lines(runs: list[dict], microbenches: list[dict]) -> list[str]:
+    """Per call (microbenchmark) and per decode step (single streams with and without it)."""
+    lines = ["| what | TP | NCCL | one-shot (default) |", "|---|---|---|---|"]
+    for record in microbenches:
+        n = record["config"]["tp"]
+        for row in record["metrics"]["rows"]:
+            exact = "" if row["nccl_graph_exact"] and row["one_shot_graph_exact"] else " (NOT exact)"
+            lines.append(
+                f"| {row['kib']} KiB all-reduce, us{exact} | {n} | {row['nccl_us']:.1f} | {row['one_shot_us']:.1f} |"
+            )
+    for nccl in (r for r in runs if r["part"] == "single" and r["variant"] == "nccl"):
+        default = next(
+            (
+                r
+                for r in runs
+                if (r["part"], r["model"], r["n"], r["variant"]) == ("single", nccl["model"], nccl["n"], None)
+            ),
+            None,
+        )
+        tok_s = nccl["record"]["metrics"]["decode_tokens_per_s"]
+        other = fmt(default["record"]["metrics"] if default else None, "decode_tokens_per_s", "{:.1f}")
+        lines.append(f"| {nccl['model']} single stream tok/s | {nccl['n']} | {tok_s:.1f} | {other} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,7 +165,7 @@ def main() -> int:
     out = parser.parse_args().out_dir
     if not out.is_dir():
         parser.error(f"{out} is not a folder; give the OUT folder of a benchmarks/multi_gpu.sh run")
-    runs, agreements = load(out)
+    runs, agreements, microbenches = load(out)
     devices = sorted({r["record"]["device"] for r in runs} | {a["device"] for a in agreements})
     commits = sorted({r["record"]["commit"] for r in runs} | {a["commit"] for a in agreements})
     print(
@@ -144,6 +176,7 @@ def main() -> int:
         ("Tensor-parallel scaling", scaling_lines(runs)),
         ("Data parallelism at saturation", dp_lines(runs)),
         ("All-reduce share of a decode step", profile_lines(runs)),
+        ("NCCL against the one-shot all-reduce", all_reduce_lines(runs, microbenches)),
     ):
         if len(lines) > 2:
             print(f"### {title}\n")

@@ -25,11 +25,23 @@ import sys
 import time
 from pathlib import Path
 
-COLLECTIVE_PREFIXES = ("nccl", "gloo:", "c10d::")
+# Kernel / op names that are collectives: NCCL's kernels, gloo's ops, c10d's wrappers and the
+# one-shot symmetric-memory all-reduce (`c10d::symmetric_memory::one_shot_all_reduce_kernel<...>`).
+COLLECTIVE_MARKERS = ("nccl", "gloo:", "c10d::", "all_reduce")
+
+
+def is_collective(name: str) -> bool:
+    return any(marker in name.lower() for marker in COLLECTIVE_MARKERS)
+
+
+def phase(rank: int, what: str) -> None:
+    """A progress line per rank (stderr), so that a run cut off by its timeout says where it was."""
+    print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str) -> None:
     import dataclasses
+    import faulthandler
     import json
 
     import torch
@@ -46,7 +58,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     engine_args = EngineArgs(
         model=args.model, load_format=args.load_format, tensor_parallel_size=args.tp, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 8), enforce_eager=args.eager,
-        **({"device": args.device} if args.device else {}),
+        disable_custom_all_reduce=args.disable_custom_all_reduce, **({"device": args.device} if args.device else {}),
     )  # fmt: skip
     config = resolve_device_defaults(engine_args.create_engine_config())
     on_gpu = config.device.startswith("cuda")
@@ -56,7 +68,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     torch.manual_seed(config.model.seed)
-    init_tensor_parallel(rank, args.tp, f"tcp://127.0.0.1:{port}", backend="nccl" if on_gpu else "gloo")
+    # A rank stuck in a collective prints every thread's stack and exits instead of hanging the run.
+    faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
+    init_tensor_parallel(
+        rank, args.tp, f"tcp://127.0.0.1:{port}", backend="nccl" if on_gpu else "gloo",
+        custom_all_reduce=config.parallel.custom_all_reduce,
+    )  # fmt: skip
     try:
         resolved = resolve_model(config.model)
         max_model_len = resolve_max_model_len(
@@ -64,10 +81,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         )
         runner = ModelRunner(config, resolved, max_model_len)
         runner.initialize_kv_cache()
+        phase(rank, "KV cache and graphs ready")
         first, again = uniform_decode_step(
             args.batch, 1, args.context, runner.block_size, runner.arch.vocab_size, seed=1
         )
         runner.execute(first)
+        phase(rank, "first step done")
 
         def sync() -> None:
             if on_gpu:
@@ -76,6 +95,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         for _ in range(3):
             runner.execute(again)
         sync()
+        phase(rank, "warm-up steps done")
         times = []
         for _ in range(args.steps):
             started = time.perf_counter()
@@ -86,6 +106,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
         runner.execute(again)
         sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        phase(rank, "timed steps done; profiling eager steps")
         with profile(activities=activities) as prof:
             for _ in range(args.profile_steps):
                 runner.execute(again)
@@ -102,11 +123,12 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
                 by_name[event.key] = by_name.get(event.key, 0.0) + us / 1000 / args.profile_steps
         if rank == 0:
             total = sum(v for k, v in by_name.items() if on_gpu or k != "ProfilerStep*")
-            collective = sum(v for k, v in by_name.items() if k.lower().startswith(COLLECTIVE_PREFIXES))
+            collective = sum(v for k, v in by_name.items() if is_collective(k))
             top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
             Path(result_path).write_text(json.dumps({
                 "step_ms": statistics.median(times),
                 "cuda_graphs": graphs is not None,
+                "custom_all_reduce": config.parallel.custom_all_reduce and on_gpu,
                 "kernel_ms_per_step": total,
                 "collective_ms_per_step": collective,
                 "collective_share": collective / total if total else 0.0,
@@ -114,6 +136,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
                 "device": torch.cuda.get_device_name(rank) if on_gpu else "cpu",
             }))  # fmt: skip
     finally:
+        faulthandler.cancel_dump_traceback_later()
         destroy_tensor_parallel()
 
 
@@ -132,6 +155,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps (CUDA graphs)")
     parser.add_argument("--profile-steps", type=int, default=5, help="profiled eager steps")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs at all")
+    parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="every all-reduce through NCCL (as the engine flag)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=200.0,
+        help="seconds after which a rank dumps its stacks and exits",
+    )
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-name", default=None)
     args = parser.parse_args()
@@ -157,7 +191,8 @@ def main() -> int:
         metrics = json.loads(Path(result_path).read_text())
     print(
         f"TP={args.tp} batch {args.batch}: step {metrics['step_ms']:.2f} ms "
-        f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}); eager-step kernels "
+        f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}, "
+        f"{'one-shot' if metrics['custom_all_reduce'] else 'NCCL or gloo'} all-reduce); eager-step kernels "
         f"{metrics['kernel_ms_per_step']:.2f} ms, of which collectives {metrics['collective_ms_per_step']:.2f} ms "
         f"= {100 * metrics['collective_share']:.1f} %"
     )

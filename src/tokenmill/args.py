@@ -227,6 +227,12 @@ class EngineArgs:
         "(default: mp when tensor_parallel_size > 1)",
         choices=("mp", "ray"),
     )
+    disable_custom_all_reduce: bool = _option(
+        False,
+        "tensor parallelism on GPUs: every all-reduce through NCCL (default: those of up to 1 MiB, the "
+        "decode steps', through a one-shot kernel over symmetric memory, which saves NCCL's fixed cost "
+        "per call; docs/DISTRIBUTED.md)",
+    )
     scheduling_policy: str = _option(
         "fcfs", "fcfs: first come first served; priority: by each request's priority; slo: least slack "
         "to its latency targets first, shedding (429) requests that can no longer meet them "
@@ -413,7 +419,7 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if backend is None and size > 1:
             backend = "mp"
-        return ParallelConfig(size, backend)  # type: ignore[arg-type]
+        return ParallelConfig(size, backend, custom_all_reduce=not self.disable_custom_all_reduce)  # type: ignore[arg-type]
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -169,6 +169,9 @@ class ParallelConfig:
     # How the workers run: mp = one local process per rank; ray = Ray actors in a placement group
     # (a cluster's nodes). None: mp when tensor_parallel_size > 1.
     distributed_executor_backend: Literal["mp", "ray"] | None = None
+    # Small all-reduces on CUDA through the one-shot symmetric-memory kernel instead of NCCL
+    # (distributed/symm_mem_all_reduce.py); off: --disable-custom-all-reduce.
+    custom_all_reduce: bool = True
 
 
 @dataclass(frozen=True, slots=True)

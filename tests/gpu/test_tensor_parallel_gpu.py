@@ -105,6 +105,17 @@ def test_greedy_equals_transformers(request, checkpoint, size, enforce_eager):
         llm.shutdown()
 
 
+def test_nccl_only_all_reduces_equal_transformers(gqa_llama_dir):
+    """--disable-custom-all-reduce: every all-reduce through NCCL (the other tests run the default,
+    the one-shot symmetric-memory kernel for the small ones), in and out of CUDA graphs."""
+    llm = _tp_llm(gqa_llama_dir, 2, disable_custom_all_reduce=True)
+    try:
+        _assert_greedy_equals_hf(llm, gqa_llama_dir, _prompts(16, seed=4))
+        llm.engine.check_invariants()
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("checkpoint", FAMILY_CHECKPOINTS)
 def test_other_families_on_two_gpus_equal_transformers(request, checkpoint):
     """Gemma 2/3, the MoE decoders (the fused Triton MoE path with each expert's columns split),

@@ -65,12 +65,25 @@ def test_summary_table(tmp_path, capsys):
         "multi-gpu-profile-llama-3.1-70b-tp2-b64-h200-abc.json": {
             "step_ms": 21.5, "kernel_ms_per_step": 20.0, "collective_ms_per_step": 2.5, "collective_share": 0.125,
         },
+        # the NCCL-only A/B run of the same size: its own table, not the scaling row
+        "multi-gpu-single-llama-3.1-8b-tp2-nccl-h200-abc.json": {
+            "decode_tokens_per_s": 200.0, "roofline_fraction": 0.56, "copy_bandwidth_bytes_per_s": 8e12,
+        },
     }  # fmt: skip
     for name, metrics in files.items():
         (tmp_path / name).write_text(json.dumps({**common, "metrics": metrics}))
     assert summary.main.__module__  # the script's entry point exists
-    runs, agreements = summary.load(tmp_path)
-    assert not agreements and len(runs) == 5
-    assert "| llama-3.1-8b | 2 | 250.0 | 0.700 | 8.00 | 9000 | 4500 |" in summary.scaling_lines(runs)
+    microbench = {**common, "config": {"tp": 2}, "metrics": {"rows": [
+        {"kib": 16, "nccl_us": 18.0, "one_shot_us": 6.5, "nccl_graph_exact": True, "one_shot_graph_exact": False},
+    ]}}  # fmt: skip
+    (tmp_path / "all-reduce-microbench-tp2-h200-abc.json").write_text(json.dumps(microbench))
+    runs, agreements, microbenches = summary.load(tmp_path)
+    assert not agreements and len(runs) == 6 and len(microbenches) == 1
+    scaling = summary.scaling_lines(runs)
+    assert "| llama-3.1-8b | 2 | 250.0 | 0.700 | 8.00 | 9000 | 4500 |" in scaling
+    assert not any("200.0" in line for line in scaling)
+    all_reduce = summary.all_reduce_lines(runs, microbenches)
+    assert "| 16 KiB all-reduce, us (NOT exact) | 2 | 18.0 | 6.5 |" in all_reduce
+    assert "| llama-3.1-8b single stream tok/s | 2 | 200.0 | 250.0 |" in all_reduce
     assert "| llama-3.1-8b | 2 | 9500 | 1.90x | 80 | 200 |" in summary.dp_lines(runs)
     assert "| llama-3.1-70b | 2 | 64 | 21.50 | 20.00 | 2.50 | 12.5 % |" in summary.profile_lines(runs)

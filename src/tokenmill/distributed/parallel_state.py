@@ -9,7 +9,8 @@ The group is torch.distributed's default one: gloo on the CPU, NCCL on CUDA devi
 collectives CUDA graphs capture like any kernel: the model runner captures each rank's graphs in
 the same order, after an eager warm-up step has created the communicator). Every rank runs the
 same code on the same step, so the collectives line up without any coordination beyond this
-module.
+module. On NCCL, small all-reduces (decode steps) take a one-shot kernel over symmetric memory
+instead (symm_mem_all_reduce.py) unless `custom_all_reduce` is off (--disable-custom-all-reduce).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tokenmill.distributed.symm_mem_all_reduce import SymmMemAllReduce
+
 
 @dataclass(frozen=True, slots=True)
 class TensorParallelState:
@@ -28,6 +31,7 @@ class TensorParallelState:
 
 
 _STATE = TensorParallelState()
+_ONE_SHOT: SymmMemAllReduce | None = None  # NCCL groups with the custom all-reduce on
 
 
 def tp_rank() -> int:
@@ -39,31 +43,44 @@ def tp_size() -> int:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 600.0
+    rank: int,
+    size: int,
+    init_method: str,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    custom_all_reduce: bool = False,
 ) -> None:
     """Join the group of `size` ranks at `init_method` (tcp://host:port) as `rank`; `backend`: gloo
-    for CPU tensors, nccl for CUDA ones. `timeout_s` bounds a collective whose peers never come
-    (gloo raises instead of waiting forever)."""
-    global _STATE
+    for CPU tensors, nccl for CUDA ones (on the current CUDA device). `timeout_s` bounds a
+    collective whose peers never come (gloo raises instead of waiting forever).
+    `custom_all_reduce`: small CUDA all-reduces through the one-shot symmetric-memory kernel."""
+    global _STATE, _ONE_SHOT
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside the tensor-parallel size {size}")
     if size > 1:
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
         )
+        if custom_all_reduce and backend == "nccl":
+            _ONE_SHOT = SymmMemAllReduce(torch.device("cuda", torch.cuda.current_device()))
     _STATE = TensorParallelState(rank, size)
 
 
 def destroy_tensor_parallel() -> None:
-    global _STATE
+    global _STATE, _ONE_SHOT
+    _ONE_SHOT = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = TensorParallelState()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of every rank's `x` (in place): a row-parallel layer's partial outputs."""
+    """The sum of every rank's `x`: a row-parallel layer's partial outputs. Use the returned tensor:
+    NCCL reduces `x` in place and returns it, the one-shot kernel returns a new tensor."""
     if _STATE.size > 1:
+        if _ONE_SHOT is not None and _ONE_SHOT.takes(x):
+            return _ONE_SHOT(x)
         dist.all_reduce(x)
     return x
 

@@ -121,7 +121,13 @@ def _start(spec: WorkerSpec):  # noqa: ANN202 - a ModelRunner (torch imported he
     if on_gpu and torch.device(config.device).index is not None:
         torch.cuda.set_device(torch.device(config.device))  # NCCL's communicator binds the current device
     # The collectives run on the tensors' device: gloo for the CPU (even on a machine with GPUs).
-    init_tensor_parallel(spec.rank, spec.size, spec.dist_init_method, backend="nccl" if on_gpu else "gloo")
+    init_tensor_parallel(
+        spec.rank,
+        spec.size,
+        spec.dist_init_method,
+        backend="nccl" if on_gpu else "gloo",
+        custom_all_reduce=config.parallel.custom_all_reduce,
+    )
     logger.info(
         "tensor-parallel rank %d of %d: pid %d, %d torch threads",
         spec.rank,
