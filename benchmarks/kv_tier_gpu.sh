@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's GPU benchmarks in one device call (one H100 or H200, <= 540 s), Llama-3.1-8B shapes with
 # dummy bf16 weights (--load-format dummy) and the tokenizer of a directory you pass in:
+#   tests   pytest tests/gpu/test_kv_offload_gpu.py (the tier on CUDA: output equal with it on and
+#           off, loads waited for per layer, eagerly and through piecewise graphs; tiny checkpoint)
 #   tier    benchmarks/kv_offload.py: multi-turn re-hits of 4k / 8k / 16k-token prefixes that no
 #           longer fit in the device pool (3,072 blocks = 48k tokens against 84k of first turns),
 #           TTFT from the host tier against recomputing the same length (target >= 3x), once with
@@ -10,15 +12,15 @@
 #           output throughput
 # then benchmarks/kv_tier_summary.py "$OUT" prints the summary. No part starts after BUDGET_S
 # seconds (skipped parts are named: call again with --only); each is cut at the budget's end.
-#   TOKENIZER=/path/to/tokenizer_dir OUT=/tmp/kvtier benchmarks/kv_tier_gpu.sh [--only tier,disagg] [--budget S]
+#   TOKENIZER=/path/to/tokenizer_dir OUT=/tmp/kvtier benchmarks/kv_tier_gpu.sh [--only tests,tier,disagg] [--budget S]
 #   benchmarks/kv_tier_gpu.sh --cpu-smoke     # the plumbing on the CPU with a tiny checkpoint
 set -u
-ONLY=tier,disagg
+ONLY=tests,tier,disagg
 BUDGET_S=${BUDGET_S:-540}
 CPU_SMOKE=0
 while [ $# -gt 0 ]; do
   case $1 in
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
     --only) [ $# -ge 2 ] || { echo "--only needs a comma list of parts" >&2; exit 2; }; ONLY=$2; shift 2 ;;
     --only=*) ONLY=${1#--only=}; shift ;;
     --budget) [ $# -ge 2 ] || { echo "--budget needs seconds" >&2; exit 2; }; BUDGET_S=$2; shift 2 ;;
@@ -29,8 +31,8 @@ while [ $# -gt 0 ]; do
 done
 for part in ${ONLY//,/ }; do
   case $part in
-    tier | disagg) ;;
-    *) echo "--only: unknown part '$part'; use tier, disagg" >&2; exit 2 ;;
+    tests | tier | disagg) ;;
+    *) echo "--only: unknown part '$part'; use tests, tier, disagg" >&2; exit 2 ;;
   esac
 done
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -65,6 +67,11 @@ for part in ${ONLY//,/ }; do
   fi
   echo "== $part (budget left ${left} s)"
   case $part in
+    tests)
+      timeout -k 5 "$left" $PY -m pytest -p no:cacheprovider -q -rA tests/gpu/test_kv_offload_gpu.py \
+        >"$OUT/kv-tier-tests.log" 2>&1
+      echo "tests exit $? (log $OUT/kv-tier-tests.log)"
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/kv-tier-tests.log" | tail -6 ;;
     tier)
       # shellcheck disable=SC2086
       timeout -k 5 "$left" $PY benchmarks/kv_offload.py --model "$MODEL" --tokenizer "$TOKENIZER" \
