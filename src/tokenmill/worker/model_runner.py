@@ -591,7 +591,7 @@ class ModelRunner:
         # The connector's copies start now and overlap the forward: each attention layer waits for
         # its own (meta.kv_layer_hooks, set by build_metadata); whatever the forward did not wait
         # for (a whole-step graph, a step without a forward) is waited for at the end.
-        connector = self._connector_for(so.kv_connector_metadata)
+        connector = self._required_connector()
         try:
             connector.start_load_kv(so.kv_connector_metadata)
             self._kv_layer_hooks = connector
@@ -602,11 +602,11 @@ class ModelRunner:
 
     def run_kv_connector(self, metadata: KVConnectorMetadata) -> None:
         """The KV connector's copies between steps, with no forward (a producer's sends)."""
-        connector = self._connector_for(metadata)
+        connector = self._required_connector()
         connector.start_load_kv(metadata)
         connector.wait_for_load()
 
-    def _connector_for(self, metadata: KVConnectorMetadata) -> KVConnectorWorker:
+    def _required_connector(self) -> KVConnectorWorker:
         if self.kv_connector is None:
             raise RuntimeError("got KV connector metadata but this runner has no KV connector")
         return self.kv_connector

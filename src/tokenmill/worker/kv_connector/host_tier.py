@@ -5,7 +5,8 @@ allocations evicted, about to be overwritten) and loads (host slot -> device blo
 the host tier). Both are done layer by layer, saves first within a layer (a block evicted by this
 step may also be the target of one of its loads), and a layer's copies are complete before that
 layer stores or reads KV (`wait_for_layer_load`, called by the attention layer): the loads of
-layer i+1 overlap the compute of layer i.
+layer i+1 overlap the compute of layer i. The tier needs one KV cache group (the factory checks),
+so layer i's cache is the pool's tensor i.
 
 The host pool holds, per device layer tensor, `[num_host_blocks, 2, block_size, kv_heads,
 head_dim]` bytes (the cache's own dtype copied as raw bytes, so an fp8 cache works unchanged):
