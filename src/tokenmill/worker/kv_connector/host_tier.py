@@ -168,7 +168,7 @@ class HostKVTierWorker(KVConnectorWorker):
         """Layer `layer`'s saves, then its loads (on CUDA: queued on the current, side, stream)."""
         device, host = self.device_tensors[layer], self.host_tensors[layer]
         if step.save_blocks is not None:
-            staged = device.index_select(1, step.save_blocks).transpose(0, 1).contiguous()  # [n, 2, ...]
+            staged = device.transpose(0, 1).index_select(0, step.save_blocks)  # [n, 2, ...], contiguous
             for row, slot, length in step.save_runs:
                 host[slot : slot + length].copy_(staged[row : row + length], non_blocking=True)
         if step.load_blocks is not None:
