@@ -54,15 +54,22 @@ def _llm(path: str, **kwargs) -> LLM:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_host_tier_on_gpu_keeps_greedy_output_and_loads_per_layer(tiny_llama_dir, enforce_eager: bool) -> None:
+@pytest.mark.parametrize(
+    ("enforce_eager", "async_scheduling"), [(True, True), (False, True), (False, False)],
+    ids=["eager-async", "graphs-async", "graphs-sync"],
+)  # fmt: skip
+def test_host_tier_on_gpu_keeps_greedy_output_and_loads_per_layer(
+    tiny_llama_dir, enforce_eager: bool, async_scheduling: bool
+) -> None:
+    """Async scheduling (the GPU default) queues a step's copies while the previous step runs."""
     path = str(tiny_llama_dir)
-    off = _llm(path, enforce_eager=enforce_eager)
+    options = {"enforce_eager": enforce_eager, "async_scheduling": async_scheduling}
+    off = _llm(path, **options)
     base_second, base_outputs = _multi_turn(off)
     assert "kv_offload_hits" not in off.engine.get_stats()
     del off
 
-    on = _llm(path, enforce_eager=enforce_eager, kv_offload_gb=HOST_GB)
+    on = _llm(path, kv_offload_gb=HOST_GB, **options)
     connector = on.engine.runner.kv_connector
     assert isinstance(connector, HostKVTierWorker) and connector.is_cuda
     assert all(host.is_pinned() for host in connector.host_tensors)
