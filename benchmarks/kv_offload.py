@@ -1,20 +1,25 @@
 """The host-memory KV tier (--kv-offload-gb): TTFT of multi-turn re-hits served from the host tier
 against recomputing a prompt of the same length, in one engine, one run.
 
-Workload: --conversations conversations, each a first turn of --context random tokens (one at a
-time), so that the device pool (--num-kv-blocks, or --gpu-memory-utilization) cannot hold them all
-and the earlier ones are evicted to the host tier. Then each conversation's second turn (its first
-turn, the answer, --turn-tokens new tokens): a prefix hit, served by the device cache where the
-blocks survived and by the host tier where they were evicted; right after each, a control prompt of
-the same length with no cached prefix (recomputed whole). Every request runs alone (the TTFT is
-that request's own prefill). Reports per kind the TTFT median and the ratio of the medians, with
-the engine's counters (host hits, blocks stored and loaded, device prefix hits) so a reader can see
-where the re-hits came from.
+Workload: --conversations conversations, each a first turn of random tokens (one at a time; the
+lengths cycle through --contexts), so that the device pool (--num-kv-blocks, or
+--gpu-memory-utilization) cannot hold them all and the earlier ones are evicted to the host tier.
+Then each conversation's second turn (its first turn, the answer, --turn-tokens new tokens): a
+prefix hit, served by the device cache where the blocks survived and by the host tier where they
+were evicted; right after each, a control prompt of the same length with no cached prefix
+(recomputed whole). Every request runs alone (the TTFT is that request's own prefill). Reports per
+context length the TTFT medians of host re-hits and their controls and the ratio, with the
+engine's counters (host hits, blocks stored and loaded, device prefix hits).
+
+--overlap-ab runs the workload a second time (fresh conversations, same engine) with every
+layer's copies waited for before the forward (the tier before per-layer overlap), so the two can
+be compared in one run: "overlap" (each layer waits for its own copies) and "wait-all".
 
 Examples:
-  CPU (default model):   python benchmarks/kv_offload.py --device cpu --context 512 --num-kv-blocks 96
-  GPU (8B shapes, dummy): python benchmarks/kv_offload.py --model meta-llama/Llama-3.1-8B-Instruct \
-      --load-format dummy --context 8192 --conversations 12 --gpu-memory-utilization 0.35 --kv-offload-gb 32
+  CPU (tiny checkpoint): python benchmarks/kv_offload.py --model DIR --device cpu --contexts 256 --num-kv-blocks 64
+  GPU (8B shapes, dummy): python benchmarks/kv_offload.py --model benchmarks/configs/llama-3.1-8b \
+      --tokenizer .gputok --load-format dummy --contexts 4096,8192,16384 --conversations 9 \
+      --num-kv-blocks 3072 --kv-offload-gb 24 --overlap-ab
 
 Writes one result JSON (benchmarks/results format) under --result-dir.
 """
@@ -22,8 +27,10 @@ Writes one result JSON (benchmarks/results format) under --result-dir.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -49,118 +56,175 @@ def _ttft(llm: Any, request_id: str, prompt: list[int], output_len: int) -> tupl
     return first, tokens, cached
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import random
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
-    from tokenmill.engine.llm import LLM
 
-    max_model_len = args.context + args.turn_tokens + 2 * args.output_len + 16
-    kwargs: dict[str, Any] = dict(
-        max_model_len=max_model_len, kv_offload_gb=args.kv_offload_gb, load_format=args.load_format,
-        max_num_seqs=4, async_scheduling=False,
-    )  # fmt: skip
-    if args.device:
-        kwargs["device"] = args.device
-    if args.num_kv_blocks:
-        kwargs["num_kv_blocks"] = args.num_kv_blocks
-    if args.gpu_memory_utilization:
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    llm = LLM(args.model, **kwargs)
-    info = llm.engine.info
-    vocab = info.vocab_size
-    rng = random.Random(0)
-    device_tokens = info.num_kv_blocks * info.block_size
-    print(
-        f"device pool {device_tokens} tokens; {args.conversations} conversations of {args.context} tokens "
-        f"({args.conversations * args.context} in all)",
-        flush=True,
-    )
-    _ttft(llm, "warmup", [rng.randrange(5, vocab) for _ in range(64)], 2)
+def _wait_for_all_layers_first(connector: Any) -> Callable[[], None]:
+    """Make the tier wait for every layer's copies before the forward (as before per-layer
+    overlap); returns the undo."""
+    start = connector.start_load_kv
 
-    first_turns = [[rng.randrange(5, vocab) for _ in range(args.context)] for _ in range(args.conversations)]
+    def start_and_wait(metadata: Any) -> None:
+        start(metadata)
+        connector.wait_for_load()
+
+    connector.start_load_kv = start_and_wait
+    return lambda: delattr(connector, "start_load_kv")
+
+
+def _connector_counters(llm: Any) -> dict[str, int]:
+    connector = getattr(llm.engine.runner, "kv_connector", None)
+    return {
+        "layers_waited_in_forward": getattr(connector, "layers_waited_in_forward", 0),
+        "layers_waited_at_once": getattr(connector, "layers_waited_at_once", 0),
+    }
+
+
+def run_pass(llm: Any, args: argparse.Namespace, label: str, seed: int) -> dict[str, Any]:
+    """One workload: first turns, then per conversation its second turn and a control prompt."""
+    vocab = llm.engine.info.vocab_size
+    rng = random.Random(seed)
+    lengths = [args.contexts[i % len(args.contexts)] for i in range(args.conversations)]
+    first_turns = [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
     answers = []
-    cold_first: list[float] = []
     for i, prompt in enumerate(first_turns):
-        ttft, tokens, _ = _ttft(llm, f"c{i}-t1", prompt, args.output_len)
-        cold_first.append(ttft)
+        ttft, tokens, _ = _ttft(llm, f"{label}-c{i}-t1", prompt, args.output_len)
         answers.append(tokens)
-        print(f"  first turn {i + 1}/{args.conversations}: ttft {ttft:.3f} s", flush=True)
-    before = llm.engine.get_stats()
-    rehit: list[float] = []
-    recompute: list[float] = []
+        print(f"  [{label}] first turn {i + 1}/{args.conversations}: {len(prompt)} tokens, ttft {ttft:.3f} s", flush=True)
+    before, counters_before = llm.engine.get_stats(), _connector_counters(llm)
     rows = []
     for i, prompt in enumerate(first_turns):
         second = prompt + answers[i] + [rng.randrange(5, vocab) for _ in range(args.turn_tokens)]
         stats_before = llm.engine.get_stats()
-        ttft_hit, _, cached = _ttft(llm, f"c{i}-t2", second, args.output_len)
-        stats_after = llm.engine.get_stats()
-        host_hit = stats_after.get("kv_offload_hits", 0) - stats_before.get("kv_offload_hits", 0)
+        ttft_hit, _, cached = _ttft(llm, f"{label}-c{i}-t2", second, args.output_len)
+        host_hit = llm.engine.get_stats().get("kv_offload_hits", 0) - stats_before.get("kv_offload_hits", 0)
         control = [rng.randrange(5, vocab) for _ in range(len(second))]
-        ttft_cold, _, cold_cached = _ttft(llm, f"c{i}-cold", control, args.output_len)
-        rehit.append(ttft_hit)
-        recompute.append(ttft_cold)
+        ttft_cold, _, cold_cached = _ttft(llm, f"{label}-c{i}-cold", control, args.output_len)
         rows.append(
             {
-                "conversation": i, "prompt_tokens": len(second), "cached_tokens": cached,
+                "conversation": i, "context": lengths[i], "prompt_tokens": len(second), "cached_tokens": cached,
                 "host_hit_tokens": host_hit, "ttft_rehit_s": ttft_hit, "ttft_recompute_s": ttft_cold,
                 "control_cached_tokens": cold_cached,
             }
         )  # fmt: skip
         print(
-            f"  second turn {i + 1}: {len(second)} tokens, cached {cached} (host {host_hit}), "
+            f"  [{label}] second turn {i + 1}: {len(second)} tokens, cached {cached} (host {host_hit}), "
             f"ttft {ttft_hit:.3f} s vs recompute {ttft_cold:.3f} s",
             flush=True,
         )
-    after = llm.engine.get_stats()
+    after, counters_after = llm.engine.get_stats(), _connector_counters(llm)
     keys = ("kv_offload_hits", "kv_offload_blocks_stored", "kv_offload_blocks_loaded", "prefix_cache_hits")
-    deltas = {key: after.get(key, 0) - before.get(key, 0) for key in keys}
+    per_context = {}
+    for n in args.contexts:
+        host = [r for r in rows if r["context"] == n and r["host_hit_tokens"] > 0]
+        hit, cold = _median([r["ttft_rehit_s"] for r in host]), _median([r["ttft_recompute_s"] for r in host])
+        per_context[str(n)] = {
+            "host_rehits": len(host),
+            "ttft_host_rehit_median_s": hit,
+            "ttft_recompute_median_s": cold,
+            "recompute_over_host_rehit": cold / hit if hit and cold else None,
+        }
     host_rows = [r for r in rows if r["host_hit_tokens"] > 0]
-    summary = {
-        "device_pool_tokens": device_tokens,
-        "ttft_first_turn_median_s": statistics.median(cold_first),
-        "ttft_rehit_median_s": statistics.median(rehit),
-        "ttft_recompute_median_s": statistics.median(recompute),
-        "recompute_over_rehit": statistics.median(recompute) / statistics.median(rehit),
+    hit = _median([r["ttft_rehit_s"] for r in host_rows])
+    cold = _median([r["ttft_recompute_s"] for r in host_rows])
+    return {
         "host_rehits": len(host_rows),
-        "ttft_host_rehit_median_s": statistics.median([r["ttft_rehit_s"] for r in host_rows]) if host_rows else None,
-        "ttft_host_rehit_recompute_median_s": (
-            statistics.median([r["ttft_recompute_s"] for r in host_rows]) if host_rows else None
-        ),
-        "second_turn_counters": deltas,
-        "device": info.device,
-        "dtype": info.dtype,
+        "ttft_host_rehit_median_s": hit,
+        "ttft_host_rehit_recompute_median_s": cold,
+        "recompute_over_host_rehit": cold / hit if hit and cold else None,
+        "ttft_rehit_median_s": _median([r["ttft_rehit_s"] for r in rows]),
+        "ttft_recompute_median_s": _median([r["ttft_recompute_s"] for r in rows]),
+        "per_context": per_context,
+        "second_turn_counters": {key: after.get(key, 0) - before.get(key, 0) for key in keys},
+        "connector_counters": {key: counters_after[key] - counters_before[key] for key in counters_after},
         "rows": rows,
     }
-    if host_rows:
-        summary["recompute_over_host_rehit"] = (
-            summary["ttft_host_rehit_recompute_median_s"] / summary["ttft_host_rehit_median_s"]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.engine.llm import LLM
+
+    max_model_len = max(args.contexts) + args.turn_tokens + 2 * args.output_len + 16
+    kwargs: dict[str, Any] = dict(
+        max_model_len=max_model_len, kv_offload_gb=args.kv_offload_gb, load_format=args.load_format,
+        max_num_seqs=4, async_scheduling=False,
+    )  # fmt: skip
+    for name in ("device", "tokenizer", "num_kv_blocks", "gpu_memory_utilization", "max_num_batched_tokens"):
+        if getattr(args, name):
+            kwargs[name] = getattr(args, name)
+    started = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    info = llm.engine.info
+    device_tokens = info.num_kv_blocks * info.block_size
+    total = sum(args.contexts[i % len(args.contexts)] for i in range(args.conversations))
+    print(
+        f"engine up in {time.perf_counter() - started:.0f} s; device pool {device_tokens} tokens; "
+        f"{args.conversations} conversations, {total} first-turn tokens in all",
+        flush=True,
+    )
+    _ttft(llm, "warmup", [random.Random(0).randrange(5, info.vocab_size) for _ in range(64)], 2)
+    passes = {"overlap": run_pass(llm, args, "overlap", seed=1)}
+    if args.overlap_ab:
+        if llm.engine.runner.kv_connector is None:
+            raise SystemExit("--overlap-ab needs the tier on (--kv-offload-gb > 0)")
+        undo = _wait_for_all_layers_first(llm.engine.runner.kv_connector)
+        try:
+            passes["wait-all"] = run_pass(llm, args, "wait-all", seed=2)
+        finally:
+            undo()
+    return {"device_pool_tokens": device_tokens, "device": info.device, "dtype": info.dtype, "passes": passes}
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_lines(metrics: dict[str, Any]) -> list[str]:
+    lines = [f"host tier TTFT ({metrics['device']}, device pool {metrics['device_pool_tokens']} tokens):"]
+    for label, result in metrics["passes"].items():
+        counters = result["connector_counters"]
+        lines.append(
+            f"  {label}: host re-hits {result['host_rehits']}, TTFT median re-hit "
+            f"{_fmt(result['ttft_host_rehit_median_s'])} s vs recompute "
+            f"{_fmt(result['ttft_host_rehit_recompute_median_s'])} s = "
+            f"{_fmt(result['recompute_over_host_rehit'], '.2f')}x; layers waited in forward "
+            f"{counters['layers_waited_in_forward']}, at once {counters['layers_waited_at_once']}"
         )
-    return summary
+        for context, row in result["per_context"].items():
+            lines.append(
+                f"    {context} tokens: {row['host_rehits']} re-hits, {_fmt(row['ttft_host_rehit_median_s'])} s vs "
+                f"{_fmt(row['ttft_recompute_median_s'])} s = {_fmt(row['recompute_over_host_rehit'], '.2f')}x"
+            )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model (default: the default model)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--device", default=None, help="cpu, cuda (default: auto)")
-    parser.add_argument("--context", type=int, default=512, help="tokens of each conversation's first turn")
+    parser.add_argument(
+        "--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[512],
+        help="first-turn lengths in tokens, comma list, cycled over the conversations",
+    )  # fmt: skip
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens of each second turn")
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="device pool size (make it too small)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-offload-gb", type=float, default=1.0, help="the host tier's size")
+    parser.add_argument("--overlap-ab", action="store_true", help="also run with every layer waited for first")
     parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument("--result-name", default=None, help="result file name (default: kv_offload-<time>)")
     args = parser.parse_args()
     from tokenmill.bench.results import write_result
 
     metrics = run(args)
-    print(
-        f"TTFT median: re-hit {metrics['ttft_rehit_median_s']:.3f} s, recompute "
-        f"{metrics['ttft_recompute_median_s']:.3f} s ({metrics['recompute_over_rehit']:.2f}x); "
-        f"host re-hits {metrics['host_rehits']}/{args.conversations}"
-    )
-    path = write_result("kv_offload", vars(args), metrics, out_dir=args.result_dir)
+    print("\n".join(summary_lines(metrics)))
+    path = write_result("kv_offload", vars(args), metrics, out_dir=args.result_dir, name=args.result_name)
     print(f"wrote {path}")
 
 

@@ -7,12 +7,15 @@ slot must be accounted for at the end."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.sliding_window_checkpoints import write_sliding_checkpoint
 from tokenmill import LLM, SamplingParams
+from tokenmill.outputs import RequestOutput
+from tokenmill.worker.kv_connector.host_tier import HostKVTierWorker
 
 NUM_CONVERSATIONS = 8
 PROMPT_LEN = 64  # 4 blocks of 16
@@ -22,18 +25,29 @@ BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 16 token
 HOST_GB = 64 * BYTES_PER_BLOCK / 2**30  # 64 host blocks
 
 
-def _multi_turn(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Two turns of every conversation (each turn's requests together); the second turn's prompts,
-    all outputs, and the second turn's cached tokens."""
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _turns(
+    llm: LLM, vocab_size: int, before_second_turn: Callable[[], None] | None = None
+) -> tuple[list[list[int]], list[RequestOutput], list[RequestOutput]]:
+    """Two turns of every conversation (each turn's requests together): the second turn's prompts
+    and each turn's outputs."""
     rng = random.Random(7)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     first = [[rng.randrange(5, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(NUM_CONVERSATIONS)]
-    outs1 = llm.generate([{"prompt_token_ids": p} for p in first], params)
+    outs1 = llm.generate([{"prompt_token_ids": p} for p in first], PARAMS)
     second = [
         p + o.outputs[0].token_ids + [rng.randrange(5, vocab_size) for _ in range(10)]
         for p, o in zip(first, outs1, strict=True)
     ]
-    outs2 = llm.generate([{"prompt_token_ids": p} for p in second], params)
+    if before_second_turn is not None:
+        before_second_turn()
+    return second, outs1, llm.generate([{"prompt_token_ids": p} for p in second], PARAMS)
+
+
+def _multi_turn(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The second turn's prompts, all outputs, and the second turn's cached tokens."""
+    second, outs1, outs2 = _turns(llm, vocab_size)
     outputs = [o.outputs[0].token_ids for o in outs1 + outs2]
     return second, outputs, [o.num_cached_tokens for o in outs2]
 
@@ -46,13 +60,32 @@ def without_tier(tiny_llama_dir) -> tuple[list[list[int]], list[list[int]], list
     return result
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_tier, async_scheduling: bool) -> None:
+def _wait_for_all_layers_first(connector: HostKVTierWorker, monkeypatch) -> None:  # noqa: ANN001
+    """Every layer's copies before the forward (what a whole-step CUDA graph replay gets), instead of
+    each at its layer's hook."""
+    start = connector.start_load_kv
+
+    def start_and_wait(metadata) -> None:  # noqa: ANN001
+        start(metadata)
+        connector.wait_for_load()
+
+    monkeypatch.setattr(connector, "start_load_kv", start_and_wait)
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "per_layer"), [(False, True), (True, True), (False, False)],
+    ids=["sync", "async", "sync-wait-all"],
+)  # fmt: skip
+def test_rehits_from_the_host_tier_keep_greedy_output(
+    tiny_llama_dir, without_tier, monkeypatch, async_scheduling: bool, per_layer: bool
+) -> None:
     path = str(tiny_llama_dir)
     llm = LLM(
         path, device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS, kv_offload_gb=HOST_GB,
         async_scheduling=async_scheduling,
     )  # fmt: skip
+    if not per_layer:
+        _wait_for_all_layers_first(llm.engine.runner.kv_connector, monkeypatch)
     second, outputs, cached = _multi_turn(llm, llm.info.vocab_size)
     base_second, base_outputs, base_cached = without_tier
     assert second == base_second
@@ -73,8 +106,13 @@ def test_rehits_from_the_host_tier_keep_greedy_output(tiny_llama_dir, without_ti
     llm.engine.check_invariants()
     kv = llm.engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_usable_blocks
-    assert llm.engine.runner.kv_connector is not None
-    assert llm.engine.runner.kv_connector.host_bytes == 64 * BYTES_PER_BLOCK
+    connector = llm.engine.runner.kv_connector
+    assert isinstance(connector, HostKVTierWorker)
+    assert connector.host_bytes == 64 * BYTES_PER_BLOCK
+    if per_layer:  # every layer's copies ran when the forward reached it (the attention layers' hooks)
+        assert connector.layers_waited_in_forward > 0 and connector.layers_waited_at_once == 0
+    else:
+        assert connector.layers_waited_in_forward == 0 and connector.layers_waited_at_once > 0
 
 
 def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer) -> None:
@@ -101,3 +139,47 @@ def test_an_fp8_kv_cache_round_trips_through_the_host_tier(tiny_llama_dir) -> No
         llm.engine.check_invariants()
     assert results[1][1] == results[0][1]
     assert llm.engine.get_stats()["kv_offload_hits"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_load_mid_forward_ends_its_step_and_leaks_nothing(
+    tiny_llama_dir, without_tier, monkeypatch, async_scheduling: bool
+) -> None:
+    """A host-tier copy that fails at layer 1 of a step that loads (after layer 0 ran): the step's
+    requests end with the error, every device block and host slot is accounted for, the tier forgets
+    what the step would have saved, and the same prompts asked again get the right tokens."""
+    path = str(tiny_llama_dir)
+    llm = LLM(
+        path, device="cpu", max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS, kv_offload_gb=HOST_GB,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    connector = llm.engine.runner.kv_connector
+    assert isinstance(connector, HostKVTierWorker)
+    real_copy = connector._copy_layer
+    armed, faults = [], []
+
+    def copy_layer(layer, step) -> None:  # noqa: ANN001 - the worker's own types
+        if armed and not faults and step.load_blocks is not None and layer == 1:
+            faults.append(layer)
+            raise RuntimeError("injected host-tier load fault")
+        real_copy(layer, step)
+
+    monkeypatch.setattr(connector, "_copy_layer", copy_layer)
+    # Armed for the second turn, whose re-hits load (the first turn's preempted requests may too).
+    second, outs1, outs2 = _turns(llm, llm.info.vocab_size, before_second_turn=lambda: armed.append(True))
+    assert faults, "no second-turn step loaded from the host tier"
+    failed = [i for i, o in enumerate(outs2) if o.outputs[0].finish_reason == "error"]
+    assert failed and all("injected host-tier load fault" in (outs2[i].error or "") for i in failed)
+    base_second, base_outputs, _ = without_tier
+    assert second == base_second
+    expected = base_outputs[NUM_CONVERSATIONS:]
+    for i, out in enumerate(outs2):
+        if i not in failed:
+            assert out.outputs[0].token_ids == expected[i]
+    llm.engine.check_invariants()
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert connector._step is None, "the failed step's copies outlived it"
+    again = llm.generate([{"prompt_token_ids": second[i]} for i in failed], PARAMS)
+    assert [o.outputs[0].token_ids for o in again] == [expected[i] for i in failed]
+    llm.engine.check_invariants()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -83,6 +84,16 @@ class AttentionLayerSpec:
 PLAIN_ATTENTION = AttentionLayerSpec()
 
 
+class KVLayerHooks(Protocol):
+    """A KV connector's per-layer hooks (worker/kv_connector/base.py), called by each attention layer
+    of a step that moves KV: before the layer touches its cache (its loaded blocks must be there and
+    the blocks saved from it copied out) and after its attention (its fresh KV may be shipped)."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None: ...
+
+    def save_kv_layer(self, layer_index: int) -> None: ...
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """One step's batch layout. With several KV cache groups (models with sliding-window layers,
@@ -107,6 +118,10 @@ class AttentionMetadata:
     # KV cache groups 1.. of this step (empty with one group). Built once per step, so a backend
     # that plans per metadata object plans once per group.
     kv_group_siblings: tuple[AttentionMetadata, ...] = ()
+    # The KV connector of a step whose copies overlap the forward (None: nothing to wait for). A
+    # layer calls its hooks around its attention; steps replayed as whole CUDA graphs cannot, and
+    # wait for every layer's copies before the replay instead.
+    kv_layer_hooks: KVLayerHooks | None = None
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group `group` (this object for group 0)."""

@@ -159,6 +159,7 @@ class ModelRunner:
         )  # fmt: skip
         self._check_attention_layers()
         self._assign_kv_groups()
+        self._assign_layer_indices()
         logger.info(
             "model loaded in %.1f s (%s, %s, %s)",
             time.perf_counter() - started,
@@ -193,6 +194,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per model layer (layers of different groups share tensors)
         self.kv_bytes_per_block = 0  # one block over the pool's layer tensors (without a drafter's)
         self.kv_connector: KVConnectorWorker | None = None  # e.g. the host KV tier (--kv-offload-gb)
+        # The connector while a step that moves KV is being launched: its per-layer hooks go into
+        # that step's attention metadata.
+        self._kv_layer_hooks: KVConnectorWorker | None = None
         self.kv_cache_tensors: list[torch.Tensor] = []  # the pool: one per layer of a group
         self.num_blocks = 0
         self.buffers = None  # InputBuffers on CUDA
@@ -301,6 +305,14 @@ class ModelRunner:
             )
         for layer, group in zip(layers, self.kv_groups.layer_group, strict=True):
             layer.kv_group = group
+
+    def _assign_layer_indices(self) -> None:
+        """Number the attention layers (their place in the per-layer cache list) for a KV
+        connector's per-layer hooks; SelfAttention modules come in layer order."""
+        from tokenmill.model.layers.attention import SelfAttention
+
+        for index, layer in enumerate(m for m in self.model.modules() if isinstance(m, SelfAttention)):
+            layer.layer_index = index
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -511,6 +523,7 @@ class ModelRunner:
             is_decode_only=batch.max_query_len == 1,
             # A verification step: its requests' last tokens and drafts as decodes of a few rows.
             multi_token_decode=batch.sampling_drafts is not None and self.attn_backend.supports_multi_token_decode,
+            kv_layer_hooks=self._kv_layer_hooks,
         )
         if extra_groups:
             meta.with_kv_groups(extra_groups)
@@ -573,16 +586,35 @@ class ModelRunner:
             for req_id in so.finished_req_ids | so.preempted_req_ids:
                 self.speculator.forget(req_id)
         requests = self.requests.update(so)
-        if so.kv_connector_metadata is not None:
-            self.run_kv_connector(so.kv_connector_metadata)
-        return self.launch(so, requests)
+        if so.kv_connector_metadata is None:
+            return self.launch(so, requests)
+        # The connector's copies start now and overlap the forward: each attention layer waits for
+        # its own (meta.kv_layer_hooks, set by build_metadata); whatever the forward did not wait
+        # for (a whole-step graph, a step without a forward) is waited for at the end.
+        connector = self._required_connector()
+        try:
+            connector.start_load_kv(so.kv_connector_metadata)
+            self._kv_layer_hooks = connector
+            return self.launch(so, requests)
+        finally:
+            self._kv_layer_hooks = None
+            connector.wait_for_load()  # after a failed step too: no copy outlives its step
 
     def run_kv_connector(self, metadata: KVConnectorMetadata) -> None:
-        """The KV connector's copies (before a step's forward, or between steps for a producer's sends)."""
+        """The KV connector's copies between steps, with no forward (a producer's sends)."""
+        connector = self._required_connector()
+        connector.start_load_kv(metadata)
+        connector.wait_for_load()
+
+    def _required_connector(self) -> KVConnectorWorker:
         if self.kv_connector is None:
             raise RuntimeError("got KV connector metadata but this runner has no KV connector")
-        self.kv_connector.start_load_kv(metadata)
-        self.kv_connector.wait_for_load()
+        return self.kv_connector
+
+    def _wait_for_all_kv_layers(self) -> None:
+        """Before a whole-step CUDA graph replay, which calls no per-layer hook."""
+        if self._kv_layer_hooks is not None:
+            self._kv_layer_hooks.wait_for_load()
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingStep:
@@ -667,6 +699,7 @@ class ModelRunner:
             output.cuda_graph_size = padded_reqs
             # Logits PER ROW, not per request: [num_reqs * q, vocab] in the step's row order, request
             # i's q query tokens at rows i*q .. i*q + q - 1 (for q = 1, one row per request).
+            self._wait_for_all_kv_layers()
             logits = self.graph_runner.replay(graph_key, num_reqs * q)  # type: ignore[union-attr]
             if drafts is not None:
                 # A verification step samples the rows of each request's last token and drafts.

@@ -225,13 +225,20 @@ class PiecewiseGraphs:
         backend = self.attn_backend
         q, k, v, out = self.q[:num_tokens], self.k[:num_tokens], self.v[:num_tokens], self.out[:num_tokens]
         graphs = captured.graphs
-        for graph, call in zip(graphs, captured.calls, strict=False):
+        # A KV connector's per-layer hooks: piece i holds layer i's KV store, so layer i's copies
+        # are waited for before it (the calls were recorded one per layer, in layer order).
+        hooks = meta.kv_layer_hooks
+        for layer_index, (graph, call) in enumerate(zip(graphs, captured.calls, strict=False)):
+            if hooks is not None:
+                hooks.wait_for_layer_load(layer_index)
             graph.replay()
             group_meta = meta if call.kv_group == 0 else meta.kv_group_siblings[call.kv_group - 1]
             result = backend.forward(
                 q, k, v, call.kv_cache, group_meta, kv_already_stored=call.kv_already_stored, layer=call.layer
             )
             out.copy_(result)
+            if hooks is not None:
+                hooks.save_kv_layer(layer_index)
         graphs[-1].replay()
         self.num_replays += 1
         return captured.hidden

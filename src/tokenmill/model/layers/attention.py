@@ -78,6 +78,9 @@ class SelfAttention(nn.Module):
         # The KV cache group whose block tables this layer reads and writes (core/kv_cache_groups.py);
         # the model runner sets it after load. 0 for every layer of a model without sliding layers.
         self.kv_group = 0
+        # This layer's index in the model's per-layer cache list, for a KV connector's per-layer
+        # hooks (meta.kv_layer_hooks); the model runner sets it after load (-1: not set).
+        self.layer_index = -1
         self.ops = ops
         self.eps = eps
         self.head_dim = arch.head_dim
@@ -144,6 +147,9 @@ class SelfAttention(nn.Module):
         launch; q and k go in un-rotated. `meta` is the step's (group 0's): the layer picks its
         KV cache group's, here and in rope_and_attend. With `norm_source` (the deferred-norm path) qkv is the
         projection of those un-normalized rows and the launch applies their 1/rms too."""
+        hooks = meta.kv_layer_hooks
+        if hooks is not None:
+            hooks.wait_for_layer_load(self.layer_index)
         if self.kv_group:
             meta = meta.kv_group_siblings[self.kv_group - 1]
         num_tokens = qkv.shape[0]
@@ -151,16 +157,23 @@ class SelfAttention(nn.Module):
         q_size, kv_size = self.q_size, self.kv_size
         qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        return self.attn_backend.forward_decode_with_rope(
+        out = self.attn_backend.forward_decode_with_rope(
             qk[:, :heads], qk[:, heads:], v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, meta,
             norm_source=norm_source, norm_eps=self.eps, layer=self.layer_spec,
         )  # fmt: skip
+        if hooks is not None:
+            hooks.save_kv_layer(self.layer_index)
+        return out
 
     def rope_and_attend(
         self, qkv: torch.Tensor, rope: RopeInputs, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Q/K norm and RoPE (with the KV store where the ops and backend allow), then the
-        backend's attention."""
+        backend's attention. A KV connector's hooks (meta.kv_layer_hooks) run before the store and
+        after the attention."""
+        hooks = meta.kv_layer_hooks
+        if hooks is not None:
+            hooks.wait_for_layer_load(self.layer_index)
         if self.kv_group:  # (inlined for_kv_group: one integer test per layer for one-group models)
             meta = meta.kv_group_siblings[self.kv_group - 1]
         ops = self.ops
@@ -189,6 +202,7 @@ class SelfAttention(nn.Module):
             else:
                 qk = ops.rotate(qk, rope)
             q, k = qk[:, :heads], qk[:, heads:]
-        return self.attn_backend.forward(
-            q, k, v, kv_cache, meta, kv_already_stored=store, layer=self.layer_spec
-        )
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, kv_already_stored=store, layer=self.layer_spec)
+        if hooks is not None:
+            hooks.save_kv_layer(self.layer_index)
+        return out
