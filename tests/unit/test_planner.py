@@ -59,7 +59,9 @@ def test_weight_and_kv_bytes_of_a_tiny_llama_by_hand():
     assert kv.bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (K, V) x kv heads x head_dim x bf16
     assert kv.bytes_per_block == 16 * kv.bytes_per_token
     assert kv_layout(arch, 256, kv_dtype_bytes=1).bytes_per_token == kv.bytes_per_token // 2  # fp8 KV
-    assert kv_layout(arch, 256, tensor_parallel=2).bytes_per_token == kv.bytes_per_token // 2  # half the heads a rank
+    assert (
+        kv_layout(arch, 256, tensor_parallel=2).bytes_per_token == kv.bytes_per_token // 2
+    )  # half the heads a rank
     assert kv.max_sequences(num_blocks=100, num_tokens=33) == 100 // 3
 
 
@@ -69,7 +71,9 @@ def test_quantized_linear_bytes_are_smaller_by_their_format():
     linear = 2 * (256 * 256 * 4 + 3 * 256 * 512)  # two layers of q k v o (all 256 x 256) and the MLP
     rows = 2 * (256 * 4 + 512 * 2 + 256)
     assert bf16.dense_read_bytes - fp8.dense_read_bytes == linear * 2 - (linear + 8 * rows)
-    groups = 2 * (4 * 2 * 256 + 2 * 2 * 512 + 4 * 256)  # per layer: groups (in / 128) x output rows of each matrix
+    groups = 2 * (
+        4 * 2 * 256 + 2 * 2 * 512 + 4 * 256
+    )  # per layer: groups (in / 128) x output rows of each matrix
     assert bf16.dense_read_bytes - int4.dense_read_bytes == linear * 2 - (linear / 2 + 4 * groups + rows)
 
 
@@ -81,7 +85,10 @@ def test_sliding_window_layers_hold_fewer_blocks():
     full = kv_layout(arch, 2048, max_num_batched_tokens=64)
     half = kv_layout(sliding, 2048, max_num_batched_tokens=64)
     groups = plan_kv_cache_groups(4, (32, None, 32, None), 2048)
-    assert half.groups == groups and half.bytes_per_block == groups.num_tensors * 16 * half.bytes_per_token_per_layer
+    assert (
+        half.groups == groups
+        and half.bytes_per_block == groups.num_tensors * 16 * half.bytes_per_token_per_layer
+    )
     assert half.blocks_for(2048) == groups.blocks_for_one_sequence(2048, 16, 64)
     assert half.mean_bytes_per_token(2048) < 0.6 * full.mean_bytes_per_token(2048)
     assert full.mean_bytes_per_token(2048) == full.bytes_per_token
@@ -96,7 +103,9 @@ def test_moe_reads_the_experts_its_tokens_pick():
     held_not_read = weights.total_bytes - weights.embedding_bytes - weights.decode_read_bytes(1)
     assert held_not_read == pytest.approx(recorded["unread_expert_weight_bytes"], rel=1e-3)
     assert weights.decode_read_bytes(1) < weights.decode_read_bytes(8) < weights.decode_read_bytes(512)
-    assert weights.decode_read_bytes(10_000) == pytest.approx(weights.total_bytes - weights.embedding_bytes, rel=1e-6)
+    assert weights.decode_read_bytes(10_000) == pytest.approx(
+        weights.total_bytes - weights.embedding_bytes, rel=1e-6
+    )
     assert weights.params_per_token == pytest.approx(3.04e9, rel=0.02)  # "30B-A3B": ~3 B active
 
 
@@ -109,7 +118,9 @@ def test_moe_reads_the_experts_its_tokens_pick():
         ("gemma-2-9b", None, "latency-gemma-2-9b-h100-47868d2.json"),
     ],
 )
-def test_decode_read_bytes_match_what_bench_latency_measured_on_the_loaded_model(config, quantization, result):
+def test_decode_read_bytes_match_what_bench_latency_measured_on_the_loaded_model(
+    config, quantization, result
+):
     weights = model_bytes(bench_arch(config), quantization)
     assert weights.decode_read_bytes(1) == pytest.approx(metrics(result)["weight_bytes"], rel=1e-3)
 
@@ -128,7 +139,9 @@ def test_the_kv_layout_matches_a_real_load(tiny_llama_dir):
     for file in Path(tiny_llama_dir).glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        stored += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+        stored += sum(
+            t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__"
+        )
     assert stored == model_bytes(arch, dtype_bytes=4).total_bytes
 
 
@@ -146,14 +159,24 @@ def test_fp8_kv_doubles_the_tokens():
     auto = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096))
     fp8 = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096, kv_cache_dtype="fp8"))
     # Recorded: 877,328 / 435,664 tokens = 2.01x (fp8-kv-llama-3.1-8b-h100-engine.json).
-    assert fp8["kv_cache"]["capacity_tokens"] / auto["kv_cache"]["capacity_tokens"] == pytest.approx(2.0, rel=0.01)
+    assert fp8["kv_cache"]["capacity_tokens"] / auto["kv_cache"]["capacity_tokens"] == pytest.approx(
+        2.0, rel=0.01
+    )
 
 
 @pytest.mark.parametrize(
     ("gpu", "latency", "throughput"),
     [
-        ("H100", "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
-        ("H200", "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
+        (
+            "H100",
+            "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json",
+            "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json",
+        ),
+        (
+            "H200",
+            "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json",
+            "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json",
+        ),
     ],
 )
 def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
@@ -163,6 +186,28 @@ def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
     assert fitted.bandwidth == pytest.approx(table.efficiency.bandwidth, rel=1e-3)
     assert fitted.prefill == pytest.approx(table.efficiency.prefill, rel=1e-3)
     assert fitted.first_token_overhead_s == pytest.approx(table.efficiency.first_token_overhead_s, abs=1e-4)
+    assert (
+        fitted.attention_bandwidth
+        == table.efficiency.attention_bandwidth
+        == calibration.ATTENTION_BANDWIDTH_EFFICIENCY
+    )
+
+
+def test_the_attention_efficiency_is_what_the_decode_profiles_give():
+    """Measured, not fitted to a prediction: the paged-attention kernel's time in the engine's own
+    decode-step profiles against the KV bytes it reads (batch 64, 512-token context)."""
+    fitted = [
+        calibration.fit_attention(GPUS[gpu], bench_arch(config), RESULTS / name)
+        for config, gpu, name in calibration.ATTENTION_PROFILES
+    ]
+    assert len({gpu for _, gpu, _ in calibration.ATTENTION_PROFILES}) == 2  # two GPUs agree
+    for value in fitted:
+        assert value == pytest.approx(calibration.ATTENTION_BANDWIDTH_EFFICIENCY, abs=0.005)
+    assert sum(fitted) / len(fitted) == pytest.approx(calibration.ATTENTION_BANDWIDTH_EFFICIENCY, abs=5e-4)
+    assert (
+        min(c.efficiency.bandwidth for c in calibration.CALIBRATION.values())
+        > calibration.ATTENTION_BANDWIDTH_EFFICIENCY
+    )
 
 
 @pytest.mark.parametrize(
@@ -173,7 +218,9 @@ def test_the_format_factors_are_what_their_files_give(key, config, quantization)
     table = calibration.FORMAT_FACTORS[key]
     latency, throughput = table.source.split(", ")
     base = calibration.CALIBRATION["H100"].efficiency
-    fitted = calibration.fit_format(GPUS["H100"], bench_arch(config), quantization, base, RESULTS / latency, RESULTS / throughput)
+    fitted = calibration.fit_format(
+        GPUS["H100"], bench_arch(config), quantization, base, RESULTS / latency, RESULTS / throughput
+    )
     assert fitted.bandwidth == pytest.approx(table.bandwidth, rel=1e-3)
     assert fitted.prefill == pytest.approx(table.prefill, rel=1e-3)
 
@@ -198,25 +245,70 @@ def within(got: float, recorded: float) -> bool:
     ("config", "gpu", "quantization", "latency", "throughput"),
     [
         # Calibration points (the table's own files):
-        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
-        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
-        ("llama-3.1-8b", "H100", "fp8", "latency-llama-3.1-8b-fp8-h100.json", "throughput-llama-3.1-8b-fp8-h100.json"),
-        ("qwen3-30b-a3b", "H100", None, "latency-qwen3-30b-a3b-h100-827f681.json", "throughput-qwen3-30b-a3b-h100-827f681.json"),
+        (
+            "llama-3.1-8b",
+            "H200",
+            None,
+            "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json",
+            "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json",
+        ),
+        (
+            "llama-3.1-8b",
+            "H100",
+            None,
+            "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json",
+            "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json",
+        ),
+        (
+            "llama-3.1-8b",
+            "H100",
+            "fp8",
+            "latency-llama-3.1-8b-fp8-h100.json",
+            "throughput-llama-3.1-8b-fp8-h100.json",
+        ),
+        (
+            "qwen3-30b-a3b",
+            "H100",
+            None,
+            "latency-qwen3-30b-a3b-h100-827f681.json",
+            "throughput-qwen3-30b-a3b-h100-827f681.json",
+        ),
         # Held out: other runs of other commits.
-        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-e72e1d5-a.json", "throughput-llama-3.1-8b-h200.json"),
-        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-seams-8a66eea-a.json", "throughput-llama-3.1-8b-h100-seams-8a66eea.json"),
+        (
+            "llama-3.1-8b",
+            "H200",
+            None,
+            "latency-llama-3.1-8b-h200-e72e1d5-a.json",
+            "throughput-llama-3.1-8b-h200.json",
+        ),
+        (
+            "llama-3.1-8b",
+            "H100",
+            None,
+            "latency-llama-3.1-8b-h100-seams-8a66eea-a.json",
+            "throughput-llama-3.1-8b-h100-seams-8a66eea.json",
+        ),
     ],
 )
 def test_single_stream_and_offline_predictions_hold(config, gpu, quantization, latency, throughput):
     single = predicted(config, gpu, 1, quantization)["batch1"]["predicted_tokens_per_s"]
     offline = predicted(config, gpu, 256, quantization)["at_concurrency"]["output_tokens_per_s"]
-    assert within(single, metrics(latency)["decode_tokens_per_s"]), (single, metrics(latency)["decode_tokens_per_s"])
-    assert within(offline, metrics(throughput)["output_tokens_per_s"]), (offline, metrics(throughput)["output_tokens_per_s"])
+    assert within(single, metrics(latency)["decode_tokens_per_s"]), (
+        single,
+        metrics(latency)["decode_tokens_per_s"],
+    )
+    assert within(offline, metrics(throughput)["output_tokens_per_s"]), (
+        offline,
+        metrics(throughput)["output_tokens_per_s"],
+    )
 
 
 def test_the_all_reduce_latency_is_what_its_file_gives():
     fitted = calibration.fit_all_reduce(
-        GPUS["H200"], bench_arch("llama-3.1-8b"), RESULTS / "multi-gpu-single-llama-3.1-8b-tp2-h200-b614d33.json", 2
+        GPUS["H200"],
+        bench_arch("llama-3.1-8b"),
+        RESULTS / "multi-gpu-single-llama-3.1-8b-tp2-h200-b614d33.json",
+        2,
     )
     table = calibration.ALL_REDUCE["H200"].cost
     assert fitted.latency_s == pytest.approx(table.latency_s, rel=1e-3)
@@ -247,22 +339,53 @@ def test_tensor_parallel_predictions_hold(config, concurrency, result):
 
 def test_one_gpu_plans_pay_no_all_reduce():
     assert "all_reduce" not in predicted("llama-3.1-8b", "H200", 1)
-    assert predicted("llama-3.1-8b", "H100", 1, tp=2)["all_reduce"]["source"].startswith("no H100 tensor-parallel")
+    assert predicted("llama-3.1-8b", "H100", 1, tp=2)["all_reduce"]["source"].startswith(
+        "no H100 tensor-parallel"
+    )
 
 
-def test_a_model_never_calibrated_gemma_single_stream_holds():
+def test_a_model_never_calibrated_gemma_single_stream_and_offline_hold():
+    """Held out: Gemma-2-9B shapes on an H100. Offline it was +25.2 % while the model charged KV
+    reads at the linear layers' bandwidth efficiency and took the longer of bytes and FLOPs for the
+    whole step; its decode step is mostly KV (344 KiB a token), which the attention kernel reads at
+    0.57 of the peak, not 0.84 (test_the_attention_efficiency_is_what_the_decode_profiles_give)."""
     single = predicted("gemma-2-9b", "H100", 1)["batch1"]["predicted_tokens_per_s"]
     assert within(single, metrics("latency-gemma-2-9b-h100-47868d2.json")["decode_tokens_per_s"])
+    offline = predicted("gemma-2-9b", "H100", 256)["at_concurrency"]["output_tokens_per_s"]
+    recorded = metrics("throughput-gemma-2-9b-h100-47868d2.json")["output_tokens_per_s"]
+    assert within(offline, recorded), (offline, recorded)
+
+
+def test_gemma_pays_for_its_soft_capped_logits_and_wide_heads():
+    """The step's terms by kernel: Gemma 2's final soft cap adds three read + write passes over the
+    [B, 256,000] float32 logits, and its KV is most of a batch-256 step."""
+    from tokenmill.plan.roofline import Machine, model_shape, step_cost
+
+    gemma, llama = bench_arch("gemma-2-9b"), bench_arch("llama-3.1-8b")
+    assert model_shape(gemma).final_logit_softcap and not model_shape(llama).final_logit_softcap
+    assert model_shape(gemma).logits_bytes(256) == 8 * 256 * 256_000 * 4
+    assert model_shape(llama).logits_bytes(256) == 2 * 256 * 128_256 * 4
+    eff = calibration.CALIBRATION["H100"].efficiency
+    machine = Machine(GPUS["H100"], 1, fp8_compute=False)
+    cost = step_cost(machine, model_bytes(gemma), kv_layout(gemma, 4096), model_shape(gemma), eff, 256, 640)
+    assert cost.attention_s > 2 * cost.linear_s
+    assert cost.total_s == pytest.approx(cost.linear_s + cost.attention_s + cost.logits_s)
 
 
 def test_h200_from_the_h100_factors_holds(monkeypatch):
     """Across GPUs: the H200 predicted with the H100's efficiencies (only the datasheet differs)."""
     h100 = calibration.CALIBRATION["H100"]
-    monkeypatch.setitem(calibration.CALIBRATION, "H200", dataclasses.replace(calibration.CALIBRATION["H200"], efficiency=h100.efficiency))
+    monkeypatch.setitem(
+        calibration.CALIBRATION,
+        "H200",
+        dataclasses.replace(calibration.CALIBRATION["H200"], efficiency=h100.efficiency),
+    )
     single = predicted("llama-3.1-8b", "H200", 1)["batch1"]["predicted_tokens_per_s"]
     offline = predicted("llama-3.1-8b", "H200", 256)["at_concurrency"]["output_tokens_per_s"]
     assert within(single, metrics("latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json")["decode_tokens_per_s"])
-    assert within(offline, metrics("throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json")["output_tokens_per_s"])
+    assert within(
+        offline, metrics("throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json")["output_tokens_per_s"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -286,6 +409,47 @@ def test_serving_tpot_at_the_measured_concurrency_holds(gpu, result):
     assert within(tpot, run["mean_tpot_ms"]), (concurrency, tpot, run["mean_tpot_ms"])
 
 
+SERVE_TTFT_RUNS = [
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-4.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-8.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-16.json"),
+]
+# Not held: at 24 and 32 req/s on the H100 the API server's own stages (its event loop under
+# ~6,000-7,500 SSE chunks/s: `api_in` + `to_engine` + `api_to_client` p50s 5.3 + 7.0 + 21 ms of the
+# 75 ms median at 24 req/s, BENCHMARKS.md) are what the model lacks; the engine's share it predicts.
+# And the H100 at 8 req/s of `b5c6bbd` (median 72 ms; 44 ms at 0c78bdb, after the serving-tail fixes).
+SERVE_TTFT_MISSES = [
+    ("H100", "serve-llama-3.1-8b-h100-seams-b5c6bbd-rate-8-1.json"),
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-24-0c78bdb.json"),
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-32-0c78bdb.json"),
+]
+
+
+def _serve_ttft(gpu: str, result: str) -> tuple[float, float]:
+    run = metrics(result)
+    concurrency = round(run["request_throughput"] * run["mean_e2el_ms"] / 1000)
+    return predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["ttft_ms"], run["median_ttft_ms"]
+
+
+@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_RUNS)
+def test_serving_ttft_at_the_measured_concurrency_holds(gpu, result):
+    """Held out: the median TTFT of `bench serve` (Poisson arrivals). The model charges the prompt's
+    step, the half step a random arrival waits and the step async scheduling has already launched;
+    without those two (prefill + one step) it was about 2x too low."""
+    got, recorded = _serve_ttft(gpu, result)
+    assert within(got, recorded), (got, recorded)
+
+
+@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_MISSES)
+@pytest.mark.xfail(
+    strict=True, reason="not modelled: the API server's time under load; in-request stalls before 0c78bdb"
+)
+def test_serving_ttft_under_heavy_load_is_a_known_miss(gpu, result):
+    got, recorded = _serve_ttft(gpu, result)
+    assert within(got, recorded), (got, recorded)
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -293,15 +457,55 @@ def test_plan_command_json_and_text(capsys):
     config = str(CONFIGS / "llama-3.1-8b" / "config.json")
     from tokenmill.cli import main
 
-    assert main(["plan", config, "--gpu", "h100", "--input-len", "512", "--output-len", "256", "--price-per-hour", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                config,
+                "--gpu",
+                "h100",
+                "--input-len",
+                "512",
+                "--output-len",
+                "256",
+                "--price-per-hour",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["cost"]["usd_per_million_output_tokens"] > 0
-    assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(plan["kv_cache"]["capacity_tokens"] / 131072)
-    assert main(["plan", str(CONFIGS / "gemma-2-9b"), "--gpu", "L40S", "--tp", "2", "--input-len", "100", "--output-len", "10"]) == 0
+    assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(
+        plan["kv_cache"]["capacity_tokens"] / 131072
+    )
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "gemma-2-9b"),
+                "--gpu",
+                "L40S",
+                "--tp",
+                "2",
+                "--input-len",
+                "100",
+                "--output-len",
+                "10",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "UNCALIBRATED" in text and "2 x L40S" in text and "TPOT" in text
     # 61 GB of Qwen3-30B-A3B weights do not leave room on an L40S.
-    assert main(["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]) == 1
+    assert (
+        main(
+            ["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]
+        )
+        == 1
+    )
     assert "does not fit" in capsys.readouterr().out
     assert main(["plan", config, "--gpu", "B200", "--input-len", "8", "--output-len", "8"]) == 2
     assert "unknown --gpu 'B200'" in capsys.readouterr().err
