@@ -59,9 +59,7 @@ def test_weight_and_kv_bytes_of_a_tiny_llama_by_hand():
     assert kv.bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (K, V) x kv heads x head_dim x bf16
     assert kv.bytes_per_block == 16 * kv.bytes_per_token
     assert kv_layout(arch, 256, kv_dtype_bytes=1).bytes_per_token == kv.bytes_per_token // 2  # fp8 KV
-    assert (
-        kv_layout(arch, 256, tensor_parallel=2).bytes_per_token == kv.bytes_per_token // 2
-    )  # half the heads a rank
+    assert kv_layout(arch, 256, tensor_parallel=2).bytes_per_token == kv.bytes_per_token // 2  # half the heads a rank
     assert kv.max_sequences(num_blocks=100, num_tokens=33) == 100 // 3
 
 
@@ -71,9 +69,7 @@ def test_quantized_linear_bytes_are_smaller_by_their_format():
     linear = 2 * (256 * 256 * 4 + 3 * 256 * 512)  # two layers of q k v o (all 256 x 256) and the MLP
     rows = 2 * (256 * 4 + 512 * 2 + 256)
     assert bf16.dense_read_bytes - fp8.dense_read_bytes == linear * 2 - (linear + 8 * rows)
-    groups = 2 * (
-        4 * 2 * 256 + 2 * 2 * 512 + 4 * 256
-    )  # per layer: groups (in / 128) x output rows of each matrix
+    groups = 2 * (4 * 2 * 256 + 2 * 2 * 512 + 4 * 256)  # per layer: groups (in / 128) x output rows of each matrix
     assert bf16.dense_read_bytes - int4.dense_read_bytes == linear * 2 - (linear / 2 + 4 * groups + rows)
 
 
@@ -85,10 +81,7 @@ def test_sliding_window_layers_hold_fewer_blocks():
     full = kv_layout(arch, 2048, max_num_batched_tokens=64)
     half = kv_layout(sliding, 2048, max_num_batched_tokens=64)
     groups = plan_kv_cache_groups(4, (32, None, 32, None), 2048)
-    assert (
-        half.groups == groups
-        and half.bytes_per_block == groups.num_tensors * 16 * half.bytes_per_token_per_layer
-    )
+    assert half.groups == groups and half.bytes_per_block == groups.num_tensors * 16 * half.bytes_per_token_per_layer
     assert half.blocks_for(2048) == groups.blocks_for_one_sequence(2048, 16, 64)
     assert half.mean_bytes_per_token(2048) < 0.6 * full.mean_bytes_per_token(2048)
     assert full.mean_bytes_per_token(2048) == full.bytes_per_token
@@ -103,9 +96,7 @@ def test_moe_reads_the_experts_its_tokens_pick():
     held_not_read = weights.total_bytes - weights.embedding_bytes - weights.decode_read_bytes(1)
     assert held_not_read == pytest.approx(recorded["unread_expert_weight_bytes"], rel=1e-3)
     assert weights.decode_read_bytes(1) < weights.decode_read_bytes(8) < weights.decode_read_bytes(512)
-    assert weights.decode_read_bytes(10_000) == pytest.approx(
-        weights.total_bytes - weights.embedding_bytes, rel=1e-6
-    )
+    assert weights.decode_read_bytes(10_000) == pytest.approx(weights.total_bytes - weights.embedding_bytes, rel=1e-6)
     assert weights.params_per_token == pytest.approx(3.04e9, rel=0.02)  # "30B-A3B": ~3 B active
 
 
@@ -118,9 +109,7 @@ def test_moe_reads_the_experts_its_tokens_pick():
         ("gemma-2-9b", None, "latency-gemma-2-9b-h100-47868d2.json"),
     ],
 )
-def test_decode_read_bytes_match_what_bench_latency_measured_on_the_loaded_model(
-    config, quantization, result
-):
+def test_decode_read_bytes_match_what_bench_latency_measured_on_the_loaded_model(config, quantization, result):
     weights = model_bytes(bench_arch(config), quantization)
     assert weights.decode_read_bytes(1) == pytest.approx(metrics(result)["weight_bytes"], rel=1e-3)
 
@@ -139,9 +128,7 @@ def test_the_kv_layout_matches_a_real_load(tiny_llama_dir):
     for file in Path(tiny_llama_dir).glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        stored += sum(
-            t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__"
-        )
+        stored += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     assert stored == model_bytes(arch, dtype_bytes=4).total_bytes
 
 
@@ -159,24 +146,14 @@ def test_fp8_kv_doubles_the_tokens():
     auto = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096))
     fp8 = make_plan(PlanRequest(arch, GPUS["H100"], 512, 256, max_model_len=4096, kv_cache_dtype="fp8"))
     # Recorded: 877,328 / 435,664 tokens = 2.01x (fp8-kv-llama-3.1-8b-h100-engine.json).
-    assert fp8["kv_cache"]["capacity_tokens"] / auto["kv_cache"]["capacity_tokens"] == pytest.approx(
-        2.0, rel=0.01
-    )
+    assert fp8["kv_cache"]["capacity_tokens"] / auto["kv_cache"]["capacity_tokens"] == pytest.approx(2.0, rel=0.01)
 
 
 @pytest.mark.parametrize(
     ("gpu", "latency", "throughput"),
     [
-        (
-            "H100",
-            "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json",
-            "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json",
-        ),
-        (
-            "H200",
-            "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json",
-            "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json",
-        ),
+        ("H100", "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
+        ("H200", "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
     ],
 )
 def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
@@ -186,11 +163,7 @@ def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
     assert fitted.bandwidth == pytest.approx(table.efficiency.bandwidth, rel=1e-3)
     assert fitted.prefill == pytest.approx(table.efficiency.prefill, rel=1e-3)
     assert fitted.first_token_overhead_s == pytest.approx(table.efficiency.first_token_overhead_s, abs=1e-4)
-    assert (
-        fitted.attention_bandwidth
-        == table.efficiency.attention_bandwidth
-        == calibration.ATTENTION_BANDWIDTH_EFFICIENCY
-    )
+    assert fitted.attention_bandwidth == table.efficiency.attention_bandwidth == calibration.ATTENTION_BANDWIDTH_EFFICIENCY
 
 
 def test_the_attention_efficiency_is_what_the_decode_profiles_give():
@@ -218,9 +191,7 @@ def test_the_format_factors_are_what_their_files_give(key, config, quantization)
     table = calibration.FORMAT_FACTORS[key]
     latency, throughput = table.source.split(", ")
     base = calibration.CALIBRATION["H100"].efficiency
-    fitted = calibration.fit_format(
-        GPUS["H100"], bench_arch(config), quantization, base, RESULTS / latency, RESULTS / throughput
-    )
+    fitted = calibration.fit_format(GPUS["H100"], bench_arch(config), quantization, base, RESULTS / latency, RESULTS / throughput)
     assert fitted.bandwidth == pytest.approx(table.bandwidth, rel=1e-3)
     assert fitted.prefill == pytest.approx(table.prefill, rel=1e-3)
 
@@ -245,70 +216,25 @@ def within(got: float, recorded: float) -> bool:
     ("config", "gpu", "quantization", "latency", "throughput"),
     [
         # Calibration points (the table's own files):
-        (
-            "llama-3.1-8b",
-            "H200",
-            None,
-            "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json",
-            "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json",
-        ),
-        (
-            "llama-3.1-8b",
-            "H100",
-            None,
-            "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json",
-            "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json",
-        ),
-        (
-            "llama-3.1-8b",
-            "H100",
-            "fp8",
-            "latency-llama-3.1-8b-fp8-h100.json",
-            "throughput-llama-3.1-8b-fp8-h100.json",
-        ),
-        (
-            "qwen3-30b-a3b",
-            "H100",
-            None,
-            "latency-qwen3-30b-a3b-h100-827f681.json",
-            "throughput-qwen3-30b-a3b-h100-827f681.json",
-        ),
+        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json", "throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json"),
+        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-dc9b65a-rowgemv1.json", "throughput-llama-3.1-8b-h100-seams-b5c6bbd.json"),
+        ("llama-3.1-8b", "H100", "fp8", "latency-llama-3.1-8b-fp8-h100.json", "throughput-llama-3.1-8b-fp8-h100.json"),
+        ("qwen3-30b-a3b", "H100", None, "latency-qwen3-30b-a3b-h100-827f681.json", "throughput-qwen3-30b-a3b-h100-827f681.json"),
         # Held out: other runs of other commits.
-        (
-            "llama-3.1-8b",
-            "H200",
-            None,
-            "latency-llama-3.1-8b-h200-e72e1d5-a.json",
-            "throughput-llama-3.1-8b-h200.json",
-        ),
-        (
-            "llama-3.1-8b",
-            "H100",
-            None,
-            "latency-llama-3.1-8b-h100-seams-8a66eea-a.json",
-            "throughput-llama-3.1-8b-h100-seams-8a66eea.json",
-        ),
+        ("llama-3.1-8b", "H200", None, "latency-llama-3.1-8b-h200-e72e1d5-a.json", "throughput-llama-3.1-8b-h200.json"),
+        ("llama-3.1-8b", "H100", None, "latency-llama-3.1-8b-h100-seams-8a66eea-a.json", "throughput-llama-3.1-8b-h100-seams-8a66eea.json"),
     ],
 )
 def test_single_stream_and_offline_predictions_hold(config, gpu, quantization, latency, throughput):
     single = predicted(config, gpu, 1, quantization)["batch1"]["predicted_tokens_per_s"]
     offline = predicted(config, gpu, 256, quantization)["at_concurrency"]["output_tokens_per_s"]
-    assert within(single, metrics(latency)["decode_tokens_per_s"]), (
-        single,
-        metrics(latency)["decode_tokens_per_s"],
-    )
-    assert within(offline, metrics(throughput)["output_tokens_per_s"]), (
-        offline,
-        metrics(throughput)["output_tokens_per_s"],
-    )
+    assert within(single, metrics(latency)["decode_tokens_per_s"]), (single, metrics(latency)["decode_tokens_per_s"])
+    assert within(offline, metrics(throughput)["output_tokens_per_s"]), (offline, metrics(throughput)["output_tokens_per_s"])
 
 
 def test_the_all_reduce_latency_is_what_its_file_gives():
     fitted = calibration.fit_all_reduce(
-        GPUS["H200"],
-        bench_arch("llama-3.1-8b"),
-        RESULTS / "multi-gpu-single-llama-3.1-8b-tp2-h200-b614d33.json",
-        2,
+        GPUS["H200"], bench_arch("llama-3.1-8b"), RESULTS / "multi-gpu-single-llama-3.1-8b-tp2-h200-b614d33.json", 2
     )
     table = calibration.ALL_REDUCE["H200"].cost
     assert fitted.latency_s == pytest.approx(table.latency_s, rel=1e-3)
@@ -339,9 +265,7 @@ def test_tensor_parallel_predictions_hold(config, concurrency, result):
 
 def test_one_gpu_plans_pay_no_all_reduce():
     assert "all_reduce" not in predicted("llama-3.1-8b", "H200", 1)
-    assert predicted("llama-3.1-8b", "H100", 1, tp=2)["all_reduce"]["source"].startswith(
-        "no H100 tensor-parallel"
-    )
+    assert predicted("llama-3.1-8b", "H100", 1, tp=2)["all_reduce"]["source"].startswith("no H100 tensor-parallel")
 
 
 def test_a_model_never_calibrated_gemma_single_stream_and_offline_hold():
@@ -375,17 +299,11 @@ def test_gemma_pays_for_its_soft_capped_logits_and_wide_heads():
 def test_h200_from_the_h100_factors_holds(monkeypatch):
     """Across GPUs: the H200 predicted with the H100's efficiencies (only the datasheet differs)."""
     h100 = calibration.CALIBRATION["H100"]
-    monkeypatch.setitem(
-        calibration.CALIBRATION,
-        "H200",
-        dataclasses.replace(calibration.CALIBRATION["H200"], efficiency=h100.efficiency),
-    )
+    monkeypatch.setitem(calibration.CALIBRATION, "H200", dataclasses.replace(calibration.CALIBRATION["H200"], efficiency=h100.efficiency))
     single = predicted("llama-3.1-8b", "H200", 1)["batch1"]["predicted_tokens_per_s"]
     offline = predicted("llama-3.1-8b", "H200", 256)["at_concurrency"]["output_tokens_per_s"]
     assert within(single, metrics("latency-llama-3.1-8b-h200-dc9b65a-rowgemv1-a.json")["decode_tokens_per_s"])
-    assert within(
-        offline, metrics("throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json")["output_tokens_per_s"]
-    )
+    assert within(offline, metrics("throughput-llama-3.1-8b-h200-dc9b65a-rowgemv1.json")["output_tokens_per_s"])
 
 
 @pytest.mark.parametrize(
@@ -457,55 +375,15 @@ def test_plan_command_json_and_text(capsys):
     config = str(CONFIGS / "llama-3.1-8b" / "config.json")
     from tokenmill.cli import main
 
-    assert (
-        main(
-            [
-                "plan",
-                config,
-                "--gpu",
-                "h100",
-                "--input-len",
-                "512",
-                "--output-len",
-                "256",
-                "--price-per-hour",
-                "3",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", config, "--gpu", "h100", "--input-len", "512", "--output-len", "256", "--price-per-hour", "3", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["cost"]["usd_per_million_output_tokens"] > 0
-    assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(
-        plan["kv_cache"]["capacity_tokens"] / 131072
-    )
-    assert (
-        main(
-            [
-                "plan",
-                str(CONFIGS / "gemma-2-9b"),
-                "--gpu",
-                "L40S",
-                "--tp",
-                "2",
-                "--input-len",
-                "100",
-                "--output-len",
-                "10",
-            ]
-        )
-        == 0
-    )
+    assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(plan["kv_cache"]["capacity_tokens"] / 131072)
+    assert main(["plan", str(CONFIGS / "gemma-2-9b"), "--gpu", "L40S", "--tp", "2", "--input-len", "100", "--output-len", "10"]) == 0
     text = capsys.readouterr().out
     assert "UNCALIBRATED" in text and "2 x L40S" in text and "TPOT" in text
     # 61 GB of Qwen3-30B-A3B weights do not leave room on an L40S.
-    assert (
-        main(
-            ["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]
-        )
-        == 1
-    )
+    assert main(["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]) == 1
     assert "does not fit" in capsys.readouterr().out
     assert main(["plan", config, "--gpu", "B200", "--input-len", "8", "--output-len", "8"]) == 2
     assert "unknown --gpu 'B200'" in capsys.readouterr().err

@@ -13,35 +13,18 @@ from tokenmill.plan.planner import PlanRequest, make_plan
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", help="a model directory or .gguf file, a Hub id in the cache, or a config.json"
-    )
+    parser.add_argument("model", help="a model directory or .gguf file, a Hub id in the cache, or a config.json")
     parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weights (default: the checkpoint's, else 16-bit)")
     parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="weights (default: the checkpoint's, else 16-bit)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=("auto", "fp8"),
-        default="auto",
-        help="KV cache: auto (the weights' 16 bits) or fp8",
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache: auto (the weights' 16 bits) or fp8"
     )
     parser.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, required=True, help="generated tokens per request")
-    parser.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help="requests in flight (default: as many as fit, at most 256)",
-    )
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: as many as fit, at most 256)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
-    parser.add_argument(
-        "--price-per-hour", type=float, default=None, help="$ per GPU-hour, for $ per million tokens"
-    )
+    parser.add_argument("--price-per-hour", type=float, default=None, help="$ per GPU-hour, for $ per million tokens")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -36,17 +36,11 @@ class GpuSpec:
 
 
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec(
-        "H100", 80 * 2**30, 3.35 * TB, 989.4 * TB, 1978.9 * TB, "NVIDIA H100 datasheet (SXM5 80 GB)"
-    ),
-    "H200": GpuSpec(
-        "H200", 141 * GB, 4.8 * TB, 989.4 * TB, 1978.9 * TB, "NVIDIA H200 datasheet (SXM 141 GB)"
-    ),
+    "H100": GpuSpec("H100", 80 * 2**30, 3.35 * TB, 989.4 * TB, 1978.9 * TB, "NVIDIA H100 datasheet (SXM5 80 GB)"),
+    "H200": GpuSpec("H200", 141 * GB, 4.8 * TB, 989.4 * TB, 1978.9 * TB, "NVIDIA H200 datasheet (SXM 141 GB)"),
     "A100": GpuSpec("A100", 80 * 2**30, 2.039 * TB, 312 * TB, None, "NVIDIA A100 datasheet (SXM 80 GB)"),
     "L40S": GpuSpec("L40S", 48 * 2**30, 0.864 * TB, 362 * TB, 733 * TB, "NVIDIA L40S datasheet"),
-    "cpu": GpuSpec(
-        "cpu", 32 * 2**30, 60 * GB, 1 * TB, None, "nominal DDR5 desktop (no datasheet; uncalibrated)"
-    ),
+    "cpu": GpuSpec("cpu", 32 * 2**30, 60 * GB, 1 * TB, None, "nominal DDR5 desktop (no datasheet; uncalibrated)"),
 }
 
 

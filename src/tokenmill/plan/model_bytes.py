@@ -39,9 +39,7 @@ def linear_bytes(in_features: int, out_features: int, quantization: str | None, 
 class ModelBytes:
     """What the weights cost in memory and what one decode step reads."""
 
-    dense_read_bytes: (
-        float  # read by every decode step whatever the batch (all but embedding, routed experts)
-    )
+    dense_read_bytes: float  # read by every decode step whatever the batch (all but embedding, routed experts)
     embedding_bytes: float  # the untied input embedding table (held, not read)
     expert_bytes: float  # one routed expert of one layer
     num_sparse_layers: int
@@ -51,11 +49,7 @@ class ModelBytes:
 
     @property
     def total_bytes(self) -> float:
-        return (
-            self.dense_read_bytes
-            + self.embedding_bytes
-            + self.num_sparse_layers * self.num_experts * self.expert_bytes
-        )
+        return self.dense_read_bytes + self.embedding_bytes + self.num_sparse_layers * self.num_experts * self.expert_bytes
 
     def decode_read_bytes(self, batch: int) -> float:
         """Weight bytes one decode step of `batch` tokens reads: each routed expert at most once, the
@@ -76,10 +70,7 @@ def model_bytes(arch: ArchConfig, quantization: str | None = None, dtype_bytes: 
     attention = lin(hidden, q) + 2 * lin(hidden, kv) + lin(q, hidden)
     attention_params = hidden * (q + 2 * kv) + q * hidden
     biases = (q + 2 * kv) * int(arch.attention_bias) + hidden * int(arch.o_proj_bias)
-    norms = (4 if arch.architecture in ("gemma2", "gemma3") else 2) * hidden + (
-        2 * arch.head_dim if arch.qk_norm else 0
-    )
-
+    norms = (4 if arch.architecture in ("gemma2", "gemma3") else 2) * hidden + (2 * arch.head_dim if arch.qk_norm else 0)
     def mlp(inter: int) -> float:  # gate and up (hidden -> inter), down (inter -> hidden)
         return 2 * lin(hidden, inter) + lin(inter, hidden)
 
@@ -96,13 +87,9 @@ def model_bytes(arch: ArchConfig, quantization: str | None = None, dtype_bytes: 
         if layer in sparse and moe is not None:
             expert_bytes = mlp(moe.expert_intermediate_size)
             shared = mlp(moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else 0.0
-            router = hidden * moe.num_experts * dtype_bytes + (
-                hidden * dtype_bytes if moe.shared_expert_intermediate_size else 0
-            )
+            router = hidden * moe.num_experts * dtype_bytes + (hidden * dtype_bytes if moe.shared_expert_intermediate_size else 0)
             read += shared + router
-            params += (
-                (moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size) * 3 * hidden
-            )
+            params += (moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size) * 3 * hidden
             params += hidden * moe.num_experts
         else:
             read += dense_mlp
