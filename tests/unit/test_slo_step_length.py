@@ -72,3 +72,32 @@ def test_fcfs_and_priority_never_cut_a_prompt() -> None:
         h.run()
         assert chunks_of(h, "low")[0] == 100, policy
         assert h.scheduler.waiting.prefill_chunk_limit(make_request("x", 100, priority=1), 0, 0) is None, policy
+
+
+def test_the_cut_is_for_all_lower_class_chunks_of_a_step_together() -> None:
+    h, _ = slo_harness(CLASSES, max_num_seqs=4, max_num_batched_tokens=256)
+    serve_a_high_class_request(h)
+    for i in range(3):
+        h.add(req(f"low{i}", prompt(60, 2 + i), arrival=100.0, priority=1, max_tokens=2))
+    h.step()
+    # 22 tokens for the step, not 22 each: the first gets them, the others wait.
+    assert chunks_of(h, "low0") == [22] and chunks_of(h, "low1") == chunks_of(h, "low2") == []
+    h.run()
+    assert all(h.finals[f"low{i}"].finish_reason == "length" for i in range(3))
+    assert h.scheduler.kv.num_free_blocks == 64
+
+
+def test_a_lower_class_chunk_waits_while_a_higher_first_token_is_about_to_prefill() -> None:
+    h, _ = slo_harness(CLASSES, max_num_seqs=4, max_num_batched_tokens=256)
+    serve_a_high_class_request(h)
+    h.add(req("low", prompt(60, 2), arrival=100.0, priority=1, max_tokens=2))
+    h.step()
+    assert chunks_of(h, "low") == [22]
+    h.add(req("high2", prompt(8, 5), arrival=100.0, priority=0, max_tokens=2))
+    h.step()
+    # The class-0 prompt prefills alone: the running class-1 prompt's next chunk waits a step.
+    assert chunks_of(h, "high2") == [8] and chunks_of(h, "low") == [22]
+    h.step()
+    assert chunks_of(h, "low")[1] > 0
+    h.run()
+    assert h.finals["low"].finish_reason == "length" and h.finals["high2"].finish_reason == "length"

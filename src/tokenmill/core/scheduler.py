@@ -324,6 +324,8 @@ class Scheduler:
                     request, self.config.max_num_batched_tokens - budget, len(running)
                 )
                 if limit is not None:
+                    if limit <= 0:
+                        break  # the policy holds its prefill (and so the queue behind it) this step
                     num_new = min(num_new, limit)
             # A chunk that samples reserves the lookahead slots a draft model writes after it.
             lookahead = self.num_lookahead_tokens if num_start + num_new >= request.num_tokens else 0

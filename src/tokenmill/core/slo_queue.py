@@ -26,8 +26,10 @@ orders and sheds to maximise it:
 - Keep every step short enough for a higher class that may arrive during it: a request arriving
   while a step runs waits for that step to end (the engine sees it between steps), then for its
   own prefill step. So a lower class's prefill chunk is cut to what keeps the step within
-  (the higher class's TTFT target - its own predicted prefill step) (prefill_chunk_limit); the rest
-  of its prompt follows in later steps (chunked prefill), at least MIN_PREFILL_CHUNK tokens a step.
+  (the higher class's TTFT target - its own predicted prefill step), all lower-class chunks of the
+  step together, and held for the step while a higher class's first token waits to prefill
+  (prefill_chunk_limit); the rest of the prompt follows in later steps (chunked prefill), at least
+  MIN_PREFILL_CHUNK tokens a step.
 
 It also counts, per SLO class, the requests that completed within their targets (goodput),
 missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
@@ -91,6 +93,7 @@ class SloQueue(PolicyHooks):
             if ttft_ms is not None:
                 self._class_ttft[priority] = ttft_ms / 1000.0
         self._typical_prompt: dict[int, float] = {}
+        self._cut_tokens = 0
         self.goodput = 0
         self.attained: Counter[str] = Counter()
         self.missed: Counter[str] = Counter()
@@ -148,6 +151,7 @@ class SloQueue(PolicyHooks):
 
     def step_scheduled(self) -> None:
         self.timer.scheduled()
+        self._cut_tokens = 0  # lower-class prefill tokens prefill_chunk_limit has let into this step
 
     def take_hopeless(self, num_running: int) -> list[ShedRequest]:
         if not self.cost.ready or not self._entries:
@@ -251,11 +255,17 @@ class SloQueue(PolicyHooks):
         )
 
     def prefill_chunk_limit(self, request: Request, step_tokens: int, num_running: int) -> int | None:
-        """Cut a lower class's prefill chunk so that the step ends in time for a higher class's
+        """Keep a lower class's prefill out of the way of a higher class's first token.
+
+        A higher-class request with a TTFT target and no token yet waiting: none this step (it is
+        about to prefill, and its step should carry only that and the decodes, as joins_step keeps
+        new lower-class requests out). Otherwise the step must end in time for a higher-class
         request arriving while it runs: that request waits for this step, then its own prefill
         step (its class's typical prompt plus the running decodes), and its class's TTFT target
-        must cover both. None (no cut) before the cost model is ready, for the highest class seen,
-        and when no higher class with a TTFT target has sent a request yet."""
+        must cover both; the lower classes' prefill tokens in this step, all of them together, are
+        cut to fit, at least MIN_PREFILL_CHUNK tokens a step so that they progress. None (no cut)
+        before the cost model is ready, for the highest class seen, and when no higher class with a
+        TTFT target has sent a request yet."""
         if not self.cost.ready:
             return None
         overhead, per_token = self.cost.coefficients()
@@ -269,8 +279,17 @@ class SloQueue(PolicyHooks):
                 step_s = min(step_s, self._class_ttft[priority] - own_s)
         if step_s == math.inf:
             return None
-        tokens = math.floor((step_s - overhead) / per_token) - max(step_tokens, num_running)
-        return max(tokens, MIN_PREFILL_CHUNK)
+        for other in self:
+            if other.priority >= request.priority:
+                break  # the queue is in priority order: no higher class waits
+            if other.num_output_tokens == 0 and self.targets[other.request_id].ttft_s is not None:
+                return 0
+        allowed = math.floor((step_s - overhead) / per_token) - max(step_tokens, num_running) - self._cut_tokens
+        if self._cut_tokens == 0:
+            allowed = max(allowed, MIN_PREFILL_CHUNK)
+        allowed = max(allowed, 0)
+        self._cut_tokens += min(allowed, request.num_tokens - request.num_computed_tokens)
+        return allowed
 
     def _decode_steps_left(self, request: Request) -> int:
         """Steps until it ends by length (it may stop earlier on EOS or a stop token)."""
