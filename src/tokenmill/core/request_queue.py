@@ -62,13 +62,6 @@ class PolicyHooks:
         schedules `step_tokens` tokens so far? False: it and everything behind it wait for a later step."""
         return True
 
-    def prefill_chunk_limit(self, request: Request, step_tokens: int, num_running: int) -> int | None:
-        """At most how many prompt tokens `request` may compute in this step, which schedules
-        `step_tokens` tokens so far for `num_running` running requests (None: as many as the token
-        budget allows; 0: none this step, and a waiting request stops this step's admissions).
-        Called only for a prefill chunk of more than one token."""
-        return None
-
     def step_finished(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         """A step's results were applied (update_from_output), one call per schedule(), in order."""
 

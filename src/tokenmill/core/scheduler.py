@@ -247,12 +247,6 @@ class Scheduler:
             else:
                 num_new = min(num_known - num_computed, budget, max_model_len - num_computed)
                 num_drafts = 0
-                if num_new > 1:  # a prefill chunk: the policy may keep it short (slo: for a higher class)
-                    limit = self.waiting.prefill_chunk_limit(
-                        request, self.config.max_num_batched_tokens - budget, len(running)
-                    )
-                    if limit is not None:
-                        num_new = min(num_new, limit)
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
@@ -325,14 +319,6 @@ class Scheduler:
                 num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_start = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_start, budget)
-            if num_new > 1:
-                limit = self.waiting.prefill_chunk_limit(
-                    request, self.config.max_num_batched_tokens - budget, len(running)
-                )
-                if limit is not None:
-                    if limit <= 0:
-                        break  # the policy holds its prefill (and so the queue behind it) this step
-                    num_new = min(num_new, limit)
             # A chunk that samples reserves the lookahead slots a draft model writes after it.
             lookahead = self.num_lookahead_tokens if num_start + num_new >= request.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_ids, lookahead)

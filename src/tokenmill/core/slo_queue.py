@@ -23,13 +23,6 @@ orders and sheds to maximise it:
   recomputes later (preempt_for_waiting). Running requests are kept in priority order.
 - Keep a first token's step short: a lower class does not join a step that prefills a higher
   class's first token when it would push that step past the token's deadline (joins_step).
-- Keep every step short enough for a higher class that may arrive during it: a request arriving
-  while a step runs waits for that step to end (the engine sees it between steps), then for its
-  own prefill step. So a lower class's prefill chunk is cut to what keeps the step within
-  (the higher class's TTFT target - its own predicted prefill step), all lower-class chunks of the
-  step together, and held for the step while a higher class's first token waits to prefill
-  (prefill_chunk_limit); the rest of the prompt follows in later steps (chunked prefill), at least
-  MIN_PREFILL_CHUNK tokens a step.
 
 It also counts, per SLO class, the requests that completed within their targets (goodput),
 missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
@@ -58,10 +51,6 @@ _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 # Engine stats keys (absolute totals); ".<class>" follows the per-class ones.
 GOODPUT_KEY = "slo_goodput_requests"
 ATTAINED_KEY = "slo_attained_requests"
-# The least a lower class's prefill chunk gets per step however tight a higher class's target:
-# one KV block, so that a lower class's prompts always progress.
-MIN_PREFILL_CHUNK = 16
-PROMPT_LEN_DECAY = 0.9  # the typical prompt of a class: an exponential mean over its recent requests
 MISSED_KEY = "slo_missed_requests"
 SHED_KEY = "slo_shed_requests"
 
@@ -86,14 +75,6 @@ class SloQueue(PolicyHooks):
         self._latest_start: dict[str, float] = {}
         self.targets: dict[str, SloTarget] = {}  # every live request this queue has seen
         self._first_token_at: dict[str, float] = {}
-        # Per priority with a TTFT target in the classes: its typical prompt length (tokens), once seen.
-        self._class_ttft: dict[int, float] = {}
-        for priority, ttft_ms, _ in self.slo.classes:
-            ttft_ms = ttft_ms if ttft_ms is not None else self.slo.ttft_ms  # as resolve_target falls back
-            if ttft_ms is not None:
-                self._class_ttft[priority] = ttft_ms / 1000.0
-        self._typical_prompt: dict[int, float] = {}
-        self._cut_tokens = 0
         self.goodput = 0
         self.attained: Counter[str] = Counter()
         self.missed: Counter[str] = Counter()
@@ -112,12 +93,6 @@ class SloQueue(PolicyHooks):
     def add(self, request: Request, key: SortKey) -> None:
         latest_start = self._latest_start.get(request.request_id)
         if latest_start is None:
-            if request.priority in self._class_ttft:
-                seen = self._typical_prompt.get(request.priority)
-                tokens = request.num_prompt_tokens
-                self._typical_prompt[request.priority] = (
-                    tokens if seen is None else PROMPT_LEN_DECAY * seen + (1 - PROMPT_LEN_DECAY) * tokens
-                )
             target = self.target(request)
             if target.ttft_s is None:
                 latest_start = math.inf
@@ -151,7 +126,6 @@ class SloQueue(PolicyHooks):
 
     def step_scheduled(self) -> None:
         self.timer.scheduled()
-        self._cut_tokens = 0  # lower-class prefill tokens prefill_chunk_limit has let into this step
 
     def take_hopeless(self, num_running: int) -> list[ShedRequest]:
         if not self.cost.ready or not self._entries:
@@ -270,43 +244,6 @@ class SloQueue(PolicyHooks):
         return all(
             step_ends <= other.arrival_time + self.targets[other.request_id].ttft_s for other in at_stake
         )
-
-    def prefill_chunk_limit(self, request: Request, step_tokens: int, num_running: int) -> int | None:
-        """Keep a lower class's prefill out of the way of a higher class's first token.
-
-        A higher-class request with a TTFT target and no token yet waiting: none this step (it is
-        about to prefill, and its step should carry only that and the decodes, as joins_step keeps
-        new lower-class requests out). Otherwise the step must end in time for a higher-class
-        request arriving while it runs: that request waits for this step, then its own prefill
-        step (its class's typical prompt plus the running decodes), and its class's TTFT target
-        must cover both; the lower classes' prefill tokens in this step, all of them together, are
-        cut to fit, at least MIN_PREFILL_CHUNK tokens a step so that they progress. None (no cut)
-        before the cost model is ready, for the highest class seen, and when no higher class with a
-        TTFT target has sent a request yet."""
-        if not self.cost.ready:
-            return None
-        overhead, per_token = self.cost.coefficients()
-        if per_token <= 0.0:
-            return None
-        budget = self.token_budget
-        step_s = math.inf
-        for priority, typical in self._typical_prompt.items():
-            if priority < request.priority:
-                own_s = self.cost.seconds_for(math.ceil(typical), budget, num_running)
-                step_s = min(step_s, self._class_ttft[priority] - own_s)
-        if step_s == math.inf:
-            return None
-        for other in self:
-            if other.priority >= request.priority:
-                break  # the queue is in priority order: no higher class waits
-            if other.num_output_tokens == 0 and self.targets[other.request_id].ttft_s is not None:
-                return 0
-        allowed = math.floor((step_s - overhead) / per_token) - max(step_tokens, num_running) - self._cut_tokens
-        if self._cut_tokens == 0:
-            allowed = max(allowed, MIN_PREFILL_CHUNK)
-        allowed = max(allowed, 0)
-        self._cut_tokens += min(allowed, request.num_tokens - request.num_computed_tokens)
-        return allowed
 
     def _decode_steps_left(self, request: Request) -> int:
         """Steps until it ends by length (it may stop earlier on EOS or a stop token)."""
