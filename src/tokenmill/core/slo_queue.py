@@ -19,8 +19,9 @@ orders and sheds to maximise it:
   tokens (even if preempted since) is never shed. Nothing is shed until the cost model has seen
   enough steps to predict.
 - Preempt: a waiting request with a TTFT target that would miss its latest start waiting for a
-  seat takes the seat of the lowest-class running request of a strictly lower class, which
-  recomputes later (preempt_for_waiting). Running requests are kept in priority order.
+  seat, or for its prompt's KV blocks, takes the seat (and blocks) of the lowest-class running
+  request of a strictly lower class, which recomputes later (preempt_for_waiting). Running
+  requests are kept in priority order.
 - Keep a first token's step short: a lower class does not join a step that prefills a higher
   class's first token when it would push that step past the token's deadline (joins_step).
 
