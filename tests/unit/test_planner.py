@@ -163,6 +163,24 @@ def test_the_calibration_table_is_what_its_files_give(gpu, latency, throughput):
     assert fitted.bandwidth == pytest.approx(table.efficiency.bandwidth, rel=1e-3)
     assert fitted.prefill == pytest.approx(table.efficiency.prefill, rel=1e-3)
     assert fitted.first_token_overhead_s == pytest.approx(table.efficiency.first_token_overhead_s, abs=1e-4)
+    assert fitted.attention_bandwidth == table.efficiency.attention_bandwidth == calibration.ATTENTION_BANDWIDTH_EFFICIENCY
+
+
+def test_the_attention_efficiency_is_what_the_decode_profiles_give():
+    """Measured, not fitted to a prediction: the paged-attention kernel's time in the engine's own
+    decode-step profiles against the KV bytes it reads (batch 64, 512-token context)."""
+    fitted = [
+        calibration.fit_attention(GPUS[gpu], bench_arch(config), RESULTS / name)
+        for config, gpu, name in calibration.ATTENTION_PROFILES
+    ]
+    assert len({gpu for _, gpu, _ in calibration.ATTENTION_PROFILES}) == 2  # two GPUs agree
+    for value in fitted:
+        assert value == pytest.approx(calibration.ATTENTION_BANDWIDTH_EFFICIENCY, abs=0.005)
+    assert sum(fitted) / len(fitted) == pytest.approx(calibration.ATTENTION_BANDWIDTH_EFFICIENCY, abs=5e-4)
+    assert (
+        min(c.efficiency.bandwidth for c in calibration.CALIBRATION.values())
+        > calibration.ATTENTION_BANDWIDTH_EFFICIENCY
+    )
 
 
 @pytest.mark.parametrize(
@@ -250,9 +268,32 @@ def test_one_gpu_plans_pay_no_all_reduce():
     assert predicted("llama-3.1-8b", "H100", 1, tp=2)["all_reduce"]["source"].startswith("no H100 tensor-parallel")
 
 
-def test_a_model_never_calibrated_gemma_single_stream_holds():
+def test_a_model_never_calibrated_gemma_single_stream_and_offline_hold():
+    """Held out: Gemma-2-9B shapes on an H100. Offline it was +25.2 % while the model charged KV
+    reads at the linear layers' bandwidth efficiency and took the longer of bytes and FLOPs for the
+    whole step; its decode step is mostly KV (344 KiB a token), which the attention kernel reads at
+    0.57 of the peak, not 0.84 (test_the_attention_efficiency_is_what_the_decode_profiles_give)."""
     single = predicted("gemma-2-9b", "H100", 1)["batch1"]["predicted_tokens_per_s"]
     assert within(single, metrics("latency-gemma-2-9b-h100-47868d2.json")["decode_tokens_per_s"])
+    offline = predicted("gemma-2-9b", "H100", 256)["at_concurrency"]["output_tokens_per_s"]
+    recorded = metrics("throughput-gemma-2-9b-h100-47868d2.json")["output_tokens_per_s"]
+    assert within(offline, recorded), (offline, recorded)
+
+
+def test_gemma_pays_for_its_soft_capped_logits_and_wide_heads():
+    """The step's terms by kernel: Gemma 2's final soft cap adds three read + write passes over the
+    [B, 256,000] float32 logits, and its KV is most of a batch-256 step."""
+    from tokenmill.plan.roofline import Machine, model_shape, step_cost
+
+    gemma, llama = bench_arch("gemma-2-9b"), bench_arch("llama-3.1-8b")
+    assert model_shape(gemma).final_logit_softcap and not model_shape(llama).final_logit_softcap
+    assert model_shape(gemma).logits_bytes(256) == 8 * 256 * 256_000 * 4
+    assert model_shape(llama).logits_bytes(256) == 2 * 256 * 128_256 * 4
+    eff = calibration.CALIBRATION["H100"].efficiency
+    machine = Machine(GPUS["H100"], 1, fp8_compute=False)
+    cost = step_cost(machine, model_bytes(gemma), kv_layout(gemma, 4096), model_shape(gemma), eff, 256, 640)
+    assert cost.attention_s > 2 * cost.linear_s
+    assert cost.total_s == pytest.approx(cost.linear_s + cost.attention_s + cost.logits_s)
 
 
 def test_h200_from_the_h100_factors_holds(monkeypatch):
@@ -284,6 +325,47 @@ def test_serving_tpot_at_the_measured_concurrency_holds(gpu, result):
     concurrency = round(run["request_throughput"] * run["mean_e2el_ms"] / 1000)
     tpot = predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["tpot_ms"]
     assert within(tpot, run["mean_tpot_ms"]), (concurrency, tpot, run["mean_tpot_ms"])
+
+
+SERVE_TTFT_RUNS = [
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-4.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-8.json"),
+    ("H200", "serve-llama-3.1-8b-h200-rate-16.json"),
+]
+# Not held: at 24 and 32 req/s on the H100 the API server's own stages (its event loop under
+# ~6,000-7,500 SSE chunks/s: `api_in` + `to_engine` + `api_to_client` p50s 5.3 + 7.0 + 21 ms of the
+# 75 ms median at 24 req/s, BENCHMARKS.md) are what the model lacks; the engine's share it predicts.
+# And the H100 at 8 req/s of `b5c6bbd` (median 72 ms; 44 ms at 0c78bdb, after the serving-tail fixes).
+SERVE_TTFT_MISSES = [
+    ("H100", "serve-llama-3.1-8b-h100-seams-b5c6bbd-rate-8-1.json"),
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-24-0c78bdb.json"),
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-32-0c78bdb.json"),
+]
+
+
+def _serve_ttft(gpu: str, result: str) -> tuple[float, float]:
+    run = metrics(result)
+    concurrency = round(run["request_throughput"] * run["mean_e2el_ms"] / 1000)
+    return predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["ttft_ms"], run["median_ttft_ms"]
+
+
+@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_RUNS)
+def test_serving_ttft_at_the_measured_concurrency_holds(gpu, result):
+    """Held out: the median TTFT of `bench serve` (Poisson arrivals). The model charges the prompt's
+    step, the half step a random arrival waits and the step async scheduling has already launched;
+    without those two (prefill + one step) it was about 2x too low."""
+    got, recorded = _serve_ttft(gpu, result)
+    assert within(got, recorded), (got, recorded)
+
+
+@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_MISSES)
+@pytest.mark.xfail(
+    strict=True, reason="not modelled: the API server's time under load; in-request stalls before 0c78bdb"
+)
+def test_serving_ttft_under_heavy_load_is_a_known_miss(gpu, result):
+    got, recorded = _serve_ttft(gpu, result)
+    assert within(got, recorded), (got, recorded)
 
 
 # ----------------------------------------------------------------------------- the command

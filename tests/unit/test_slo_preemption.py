@@ -185,3 +185,30 @@ def test_fcfs_and_priority_never_preempt_for_a_seat() -> None:
         assert h.scheduler.num_preemptions_total == 0, policy
         first_scheduled = [so.scheduled_new_reqs[0].request_id for so in h.steps if so.scheduled_new_reqs]
         assert first_scheduled == ["low", "high"], policy
+
+
+def test_an_urgent_high_class_request_with_a_seat_but_no_kv_blocks_preempts_for_them() -> None:
+    h, clock = slo_harness(CLASSES, max_num_seqs=4, num_blocks=10)
+    low = h.add(req("low", prompt(28, 0), arrival=100.0, priority=1, max_tokens=8))
+    h.step()  # 7 of the 10 blocks (4 tokens each); seats are free, blocks are not
+    # 16 tokens need 4 blocks; 3 are free. Latest start 100.5 - 0.26; the blocks would come back
+    # when "low" ends, 7 decode steps of 0.11 s away: it would miss, so "low" gives them back now.
+    high = h.add(req("high", prompt(16, 1), arrival=100.0, priority=0, max_tokens=3))
+    h.step()
+    assert h.steps[-1].preempted_req_ids == {"low"} and new_ids(h) == ["high"]
+    clock.now += 0.3
+    h.run()
+    for request in (low, high):
+        assert h.tokens[request.request_id] == reference_output(request.prompt_token_ids, request.max_tokens, 256)
+    assert h.scheduler.kv.num_free_blocks == h.scheduler.kv.num_usable_blocks  # nothing leaked
+
+
+def test_a_high_class_request_with_time_to_spare_waits_for_kv_blocks() -> None:
+    h, _ = slo_harness(SloConfig(classes=parse_slo_classes("0=60000/,1=60000/")), max_num_seqs=4, num_blocks=10)
+    h.add(req("low", prompt(28, 0), arrival=100.0, priority=1, max_tokens=20))
+    h.step()
+    high = h.add(req("high", prompt(16, 1), arrival=100.0, priority=0, max_tokens=3))
+    h.step()
+    assert not h.steps[-1].preempted_req_ids and high.status == RequestStatus.WAITING
+    h.run()
+    assert h.scheduler.num_preemptions_total == 0 and h.finals["high"].finish_reason == "length"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -26,6 +26,15 @@ class ShedRequest:
     retry_after_s: float  # when trying again may succeed
 
 
+@dataclass(slots=True)
+class KVRoom:
+    """What a policy needs to know about the KV pool to preempt for a waiting request's blocks."""
+
+    free_blocks: int
+    blocks_needed: Callable[[Request], int]  # to prefill a waiting request's whole prompt
+    blocks_held: Callable[[Request], int]  # what preempting a running request would give back
+
+
 class PolicyHooks:
     """What the scheduler tells its waiting queue beyond add / pop; nothing, by default."""
 
@@ -40,9 +49,12 @@ class PolicyHooks:
         """Waiting requests to end now instead of admitting, already out of the queue."""
         return []
 
-    def preempt_for_waiting(self, running: Sequence[Request], max_num_seqs: int) -> list[Request]:
+    def preempt_for_waiting(
+        self, running: Sequence[Request], max_num_seqs: int, kv_room: KVRoom | None = None
+    ) -> list[Request]:
         """Running requests to preempt (recompute later) before this step, so that waiting ones the
-        policy ranks above them take their seats now; at most one per seat, from `running`'s tail."""
+        policy ranks above them take their seats (and, given `kv_room`, their KV blocks) now; from
+        `running`'s tail."""
         return []
 
     def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:

@@ -51,7 +51,7 @@ from tokenmill.core.outputs import (
     TokenLogprobs,
 )
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.request_queue import FcfsQueue, PriorityQueue, SortKey
+from tokenmill.core.request_queue import FcfsQueue, KVRoom, PriorityQueue, SortKey
 from tokenmill.core.slo_queue import SloQueue
 from tokenmill.core.structured_output import StructuredOutputHooks
 from tokenmill.spec_decode.stats import SpecDecodingStats
@@ -213,7 +213,13 @@ class Scheduler:
             for shed in self.waiting.take_hopeless(len(running)):
                 self._end_outside_queues(shed.request, shed.message, RequestStatus.FINISHED_SHED, shed.retry_after_s)
             if self.waiting:
-                for victim in self.waiting.preempt_for_waiting(running, self.config.max_num_seqs):
+                kv = self.kv
+                room = KVRoom(
+                    kv.num_free_blocks,
+                    lambda r: kv.num_blocks_needed(0, r.num_tokens),
+                    lambda r: sum(kv.num_live_blocks(r.request_id)) if kv.has_blocks(r.request_id) else 0,
+                )
+                for victim in self.waiting.preempt_for_waiting(running, self.config.max_num_seqs, room):
                     running.remove(victim)
                     self._preempt(victim)
                     preempted.add(victim.request_id)

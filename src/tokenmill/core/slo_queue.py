@@ -19,8 +19,9 @@ orders and sheds to maximise it:
   tokens (even if preempted since) is never shed. Nothing is shed until the cost model has seen
   enough steps to predict.
 - Preempt: a waiting request with a TTFT target that would miss its latest start waiting for a
-  seat takes the seat of the lowest-class running request of a strictly lower class, which
-  recomputes later (preempt_for_waiting). Running requests are kept in priority order.
+  seat, or for its prompt's KV blocks, takes the seat (and blocks) of the lowest-class running
+  request of a strictly lower class, which recomputes later (preempt_for_waiting). Running
+  requests are kept in priority order.
 - Keep a first token's step short: a lower class does not join a step that prefills a higher
   class's first token when it would push that step past the token's deadline (joins_step).
 
@@ -42,7 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.request_queue import PolicyHooks, ShedRequest, SortKey
+from tokenmill.core.request_queue import KVRoom, PolicyHooks, ShedRequest, SortKey
 from tokenmill.core.step_cost import StepCostModel, StepTimer
 from tokenmill.slo import SloTarget, resolve_target
 
@@ -166,7 +167,9 @@ class SloQueue(PolicyHooks):
 
     # -- preempting for a seat ----------------------------------------------------------------
 
-    def preempt_for_waiting(self, running: Sequence[Request], max_num_seqs: int) -> list[Request]:
+    def preempt_for_waiting(
+        self, running: Sequence[Request], max_num_seqs: int, kv_room: KVRoom | None = None
+    ) -> list[Request]:
         """Lower-class running requests to preempt so that urgent waiting ones start this step.
 
         Walking the queue in its order, the first waiting requests take the free seats; each one
@@ -174,35 +177,50 @@ class SloQueue(PolicyHooks):
         to finish, at the predicted decode step time) frees after its latest start. An urgent
         request that has a TTFT target and no token yet takes the seat of the lowest-class,
         latest-admitted running request of a strictly lower class (the tail of `running`, which
-        this policy keeps in priority order), which recomputes later. The walk stops at the first
-        request that does not get a seat now, so the queue's order holds: nothing jumps ahead of it.
-        Before the cost model is ready every such request counts as urgent (strict priority).
+        this policy keeps in priority order), which recomputes later. With `kv_room`, a request
+        also needs the KV blocks of its prompt: one that has a seat but not the blocks, and would
+        wait for them past its latest start (blocks free as running requests end, like seats),
+        preempts lower-class requests until their blocks cover it. The walk stops at the first
+        request that does not get a seat (and its blocks) now, so the queue's order holds: nothing
+        jumps ahead of it. Before the cost model is ready every such request counts as urgent.
         """
         free_seats = max_num_seqs - len(running)
-        if len(self._entries) <= free_seats or not running:
+        if not running or (len(self._entries) <= free_seats and kv_room is None):
             return []
         now = self.clock()
         ready = self.cost.ready
-        # When the running requests free their seats by themselves, soonest first.
+        # When the running requests free their seats (and blocks) by themselves, soonest first.
         step_s = self.cost.seconds_for(len(running), self.token_budget) if ready else 0.0
         natural_seats = sorted(self._decode_steps_left(r) * step_s for r in running)
         candidates = list(reversed(running))  # the victims, in the order they would go
         victims: list[Request] = []
+        free_blocks = kv_room.free_blocks if kv_room is not None else 0
         num_natural = 0  # natural seats already given to requests ahead in the queue
         for _, latest_start, _, _, request in self._entries:
+            seat_in = natural_seats[num_natural] if num_natural < len(natural_seats) else math.inf
+            can_wait = ready and now + seat_in <= latest_start
+            target = self.targets[request.request_id]
+            may_preempt = target.ttft_s is not None and request.num_output_tokens == 0
             if free_seats > 0:
                 free_seats -= 1
+            else:
+                if can_wait or not may_preempt or not candidates or candidates[0].priority <= request.priority:
+                    break  # it waits for a seat (only a strictly lower class gives one up); so does the rest
+                victim = candidates.pop(0)
+                victims.append(victim)
+                if kv_room is not None:
+                    free_blocks += kv_room.blocks_held(victim)
+            if kv_room is None:
                 continue
-            seat_in = natural_seats[num_natural] if num_natural < len(natural_seats) else math.inf
-            if ready and now + seat_in <= latest_start:
-                break  # it can wait for a seat; so can everything behind it
-            target = self.targets[request.request_id]
-            if target.ttft_s is None or request.num_output_tokens > 0 or not candidates:
-                break
-            victim = candidates[0]
-            if victim.priority <= request.priority:
-                break  # only a strictly lower class gives up its seat
-            victims.append(candidates.pop(0))
+            needed = kv_room.blocks_needed(request)
+            while free_blocks < needed:
+                if can_wait or not may_preempt or not candidates or candidates[0].priority <= request.priority:
+                    return victims  # it waits for blocks; so does everything behind it
+                victim = candidates.pop(0)
+                victims.append(victim)
+                free_blocks += kv_room.blocks_held(victim)
+                free_seats += 1  # the victim's seat is free for the requests behind
+            free_blocks -= needed
         return victims
 
     def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:

@@ -25,6 +25,7 @@ from tokenmill.plan.roofline import (
     Machine,
     Workload,
     all_reduce_seconds,
+    model_shape,
     predict,
     step_seconds,
 )
@@ -47,10 +48,36 @@ class Calibration:
     calibrated: bool = True
 
 
+# The paged-attention kernel's KV reads as a fraction of the datasheet bandwidth, from the engine's
+# own decode-step profiles (`bench`'s profile_decode.py, CUDA graphs, batch 64 at a 512-token
+# context: the kernel's summed time against the KV bytes it reads). Two GPUs, two models, one kernel:
+# Llama-3.1-8B on an H200 0.571, Qwen3-30B-A3B on an H100 0.569 (fit_attention(); a test checks it).
+# The linear layers' weight reads run nearer the peak (0.80-0.84 at batch 1), so KV bytes cost more
+# time per byte than weight bytes; a model whose decode step is mostly KV (Gemma 2's 256-wide heads,
+# 42 layers) runs further below a single-bandwidth roofline than Llama.
+ATTENTION_PROFILES = (
+    ("llama-3.1-8b", "H200", "profile-decode-llama-3.1-8b-h200-dc9b65a.json"),
+    ("qwen3-30b-a3b", "H100", "profile-decode-qwen3-30b-a3b-h100-8565c7d.json"),
+)
+ATTENTION_BANDWIDTH_EFFICIENCY = 0.5697  # the mean of the two
+
+
+def fit_attention(gpu: GpuSpec, arch: ArchConfig, profile_file: Path, batch: int = 64) -> float:
+    """The paged-attention kernel's KV read rate / datasheet bandwidth in a decode-step profile's
+    `batch` row (the profile decodes at its config's input_len of context)."""
+    record = json.loads(profile_file.read_text())
+    context = record["config"]["input_len"]
+    row = next(r for r in record["metrics"]["rows"] if r["batch"] == batch)
+    seconds = sum(k[1] for k in row["graphs_top_kernels"] if k[0] == "_paged_attention_kernel") / 1000
+    kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
+    kv_bytes = batch * context * kv.mean_bytes_per_token(context)
+    return kv_bytes / seconds / gpu.bandwidth_bytes_per_s
+
+
 # Fitted by fit() at the commit that added it; the files are in benchmarks/results/.
 CALIBRATION: dict[str, Calibration] = {
     "H100": Calibration(
-        Efficiency(bandwidth=0.8351, prefill=0.5524, first_token_overhead_s=0.01591),
+        Efficiency(0.8373, 0.7096, 0.01981, ATTENTION_BANDWIDTH_EFFICIENCY),
         visible_memory_bytes=81559 * 2**20,  # nvidia-smi's 81,559 MiB of an H100 80GB HBM3
         # 0.9 x 81,559 MiB - 16.06 GB weights - 27,229 blocks x 2 MiB (fp8-kv-llama-3.1-8b-h100-engine.json)
         memory_overhead_bytes=3.8e9,
@@ -59,7 +86,7 @@ CALIBRATION: dict[str, Calibration] = {
         "fp8-kv-llama-3.1-8b-h100-engine.json",
     ),
     "H200": Calibration(
-        Efficiency(bandwidth=0.8001, prefill=0.4993, first_token_overhead_s=0.0),
+        Efficiency(0.8020, 0.6514, 0.00369, ATTENTION_BANDWIDTH_EFFICIENCY),
         visible_memory_bytes=139.8 * GIB,  # BENCHMARKS.md, "GPU: NVIDIA H200": 139.8 GiB visible
         # 0.9 x 139.8 GiB - 16.06 GB weights - 55,347 blocks x 2 MiB (BENCHMARKS.md, same section)
         memory_overhead_bytes=3.0e9,
@@ -111,7 +138,7 @@ def fit_all_reduce(gpu: GpuSpec, arch: ArchConfig, latency_file: Path, tensor_pa
     eff = CALIBRATION[gpu.name].efficiency
     bus_only = AllReduceCost(0.0, NVLINK_BUS_BYTES_PER_S)
     machine = Machine(gpu, tensor_parallel, fp8_compute=False, all_reduce=bus_only)
-    step = step_seconds(machine, weights, kv, eff, 1, 512 + 256 / 2)
+    step = step_seconds(machine, weights, kv, model_shape(arch), eff, 1, 512 + 256 / 2)
     left = 1 / measured - step - all_reduce_seconds(machine, arch.num_layers, arch.hidden_size, 1)
     return AllReduceCost(max(0.0, left / (2 * arch.num_layers)), NVLINK_BUS_BYTES_PER_S)
 
@@ -129,13 +156,13 @@ class FormatFactor:
 # fit_format() over these files gives the numbers (a test checks they agree).
 FORMAT_FACTORS: dict[str, FormatFactor] = {
     "fp8": FormatFactor(
-        0.7989, 0.8399, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"
+        0.7980, 0.7799, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"
     ),
     "int4": FormatFactor(
-        0.5940, 0.8482, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"
+        0.5912, 0.7512, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"
     ),
     "moe": FormatFactor(
-        0.4952, 0.2396, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"
+        0.4926, 0.1522, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"
     ),
 }
 
@@ -153,7 +180,10 @@ def for_format(eff: Efficiency, key: str | None) -> Efficiency:
         return eff
     factor = FORMAT_FACTORS[key]
     return Efficiency(
-        eff.bandwidth * factor.bandwidth, eff.prefill * factor.prefill, eff.first_token_overhead_s
+        eff.bandwidth * factor.bandwidth,
+        eff.prefill * factor.prefill,
+        eff.first_token_overhead_s,
+        eff.attention_bandwidth,  # the KV cache is 16-bit whatever the weights' format
     )
 
 
@@ -167,6 +197,7 @@ def calibration_for(gpu: GpuSpec) -> Calibration:
         bandwidth=sum(c.efficiency.bandwidth for c in hopper) / n,
         prefill=sum(c.efficiency.prefill for c in hopper) / n,
         first_token_overhead_s=sum(c.efficiency.first_token_overhead_s for c in hopper) / n,
+        attention_bandwidth=ATTENTION_BANDWIDTH_EFFICIENCY,
     )
     overhead = sum(c.memory_overhead_bytes for c in hopper) / n
     return Calibration(
@@ -206,30 +237,29 @@ def fit(
     machine = Machine(gpu, 1, fp8_compute=quantization == "fp8")
     weights = model_bytes(arch, quantization)
     kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
+    shape = model_shape(arch)
     context = input_len + output_len / 2
-    read = weights.decode_read_bytes(1) + context * kv.mean_bytes_per_token(int(context))
-    bandwidth = latency["decode_tokens_per_s"] * read / gpu.bandwidth_bytes_per_s
-    eff = Efficiency(bandwidth, 0.5, 0.0)
+    attention = ATTENTION_BANDWIDTH_EFFICIENCY
+    kv_seconds = context * kv.mean_bytes_per_token(int(context)) / (gpu.bandwidth_bytes_per_s * attention)
+    linear_read = weights.decode_read_bytes(1) + shape.logits_bytes(1)
+    bandwidth = linear_read / ((1 / latency["decode_tokens_per_s"] - kv_seconds) * gpu.bandwidth_bytes_per_s)
+    eff = Efficiency(bandwidth, 0.5, 0.0, attention)
     offline = Workload(input_len, output_len, BENCH_MAX_NUM_SEQS)
     for _ in range(4):  # the overhead and the prefill efficiency each depend a little on the other
         low, high = 0.01, 1.5  # bisect the prefill efficiency on the offline tok/s
         for _ in range(60):
             mid = (low + high) / 2
-            trial = Efficiency(bandwidth, mid, eff.first_token_overhead_s)
-            got = predict(
-                machine, weights, kv, trial, offline, arch.q_size, arch.num_layers, arch.hidden_size
-            ).output_tokens_per_s
+            trial = Efficiency(bandwidth, mid, eff.first_token_overhead_s, attention)
+            got = predict(machine, weights, kv, trial, offline, shape).output_tokens_per_s
             low, high = (low, mid) if got > throughput["output_tokens_per_s"] else (mid, high)
         prefill = (low + high) / 2
         single = predict(
             machine,
             weights,
             kv,
-            Efficiency(bandwidth, prefill, 0.0),
+            Efficiency(bandwidth, prefill, 0.0, attention),
             Workload(input_len, output_len, 1),
-            arch.q_size,
-            arch.num_layers,
-            arch.hidden_size,
+            shape,
         )
-        eff = Efficiency(bandwidth, prefill, max(0.0, latency["ttft_s"] - single.prefill_s))
+        eff = Efficiency(bandwidth, prefill, max(0.0, latency["ttft_s"] - single.prefill_s), attention)
     return eff

@@ -9,7 +9,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.plan.calibration import FORMAT_FACTORS, all_reduce_for, calibration_for, for_format, format_key
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
-from tokenmill.plan.roofline import Machine, Workload, predict
+from tokenmill.plan.roofline import Machine, Workload, model_shape, predict
 
 GPU_MEMORY_UTILIZATION = 0.9  # the engine's default
 MAX_NUM_SEQS = 256  # the engine's default on a GPU: the largest batch it runs
@@ -110,9 +110,7 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         kv,
         for_format(cal.efficiency, key),
         work,
-        arch.q_size,
-        arch.num_layers,
-        arch.hidden_size,
+        model_shape(arch),
     )
     if all_reduce is not None:
         plan["all_reduce"] = {

@@ -1,14 +1,26 @@
 """The roofline model `tokenmill plan` predicts with, and the efficiency factors it takes.
 
-A decode step of B sequences at mean context L reads the weights it needs (model_bytes.py: all
-dense weights, the routed experts its tokens pick) and B x L tokens of KV, and multiplies
-2 x active params x B; it takes the longer of bytes / (peak bandwidth x bandwidth_efficiency) and
-FLOPs / (peak FLOP/s x prefill_efficiency). A prompt of I tokens costs 2 x active params x I plus
-its attention (2 x I^2 x q_size x layers) FLOPs at peak x prefill_efficiency.
+A decode step of B sequences at mean context L is the kernels it launches, one after another on
+the GPU, so their times add (they do not overlap):
+  linear layers: the longer of (the weights it reads, model_bytes.py: all dense weights, the routed
+    experts its tokens pick) / (peak bandwidth x bandwidth_efficiency) and 2 x active params x B
+    FLOPs / (peak FLOP/s x prefill_efficiency);
+  attention: the longer of B x L tokens of KV read at the paged-attention kernel's own bandwidth
+    efficiency (measured in the engine's decode profiles, calibration.py) and its 4 x B x L x
+    q_size x layers FLOPs (q.k and p.v);
+  logits: B x vocab fp32 logits written by the lm_head and read back by the sampler, plus, where
+    the model soft-caps its final logits (Gemma 2), the three in-place passes (divide, tanh,
+    multiply) over them.
+A prompt of I tokens costs 2 x (active params - lm_head) x I (only its last position reaches the
+lm_head) + 2 x lm_head params, plus its attention (2 x I^2 x q_size x layers, causal) FLOPs at peak
+x prefill_efficiency.
 
 Serving C requests at once, each I in / O out, in steady state:
   TPOT = step(C) + (C - 1) x prefill(I) / O    (the other requests' prefills share the steps)
-  TTFT = prefill(I) + first_token_overhead (+ one step(C) in flight when C > 1)
+  TTFT = prefill(I) + first_token_overhead, and when C > 1 also ARRIVAL_WAIT_STEPS x step(C): a
+         request arriving at a random time waits half a step for the one running to end, then one
+         more (with async scheduling the engine has already launched the next step when it admits
+         it), then its own prefill step carries the C - 1 decodes as well (one more step(C))
   output tok/s = C x O / (TTFT + (O - 1) x TPOT)
 The factors are fitted per GPU from our own benchmark results (calibration.py).
 
@@ -22,15 +34,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.model.arch import ArchConfig
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.model_bytes import KVLayout, ModelBytes
 
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    bandwidth: float  # achieved / peak memory bandwidth in decode
+    bandwidth: float  # achieved / peak memory bandwidth of the linear layers in decode
     prefill: float  # achieved / peak dense FLOP/s
     first_token_overhead_s: float  # TTFT beyond the prompt's compute at batch 1
+    attention_bandwidth: float  # achieved / peak memory bandwidth of the paged-attention kernel's KV reads
+
+
+# A request arriving at a random time (open loop) waits on average half of the step then running,
+# and with async scheduling one more: the engine schedules step N + 2 while step N + 1 runs, so a
+# request it admits after step N joins step N + 2. (Its own step, which also carries the other
+# requests' decodes, is charged on top as one step(C).)
+ARRIVAL_WAIT_STEPS = 1.5
+LOGITS_BYTES = 4  # the lm_head writes float32 logits
+SOFTCAP_PASSES = 3  # logits.div_(cap).tanh_().mul_(cap): three in-place read + write passes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the step and prompt costs need beyond the weight bytes."""
+
+    q_size: int  # num_heads x head_dim
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    final_logit_softcap: bool  # Gemma 2: cap x tanh(logits / cap) over the whole [B, vocab]
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def logits_bytes(self, tokens: int) -> float:
+        """Memory traffic of one step's logits beyond the lm_head's weights: written once, read
+        once by the sampler, and each soft-cap pass reads and writes them again."""
+        passes = 2 + (2 * SOFTCAP_PASSES if self.final_logit_softcap else 0)
+        return passes * tokens * self.vocab_size * LOGITS_BYTES
+
+
+def model_shape(arch: ArchConfig) -> ModelShape:
+    return ModelShape(
+        arch.q_size, arch.num_layers, arch.hidden_size, arch.vocab_size, arch.final_logit_softcap is not None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,19 +134,59 @@ def all_reduce_seconds(machine: Machine, num_layers: int, hidden_size: int, toke
     return 2 * num_layers * (cost.latency_s + moved / cost.bus_bytes_per_s)
 
 
-def step_seconds(
-    machine: Machine, weights: ModelBytes, kv: KVLayout, eff: Efficiency, batch: int, context: float
-) -> float:
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """One decode step's time, by the kernels that spend it (they run one after another)."""
+
+    linear_s: float
+    attention_s: float
+    logits_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.linear_s + self.attention_s + self.logits_s
+
+
+def step_cost(
+    machine: Machine,
+    weights: ModelBytes,
+    kv: KVLayout,
+    shape: ModelShape,
+    eff: Efficiency,
+    batch: int,
+    context: float,
+) -> StepCost:
+    bandwidth = machine.bandwidth * eff.bandwidth
+    flop_rate = machine.flops * eff.prefill
+    linear = max(
+        weights.decode_read_bytes(batch) / bandwidth, 2 * weights.params_per_token * batch / flop_rate
+    )
     kv_bytes = batch * context * kv.mean_bytes_per_token(int(context)) * machine.tensor_parallel
-    read = weights.decode_read_bytes(batch) + kv_bytes
-    flops = 2 * weights.params_per_token * batch
-    return max(read / (machine.bandwidth * eff.bandwidth), flops / (machine.flops * eff.prefill))
+    attention_flops = 4 * batch * context * shape.q_size * shape.num_layers
+    attention = max(kv_bytes / (machine.bandwidth * eff.attention_bandwidth), attention_flops / flop_rate)
+    return StepCost(linear, attention, shape.logits_bytes(batch) / bandwidth)
+
+
+def step_seconds(
+    machine: Machine,
+    weights: ModelBytes,
+    kv: KVLayout,
+    shape: ModelShape,
+    eff: Efficiency,
+    batch: int,
+    context: float,
+) -> float:
+    return step_cost(machine, weights, kv, shape, eff, batch, context).total_s
 
 
 def prefill_seconds(
-    machine: Machine, weights: ModelBytes, q_size: int, num_layers: int, eff: Efficiency, tokens: int
+    machine: Machine, weights: ModelBytes, shape: ModelShape, eff: Efficiency, tokens: int
 ) -> float:
-    flops = 2 * weights.params_per_token * tokens + 2 * tokens * tokens * q_size * num_layers
+    """One prompt's forward: every position through the layers, only the last through the lm_head."""
+    body = weights.params_per_token - shape.lm_head_params
+    flops = (
+        2 * body * tokens + 2 * shape.lm_head_params + 2 * tokens * tokens * shape.q_size * shape.num_layers
+    )
     return flops / (machine.flops * eff.prefill)
 
 
@@ -106,24 +196,21 @@ def predict(
     kv: KVLayout,
     eff: Efficiency,
     work: Workload,
-    q_size: int,
-    num_layers: int,
-    hidden_size: int,
+    shape: ModelShape,
 ) -> Prediction:
     context = work.input_len + work.output_len / 2
 
     def comm(tokens: int) -> float:
-        return all_reduce_seconds(machine, num_layers, hidden_size, tokens)
+        return all_reduce_seconds(machine, shape.num_layers, shape.hidden_size, tokens)
 
-    step = step_seconds(machine, weights, kv, eff, work.concurrency, context) + comm(work.concurrency)
-    prefill = prefill_seconds(machine, weights, q_size, num_layers, eff, work.input_len) + comm(
-        work.input_len
-    )
+    step = step_seconds(machine, weights, kv, shape, eff, work.concurrency, context) + comm(work.concurrency)
+    prefill = prefill_seconds(machine, weights, shape, eff, work.input_len) + comm(work.input_len)
     out = max(work.output_len, 1)
     tpot = step + (work.concurrency - 1) * prefill / out
-    ttft = prefill + eff.first_token_overhead_s + (step if work.concurrency > 1 else 0.0)
+    waited = (ARRIVAL_WAIT_STEPS + 1) * step if work.concurrency > 1 else 0.0
+    ttft = prefill + eff.first_token_overhead_s + waited
     lifetime = ttft + (out - 1) * tpot
-    one = step_seconds(machine, weights, kv, eff, 1, context) + comm(1)
+    one = step_seconds(machine, weights, kv, shape, eff, 1, context) + comm(1)
     kv_one = context * kv.mean_bytes_per_token(int(context)) * machine.tensor_parallel
     roofline = machine.bandwidth / (weights.decode_read_bytes(1) + kv_one)
     return Prediction(
