@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="0,8,16")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--work-us", type=float, default=0.0)
+    parser.add_argument("--result-name", default=None, help="write benchmarks/results/NAME.json")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tokenizer)
@@ -141,6 +142,11 @@ def main() -> None:
         },
     }
     print(json.dumps(result))
+    if args.result_name:
+        from tokenmill.bench.results import write_result
+
+        config = {k: result.pop(k) for k in ("rows", "vocab", "steps", "work_us_per_request")}
+        print(f"wrote {write_result('grammar-step-microbench', config, result, name=args.result_name)}")
     for mode in modes:
         mode.pool.shutdown()
 
