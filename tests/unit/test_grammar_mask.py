@@ -57,7 +57,10 @@ def test_cpu_numpy_path_equals_xgrammars_kernel_on_random_rows():
     row_of = {"a": 6, "b": 0, "c": 4}  # not in batch order; row 3 and 5 unconstrained
     logits = torch.randn(7, vocab)
     expected = logits.clone()
+    bf16 = logits.to(torch.bfloat16)  # not float32: the host-buffer path the CUDA branch uses
     GrammarMasker(torch.device("cpu")).apply(logits, grammar, row_of)
+    GrammarMasker(torch.device("cpu")).apply(bf16, grammar, row_of)
+    assert torch.equal(torch.isfinite(bf16), torch.isfinite(logits))
     # The reference: xgrammar's kernel on the full-width rows the CUDA path builds.
     full = torch.full((7, -(-vocab // 32)), -1, dtype=torch.int32)
     for (request_id, count), src in zip((("a", 1), ("b", 3), ("c", 1)), (0, 1, 4), strict=True):
