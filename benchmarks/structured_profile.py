@@ -3,6 +3,12 @@ tokenizer for the grammars), 64 requests plain then constrained by the json-sche
 schemas, wall time of each, then cProfile of the constrained run (top functions by own time).
 
   python benchmarks/structured_profile.py --model benchmarks/configs/llama-3.1-8b --tokenizer .gputok
+
+`--fill-chunks 0,8` times the constrained run once per TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK value,
+alternating (`--rounds` times), in one engine: 0 fills a step's rows after all its accepts, N sends
+them to the fill thread N at a time as the tokens are accepted (async scheduling only). `--tiny`
+replaces the model by a 1-layer hidden-16 one with the same 128K vocabulary, so on a CPU a step is
+mostly the host work that constraints add (the mask is as wide as on the GPU).
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import tempfile
 import time
 
 from tokenmill import LLM, SamplingParams
@@ -25,8 +33,14 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--num", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="also on a CPU (the default on CUDA)")
+    parser.add_argument("--fill-chunks", default="", help="comma-separated chunk sizes to compare, e.g. 0,8")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="--model's config at 1 layer, hidden 16")
     args = parser.parse_args()
-    llm = LLM(model=args.model, tokenizer=args.tokenizer, load_format="dummy", max_model_len=2048)
+    model = _tiny(args.model) if args.tiny else args.model
+    extra = {"async_scheduling": True} if args.async_scheduling else {}
+    llm = LLM(model=model, tokenizer=args.tokenizer, load_format="dummy", max_model_len=2048, **extra)
     prompts = [[100 + i, 200 + i, 300 + i] for i in range(args.num)]
     constrained = [
         SamplingParams(
@@ -49,11 +63,24 @@ def main() -> None:
     llm.generate(prompts, plain)
     plain_s = time.perf_counter() - started
     steps = max(lengths)
+    by_chunk: dict[str, list[float]] = {}
+    for _ in range(args.rounds if args.fill_chunks else 0):
+        for chunk in args.fill_chunks.split(","):
+            os.environ["TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK"] = chunk
+            before = _mask_sum(llm)
+            started = time.perf_counter()
+            again = llm.generate(prompts, constrained)
+            wall = time.perf_counter() - started
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs], "greedy outputs changed"
+            mask_ms = (_mask_sum(llm) - before) / steps * 1000
+            by_chunk.setdefault(chunk, []).append(round(wall / steps * 1000, 2))
+            by_chunk.setdefault(chunk + "_mask_after_accepts", []).append(round(mask_ms, 2))
     print(json.dumps({
         "requests": args.num, "tokens": sum(lengths), "max_len": steps, "valid_json": valid,
         "finish_reasons": {r: reasons.count(r) for r in set(reasons)}, "errors": errors[:3],
         "constrained_s": round(con_s, 3), "plain_s": round(plain_s, 3), "ratio": round(con_s / plain_s, 3),
         "constrained_ms_per_step": round(con_s / steps * 1000, 2), "plain_ms_per_step": round(plain_s / steps * 1000, 2),
+        "constrained_ms_per_step_by_fill_chunk": by_chunk,
         "engine_stats": {k: v for k, v in llm.engine.get_stats().items() if k.endswith(("_sum", "_count"))},
     }))  # fmt: skip
     if args.profile:
@@ -64,6 +91,21 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         print(text.getvalue())
+
+
+def _mask_sum(llm: LLM) -> float:
+    return llm.engine.get_stats().get("structured_output_mask_seconds_sum", 0.0)
+
+
+def _tiny(model: str) -> str:
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, torch_dtype="float32")  # fmt: skip
+    path = tempfile.mkdtemp(prefix="tiny-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
 
 
 def _valid(text: str) -> bool:

@@ -142,6 +142,13 @@ TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT = _float(
     "seconds a structured-output grammar (JSON schema, regex, EBNF, ...) may take to compile; a "
     "request whose grammar takes longer ends with an 'invalid structured output' error",
 )
+TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK = _int(
+    "TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK",
+    0,
+    "async scheduling: a constrained step's mask rows go to the fill thread in chunks of this many, "
+    "each as soon as its requests' previous tokens are accepted (0, the default: all rows after every "
+    "accept; chunks showed no clear gain on a 2-core CPU, the GPU host is not measured yet)",
+)
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",
     None,

@@ -42,3 +42,31 @@ def test_logits_past_the_grammar_vocabulary_are_masked_in_constrained_rows_only(
     GrammarMasker(torch.device("cpu")).apply(logits, grammar, {"p": 0, "c": 1})
     assert torch.equal(logits[0], before[0])
     assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == {3, 69}
+
+
+def test_cpu_numpy_path_equals_xgrammars_kernel_on_random_rows():
+    import xgrammar as xgr
+
+    rng = np.random.default_rng(0)
+    vocab, words = 1000, -(-900 // 32)  # grammar rows cover 928 tokens of 1000
+    packed = rng.integers(-(2**31), 2**31 - 1, size=(5, words), dtype=np.int64).astype("<i4")
+    packed[1] = 0  # a row allowing nothing
+    grammar = GrammarOutput(
+        request_ids=["a", "b", "c"], rows_per_request=[1, 3, 1], num_words=words, bitmask=packed.tobytes()
+    )
+    row_of = {"a": 6, "b": 0, "c": 4}  # not in batch order; row 3 and 5 unconstrained
+    logits = torch.randn(7, vocab)
+    expected = logits.clone()
+    bf16 = logits.to(torch.bfloat16)  # not float32: the host-buffer path the CUDA branch uses
+    GrammarMasker(torch.device("cpu")).apply(logits, grammar, row_of)
+    GrammarMasker(torch.device("cpu")).apply(bf16, grammar, row_of)
+    assert torch.equal(torch.isfinite(bf16), torch.isfinite(logits))
+    # The reference: xgrammar's kernel on the full-width rows the CUDA path builds.
+    full = torch.full((7, -(-vocab // 32)), -1, dtype=torch.int32)
+    for (request_id, count), src in zip((("a", 1), ("b", 3), ("c", 1)), (0, 1, 4), strict=True):
+        full[row_of[request_id] : row_of[request_id] + count] = 0
+        full[row_of[request_id] : row_of[request_id] + count, :words] = torch.from_numpy(packed[src : src + count])
+    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[0]).all()  # "b"'s first row allows nothing
+    assert torch.isfinite(logits[3]).all() and torch.isfinite(logits[5]).all()

@@ -243,6 +243,8 @@ class EngineCore:
             if self.tracer is not None:
                 self.tracer.launched(scheduler_output)
             self.scheduler.launched(scheduler_output)
+            if pending is None:  # its rows fill as the tokens below are accepted
+                self.structured_output.prepare_fill(scheduler_output)
             # Computed while this step was prepared. For a constrained step (its forward launched,
             # its sampling waiting for the mask) this also advances the grammars by the previous
             # step's tokens, which this step's mask must follow.

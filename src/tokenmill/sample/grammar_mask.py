@@ -3,7 +3,8 @@
 The engine core fills the bitmask on the host (`engine/structured_output/`); this puts its rows
 at the logits rows of their requests (all tokens allowed elsewhere) and sets every disallowed
 logit to -inf in place, before any sampling. On CUDA the host rows go through a pinned buffer
-with a non-blocking copy, so the launch does not wait for the device.
+with a non-blocking copy, so the launch does not wait for the device. On the CPU, float32 logits
+are masked with numpy from the unpacked bits (faster than xgrammar's CPU kernel).
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ class GrammarMasker:
         # Grammar rows cover the tokenizer's vocabulary; logits past it stay masked (0 bits).
         grammar_words = grammar.num_words
         rows = np.frombuffer(grammar.bitmask, dtype="<i4").reshape(-1, grammar_words)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+            _apply_unpacked(logits.numpy(), rows, grammar, row_of)
+            return
         host = self._host_buffer(num_rows, num_words)
-        host.fill_(-1)  # every token allowed in the rows of unconstrained requests
         host_np = host.numpy()
+        # Every token allowed in the rows of unconstrained requests. numpy, not `host.fill_`: torch
+        # runs that 1 MB fill on its OpenMP team, 7 ms instead of 0.03 when a thread of it is
+        # descheduled (2 threads on the busy 2-core dev machine); this is on the step's critical path.
+        host_np.fill(-1)
         src = 0
         masked_rows: list[int] = []
         for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
@@ -59,3 +66,20 @@ class GrammarMasker:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
         else:
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1], indices=masked_rows)
+
+
+def _apply_unpacked(logits: np.ndarray, rows: np.ndarray, grammar: GrammarOutput, row_of: dict[str, int]) -> None:
+    """The CPU path: unpack the bits once (numpy, vectorised) and write -inf where a bit is 0.
+    xgrammar's CPU kernel tests one bit at a time: 35-60 ms for 64 rows of a 128K vocabulary on
+    the development machine, this 15 ms (BENCHMARKS.md, issue 14)."""
+    vocab = logits.shape[-1]
+    covered = min(vocab, rows.shape[1] * 32)
+    disallowed = np.unpackbits(rows.view(np.uint8), axis=1, count=covered, bitorder="little")
+    disallowed ^= 1
+    mask = disallowed.view(np.bool_)
+    src = 0
+    for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
+        dst = row_of[request_id]
+        np.copyto(logits[dst : dst + count, :covered], -np.inf, where=mask[src : src + count])
+        logits[dst : dst + count, covered:] = -np.inf
+        src += count

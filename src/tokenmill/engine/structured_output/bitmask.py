@@ -41,6 +41,25 @@ class BitmaskFiller:
         self._buffer = np.zeros((initial_rows, self.num_words), dtype=np.int32)
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, for large steps
 
+    def buffer_for(self, rows: int) -> np.ndarray:
+        """The buffer, grown to at least `rows` rows (its contents are not kept)."""
+        if rows > len(self._buffer):
+            self._buffer = np.zeros((max(rows, 2 * len(self._buffer)), self.num_words), np.int32)
+        return self._buffer
+
+    def fill_rows(self, grammars: list[RequestGrammar], buffer: np.ndarray, rows: list[int]) -> None:
+        """Fill `buffer[rows[i]]` from `grammars[i]`'s matcher, in one call that gives up the GIL
+        when there are several (StepFill's chunks)."""
+        if len(grammars) >= BATCH_FILL_MIN_ROWS:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], buffer, rows)
+        else:
+            for row, grammar in zip(rows, grammars, strict=True):
+                grammar.matcher.fill_next_token_bitmask(buffer, row)
+
     def fill(
         self, grammars: list[tuple[str, RequestGrammar]], drafts: dict[str, list[int]] | None = None
     ) -> GrammarOutput:

@@ -21,6 +21,7 @@ from tokenmill.core.structured_output import INVALID_PREFIX
 from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
 from tokenmill.engine.structured_output.bitmask import BitmaskFiller
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
+from tokenmill.engine.structured_output.step_fill import StepFill
 from tokenmill.stats_histogram import StatsHistogram
 
 
@@ -50,6 +51,8 @@ class StructuredOutputManager:
         self._fill_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiling: dict[str, _Compiling] = {}
         self.grammars: dict[str, RequestGrammar] = {}
+        # The launched constrained step whose rows fill as the previous step's tokens are accepted.
+        self._step_fill: StepFill | None = None
         # Host time filling one step's bitmask.
         self.mask_seconds = StatsHistogram("structured_output_mask_seconds", MASK_BUCKETS)
 
@@ -110,7 +113,10 @@ class StructuredOutputManager:
         grammar = self.grammars.get(request.request_id)
         if grammar is None:
             return "structured output: the request has no grammar state"
-        return grammar.accept(request.output_token_ids, token_id)
+        error = grammar.accept(request.output_token_ids, token_id)
+        if self._step_fill is not None:
+            self._step_fill.accepted(request.request_id, grammar)
+        return error
 
     def is_terminated(self, request: Request) -> bool:
         grammar = self.grammars.get(request.request_id)
@@ -128,6 +134,32 @@ class StructuredOutputManager:
 
     # -- the engine core --------------------------------------------------------------------------
 
+    def prepare_fill(self, scheduler_output: SchedulerOutput) -> None:
+        """The constrained step just launched (async scheduling) is about to have the previous step's
+        tokens applied: fill each of its rows as soon as its request's token is accepted
+        (step_fill.py); `grammar_output_async` then sends the rest. Chunk 0: the whole fill waits
+        for `grammar_output_async`, as without this."""
+        self._step_fill = None
+        chunk = envs.TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK.get() or 0
+        if chunk <= 0 or scheduler_output.scheduled_spec_decode_tokens:
+            return
+        filler = self._bitmask_filler()
+        request_ids = list(scheduler_output.structured_output_request_ids)
+        self._step_fill = StepFill(
+            request_ids, filler.buffer_for(len(request_ids)), self._pool(), filler.fill_rows, chunk
+        )
+
+    def _bitmask_filler(self) -> BitmaskFiller:
+        if self._filler is None:
+            self._filler = BitmaskFiller(self.backend.grammar_vocab_size)
+        return self._filler
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        # One worker: a step's chunks and its packing run in order.
+        if self._fill_pool is None:
+            self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._fill_pool
+
     def grammar_output_async(self, scheduler_output: SchedulerOutput) -> Future:
         """`grammar_output` with the fill on the manager's thread: the engine core goes on (its
         outputs, the next schedule) while xgrammar fills the rows, and takes the result before its
@@ -136,13 +168,22 @@ class StructuredOutputManager:
         call that gives up the GIL, and a thread that must win the GIL back from a busy engine
         loop after every one of 64 calls would take longer than the fill itself."""
         started = time.perf_counter()
+        step_fill, self._step_fill = self._step_fill, None
+        if step_fill is not None:
+            packed = step_fill.finish(self.grammars)
+            return self._pool().submit(self._observed, packed, started)
         rows = self._rows(scheduler_output)
-        if self._fill_pool is None:
-            self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._fill_pool.submit(self._fill, rows, started, scheduler_output.scheduled_spec_decode_tokens)
+        return self._pool().submit(self._fill, rows, started, scheduler_output.scheduled_spec_decode_tokens)
+
+    def _observed(self, packed: Future, started: float) -> GrammarOutput:
+        """Runs after `packed` on the one fill thread: the mask time counts from the last accept."""
+        output = packed.result()
+        self.mask_seconds.observe(time.perf_counter() - started)
+        return output
 
     def grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
         """The bitmask rows of the step's constrained requests whose next token is constrained."""
+        self._step_fill = None
         return self._fill(
             self._rows(scheduler_output), time.perf_counter(), scheduler_output.scheduled_spec_decode_tokens
         )
@@ -159,9 +200,7 @@ class StructuredOutputManager:
     def _fill(
         self, rows: list[tuple[str, RequestGrammar]], started: float, drafts: dict[str, list[int]] | None = None
     ) -> GrammarOutput:
-        if self._filler is None:
-            self._filler = BitmaskFiller(self.backend.grammar_vocab_size)
-        output = self._filler.fill(rows, drafts)
+        output = self._bitmask_filler().fill(rows, drafts)
         self.mask_seconds.observe(time.perf_counter() - started)
         return output
 
