@@ -139,7 +139,7 @@ class EngineArgs:
         None,
         "while any request decodes, the most prompt tokens one step prefills (bounds the inter-token "
         f"gap a prefill adds); 0: only max_num_batched_tokens (default: {DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU} "
-        "on the CPU, 0 on a GPU)",
+        "on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
     )
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")
     kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)

@@ -50,3 +50,14 @@ def test_cpu_prefill_cap_while_decoding_defaults_to_128_and_a_given_one_wins(tin
         assert config.scheduler.max_prefill_tokens_while_decoding == given
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 0"):
         build_engine_config(str(tiny_llama_dir), device="cpu", max_prefill_tokens_while_decoding=-1)
+
+
+def test_the_offline_llm_leaves_the_prefill_cap_off_unless_asked(tiny_llama_dir):
+    from tokenmill import LLM
+
+    assert LLM(str(tiny_llama_dir), device="cpu").config.scheduler.max_prefill_tokens_while_decoding == 0
+    # `bench throughput` passes every option, unset ones as None
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_prefill_tokens_while_decoding=None)
+    assert llm.config.scheduler.max_prefill_tokens_while_decoding == 0
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_prefill_tokens_while_decoding=32)
+    assert llm.config.scheduler.max_prefill_tokens_while_decoding == 32
