@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 # A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
+# While requests decode, a CPU step's prefill chunks take at most this many tokens. Prefill runs
+# near the core's float32 peak (~1.75 ms a token for SmolLM2-135M on one engine thread), and every
+# prefill token in a step delays every decoding stream's next token: 512-token chunks made
+# 1.0-1.5 s steps, the c=32 serve benchmark's ITL p99. 128 keeps such a step near 0.35 s on a
+# quiet core and served the waiting prompts sooner too (docs/CPU_PERFORMANCE.md). 0 on a GPU: no cap.
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 128
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
@@ -128,6 +134,12 @@ class EngineArgs:
         "tokens per scheduler step, prefill chunks and decodes together "
         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU} on the CPU, "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU} on a GPU)",
+    )
+    max_prefill_tokens_while_decoding: int | None = _option(
+        None,
+        "while any request decodes, the most prompt tokens one step prefills (bounds the inter-token "
+        f"gap a prefill adds); 0: only max_num_batched_tokens (default: {DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU} "
+        "on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
     )
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")
     kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)
@@ -373,6 +385,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
                 slo=self.create_slo_config(),
             ),
@@ -461,6 +474,11 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
+                f"got {self.max_prefill_tokens_while_decoding}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self._check_kv_offload()
@@ -624,10 +642,15 @@ def resolve_device_defaults(config: EngineConfig) -> EngineConfig:
     budget = config.scheduler.max_num_batched_tokens
     if budget is None:
         budget = DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU if on_gpu else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+    prefill_cap = config.scheduler.max_prefill_tokens_while_decoding
+    if prefill_cap is None:
+        prefill_cap = 0 if on_gpu else DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU
     return dataclasses.replace(
         config,
         device=str(device),
-        scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
+        scheduler=dataclasses.replace(
+            config.scheduler, max_num_batched_tokens=budget, max_prefill_tokens_while_decoding=prefill_cap
+        ),
         async_scheduling=config.async_scheduling if config.async_scheduling is not None else on_gpu,
     )
 

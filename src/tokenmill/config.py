@@ -117,6 +117,12 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     max_model_len: int = 2048  # resolved against the model before the scheduler is built
     slo: SloConfig = field(default_factory=SloConfig)
+    # While any running request is decoding, the step's prefill chunks (partial prefills, admitted
+    # prompts, recomputes after preemption) get at most this many tokens together, so one step
+    # never holds every stream for a whole max_num_batched_tokens prefill (on the CPU a 512-token
+    # chunk costs ~0.9 s, every decode's inter-token gap). 0: no cap beyond the step budget;
+    # None until args.resolve_device_defaults fills in the device's default (the engine core does).
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,24 @@ def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path)
     squeezed.engine.check_invariants()
 
 
+def test_greedy_unchanged_by_the_prefill_cap_while_decoding(default_model_path):
+    # Prompts admitted while others decode, 16 prompt tokens a step: chunk boundaries anywhere in a
+    # prompt, decode rows and prefill chunks sharing steps; tokens equal a run without the cap.
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    float_acts = {"cpu_activation_bits": 0}  # as above: tokens must not depend on step composition
+    runs = {}
+    for cap in (0, 16):
+        llm = LLM(
+            None, device="cpu", max_model_len=128, max_num_batched_tokens=64,
+            max_prefill_tokens_while_decoding=cap, kernel_config=float_acts,
+        )  # fmt: skip
+        runs[cap] = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        llm.engine.check_invariants()
+    assert runs[16] == runs[0]
+
+
 def test_chat_and_text(llm):
     out = llm.chat(
         [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=16)

@@ -207,11 +207,18 @@ class Harness:
         enable_prefix_caching: bool = True,
         async_mode: bool = False,
         kv_cache_groups: KVCacheGroups | None = None,
+        max_prefill_tokens_while_decoding: int = 0,
     ) -> None:
         self.async_mode = async_mode
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, max_model_len),  # type: ignore[arg-type]
+            SchedulerConfig(
+                max_num_seqs,
+                max_num_batched_tokens,
+                policy,  # type: ignore[arg-type]
+                max_model_len,
+                max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+            ),
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks,
             kv_cache_groups=kv_cache_groups,
@@ -335,6 +342,46 @@ def test_chunked_prefill_under_a_small_budget() -> None:
     h.run()
     assert h.tokens["long"] == reference_output(list(range(1, 21)), 2, 256)
     assert h.tokens["short"] == reference_output([1, 2, 3], 2, 256)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_prefill_cap_while_decoding_bounds_each_steps_prompt_tokens(async_mode: bool) -> None:
+    h = Harness(max_num_batched_tokens=32, max_prefill_tokens_while_decoding=6, async_mode=async_mode)
+    h.add(make_request("first", 20, max_tokens=12))
+    h.step()
+    assert scheduled_counts(h.steps[-1]) == {"first": 20}  # nothing decodes yet: the whole budget
+    prompts = {"first": list(range(1, 21)), "long": list(range(100, 115)), "short": list(range(200, 204))}
+    h.add(make_request("long", prompts["long"], max_tokens=3))  # no prefix shared with "first"
+    h.add(make_request("short", prompts["short"], max_tokens=3))
+    while "long" not in h.tokens or "short" not in h.tokens:
+        h.step()
+        counts = scheduled_counts(h.steps[-1])
+        prefill = sum(n for rid, n in counts.items() if rid != "first")
+        assert prefill <= 6, counts  # "first" decodes in every one of these steps
+    # 15 + 4 prompt tokens at <= 6 a step: 4 steps (the partial chunk first, then admission)
+    chunks = [scheduled_counts(so) for so in h.steps[1:5]]
+    assert [c.get("long", 0) for c in chunks[:3]] == [6, 6, 3]
+    assert [c.get("short", 0) for c in chunks] == [0, 0, 3, 1]
+    h.run()
+    for rid, max_tokens in (("first", 12), ("long", 3), ("short", 3)):
+        assert h.tokens[rid] == reference_output(prompts[rid], max_tokens, 256)
+    assert h.scheduler.kv.usage == 0
+
+
+def test_prefill_cap_leaves_preemption_recompute_and_lone_prefills_whole() -> None:
+    # Alone (no decode running) a prompt gets the whole budget despite the cap; a preempted request's
+    # recompute is a prefill chunk like any other; outputs stay those of an uncapped run.
+    h = Harness(num_blocks=12, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=5)
+    prompts = [list(range(100 * i + 1, 100 * i + 11)) for i in range(4)]  # no shared prefix
+    for i, prompt in enumerate(prompts):
+        h.add(make_request(f"r{i}", prompt, max_tokens=8))
+    h.step()
+    assert sum(scheduled_counts(h.steps[0]).values()) == 40
+    h.run()
+    assert h.scheduler.num_preemptions_total > 0
+    for i, prompt in enumerate(prompts):
+        assert h.tokens[f"r{i}"] == reference_output(prompt, 8, 256)
+    assert h.scheduler.kv.usage == 0
 
 
 def test_max_num_seqs_caps_the_batch() -> None:

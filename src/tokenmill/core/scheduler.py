@@ -224,6 +224,7 @@ class Scheduler:
                     self._preempt(victim)
                     preempted.add(victim.request_id)
         num_preempted_for_policy = len(preempted)
+        prefill_room = self._prefill_room(budget)
 
         i = 0
         while i < len(running) and budget > 0:
@@ -247,6 +248,9 @@ class Scheduler:
             else:
                 num_new = min(num_known - num_computed, budget, max_model_len - num_computed)
                 num_drafts = 0
+                if num_new > 1:  # a prefill chunk (or a recompute after preemption)
+                    num_new = min(num_new, prefill_room)
+                    prefill_room -= num_new
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
@@ -285,7 +289,12 @@ class Scheduler:
         lora = self._lora_admission() if self.waiting else None
         skipped: list[Request] = []  # waiting on their adapter or KV: back in the queue, in order, after
         admitted: list[Request] = []
-        while no_kv_preemption and self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+        while (
+            no_kv_preemption
+            and self.waiting
+            and min(budget, prefill_room) > 0
+            and len(running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             if admitted and not self.waiting.joins_step(
                 request, admitted, self.config.max_num_batched_tokens - budget
@@ -318,7 +327,7 @@ class Scheduler:
             if self.kv_connector is not None and self.kv.uses_prefix_cache(request):
                 num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_start = num_hit_tokens + num_external
-            num_new = min(request.num_tokens - num_start, budget)
+            num_new = min(request.num_tokens - num_start, budget, prefill_room)
             # A chunk that samples reserves the lookahead slots a draft model writes after it.
             lookahead = self.num_lookahead_tokens if num_start + num_new >= request.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_ids, lookahead)
@@ -351,6 +360,7 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            prefill_room -= num_new
             admitted.append(request)
 
         for request in reversed(skipped):
@@ -362,6 +372,14 @@ class Scheduler:
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return output
+
+    def _prefill_room(self, budget: int) -> int:
+        """How many of this step's tokens prefill chunks may take: the whole budget, or
+        max_prefill_tokens_while_decoding where a running request is past its prompt (decoding)."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap and cap < budget and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return cap
+        return budget
 
     def _lora_admission(self) -> LoRAAdmission | None:
         if self.lora is None:

@@ -75,8 +75,10 @@ class EngineCore:
         config = resolve_device_defaults(config)
         if config != unresolved:
             logger.info(
-                "engine core: device=%s, max_num_batched_tokens=%d, async_scheduling=%s",
-                config.device, config.scheduler.max_num_batched_tokens, config.async_scheduling,
+                "engine core: device=%s, max_num_batched_tokens=%d, max_prefill_tokens_while_decoding=%d, "
+                "async_scheduling=%s",
+                config.device, config.scheduler.max_num_batched_tokens,
+                config.scheduler.max_prefill_tokens_while_decoding, config.async_scheduling,
             )  # fmt: skip
         self.resolved = resolved if resolved is not None else resolve_model(config.model)
         arch = self.resolved.arch

@@ -50,6 +50,11 @@ class LLM:
                 "otlp_traces_endpoint: the offline LLM exports no spans (only `tokenmill serve "
                 "--otlp-traces-endpoint` does); leave it out"
             )
+        # Offline no stream waits on its next token, so the CPU's prefill cap while decoding (a
+        # latency bound for serving) only costs throughput here: 0.88-0.97x of uncapped in the
+        # 64 x 128/128 benchmark (docs/CPU_PERFORMANCE.md). Off unless asked for.
+        if kwargs.get("max_prefill_tokens_while_decoding") is None:  # None: the default (bench passes it)
+            kwargs["max_prefill_tokens_while_decoding"] = 0
         self.config = build_engine_config(model, **kwargs)
         torch.manual_seed(self.config.model.seed)
         self.resolved = resolve_model(self.config.model)
