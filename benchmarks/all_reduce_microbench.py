@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 SIZES_KIB = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -104,19 +102,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.tp < 2:
         parser.error(f"--tp must be >= 2, got {args.tp}")
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[name] = "0" if name == "NCCL_NVLS_ENABLE" else "1"
-    import torch.multiprocessing as mp
-
+    from tokenmill.bench.rank_processes import run_ranks
     from tokenmill.bench.results import write_result
-    from tokenmill.engine.executor.multiproc import free_tcp_port
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = str(Path(tmp) / "rank0.json")
-        mp.start_processes(
-            _rank_main, args=(args, free_tcp_port(), result_path), nprocs=args.tp, start_method="spawn"
-        )
-        metrics = json.loads(Path(result_path).read_text())
+    metrics = run_ranks(_rank_main, args, args.tp)
     config = {k: v for k, v in vars(args).items() if k not in ("result_dir", "result_name")}
     name = args.result_name or f"all-reduce-microbench-tp{args.tp}"
     print(

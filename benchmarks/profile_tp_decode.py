@@ -192,22 +192,10 @@ def main() -> int:
         parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.context + 1 > args.max_model_len:
         parser.error(f"--context {args.context} needs --max-model-len above it")
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[name] = "0" if name == "NCCL_NVLS_ENABLE" else "1"
-    import json
-    import tempfile
-
-    import torch.multiprocessing as mp
-
+    from tokenmill.bench.rank_processes import run_ranks
     from tokenmill.bench.results import write_result
-    from tokenmill.engine.executor.multiproc import free_tcp_port
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = str(Path(tmp) / "rank0.json")
-        mp.start_processes(
-            _rank_main, args=(args, free_tcp_port(), result_path), nprocs=args.tp, start_method="spawn"
-        )
-        metrics = json.loads(Path(result_path).read_text())
+    metrics = run_ranks(_rank_main, args, args.tp)
     print(
         f"TP={args.tp} batch {args.batch}: step {metrics['step_ms']:.2f} ms "
         f"({'CUDA graphs' if metrics['cuda_graphs'] else 'eager'}, "

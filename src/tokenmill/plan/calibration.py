@@ -27,7 +27,7 @@ from tokenmill.plan.roofline import (
     all_reduce_seconds,
     model_shape,
     predict,
-    step_seconds,
+    step_cost,
 )
 
 GIB = 2**30
@@ -138,7 +138,7 @@ def fit_all_reduce(gpu: GpuSpec, arch: ArchConfig, latency_file: Path, tensor_pa
     eff = CALIBRATION[gpu.name].efficiency
     bus_only = AllReduceCost(0.0, NVLINK_BUS_BYTES_PER_S)
     machine = Machine(gpu, tensor_parallel, fp8_compute=False, all_reduce=bus_only)
-    step = step_seconds(machine, weights, kv, model_shape(arch), eff, 1, 512 + 256 / 2)
+    step = step_cost(machine, weights, kv, model_shape(arch), eff, 1, 512 + 256 / 2).total_s
     left = 1 / measured - step - all_reduce_seconds(machine, arch.num_layers, arch.hidden_size, 1)
     return AllReduceCost(max(0.0, left / (2 * arch.num_layers)), NVLINK_BUS_BYTES_PER_S)
 

@@ -167,18 +167,6 @@ def step_cost(
     return StepCost(linear, attention, shape.logits_bytes(batch) / bandwidth)
 
 
-def step_seconds(
-    machine: Machine,
-    weights: ModelBytes,
-    kv: KVLayout,
-    shape: ModelShape,
-    eff: Efficiency,
-    batch: int,
-    context: float,
-) -> float:
-    return step_cost(machine, weights, kv, shape, eff, batch, context).total_s
-
-
 def prefill_seconds(
     machine: Machine, weights: ModelBytes, shape: ModelShape, eff: Efficiency, tokens: int
 ) -> float:
@@ -203,14 +191,14 @@ def predict(
     def comm(tokens: int) -> float:
         return all_reduce_seconds(machine, shape.num_layers, shape.hidden_size, tokens)
 
-    step = step_seconds(machine, weights, kv, shape, eff, work.concurrency, context) + comm(work.concurrency)
+    step = step_cost(machine, weights, kv, shape, eff, work.concurrency, context).total_s + comm(work.concurrency)
     prefill = prefill_seconds(machine, weights, shape, eff, work.input_len) + comm(work.input_len)
     out = max(work.output_len, 1)
     tpot = step + (work.concurrency - 1) * prefill / out
     waited = (ARRIVAL_WAIT_STEPS + 1) * step if work.concurrency > 1 else 0.0
     ttft = prefill + eff.first_token_overhead_s + waited
     lifetime = ttft + (out - 1) * tpot
-    one = step_seconds(machine, weights, kv, shape, eff, 1, context) + comm(1)
+    one = step_cost(machine, weights, kv, shape, eff, 1, context).total_s + comm(1)
     kv_one = context * kv.mean_bytes_per_token(int(context)) * machine.tensor_parallel
     roofline = machine.bandwidth / (weights.decode_read_bytes(1) + kv_one)
     return Prediction(
