@@ -6,6 +6,7 @@ per context length and mode, and colocated vs disaggregated serving (ITL, TTFT, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ SERVE_COLUMNS = (
 def disagg_lines(out: Path) -> list[str]:
     runs = {name: _load(out / f"disagg-itl-{name}.json") for name in ("colocated", "disaggregated")}
     if not any(runs.values()):
-        return ["disaggregation: no result (disagg-itl-*.json missing: see disagg-itl.log and the server logs)"]
+        return [
+            "disaggregation: no result (disagg-itl-*.json missing: see disagg-itl.log and the server logs)"
+        ]
     device = next(r["device"] for r in runs.values() if r)
     lines = [
         f"disaggregation on {device} (a producer and a consumer sharing it vs one colocated engine; ms)",
@@ -92,10 +95,13 @@ def disagg_lines(out: Path) -> list[str]:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__)
-        return 2
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out_dir", type=Path, help="the OUT folder benchmarks/kv_tier_gpu.sh wrote")
+    out = parser.parse_args().out_dir
+    if not out.is_dir():
+        parser.error(f"{out} is not a folder; give the OUT folder of a benchmarks/kv_tier_gpu.sh run")
     print("\n".join([*tier_lines(_load(out / "kv-tier-offload.json")), *disagg_lines(out)]))
     return 0
 
