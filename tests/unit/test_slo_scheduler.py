@@ -41,12 +41,15 @@ def slo_harness(
     block_size: int = 4,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
+    prefill_cap: int = 0,
 ) -> tuple[Harness, FakeClock]:
     """test_scheduler's Harness with the slo policy, a fake clock (still unless a test moves it)
     and a cost model that keeps the known costs it was trained on."""
     clock = FakeClock()
     h = Harness(num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, "slo", 256, slo)
+    config = SchedulerConfig(
+        max_num_seqs, max_num_batched_tokens, "slo", 256, slo, max_prefill_tokens_while_decoding=prefill_cap
+    )
     h.scheduler = Scheduler(config, CacheConfig(block_size=block_size), num_blocks)
     cost = cost or trained_cost()
     cost.observe = lambda tokens, seconds: None  # type: ignore[method-assign]
@@ -64,6 +67,10 @@ def test_cost_model_recovers_the_line_it_was_fed() -> None:
     assert overhead == pytest.approx(0.05) and per_token == pytest.approx(0.002)
     # 100 tokens in steps of 64 with 4 decodes besides: 2 steps of overhead + 4 decode tokens each.
     assert trained_cost(0.1, 0.01).seconds_for(100, 64, 4) == pytest.approx(2 * (0.1 + 0.04) + 1.0)
+    # A prefill cap of 16 while 4 requests decode: 7 steps of at most 16 prompt tokens, not 2.
+    assert trained_cost(0.1, 0.01).seconds_for(100, 64, 4, 16) == pytest.approx(7 * (0.1 + 0.04) + 1.0)
+    # Nothing decoding: the cap does not apply (the scheduler's rule).
+    assert trained_cost(0.1, 0.01).seconds_for(100, 64, 0, 16) == pytest.approx(2 * 0.1 + 1.0)
     assert not StepCostModel(min_steps=3).ready
 
 
@@ -116,6 +123,20 @@ def test_hopeless_requests_are_shed_without_leaking_and_others_are_untouched() -
     stats = h.scheduler.get_stats()
     assert stats["slo_shed_requests.default"] == 2 and stats["slo_missed_requests.default"] == 2
     assert stats["slo_goodput_requests"] == 1 and stats["slo_attained_requests.default"] == 1
+
+
+@pytest.mark.parametrize(("prefill_cap", "shed"), [(0, False), (16, True)])
+def test_shedding_counts_the_prefill_cap_while_requests_decode(prefill_cap, shed) -> None:
+    """One request decoding: a 40-token prompt needs one step uncapped (0.1 + 0.01 + 0.4 = 0.51 s,
+    inside its 600 ms) but three under a cap of 16 (3 x 0.11 + 0.4 = 0.73 s: shed)."""
+    h, clock = slo_harness(max_num_batched_tokens=64, prefill_cap=prefill_cap)
+    h.add(req("decoder", 4, arrival=100.0, max_tokens=20))
+    h.step()  # its prefill; it decodes from now on
+    h.add(req("late", 40, arrival=clock.now, ttft_ms=600, max_tokens=2))
+    h.step()
+    assert ("late" in h.finals and h.finals["late"].finish_reason == "shed") is shed
+    h.run()
+    assert h.scheduler.kv.usage == 0
 
 
 def test_nothing_is_shed_before_the_cost_model_has_seen_enough_steps() -> None:

@@ -65,6 +65,8 @@ class SloQueue(PolicyHooks):
     ) -> None:
         self.slo = config.slo
         self.token_budget = config.max_num_batched_tokens or 2048
+        # While anything decodes a step prefills at most this many tokens (0: the whole budget).
+        self.prefill_cap = config.max_prefill_tokens_while_decoding or 0
         self.max_model_len = config.max_model_len
         self.clock = clock
         self.cost = cost if cost is not None else StepCostModel()
@@ -141,7 +143,7 @@ class SloQueue(PolicyHooks):
             own = request.num_tokens - request.num_computed_tokens
             target = self.targets[request.request_id]
             if target.ttft_s is not None and request.num_output_tokens == 0:
-                first_token_at = now + cost.seconds_for(tokens_ahead + own, budget, num_running)
+                first_token_at = now + cost.seconds_for(tokens_ahead + own, budget, num_running, self.prefill_cap)
                 deadline = request.arrival_time + target.ttft_s
                 if first_token_at > deadline:
                     hopeless.append((request, first_token_at - now))
@@ -152,7 +154,7 @@ class SloQueue(PolicyHooks):
             return []
         self._entries = kept
         # The queue that stays drains in about this long: a retry before that meets the same queue.
-        retry_after = max(1.0, math.ceil(cost.seconds_for(tokens_ahead, budget, num_running)))
+        retry_after = max(1.0, math.ceil(cost.seconds_for(tokens_ahead, budget, num_running, self.prefill_cap)))
         return [
             ShedRequest(
                 request,

@@ -51,13 +51,19 @@ class StepCostModel:
             return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
         return overhead, per_token
 
-    def seconds_for(self, num_tokens: int, token_budget: int, tokens_per_step_besides: int = 0) -> float:
+    def seconds_for(
+        self, num_tokens: int, token_budget: int, tokens_per_step_besides: int = 0, prefill_cap: int = 0
+    ) -> float:
         """Predicted time to compute `num_tokens` of prefill in steps of at most `token_budget`
-        tokens, each step also carrying `tokens_per_step_besides` (the running batch's decodes)."""
+        tokens, each step also carrying `tokens_per_step_besides` (the running batch's decodes).
+        `prefill_cap` (max_prefill_tokens_while_decoding; 0: none) bounds a step's prefill while
+        anything decodes."""
         if num_tokens <= 0:
             return 0.0
         overhead, per_token = self.coefficients()
         room = max(token_budget - tokens_per_step_besides, 1)
+        if prefill_cap and tokens_per_step_besides:
+            room = min(room, prefill_cap)
         num_steps = -(-num_tokens // room)
         return num_steps * (overhead + per_token * tokens_per_step_besides) + per_token * num_tokens
 
