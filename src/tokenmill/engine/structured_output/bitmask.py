@@ -47,17 +47,22 @@ class BitmaskFiller:
             self._buffer = np.zeros((max(rows, 2 * len(self._buffer)), self.num_words), np.int32)
         return self._buffer
 
-    def fill_rows(self, grammars: list[RequestGrammar], buffer: np.ndarray, rows: list[int]) -> None:
-        """Fill `buffer[rows[i]]` from `grammars[i]`'s matcher, in one call that gives up the GIL
-        when there are several (StepFill's chunks)."""
+    def fill_rows(self, grammars: list[RequestGrammar], buffer: np.ndarray, rows: list[int] | None = None) -> None:
+        """Fill `buffer[rows[i]]` (rows None: row i) from `grammars[i]`'s matcher, in one call that
+        gives up the GIL when there are several (xgrammar fills them on its own threads: the
+        matchers are independent)."""
         if len(grammars) >= BATCH_FILL_MIN_ROWS:
             if self._batch is None:
                 import xgrammar as xgr
 
                 self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], buffer, rows)
+            matchers = [g.matcher for g in grammars]
+            if rows is None:
+                self._batch.batch_fill_next_token_bitmask(matchers, buffer)
+            else:
+                self._batch.batch_fill_next_token_bitmask(matchers, buffer, rows)
         else:
-            for row, grammar in zip(rows, grammars, strict=True):
+            for row, grammar in zip(range(len(grammars)) if rows is None else rows, grammars, strict=True):
                 grammar.matcher.fill_next_token_bitmask(buffer, row)
 
     def fill(
@@ -67,22 +72,11 @@ class BitmaskFiller:
         request verifying draft tokens (`drafts`) gets a row per draft position too."""
         if drafts and any(request_id in drafts for request_id, _ in grammars):
             return self._fill_with_drafts(grammars, drafts)
-        if len(grammars) > len(self._buffer):
-            self._buffer = np.zeros((max(len(grammars), 2 * len(self._buffer)), self.num_words), np.int32)
-        buffer = self._buffer
+        buffer = self.buffer_for(len(grammars))
         request_ids = [request_id for request_id, _ in grammars]
         if not request_ids:
             return GrammarOutput()
-        if len(grammars) >= BATCH_FILL_MIN_ROWS:
-            # xgrammar fills the rows on its own threads (the matchers are independent).
-            if self._batch is None:
-                import xgrammar as xgr
-
-                self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], buffer)
-        else:
-            for row, (_, grammar) in enumerate(grammars):
-                grammar.matcher.fill_next_token_bitmask(buffer, row)
+        self.fill_rows([g for _, g in grammars], buffer)
         restrict(buffer[: len(grammars)], [g for _, g in grammars])
         return GrammarOutput(
             request_ids=request_ids,
@@ -101,9 +95,7 @@ class BitmaskFiller:
         allowed")."""
         counts = [1 + len(drafts.get(request_id, ())) for request_id, _ in grammars]
         total = sum(counts)
-        if total > len(self._buffer):
-            self._buffer = np.zeros((max(total, 2 * len(self._buffer)), self.num_words), np.int32)
-        buffer = self._buffer
+        buffer = self.buffer_for(total)
         row = 0
         first_rows: list[int] = []
         for (request_id, grammar), count in zip(grammars, counts, strict=True):
