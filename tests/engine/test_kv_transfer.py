@@ -13,14 +13,13 @@ import sys
 import threading
 import time
 
-import msgspec
 import pytest
 import zmq
 
 from tests.engine import kv_peer_process
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.kv_transfer import KVBlocksMessage, KVConsumer, KVLayout
+from tokenmill.core.kv_transfer import KVBlocksHeader, KVConsumer, KVLayout, blocks_message_frames
 
 MAX_NEW = 6
 
@@ -126,15 +125,15 @@ def test_unclaimed_blocks_expire_and_the_buffer_is_bounded(tmp_path) -> None:
     now = [0.0]
     consumer, push = _consumer(tmp_path, lambda: now[0])
     try:
-        message = KVBlocksMessage(LAYOUT, [b"k1", b"k2"], [[1, 2, 3, 4], [5, 6, 7, 8]], [bytes(64)] * 2)
-        push.send(msgspec.msgpack.encode(message))
+        header = KVBlocksHeader(LAYOUT, [b"k1", b"k2"], [[1, 2, 3, 4], [5, 6, 7, 8]])
+        push.send_multipart(blocks_message_frames(header, bytes(128)))
         _drain(consumer, 2)
         assert consumer.num_unclaimed_blocks == 2
         now[0] = 10.0  # past the claim timeout
         consumer.poll()
         assert consumer.num_unclaimed_blocks == 0 and consumer.blocks_expired == 2
         keys = [bytes([i]) for i in range(5)]
-        push.send(msgspec.msgpack.encode(KVBlocksMessage(LAYOUT, keys, [[1, 2, 3, 4]] * 5, [bytes(64)] * 5)))
+        push.send_multipart(blocks_message_frames(KVBlocksHeader(LAYOUT, keys, [[1, 2, 3, 4]] * 5), bytes(5 * 64)))
         _drain(consumer, 7)
         assert consumer.num_unclaimed_blocks == 3  # 3 blocks of 64 bytes at most
         consumer.check_invariants()
@@ -144,20 +143,25 @@ def test_unclaimed_blocks_expire_and_the_buffer_is_bounded(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "frame",
+    "frames",
     [
-        b"not msgpack at all",
-        msgspec.msgpack.encode(KVBlocksMessage(LAYOUT, [b"k"], [[1, 2, 3, 4]], [bytes(63)])),  # short payload
-        msgspec.msgpack.encode(
-            KVBlocksMessage(KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64), [b"k"], [[1, 2, 3, 4]], [bytes(64)])
+        [b"not msgpack at all", bytes(64)],
+        blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k"], [[1, 2, 3, 4]]), bytes(63)),  # short payload
+        blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k"], [[1, 2, 3, 4]]), bytes(128)),  # long payload
+        blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k", b"j"], [[1, 2, 3, 4]]), bytes(128)),  # keys != token lists
+        blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k"], [[1, 2, 3]]), bytes(64)),  # a short token list
+        blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k"], [[1, 2, 3, 4]]), bytes(64))[:1],  # no payload frame
+        [*blocks_message_frames(KVBlocksHeader(LAYOUT, [b"k"], [[1, 2, 3, 4]]), bytes(64)), b"extra"],
+        blocks_message_frames(
+            KVBlocksHeader(KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64), [b"k"], [[1, 2, 3, 4]]), bytes(64)
         ),
     ],
-    ids=["undecodable", "short-payload", "other-model"],
+    ids=["undecodable", "short-payload", "long-payload", "keys-vs-tokens", "short-tokens", "one-frame", "three-frames", "other-model"],
 )
-def test_corrupt_or_mismatched_transfers_are_refused(tmp_path, frame: bytes) -> None:
+def test_corrupt_or_mismatched_transfers_are_refused(tmp_path, frames: list[bytes]) -> None:
     consumer, push = _consumer(tmp_path, time.monotonic)
     try:
-        push.send(frame)
+        push.send_multipart(frames)
         _drain(consumer, 1)
         assert consumer.messages_refused == 1 and consumer.num_unclaimed_blocks == 0
     finally:
@@ -365,7 +369,7 @@ def test_waiting_for_a_transfer_is_bounded_released_by_its_id_and_forgotten_at_t
         assert not consumer.waits_for_transfer(plain)
         # An id-only message (no blocks) releases its request; a refused layout still does.
         other = KVLayout("other", 4, "float32", 1, (2, 4, 1, 2), 64)
-        push.send(msgspec.msgpack.encode(KVBlocksMessage(other, [], [], [], ["ta"])))
+        push.send_multipart(blocks_message_frames(KVBlocksHeader(other, [], [], ["ta"]), b""))
         deadline = time.monotonic() + 5
         while consumer.waits_for_transfer(waiting):
             assert time.monotonic() < deadline, "the transfer id never arrived"
@@ -386,3 +390,40 @@ def test_waiting_for_a_transfer_is_bounded_released_by_its_id_and_forgotten_at_t
     finally:
         push.close(0)
         consumer.close()
+
+
+def test_a_send_still_queued_keeps_its_bytes_while_the_next_is_gathered(tmp_path) -> None:
+    """The sender reuses a host buffer only after ZMQ has sent it. The consumer reads nothing until
+    all four 8 MiB sends are made (and holds at most one message), so later sends find earlier
+    buffers still queued: they must take fresh ones, and every message keeps its own bytes."""
+    import torch
+
+    from tokenmill.core.kv_connector_metadata import KVSendMetadata
+    from tokenmill.worker.kv_connector.transfer import KVSenderWorker, kv_layout
+
+    pool = [torch.randn(2, 8, 16, 8, 512) for _ in range(2)]
+    layout = kv_layout("m", 16, pool)
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVHWM, 1)
+    pull.setsockopt(zmq.RCVBUF, 1 << 16)
+    pull.bind(f"ipc://{tmp_path}/s")
+    sender = KVSenderWorker(pool, layout, f"ipc://{tmp_path}/s")
+    try:
+        time.sleep(0.2)  # let the PUSH socket connect (IMMEDIATE drops sends before that)
+        blocks = list(range(8))
+        sends = []
+        for round_ in range(4):
+            keys = [f"{round_}-{i}".encode() for i in blocks]
+            sender.start_load_kv(KVSendMetadata(blocks, keys, [[1] * 16] * 8, [f"t{round_}"]))
+            sends.append(b"".join(b"".join(t[:, i].numpy().tobytes() for t in pool) for i in blocks))
+            for t in pool:
+                t.add_(1.0)  # the blocks change before the earlier sends have left
+        assert sender.blocks_dropped == 0
+        assert len(sender._buffers) >= 2  # noqa: SLF001 - some send found the others' buffers queued
+        for sent in sends:
+            header, payload = pull.recv_multipart()
+            assert payload == sent
+    finally:
+        sender.release()
+        pull.close(0)

@@ -50,10 +50,11 @@ class KVSendMetadata(msgspec.Struct, tag="kv_send", array_like=True, omit_defaul
 
 class KVReceiveMetadata(msgspec.Struct, tag="kv_receive", array_like=True, omit_defaults=True):
     """A disaggregated consumer's loads for one step: received blocks' bytes (every layer tensor's
-    block, in the pool's tensor order) into the device blocks its requests start from."""
+    block, in the pool's tensor order) into the device blocks its requests start from. In process
+    the payloads are views into the received frames (no copy); encoded, they travel as bytes."""
 
     device_blocks: list[int] = []
-    payloads: list[bytes] = []
+    payloads: list[memoryview] = []
 
     @property
     def is_empty(self) -> bool:

@@ -1,23 +1,28 @@
 """Disaggregated prefill / decode, worker sides (core/kv_transfer.py decides; these copy).
 
-`KVSenderWorker` (producer): before the step's forward, gathers the bytes of the blocks the step's
-`KVSendMetadata` names (one block of every layer tensor, in the pool's order) and sends them with
-their keys and token ids as one `KVBlocksMessage` over ZMQ PUSH. A send that would block (no
-consumer, or one not reading) is dropped and logged: the consumer then computes those prompts.
+`KVSenderWorker` (producer): before the step's forward, gathers the blocks the step's
+`KVSendMetadata` names on the device (one block of every layer tensor, in the pool's order, block
+after block), copies them to a reusable host staging buffer (pinned on CUDA) and sends that buffer
+as it is, behind a msgspec header, over ZMQ PUSH. A send that would block (no consumer, or one not
+reading) is dropped and logged: the consumer then computes those prompts.
 
-`KVReceiverWorker` (consumer): copies the payloads of `KVReceiveMetadata` into device blocks.
+`KVReceiverWorker` (consumer): copies the claimed blocks' bytes (views into received frames) into
+a reusable staging buffer, moves it to the device in one copy and scatters it into the blocks.
+
+Staging buffers are reused only once nothing reads them any more: a send's buffer once ZMQ has
+sent it (its tracker), a load's once its host-to-device copy has run (its event).
 """
 
 from __future__ import annotations
 
 import logging
 
-import msgspec
+import numpy as np
 import torch
 import zmq
 
 from tokenmill.core.kv_connector_metadata import KVConnectorMetadata, KVReceiveMetadata, KVSendMetadata
-from tokenmill.core.kv_transfer import KVBlocksMessage, KVLayout
+from tokenmill.core.kv_transfer import KVBlocksHeader, KVLayout, blocks_message_frames
 from tokenmill.worker.kv_connector.base import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,11 @@ def _byte_views(kv_cache_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(torch.uint8) for t in kv_cache_tensors]
 
 
+def _host_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
+    # Pinned on CUDA so copies to and from the device run at full speed and asynchronously.
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
 class KVSenderWorker(KVConnectorWorker):
     def __init__(self, kv_cache_tensors: list[torch.Tensor], layout: KVLayout, address: str) -> None:
         self.tensors = _byte_views(kv_cache_tensors)
@@ -55,56 +65,97 @@ class KVSenderWorker(KVConnectorWorker):
         # dropped at once instead of piling up for a peer that may never come.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(address)
-        self._encoder = msgspec.msgpack.Encoder()
+        # Host buffers with the tracker of the send that still reads each (None: free).
+        self._buffers: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
         self.blocks_dropped = 0
+
+    def _free_buffer(self, num_bytes: int) -> int:
+        """A host buffer no queued send reads any more, of at least `num_bytes`: its index."""
+        for index, (buffer, tracker) in enumerate(self._buffers):
+            if tracker is None or tracker.done:
+                if buffer.numel() < num_bytes:
+                    buffer = _host_buffer(num_bytes, self.tensors[0].device)
+                self._buffers[index] = (buffer, None)
+                return index
+        # Every buffer is still queued towards the consumer (at most SEND_HIGH_WATER_MARK of them).
+        self._buffers.append((_host_buffer(num_bytes, self.tensors[0].device), None))
+        return len(self._buffers) - 1
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, KVSendMetadata):
             raise TypeError(f"a KV producer got {type(metadata).__name__} metadata")
-        blocks = torch.tensor(metadata.device_blocks, dtype=torch.long, device=self.tensors[0].device)
-        payloads: list[bytes] = []
-        if len(blocks):  # a batch may only announce transfer ids (requests with no full block)
-            # [num_blocks, bytes of one block of every tensor], on the host.
-            rows = torch.cat(
-                [t.index_select(1, blocks).transpose(0, 1).reshape(len(blocks), -1) for t in self.tensors], dim=1
-            ).cpu()
-            payloads = [row.numpy().tobytes() for row in rows]
-        message = KVBlocksMessage(self.layout, metadata.keys, metadata.token_ids, payloads, metadata.transfer_ids)
+        header = KVBlocksHeader(self.layout, metadata.keys, metadata.token_ids, metadata.transfer_ids)
+        num = len(metadata.device_blocks)
+        index = None
+        payload = memoryview(b"")
+        if num:  # a batch may only announce transfer ids (requests with no full block)
+            device = self.tensors[0].device
+            blocks = torch.tensor(metadata.device_blocks, dtype=torch.long, device=device)
+            # [tensors, 2, num, block bytes] -> [num, tensors, 2, block bytes]: block after block,
+            # rearranged on the device (fast there) so the host receives one contiguous run.
+            gathered = torch.stack([t.index_select(1, blocks).flatten(2) for t in self.tensors])
+            rows = gathered.permute(2, 0, 1, 3).contiguous().view(-1)
+            index = self._free_buffer(rows.numel())
+            host = self._buffers[index][0][: rows.numel()]
+            host.copy_(rows, non_blocking=device.type == "cuda")
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the bytes must be on the host to send
+            payload = memoryview(host.numpy())
         try:
-            self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
+            tracker = self._socket.send_multipart(
+                blocks_message_frames(header, payload), zmq.NOBLOCK, copy=False, track=True
+            )
         except zmq.Again:
-            self.blocks_dropped += len(blocks)
+            self.blocks_dropped += num
             logger.warning(
                 "KV consumer at %s is not taking blocks: dropped %d and transfers %s (it will compute those "
-                "prompts)", self.address, len(blocks), metadata.transfer_ids,
+                "prompts)", self.address, num, metadata.transfer_ids,
             )  # fmt: skip
+            return
+        if index is not None:
+            self._buffers[index] = (self._buffers[index][0], tracker)
 
     def wait_for_load(self) -> None:
-        pass  # the gather above already read the blocks (its .cpu() waited for the device)
+        pass  # start_load_kv waited for the device-to-host copy before sending
 
     def release(self) -> None:
         self._socket.close(0)
         self.tensors = []
+        self._buffers = []
 
 
 class KVReceiverWorker(KVConnectorWorker):
     def __init__(self, kv_cache_tensors: list[torch.Tensor], layout: KVLayout) -> None:
         self.tensors = _byte_views(kv_cache_tensors)
         self.layout = layout
+        self._staging: torch.Tensor | None = None
+        self._staging_read: torch.cuda.Event | None = None  # the last host-to-device copy from it
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, KVReceiveMetadata):
             raise TypeError(f"a KV consumer got {type(metadata).__name__} metadata")
         device = self.tensors[0].device
         num = len(metadata.device_blocks)
-        data = torch.frombuffer(bytearray(b"".join(metadata.payloads)), dtype=torch.uint8).view(num, -1)
+        block_bytes = self.layout.bytes_per_block
+        if self._staging_read is not None:
+            self._staging_read.synchronize()  # the previous load's copy may still read the buffer
+        if self._staging is None or self._staging.numel() < num * block_bytes:
+            self._staging = _host_buffer(num * block_bytes, device)
+        staging = self._staging[: num * block_bytes].view(num, block_bytes)
+        host_rows = staging.numpy()
+        for row, payload in enumerate(metadata.payloads):
+            host_rows[row] = np.frombuffer(payload, dtype=np.uint8)
+        on_device = device.type == "cuda"
+        data = staging.to(device, non_blocking=True) if on_device else staging
+        if on_device:
+            self._staging_read = torch.cuda.Event()
+            self._staging_read.record(torch.cuda.current_stream(device))
         blocks = torch.tensor(metadata.device_blocks, dtype=torch.long, device=device)
         offset = 0
         for tensor in self.tensors:
-            block_shape = (tensor.shape[0], *tensor.shape[2:])
             size = tensor[:, 0].numel()
-            rows = data[:, offset : offset + size].reshape(num, *block_shape).transpose(0, 1)
-            tensor.index_copy_(1, blocks, rows.to(device, non_blocking=False))
+            rows = data[:, offset : offset + size].reshape(num, tensor.shape[0], *tensor.shape[2:]).transpose(0, 1)
+            tensor.index_copy_(1, blocks, rows)
             offset += size
 
     def wait_for_load(self) -> None:
