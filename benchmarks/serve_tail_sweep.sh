@@ -6,7 +6,8 @@
 # requests spent their time (bench/tail.py).
 #   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
 # Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
-# TAG (result-name suffix). The result JSON goes to $OUT; the server and bench logs and the traces
+# TAG (result-name suffix), SATURATION_CONCURRENCY (unset: "inf" sends every prompt at once; N: a
+# closed loop that keeps N requests in flight, a new one as each finishes, named "-cN"). The result JSON goes to $OUT; the server and bench logs and the traces
 # are packed into one $OUT/serve-tail-sweep$TAG-logs.tgz at the end (the device tool returns only a
 # few files per call).
 set -u
@@ -40,10 +41,20 @@ for rate in $RATES; do
     echo "rate $rate: server not healthy"; tail -30 "$OUT/server-rate-$rate$TAG.log"; kill $server 2>/dev/null; exit 1
   fi
   echo "rate $rate: server healthy after $(python3 -c "import time; print(round(time.time() - $started, 1))") s"
-  if [ "$rate" = inf ]; then n=$SATURATION_PROMPTS; else n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))"); fi
+  limit=()
+  name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate$TAG"
+  if [ "$rate" = inf ]; then
+    n=$SATURATION_PROMPTS
+    if [ -n "${SATURATION_CONCURRENCY:-}" ]; then
+      limit=(--max-concurrency "$SATURATION_CONCURRENCY")
+      name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-inf-c$SATURATION_CONCURRENCY$TAG"
+    fi
+  else
+    n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))")
+  fi
   timeout 300 "${TOKENMILL[@]}" bench serve --dataset-name random --random-input-len 512 --random-output-len 256 \
-    --num-prompts "$n" --request-rate "$rate" --ignore-eos --disable-tqdm --server-trace-dir "$trace" \
-    --save-result --result-dir "$OUT" --result-filename "serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate$TAG" 2>&1 |
+    --num-prompts "$n" --request-rate "$rate" "${limit[@]}" --ignore-eos --disable-tqdm --server-trace-dir "$trace" \
+    --save-result --result-dir "$OUT" --result-filename "$name" 2>&1 |
     tee "$OUT/bench-rate-$rate$TAG.log" | grep -vE "^(Total|Request|Benchmark|Successful|Maximum)" | tail -34
   kill -TERM $server
   wait $server
