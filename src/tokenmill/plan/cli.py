@@ -73,7 +73,8 @@ def render(plan: dict) -> str:
     lines += [
         f"  batch 1: roofline {b['roofline_tokens_per_s']:.1f} tok/s, predicted {b['predicted_tokens_per_s']:.1f} tok/s "
         f"(TPOT {b['tpot_ms']:.2f} ms)",
-        f"  at concurrency {c['concurrency']} ({c['input_len']} in / {c['output_len']} out): TTFT {c['ttft_ms']:.0f} ms, "
+        f"  at concurrency {c['concurrency']} ({c['input_len']} in / {c['output_len']} out): TTFT {c['ttft_ms']:.0f} ms "
+        f"in the engine ({c['served_ttft_ms']:.0f} ms streamed through the API server), "
         f"TPOT {c['tpot_ms']:.2f} ms, {c['output_tokens_per_s']:,.0f} output tok/s "
         f"({c['total_tokens_per_s']:,.0f} total), {c['requests_per_s']:.2f} req/s",
     ]
@@ -87,6 +88,8 @@ def render(plan: dict) -> str:
         lines.append(f"  warning: {plan['warning']}")
     calibration = "calibrated by" if plan["calibrated"] else "UNCALIBRATED,"
     lines.append(f"  ({calibration} {plan['calibration_source']}; GPU: {plan['gpu_source']})")
+    host = plan["host_cost"]
+    lines.append(f"  (API server: {host['per_stream_ms']:.2f} ms of TTFT per stream in flight, from {host['source']})")
     return "\n".join(lines)
 
 
