@@ -89,7 +89,7 @@ def render(plan: dict) -> str:
     calibration = "calibrated by" if plan["calibrated"] else "UNCALIBRATED,"
     lines.append(f"  ({calibration} {plan['calibration_source']}; GPU: {plan['gpu_source']})")
     host = plan["host_cost"]
-    lines.append(f"  (API server: {host['per_stream_ms']:.2f} ms of TTFT per stream in flight, from {host['source']})")
+    lines.append(f"  (API server: {host['per_stream_ms']:.2f} ms of TTFT per stream in flight: {host['source']})")
     return "\n".join(lines)
 
 

@@ -53,8 +53,8 @@ def fit_host_cost(serve_file: Path) -> float:
 # Fitted by fit_host_cost() (a test checks the two agree).
 HOST_COST = HostCost(
     per_stream_s=0.4122e-3,
-    source="serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json (api_in + engine_to_api + api_to_client "
-    "medians 2.8 + 0.5 + 12.0 ms at 37 streams in flight), the H100 machine's host",
+    source="the H100 machine's, fitted on serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json (api_in + "
+    "engine_to_api + api_to_client medians 2.8 + 0.5 + 12.0 ms at 37 streams in flight)",
 )
 
 
@@ -62,4 +62,4 @@ def host_cost_for(gpu_name: str) -> HostCost:
     """The calibrated host cost; machines other than the H100's borrow it and say so."""
     if gpu_name == "H100":
         return HOST_COST
-    return HostCost(HOST_COST.per_stream_s, f"no traced serving run on a {gpu_name} host fitted: the H100 host's ({HOST_COST.source})")
+    return HostCost(HOST_COST.per_stream_s, f"no traced serving run on a {gpu_name} machine; borrowed: {HOST_COST.source}")
