@@ -6,8 +6,10 @@ are host CPU, not GPU: `api_in` (HTTP and tokenization, waiting for a busy event
 `engine_to_api` (the API server takes the step's outputs off its socket) and `api_to_client` (the
 step's outputs are detokenized, formatted as SSE chunks and written, then read by the client). Each
 engine step hands the API server one output per running stream, and single-threaded event loops
-(the API server's, the client's) work through them in turn, so a stream's first chunk waits behind
-the chunks of the other streams in flight: the host's share grows with the concurrency C. In the
+(the API server's, the client's) work through them in turn. A new stream's first token comes last
+in its step's outputs (the scheduler fills a batch with the running requests first, then the
+admitted ones, core/scheduler.py), so the API server detokenizes and delivers the C others first,
+and its handler is woken last: the host's share grows with the concurrency C. In the
 H100 traces at `0c78bdb` it does: 15.3, 27.1, 46.1 ms (sums of the three stages' medians) at C = 37,
 72, 142 (16, 24, 32 req/s), while the engine's own stages (to_engine, queued, prefill) follow the
 roofline model's TTFT.
