@@ -52,16 +52,21 @@ def fit_host_cost(serve_file: Path) -> float:
     return stage_sum_ms(metrics, HOST_STAGES) / 1000 / littles_law_concurrency(metrics)
 
 
-# Fitted by fit_host_cost() (a test checks the two agree).
-HOST_COST = HostCost(
-    per_stream_s=0.4122e-3,
-    source="the H100 machine's, fitted on serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json (api_in + "
-    "engine_to_api + api_to_client medians 2.8 + 0.5 + 12.0 ms at 37 streams in flight)",
-)
+# Fitted by fit_host_cost() (a test checks the two agree). Per machine: add a GPU's machine with a
+# traced `bench serve` run of its own (benchmarks/serve_tail_sweep.sh at a low rate).
+HOST_COSTS: dict[str, HostCost] = {
+    "H100": HostCost(
+        per_stream_s=0.4122e-3,
+        source="the H100 machine's, fitted on serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json (api_in + "
+        "engine_to_api + api_to_client medians 2.8 + 0.5 + 12.0 ms at 37 streams in flight)",
+    ),
+}
+HOST_COST = HOST_COSTS["H100"]
 
 
 def host_cost_for(gpu_name: str) -> HostCost:
-    """The calibrated host cost; machines other than the H100's borrow it and say so."""
-    if gpu_name == "H100":
-        return HOST_COST
+    """The machine's fitted host cost, else the H100 machine's, saying so."""
+    known = HOST_COSTS.get(gpu_name)
+    if known is not None:
+        return known
     return HostCost(HOST_COST.per_stream_s, f"no traced serving run on a {gpu_name} machine; borrowed: {HOST_COST.source}")
