@@ -483,3 +483,13 @@ def test_plan_main_returns_nonzero_when_it_does_not_fit(capsys):
     )  # fmt: skip
     assert plan_main(args) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_plan_help_names_its_outputs_and_docs(capsys):
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "streamed through the API server" in text and "docs/PLANNER.md" in text and "--concurrency" in text

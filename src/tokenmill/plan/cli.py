@@ -11,6 +11,13 @@ from tokenmill.plan.gpu_specs import GPUS, gpu_spec
 from tokenmill.plan.model_bytes import QUANTIZATIONS
 from tokenmill.plan.planner import PlanRequest, make_plan
 
+DESCRIPTION = (
+    "Weight and KV bytes, maximum concurrency, the batch-1 roofline, and at a concurrency the TTFT "
+    "(the engine's, and streamed through the API server: plus its time per stream in flight), TPOT, "
+    "tok/s and $ per million tokens, from a roofline model calibrated by our own benchmark runs. "
+    "Outputs and errors: docs/PLANNER.md."
+)
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model directory or .gguf file, a Hub id in the cache, or a config.json")
