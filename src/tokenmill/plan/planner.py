@@ -140,6 +140,8 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         "api_server_ttft_ms": 1000 * api_server_s,
         "served_ttft_ms": 1000 * (pred.ttft_s + api_server_s),
         "tpot_ms": 1000 * pred.tpot_s,
+        "decode_step_ms": 1000 * pred.step_s,  # the C running requests' decode-only step
+        "prefill_step_ms": 1000 * pred.mixed_step_s,  # a step that prefills one prompt among C - 1 decodes
         "e2e_s": pred.ttft_s + (req.output_len - 1) * pred.tpot_s,
         "output_tokens_per_s": pred.output_tokens_per_s,
         "total_tokens_per_s": total_tps,
