@@ -421,7 +421,7 @@ def _shares(gpu: str, result: str) -> tuple[dict, dict]:
         pytest.param(
             *SERVE_HOST_CALIBRATION,
             marks=pytest.mark.xfail(
-                strict=True, reason="+55 %: the H100's 19.8 ms first-token overhead, fitted on dc9b65a's single stream"
+                strict=True, reason="+55 %: the H100's 19.9 ms first-token overhead, fitted on dc9b65a's single stream"
             ),
         ),
     ],
