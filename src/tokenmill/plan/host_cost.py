@@ -11,8 +11,8 @@ in its step's outputs (the scheduler fills a batch with the running requests fir
 admitted ones, core/scheduler.py), so the API server detokenizes and delivers the C others first,
 and its handler is woken last: the host's share grows with the concurrency C. In the
 H100 traces at `0c78bdb` it does: 15.3, 27.1, 46.1 ms (sums of the three stages' medians) at C = 37,
-72, 142 (16, 24, 32 req/s), while the engine's own stages (to_engine, queued, prefill) follow the
-roofline model's TTFT.
+72, 142 (16, 24, 32 req/s); the engine's own stages (to_engine, queued, prefill) are what the
+roofline model's TTFT predicts (tests/unit/test_planner.py checks both shares against the traces).
 
 The model: host share = per_stream_s x C, with per_stream_s fitted on one traced run (fit_host_cost):
 its three stages' medians over its Little's-law concurrency. The cost is the host's CPU, not the GPU's;
