@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.plan import cli as plan_cli
 
     plan_cli.add_cli_args(
-        sub.add_parser("plan", help="capacity and cost of a model on a GPU for a workload (no weights loaded)")
+        sub.add_parser(
+            "plan",
+            help="capacity and cost of a model on a GPU for a workload (no weights loaded)",
+            description=plan_cli.DESCRIPTION,
+        )
     )
 
     bench = sub.add_parser("bench", help="benchmarks")

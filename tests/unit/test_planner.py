@@ -17,6 +17,14 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.plan import calibration
 from tokenmill.plan.cli import main as plan_main
 from tokenmill.plan.gpu_specs import GPUS, gpu_spec
+from tokenmill.plan.host_cost import (
+    ENGINE_STAGES,
+    HOST_COST,
+    HOST_STAGES,
+    fit_host_cost,
+    littles_law_concurrency,
+    stage_sum_ms,
+)
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
 from tokenmill.plan.planner import PlanRequest, make_plan
 
@@ -331,45 +339,117 @@ def test_serving_tpot_at_the_measured_concurrency_holds(gpu, result):
     assert within(tpot, run["mean_tpot_ms"]), (concurrency, tpot, run["mean_tpot_ms"])
 
 
-SERVE_TTFT_RUNS = [
-    ("H100", "serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json"),
+def _serve_ttft(gpu: str, result: str) -> tuple[float, float]:
+    run = metrics(result)
+    concurrency = littles_law_concurrency(run)
+    return predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["served_ttft_ms"], run["median_ttft_ms"]
+
+
+def test_host_cost_matches_its_calibration_file():
+    """The API server's cost per stream in flight (host_cost.py) is what fit_host_cost gives from
+    its one calibration run, the traced H100 run at 16 req/s."""
+    assert HOST_COST.per_stream_s == pytest.approx(fit_host_cost(RESULTS / SERVE_HOST_CALIBRATION[1]), rel=1e-3)
+    assert SERVE_HOST_CALIBRATION[1] in HOST_COST.source
+
+
+# The served TTFT (`bench serve`'s client, Poisson arrivals, streaming) = the engine's TTFT (the
+# roofline model) + the host's share (host_cost.py: per stream in flight, fitted on this run's API
+# stages). Calibration point of the host cost; its engine share is a prediction.
+SERVE_HOST_CALIBRATION = ("H100", "serve-tail-llama-3.1-8b-h100-rate-16-0c78bdb.json")
+# Held out (none of them fitted anything): the H100 at 24 and 32 req/s (same tree and host as the
+# calibration run), the H200 at 4 / 8 / 16 req/s (`6a0e8f3`) and at 24 / 32 req/s (`57007fe`,
+# traced), whose host borrows the H100 host's cost.
+SERVE_TTFT_HELD_OUT = [
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-24-0c78bdb.json"),
+    ("H100", "serve-tail-llama-3.1-8b-h100-rate-32-0c78bdb.json"),
     ("H200", "serve-llama-3.1-8b-h200-rate-4.json"),
     ("H200", "serve-llama-3.1-8b-h200-rate-8.json"),
     ("H200", "serve-llama-3.1-8b-h200-rate-16.json"),
-]
-# Not held: at 24 and 32 req/s on the H100 the API server's own stages (its event loop under
-# ~6,000-7,500 SSE chunks/s: `api_in` + `to_engine` + `api_to_client` p50s 5.3 + 7.0 + 21 ms of the
-# 75 ms median at 24 req/s, BENCHMARKS.md) are what the model lacks; the engine's share it predicts.
-# And the H100 at 8 req/s of `b5c6bbd` (median 72 ms; 44 ms at 0c78bdb, after the serving-tail fixes).
-SERVE_TTFT_MISSES = [
-    ("H100", "serve-llama-3.1-8b-h100-seams-b5c6bbd-rate-8-1.json"),
-    ("H100", "serve-tail-llama-3.1-8b-h100-rate-24-0c78bdb.json"),
-    ("H100", "serve-tail-llama-3.1-8b-h100-rate-32-0c78bdb.json"),
+    ("H200", "serve-tail-llama-3.1-8b-h200-rate-24-57007fe.json"),
+    ("H200", "serve-tail-llama-3.1-8b-h200-rate-32-57007fe.json"),
 ]
 
 
-def _serve_ttft(gpu: str, result: str) -> tuple[float, float]:
+@pytest.mark.parametrize(("gpu", "result"), [SERVE_HOST_CALIBRATION, *SERVE_TTFT_HELD_OUT])
+def test_served_ttft_at_the_measured_concurrency_holds(gpu, result):
+    """The median TTFT of `bench serve`. The engine's share charges the residual of the step a
+    random arrival lands in, the step async scheduling has already launched and its own prefill
+    step; the host's share the API server's and the client's time per stream in flight. Before
+    (the engine's share alone, its own step a decode step plus a prompt) the H100 at 24 / 32 req/s
+    was -32 % / -49 % and the H200 at 24 / 32 req/s -40 % / -51 %."""
+    got, recorded = _serve_ttft(gpu, result)
+    assert within(got, recorded), (got, recorded)
+
+
+# Not held: the H100 at 8 req/s of `b5c6bbd`, a tree before the serving-tail fixes (median 72 ms
+# with in-request stalls; 44 ms at 8 req/s on `0c78bdb`).
+@pytest.mark.xfail(strict=True, reason="in-request stalls (JIT compiles, GC) before 0c78bdb, not modelled")
+def test_served_ttft_before_the_serving_tail_fixes_is_a_known_miss():
+    got, recorded = _serve_ttft("H100", "serve-llama-3.1-8b-h100-seams-b5c6bbd-rate-8-1.json")
+    assert within(got, recorded), (got, recorded)
+
+
+TRACED_HELD_OUT = [r for r in SERVE_TTFT_HELD_OUT if r[1].startswith("serve-tail-")]
+
+
+@pytest.mark.parametrize(("gpu", "result"), [SERVE_HOST_CALIBRATION, *TRACED_HELD_OUT])
+def test_decode_and_prefill_steps_hold_against_the_step_trace(gpu, result):
+    """Held out: the steps the serving TTFT is made of, against the engine's step trace of the same
+    run (metrics.tail.steps: each step's gap, decode-only steps in a CUDA graph and steps with a
+    prefill chunk, medians). A step that prefills a prompt among C - 1 decodes costs the longer of
+    the weights' bytes and all its rows' FLOPs: charged as a decode step plus a prompt, as the TTFT
+    did before, it was 17.9 vs 11.8 ms on the H100 at 16 req/s (+52 %)."""
     run = metrics(result)
-    concurrency = round(run["request_throughput"] * run["mean_e2el_ms"] / 1000)
-    return predicted("llama-3.1-8b", gpu, concurrency)["at_concurrency"]["ttft_ms"], run["median_ttft_ms"]
+    plan = predicted("llama-3.1-8b", gpu, littles_law_concurrency(run))["at_concurrency"]
+    gaps = run["tail"]["steps"]["gap_ms"]
+    assert within(plan["decode_step_ms"], gaps["graph_decode"]["p50"]), (plan["decode_step_ms"], gaps)
+    assert within(plan["prefill_step_ms"], gaps["with_prefill"]["p50"]), (plan["prefill_step_ms"], gaps)
 
 
-@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_RUNS)
-def test_serving_ttft_at_the_measured_concurrency_holds(gpu, result):
-    """Held out: the median TTFT of `bench serve` (Poisson arrivals). The model charges the prompt's
-    step, the half step a random arrival waits and the step async scheduling has already launched;
-    without those two (prefill + one step) it was about 2x too low."""
-    got, recorded = _serve_ttft(gpu, result)
-    assert within(got, recorded), (got, recorded)
+def _shares(gpu: str, result: str) -> tuple[dict, dict]:
+    """(predicted, traced) engine and host shares of the TTFT, ms; traced = sums of stage medians."""
+    run = metrics(result)
+    plan = predicted("llama-3.1-8b", gpu, littles_law_concurrency(run))["at_concurrency"]
+    got = {"engine": plan["ttft_ms"], "host": plan["api_server_ttft_ms"]}
+    return got, {"engine": stage_sum_ms(run, ENGINE_STAGES), "host": stage_sum_ms(run, HOST_STAGES)}
 
 
-@pytest.mark.parametrize(("gpu", "result"), SERVE_TTFT_MISSES)
-@pytest.mark.xfail(
-    strict=True, reason="not modelled: the API server's time under load; in-request stalls before 0c78bdb"
+@pytest.mark.parametrize(
+    ("gpu", "result"),
+    [
+        *TRACED_HELD_OUT,
+        pytest.param(
+            *SERVE_HOST_CALIBRATION,
+            marks=pytest.mark.xfail(
+                strict=True, reason="+55 %: the H100's 19.9 ms first-token overhead, fitted on dc9b65a's single stream"
+            ),
+        ),
+    ],
 )
-def test_serving_ttft_under_heavy_load_is_a_known_miss(gpu, result):
-    got, recorded = _serve_ttft(gpu, result)
-    assert within(got, recorded), (got, recorded)
+def test_engine_share_of_the_ttft_holds_against_the_trace(gpu, result):
+    """Held out, stage by stage: the roofline model's TTFT against the traced engine stages
+    (to_engine + queued + prefill medians). At 16 req/s on the H100 the engine's share is
+    over-predicted (45.5 vs 29.4 ms): the H100's first-token overhead comes from a single stream at
+    `dc9b65a` (TTFT 29-31 ms in its three runs; 17-21 ms in the second call of later trees), which
+    the 0c78bdb serving tree does not pay; at 24 / 32 req/s the waits the model lacks make up for it."""
+    got, traced = _shares(gpu, result)
+    assert within(got["engine"], traced["engine"]), (got, traced)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "result"),
+    [
+        TRACED_HELD_OUT[0],
+        pytest.param(*TRACED_HELD_OUT[1], marks=pytest.mark.xfail(strict=True, reason="+27 %: the host stages grow slower than C (0.41, 0.38, 0.32 ms a stream at 16, 24, 32 req/s)")),
+        pytest.param(*TRACED_HELD_OUT[2], marks=pytest.mark.xfail(strict=True, reason="+54 %: the H200 machine's host stages, 0.27 ms a stream, against the borrowed 0.41")),
+        pytest.param(*TRACED_HELD_OUT[3], marks=pytest.mark.xfail(strict=True, reason="+68 %: the H200 machine's host stages, 0.25 ms a stream, against the borrowed 0.41")),
+    ],
+)
+def test_host_share_of_the_ttft_against_the_trace(gpu, result):
+    """Held out, stage by stage: the host's share (per stream in flight x concurrency) against the
+    traced host stages (api_in + engine_to_api + api_to_client medians)."""
+    got, traced = _shares(gpu, result)
+    assert within(got["host"], traced["host"]), (got, traced)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -382,10 +462,15 @@ def test_plan_command_json_and_text(capsys):
     assert main(["plan", config, "--gpu", "h100", "--input-len", "512", "--output-len", "256", "--price-per-hour", "3", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["cost"]["usd_per_million_output_tokens"] > 0
+    at = plan["at_concurrency"]
+    assert at["served_ttft_ms"] == pytest.approx(at["ttft_ms"] + at["api_server_ttft_ms"])
+    assert at["api_server_ttft_ms"] == pytest.approx(at["concurrency"] * plan["host_cost"]["per_stream_ms"])
+    assert plan["host_cost"]["source"] == HOST_COST.source  # the H100's host is the calibrated one
     assert plan["max_concurrency"]["at_max_model_len"] == pytest.approx(plan["kv_cache"]["capacity_tokens"] / 131072)
     assert main(["plan", str(CONFIGS / "gemma-2-9b"), "--gpu", "L40S", "--tp", "2", "--input-len", "100", "--output-len", "10"]) == 0
     text = capsys.readouterr().out
     assert "UNCALIBRATED" in text and "2 x L40S" in text and "TPOT" in text
+    assert "streamed through the API server" in text and "no traced serving run on a L40S machine" in text
     # 61 GB of Qwen3-30B-A3B weights do not leave room on an L40S.
     assert main(["plan", str(CONFIGS / "qwen3-30b-a3b"), "--gpu", "L40S", "--input-len", "8", "--output-len", "8"]) == 1
     assert "does not fit" in capsys.readouterr().out
@@ -413,3 +498,13 @@ def test_plan_main_returns_nonzero_when_it_does_not_fit(capsys):
     )  # fmt: skip
     assert plan_main(args) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_plan_help_names_its_outputs_and_docs(capsys):
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "streamed through the API server" in text and "docs/PLANNER.md" in text and "--concurrency" in text

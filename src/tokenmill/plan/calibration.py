@@ -77,7 +77,7 @@ def fit_attention(gpu: GpuSpec, arch: ArchConfig, profile_file: Path, batch: int
 # Fitted by fit() at the commit that added it; the files are in benchmarks/results/.
 CALIBRATION: dict[str, Calibration] = {
     "H100": Calibration(
-        Efficiency(0.8373, 0.7096, 0.01981, ATTENTION_BANDWIDTH_EFFICIENCY),
+        Efficiency(0.8373, 0.7123, 0.01985, ATTENTION_BANDWIDTH_EFFICIENCY),
         visible_memory_bytes=81559 * 2**20,  # nvidia-smi's 81,559 MiB of an H100 80GB HBM3
         # 0.9 x 81,559 MiB - 16.06 GB weights - 27,229 blocks x 2 MiB (fp8-kv-llama-3.1-8b-h100-engine.json)
         memory_overhead_bytes=3.8e9,
@@ -86,7 +86,7 @@ CALIBRATION: dict[str, Calibration] = {
         "fp8-kv-llama-3.1-8b-h100-engine.json",
     ),
     "H200": Calibration(
-        Efficiency(0.8020, 0.6514, 0.00369, ATTENTION_BANDWIDTH_EFFICIENCY),
+        Efficiency(0.8020, 0.6538, 0.00373, ATTENTION_BANDWIDTH_EFFICIENCY),
         visible_memory_bytes=139.8 * GIB,  # BENCHMARKS.md, "GPU: NVIDIA H200": 139.8 GiB visible
         # 0.9 x 139.8 GiB - 16.06 GB weights - 55,347 blocks x 2 MiB (BENCHMARKS.md, same section)
         memory_overhead_bytes=3.0e9,
@@ -156,13 +156,13 @@ class FormatFactor:
 # fit_format() over these files gives the numbers (a test checks they agree).
 FORMAT_FACTORS: dict[str, FormatFactor] = {
     "fp8": FormatFactor(
-        0.7980, 0.7799, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"
+        0.7980, 0.7814, "latency-llama-3.1-8b-fp8-h100.json, throughput-llama-3.1-8b-fp8-h100.json"
     ),
     "int4": FormatFactor(
         0.5912, 0.7512, "latency-llama-3.1-8b-awq-h100.json, throughput-llama-3.1-8b-awq-h100.json"
     ),
     "moe": FormatFactor(
-        0.4926, 0.1522, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"
+        0.4926, 0.1511, "latency-qwen3-30b-a3b-h100-827f681.json, throughput-qwen3-30b-a3b-h100-827f681.json"
     ),
 }
 

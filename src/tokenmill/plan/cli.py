@@ -11,6 +11,13 @@ from tokenmill.plan.gpu_specs import GPUS, gpu_spec
 from tokenmill.plan.model_bytes import QUANTIZATIONS
 from tokenmill.plan.planner import PlanRequest, make_plan
 
+DESCRIPTION = (
+    "Weight and KV bytes, maximum concurrency, the batch-1 roofline, and at a concurrency the TTFT "
+    "(the engine's, and streamed through the API server: plus its time per stream in flight), TPOT, "
+    "tok/s and $ per million tokens, from a roofline model calibrated by our own benchmark runs. "
+    "Outputs and errors: docs/PLANNER.md."
+)
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model directory or .gguf file, a Hub id in the cache, or a config.json")
@@ -73,7 +80,8 @@ def render(plan: dict) -> str:
     lines += [
         f"  batch 1: roofline {b['roofline_tokens_per_s']:.1f} tok/s, predicted {b['predicted_tokens_per_s']:.1f} tok/s "
         f"(TPOT {b['tpot_ms']:.2f} ms)",
-        f"  at concurrency {c['concurrency']} ({c['input_len']} in / {c['output_len']} out): TTFT {c['ttft_ms']:.0f} ms, "
+        f"  at concurrency {c['concurrency']} ({c['input_len']} in / {c['output_len']} out): TTFT {c['ttft_ms']:.0f} ms "
+        f"in the engine ({c['served_ttft_ms']:.0f} ms streamed through the API server), "
         f"TPOT {c['tpot_ms']:.2f} ms, {c['output_tokens_per_s']:,.0f} output tok/s "
         f"({c['total_tokens_per_s']:,.0f} total), {c['requests_per_s']:.2f} req/s",
     ]
@@ -87,6 +95,8 @@ def render(plan: dict) -> str:
         lines.append(f"  warning: {plan['warning']}")
     calibration = "calibrated by" if plan["calibrated"] else "UNCALIBRATED,"
     lines.append(f"  ({calibration} {plan['calibration_source']}; GPU: {plan['gpu_source']})")
+    host = plan["host_cost"]
+    lines.append(f"  (API server: {host['per_stream_ms']:.2f} ms of TTFT per stream in flight: {host['source']})")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from tokenmill.model.arch import ArchConfig
 from tokenmill.plan.calibration import FORMAT_FACTORS, all_reduce_for, calibration_for, for_format, format_key
 from tokenmill.plan.gpu_specs import GpuSpec
+from tokenmill.plan.host_cost import host_cost_for
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
 from tokenmill.plan.roofline import Machine, Workload, model_shape, predict
 
@@ -126,12 +127,21 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         "predicted_tokens_per_s": pred.batch1_tokens_per_s,
         "tpot_ms": 1000 / pred.batch1_tokens_per_s,
     }
+    host = host_cost_for(gpu.name)
+    api_server_s = host.per_stream_s * concurrency
+    plan["host_cost"] = {"per_stream_ms": 1000 * host.per_stream_s, "source": host.source}
     plan["at_concurrency"] = {
         "concurrency": concurrency,
         "input_len": req.input_len,
         "output_len": req.output_len,
-        "ttft_ms": 1000 * pred.ttft_s,
+        "ttft_ms": 1000 * pred.ttft_s,  # the engine's: arrival in the engine to its first token
+        # What a streaming client of the API server sees: the engine's plus the host's share
+        # (host_cost.py), the API server and the client working through the other streams' chunks.
+        "api_server_ttft_ms": 1000 * api_server_s,
+        "served_ttft_ms": 1000 * (pred.ttft_s + api_server_s),
         "tpot_ms": 1000 * pred.tpot_s,
+        "decode_step_ms": 1000 * pred.step_s,  # the C running requests' decode-only step
+        "prefill_step_ms": 1000 * pred.mixed_step_s,  # a step that prefills one prompt among C - 1 decodes
         "e2e_s": pred.ttft_s + (req.output_len - 1) * pred.tpot_s,
         "output_tokens_per_s": pred.output_tokens_per_s,
         "total_tokens_per_s": total_tps,

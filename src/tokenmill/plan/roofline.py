@@ -17,10 +17,14 @@ x prefill_efficiency.
 
 Serving C requests at once, each I in / O out, in steady state:
   TPOT = step(C) + (C - 1) x prefill(I) / O    (the other requests' prefills share the steps)
-  TTFT = prefill(I) + first_token_overhead, and when C > 1 also ARRIVAL_WAIT_STEPS x step(C): a
-         request arriving at a random time waits half a step for the one running to end, then one
-         more (with async scheduling the engine has already launched the next step when it admits
-         it), then its own prefill step carries the C - 1 decodes as well (one more step(C))
+  TTFT = prefill(I) + first_token_overhead at C = 1. When C > 1 a request arrives at a random time
+         (Poisson) into a stream of decode-only steps, step(C), and steps that also prefill a
+         prompt, mixed(C): C - 1 decodes and I prompt tokens through the linear layers in one
+         read of the weights (the longer of bytes and all the rows' FLOPs), plus the decodes'
+         attention. The fraction f of mixed steps makes the mean step the TPOT above. It waits
+         the residual of the step in flight, E[S^2] / 2E[S], then one mean step (with async
+         scheduling the engine has launched the next step when it admits it), then its own mixed
+         step, + first_token_overhead (serving_ttft_seconds)
   output tok/s = C x O / (TTFT + (O - 1) x TPOT)
 The factors are fitted per GPU from our own benchmark results (calibration.py).
 
@@ -47,11 +51,6 @@ class Efficiency:
     attention_bandwidth: float  # achieved / peak memory bandwidth of the paged-attention kernel's KV reads
 
 
-# A request arriving at a random time (open loop) waits on average half of the step then running,
-# and with async scheduling one more: the engine schedules step N + 2 while step N + 1 runs, so a
-# request it admits after step N joins step N + 2. (Its own step, which also carries the other
-# requests' decodes, is charged on top as one step(C).)
-ARRIVAL_WAIT_STEPS = 1.5
 LOGITS_BYTES = 4  # the lm_head writes float32 logits
 SOFTCAP_PASSES = 3  # logits.div_(cap).tanh_().mul_(cap): three in-place read + write passes
 
@@ -93,6 +92,7 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class Prediction:
     step_s: float  # one decode step at the concurrency
+    mixed_step_s: float  # one step of concurrency - 1 decodes and one prompt
     prefill_s: float  # one prompt's compute
     ttft_s: float
     tpot_s: float
@@ -178,6 +178,46 @@ def prefill_seconds(
     return flops / (machine.flops * eff.prefill)
 
 
+def mixed_step_seconds(
+    machine: Machine,
+    weights: ModelBytes,
+    kv: KVLayout,
+    shape: ModelShape,
+    eff: Efficiency,
+    decodes: int,
+    context: float,
+    prompt_tokens: int,
+) -> float:
+    """One step that decodes `decodes` sequences and prefills one prompt: its linear layers read the
+    weights once for all its rows, so they cost the longer of those bytes and all the rows' FLOPs
+    (not a decode step plus a prompt); the decodes' attention and the logits come on top."""
+    bandwidth = machine.bandwidth * eff.bandwidth
+    body = weights.params_per_token - shape.lm_head_params
+    rows = decodes + prompt_tokens
+    flops = (
+        2 * body * rows
+        + 2 * shape.lm_head_params * (decodes + 1)
+        + 2 * prompt_tokens * prompt_tokens * shape.q_size * shape.num_layers
+    )
+    linear = max(weights.decode_read_bytes(rows) / bandwidth, flops / (machine.flops * eff.prefill))
+    decode = step_cost(machine, weights, kv, shape, eff, decodes, context)
+    return linear + decode.attention_s + shape.logits_bytes(decodes + 1) / bandwidth
+
+
+def serving_ttft_seconds(step: float, mean_step: float, mixed: float, overhead: float) -> float:
+    """Engine TTFT of a request arriving at a random time (Poisson) among C - 1 running ones.
+
+    Steps are decode-only (`step`) or carry a prompt (`mixed`); the fraction f that carry one is
+    what makes their mean the model's mean step (its TPOT). The request waits for the step in
+    flight when it arrives, its residual E[S^2] / 2E[S] (a random arrival lands in long steps more
+    often), then one mean step more (async scheduling has launched the next step before the
+    engine admits it), then its own mixed step."""
+    f = min(1.0, max(0.0, (mean_step - step) / (mixed - step))) if mixed > step else 1.0
+    mean = (1 - f) * step + f * mixed
+    residual = ((1 - f) * step**2 + f * mixed**2) / (2 * mean)
+    return residual + mean + mixed + overhead
+
+
 def predict(
     machine: Machine,
     weights: ModelBytes,
@@ -195,14 +235,20 @@ def predict(
     prefill = prefill_seconds(machine, weights, shape, eff, work.input_len) + comm(work.input_len)
     out = max(work.output_len, 1)
     tpot = step + (work.concurrency - 1) * prefill / out
-    waited = (ARRIVAL_WAIT_STEPS + 1) * step if work.concurrency > 1 else 0.0
-    ttft = prefill + eff.first_token_overhead_s + waited
+    decodes = work.concurrency - 1
+    mixed = mixed_step_seconds(machine, weights, kv, shape, eff, decodes, context, work.input_len)
+    mixed += comm(decodes + work.input_len)
+    if work.concurrency > 1:
+        ttft = serving_ttft_seconds(step, tpot, mixed, eff.first_token_overhead_s)
+    else:  # alone: the engine is idle when it arrives, its prompt is the whole step
+        ttft = prefill + eff.first_token_overhead_s
     lifetime = ttft + (out - 1) * tpot
     one = step_cost(machine, weights, kv, shape, eff, 1, context).total_s + comm(1)
     kv_one = context * kv.mean_bytes_per_token(int(context)) * machine.tensor_parallel
     roofline = machine.bandwidth / (weights.decode_read_bytes(1) + kv_one)
     return Prediction(
         step_s=step,
+        mixed_step_s=mixed,
         prefill_s=prefill,
         ttft_s=ttft,
         tpot_s=tpot,
