@@ -6,8 +6,9 @@
 # requests spent their time (bench/tail.py).
 #   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
 # Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
-# TAG (result-name suffix), SATURATION_CONCURRENCY (unset: "inf" sends every prompt at once; N: a
-# closed loop that keeps N requests in flight, a new one as each finishes, named "-cN"). The result JSON goes to $OUT; the server and bench logs and the traces
+# TAG (result-name suffix), MAX_CONCURRENCY (unset: no cap; N: at most N requests in flight at every
+# rate, a request's TTFT counted from when it is sent; with "inf" that is a closed loop of N, with a
+# rate above capacity a loop whose requests start staggered; results named "-cN"). The result JSON goes to $OUT; the server and bench logs and the traces
 # are packed into one $OUT/serve-tail-sweep$TAG-logs.tgz at the end (the device tool returns only a
 # few files per call).
 set -u
@@ -43,15 +44,11 @@ for rate in $RATES; do
   echo "rate $rate: server healthy after $(python3 -c "import time; print(round(time.time() - $started, 1))") s"
   limit=()
   name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate$TAG"
-  if [ "$rate" = inf ]; then
-    n=$SATURATION_PROMPTS
-    if [ -n "${SATURATION_CONCURRENCY:-}" ]; then
-      limit=(--max-concurrency "$SATURATION_CONCURRENCY")
-      name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-inf-c$SATURATION_CONCURRENCY$TAG"
-    fi
-  else
-    n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))")
+  if [ -n "${MAX_CONCURRENCY:-}" ]; then
+    limit=(--max-concurrency "$MAX_CONCURRENCY")
+    name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate-c$MAX_CONCURRENCY$TAG"
   fi
+  if [ "$rate" = inf ]; then n=$SATURATION_PROMPTS; else n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))"); fi
   timeout 300 "${TOKENMILL[@]}" bench serve --dataset-name random --random-input-len 512 --random-output-len 256 \
     --num-prompts "$n" --request-rate "$rate" "${limit[@]}" --ignore-eos --disable-tqdm --server-trace-dir "$trace" \
     --save-result --result-dir "$OUT" --result-filename "$name" 2>&1 |
