@@ -427,3 +427,16 @@ def test_a_send_still_queued_keeps_its_bytes_while_the_next_is_gathered(tmp_path
     finally:
         sender.release()
         pull.close(0)
+
+
+def test_claimed_payloads_side_by_side_in_one_frame_copy_as_one_run() -> None:
+    """The consumer worker copies a run of blocks adjacent in one received buffer at once; blocks
+    out of order, from another buffer or not adjacent start new runs, and the bytes stay in order."""
+    from tokenmill.worker.kv_connector.transfer import _contiguous_runs
+
+    frame = memoryview(bytearray(range(256)) * 4)
+    blocks = [frame[i * 64 : (i + 1) * 64] for i in range(16)]
+    payloads = [blocks[0], blocks[1], blocks[2], blocks[5], blocks[6], memoryview(b"x" * 64), blocks[7], blocks[3]]
+    runs = _contiguous_runs(payloads, 64)
+    assert [(first, len(region) // 64) for first, region in runs] == [(0, 3), (3, 2), (5, 1), (6, 1), (7, 1)]
+    assert b"".join(region.tobytes() for _, region in runs) == b"".join(p.tobytes() for p in payloads)

@@ -48,6 +48,27 @@ def _byte_views(kv_cache_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(torch.uint8) for t in kv_cache_tensors]
 
 
+def _contiguous_runs(payloads: list[memoryview], block_bytes: int) -> list[tuple[int, np.ndarray]]:
+    """(first row, bytes) for each run of payloads that follow each other in one buffer."""
+    runs: list[tuple[int, np.ndarray]] = []
+    row = 0
+    while row < len(payloads):
+        view = memoryview(payloads[row])
+        base = np.frombuffer(view.obj, dtype=np.uint8)  # the whole frame (or bytes) the view is in
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data - base.ctypes.data
+        end = row + 1
+        while end < len(payloads):
+            nxt = memoryview(payloads[end])
+            if nxt.obj is not view.obj or np.frombuffer(nxt, dtype=np.uint8).ctypes.data != (
+                base.ctypes.data + start + (end - row) * block_bytes
+            ):
+                break
+            end += 1
+        runs.append((row, base[start : start + (end - row) * block_bytes]))
+        row = end
+    return runs
+
+
 def _host_buffer(num_bytes: int, device: torch.device) -> torch.Tensor:
     # Pinned on CUDA so copies to and from the device run at full speed and asynchronously.
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -142,9 +163,15 @@ class KVReceiverWorker(KVConnectorWorker):
         if self._staging is None or self._staging.numel() < num * block_bytes:
             self._staging = _host_buffer(num * block_bytes, device)
         staging = self._staging[: num * block_bytes].view(num, block_bytes)
-        host_rows = staging.numpy()
-        for row, payload in enumerate(metadata.payloads):
-            host_rows[row] = np.frombuffer(payload, dtype=np.uint8)
+        for first, region in _contiguous_runs(metadata.payloads, block_bytes):
+            # One copy per run of blocks that sit side by side in one received frame (a claim takes
+            # a prompt's blocks in order): torch splits a large copy over its threads. ZMQ's frames
+            # are writable; a read-only buffer (bytes) goes through numpy, which torch cannot wrap.
+            target = staging[first : first + len(region) // block_bytes].view(-1)
+            if region.flags.writeable:
+                target.copy_(torch.from_numpy(region))
+            else:
+                target.numpy()[:] = region
         on_device = device.type == "cuda"
         data = staging.to(device, non_blocking=True) if on_device else staging
         if on_device:
