@@ -44,6 +44,20 @@ def tier_lines(record: dict[str, Any] | None) -> list[str]:
             f"{counters['layers_waited_in_forward']}, at once {counters['layers_waited_at_once']}; "
             f"blocks loaded {result['second_turn_counters']['kv_offload_blocks_loaded']})"
         )
+        if "load_calls" in counters:  # results since the slot runs
+            lines.append(
+                f"  {mode:<9} copy calls: loads {counters['load_calls']} for {counters['block_layers_loaded']} "
+                f"block-layers, saves {counters['save_calls']} for {counters['block_layers_saved']}"
+            )
+    bandwidth = metrics.get("copy_bandwidth")
+    if bandwidth:
+        lines.append(f"raw copies of {bandwidth['tokens']} tokens ({bandwidth['blocks']} blocks), one step each:")
+        for name, row in bandwidth.items():
+            if isinstance(row, dict):
+                lines.append(
+                    f"  {name:<22} {row['seconds'] * 1e3:7.1f} ms {row['gb_per_s']:6.1f} GB/s "
+                    f"{row['copy_calls']:>6} copy calls, queued in {row['queue_seconds'] * 1e3:.1f} ms"
+                )
     return lines
 
 

@@ -149,16 +149,20 @@ class HostKVTierWorker(KVConnectorWorker):
         # Set before queueing: should a copy fail to queue, wait_for_load still orders the compute
         # stream after the ones already queued.
         self._step = step = self._plan(metadata)
-        for layer in range(self.num_layers):
-            if step.saves.blocks is not None:
-                with torch.cuda.stream(saving):
+        # All saves, then all loads: the host queues them in a few milliseconds, while the save
+        # stream is already busy with the first layers.
+        if step.saves.blocks is not None:
+            with torch.cuda.stream(saving):
+                for layer, event in enumerate(self._save_events):
                     self._save_layer(layer, step.saves)
-                    self._save_events[layer].record(saving)
-                loading.wait_event(self._save_events[layer])
-            with torch.cuda.stream(loading):
+                    event.record(saving)
+        with torch.cuda.stream(loading):
+            for layer, event in enumerate(self._layer_events):
+                if step.saves.blocks is not None:
+                    loading.wait_event(self._save_events[layer])
                 if step.loads.blocks is not None:
                     self._load_layer(layer, step.loads)
-                self._layer_events[layer].record(loading)
+                event.record(loading)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         step = self._step
@@ -208,8 +212,10 @@ class HostKVTierWorker(KVConnectorWorker):
         pairs = sorted(zip(slots, blocks, strict=True))
         ids = torch.tensor([block for _, block in pairs], dtype=torch.long)
         if stream is not None:
-            with torch.cuda.stream(stream):  # allocated on, and used only by, that stream
-                ids = ids.to(self.device, non_blocking=True)
+            # Pinned (the caching host allocator keeps it until the copy is done), so the copy never
+            # waits for the stream; allocated on, and used only by, that stream.
+            with torch.cuda.stream(stream):
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
         return _Copies(ids, slot_runs([slot for slot, _ in pairs]))
 
     def _copy_layer(self, layer: int, step: _StepCopies) -> None:
