@@ -109,6 +109,14 @@ def test_a_failed_step_forgets_what_it_would_have_saved() -> None:
     tier.step_failed(meta)
     assert tier.get_num_new_matched_tokens(request, 0) == 0
     tier.check_invariants()
+    # A step that fails after a reset (every slot free again) frees nothing twice.
+    _evict(tier, request, [1, 2])
+    meta = tier.build_connector_meta()
+    assert meta is not None
+    tier.reset()
+    tier.step_failed(meta)
+    tier.check_invariants()
+    assert tier._free.num_free == 4
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -148,9 +148,9 @@ class HostKVTier(KVConnectorScheduler):
         failed = set(metadata.save_host_slots)
         if not failed:
             return
-        for key in [k for k, e in self._entries.items() if e.slot in failed]:
-            del self._entries[key]
-        self._free.give(failed)
+        # Only slots still held are freed: a reset since (every slot free again) frees nothing twice.
+        keys = [k for k, e in self._entries.items() if e.slot in failed]
+        self._free.give(self._entries.pop(key).slot for key in keys)
 
     def reset(self) -> None:
         self._entries.clear()
