@@ -180,7 +180,7 @@ def copy_bandwidth(connector: Any, block_size: int, tokens: int, repeats: int = 
             load_host_slots=list(range(0, 2 * n, 2)), load_device_blocks=device_blocks
         ),
     }  # fmt: skip
-    block_bytes = sum(host[0].numel() for host in connector.host_tensors)
+    block_bytes = sum(host[0].numel() * host.element_size() for host in connector.host_tensors)
     sync = torch.cuda.synchronize if connector.is_cuda else (lambda: None)
     result: dict[str, Any] = {"tokens": n * block_size, "blocks": n, "bytes_per_block": block_bytes}
     for name, meta in cases.items():

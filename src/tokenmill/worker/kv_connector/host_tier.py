@@ -9,7 +9,8 @@ layer i+1 overlap the compute of layer i. The tier needs one KV cache group (the
 so layer i's cache is the pool's tensor i.
 
 The host pool holds, per device layer tensor, `[num_host_blocks, 2, block_size, kv_heads,
-head_dim]` bytes (the cache's own dtype copied as raw bytes, so an fp8 cache works unchanged):
+head_dim]` bytes (the cache's own dtype copied as raw bytes, in 8-byte words, so an fp8 cache
+works unchanged):
 one host slot of one layer is contiguous, so a run of consecutive slots is one copy. A step's
 saves and loads are each sorted by host slot, whatever order the scheduler listed them in (a
 request's blocks are evicted tail first, so listed in block order their slots descend), and split
@@ -81,21 +82,27 @@ class _StepCopies:
     waited: list[bool]  # per layer
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as bytes: copies never depend on the element type (fp8 included)."""
-    return tensor.view(torch.uint8)
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as the widest integers its rows divide into (8 bytes for any real cache):
+    copies never depend on the element type (fp8 included), and the gather and scatter kernels
+    move words, not single bytes."""
+    data = tensor.view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if data.shape[-1] % dtype.itemsize == 0 and data.storage_offset() % dtype.itemsize == 0:
+            return data.view(dtype)
+    return data
 
 
 class HostKVTierWorker(KVConnectorWorker):
     def __init__(self, kv_cache_tensors: list[torch.Tensor], num_host_blocks: int) -> None:
         if not kv_cache_tensors:
             raise ValueError("the host KV tier needs the KV pool's tensors; allocate the pool first")
-        self.device_tensors = [_bytes(t) for t in kv_cache_tensors]
+        self.device_tensors = [_words(t) for t in kv_cache_tensors]
         self.device = kv_cache_tensors[0].device
         self.num_host_blocks = num_host_blocks
         self.is_cuda = self.device.type == "cuda"
         self.host_tensors = [
-            torch.empty((num_host_blocks, t.shape[0], *t.shape[2:]), dtype=torch.uint8, pin_memory=self.is_cuda)
+            torch.empty((num_host_blocks, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=self.is_cuda)
             for t in self.device_tensors
         ]
         # CUDA: saves (device->host) and loads (host->device) on their own streams; layer i's saves
@@ -118,7 +125,7 @@ class HostKVTierWorker(KVConnectorWorker):
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.numel() for t in self.host_tensors)
+        return sum(t.numel() * t.element_size() for t in self.host_tensors)
 
     @property
     def transfer_calls(self) -> int:
@@ -240,7 +247,7 @@ class HostKVTierWorker(KVConnectorWorker):
         """Copy each run of slots into a staging tensor, scatter it into the device blocks."""
         assert loads.blocks is not None
         device, host = self.device_tensors[layer], self.host_tensors[layer]
-        staged = torch.empty((len(loads.blocks), *host.shape[1:]), dtype=torch.uint8, device=self.device)
+        staged = torch.empty((len(loads.blocks), *host.shape[1:]), dtype=host.dtype, device=self.device)
         for row, slot, length in loads.runs:
             staged[row : row + length].copy_(host[slot : slot + length], non_blocking=True)
         device.index_copy_(1, loads.blocks, staged.transpose(0, 1))
