@@ -68,10 +68,6 @@ class _Copies:
     blocks: torch.Tensor | None
     runs: list[SlotRun]
 
-    @property
-    def num_blocks(self) -> int:
-        return 0 if self.blocks is None else len(self.blocks)
-
 
 @dataclass(slots=True)
 class _StepCopies:
