@@ -53,15 +53,18 @@ def tier_lines(record: dict[str, Any] | None) -> list[str]:
             lines.append(
                 f"  {mode:<9} second turns' copy calls: loads {load} for {loaded} block-layers, saves {save} for {saved}"
             )
-    return [*lines, *copy_lines(metrics)]
+    return [*lines, *copy_lines(metrics, "the engine's pools")]
 
 
-def copy_lines(metrics: dict[str, Any]) -> list[str]:
+def copy_lines(metrics: dict[str, Any], pools: str) -> list[str]:
     """The raw copy timings (kv_offload.py's copy_bandwidth), if the record has them."""
     bandwidth = metrics.get("copy_bandwidth")
     if not bandwidth:
         return []
-    lines = [f"raw copies of {bandwidth['tokens']} tokens ({bandwidth['blocks']} blocks), one step each:"]
+    lines = [
+        f"raw copies of {bandwidth['tokens']} tokens ({bandwidth['blocks']} blocks) on {metrics['device']}, "
+        f"{pools}, one step each:"
+    ]
     for name, row in bandwidth.items():
         if isinstance(row, dict):
             lines.append(
@@ -129,7 +132,7 @@ def main() -> int:
     copies = [
         line
         for path in sorted(out.glob("kv-tier-copies-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-        for line in copy_lines(json.loads(path.read_text())["metrics"])
+        for line in copy_lines(json.loads(path.read_text())["metrics"], "8B-shaped pools")
     ]
     print("\n".join([*copies, *tier_lines(_load(out / "kv-tier-offload.json")), *disagg_lines(out)]))
     return 0
