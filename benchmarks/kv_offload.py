@@ -19,7 +19,8 @@ calls, and the host time to queue them. It overwrites device blocks, so it runs 
 
 --copies-only skips the engine and the workload: the same raw copy timings on synthetic pools of
 Llama-3.1-8B's shapes (32 layers, 8 KV heads of 128, bf16, blocks of 16 tokens: 128 KiB a token),
-in seconds, on --device (default: cuda when there is one).
+in seconds, on --device (default: cuda when there is one); on a GPU also save+load with both on one
+stream (what the separate save and load streams buy).
 
 --overlap-ab runs the workload a second time (fresh conversations, same engine) with every
 layer's copies waited for before the forward (the tier before per-layer overlap), so the two can
@@ -215,9 +216,17 @@ def synthetic_copies(tokens: int, device: str | None) -> dict[str, Any]:
     pool = [torch.zeros(2, blocks + 1, block_size, 8, 128, dtype=torch.bfloat16, device=device) for _ in range(32)]
     worker = HostKVTierWorker(pool, 2 * blocks)
     try:
-        return {"device": device, "dtype": "bfloat16", "copy_bandwidth": copy_bandwidth(worker, block_size, tokens)}
+        result = {"device": device, "dtype": "bfloat16", "copy_bandwidth": copy_bandwidth(worker, block_size, tokens)}
     finally:
         worker.release()
+    if device != "cpu":  # the same with saves and loads on one stream: what the two streams buy
+        worker = HostKVTierWorker(pool, 2 * blocks, duplex=False)
+        try:
+            one = copy_bandwidth(worker, block_size, tokens)
+            result["copy_bandwidth"]["save+load, one stream"] = one["save+load"]
+        finally:
+            worker.release()
+    return result
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -90,7 +90,8 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HostKVTierWorker(KVConnectorWorker):
-    def __init__(self, kv_cache_tensors: list[torch.Tensor], num_host_blocks: int) -> None:
+    def __init__(self, kv_cache_tensors: list[torch.Tensor], num_host_blocks: int, *, duplex: bool = True) -> None:
+        """`duplex=False` puts the loads on the save stream (one direction at a time: benchmarks)."""
         if not kv_cache_tensors:
             raise ValueError("the host KV tier needs the KV pool's tensors; allocate the pool first")
         self.device_tensors = [_words(t) for t in kv_cache_tensors]
@@ -105,7 +106,7 @@ class HostKVTierWorker(KVConnectorWorker):
         # are done once its save event fires, its loads (and so all its copies) once its layer event
         # fires (both re-recorded every step).
         self._save_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._load_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if self.is_cuda and duplex else self._save_stream
         self._save_events = [torch.cuda.Event() for _ in self.device_tensors] if self.is_cuda else []
         self._layer_events = [torch.cuda.Event() for _ in self.device_tensors] if self.is_cuda else []
         self._step: _StepCopies | None = None
