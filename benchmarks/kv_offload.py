@@ -11,6 +11,17 @@ were evicted; right after each, a control prompt of the same length with no cach
 context length the TTFT medians of host re-hits and their controls and the ratio, with the
 engine's counters (host hits, blocks stored and loaded, device prefix hits).
 
+Last, --bandwidth-tokens (default 4096) times the tier's raw copies with the engine's own pools:
+a load of that many tokens (host slots in one run, listed tail first as a request evicted whole
+gives them), a save, both in one step into the same device blocks (a re-hit that evicts), and a
+load from every other slot (the worst case, one copy per block and layer): seconds, GB/s, copy
+calls, and the host time to queue them. It overwrites device blocks, so it runs after the rest.
+
+--copies-only skips the engine and the workload: the same raw copy timings on synthetic pools of
+Llama-3.1-8B's shapes (32 layers, 8 KV heads of 128, bf16, blocks of 16 tokens: 128 KiB a token),
+in seconds, on --device (default: cuda when there is one); on a GPU also save+load with both on one
+stream (what the separate save and load streams buy).
+
 --overlap-ab runs the workload a second time (fresh conversations, same engine) with every
 layer's copies waited for before the forward (the tier before per-layer overlap), so the two can
 be compared in one run: "overlap" (each layer waits for its own copies) and "wait-all".
@@ -78,6 +89,10 @@ def _connector_counters(llm: Any) -> dict[str, int]:
     return {
         "layers_waited_in_forward": getattr(connector, "layers_waited_in_forward", 0),
         "layers_waited_at_once": getattr(connector, "layers_waited_at_once", 0),
+        **{
+            key: getattr(connector, key, 0)
+            for key in ("save_calls", "load_calls", "block_layers_saved", "block_layers_loaded")
+        },
     }
 
 
@@ -96,8 +111,9 @@ def run_pass(llm: Any, args: argparse.Namespace, label: str, seed: int) -> dict[
     rows = []
     for i, prompt in enumerate(first_turns):
         second = prompt + answers[i] + [rng.randrange(5, vocab) for _ in range(args.turn_tokens)]
-        stats_before = llm.engine.get_stats()
+        stats_before, copies_before = llm.engine.get_stats(), _connector_counters(llm)
         ttft_hit, _, cached = _ttft(llm, f"{label}-c{i}-t2", second, args.output_len)
+        copies = {key: value - copies_before[key] for key, value in _connector_counters(llm).items()}
         host_hit = llm.engine.get_stats().get("kv_offload_hits", 0) - stats_before.get("kv_offload_hits", 0)
         control = [rng.randrange(5, vocab) for _ in range(len(second))]
         ttft_cold, _, cold_cached = _ttft(llm, f"{label}-c{i}-cold", control, args.output_len)
@@ -105,12 +121,14 @@ def run_pass(llm: Any, args: argparse.Namespace, label: str, seed: int) -> dict[
             {
                 "conversation": i, "context": lengths[i], "prompt_tokens": len(second), "cached_tokens": cached,
                 "host_hit_tokens": host_hit, "ttft_rehit_s": ttft_hit, "ttft_recompute_s": ttft_cold,
-                "control_cached_tokens": cold_cached,
+                "control_cached_tokens": cold_cached, **{f"rehit_{key}": value for key, value in copies.items()},
             }
         )  # fmt: skip
         print(
             f"  [{label}] second turn {i + 1}: {len(second)} tokens, cached {cached} (host {host_hit}), "
-            f"ttft {ttft_hit:.3f} s vs recompute {ttft_cold:.3f} s",
+            f"ttft {ttft_hit:.3f} s vs recompute {ttft_cold:.3f} s; re-hit copy calls: loads "
+            f"{copies['load_calls']} for {copies['block_layers_loaded']} block-layers, saves "
+            f"{copies['save_calls']} for {copies['block_layers_saved']}",
             flush=True,
         )
     after, counters_after = llm.engine.get_stats(), _connector_counters(llm)
@@ -140,6 +158,75 @@ def run_pass(llm: Any, args: argparse.Namespace, label: str, seed: int) -> dict[
         "connector_counters": {key: counters_after[key] - counters_before[key] for key in counters_after},
         "rows": rows,
     }
+
+
+def copy_bandwidth(connector: Any, block_size: int, tokens: int, repeats: int = 5) -> dict[str, Any]:
+    """Median time of each copy pattern (see the module doc) over `repeats`, one step each."""
+    import torch
+
+    from tokenmill.core.kv_connector_metadata import HostTierMetadata
+
+    num_device = connector.device_tensors[0].shape[1]
+    n = min(tokens // block_size, num_device - 1, connector.num_host_blocks // 2)
+    device_blocks = random.Random(0).sample(range(1, num_device), n)  # block 0 may be the null block
+    tail_first = list(range(n))[::-1]
+    cases = {
+        "load": HostTierMetadata(load_host_slots=tail_first, load_device_blocks=device_blocks),
+        "save": HostTierMetadata(save_device_blocks=device_blocks, save_host_slots=list(range(n))),
+        "save+load": HostTierMetadata(
+            save_device_blocks=device_blocks, save_host_slots=list(range(n, 2 * n)),
+            load_host_slots=tail_first, load_device_blocks=device_blocks,
+        ),
+        "load every other slot": HostTierMetadata(
+            load_host_slots=list(range(0, 2 * n, 2)), load_device_blocks=device_blocks
+        ),
+    }  # fmt: skip
+    block_bytes = sum(host[0].numel() * host.element_size() for host in connector.host_tensors)
+    sync = torch.cuda.synchronize if connector.is_cuda else (lambda: None)
+    result: dict[str, Any] = {"tokens": n * block_size, "blocks": n, "bytes_per_block": block_bytes}
+    for name, meta in cases.items():
+        seconds, queue_seconds = [], []
+        calls_before = connector.transfer_calls
+        for _ in range(repeats):
+            sync()
+            started = time.perf_counter()
+            connector.start_load_kv(meta)
+            queued = time.perf_counter()
+            connector.wait_for_load()
+            sync()
+            seconds.append(time.perf_counter() - started)
+            queue_seconds.append(queued - started)
+        moved = block_bytes * n * (2 if name == "save+load" else 1)
+        median = statistics.median(seconds)
+        result[name] = {
+            "seconds": median, "gb_per_s": moved / median / 1e9, "queue_seconds": statistics.median(queue_seconds),
+            "copy_calls": (connector.transfer_calls - calls_before) // repeats, "bytes": moved,
+        }  # fmt: skip
+    return result
+
+
+def synthetic_copies(tokens: int, device: str | None) -> dict[str, Any]:
+    """copy_bandwidth on a worker over 8B-shaped pools just big enough (no engine)."""
+    import torch
+
+    from tokenmill.worker.kv_connector.host_tier import HostKVTierWorker
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    block_size, blocks = 16, tokens // 16
+    pool = [torch.zeros(2, blocks + 1, block_size, 8, 128, dtype=torch.bfloat16, device=device) for _ in range(32)]
+    worker = HostKVTierWorker(pool, 2 * blocks)
+    try:
+        result = {"device": device, "dtype": "bfloat16", "copy_bandwidth": copy_bandwidth(worker, block_size, tokens)}
+    finally:
+        worker.release()
+    if device != "cpu":  # the same with saves and loads on one stream: what the two streams buy
+        worker = HostKVTierWorker(pool, 2 * blocks, duplex=False)
+        try:
+            one = copy_bandwidth(worker, block_size, tokens)
+            result["copy_bandwidth"]["save+load, one stream"] = one["save+load"]
+        finally:
+            worker.release()
+    return result
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,7 +260,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             passes["wait-all"] = run_pass(llm, args, "wait-all", seed=2)
         finally:
             undo()
-    return {"device_pool_tokens": device_tokens, "device": info.device, "dtype": info.dtype, "passes": passes}
+    metrics = {"device_pool_tokens": device_tokens, "device": info.device, "dtype": info.dtype, "passes": passes}
+    connector = llm.engine.runner.kv_connector
+    if args.bandwidth_tokens and connector is not None:
+        metrics["copy_bandwidth"] = copy_bandwidth(connector, info.block_size, args.bandwidth_tokens)
+    return metrics
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -181,8 +272,10 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def summary_lines(metrics: dict[str, Any]) -> list[str]:
-    lines = [f"host tier TTFT ({metrics['device']}, device pool {metrics['device_pool_tokens']} tokens):"]
-    for label, result in metrics["passes"].items():
+    lines = []
+    if "passes" in metrics:
+        lines.append(f"host tier TTFT ({metrics['device']}, device pool {metrics['device_pool_tokens']} tokens):")
+    for label, result in metrics.get("passes", {}).items():
         counters = result["connector_counters"]
         lines.append(
             f"  {label}: host re-hits {result['host_rehits']}, TTFT median re-hit "
@@ -191,11 +284,29 @@ def summary_lines(metrics: dict[str, Any]) -> list[str]:
             f"{_fmt(result['recompute_over_host_rehit'], '.2f')}x; layers waited in forward "
             f"{counters['layers_waited_in_forward']}, at once {counters['layers_waited_at_once']}"
         )
+        rows = result["rows"]
+        lines.append(
+            "    re-hit copy calls: loads {} for {} block-layers, saves {} for {}".format(
+                *(sum(r.get(f"rehit_{k}", 0) for r in rows) for k in (
+                    "load_calls", "block_layers_loaded", "save_calls", "block_layers_saved"))
+            )
+        )  # fmt: skip
         for context, row in result["per_context"].items():
             lines.append(
                 f"    {context} tokens: {row['host_rehits']} re-hits, {_fmt(row['ttft_host_rehit_median_s'])} s vs "
                 f"{_fmt(row['ttft_recompute_median_s'])} s = {_fmt(row['recompute_over_host_rehit'], '.2f')}x"
             )
+    bandwidth = metrics.get("copy_bandwidth")
+    if bandwidth:
+        lines.append(
+            f"raw copies ({metrics['device']}), {bandwidth['tokens']} tokens ({bandwidth['blocks']} blocks), one step each:"
+        )
+        for name, row in bandwidth.items():
+            if isinstance(row, dict):
+                lines.append(
+                    f"  {name}: {row['seconds'] * 1e3:.1f} ms, {row['gb_per_s']:.1f} GB/s, {row['copy_calls']} copy "
+                    f"calls, queued in {row['queue_seconds'] * 1e3:.1f} ms"
+                )
     return lines
 
 
@@ -217,12 +328,16 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-offload-gb", type=float, default=1.0, help="the host tier's size")
     parser.add_argument("--overlap-ab", action="store_true", help="also run with every layer waited for first")
+    parser.add_argument(
+        "--bandwidth-tokens", type=int, default=4096, help="tokens of the raw copy timings at the end (0: skip)"
+    )
+    parser.add_argument("--copies-only", action="store_true", help="only the raw copy timings, 8B-shaped pools")
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-name", default=None, help="result file name (default: kv_offload-<time>)")
     args = parser.parse_args()
     from tokenmill.bench.results import write_result
 
-    metrics = run(args)
+    metrics = synthetic_copies(args.bandwidth_tokens, args.device) if args.copies_only else run(args)
     print("\n".join(summary_lines(metrics)))
     path = write_result("kv_offload", vars(args), metrics, out_dir=args.result_dir, name=args.result_name)
     print(f"wrote {path}")

@@ -44,6 +44,33 @@ def tier_lines(record: dict[str, Any] | None) -> list[str]:
             f"{counters['layers_waited_in_forward']}, at once {counters['layers_waited_at_once']}; "
             f"blocks loaded {result['second_turn_counters']['kv_offload_blocks_loaded']})"
         )
+        rows = result.get("rows", [])
+        if rows and "rehit_load_calls" in rows[0]:  # results since the copy counters
+            load, loaded, save, saved = (
+                sum(r[f"rehit_{key}"] for r in rows)
+                for key in ("load_calls", "block_layers_loaded", "save_calls", "block_layers_saved")
+            )
+            lines.append(
+                f"  {mode:<9} second turns' copy calls: loads {load} for {loaded} block-layers, saves {save} for {saved}"
+            )
+    return [*lines, *copy_lines(metrics, "the engine's pools")]
+
+
+def copy_lines(metrics: dict[str, Any], pools: str) -> list[str]:
+    """The raw copy timings (kv_offload.py's copy_bandwidth), if the record has them."""
+    bandwidth = metrics.get("copy_bandwidth")
+    if not bandwidth:
+        return []
+    lines = [
+        f"raw copies of {bandwidth['tokens']} tokens ({bandwidth['blocks']} blocks) on {metrics['device']}, "
+        f"{pools}, one step each:"
+    ]
+    for name, row in bandwidth.items():
+        if isinstance(row, dict):
+            lines.append(
+                f"  {name:<22} {row['seconds'] * 1e3:7.1f} ms {row['gb_per_s']:6.1f} GB/s "
+                f"{row['copy_calls']:>6} copy calls, queued in {row['queue_seconds'] * 1e3:.1f} ms"
+            )
     return lines
 
 
@@ -102,7 +129,12 @@ def main() -> int:
     out = parser.parse_args().out_dir
     if not out.is_dir():
         parser.error(f"{out} is not a folder; give the OUT folder of a benchmarks/kv_tier_gpu.sh run")
-    print("\n".join([*tier_lines(_load(out / "kv-tier-offload.json")), *disagg_lines(out)]))
+    copies = [
+        line
+        for path in sorted(out.glob("kv-tier-copies-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        for line in copy_lines(json.loads(path.read_text())["metrics"], "8B-shaped pools")
+    ]
+    print("\n".join([*copies, *tier_lines(_load(out / "kv-tier-offload.json")), *disagg_lines(out)]))
     return 0
 
 

@@ -115,6 +115,47 @@ def test_rehits_from_the_host_tier_keep_greedy_output(
         assert connector.layers_waited_in_forward == 0 and connector.layers_waited_at_once > 0
 
 
+def sequential_rehits(path: str, **llm_kwargs: object) -> tuple[list[list[int]], list[tuple[int, int]], LLM]:
+    """Three conversations one at a time, as in benchmarks/kv_offload.py: each first turn (10 blocks)
+    pushes the earlier ones out of the device pool (tail first, over one or more steps), then each
+    second turn alone. All outputs, and per second turn (host->device copy calls, block-layers loaded)."""
+    llm = LLM(path, max_model_len=256, num_kv_blocks=NUM_DEVICE_BLOCKS, **llm_kwargs)  # type: ignore[arg-type]
+    rng = random.Random(5)
+    first = [[rng.randrange(5, llm.info.vocab_size) for _ in range(160)] for _ in range(3)]
+    tokens = [llm.generate([{"prompt_token_ids": p}], PARAMS)[0].outputs[0].token_ids for p in first]
+    connector = llm.engine.runner.kv_connector
+    loads = []
+    for prompt, answer in zip(first, list(tokens), strict=True):
+        before = (connector.load_calls, connector.block_layers_loaded) if connector is not None else (0, 0)
+        tokens.append(llm.generate([{"prompt_token_ids": prompt + answer + [7, 8, 9]}], PARAMS)[0].outputs[0].token_ids)
+        if connector is not None:
+            loads.append((connector.load_calls - before[0], connector.block_layers_loaded - before[1]))
+    llm.engine.check_invariants()
+    return tokens, loads, llm
+
+
+def check_one_copy_per_layer(loads: list[tuple[int, int]], connector: HostKVTierWorker) -> None:
+    layers = connector.num_layers
+    hits = [(calls, moved) for calls, moved in loads if moved]
+    assert hits, "no second turn loaded from the host tier"
+    for calls, moved in hits:
+        assert moved >= 4 * layers  # at least 4 blocks per layer came back ...
+        assert calls == layers  # ... in one copy per layer (it was one per block and layer)
+    assert 4 * connector.save_calls <= connector.block_layers_saved  # saves: runs of blocks too
+
+
+def test_a_rehit_of_a_prefix_evicted_whole_loads_in_one_copy_per_layer(tiny_llama_dir) -> None:
+    """A second turn loads its whole prefix back from slots handed out as one run (its blocks were
+    evicted tail first, so listed in block order their slots descend): one host->device copy per
+    layer, and greedy output as without the tier."""
+    without, _, _ = sequential_rehits(str(tiny_llama_dir), device="cpu")
+    outputs, loads, llm = sequential_rehits(str(tiny_llama_dir), device="cpu", kv_offload_gb=HOST_GB)
+    assert outputs == without, "the host tier changed greedy output"
+    connector = llm.engine.runner.kv_connector
+    assert isinstance(connector, HostKVTierWorker)
+    check_one_copy_per_layer(loads, connector)
+
+
 def test_models_with_sliding_window_layers_are_refused(tmp_path, tiny_tokenizer) -> None:
     path = write_sliding_checkpoint(tmp_path / "mistral", "mistral", tiny_tokenizer)
     with pytest.raises(ValueError, match="needs a model without sliding-window layers"):
@@ -159,7 +200,7 @@ def test_a_failed_load_mid_forward_ends_its_step_and_leaks_nothing(
     armed, faults = [], []
 
     def copy_layer(layer, step) -> None:  # noqa: ANN001 - the worker's own types
-        if armed and not faults and step.load_blocks is not None and layer == 1:
+        if armed and not faults and step.loads.blocks is not None and layer == 1:
             faults.append(layer)
             raise RuntimeError("injected host-tier load fault")
         real_copy(layer, step)

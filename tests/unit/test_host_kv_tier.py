@@ -109,6 +109,115 @@ def test_a_failed_step_forgets_what_it_would_have_saved() -> None:
     tier.step_failed(meta)
     assert tier.get_num_new_matched_tokens(request, 0) == 0
     tier.check_invariants()
+    # A step that fails after a reset (every slot free again) frees nothing twice.
+    _evict(tier, request, [1, 2])
+    meta = tier.build_connector_meta()
+    assert meta is not None
+    tier.reset()
+    tier.step_failed(meta)
+    tier.check_invariants()
+    assert tier._free.num_free == 4
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """The runs the worker copies: its slots sorted, consecutive ones together."""
+    from tokenmill.worker.kv_connector.host_tier import slot_runs
+
+    return slot_runs(sorted(slots))
+
+
+def test_a_request_evicted_tail_first_over_two_steps_reloads_as_one_run() -> None:
+    """The device pool frees a request's blocks tail first: its slots descend in block order, and a
+    request evicted over two steps sits in two adjacent ranges; loads sorted by slot are one copy."""
+    tier = HostKVTier(num_host_blocks=16, block_size=BLOCK, bytes_per_block=1)
+    request = _request("a", list(range(1, 26)))  # 6 full blocks
+    extend_block_hashes(request, BLOCK)
+    hashes, tokens = request.block_hashes, request.all_token_ids
+    evicted = [(10 + i, hashes[i], tuple(tokens[i * BLOCK : (i + 1) * BLOCK])) for i in range(6)]
+    tier.on_blocks_evicted(evicted[5:1:-1])  # blocks 5, 4, 3, 2
+    first = tier.build_connector_meta()
+    tier.on_blocks_evicted(evicted[1::-1])  # then 1, 0
+    second = tier.build_connector_meta()
+    assert first is not None and second is not None
+    assert len(_slot_runs(first.save_host_slots)) == 1 and len(_slot_runs(second.save_host_slots)) == 1
+    assert tier.get_num_new_matched_tokens(request, 0) == 24
+    tier.update_state_after_alloc(request, 0, [20, 21, 22, 23, 24, 25])
+    meta = tier.build_connector_meta()
+    assert meta is not None
+    assert meta.load_host_slots == meta_slots_of(tier, request, list(range(6)))
+    assert meta.load_host_slots != sorted(meta.load_host_slots)  # listed in block order: not one run as is
+    assert _slot_runs(meta.load_host_slots) == [(0, 0, 6)]  # one copy per layer
+    tier.check_invariants()
+
+
+def test_lru_eviction_of_part_of_a_run_splits_the_new_saves_over_two_runs() -> None:
+    """A full tier forgets its least recently used entries to make room, here part of an earlier
+    run: the new request's blocks land in the free tail and the slots taken back, two runs."""
+    tier = HostKVTier(num_host_blocks=8, block_size=BLOCK, bytes_per_block=1)
+    old = _request("old", list(range(1, 26)))  # 6 full blocks
+    _evict(tier, old, list(range(10, 16)))  # head first: slots 0..5 hold blocks 0..5, block 0 the LRU
+    tier.build_connector_meta()
+    assert tier.get_num_new_matched_tokens(old, 0) == 24
+    new = _request("new", list(range(50, 67)))  # 4 full blocks
+    _evict(tier, new, [30, 31, 32, 33])
+    meta = tier.build_connector_meta()
+    assert meta is not None and len(meta.save_host_slots) == 4
+    assert sorted(meta.save_host_slots) == [0, 1, 6, 7]
+    assert len(_slot_runs(meta.save_host_slots)) == 2
+    assert tier.get_num_new_matched_tokens(old, 0) == 0  # its first blocks were forgotten
+    assert tier.num_stored_blocks == 8 and tier.saves_dropped == 0
+    tier.check_invariants()
+
+
+def test_tail_first_eviction_keeps_the_head_of_a_prefix_in_a_full_tier() -> None:
+    """As the device pool evicts (tail first), the tail is the least recently used: a full tier
+    forgets it first, and the head stays a hit."""
+    tier = HostKVTier(num_host_blocks=6, block_size=BLOCK, bytes_per_block=1)
+    old = _request("old", list(range(1, 26)))
+    extend_block_hashes(old, BLOCK)
+    hashes, tokens = old.block_hashes, old.all_token_ids
+    tier.on_blocks_evicted([(10 + i, hashes[i], tuple(tokens[i * BLOCK : (i + 1) * BLOCK])) for i in range(5, -1, -1)])
+    tier.build_connector_meta()
+    _evict(tier, _request("new", list(range(50, 59))), [30, 31])  # needs two slots: old's tail goes
+    meta = tier.build_connector_meta()
+    assert meta is not None and len(_slot_runs(meta.save_host_slots)) == 1  # the tail's two slots, adjacent
+    assert tier.get_num_new_matched_tokens(old, 0) == 16  # blocks 0..3 still there
+    tier.check_invariants()
+
+
+def test_random_steps_never_leak_a_slot_and_hand_out_runs() -> None:
+    """Evictions, hits and failed steps at random against a small tier: every slot is held or free,
+    each stored block reads back its own slot, and saves of a step with room in one free run are
+    one run."""
+    rng = random.Random(9)
+    tier = HostKVTier(num_host_blocks=24, block_size=BLOCK, bytes_per_block=1)
+    requests = [_request(f"r{i}", [rng.randrange(1, 97) for _ in range(4 * rng.randint(2, 9) + 1)]) for i in range(12)]
+    for request in requests:
+        extend_block_hashes(request, BLOCK)
+    device_block = 0
+    for _ in range(300):
+        request = rng.choice(requests)
+        hit = tier.get_num_new_matched_tokens(request, 0) // BLOCK
+        if hit and rng.random() < 0.5:
+            tier.update_state_after_alloc(request, 0, list(range(100, 100 + hit)))
+        count = (request.num_tokens - 1) // BLOCK
+        first = rng.randrange(count)
+        tokens = request.all_token_ids
+        evicted = [
+            (device_block + i, request.block_hashes[i], tuple(tokens[i * BLOCK : (i + 1) * BLOCK]))
+            for i in range(count - 1, first - 1, -1)
+            if request.block_hashes[i] not in tier._entries
+        ]
+        device_block += count
+        fits = any(end - start >= len(evicted) for start, end in tier._free.runs)
+        tier.on_blocks_evicted(evicted)
+        meta = tier.build_connector_meta()
+        if meta is not None and fits:
+            assert len(_slot_runs(meta.save_host_slots)) <= 1
+        if meta is not None and rng.random() < 0.1:
+            tier.step_failed(meta)
+        tier.check_invariants()
+    assert tier.num_stored_blocks > 0
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "2"])

@@ -68,7 +68,7 @@ def test_a_layer_saves_before_it_loads_and_scattered_slots_land_in_order() -> No
     worker.start_load_kv(HostTierMetadata(save_device_blocks=[0, 1, 2, 3], save_host_slots=[4, 0, 1, 2]))
     worker.wait_for_load()
     # Block 5 is evicted (saved to slot 3) and, in the same step, receives slot 2 (old block 3);
-    # blocks 0 and 4 receive slots 0 and 4 (old blocks 1 and 0): three runs, in list order.
+    # blocks 0 and 4 receive slots 0 and 4 (old blocks 1 and 0): three runs (0, 2, 4).
     worker.start_load_kv(
         HostTierMetadata(
             save_device_blocks=[5], save_host_slots=[3], load_host_slots=[2, 0, 4], load_device_blocks=[5, 0, 4]
@@ -112,3 +112,30 @@ def test_an_unnumbered_or_unknown_layer_is_refused_by_name() -> None:
         from tokenmill.core.kv_connector_metadata import KVSendMetadata
 
         worker.start_load_kv(KVSendMetadata(device_blocks=[1]))
+
+
+def test_blocks_listed_in_any_order_load_as_one_copy_per_run_and_layer() -> None:
+    """A request evicted tail first has descending slots in block order: sorted by slot they are one
+    run, so one host->device copy per layer (not one per block and layer), with each block's own KV."""
+    pool = _pool()
+    before = [t.clone() for t in pool]
+    worker = _worker(pool)
+    worker.start_load_kv(HostTierMetadata(save_device_blocks=[3, 2, 1, 0], save_host_slots=[1, 2, 3, 4]))
+    worker.wait_for_load()
+    assert (worker.save_calls, worker.block_layers_saved) == (LAYERS, 4 * LAYERS)  # one run: slots 1-4
+    # Slots in block order 4, 3, 2, 1 (old blocks 0..3) into blocks 5, 4, 2, 1: one run per layer.
+    worker.start_load_kv(HostTierMetadata(load_host_slots=[4, 3, 2, 1], load_device_blocks=[5, 4, 2, 1]))
+    worker.wait_for_load()
+    assert (worker.load_calls, worker.block_layers_loaded) == (LAYERS, 4 * LAYERS)
+    for layer in range(LAYERS):
+        for source, target in ((0, 5), (1, 4), (2, 2), (3, 1)):
+            assert torch.equal(pool[layer][:, target], before[layer][:, source])
+        for untouched in (0, 3):
+            assert torch.equal(pool[layer][:, untouched], before[layer][:, untouched])
+    # Scattered slots are the worst case: one copy per block and layer.
+    worker.start_load_kv(HostTierMetadata(load_host_slots=[4, 2], load_device_blocks=[3, 0]))
+    worker.wait_for_load()
+    assert worker.load_calls == LAYERS + 2 * LAYERS
+    for layer in range(LAYERS):
+        assert torch.equal(pool[layer][:, 3], before[layer][:, 0])  # slot 4: old block 0
+        assert torch.equal(pool[layer][:, 0], before[layer][:, 2])  # slot 2: old block 2

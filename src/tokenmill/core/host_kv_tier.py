@@ -13,6 +13,12 @@ slot loaded this step is pinned, so a save in the same step never overwrites it,
 slot is pinned a save is dropped (counted) rather than waiting. The tier keeps copies: a block
 loaded back stays in the host tier too.
 
+The worker copies each run of consecutive host slots of a layer in one call, so a step's saves
+take their slots together from the free runs (core/host_slot_runs.py: one run where one is long
+enough), after the least recently used entries not pinned this step have been forgotten to make
+room. A request's blocks, evicted together or in successive steps, so sit in one run (or a few),
+and loading them back is a copy or a few per layer, whatever order the blocks come in.
+
 One KV cache group only (models without sliding-window layers): a sliding group's hit needs the
 blocks right before the hit point rather than a prefix, which this index does not model; such
 models are refused when the tier is built.
@@ -25,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.block_hash import extend_block_hashes
+from tokenmill.core.host_slot_runs import FreeSlotRuns
 from tokenmill.core.kv_connector import EvictedBlock, KVConnectorScheduler
 from tokenmill.core.kv_connector_metadata import HostTierMetadata, KVConnectorMetadata
 from tokenmill.core.request import Request
@@ -45,7 +52,7 @@ class HostKVTier(KVConnectorScheduler):
         self.bytes_per_block = bytes_per_block
         # key -> entry, least recently used first.
         self._entries: OrderedDict[bytes, _HostEntry] = OrderedDict()
-        self._free_slots = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = FreeSlotRuns(num_host_blocks)
         # This step's work, turned into metadata by build_connector_meta.
         self._pending_saves: list[EvictedBlock] = []
         self._loads: list[tuple[int, int]] = []  # (host slot, device block)
@@ -98,16 +105,21 @@ class HostKVTier(KVConnectorScheduler):
             return None
         meta = HostTierMetadata()
         entries = self._entries
-        for device_block, key, token_ids in self._pending_saves:
+        saves: list[EvictedBlock] = []
+        keys: set[bytes] = set()
+        for evicted in self._pending_saves:
+            key = evicted[1]
             if key in entries:  # already held (loaded from here earlier): just fresher now
                 entries.move_to_end(key)
-                continue
-            slot = self._take_slot()
-            if slot is None:
-                self.saves_dropped += 1
-                continue
+            elif key not in keys:
+                keys.add(key)
+                saves.append(evicted)
+        if len(saves) > self._free.num_free:
+            self._forget_lru(len(saves) - self._free.num_free)
+        slots = self._free.take(len(saves))
+        self.saves_dropped += len(saves) - len(slots)  # every other slot is pinned this step
+        for (device_block, key, token_ids), slot in zip(saves, slots, strict=False):
             entries[key] = _HostEntry(slot, token_ids)
-            self._pinned.add(slot)
             meta.save_device_blocks.append(device_block)
             meta.save_host_slots.append(slot)
         self.blocks_stored += len(meta.save_device_blocks)
@@ -119,16 +131,16 @@ class HostKVTier(KVConnectorScheduler):
         self._pinned = set()
         return None if meta.is_empty else meta
 
-    def _take_slot(self) -> int | None:
-        """A free host slot, else the least recently used one not pinned this step (its entry is
-        forgotten); None when every slot is pinned."""
-        if self._free_slots:
-            return self._free_slots.pop()
+    def _forget_lru(self, count: int) -> None:
+        """Forget up to `count` least recently used entries whose slots this step does not load,
+        freeing their slots."""
+        victims = []
         for key, entry in self._entries.items():
+            if len(victims) == count:
+                break
             if entry.slot not in self._pinned:
-                del self._entries[key]
-                return entry.slot
-        return None
+                victims.append(key)
+        self._free.give(self._entries.pop(key).slot for key in victims)
 
     def step_failed(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, HostTierMetadata):
@@ -136,13 +148,13 @@ class HostKVTier(KVConnectorScheduler):
         failed = set(metadata.save_host_slots)
         if not failed:
             return
-        for key in [k for k, e in self._entries.items() if e.slot in failed]:
-            del self._entries[key]
-        self._free_slots.extend(sorted(failed, reverse=True))
+        # Only slots still held are freed: a reset since (every slot free again) frees nothing twice.
+        keys = [k for k, e in self._entries.items() if e.slot in failed]
+        self._free.give(self._entries.pop(key).slot for key in keys)
 
     def reset(self) -> None:
         self._entries.clear()
-        self._free_slots = list(range(self.num_host_blocks - 1, -1, -1))
+        self._free = FreeSlotRuns(self.num_host_blocks)
 
     # -- stats and checks -------------------------------------------------------------------
 
@@ -162,12 +174,14 @@ class HostKVTier(KVConnectorScheduler):
 
     def check_invariants(self) -> None:
         slots = [entry.slot for entry in self._entries.values()]
+        self._free.check_invariants()
+        free = self._free.slots()
         assert len(slots) == len(set(slots)), "two host-tier entries share a slot"
-        assert not set(slots) & set(self._free_slots), "a host slot is both held and free"
-        assert len(slots) + len(self._free_slots) == self.num_host_blocks, (
-            f"{len(slots)} held + {len(self._free_slots)} free host slots, but the tier has {self.num_host_blocks}"
+        assert not set(slots) & set(free), "a host slot is both held and free"
+        assert len(slots) + len(free) == self.num_host_blocks, (
+            f"{len(slots)} held + {len(free)} free host slots, but the tier has {self.num_host_blocks}"
         )
-        assert all(0 <= s < self.num_host_blocks for s in slots + self._free_slots), "a host slot is out of range"
+        assert all(0 <= s < self.num_host_blocks for s in slots), "a host slot is out of range"
         for entry in self._entries.values():
             assert len(entry.token_ids) == self.block_size, "a host-tier entry is not a full block"
         assert not self._pending_saves and not self._loads and not self._pinned, (
