@@ -3,7 +3,8 @@
 benchmarks/slo_overload.py runs each policy's server with a trace dir and, after each run, splits the
 engine-side TTFT of that run's requests by priority (RequestTimeline.priority) into stages:
 
-  to_engine  API server arrival (after tokenization) -> the engine core took it off its socket
+  to_engine  the HTTP request reached the API server's route (its arrival: body, parsing, tokenizing
+             follow) -> the engine core took it off its socket
   queued     -> its first prefill chunk was scheduled (waiting for a seat, for the budget, behind others)
   prefill    -> its first token reached the engine's host side (its chunks and the steps around them)
 

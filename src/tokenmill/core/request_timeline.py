@@ -12,7 +12,9 @@ import msgspec
 
 
 class RequestTimeline(msgspec.Struct, omit_defaults=True):
-    arrival: float  # stamped by the API server after tokenization (the request's arrival_time)
+    # The request's arrival_time: when its HTTP request reached the API server's route (before
+    # parsing and tokenizing); offline, when it was tokenized.
+    arrival: float
     received: float  # the engine core took it off its socket
     prompt_tokens: int = 0
     priority: int = 0  # its scheduling priority (the SLO class under the slo policy)

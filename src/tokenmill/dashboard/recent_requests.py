@@ -61,7 +61,7 @@ class FinishedRequest:
         out = self.summary()
         t, at = self.timeline, self.arrival
         phases: list[tuple[str, float, float]] = []
-        marks: list[tuple[str, float, str]] = [("arrival", 0.0, "tokenized, sent to the engine")]
+        marks: list[tuple[str, float, str]] = [("arrival", 0.0, "reached the server")]
         if t is not None:
             first_scheduled = t.prefill_chunks[0][0] if t.prefill_chunks else None
             engine_end = t.finished or self.finished

@@ -188,20 +188,27 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         trace: TraceContext | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields per-sequence RequestOutputs (delta text when stream=True) until all n finish.
 
         Raises InvalidRequestError before anything reaches the engine if the request is bad, and
         EngineDeadError if the engine is gone. Cancelling the iteration (client disconnect)
         aborts the request in the engine. `trace`: the HTTP request's trace context, for its span.
+        `arrival_time`: when the request reached the server (time.monotonic(); None: now), the
+        engine request's arrival_time: its TTFT, queue time and SLO deadline count from it, so the
+        API server passes the time its HTTP request reached the route, before parsing and tokenizing.
         """
         if self.dead:
             raise EngineDeadError(f"the engine is not available: {self.dead}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self.input_processor is not None and self.output_processor is not None
+        tokenized = time.monotonic()  # the prompt is tokens by now: the span's "tokenized" stage
+        if arrival_time is None:
+            arrival_time = tokenized
         children = [
-            (child.index, self.input_processor.make_request(child.request_id, prompt_token_ids, child.params, priority=priority, cache_salt=cache_salt, lora_request=lora_request))
+            (child.index, self.input_processor.make_request(child.request_id, prompt_token_ids, child.params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time, lora_request=lora_request))
             for child in fan_out(request_id, params)
         ]  # fmt: skip
         record = _Stream(queue=asyncio.Queue(), child_ids=[c.request_id for _, c in children])
@@ -217,7 +224,7 @@ class AsyncEngine:
                 if self.spans is not None:
                     self.spans.add(
                         core_req.request_id, request_id, index, core_req.sampling_params,
-                        len(prompt_token_ids), core_req.arrival_time, trace, n=params.n,
+                        len(prompt_token_ids), tokenized, trace, n=params.n,
                     )  # fmt: skip
             if self.request_log is not None:
                 self.request_log.arrived(request_id, prompt, prompt_token_ids, params, lora_request)

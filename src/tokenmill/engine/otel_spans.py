@@ -55,7 +55,7 @@ class _Sequence:
     params: SamplingParams  # the sequence's own (n=1 after the fan-out)
     n: int  # the user request's n
     prompt_tokens: int
-    arrival: float  # stamped after tokenization (the engine request's arrival_time)
+    arrival: float  # stamped after tokenization (the span's "tokenized" stage)
     trace: TraceContext | None
     first_output: float | None = None
     num_tokens: int = 0

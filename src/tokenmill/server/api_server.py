@@ -412,7 +412,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_request(CompletionRequest, await read_body(state, request))
         trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_completion(state, body, trace), body.stream, state.stream_write_timeout
+            request, create_completion(state, body, trace, received), body.stream, state.stream_write_timeout
         )
 
     @app.post("/v1/chat/completions")
@@ -422,7 +422,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(state, request))
         trace = state.trace_context(request.headers, received, body.model)
         return await _respond(
-            request, create_chat_completion(state, body, trace), body.stream, state.stream_write_timeout
+            request, create_chat_completion(state, body, trace, received), body.stream, state.stream_write_timeout
         )
 
     return app

@@ -101,8 +101,14 @@ def _prompt_logprobs(
     ]
 
 
-async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, trace: TraceContext | None = None):
-    """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, trace: TraceContext | None = None, received: float | None = None
+):
+    """Returns a ChatCompletionResponse, or an async iterator of SSE strings when streaming.
+
+    `received`: when its HTTP request reached the route; its generation counts its arrival from
+    then (None: once it is tokenized).
+    """
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(None, state.default_sampling)  # None: up to the context length
     check_priority(state, request.priority)
@@ -128,6 +134,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     choices = [ChoiceState(index=j) for j in range(params.n)]
     status = admit(state, [prompt], params, request.request_timeout, constraint_param, lora)
     status.trace = trace
+    status.arrival = received
     outputs = generate_all(
         state,
         request_id,

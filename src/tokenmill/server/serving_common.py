@@ -71,6 +71,9 @@ class RunStatus:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     lora_hold: LoRAHold | None = None  # keeps the adapter from being unloaded until the request ends
     trace: TraceContext | None = None  # the HTTP request's trace context (--otlp-traces-endpoint)
+    # When its HTTP request reached the route (time.monotonic()): the engine requests' arrival_time,
+    # so TTFT and the slo policy's deadlines count parsing and tokenizing (None: when they are sent).
+    arrival: float | None = None
 
     def release(self) -> None:
         self.ticket.release()
@@ -232,6 +235,7 @@ async def generate_all(
                 cache_salt=cache_salt,
                 lora_request=status.lora,
                 trace=status.trace,
+                arrival_time=status.arrival,
             ):
                 if out.outputs[0].token_ids or out.finished:  # no longer waiting to start
                     ticket.started(i, out.outputs[0].index)

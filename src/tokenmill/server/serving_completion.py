@@ -93,8 +93,14 @@ def _completion_logprobs(
     return result
 
 
-async def create_completion(state: ServerState, request: CompletionRequest, trace: TraceContext | None = None):
-    """Returns a CompletionResponse, or an async iterator of SSE strings when streaming."""
+async def create_completion(
+    state: ServerState, request: CompletionRequest, trace: TraceContext | None = None, received: float | None = None
+):
+    """Returns a CompletionResponse, or an async iterator of SSE strings when streaming.
+
+    `received`: when its HTTP request reached the route; its generation counts its arrival from
+    then (None: once it is tokenized).
+    """
     lora = state.resolve_model(request.model)  # the adapter `model` names; None: the base model
     params = request.to_sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, state.default_sampling)
     check_priority(state, request.priority)
@@ -114,6 +120,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, trac
     choices = [ChoiceState(index=i * n + j) for i in range(len(prompts)) for j in range(n)]
     status = admit(state, prompts, params, request.request_timeout, request.constraint_param, lora)
     status.trace = trace
+    status.arrival = received
     outputs = generate_all(
         state,
         request_id,
