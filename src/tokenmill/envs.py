@@ -149,6 +149,12 @@ TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK = _int(
     "each as soon as its requests' previous tokens are accepted (0, the default: all rows after every "
     "accept; chunks showed no clear gain on a 2-core CPU, the GPU host is not measured yet)",
 )
+TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS = _int(
+    "TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS",
+    None,
+    "threads xgrammar fills a constrained step's mask rows on (one batch call a step; unset: half "
+    "the CPUs this process may run on, at least 1; 1 fills them on the engine's fill thread alone)",
+)
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",
     None,

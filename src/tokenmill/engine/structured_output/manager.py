@@ -19,6 +19,7 @@ from tokenmill.core.outputs import GrammarOutput, SchedulerOutput
 from tokenmill.core.request import Request
 from tokenmill.core.structured_output import INVALID_PREFIX
 from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
+from tokenmill.engine.structured_output.batch_accept import accept_batch
 from tokenmill.engine.structured_output.bitmask import BitmaskFiller
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 from tokenmill.engine.structured_output.step_fill import StepFill
@@ -117,6 +118,28 @@ class StructuredOutputManager:
         if self._step_fill is not None:
             self._step_fill.accepted(request.request_id, grammar)
         return error
+
+    def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
+        """`accept_token` for a step's one-token results, before they are appended: the active
+        grammars advance in one xgrammar call (batch_accept.py)."""
+        items = []
+        for request, token_id in batch:
+            grammar = self.grammars.get(request.request_id)
+            if grammar is None:  # answered by the loop below
+                continue
+            items.append((grammar, request.output_token_ids, token_id))
+        verdicts = iter(accept_batch(items))
+        results: list[str | None] = []
+        step_fill = self._step_fill
+        for request, _ in batch:
+            grammar = self.grammars.get(request.request_id)
+            if grammar is None:
+                results.append("structured output: the request has no grammar state")
+                continue
+            results.append(next(verdicts))
+            if step_fill is not None:
+                step_fill.accepted(request.request_id, grammar)
+        return results
 
     def is_terminated(self, request: Request) -> bool:
         grammar = self.grammars.get(request.request_id)
