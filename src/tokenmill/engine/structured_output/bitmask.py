@@ -191,6 +191,9 @@ def _draft_rows_loop(
         matcher = grammar.matcher
         _fill_row(grammar, buffer, first)
         accepted = filled = 0
+        if grammar.error is not None:  # its fill failed: the request ends, its drafts do not matter
+            filled_counts.append(0)
+            continue
         try:
             for token in tokens[: count - 1]:
                 if not matcher.accept_token(token):
@@ -225,7 +228,7 @@ def _draft_rows_batch(
     filler.fill_rows(grammars, buffer, firsts)
     accepted = [0] * len(grammars)
     filled = [0] * len(grammars)
-    alive = [i for i, count in enumerate(counts) if count > 1]
+    alive = [i for i, count in enumerate(counts) if count > 1 and grammars[i].error is None]
     depth = 0
     try:
         while alive:
