@@ -153,7 +153,7 @@ TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS = _int(
     "TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS",
     None,
     "threads xgrammar fills a constrained step's mask rows on (one batch call a step; unset: half "
-    "the CPUs this process may run on, at least 1; 1 fills them on the engine's fill thread alone)",
+    "the CPUs this process may run on, 1 to 8; 1 fills them on the engine's fill thread alone)",
 )
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",

@@ -31,8 +31,8 @@ BATCH_FILL_MIN_ROWS = 2
 
 def fill_threads() -> int:
     """xgrammar threads for a step's fill: TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS, else half the
-    CPUs this process may use (xgrammar's own "auto" halves the machine's hardware threads, which
-    in a container can be many more than it is given)."""
+    CPUs this process may use, at most 8 (xgrammar's own "auto" halves the machine's hardware
+    threads, which in a container can be many more than it is given)."""
     configured = envs.TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS.get()
     if configured is not None:
         if configured < 1:
@@ -42,7 +42,9 @@ def fill_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, cpus // 2)
+    # At most 8: 64 rows gained little past 2-4 threads on the H100 host (BENCHMARKS.md, issue 14),
+    # and xgrammar's source builds its thread pool anew at every batch call.
+    return max(1, min(8, cpus // 2))
 
 
 def apply_extra_masks(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
@@ -71,9 +73,14 @@ class BitmaskFiller:
     ) -> None:
         self.num_words = -(-vocab_size // 32)
         self._buffer = np.zeros((initial_rows, self.num_words), dtype=np.int32)
-        self.threads = threads if threads is not None else fill_threads()
+        self._threads = threads  # None: fill_threads() at each batch call (the variable is live)
         self.batch = batch
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher (it holds the thread count)
+        self._batch_threads = 0
+
+    @property
+    def threads(self) -> int:
+        return self._threads if self._threads is not None else fill_threads()
 
     def buffer_for(self, rows: int) -> np.ndarray:
         """The buffer, grown to at least `rows` rows (its contents are not kept)."""
@@ -82,10 +89,12 @@ class BitmaskFiller:
         return self._buffer
 
     def _batch_matcher(self) -> Any:
-        if self._batch is None:
+        threads = self.threads
+        if self._batch is None or threads != self._batch_threads:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+            self._batch_threads = threads
         return self._batch
 
     def fill_rows(

@@ -20,7 +20,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.structured_output import INVALID_PREFIX
 from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
 from tokenmill.engine.structured_output.batch_accept import accept_batch
-from tokenmill.engine.structured_output.bitmask import BitmaskFiller
+from tokenmill.engine.structured_output.bitmask import BitmaskFiller, fill_threads
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 from tokenmill.engine.structured_output.step_fill import StepFill
 from tokenmill.stats_histogram import StatsHistogram
@@ -56,6 +56,7 @@ class StructuredOutputManager:
         self._step_fill: StepFill | None = None
         # Host time filling one step's bitmask.
         self.mask_seconds = StatsHistogram("structured_output_mask_seconds", MASK_BUCKETS)
+        fill_threads()  # a bad TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS fails here, not in a step
 
     @property
     def backend(self) -> XgrammarBackend:
