@@ -558,18 +558,19 @@ def test_served_engine_core_process_carries_constraints_errors_and_stats(tiny_ll
 
 def test_async_mask_filled_in_chunks_as_tokens_arrive_gives_the_same_tokens(tiny_llama_dir, monkeypatch):
     """TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK=1 sends each row to the fill thread as its token is
-    accepted; 0 fills every row after all accepts: the same greedy tokens, valid outputs."""
+    accepted, 64 all rows of the step's batch of accepts at once before the rest of the update; 0
+    fills every row after the update: the same greedy tokens, valid outputs."""
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, block_size=4, async_scheduling=True)
     prompts = ["the model token", "cache block page", "hello world", "a b c d", "x y", "stream server"]
     specs = [SO(json=TINY_SCHEMA, disable_any_whitespace=True), SO(regex=TINY_REGEX)]
     params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=specs[i % 2]) for i in range(6)]
     results = {}
-    for chunk in ("0", "1", "0"):
+    for chunk in ("0", "1", "64", "0"):
         monkeypatch.setenv("TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK", chunk)
         outputs = llm.generate(prompts, params)
         _tiny_outputs_valid(outputs, ["json", "regex"] * 3)
         results.setdefault(chunk, []).append([o.outputs[0].token_ids for o in outputs])
-    assert results["0"][0] == results["0"][1] == results["1"][0]
+    assert results["0"][0] == results["0"][1] == results["1"][0] == results["64"][0]
     _no_blocks_held(llm)
 
 

@@ -140,6 +140,8 @@ class StructuredOutputManager:
             results.append(next(verdicts))
             if step_fill is not None:
                 step_fill.accepted(request.request_id, grammar)
+        if step_fill is not None:  # the rows fill while the scheduler finishes its update
+            step_fill.flush()
         return results
 
     def is_terminated(self, request: Request) -> bool:
