@@ -68,6 +68,7 @@ def main() -> None:
     plain_s = time.perf_counter() - started
     steps = max(lengths)
     by_chunk: dict[str, list[float]] = {}
+    chunk_env = os.environ.get("TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK")
     for _ in range(args.rounds if args.fill_chunks else 0):
         for chunk in args.fill_chunks.split(","):
             os.environ["TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK"] = chunk
@@ -79,6 +80,10 @@ def main() -> None:
             mask_ms = (_mask_sum(llm) - before) / steps * 1000
             by_chunk.setdefault(chunk, []).append(round(wall / steps * 1000, 2))
             by_chunk.setdefault(chunk + "_mask_after_accepts", []).append(round(mask_ms, 2))
+    if args.fill_chunks:  # the thread comparison below runs at the caller's chunk setting
+        os.environ.pop("TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK", None)
+        if chunk_env is not None:
+            os.environ["TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK"] = chunk_env
     by_threads: dict[str, list[float]] = {}
     for _ in range(args.rounds if args.fill_threads else 0):
         for threads in args.fill_threads.split(","):
