@@ -3,6 +3,8 @@ tokenizer for the grammars), 64 requests plain then constrained by the json-sche
 schemas, wall time of each, then cProfile of the constrained run (top functions by own time).
 
   python benchmarks/structured_profile.py --model benchmarks/configs/llama-3.1-8b --tokenizer .gputok
+  (GPU A/B of xgrammar threads and the early fill, ~2-3 min on an H200: add
+   --fill-threads 1,4,8 --fill-chunks 0,64 --rounds 2)
 
 `--fill-chunks 0,8` times the constrained run once per TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK value,
 alternating (`--rounds` times), in one engine: 0 fills a step's rows after all its accepts, N sends
