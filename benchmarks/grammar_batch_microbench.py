@@ -4,7 +4,8 @@ API, with the engine's classes: accept each request's token, fill the mask rows,
 mode has its own matchers), so machine load hits them alike, and their masks must be equal.
 
 Modes (`--modes`, comma-separated ACCEPT:FILL:THREADS): ACCEPT `loop` (RequestGrammar.accept per
-request, the scheduler before batching) or `batch` (batch_accept.accept_batch, one call); FILL
+request, the scheduler before batching), `batch` (batch_accept.accept_batch: the engine's one hook
+call a step) or `xgr` (xgrammar's BatchGrammarMatcher.batch_accept_token, one C++ call); FILL
 `loop` (a fill_next_token_bitmask call per matcher; per request and draft with `--drafts`) or
 `batch` (BitmaskFiller: one batch call, per draft depth with drafts) on THREADS xgrammar threads.
 `loop:batch:1` is the engine before this change on a machine whose "auto" is 1 thread.
@@ -45,7 +46,7 @@ class Mode:
     ) -> None:
         self.name = spec
         accept, fill, threads = spec.split(":")
-        self.batch_accept = accept == "batch"
+        self.accept = accept
         self.filler = BitmaskFiller(vocab, threads=int(threads), batch=fill == "batch")
         self.compiled, self.streams, self.extra = compiled, streams, extra
         self.request = Request(
@@ -62,7 +63,10 @@ class Mode:
     def step(self, drafts: int, keep: bool) -> None:
         tokens = [self.streams[i][self.positions[i]] for i in range(ROWS)]
         t0 = time.perf_counter()
-        if self.batch_accept:
+        if self.accept == "xgr":
+            verdicts = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in self.grammars], tokens)
+            errors = [g.accepted(ok, t) for g, ok, t in zip(self.grammars, verdicts, tokens, strict=True)]
+        elif self.accept == "batch":
             errors = accept_batch([(g, [], t) for g, t in zip(self.grammars, tokens, strict=True)])
         else:
             errors = [g.accept([], t) for g, t in zip(self.grammars, tokens, strict=True)]
@@ -106,7 +110,7 @@ class Mode:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=".gputok")
-    parser.add_argument("--modes", default="loop:loop:1,loop:batch:1,batch:batch:1,batch:batch:2")
+    parser.add_argument("--modes", default="loop:loop:1,loop:batch:1,xgr:batch:1,batch:batch:1,batch:batch:2")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--drafts", type=int, default=0, help="draft tokens per request (0: none)")
     parser.add_argument("--result-name", default=None, help="write benchmarks/results/NAME.json")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from tokenmill.core.request import Request
-from tokenmill.engine.structured_output import batch_accept as batch_accept_module
 from tokenmill.engine.structured_output.batch_accept import accept_batch
 from tokenmill.engine.structured_output.bitmask import BitmaskFiller, fill_threads
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
@@ -182,17 +181,20 @@ def test_a_failing_fill_ends_only_its_request(compiled, with_drafts):
     assert broken.accept([], 3) == broken.error  # its sampled token ends the request
 
 
-def test_a_failing_batch_accept_ends_its_requests_without_raising(compiled, monkeypatch):
-    def fail(matchers, tokens):
-        raise RuntimeError("internal")
+def test_a_failing_accept_ends_only_its_request(compiled):
+    class Raising(_Broken):
+        def accept_token(self, token_id: int) -> bool:
+            raise RuntimeError("internal")
 
-    monkeypatch.setattr(batch_accept_module, "_batch_accept_token", fail)
-    grammars = _grammars(compiled, [(TEXTS[0], 1), (TEXTS[1], 2)])
-    closed = grammars[1][1]
+    grammars = _grammars(compiled, [(TEXTS[0], 1), (TEXTS[0], 1), (TEXTS[1], 2)])
+    grammars[0][1].matcher = Raising(grammars[0][1].matcher)
+    closed = grammars[2][1]
     closed.active, closed.start_after = False, [5]
-    verdicts = accept_batch([(g, [], 4) for _, g in grammars])
-    assert "accepting the step's tokens failed: RuntimeError: internal" in verdicts[0]
-    assert verdicts[1] is None and closed.error is None  # not in the failed call
+    verdicts = accept_batch([(g, [], VOCAB.index('"')) for _, g in grammars])
+    assert "accepting token" in verdicts[0] and "RuntimeError: internal" in verdicts[0]
+    assert grammars[0][1].error == verdicts[0] and not grammars[0][1].needs_mask
+    assert verdicts[1] is None and grammars[1][1].num_accepted == 2  # its neighbour moved on
+    assert verdicts[2] is None and closed.error is None and not closed.active
 
 
 def test_fill_threads_from_the_environment(monkeypatch):

@@ -2,8 +2,8 @@
 
 The rows are filled with xgrammar's batch API: one `batch_fill_next_token_bitmask` call a step (on
 `TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS` C++ threads, without the GIL), and for draft rows one
-`batch_accept_token` / fill call per draft depth and one `batch_rollback`, instead of a Python call
-per matcher and token. `BitmaskFiller(batch=False)` keeps the per-matcher calls: the fallback
+batch fill call per draft depth, instead of a fill call per matcher and draft (the draft accepts
+stay a call per matcher: batch_accept.py says why). `BitmaskFiller(batch=False)` keeps the per-matcher calls: the fallback
 that finds which request a failed batch call belongs to, and the baseline of the A/B benchmark
 (benchmarks/grammar_batch_microbench.py). A fill that fails ends that request with the error
 (its row allows every token; the token it samples comes back to a grammar that answers the error).
@@ -229,11 +229,10 @@ def _draft_rows_batch(
     firsts: list[int],
     buffer: np.ndarray,
 ) -> list[int]:
-    """`_draft_rows_loop` by draft depth: one fill call for every request's first row, then per
-    depth one accept call and one fill call for the requests whose drafts so far all passed, and
-    one rollback call at the end. The same rows: each matcher sees the same calls in the same order."""
-    import xgrammar as xgr
-
+    """`_draft_rows_loop` by draft depth: one batch fill call for every request's first row, then
+    per depth the accepts of the requests whose drafts so far all passed and one batch fill call
+    for their rows; the rollbacks at the end. The same rows: each matcher sees the same calls in the
+    same order. (The accepts and rollbacks are a call per matcher: batch_accept.py says why.)"""
     filler.fill_rows(grammars, buffer, firsts)
     accepted = [0] * len(grammars)
     filled = [0] * len(grammars)
@@ -242,30 +241,26 @@ def _draft_rows_batch(
     try:
         while alive:
             depth += 1
-            matchers = [grammars[i].matcher for i in alive]
-            try:
-                verdicts = xgr.BatchGrammarMatcher.batch_accept_token(
-                    matchers, [drafts[i][depth - 1] for i in alive]
-                )
-            except Exception as exc:  # which matchers moved is unknown: those requests end
-                logger.exception("structured output: batch accept of draft tokens failed")
-                for i in alive:
-                    grammars[i].fail(
+            still = []
+            for i in alive:
+                grammar = grammars[i]
+                try:
+                    if not grammar.matcher.accept_token(drafts[i][depth - 1]):
+                        continue
+                except Exception as exc:
+                    logger.exception("structured output: accepting a draft token failed")
+                    grammar.fail(
                         f"structured output: checking draft tokens failed: {type(exc).__name__}: {exc}"
                     )
-                break
-            alive = [i for i, ok in zip(alive, verdicts, strict=True) if ok]
-            for i in alive:
+                    continue
                 accepted[i] += 1
-            alive = [i for i in alive if not grammars[i].matcher.is_terminated()]
-            for i in alive:
-                filled[i] = depth
-            filler.fill_rows([grammars[i] for i in alive], buffer, [firsts[i] + depth for i in alive])
-            alive = [i for i in alive if counts[i] > depth + 1]
+                if not grammar.matcher.is_terminated():  # a stop token: nothing is filled after it
+                    filled[i] = depth
+                    still.append(i)
+            filler.fill_rows([grammars[i] for i in still], buffer, [firsts[i] + depth for i in still])
+            alive = [i for i in still if counts[i] > depth + 1]
     finally:
-        moved = [i for i, n in enumerate(accepted) if n]
-        if moved:
-            xgr.BatchGrammarMatcher.batch_rollback(
-                [grammars[i].matcher for i in moved], [accepted[i] for i in moved]
-            )
+        for i, n in enumerate(accepted):
+            if n:
+                grammars[i].matcher.rollback(n)
     return filled
