@@ -602,8 +602,9 @@ class Scheduler:
         return list(token_ids), None
 
     def _accept_single_tokens(self, runner_output: ModelRunnerOutput) -> dict[str, str | None]:
-        """The grammars' verdicts on the step's one-token results, in one call (a C++ loop rather
-        than a hook call per request); `_check_stop` uses them instead of accepting again."""
+        """The grammars' verdicts on the step's one-token results, in one hook call before the
+        update's loop (the step's mask can fill meanwhile); `_check_stop` uses them instead of
+        accepting again."""
         hooks = self.structured_output
         if hooks is None:
             return {}

@@ -121,8 +121,8 @@ class StructuredOutputManager:
         return error
 
     def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
-        """`accept_token` for a step's one-token results, before they are appended: the active
-        grammars advance in one xgrammar call (batch_accept.py)."""
+        """`accept_token` for a step's one-token results, before they are appended and before the
+        rest of the scheduler's update (batch_accept.py); a chunked fill sends their rows now."""
         items = []
         for request, token_id in batch:
             grammar = self.grammars.get(request.request_id)
