@@ -146,8 +146,15 @@ TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK = _int(
     "TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK",
     0,
     "async scheduling: a constrained step's mask rows go to the fill thread in chunks of this many, "
-    "each as soon as its requests' previous tokens are accepted (0, the default: all rows after every "
-    "accept; chunks showed no clear gain on a 2-core CPU, the GPU host is not measured yet)",
+    "each as soon as its requests' previous tokens are accepted, and all rows of a step's batch of "
+    "one-token accepts at once right after it, before the rest of the scheduler's update (0, the "
+    "default: all rows after the whole update; not measured on the GPU host yet)",
+)
+TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS = _int(
+    "TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS",
+    None,
+    "threads xgrammar fills a constrained step's mask rows on (one batch call a step; unset: half "
+    "the CPUs this process may run on, 1 to 8; 1 fills them on the engine's fill thread alone)",
 )
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",

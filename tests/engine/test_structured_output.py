@@ -558,16 +558,63 @@ def test_served_engine_core_process_carries_constraints_errors_and_stats(tiny_ll
 
 def test_async_mask_filled_in_chunks_as_tokens_arrive_gives_the_same_tokens(tiny_llama_dir, monkeypatch):
     """TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK=1 sends each row to the fill thread as its token is
-    accepted; 0 fills every row after all accepts: the same greedy tokens, valid outputs."""
+    accepted, 64 all rows of the step's batch of accepts at once before the rest of the update; 0
+    fills every row after the update: the same greedy tokens, valid outputs."""
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=256, block_size=4, async_scheduling=True)
     prompts = ["the model token", "cache block page", "hello world", "a b c d", "x y", "stream server"]
     specs = [SO(json=TINY_SCHEMA, disable_any_whitespace=True), SO(regex=TINY_REGEX)]
     params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=specs[i % 2]) for i in range(6)]
     results = {}
-    for chunk in ("0", "1", "0"):
+    for chunk in ("0", "1", "64", "0"):
         monkeypatch.setenv("TOKENMILL_STRUCTURED_OUTPUT_FILL_CHUNK", chunk)
         outputs = llm.generate(prompts, params)
         _tiny_outputs_valid(outputs, ["json", "regex"] * 3)
         results.setdefault(chunk, []).append([o.outputs[0].token_ids for o in outputs])
-    assert results["0"][0] == results["0"][1] == results["1"][0]
+    assert results["0"][0] == results["0"][1] == results["1"][0] == results["64"][0]
+    _no_blocks_held(llm)
+
+
+def test_a_failing_mask_fill_ends_only_its_request(tiny_llama_dir, monkeypatch):
+    """xgrammar failing for one request's matcher (the step's batch fill raises, then its own row,
+    on the async path's fill thread): that request ends with the error; its neighbours keep their
+    greedy tokens; nothing leaks."""
+    from tokenmill.engine.structured_output.request_grammar import RequestGrammar
+
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", max_model_len=256, block_size=4, async_scheduling=True
+    )
+    prompts = ["the model token", "cache block page", "hello world"]
+    json_so = SO(json=TINY_SCHEMA, disable_any_whitespace=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=json_so),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=SO(regex="[0-9]{2,9}")),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=SO(regex=TINY_REGEX)),
+    ]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    class Broken:
+        def __init__(self, matcher) -> None:
+            self._matcher = matcher
+
+        def fill_next_token_bitmask(self, bitmask, row) -> bool:
+            raise RuntimeError("boom")
+
+        def __getattr__(self, name: str):
+            if name == "_handle":  # xgrammar's batch call cannot take it either
+                raise AttributeError(name)
+            return getattr(self._matcher, name)
+
+    init = RequestGrammar.__init__
+
+    def broken_init(self, compiled, request, *args, **kwargs) -> None:
+        init(self, compiled, request, *args, **kwargs)
+        if request.sampling_params.structured_outputs.regex == "[0-9]{2,9}":
+            self.matcher = Broken(self.matcher)
+
+    monkeypatch.setattr(RequestGrammar, "__init__", broken_init)
+    outputs = llm.generate(prompts, params)
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert "filling the token mask failed: RuntimeError: boom" in outputs[1].error
+    assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == [before[0], before[2]]
+    _tiny_outputs_valid([outputs[0], outputs[2]], ["json", "regex"])
     _no_blocks_held(llm)

@@ -80,3 +80,38 @@ def test_a_step_with_no_constrained_row_left_is_empty(setup):
         assert grammars["r0"].accept([], vocab.index("</s>")) is None
         step.accepted("r0", grammars["r0"])
         assert step.finish(grammars).result().is_empty
+
+
+def test_flushed_rows_fill_before_finish_and_equal_the_rows_after_all_accepts(setup):
+    """A batch of accepts sends its rows at once (`flush`), whatever the chunk; a later second token
+    for one of them refills that row; the step's rows equal those filled after every accept."""
+    vocab = setup[0]
+    prefixes = ["", "a", "1", "12", "5"]
+    step_ids = [f"r{i}" for i in range(len(prefixes))]
+    flushed, reference = _grammars(setup, prefixes), _grammars(setup, prefixes)
+    tokens = {"r0": "1", "r1": "b", "r2": "2", "r3": "3"}  # r4 gets no token
+    filler = BitmaskFiller(len(vocab))
+    calls = []
+
+    def fill_rows(grammars, buffer, rows):
+        calls.append(list(rows))
+        filler.fill_rows(grammars, buffer, rows)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = StepFill(step_ids, filler.buffer_for(len(step_ids)), pool, fill_rows, 100)
+        for request_id, text in tokens.items():
+            assert flushed[request_id].accept([], vocab.index(text)) is None
+            step.accepted(request_id, flushed[request_id])
+        step.flush()
+        pool.submit(lambda: None).result()
+        assert calls == [[0, 1, 2, 3]]  # sent before finish, in one call
+        assert flushed["r2"].accept([], vocab.index("3")) is None
+        step.accepted("r2", flushed["r2"])
+        output = step.finish(flushed).result()
+    assert calls[1:] == [[2, 4]]  # r2 again (its row was stale), r4 (no token this update)
+    for request_id, text in tokens.items():
+        assert reference[request_id].accept([], vocab.index(text)) is None
+    assert reference["r2"].accept([], vocab.index("3")) is None
+    expected = BitmaskFiller(len(vocab)).fill(list(reference.items()))
+    assert output.request_ids == expected.request_ids == step_ids
+    assert output.bitmask == expected.bitmask

@@ -22,6 +22,7 @@ class FakeGrammars:
         self.failed: dict[str, str] = {}
         self.accepted: dict[str, list[int]] = {}
         self.freed: list[str] = []
+        self.batches: list[list[str]] = []
 
     def start(self, request: Request) -> None:
         self.started.append(request.request_id)
@@ -37,6 +38,10 @@ class FakeGrammars:
             return f"token {token_id} not allowed"
         self.accepted.setdefault(request.request_id, []).append(token_id)
         return None
+
+    def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
+        self.batches.append([request.request_id for request, _ in batch])
+        return [self.accept_token(request, token_id) for request, token_id in batch]
 
     def is_terminated(self, request: Request) -> bool:
         return self.accepted.get(request.request_id, [])[-1:] == [7]
@@ -140,4 +145,23 @@ def test_without_hooks_a_constrained_request_errors():
     so = s.schedule()
     outs = s.update_from_output(so, ModelRunnerOutput())
     assert outs[0].finish_reason == "error" and "not available" in outs[0].error
+    s.check_invariants()
+
+
+def test_a_steps_one_token_results_are_accepted_in_one_batch_call():
+    """Every constrained request's token of a step goes to the grammars in one `accept_tokens` call
+    (unconstrained ones do not); the verdicts end, stop or keep each request as one by one would."""
+    grammars = FakeGrammars()
+    grammars.ready.update({"a", "b", "c"})
+    s = _scheduler(grammars)
+    for rid, constrained in (("a", True), ("p", False), ("b", True), ("c", True)):
+        s.add_request(_request(rid, constrained))
+    so = s.schedule()
+    assert sorted(so.structured_output_request_ids) == ["a", "b", "c"]
+    outs = {o.request_id: o for o in s.update_from_output(so, _sample(so, {"a": 3, "b": 60, "c": 7, "p": 99}))}
+    assert [sorted(batch) for batch in grammars.batches] == [["a", "b", "c"]]
+    assert grammars.accepted == {"a": [3], "c": [7]}  # each token accepted once
+    assert not outs["a"].finished and not outs["p"].finished
+    assert outs["b"].finish_reason == "error" and outs["b"].error == "token 60 not allowed"
+    assert outs["c"].finish_reason == "stop"  # its grammar completed
     s.check_invariants()

@@ -56,6 +56,9 @@ from tokenmill.core.slo_queue import SloQueue
 from tokenmill.core.structured_output import StructuredOutputHooks
 from tokenmill.spec_decode.stats import SpecDecodingStats
 
+# `_check_stop`'s verdict when the grammar has not been asked about the token yet.
+_NOT_ACCEPTED = object()
+
 
 class Scheduler:
     def __init__(
@@ -517,6 +520,7 @@ class Scheduler:
             )
 
         prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
+        verdicts = self._accept_single_tokens(runner_output)
         logprobs = runner_output.logprobs
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         any_finished = False
@@ -542,7 +546,7 @@ class Scheduler:
                     self.spec_stats.observe(len(drafts), len(token_ids) - 1)
             if len(token_ids) == 1:  # the common case: one token
                 request.append_output_token_ids(token_ids)
-                status = self._check_stop(request, token_ids[0])
+                status = self._check_stop(request, token_ids[0], verdicts.get(request_id, _NOT_ACCEPTED))
                 new_token_ids = token_ids
             else:
                 new_token_ids, status = self._append_run(request, token_ids)
@@ -597,9 +601,33 @@ class Scheduler:
                 return token_ids[:count], status
         return list(token_ids), None
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _accept_single_tokens(self, runner_output: ModelRunnerOutput) -> dict[str, str | None]:
+        """The grammars' verdicts on the step's one-token results, in one hook call before the
+        update's loop (the step's mask can fill meanwhile); `_check_stop` uses them instead of
+        accepting again."""
+        hooks = self.structured_output
+        if hooks is None:
+            return {}
+        batch = []
+        for request_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            if len(token_ids) == 1:
+                request = self.requests.get(request_id)
+                if request is not None and request.use_structured_output:
+                    batch.append((request, token_ids[0]))
+        if not batch:
+            return {}
+        results = hooks.accept_tokens(batch)
+        return {request.request_id: error for (request, _), error in zip(batch, results, strict=True)}
+
+    def _check_stop(
+        self, request: Request, token_id: int, verdict: str | None | object = _NOT_ACCEPTED
+    ) -> RequestStatus | None:
+        """`verdict`: the grammar's answer to this token when `_accept_single_tokens` already asked."""
         if request.use_structured_output and self.structured_output is not None:
-            error = self.structured_output.accept_token(request, token_id)
+            if verdict is _NOT_ACCEPTED:
+                error = self.structured_output.accept_token(request, token_id)
+            else:
+                error = verdict  # type: ignore[assignment]
             if error is not None:
                 request.error = error
                 return RequestStatus.FINISHED_ERROR

@@ -9,7 +9,8 @@ queued) and parks the request in WAITING_FOR_GRAMMAR, which `schedule()` skips w
 the requests behind it; each `schedule()` polls the parked ones (`poll`): a ready grammar moves
 its request to the waiting queue, a failed one ends it with the error. Every step that samples for
 the request lists it in `SchedulerOutput.structured_output_request_ids`; each token it then
-gets goes through `accept_token` (an error ends the request, a terminated grammar stops it).
+gets goes through `accept_token` (an error ends the request, a terminated grammar stops it); a
+step's one-token results go through `accept_tokens` together, before the update appends them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class StructuredOutputHooks(Protocol):
     def accept_token(self, request: Request, token_id: int) -> str | None:
         """Advance the request's matcher by its newly appended output token (already in
         `request.output_token_ids`); an error message if the grammar rejects it."""
+
+    def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
+        """`accept_token` for many requests at once (a step's results, one token each), called
+        before each token is appended to `request.output_token_ids`: one error message or None
+        per pair, in order."""
+        ...
 
     def is_terminated(self, request: Request) -> bool:
         """The grammar is complete: the request stops here."""

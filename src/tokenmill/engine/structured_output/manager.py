@@ -19,7 +19,8 @@ from tokenmill.core.outputs import GrammarOutput, SchedulerOutput
 from tokenmill.core.request import Request
 from tokenmill.core.structured_output import INVALID_PREFIX
 from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
-from tokenmill.engine.structured_output.bitmask import BitmaskFiller
+from tokenmill.engine.structured_output.batch_accept import accept_batch
+from tokenmill.engine.structured_output.bitmask import BitmaskFiller, fill_threads
 from tokenmill.engine.structured_output.request_grammar import RequestGrammar
 from tokenmill.engine.structured_output.step_fill import StepFill
 from tokenmill.stats_histogram import StatsHistogram
@@ -55,6 +56,7 @@ class StructuredOutputManager:
         self._step_fill: StepFill | None = None
         # Host time filling one step's bitmask.
         self.mask_seconds = StatsHistogram("structured_output_mask_seconds", MASK_BUCKETS)
+        fill_threads()  # a bad TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS fails here, not in a step
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -117,6 +119,30 @@ class StructuredOutputManager:
         if self._step_fill is not None:
             self._step_fill.accepted(request.request_id, grammar)
         return error
+
+    def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
+        """`accept_token` for a step's one-token results, before they are appended and before the
+        rest of the scheduler's update (batch_accept.py); a chunked fill sends their rows now."""
+        items = []
+        for request, token_id in batch:
+            grammar = self.grammars.get(request.request_id)
+            if grammar is None:  # answered by the loop below
+                continue
+            items.append((grammar, request.output_token_ids, token_id))
+        verdicts = iter(accept_batch(items))
+        results: list[str | None] = []
+        step_fill = self._step_fill
+        for request, _ in batch:
+            grammar = self.grammars.get(request.request_id)
+            if grammar is None:
+                results.append("structured output: the request has no grammar state")
+                continue
+            results.append(next(verdicts))
+            if step_fill is not None:
+                step_fill.accepted(request.request_id, grammar)
+        if step_fill is not None:  # the rows fill while the scheduler finishes its update
+            step_fill.flush()
+        return results
 
     def is_terminated(self, request: Request) -> bool:
         grammar = self.grammars.get(request.request_id)

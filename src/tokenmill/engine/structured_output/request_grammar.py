@@ -50,7 +50,11 @@ class RequestGrammar:
         if not self.active:
             self.active = _ends_with(output_token_ids, self.start_after)
             return None
-        if not self.matcher.accept_token(token_id):
+        return self.accepted(self.matcher.accept_token(token_id), token_id)
+
+    def accepted(self, ok: bool, token_id: int) -> str | None:
+        """Record the matcher's verdict on `token_id` (from `accept` or a batch accept)."""
+        if not ok:
             self.error = (
                 f"structured output: the grammar does not allow token {token_id} after "
                 f"{self.num_accepted} constrained tokens"
@@ -59,9 +63,22 @@ class RequestGrammar:
         self.num_accepted += 1
         return None
 
+    def gate_opens_with(self, output_token_ids: list[int], token_id: int) -> None:
+        """`accept` for a closed gate, before `token_id` is appended to the output."""
+        n = len(self.start_after)
+        self.active = self.start_after[-1:] == [token_id] and (
+            n == 1 or _ends_with(output_token_ids, self.start_after[:-1])
+        )
+
     @property
     def is_terminated(self) -> bool:
         return self.active and self.matcher.is_terminated()
+
+    def fail(self, message: str) -> None:
+        """The grammar machinery failed for this request: it ends with `message` when its next
+        token comes back (accept returns the error)."""
+        if self.error is None:
+            self.error = message
 
     def no_token_allowed(self) -> None:
         """Its filled row allows nothing (bitmask.restrict): the request ends when its sampled

@@ -8,6 +8,9 @@ the fill thread in one GIL-releasing xgrammar call, so the fill of the first row
 accepts (and the rest of the update) of the later ones. It saves at most the accepts and update
 time; the fill itself (xgrammar's, ~0.1 ms a row inside a length-bounded string) is unchanged.
 
+The scheduler accepts a step's one-token results in one batch (`accept_tokens`), before the rest
+of its update: those rows are all sent right after it, in one call, whatever the chunk size.
+
 Rows are filled into a buffer slot per position in `structured_output_request_ids` and packed at
 the end, because whether a row is needed (its grammar active, not terminated, no error) is known
 only once its token has been accepted. A request accepted twice in one update (not expected on the
@@ -61,6 +64,10 @@ class StepFill:
             self._queued.append((slot, grammar))
             if len(self._queued) >= self._chunk:
                 self._send()
+
+    def flush(self) -> None:
+        """Send the queued rows now (a batch of accepts just ended: its rows go in one call)."""
+        self._send()
 
     def finish(self, grammars: dict[str, RequestGrammar]) -> Future:
         """Every accept of the update is done: send the rows left (those of requests that got no
