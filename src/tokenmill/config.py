@@ -62,9 +62,10 @@ class KernelConfig:
     cpu_weight_packing: bool = True
     # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks.
     cpu_quantized_gemv: bool = True
-    # CPU, AVX-512, GGUF (with cpu_quantized_gemv): matmuls of more rows than the GEMV serves, up to
-    # this many (decode batches), dequantize the blocks once a step into a float32 panel
-    # (kernels/cpu/csrc/cpu_quant_gemm.cpp) instead of reading the float32 oneDNN weights; 0 = off.
+    # CPU, AVX-512 or AVX2+FMA, GGUF (with cpu_quantized_gemv): matmuls of more rows than the GEMV
+    # serves, up to this many (decode batches), dequantize the blocks once a step into a float32
+    # panel (kernels/cpu/csrc/cpu_quant_gemm.cpp) instead of reading the float32 oneDNN weights;
+    # 0 = off. Prefill chunks stay on oneDNN (faster there on both kinds of CPU: CPU_PERFORMANCE.md).
     cpu_quantized_gemm_rows: int = 64
     # CPU, AVX-512 VNNI, GGUF (with cpu_quantized_gemv): the one-to-four-row matmuls quantize the
     # activations per block of 32 to this many bits and multiply with VNNI integer dot products

@@ -35,6 +35,10 @@ def test_greedy_single_and_concurrent_equal_transformers(llm, default_model_path
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(str(default_model_path), prompt, 8)[0]
     llm.engine.check_invariants()
+    from tokenmill.kernels.cpu.quant_gemv import gemm_available
+
+    if gemm_available():  # then the 16-row decode steps above ran the batched quantized kernel
+        assert llm.engine.runner.model.layers[0].mlp.down_proj.method.blocks_for_rows(16) is not None
 
 
 def test_greedy_unchanged_by_chunking_preemption_and_caching(default_model_path):

@@ -56,7 +56,7 @@ def split_rows(rows: np.ndarray, quant_type: int) -> np.ndarray:
 
 @functools.cache
 def gemm_available() -> bool:
-    """Whether this build has the batched kernel (csrc/cpu_quant_gemm.cpp: AVX-512 only)."""
+    """Whether this build has the batched kernel (csrc/cpu_quant_gemm.cpp: AVX-512 or AVX2+FMA)."""
     return bool(torch.ops.tokenmill_cpu.quant_gemm_available())
 
 
