@@ -20,6 +20,19 @@
 // q + 128 (unsigned for dpbusd; the activations' block sums times 128 are subtracted back):
 // 32c bytes a chunk. After the chunks: the blocks' float16 d (and m for Q4_1), as in split_rows.
 // The activations are quantized into the same sequence order per call (int8 or int16).
+//
+// AVX2 without VNNI (e.g. AMD Zen 3): the same layout and the same integer math (so the same
+// result up to float32 summation order), with `vpmaddubsw` (unsigned x signed bytes, pairs added
+// into int16) and `vpmaddwd` (int16 pairs into int32) instead of dpbusd / dpwssd:
+// - 8 bits, Q4_1: maddubs(w 0..15, x) pairs stay within +-3810, so the 4 pieces of a chunk add in
+//   int16 (+-15240) before one madd by ones widens them.
+// - 8 bits, Q8_0: the stored q + 128 is flipped back to q; maddubs(|q|, sign(x, q)) (pairs within
+//   +-32512, no saturation) replaces the +128 correction.
+// - 16 bits, Q4_1: each activation is split into its high (signed) and low (unsigned) byte,
+//   x = 256 xh + xl, so both halves multiply the 4-bit weights with maddubs (pairs +-3840 and
+//   0..7650; 4 pieces add in int16 within +-15360 and 0..30600), then madd by 256 and by 1.
+// - 16 bits, Q8_0: the weights are widened to int16 and multiplied with madd (lanes hold pairs, so
+//   lane i is block (i / 2) % c).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,6 +41,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define TOKENMILL_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_INT8_AVX2 1
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -35,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -56,6 +73,8 @@ struct QuantizedRow {
   std::vector<float> scale;   // d_x per block
   std::vector<float> sum;     // exact float sum of x per block
   std::vector<int32_t> corr;  // per chunk, 4c lanes: -128 * the lane's sum of q (Q8_0 only)
+  std::vector<int8_t> hi;     // AVX2, 16 bits, Q4_1: q16 = 256 hi + lo, in sequence order
+  std::vector<uint8_t> lo;
 };
 
 void quantize_row(const float* x, int64_t num_blocks, bool want_corr, int bits, QuantizedRow& out) {
@@ -106,6 +125,19 @@ void quantize_row(const float* x, int64_t num_blocks, bool want_corr, int bits, 
     b0 += c;
   }
 }
+
+#if defined(TOKENMILL_INT8_AVX2)
+// AVX2, 16 bits, Q4_1: the activations' high and low bytes (x = 256 hi + lo, lo unsigned).
+void split_bytes(QuantizedRow& xq) {
+  const size_t count = xq.q16.size();
+  xq.hi.resize(count);
+  xq.lo.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    xq.hi[i] = static_cast<int8_t>(xq.q16[i] >> 8);  // arithmetic shift: floor(q / 256)
+    xq.lo[i] = static_cast<uint8_t>(xq.q16[i] & 0xFF);
+  }
+}
+#endif
 
 #if defined(TOKENMILL_VNNI)
 // Q4_1's offsets: sum over blocks of the weight block's m (fp16, after the scales) x the exact
@@ -300,11 +332,149 @@ float dot_row16(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) 
 }
 #endif  // TOKENMILL_VNNI
 
+#if defined(TOKENMILL_INT8_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// d_w * d_x of the c (1, 2 or 4) blocks from `b`, in lanes 0..c-1 of a __m128.
+inline __m128 chunk_scales(const uint16_t* d_w, const float* scale, int64_t b, int c) {
+  if (c == 4) {
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d_w + b))),
+                      _mm_loadu_ps(scale + b));
+  }
+  if (c == 2) {
+    int32_t d_pair;
+    std::memcpy(&d_pair, d_w + b, 4);
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_pair)), _mm_setr_ps(scale[b], scale[b + 1], 0.f, 0.f));
+  }
+  return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_w[b])), _mm_set1_ps(scale[b]));
+}
+
+// The scales of 8 int32 lanes where lane i sums sequence group i (block i % c).
+inline __m256 by_group(__m128 s, int c) {
+  const __m256 wide = _mm256_castps128_ps256(s);
+  const __m256i idx = c == 4 ? _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)
+                      : c == 2 ? _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1)
+                               : _mm256_setzero_si256();
+  return _mm256_permutevar8x32_ps(wide, idx);
+}
+
+// The same where lane i sums sequence elements 2i, 2i + 1 of a 16-element piece (block (i / 2) % c).
+inline __m256 by_pair(__m128 s, int c) {
+  const __m256 wide = _mm256_castps128_ps256(s);
+  const __m256i idx = c == 4 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                      : c == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1)
+                               : _mm256_setzero_si256();
+  return _mm256_permutevar8x32_ps(wide, idx);
+}
+
+// The c pieces of 32 sequence weights (unsigned 0..15) of a Q4_1 chunk of c blocks at `w`.
+inline void q4_pieces(const uint8_t* w, int c, __m256i* piece) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  if (c == 4) {
+    const __m256i a = load256(w), b = load256(w + 32);
+    piece[0] = _mm256_and_si256(a, mask);
+    piece[1] = _mm256_and_si256(b, mask);
+    piece[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask);
+    piece[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  } else if (c == 2) {
+    const __m256i a = load256(w);
+    piece[0] = _mm256_and_si256(a, mask);
+    piece[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask);
+  } else {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    piece[0] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(a, 4), m), _mm_and_si128(a, m));
+  }
+}
+
+// One chunk of c blocks: its weights at `w`, its activations from sequence index 0 of `q` (int8),
+// `q16` (int16) or `hi` / `lo`. Returns the 8 int32 lanes: by group, or by pair for 16-bit Q8_0.
+template <bool Q4, int Bits>
+inline __m256i chunk_dot(const uint8_t* w, int c, const int8_t* q, const int16_t* q16, const int8_t* hi,
+                         const uint8_t* lo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (Q4) {
+    __m256i piece[4];
+    q4_pieces(w, c, piece);
+    if (Bits == 8) {
+      __m256i sum16 = _mm256_maddubs_epi16(piece[0], load256(q));
+      for (int p = 1; p < c; ++p) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(piece[p], load256(q + 32 * p)));
+      return _mm256_madd_epi16(sum16, ones);
+    }
+    __m256i high = _mm256_maddubs_epi16(piece[0], load256(hi));
+    __m256i low = _mm256_maddubs_epi16(load256(lo), piece[0]);
+    for (int p = 1; p < c; ++p) {
+      high = _mm256_add_epi16(high, _mm256_maddubs_epi16(piece[p], load256(hi + 32 * p)));
+      low = _mm256_add_epi16(low, _mm256_maddubs_epi16(load256(lo + 32 * p), piece[p]));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(high, _mm256_set1_epi16(256)), _mm256_madd_epi16(low, ones));
+  }
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i sum32 = _mm256_setzero_si256();
+  for (int p = 0; p < c; ++p) {
+    const __m256i qw = _mm256_xor_si256(load256(w + 32 * p), flip);  // q + 128 -> q (signed)
+    if (Bits == 8) {
+      const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(qw), _mm256_sign_epi8(load256(q + 32 * p), qw));
+      sum32 = _mm256_add_epi32(sum32, _mm256_madd_epi16(prod, ones));
+    } else {
+      const __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(qw));
+      const __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(qw, 1));
+      sum32 = _mm256_add_epi32(sum32, _mm256_madd_epi16(w_lo, load256(q16 + 32 * p)));
+      sum32 = _mm256_add_epi32(sum32, _mm256_madd_epi16(w_hi, load256(q16 + 32 * p + 16)));
+    }
+  }
+  return sum32;
+}
+
+// One output: weight row `row` (vnni layout) . the quantized activation row (8 or 16 bits).
+template <bool Q4, int Bits>
+float dot_row_avx2(const uint8_t* row, int64_t num_blocks, const QuantizedRow& xq) {
+  const int64_t quant_bytes = num_blocks * (Q4 ? 16 : 32);
+  const uint16_t* d_w = reinterpret_cast<const uint16_t*>(row + quant_bytes);
+  const float* scale = xq.scale.data();
+  // Lanes by pair only for 16-bit Q8_0 (madd of int16 weights); by group otherwise.
+  constexpr bool kByPair = !Q4 && Bits == 16;
+  __m256 acc = _mm256_setzero_ps();
+  const uint8_t* w = row;
+  for (int64_t b = 0; b < num_blocks;) {
+    const int c = chunk_blocks(num_blocks, b);
+    const int64_t at = b * kBlock;  // sequence index of the chunk's first activation
+    const __m256i isum = chunk_dot<Q4, Bits>(
+        w, c, Bits == 8 ? xq.q.data() + at : nullptr, (Bits == 16 && !Q4) ? xq.q16.data() + at : nullptr,
+        (Bits == 16 && Q4) ? xq.hi.data() + at : nullptr, (Bits == 16 && Q4) ? xq.lo.data() + at : nullptr);
+    const __m128 s = chunk_scales(d_w, scale, b, c);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), kByPair ? by_pair(s, c) : by_group(s, c), acc);
+    w += (Q4 ? 16 : 32) * c;
+    b += c;
+  }
+  float total = hsum8(acc);
+  if (Q4) {  // + sum over blocks of m * sum(x)
+    const uint16_t* m_w = d_w + num_blocks;
+    __m256 offsets = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= num_blocks; i += 8) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_w + i)));
+      offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(xq.sum.data() + i), offsets);
+    }
+    total += hsum8(offsets);
+    for (; i < num_blocks; ++i) total += _cvtsh_ss(m_w[i]) * xq.sum[i];
+  }
+  return total;
+}
+#endif  // TOKENMILL_INT8_AVX2
+
 // out [M, N] float32 = x [M, K] float32 (int8-quantized per block of 32) @ dequant(blocks)^T, with
 // `blocks` [N, row_bytes] uint8 in the vnni layout above; quant_type 0 = Q4_1, 1 = Q8_0.
 void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type,
                      int64_t bits) {
-#if defined(TOKENMILL_VNNI)
+#if defined(TOKENMILL_VNNI) || defined(TOKENMILL_INT8_AVX2)
   TORCH_CHECK(quant_type == 0 || quant_type == 1,
               "quant_gemv_int8: quant_type must be 0 (Q4_1) or 1 (Q8_0), got ", quant_type);
   TORCH_CHECK(bits == 8 || bits == 16, "quant_gemv_int8: bits (of the activations) must be 8 or 16, got ", bits);
@@ -323,7 +493,15 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_gemv_int8: out must be [", m, ", ", n, "]");
   const bool q4 = quant_type == 0;
   std::vector<QuantizedRow> rows(m);
+#if defined(TOKENMILL_VNNI)
   for (int64_t r = 0; r < m; ++r) quantize_row(x.data_ptr<float>() + r * k, num_blocks, !q4, static_cast<int>(bits), rows[r]);
+#else
+  for (int64_t r = 0; r < m; ++r) {
+    // (No +128 correction: the AVX2 kernel flips Q8_0's stored q + 128 back to q.)
+    quantize_row(x.data_ptr<float>() + r * k, num_blocks, false, static_cast<int>(bits), rows[r]);
+    if (bits == 16 && q4) split_bytes(rows[r]);
+  }
+#endif
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
@@ -338,25 +516,46 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
         }
       }
       for (int64_t r = 0; r < m; ++r) {
+#if defined(TOKENMILL_VNNI)
         if (bits == 16) {
           y[r * n + row] = q4 ? dot_row16<true>(wrow, num_blocks, rows[r]) : dot_row16<false>(wrow, num_blocks, rows[r]);
         } else {
           y[r * n + row] = q4 ? dot_row<true>(wrow, num_blocks, rows[r]) : dot_row<false>(wrow, num_blocks, rows[r]);
         }
+#else
+        if (bits == 16) {
+          y[r * n + row] = q4 ? dot_row_avx2<true, 16>(wrow, num_blocks, rows[r])
+                              : dot_row_avx2<false, 16>(wrow, num_blocks, rows[r]);
+        } else {
+          y[r * n + row] = q4 ? dot_row_avx2<true, 8>(wrow, num_blocks, rows[r])
+                              : dot_row_avx2<false, 8>(wrow, num_blocks, rows[r]);
+        }
+#endif
       }
     }
   });
 #else
-  TORCH_CHECK(false, "quant_gemv_int8: this build has no AVX-512 VNNI (check quant_gemv_int8_available() first)");
+  TORCH_CHECK(false, "quant_gemv_int8: this build has neither AVX-512 VNNI nor AVX2 (check quant_gemv_int8_available() first)");
 #endif
 }
 
-// Whether this build (-march=native) has the VNNI kernel; without it the float kernel serves.
+// Whether this build (-march=native) has the kernel (VNNI or AVX2); without it the float kernel serves.
 bool quant_gemv_int8_available() {
-#if defined(TOKENMILL_VNNI)
+#if defined(TOKENMILL_VNNI) || defined(TOKENMILL_INT8_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+// Which instructions this build's kernel uses: "avx512_vnni", "avx2" or "" (none).
+std::string quant_gemv_int8_isa() {
+#if defined(TOKENMILL_VNNI)
+  return "avx512_vnni";
+#elif defined(TOKENMILL_INT8_AVX2)
+  return "avx2";
+#else
+  return "";
 #endif
 }
 
@@ -365,6 +564,7 @@ bool quant_gemv_int8_available() {
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("quant_gemv_int8(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type, int bits) -> ()");
   m.def("quant_gemv_int8_available() -> bool", &quant_gemv_int8_available);
+  m.def("quant_gemv_int8_isa() -> str", &quant_gemv_int8_isa);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemv_int8", &quant_gemv_int8); }
