@@ -4,6 +4,8 @@ block, within the activations' rounding bound else."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -202,7 +204,8 @@ def test_the_build_uses_the_cpus_integer_dot_products() -> None:
     from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available, int8_isa
 
     try:
-        flags = next(line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")).split()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags")).split()
     except (OSError, StopIteration):
         pytest.skip("no /proc/cpuinfo flags here")
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
