@@ -35,7 +35,7 @@ def _int8_kernel():
     from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
 
     if not int8_available():
-        pytest.skip("the int8-activation kernel needs AVX-512 VNNI")
+        pytest.skip("the int8-activation kernel needs AVX-512 VNNI or AVX2")
     return torch.ops.tokenmill_cpu.quant_gemv_int8
 
 
