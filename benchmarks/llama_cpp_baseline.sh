@@ -30,9 +30,15 @@ TM_ENV=${TM_ENV:-}                # e.g. OMP_NUM_THREADS=1 (the engine's torch t
 LOG_DIR=${LOG_DIR:-/tmp/tokenmill-llama-cpp-baseline}
 # The CPU's instruction sets. Not GGML_NATIVE: -march=native turns on AMX on Sapphire Rapids, and
 # on this project's VM the first AMX tile instruction dies with SIGILL (the guest may not use AMX
-# state), so llama-server crashed loading the model. The same AVX-512 / VNNI / BF16 sets, spelled out:
-LLAMA_CMAKE_FLAGS=${LLAMA_CMAKE_FLAGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
--DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON}
+# state), so llama-server crashed loading the model. The same AVX-512 / VNNI / BF16 sets, spelled out
+# where the CPU has them; AVX2 / FMA / F16C alone elsewhere (the AMD Zen 3 machine: no AVX-512).
+AVX2_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
+  DEFAULT_FLAGS="$AVX2_FLAGS -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+else
+  DEFAULT_FLAGS=$AVX2_FLAGS
+fi
+LLAMA_CMAKE_FLAGS=${LLAMA_CMAKE_FLAGS:-$DEFAULT_FLAGS}
 COMMIT=${TOKENMILL_COMMIT:-$(git rev-parse --short HEAD)}
 TAG=${TAG:-$COMMIT}
 export TOKENMILL_COMMIT=$COMMIT

@@ -67,8 +67,9 @@ class KernelConfig:
     # panel (kernels/cpu/csrc/cpu_quant_gemm.cpp) instead of reading the float32 oneDNN weights;
     # 0 = off. Prefill chunks stay on oneDNN (faster there on both kinds of CPU: CPU_PERFORMANCE.md).
     cpu_quantized_gemm_rows: int = 64
-    # CPU, AVX-512 VNNI, GGUF (with cpu_quantized_gemv): the one-to-four-row matmuls quantize the
-    # activations per block of 32 to this many bits and multiply with VNNI integer dot products
+    # CPU, AVX-512 VNNI or AVX2, GGUF (with cpu_quantized_gemv): the one-to-four-row matmuls (one row
+    # on AVX2) quantize the activations per block of 32 to this many bits and multiply with integer
+    # dot products (VNNI dpbusd / dpwssd, or AVX2 maddubs / madd)
     # (kernels/cpu/csrc/cpu_quant_gemv_int8.cpp) instead of dequantizing the weights to float32.
     # 16: error ~float32's, greedy tokens kept; 8: llama.cpp's scheme, a little faster, but it
     # flipped near-tie greedy tokens of the default model within 30 tokens; 0 = the float32 GEMV.

@@ -216,7 +216,7 @@ def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_
 
 
 def test_quantized_activation_steps_keep_transformers_greedy_tokens(llm, default_model_path):
-    """Where the CPU has AVX-512 VNNI, one-row steps quantize the activations to 16-bit integers
+    """Where the CPU has AVX-512 VNNI or AVX2, one-row steps quantize the activations to 16-bit integers
     (the default cpu_activation_bits): not the float32 product, so logprobs move a little, but
     the greedy tokens of these prompts stay transformers' (8 bits, llama.cpp's scheme, flipped
     near-ties of three of them within 30 tokens)."""
@@ -224,7 +224,7 @@ def test_quantized_activation_steps_keep_transformers_greedy_tokens(llm, default
     from tokenmill.model.layers.quantized_linear import quantized_blocks
 
     if not int8_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: one-row steps keep float32 activations")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: one-row steps keep float32 activations")
     assert quantized_blocks(llm.engine.runner.model.lm_head).vnni is not None
     for text in (
         "The three primary colors are",

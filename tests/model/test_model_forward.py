@@ -245,7 +245,7 @@ def test_default_model_greedy_answer(default_model_path):
 @pytest.mark.parametrize("activation_bits", [0, 16, 8])
 def test_default_model_matches_transformers_gguf_loader(default_model_path, activation_bits: int):
     """The prompt in one chunk, then three one-row steps. With float32 activations every logit is
-    transformers'; with quantized ones (the 1-4-row GGUF kernel, AVX-512 VNNI) the one-row steps'
+    transformers'; with quantized ones (the 1-4-row GGUF kernel, AVX-512 VNNI or AVX2) the one-row steps'
     logits move (observed: up to ~0.01 with 16 bits, ~1.5 with 8); with 16 they keep their argmax."""
     from transformers import AutoModelForCausalLM
 
@@ -268,7 +268,7 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path, acti
         from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
 
         if not (cpu_kernels_available()[0] and int8_available()):
-            pytest.skip("no AVX-512 VNNI build of the CPU kernels: one-row steps keep float32 activations")
+            pytest.skip("no AVX-512 VNNI / AVX2 build of the CPU kernels: one-row steps keep float32 activations")
     kernel = KernelConfig(cpu_activation_bits=activation_bits)
     model = load_model(config, arch, "cpu", torch.float32, backend, resolved=resolved, kernel=kernel)
     harness = PagedHarness(model, seed=6)

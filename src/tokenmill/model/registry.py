@@ -132,7 +132,7 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows:
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
         return
-    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available, int8_isa
 
     bits = activation_bits if int8_available() else 0
     attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows, bits)
@@ -142,5 +142,5 @@ def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows:
             blocks_rows_limit(gemm_rows),
             attached / 2**20,
             rows_limit(),
-            f"{bits}-bit integer (AVX-512 VNNI)" if bits else "float32",
+            f"{bits}-bit integer ({int8_isa().upper()})" if bits else "float32",
         )

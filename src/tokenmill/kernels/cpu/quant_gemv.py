@@ -38,7 +38,7 @@ class QuantizedBlocks:
     quant_type: int  # the kernel's code: 0 = Q4_1, 1 = Q8_0
     out_features: int
     # The same blocks in the quantized-activation kernel's layout (quant_gemv_int8.vnni_rows), when
-    # that kernel serves the few-row products (KernelConfig.cpu_activation_bits, AVX-512 VNNI builds),
+    # that kernel serves the few-row products (KernelConfig.cpu_activation_bits, AVX-512 VNNI or AVX2 builds),
     # and the bits it quantizes the activations to (8 or 16).
     vnni: torch.Tensor | None = None
     activation_bits: int = 16

@@ -1,5 +1,6 @@
 """The int8-activation one-to-four-row kernel's weight layout (csrc/cpu_quant_gemv_int8.cpp), made
-once at load from the GGUF's Q4_1 / Q8_0 block rows, and whether this build has the kernel."""
+once at load from the GGUF's Q4_1 / Q8_0 block rows, and whether this build has the kernel (AVX-512
+VNNI or AVX2: one layout for both)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from tokenmill.kernels.cpu.quant_gemv import split_rows
 
 @functools.cache
 def int8_available() -> bool:
-    """Whether this build has the AVX-512 VNNI kernel (the CPU's flags, -march=native)."""
+    """Whether this build has the kernel: AVX-512 VNNI, or AVX2 (the CPU's flags, -march=native)."""
     return bool(torch.ops.tokenmill_cpu.quant_gemv_int8_available())
+
+
+@functools.cache
+def int8_isa() -> str:
+    """The instructions this build's kernel uses: "avx512_vnni", "avx2", or "" (no kernel)."""
+    return str(torch.ops.tokenmill_cpu.quant_gemv_int8_isa())
 
 
 def _chunks(num_blocks: int) -> list[tuple[int, int]]:
