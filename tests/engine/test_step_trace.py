@@ -104,19 +104,3 @@ def test_request_timelines_and_iteration_tokens_without_a_trace_dir(tiny_llama_d
     assert stats["iteration_tokens_total_bucket_le_32.0"] == stats["iteration_tokens_total_count"] >= 1
     llm.engine.flush_trace()
     assert list(tmp_path.iterdir()) == []
-
-
-def test_queue_time_is_the_wait_in_the_engine_not_since_the_http_arrival(tiny_llama_dir):
-    """A request's arrival_time is its HTTP arrival (before tokenizing and the trip to the engine);
-    the reported queue time (vLLM's request_queue_time_seconds) is its wait in the engine only."""
-    import time
-
-    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128)
-    core = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    arrived = time.monotonic() - 100.0  # as if the API server had held it for 100 s
-    core.add_request(EngineCoreRequest("late", [40, 41, 42], params, max_tokens=2, arrival_time=arrived))
-    queue_times = []
-    while core.has_work():
-        queue_times += [out.queue_time for out in core.step() if out.queue_time is not None]
-    assert len(queue_times) == 1 and 0.0 <= queue_times[0] < 50.0

@@ -235,10 +235,7 @@ class EngineCore:
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.request_id
             if rid not in self._queue_times and rid not in self._reported_queue_time:
-                # vLLM's meaning: time waiting in the engine, from its receipt (the request's
-                # arrival_time is the HTTP arrival, before tokenizing and the trip here).
-                received = self.timelines.received(rid)
-                self._queue_times[rid] = max(0.0, now - (requests[rid].arrival_time if received is None else received))
+                self._queue_times[rid] = max(0.0, now - requests[rid].arrival_time)
         if self.async_scheduling and not speculating and not scheduler_output.scheduled_spec_decode_tokens:
             pending = self._launch(scheduler_output)
             if isinstance(pending, ModelRunnerOutput):  # the launch failed: its requests end now

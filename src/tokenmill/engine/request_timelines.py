@@ -30,11 +30,6 @@ class RequestTimelines:
         )
         self._computed[request_id] = 0
 
-    def received(self, request_id: str) -> float | None:
-        """When the engine core took the request off its socket (None once it has ended)."""
-        timeline = self._timelines.get(request_id)
-        return None if timeline is None else timeline.received
-
     def scheduled(self, so: SchedulerOutput, now: float) -> int:
         """Stamp a step's prefill chunks and preemptions; returns the step's number."""
         step = self._num_steps
