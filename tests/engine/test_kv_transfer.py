@@ -394,11 +394,12 @@ def test_waiting_for_a_transfer_is_bounded_released_by_its_id_and_forgotten_at_t
 
 def test_a_send_still_queued_keeps_its_bytes_while_the_next_is_gathered(tmp_path) -> None:
     """The sender reuses a host buffer only after ZMQ has sent it. The consumer reads nothing until
-    all four 8 MiB sends are made (and holds at most one message), so later sends find earlier
+    all seven 8 MiB sends are made (and holds at most one message), so later sends find earlier
     buffers still queued: they must take fresh ones, and every message keeps its own bytes."""
     import torch
 
     from tokenmill.core.kv_connector_metadata import KVSendMetadata
+    from tokenmill.worker.kv_connector import transfer
     from tokenmill.worker.kv_connector.transfer import KVSenderWorker, kv_layout
 
     pool = [torch.randn(2, 8, 16, 8, 512) for _ in range(2)]
@@ -413,14 +414,15 @@ def test_a_send_still_queued_keeps_its_bytes_while_the_next_is_gathered(tmp_path
         time.sleep(0.2)  # let the PUSH socket connect (IMMEDIATE drops sends before that)
         blocks = list(range(8))
         sends = []
-        for round_ in range(4):
+        for round_ in range(transfer.MAX_PINNED_SEND_BUFFERS + 3):  # past the kept buffers: one-off ones
             keys = [f"{round_}-{i}".encode() for i in blocks]
             sender.start_load_kv(KVSendMetadata(blocks, keys, [[1] * 16] * 8, [f"t{round_}"]))
             sends.append(b"".join(b"".join(t[:, i].numpy().tobytes() for t in pool) for i in blocks))
             for t in pool:
                 t.add_(1.0)  # the blocks change before the earlier sends have left
         assert sender.blocks_dropped == 0
-        assert len(sender._buffers) >= 2  # noqa: SLF001 - some send found the others' buffers queued
+        kept = len(sender._buffers)  # noqa: SLF001
+        assert 2 <= kept <= transfer.MAX_PINNED_SEND_BUFFERS  # some send found the others' queued
         for sent in sends:
             header, payload = pull.recv_multipart()
             assert payload == sent

@@ -28,6 +28,9 @@ from tokenmill.worker.kv_connector.base import KVConnectorWorker
 logger = logging.getLogger(__name__)
 
 SEND_HIGH_WATER_MARK = 64  # messages queued towards a slow consumer before sends are dropped
+# Pinned send buffers kept for reuse; a send finding them all still queued gets a one-off pageable
+# buffer (a slow consumer must not pin up to SEND_HIGH_WATER_MARK prompts' worth of host memory).
+MAX_PINNED_SEND_BUFFERS = 4
 
 
 def kv_layout(model: str, block_size: int, kv_cache_tensors: list[torch.Tensor]) -> KVLayout:
@@ -90,17 +93,20 @@ class KVSenderWorker(KVConnectorWorker):
         self._buffers: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
         self.blocks_dropped = 0
 
-    def _free_buffer(self, num_bytes: int) -> int:
-        """A host buffer no queued send reads any more, of at least `num_bytes`: its index."""
+    def _free_buffer(self, num_bytes: int) -> tuple[int | None, torch.Tensor]:
+        """A host buffer no queued send reads any more, of at least `num_bytes`, and its index among
+        the kept ones (None: a one-off buffer, which ZMQ's reference keeps alive until sent)."""
+        device = self.tensors[0].device
         for index, (buffer, tracker) in enumerate(self._buffers):
             if tracker is None or tracker.done:
                 if buffer.numel() < num_bytes:
-                    buffer = _host_buffer(num_bytes, self.tensors[0].device)
+                    buffer = _host_buffer(num_bytes, device)
                 self._buffers[index] = (buffer, None)
-                return index
-        # Every buffer is still queued towards the consumer (at most SEND_HIGH_WATER_MARK of them).
-        self._buffers.append((_host_buffer(num_bytes, self.tensors[0].device), None))
-        return len(self._buffers) - 1
+                return index, buffer
+        if len(self._buffers) >= MAX_PINNED_SEND_BUFFERS:
+            return None, torch.empty(num_bytes, dtype=torch.uint8)
+        self._buffers.append((_host_buffer(num_bytes, device), None))
+        return len(self._buffers) - 1, self._buffers[-1][0]
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, KVSendMetadata):
@@ -116,9 +122,9 @@ class KVSenderWorker(KVConnectorWorker):
             # rearranged on the device (fast there) so the host receives one contiguous run.
             gathered = torch.stack([t.index_select(1, blocks).flatten(2) for t in self.tensors])
             rows = gathered.permute(2, 0, 1, 3).contiguous().view(-1)
-            index = self._free_buffer(rows.numel())
-            host = self._buffers[index][0][: rows.numel()]
-            host.copy_(rows, non_blocking=device.type == "cuda")
+            index, buffer = self._free_buffer(rows.numel())
+            host = buffer[: rows.numel()]
+            host.copy_(rows, non_blocking=device.type == "cuda" and buffer.is_pinned())
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the bytes must be on the host to send
             payload = memoryview(host.numpy())
