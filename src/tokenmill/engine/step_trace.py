@@ -109,6 +109,7 @@ class StepTracer:
         first step)."""
         self._gc.drain()
         self._compiles.drain()
+        self._compiles.start_serving()
 
     def flush(self) -> None:
         self._file.flush()

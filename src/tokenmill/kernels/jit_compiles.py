@@ -22,6 +22,9 @@ class JitCompiles:
         self._pending: dict[object, tuple[str, float]] = {}
         self._compiles: list[tuple[str, float, float]] = []
         self._installed = False
+        # Warm-up and graph capture compile dozens of variants by design; only a compile after
+        # `start_serving()` is a missed warm-up shape worth a warning in an operator's log.
+        self._serving = False
         try:
             from triton import knobs
         except ImportError:  # no Triton (a CPU build), or one older than its hooks
@@ -54,7 +57,14 @@ class JitCompiles:
         # The specialization (constexprs, argument types, which integers are 1 or multiples of 16,
         # which pointers are 16-byte aligned) says which warm-up shape was missing.
         detail = (compile or {}).get("specialization_data", "")
-        logger.warning("Triton compiled a variant of %s while serving (%.2f s): %s", name, seconds, str(detail)[:4000])
+        if self._serving:
+            logger.warning("Triton compiled a variant of %s while serving (%.2f s): %s", name, seconds, str(detail)[:4000])
+        else:
+            logger.debug("Triton compiled a variant of %s during start-up (%.2f s): %s", name, seconds, str(detail)[:4000])
+
+    def start_serving(self) -> None:
+        """From now on a compile stalls requests: each one is logged as a warning."""
+        self._serving = True
 
     def drain(self) -> list[tuple[str, float, float]]:
         compiles, self._compiles = self._compiles, []
