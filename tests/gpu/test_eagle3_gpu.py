@@ -127,3 +127,39 @@ def test_cuda_bfloat16_stays_close_to_cpu_float32(target_dir, drafter_dir):  # n
     for key in ("aux", "hidden_out1", "hidden_out2", "logits1", "logits2"):
         cosine = torch.nn.functional.cosine_similarity(bf16[key].flatten(), cpu[key].flatten(), dim=0)
         assert cosine > 0.995, (key, float(cosine))
+
+
+def test_engine_replays_cuda_graphs_with_the_aux_hidden_states_and_drafts_as_eagerly(
+    target_dir,  # noqa: F811
+    drafter_dir,
+):
+    """Decode and verification steps replay CUDA graphs that keep the target's aux hidden states:
+    greedy output is the target's own, and the drafter, fed from the graphs, proposes what it
+    proposes from eager steps (the same drafted and accepted counts, float32)."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 900 + 20 for j in range(12 + 3 * i)]} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=128, max_num_seqs=8)
+    spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+
+    def run(**extra):
+        llm = LLM(str(target_dir), **options, **extra)
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.check_invariants()
+        stats = llm.engine.get_stats()
+        assert stats["kv_cache_usage"] == 0.0
+        graphs = llm.engine.runner.graph_runner
+        replays = graphs.num_replays if graphs is not None else 0
+        llm.engine.runner.release()
+        return tokens, stats, replays, graphs
+
+    expected, _, _, _ = run(enforce_eager=True)
+    eager, eager_stats, _, _ = run(speculative_config=spec, enforce_eager=True)
+    graphed, graph_stats, replays, graphs = run(speculative_config=spec)
+    assert eager == expected and graphed == expected
+    assert graphs is not None and graphs.aux_outputs and replays > 0
+    assert (4 in graphs.spec_tokens_per_request), graphs.spec_tokens_per_request  # verification graphs, q = 1 + 3
+    assert graph_stats["spec_decode_num_draft_tokens"] > 0
+    for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert graph_stats[key] == eager_stats[key], key

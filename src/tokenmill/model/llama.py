@@ -286,7 +286,8 @@ class CausalLM(nn.Module):
         [T, len(aux_layers) * hidden]: the features an EAGLE-3 drafter fuses (model/eagle3.py).
 
         A method beside forward so that forward, and every step without a drafter, stays as it
-        is. Eager: a CUDA-graph capture would need the concatenated states in a static buffer."""
+        is. CUDA graphs capture it as it is: the concatenated states become the graph's second
+        output, in its memory pool (worker/cuda_graphs.py)."""
         if type(self).forward is not CausalLM.forward:
             raise NotImplementedError(f"{type(self).__name__} has its own forward; aux hidden states are not wired")
         if list(aux_layers) != sorted(set(aux_layers)) or not all(0 <= i < len(self.layers) for i in aux_layers):

@@ -17,6 +17,9 @@ nowhere) and a context in block 0; their rows are never read back. A q > 1 graph
 query_start_loc from a constant tensor (0, q, 2q, ...), not from the staged buffer: the staged
 one pads with one row per padding request, as a q = 1 step has.
 
+EAGLE-3 (`aux_layers`): the graphs run the target's `forward_with_aux_hidden_states` and keep the
+aux hidden states [size * q, 3 * hidden] as a second output, which the drafter reads after the step.
+
 Logits: a q = 1 graph's output is the logits [size, vocab] (captured). A q > 1 graph captures the
 model's hidden states [size * q, hidden] only, and the replay computes the logits of the real rows
 eagerly: captured logits would hold float32 [size * q, vocab] per graph (for Llama-3.1-8B and batch
@@ -107,10 +110,13 @@ class CudaGraphRunner:
         kv_caches: list[torch.Tensor],
         max_num_seqs: int,
         spec_tokens_per_request: tuple[int, ...] = (1,),
+        aux_layers: tuple[int, ...] | None = None,
     ) -> None:
         """`spec_tokens_per_request`: the query lengths to capture, 1 and the verification steps'
-        1 + k (e.g. (1, 4) for 3 draft tokens); the default captures single-token decodes only."""
+        1 + k (e.g. (1, 4) for 3 draft tokens); the default captures single-token decodes only.
+        `aux_layers`: also capture the aux hidden states entering these layers (EAGLE-3)."""
         self.model = model
+        self.aux_layers = aux_layers
         self.attn_backend = attn_backend
         self.buffers = buffers
         self.kv_caches = kv_caches
@@ -121,6 +127,7 @@ class CudaGraphRunner:
         self.spec_tokens_per_request = tuple(sorted(self.sizes_by_q))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}  # q = 1: logits; q > 1: hidden states
+        self.aux_outputs: dict[GraphKey, torch.Tensor] = {}  # with aux_layers: [size * q, 3 * hidden]
         self.metas: dict[GraphKey, AttentionMetadata] = {}
         self._uniform_query_start: dict[int, torch.Tensor] = {}  # q -> 0, q, 2q, ... (never written)
         self.pool = None
@@ -214,19 +221,27 @@ class CudaGraphRunner:
         meta = self._meta(size, q)
         ids, pos = b.input_ids[: size * q], b.positions[: size * q]
 
-        def forward() -> torch.Tensor:
-            hidden = self.model(ids, pos, self.kv_caches, meta)
-            return self.model.compute_logits(hidden) if q == 1 else hidden
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            aux = None
+            if self.aux_layers is None:
+                hidden = self.model(ids, pos, self.kv_caches, meta)
+            else:
+                hidden, aux = self.model.forward_with_aux_hidden_states(
+                    ids, pos, self.kv_caches, meta, self.aux_layers
+                )
+            return (self.model.compute_logits(hidden) if q == 1 else hidden), aux
 
         for _ in range(2):  # warm-up: autotuning and lazy init happen outside the capture
             forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+            out, aux = forward()
         key = (size, q)
         self.graphs[key] = graph
         self.outputs[key] = out
+        if aux is not None:
+            self.aux_outputs[key] = aux
         self.metas[key] = meta
 
     def replay(self, key: GraphKey, num_rows: int | None = None) -> torch.Tensor:
@@ -242,3 +257,10 @@ class CudaGraphRunner:
         if q == 1:
             return self.outputs[key][:rows]
         return self.model.compute_logits(self.outputs[key][:rows])
+
+    def aux_hidden_states(self, key: GraphKey, num_rows: int) -> torch.Tensor:
+        """A copy of the aux hidden states of the last replay of `key` (graphs captured with
+        `aux_layers`), its first `num_rows` rows in the step's row order. A copy (queued on the
+        stream after the replay): the drafter reads it after the step's tokens are back, and a
+        later step may replay the same graph before that."""
+        return self.aux_outputs[key][:num_rows].clone()

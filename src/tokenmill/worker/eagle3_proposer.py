@@ -13,8 +13,9 @@ three of its layers, concatenated), eagerly. After each step, with its tokens on
 
 Drafts are the drafter's greedy tokens mapped from its vocabulary to the target's (d2t). Drafter
 KV past the accepted tokens is rewritten by the next round's first pass, which starts at the
-target's next step start. CUDA graphs are off with this method (the aux hidden states are
-captured eagerly): it is correct everywhere, fast nowhere yet.
+target's next step start. Decode and verification steps replay CUDA graphs that keep the aux
+hidden states as a second output (worker/cuda_graphs.py, `set_target_aux`); steps with prefill
+chunks run the target eagerly (`target_forward`). The drafter itself runs eagerly.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class Eagle3Proposer(DrafterKVCache):
             input_ids, positions, kv_caches, meta, self.aux_layers
         )
         return hidden
+
+    def set_target_aux(self, aux: torch.Tensor) -> None:
+        """The aux hidden states of a step whose target forward was a CUDA graph replay."""
+        self._aux = aux
 
     @torch.inference_mode()
     def propose(

@@ -379,12 +379,11 @@ class ModelRunner:
             )
             return
         # Speculative decoding: verification steps replay graphs of 1 + k rows per request (shorter
-        # draft runs padded to it). Not with EAGLE-3, whose target steps run eagerly.
+        # draft runs padded to it). With EAGLE-3 the graphs also keep the target's aux hidden states.
         speculator = self.speculator
         verify_q = ()
         if (
             speculator is not None
-            and not speculator.needs_aux_hidden_states
             and self.attn_backend.supports_multi_token_decode
             and 1 + speculator.k <= MAX_TOKENS_PER_REQUEST
         ):
@@ -409,6 +408,7 @@ class ModelRunner:
         graph_runner = CudaGraphRunner(
             self.model, self.attn_backend, self.buffers, self.kv_caches, self.config.scheduler.max_num_seqs,
             spec_tokens_per_request=(1, *verify_q),
+            aux_layers=self.speculator.aux_layers if self.speculator is not None else None,
         )  # fmt: skip
         graph_runner.capture()
         if not self.config.kernel.piecewise_cuda_graphs:
@@ -676,9 +676,10 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec.get(r.request_id, []) for r in requests]
-        # EAGLE-3 reads the target's aux hidden states, captured eagerly.
-        eager_only = self.speculator is not None and self.speculator.needs_aux_hidden_states
-        graph_key = None if eager_only else self._graph_key(so, requests, num_computed_tokens)
+        # EAGLE-3 reads the target's aux hidden states: kept by the decode graphs, and by eager
+        # forwards for the other steps (no piecewise graphs: they do not keep them).
+        needs_aux = self.speculator is not None and self.speculator.needs_aux_hidden_states
+        graph_key = self._graph_key(so, requests, num_computed_tokens)
         if graph_key is not None:
             # Decode step (q tokens per request, q = 1 + k for a verification step): pad to a
             # captured batch size and replay its graph.
@@ -701,6 +702,8 @@ class ModelRunner:
             # i's q query tokens at rows i*q .. i*q + q - 1 (for q = 1, one row per request).
             self._wait_for_all_kv_layers()
             logits = self.graph_runner.replay(graph_key, num_reqs * q)  # type: ignore[union-attr]
+            if needs_aux:
+                self.speculator.set_target_aux(self.graph_runner.aux_hidden_states(graph_key, num_reqs * q))  # type: ignore[union-attr]
             if drafts is not None:
                 # A verification step samples the rows of each request's last token and drafts.
                 if len(batch.sample_rows) != num_reqs * q:
@@ -716,7 +719,7 @@ class ModelRunner:
                 logits = last_rows
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
         batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size, drafts=drafts)
-        piecewise = None if eager_only else self.piecewise
+        piecewise = None if needs_aux else self.piecewise
         size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
         if size is not None:
             # Graphs between the attention calls, attention itself eager (worker/piecewise_graphs.py).
@@ -725,7 +728,7 @@ class ModelRunner:
             hidden = piecewise.run(size, so.total_num_scheduled_tokens, meta)
         else:
             input_ids, positions, meta = self.build_metadata(batch, requests=requests)
-            if eager_only:
+            if needs_aux:
                 hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta)  # type: ignore[union-attr]
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)

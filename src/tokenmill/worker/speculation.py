@@ -145,8 +145,19 @@ class Speculator:
 
     @property
     def needs_aux_hidden_states(self) -> bool:
-        """EAGLE-3: the target's forward must keep its aux hidden states (eager steps only)."""
+        """EAGLE-3: the target's forward must keep its aux hidden states."""
         return getattr(self.draft_model, "needs_aux_hidden_states", False)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose input the drafter reads (EAGLE-3), for the CUDA graphs to keep."""
+        if not self.needs_aux_hidden_states:
+            return None
+        return tuple(self.draft_model.aux_layers)  # type: ignore[union-attr]
+
+    def set_target_aux(self, aux) -> None:  # noqa: ANN001 - a tensor
+        """The aux hidden states of a step that replayed a CUDA graph (eager steps keep their own)."""
+        self.draft_model.set_target_aux(aux)  # type: ignore[union-attr]
 
     def target_forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201 - tensors
         return self.draft_model.target_forward(input_ids, positions, kv_caches, meta)  # type: ignore[union-attr]
