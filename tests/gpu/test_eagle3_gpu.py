@@ -150,9 +150,7 @@ def test_engine_replays_cuda_graphs_with_the_aux_hidden_states_and_drafts_as_eag
         stats = llm.engine.get_stats()
         assert stats["kv_cache_usage"] == 0.0
         graphs = llm.engine.runner.graph_runner
-        replays = graphs.num_replays if graphs is not None else 0
-        llm.engine.runner.release()
-        return tokens, stats, replays, graphs
+        return tokens, stats, graphs.num_replays if graphs is not None else 0, graphs
 
     expected, _, _, _ = run(enforce_eager=True)
     eager, eager_stats, _, _ = run(speculative_config=spec, enforce_eager=True)
