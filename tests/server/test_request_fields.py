@@ -276,3 +276,35 @@ def test_chat_echo_returns_the_continued_message_whole():
         assert r.json()["choices"][0]["message"]["content"] == REPLY[:4]
 
     run(scenario)
+
+
+def test_a_schema_seen_before_is_not_checked_again_and_a_bad_one_is_refused_each_time(monkeypatch):
+    """The metaschema walk costs milliseconds on the event loop per request: once per schema."""
+    import jsonschema.validators
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "description": "cache-test-1"}
+    validator = jsonschema.validators.validator_for(schema)
+    walks: list[object] = []
+    real = validator.check_schema
+    monkeypatch.setattr(validator, "check_schema", lambda s, *a, **k: (walks.append(s), real(s, *a, **k))[1])
+
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        same = [
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+            chat(structured_outputs={"json": dict(reversed(schema.items()))}, stream=True),
+            {"model": MODEL, "prompt": "x", "guided_json": json.dumps(schema), "stream": True},
+        ]
+        for body in same:
+            r = await client.post(CHAT if "messages" in body else "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert engine.core.requests[-1].sampling_params.structured_outputs.json == json.loads(json.dumps(schema))
+        assert len(walks) == 1
+        bad = {**schema, "minProperties": "one"}
+        for _ in range(2):
+            r = await client.post(CHAT, json=chat(structured_outputs={"json": bad}))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "structured_outputs.json"
+            assert "minProperties" in r.json()["error"]["message"]
+        assert len(walks) == 3
+
+    run(scenario)
