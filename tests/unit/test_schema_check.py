@@ -66,6 +66,20 @@ def test_the_least_recently_used_schema_goes_first(walks):
     assert len(walks) == 4
 
 
+def test_the_cache_holds_a_bounded_amount_of_text(walks):
+    big = {"type": "string", "description": "x" * 100}
+    checker = SchemaChecker(max_chars=3 * len(canonical_text(big)) // 2)
+    checker.check(SCHEMA)
+    checker.check(big)  # together over the bound: SCHEMA, the oldest, goes
+    assert len(checker) == 1 and len(walks) == 2
+    checker.check(big)
+    assert len(walks) == 2
+    huge = {"type": "string", "description": "x" * 1000}  # alone over the bound: never kept
+    checker.check(huge)
+    checker.check(huge)
+    assert len(walks) == 4 and len(checker) == 1
+
+
 def test_canonical_text_tells_values_apart():
     assert canonical_text(SCHEMA) == canonical_text(REORDERED)
     assert canonical_text({"maximum": 1}) != canonical_text({"maximum": 1.5})

@@ -9,6 +9,8 @@ plain requests, so the constrained phase's compile times include each schema's f
 Before the phases every prompt is sent once for one token, so both phases find their prompts in
 the prefix cache alike. In a sweep (--max-concurrency 8,64) only the first concurrency's compile
 times are first compiles: later ones find the server's compiled grammars cached, if it keeps them.
+With --server-trace-dir (the server's --trace-dir on this host) each phase also reports its TTFT
+split by stage (bench/tail.py), so the two phases' stages compare in one run.
 """
 
 from __future__ import annotations

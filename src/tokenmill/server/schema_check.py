@@ -18,9 +18,10 @@ from typing import Any
 import jsonschema
 import jsonschema.validators
 
-# Distinct valid schemas remembered; each costs its canonical text (a few KB at most for typical
-# schemas; the API server refuses specs over MAX_STRUCTURED_OUTPUT_SPEC_BYTES before this).
+# Distinct valid schemas remembered, and the most text they may hold together (a schema is checked
+# before any size limit applies, so a few huge ones must not pin much memory).
 CACHE_SIZE = 512
+CACHE_CHARS = 16 * 1024 * 1024
 
 
 def canonical_text(schema: dict[str, Any] | bool) -> str:
@@ -33,8 +34,10 @@ class SchemaChecker:
     """`check(schema)` raises jsonschema.SchemaError for a schema that is not a valid JSON Schema;
     a schema that passed once passes again without the metaschema walk."""
 
-    def __init__(self, capacity: int = CACHE_SIZE) -> None:
+    def __init__(self, capacity: int = CACHE_SIZE, max_chars: int = CACHE_CHARS) -> None:
         self.capacity = capacity
+        self.max_chars = max_chars
+        self._chars = 0
         self._valid: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # handlers may run on worker threads (tokenize_off_loop)
         self.hits = 0
@@ -51,11 +54,16 @@ class SchemaChecker:
         # The original object, not the parsed key: the error names the same path either way, and
         # jsonschema reports the first error in the client's own key order.
         jsonschema.validators.validator_for(schema).check_schema(schema)
+        if len(key) > self.max_chars:
+            return
         with self._lock:
+            if key not in self._valid:
+                self._chars += len(key)
             self._valid[key] = None
             self._valid.move_to_end(key)
-            while len(self._valid) > self.capacity:
-                self._valid.popitem(last=False)
+            while len(self._valid) > self.capacity or self._chars > self.max_chars:
+                old, _ = self._valid.popitem(last=False)
+                self._chars -= len(old)
 
     def __len__(self) -> int:
         return len(self._valid)
