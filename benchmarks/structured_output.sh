@@ -10,7 +10,9 @@
 # Env: TARGET cpu|gpu, CONCURRENCY, NUM_PROMPTS, OUTPUT_LEN (max_tokens of both phases), INPUT_LEN
 # (0: text prompts; N: N token ids), FIELD structured_outputs|response_format, PORT, PY, OUT (result
 # JSON; default benchmarks/results), LOGS (server and bench logs), NAME (result file name),
-# TOKENMILL_COMMIT (a copy of the tree without .git).
+# TOKENMILL_COMMIT (a copy of the tree without .git), TRACE=1 (the server writes its trace to
+# $LOGS/$NAME-trace and each phase's result gets its TTFT split by stage: api_in, to_engine, queued,
+# prefill, engine_to_api, api_to_client).
 set -u
 TARGET=${TARGET:-cpu}
 OUT=${OUT:-benchmarks/results}
@@ -42,7 +44,13 @@ else
   LIMIT_S=1800
 fi
 
-"${TOKENMILL[@]}" serve "${SERVER_ARGS[@]}" --port "$PORT" >"$LOGS/$NAME-server.log" 2>&1 &
+TRACE_ARGS=() BENCH_TRACE_ARGS=()
+if [ "${TRACE:-0}" = 1 ]; then
+  rm -rf "$LOGS/$NAME-trace"
+  TRACE_ARGS=(--trace-dir "$LOGS/$NAME-trace") BENCH_TRACE_ARGS=(--server-trace-dir "$LOGS/$NAME-trace")
+fi
+
+"${TOKENMILL[@]}" serve "${SERVER_ARGS[@]}" ${TRACE_ARGS[@]+"${TRACE_ARGS[@]}"} --port "$PORT" >"$LOGS/$NAME-server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
@@ -55,8 +63,10 @@ curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || {
 timeout "$LIMIT_S" "${TOKENMILL[@]}" bench serve --port "$PORT" --dataset-name json-schema \
   --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY" --structured-output-len "$OUTPUT_LEN" \
   --structured-input-len "$INPUT_LEN" --structured-output-field "$FIELD" --num-warmups 4 --disable-tqdm \
-  --save-result --result-dir "$OUT" --result-filename "$NAME" 2>&1 | tee "$LOGS/$NAME.log" | tail -24
+  ${BENCH_TRACE_ARGS[@]+"${BENCH_TRACE_ARGS[@]}"} --save-result --result-dir "$OUT" --result-filename "$NAME" 2>&1 \
+  | tee "$LOGS/$NAME.log" | grep -E "^(constrained|unconstrained):|duration|Median (TTFT|TPOT|ITL|E2EL)|P99 TTFT|^TTFT "
 status=${PIPESTATUS[0]}
+tail -24 "$LOGS/$NAME.log"
 kill -TERM $SERVER
 wait $SERVER
 echo "bench exit code $status"

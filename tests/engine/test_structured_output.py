@@ -618,3 +618,30 @@ def test_a_failing_mask_fill_ends_only_its_request(tiny_llama_dir, monkeypatch):
     assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == [before[0], before[2]]
     _tiny_outputs_valid([outputs[0], outputs[2]], ["json", "regex"])
     _no_blocks_held(llm)
+
+
+def test_backend_prepared_ahead_builds_once_and_reports_a_missing_tokenizer_quietly(tiny_tokenizer, caplog):
+    """`serve` builds the grammar compiler at start-up (backend.prepare) instead of on the first
+    constrained request; compiles then reuse it. A model without a tokenizer is not a bug: no
+    traceback, and every constrained request gets the reason."""
+    import logging
+
+    from tokenmill.engine.structured_output.backend import GrammarCompileError, XgrammarBackend
+
+    loads: list[int] = []
+    backend = XgrammarBackend(lambda: loads.append(1) or tiny_tokenizer, len(tiny_tokenizer))
+    try:
+        assert backend.prepare().result(timeout=120) is not None and loads == [1]
+        compiled, _ = backend.submit(SO(regex="[0-9]+")).result(timeout=120)
+        assert compiled is not None and loads == [1]
+    finally:
+        backend.shutdown()
+    backend = XgrammarBackend(lambda: None, len(tiny_tokenizer))
+    try:
+        with caplog.at_level(logging.INFO):
+            for future in (backend.prepare(), backend.submit(SO(regex="a"))):
+                with pytest.raises(GrammarCompileError, match="no tokenizer"):
+                    future.result(timeout=120)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        backend.shutdown()

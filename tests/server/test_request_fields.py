@@ -5,6 +5,7 @@ Against the scripted fake engine, which records what reached it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -274,5 +275,69 @@ def test_chat_echo_returns_the_continued_message_whole():
         # The last message is the user's: nothing to echo.
         r = await client.post(CHAT, json=chat(echo=True, max_tokens=4))
         assert r.json()["choices"][0]["message"]["content"] == REPLY[:4]
+
+    run(scenario)
+
+
+def test_a_schema_seen_before_is_not_checked_again_and_a_bad_one_is_refused_each_time(monkeypatch):
+    """The metaschema walk costs milliseconds on the event loop per request: once per schema."""
+    import jsonschema.validators
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "description": "cache-test-1"}
+    validator = jsonschema.validators.validator_for(schema)
+    walks: list[object] = []
+    real = validator.check_schema
+    monkeypatch.setattr(validator, "check_schema", lambda s, *a, **k: (walks.append(s), real(s, *a, **k))[1])
+
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        same = [
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+            chat(structured_outputs={"json": dict(reversed(schema.items()))}, stream=True),
+            {"model": MODEL, "prompt": "x", "guided_json": json.dumps(schema), "stream": True},
+        ]
+        for body in same:
+            r = await client.post(CHAT if "messages" in body else "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert engine.core.requests[-1].sampling_params.structured_outputs.json == json.loads(json.dumps(schema))
+        assert len(walks) == 1
+        bad = {**schema, "minProperties": "one"}
+        for _ in range(2):
+            r = await client.post(CHAT, json=chat(structured_outputs={"json": bad}))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "structured_outputs.json"
+            assert "minProperties" in r.json()["error"]["message"]
+        assert len(walks) == 3
+
+    run(scenario)
+
+
+def test_a_constrained_stream_sends_its_first_token_while_the_engine_makes_no_more():
+    """A constrained stream waits for its first output before the response starts (a constraint
+    that does not compile is a 400): that first output is its first token, sent at once, not held
+    until more tokens come. The engine is paused right after the first token to prove it."""
+    from tokenmill.server.protocol import CompletionRequest
+    from tokenmill.server.serving_completion import create_completion
+
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+
+    async def scenario(client: httpx.AsyncClient, state: ServerState, engine: FakeEngine) -> None:
+        def pause_after_first_token(req, generated: int) -> None:
+            if generated == 0:  # this step emits the first token; the core says nothing after it
+                engine.core.paused = True
+
+        engine.core.fail_when = pause_after_first_token
+        for fields in ({"structured_outputs": {"json": schema}}, {}):  # constrained, then plain
+            engine.core.paused = False
+            body = CompletionRequest.model_validate(
+                {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, **fields}
+            )
+            events = await create_completion(state, body)
+            first = json.loads((await asyncio.wait_for(events.__anext__(), 5)).removeprefix("data: "))
+            (seq,) = engine.core.running.values()
+            assert engine.core.paused and seq.num_generated == 1  # nothing after the first token
+            assert first["choices"][0]["text"] == engine.tokenizer.decode(engine.core.reply_ids[:1])
+            engine.core.paused = False
+            rest = [e async for e in events]
+            assert rest[-1] == "data: [DONE]\n\n"
 
     run(scenario)

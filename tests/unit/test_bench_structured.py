@@ -324,3 +324,13 @@ def test_every_shipped_schema_is_valid_bounded_and_has_a_valid_example() -> None
         '"additionalProperties"',
     ):
         assert feature in text
+
+
+def test_server_trace_dir_adds_each_phases_ttft_stages(fake_server: FakeStructuredServer, tmp_path: Path) -> None:
+    """--server-trace-dir is honoured here too: each phase gets its breakdown (bench/tail.py), here
+    the note that the fake server's replies carry no id to find them in the trace by."""
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    m = run_bench(fake_server, tmp_path, "--server-trace-dir", str(trace_dir))["metrics"]
+    for phase in ("unconstrained", "constrained"):
+        assert m[phase]["tail"] == {"error": "no successful request carried a response id"}

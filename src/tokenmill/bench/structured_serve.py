@@ -9,11 +9,14 @@ plain requests, so the constrained phase's compile times include each schema's f
 Before the phases every prompt is sent once for one token, so both phases find their prompts in
 the prefix cache alike. In a sweep (--max-concurrency 8,64) only the first concurrency's compile
 times are first compiles: later ones find the server's compiled grammars cached, if it keeps them.
+With --server-trace-dir (the server's --trace-dir on this host) each phase also reports its TTFT
+split by stage (bench/tail.py), so the two phases' stages compare in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -44,6 +47,7 @@ from tokenmill.bench.structured import (
     fit_to_length,
     structured_requests,
 )
+from tokenmill.bench.tail import TRACE_SETTLE_S, format_tail, tail_report
 
 # p50 and p99 are what this workload reports, whatever --metric-percentiles adds.
 REPORTED_PERCENTILES = (50.0, 99.0)
@@ -304,6 +308,10 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
                     after = await scrape(session, base_url, headers)
                 metrics = compute_metrics(results, duration, None, percentiles)
                 print(format_report(metrics, max_concurrency, args.request_rate))
+                if args.server_trace_dir:  # each phase's TTFT by stage, from the server's trace
+                    await asyncio.sleep(TRACE_SETTLE_S)  # the engine flushes its step records when idle
+                    metrics["tail"] = tail_report(results, args.server_trace_dir)
+                    print(format_tail(metrics["tail"]))
                 serve.print_failures(results)
                 phases[phase] = (results, metrics)
 

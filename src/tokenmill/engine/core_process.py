@@ -135,6 +135,9 @@ def run_engine_core(
         gc.collect()
         gc.freeze()
         core.start_serving()
+        # The grammar compiler (tokenizer, xgrammar's vocabulary) builds on a compile thread while
+        # the server comes up, not when the first constrained requests arrive and wait for it.
+        core.structured_output.warm_up()
         send(EngineReady(info=core.info))
         _busy_loop(core, inbox, decoder, send, parent_pid)
     except _ParentGone:

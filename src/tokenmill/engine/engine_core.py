@@ -86,8 +86,8 @@ class EngineCore:
         self.executor: Executor = Executor.get_class(config)(config, self.resolved, max_model_len)
         num_blocks = self.executor.initialize_kv_cache()
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        # Builds nothing until the first constrained request (then the tokenizer and xgrammar, on
-        # a compile thread).
+        # Builds nothing until the first constrained request or `warm_up()` (`serve` calls it at
+        # start-up; then the tokenizer and xgrammar, on a compile thread).
         self.structured_output = StructuredOutputManager(self._load_tokenizer, arch.vocab_size)
         # The same plan the model runner built from the same inputs: layers grouped by attention type.
         kv_cache_groups = plan_kv_cache_groups(arch.num_layers, arch.sliding_windows, max_model_len)

@@ -17,13 +17,15 @@ from pydantic import Field, field_validator, model_validator
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.request_model import RequestModel, refuse
+from tokenmill.server.schema_check import SCHEMAS
 
 # Backends a request may name: the one tokenmill has, and vLLM's "let the server choose".
 ACCEPTED_BACKENDS = ("auto", "xgrammar")
 
 
 def check_json_schema(schema: Any, param: str) -> dict[str, Any] | bool:
-    """A JSON Schema given as an object or as its JSON text, checked against its metaschema."""
+    """A JSON Schema given as an object or as its JSON text, checked against its metaschema (once
+    per distinct schema: schema_check.py)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -32,7 +34,7 @@ def check_json_schema(schema: Any, param: str) -> dict[str, Any] | bool:
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(f"{param} must be a JSON Schema object", param=param)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        SCHEMAS.check(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise InvalidRequestError(

@@ -1,8 +1,9 @@
 """Compiling grammars with xgrammar, off the step loop: a thread pool and a cache by spec.
 
-The tokenizer and xgrammar's `TokenizerInfo` / `GrammarCompiler` are built lazily by the first
-compile job (on a pool thread: loading a GGUF vocabulary takes a while), so an engine that never
-sees a constrained request never pays for them. The cache key is the constraint's kind, its
+The tokenizer and xgrammar's `TokenizerInfo` / `GrammarCompiler` are built on a pool thread (loading
+a vocabulary and decoding it for xgrammar take 1-3 s): by the first compile job, or ahead of it
+when the engine asks (`prepare`, which `serve` does at start-up, so that the first constrained
+requests wait for their compile only). The cache key is the constraint's kind, its
 canonical text and the whitespace flag; a failed compile is cached too (the same bad spec fails at
 once). Error messages start with `INVALID_PREFIX`, which the API server maps to HTTP 400.
 """
@@ -160,11 +161,20 @@ class XgrammarBackend:
             return compiler.compile_structural_tag(params.structural_tag)
         raise GrammarCompileError(f"{INVALID_PREFIX}unknown constraint kind {kind!r}")
 
+    def prepare(self) -> Future:
+        """Build the compiler now, on a pool thread (a compile submitted meanwhile waits for it);
+        the future holds the compiler or raises GrammarCompileError, which every compile then
+        reports too."""
+        return self._pool.submit(self._get_compiler)
+
     def _get_compiler(self) -> Any:
         with self._init_lock:
             if self._compiler is None and self._init_error is None:
                 try:
                     self._compiler = self._build_compiler()
+                except GrammarCompileError as exc:  # no tokenizer: not a bug, no traceback
+                    logger.info("structured output is not available: %s", exc)
+                    self._init_error = str(exc)
                 except Exception as exc:
                     logger.exception("structured output: cannot build the grammar compiler")
                     self._init_error = (

@@ -64,6 +64,11 @@ class StructuredOutputManager:
             self._backend = XgrammarBackend(self._load_tokenizer, self.vocab_size)
         return self._backend
 
+    def warm_up(self) -> Future:
+        """Build the tokenizer and grammar compiler now, off the step loop (backend.prepare), rather
+        than when the first constrained request arrives and makes every request of its wave wait."""
+        return self.backend.prepare()
+
     # -- the scheduler's hooks --------------------------------------------------------------------
 
     def start(self, request: Request) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema
-import jsonschema.validators
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.server.schema_check import SCHEMAS
 
 # OpenAI's rule for function names; the chat templates and parsers rely on names being simple.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -123,7 +123,7 @@ def _check_parameters(parameters: Any, where: str) -> dict[str, Any] | None:
             param=where,
         )
     try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        SCHEMAS.check(parameters)  # once per distinct schema: agents send the same tools every turn
     except jsonschema.SchemaError as e:
         path = "".join(f"[{p!r}]" for p in e.path)
         raise InvalidRequestError(
