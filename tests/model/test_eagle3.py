@@ -387,15 +387,20 @@ def test_config_reads_the_drafters_own_rope_and_aux_layers(target):
     assert Eagle3Config.from_hf_config(no_theta, target.arch).arch.rope_theta == 10000.0
 
 
-def test_engine_with_an_eagle3_drafter_keeps_greedy_output(target_dir, target, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_with_an_eagle3_drafter_keeps_greedy_output(target_dir, target, tmp_path, async_scheduling):
     """The eagle3 proposer in the engine: drafts from the drafter are verified (a random drafter's
-    are mostly rejected), the greedy output is the target's own, batched and chunked, no KV leaks."""
+    are mostly rejected), the greedy output is the target's own, batched and chunked, no KV leaks.
+    With async scheduling (the GPU default) a step's aux hidden states travel with its batch, and
+    none stay behind once the requests are done."""
     from tokenmill import LLM, SamplingParams
 
     drafter = _write_drafter(tmp_path / "drafter", _drafter_config(target), _drafter_tensors(target))
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 900 + 20 for j in range(12 + 3 * i)]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    options = dict(device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=24)
+    options = dict(
+        device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=24, async_scheduling=async_scheduling
+    )
     expected = [o.outputs[0].token_ids for o in LLM(str(target_dir), **options).generate(prompts, params, use_tqdm=False)]
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
     llm = LLM(str(target_dir), speculative_config=spec, **options)
@@ -405,3 +410,4 @@ def test_engine_with_an_eagle3_drafter_keeps_greedy_output(target_dir, target, t
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["kv_cache_usage"] == 0.0
     llm.engine.check_invariants()
+    assert not llm.engine.runner.speculator.draft_model._aux_by_step  # every step's states were used

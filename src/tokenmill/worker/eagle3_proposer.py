@@ -21,6 +21,7 @@ chunks run the target eagerly (`target_forward`). The drafter itself runs eagerl
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Steps whose aux hidden states wait for their tokens: one in flight and one being finished with
+# async scheduling; more only if steps fail before `propose` runs.
+MAX_STEPS_KEPT = 4
 
 
 class Eagle3Proposer(DrafterKVCache):
@@ -61,8 +66,11 @@ class Eagle3Proposer(DrafterKVCache):
             path, runner.model, runner.device, runner.dtype, self.attn_backend, kernel=runner.config.kernel
         )
         self.kv_caches: list[torch.Tensor] = []
-        # The target's aux hidden states of the step being finished, and its host batch.
-        self._aux: torch.Tensor | None = None
+        # The target's aux hidden states by step (keyed by the id of the step's host batch, which
+        # `propose` gets back): with async scheduling the next step's forward runs before this
+        # step's tokens come back, so one slot would hand `propose` the wrong step's states.
+        self._aux: torch.Tensor | None = None  # the last forward's, until `keep_step_aux`
+        self._aux_by_step: OrderedDict[int, tuple[HostBatch, torch.Tensor]] = OrderedDict()
         logger.info(
             "EAGLE-3 drafter %s: aux layers %s, draft vocabulary %d",
             config.model, self.aux_layers, drafter_config.draft_vocab_size,
@@ -77,9 +85,17 @@ class Eagle3Proposer(DrafterKVCache):
         )
         return hidden
 
-    def set_target_aux(self, aux: torch.Tensor) -> None:
-        """The aux hidden states of a step whose target forward was a CUDA graph replay."""
-        self._aux = aux
+    def keep_step_aux(self, batch: HostBatch, aux: torch.Tensor | None = None) -> None:
+        """Bind the aux hidden states of the step whose host batch is `batch` to it: `aux` from a
+        CUDA graph replay, else those the last `target_forward` kept. At most
+        MAX_STEPS_KEPT steps are kept (a step that failed never comes back to `propose`)."""
+        aux = aux if aux is not None else self._aux
+        self._aux = None
+        if aux is None:
+            return
+        self._aux_by_step[id(batch)] = (batch, aux)  # the batch itself too: its id stays unique
+        while len(self._aux_by_step) > MAX_STEPS_KEPT:
+            self._aux_by_step.popitem(last=False)
 
     @torch.inference_mode()
     def propose(
@@ -90,9 +106,10 @@ class Eagle3Proposer(DrafterKVCache):
         num_drafts: dict[str, int],
         batch: HostBatch | None = None,
     ) -> dict[str, list[int]]:
-        aux, self._aux = self._aux, None
-        if aux is None or batch is None:
+        kept = self._aux_by_step.pop(id(batch), None) if batch is not None else None
+        if kept is None:
             return {}
+        aux = kept[1]
         runner = self.runner
         views: list[DraftView] = []
         lens: list[int] = []

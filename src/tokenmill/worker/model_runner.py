@@ -703,7 +703,8 @@ class ModelRunner:
             self._wait_for_all_kv_layers()
             logits = self.graph_runner.replay(graph_key, num_reqs * q)  # type: ignore[union-attr]
             if needs_aux:
-                self.speculator.set_target_aux(self.graph_runner.aux_hidden_states(graph_key, num_reqs * q))  # type: ignore[union-attr]
+                aux = self.graph_runner.aux_hidden_states(graph_key, num_reqs * q)  # type: ignore[union-attr]
+                self.speculator.keep_step_aux(batch, aux)  # type: ignore[union-attr]
             if drafts is not None:
                 # A verification step samples the rows of each request's last token and drafts.
                 if len(batch.sample_rows) != num_reqs * q:
@@ -730,6 +731,7 @@ class ModelRunner:
             input_ids, positions, meta = self.build_metadata(batch, requests=requests)
             if needs_aux:
                 hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta)  # type: ignore[union-attr]
+                self.speculator.keep_step_aux(batch)  # type: ignore[union-attr]
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.

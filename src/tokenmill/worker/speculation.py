@@ -155,9 +155,10 @@ class Speculator:
             return None
         return tuple(self.draft_model.aux_layers)  # type: ignore[union-attr]
 
-    def set_target_aux(self, aux) -> None:  # noqa: ANN001 - a tensor
-        """The aux hidden states of a step that replayed a CUDA graph (eager steps keep their own)."""
-        self.draft_model.set_target_aux(aux)  # type: ignore[union-attr]
+    def keep_step_aux(self, batch: HostBatch, aux=None) -> None:  # noqa: ANN001 - a tensor
+        """EAGLE-3: bind the target's aux hidden states of this step (`aux` from a CUDA graph
+        replay, else the eager forward's) to its host batch, for `after_step` to find them."""
+        self.draft_model.keep_step_aux(batch, aux)  # type: ignore[union-attr]
 
     def target_forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201 - tensors
         return self.draft_model.target_forward(input_ids, positions, kv_caches, meta)  # type: ignore[union-attr]
