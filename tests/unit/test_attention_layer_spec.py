@@ -441,3 +441,32 @@ def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
 def test_a_meaningless_spec_is_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AttentionLayerSpec(**kwargs)
+
+
+# The C++ kernel's decode path (AVX2 builds: float32 cache, head_dim a multiple of 32, no soft cap)
+# scores 1-3 query heads of a KV head at once, 4 keys a round, then one softmax over the whole
+# context: group sizes 1-7 (chunks of 3, 2 and 1 heads), contexts that end inside a block, off a
+# multiple of 4 keys, windows and sinks, next to prefill chunks that take the general path.
+DECODE_CASES = {
+    "gqa-3-d64": Case([1] * 6, [0, 1, 3, 4, 30, 133], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
+    "gqa-7-d32-window-sinks": Case(
+        [1, 1, 5, 1], [50, 9, 20, 77], window=13, with_sinks=True, num_heads=14, num_kv_heads=2, head_dim=32,
+        block_size=16, seed=1,
+    ),
+    "mha-d64-window": Case([1] * 4, [6, 40, 17, 64], window=16, num_heads=4, num_kv_heads=4, head_dim=64, seed=2),
+    "gqa-2-d128-sinks": Case([1, 1, 1], [3, 100, 31], with_sinks=True, num_heads=4, num_kv_heads=2, head_dim=128,
+                             block_size=8, seed=3),
+    "gqa-4-d64-soft-cap": Case([1, 1], [20, 45], soft_cap=2.0, num_heads=8, num_kv_heads=2, head_dim=64, seed=4),
+}
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_cpu_decode_rows_match_dense_reference(case: Case) -> None:
+    batch = make_batch(case)
+    out = run(make_cpu, batch)
+    n = batch.meta.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), dense_reference(batch)[:n], atol=2e-5, rtol=2e-5)
+    if case.window is not None:  # nothing before the window is read
+        poisoned = make_batch(case, poison=True)
+        assert torch.equal(run(make_cpu, poisoned)[:n], out[:n])

@@ -57,3 +57,17 @@ def test_silu_mul_equals_torch(tokens: int) -> None:
     gate_up = torch.randn(tokens, 2 * 1536) * 4
     expected = TorchLayerOps().silu_mul(gate_up.clone())  # silu in place on its input's gate half
     torch.testing.assert_close(CpuNativeLayerOps().silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("inter", [13, 1536])
+def test_silu_mul_over_the_whole_float_range(inter: int) -> None:
+    """The vectorized exp (AVX2 builds) clamps its argument: gates far beyond +-88, zeros and a
+    width that is not a multiple of 8 (the scalar tail) still give torch's silu(gate) * up."""
+    torch.manual_seed(inter)
+    gate = torch.cat([torch.linspace(-200, 200, 2 * inter), torch.randn(2 * inter) * 20])
+    gate[::7] = 0.0
+    gate_up = torch.cat([gate.view(4, inter), torch.randn(4, inter) * 3], dim=1).contiguous()
+    expected = TorchLayerOps().silu_mul(gate_up.clone())
+    ours = CpuNativeLayerOps().silu_mul(gate_up)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, expected, rtol=2e-6, atol=1e-6)
