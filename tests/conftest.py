@@ -212,3 +212,15 @@ def default_model_path() -> Path:
     from tokenmill.model.loader.default_model import default_model_path as fetch
 
     return fetch()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.triton_interpreter import start_interpreted_runs
+
+    start_interpreted_runs(session)  # in the background, while the other tests run
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.triton_interpreter import stop_interpreted_runs
+
+    stop_interpreted_runs()
