@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 # The subprocess's pytest loads this module as a plugin; this variable carries each module's -k.
-_KEYWORDS_ENV = "TOKENMILL_TEST_INTERPRETED_KEYWORDS"
+_KEYWORDS_ENV = "TESTS_INTERPRETED_KEYWORDS"
 
 
 @dataclass
