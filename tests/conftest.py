@@ -25,6 +25,8 @@ finish a few hundred tokens before a 0.3 s deadline or a signal lands.
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 from pathlib import Path
 
@@ -212,3 +214,45 @@ def default_model_path() -> Path:
     from tokenmill.model.loader.default_model import default_model_path as fetch
 
     return fetch()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.triton_interpreter import start_interpreted_runs
+
+    start_interpreted_runs(session)  # in the background, while the other tests run
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.triton_interpreter import stop_interpreted_runs
+
+    stop_interpreted_runs()
+
+
+# An engine sits in reference cycles (EngineCore <-> its structured-output manager's bound method,
+# LLM <-> its client, ...), so it outlives its test until the cyclic garbage collector happens to
+# run a full pass; on the CPU each holds a zero-filled 1 GiB KV pool, and the suite's process grew
+# to 7-9 GB that way. A full collection costs ~0.25 s, too much after each of ~2500 tests: one
+# runs after a test only when the process has grown by _COLLECT_AFTER_GROWTH over the smallest
+# size seen since the last one.
+_COLLECT_AFTER_GROWTH = 1536 << 20
+_rss_floor: list[int] = []
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, AttributeError, ValueError):  # not Linux: no check
+        return 0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield  # after the test's fixtures (and a module's, after its last test) are torn down
+    rss = _rss()
+    if _rss_floor and rss > _rss_floor[0] + _COLLECT_AFTER_GROWTH:
+        gc.collect()
+        _rss_floor[:] = [_rss()]
+    else:
+        _rss_floor[:] = [min(_rss_floor + [rss])]
+    return result

@@ -29,9 +29,11 @@ pytest.importorskip("triton")
 
 from tests.engine.gemma_checkpoints import write_gemma_checkpoint  # noqa: E402
 from tests.model.test_model_forward import BLOCK_SIZE, PagedHarness, _hf_logits  # noqa: E402
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.config import KernelConfig, ModelConfig  # noqa: E402
 from tokenmill.model.registry import load_model, resolve_model  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__, timeout=600)  # run by the subprocess test below
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -133,4 +135,4 @@ def test_gpu_tests_gemma2_greedy_matches_transformers(num_kv_splits, tmp_path, t
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process runs the cases interpreted itself")
-    assert_passes_interpreted(__file__, timeout=600)
+    INTERPRETED_RUN.assert_passes()

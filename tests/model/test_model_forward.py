@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.hf_oracle import check_hf_applies_soft_cap, hf_load_kwargs
+from tests.engine.hf_oracle import check_hf_applies_soft_cap, hf_load_kwargs, load_hf
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import KernelConfig, ModelConfig
@@ -247,8 +247,6 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path, acti
     """The prompt in one chunk, then three one-row steps. With float32 activations every logit is
     transformers'; with quantized ones (the 1-4-row GGUF kernel, AVX-512 VNNI or AVX2) the one-row steps'
     logits move (observed: up to ~0.01 with 16 bits, ~1.5 with 8); with 16 they keep their argmax."""
-    from transformers import AutoModelForCausalLM
-
     from tokenmill.kernels.cpu.build import cpu_kernels_available
     from tokenmill.model.tokenizer import load_tokenizer
 
@@ -277,10 +275,9 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path, acti
     for _ in range(3):
         harness.step([(r, 1)])
 
-    path = Path(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    # transformers' GGUF loader, loaded once a session (tests/engine/hf_oracle.py): loading the file
+    # takes most of each case's time otherwise.
+    hf = load_hf(str(default_model_path))
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0]
     ours = harness.logits_of(r)

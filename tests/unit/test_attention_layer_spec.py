@@ -26,11 +26,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.attention.backend import PLAIN_ATTENTION, AttentionLayerSpec, AttentionMetadata  # noqa: E402
 from tokenmill.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from tokenmill.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from tokenmill.kernels.cpu.build import cpu_kernels_available  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__, "-k", "triton")  # run by the subprocess test below
 
 try:
     import triton  # noqa: F401
@@ -427,7 +429,7 @@ def test_triton_sliding_layers_plan_splits_for_their_window() -> None:
 def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
     if TritonPagedBackend is None:
         pytest.skip("triton is not installed")
-    assert_passes_interpreted(__file__, "-k", "triton")
+    INTERPRETED_RUN.assert_passes()
 
 
 @pytest.mark.parametrize(

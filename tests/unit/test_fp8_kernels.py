@@ -33,7 +33,7 @@ from tests.fp8_reference import (  # noqa: E402
     quantize_activations,
     quantize_weight,
 )
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.fp8_linear import (  # noqa: E402
     Fp8Dispatch,
     choose_path,
@@ -41,6 +41,8 @@ from tokenmill.kernels.triton.fp8_linear import (  # noqa: E402
     prepare_fp8_weights,
 )
 from tokenmill.kernels.triton.fp8_quant import quantize_per_token, quantize_per_token_group  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -198,4 +200,4 @@ def test_prepare_rejects_what_the_kernels_cannot_read() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()

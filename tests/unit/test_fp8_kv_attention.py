@@ -24,7 +24,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tests.unit.test_attention_layer_spec import (  # noqa: E402
     CASES,
     SMALL_TILE_CASE,
@@ -39,6 +39,8 @@ from tokenmill.attention.backend import AttentionLayerSpec  # noqa: E402
 from tokenmill.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from tokenmill.kernels.cpu.build import cpu_kernels_available  # noqa: E402
 from tokenmill.kernels.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__, "-k", "triton")  # run by the subprocess test below
 
 try:
     import triton
@@ -348,4 +350,4 @@ def test_triton_bf16_queries_over_an_fp8_cache_match_a_bf16_cache_of_its_values(
 def test_triton_cases_pass_in_an_interpreter_subprocess() -> None:
     if TritonPagedBackend is None:
         pytest.skip("triton is not installed")
-    assert_passes_interpreted(__file__, "-k", "triton")
+    INTERPRETED_RUN.assert_passes()

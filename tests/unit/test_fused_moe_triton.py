@@ -26,13 +26,15 @@ pytest.importorskip("triton")
 from tests import moe_checkpoints  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
 from tests.moe_shards import sharded_moe_blocks  # noqa: E402
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton import moe_align, moe_tile_configs  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import fused_moe  # noqa: E402
 from tokenmill.kernels.triton.moe_align import align_by_sort, align_small  # noqa: E402
 from tokenmill.kernels.triton.moe_routing import topk_softmax  # noqa: E402
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, default_tiles, moe_tiles  # noqa: E402
 from tokenmill.model.layers.moe import SparseMoEBlock, TorchMoEOps, TritonMoEOps  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__, timeout=600)  # run by the subprocess test below
 
 tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
 tiny_qwen2_moe_dir = moe_checkpoints.tiny_qwen2_moe_dir
@@ -46,7 +48,7 @@ interpreted_only = pytest.mark.skipif(
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process interprets the kernels: the cases below ran here")
-    assert_passes_interpreted(__file__, timeout=600)
+    INTERPRETED_RUN.assert_passes()
 
 
 def _routes(num_tokens: int, num_experts: int, top_k: int, seed: int, skip: tuple[int, ...] = ()) -> torch.Tensor:

@@ -21,8 +21,10 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.model.layers.layer_ops import TorchLayerOps  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -97,4 +99,4 @@ def test_gelu_tanh_mul_equals_pytorch_geglu(dtype: torch.dtype) -> None:
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process runs the cases interpreted itself")
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()

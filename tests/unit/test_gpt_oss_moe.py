@@ -19,10 +19,12 @@ import torch  # noqa: E402
 
 from tests import gpt_oss_checkpoint  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.model.arch_gpt_oss import gpt_oss_arch_config  # noqa: E402
 from tokenmill.model.gpt_oss import _in_our_expert_layout  # noqa: E402
 from tokenmill.model.layers.gpt_oss_moe import GptOssMoEBlock, route_top_k_then_softmax  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__, timeout=600)  # run by the subprocess test below
 
 tiny_gpt_oss_dir = gpt_oss_checkpoint.tiny_gpt_oss_dir
 
@@ -35,7 +37,7 @@ ALPHA, LIMIT = 1.702, 7.0
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process interprets the kernels: the cases below ran here")
-    assert_passes_interpreted(__file__, timeout=600)
+    INTERPRETED_RUN.assert_passes()
 
 
 def _hf_mlp(num_experts: int = 8, top_k: int = 2, hidden: int = 64, inter: int = 32, seed: int = 0):

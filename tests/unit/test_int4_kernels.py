@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from tests.int4_reference import random_int4  # noqa: E402
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.int4_configs import MAX_FUSED_ROWS, Int4Config, int4_config  # noqa: E402
 from tokenmill.kernels.triton.int4_dequant import dequant_plane, magic_for, magic_zeros  # noqa: E402
 from tokenmill.kernels.triton.int4_linear import (  # noqa: E402
@@ -34,6 +34,8 @@ from tokenmill.kernels.triton.int4_linear import (  # noqa: E402
     prepare_int4_weights,
 )
 from tokenmill.kernels.triton.int4_pack import PACK_CHUNK, PACK_K, pack_nibbles, unpack_nibbles  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -241,4 +243,4 @@ def test_magic_number_unpacking_is_exact() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()

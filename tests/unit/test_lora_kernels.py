@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.lora import lora_apply, lora_expand, lora_scratch, lora_shrink  # noqa: E402
 from tokenmill.kernels.triton.lora_tiles import (  # noqa: E402
     MAX_SPLIT_K,
@@ -32,6 +32,8 @@ from tokenmill.kernels.triton.lora_tiles import (  # noqa: E402
     shrink_scratch_numel,
     shrink_tiles,
 )
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="triton was imported compiled in this process; the subprocess test runs these"
@@ -268,4 +270,4 @@ def test_expand_into_a_wider_output_view() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()

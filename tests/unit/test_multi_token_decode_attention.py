@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tests.unit.test_triton_attention import (  # noqa: E402
     TOLERANCE,
     _interpreter_takes_tensor_loop_bounds,
@@ -31,6 +31,8 @@ from tokenmill.attention.backend import AttentionLayerSpec  # noqa: E402
 from tokenmill.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from tokenmill.kernels.triton import paged_attention as pa  # noqa: E402
 from tokenmill.kernels.triton.kv_store import store_kv  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 interpreted = pytest.mark.skipif(
     not _interpreter_takes_tensor_loop_bounds(),
@@ -171,4 +173,4 @@ def test_decode_query_block_and_tiles() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()

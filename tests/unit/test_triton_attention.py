@@ -23,10 +23,12 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from tests.triton_interpreter import assert_passes_interpreted  # noqa: E402
+from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.attention import triton_paged  # noqa: E402
 from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.kernels.triton.kv_store import store_kv  # noqa: E402
+
+INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
 
 @triton.jit
@@ -337,7 +339,7 @@ def test_matches_torch_reference_backend() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
-    assert_passes_interpreted(__file__)
+    INTERPRETED_RUN.assert_passes()
 
 
 @interpreted_only
