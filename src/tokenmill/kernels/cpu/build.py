@@ -31,6 +31,8 @@ _SOURCES = [
         "cpu_layer_ops.cpp",
     )
 ]
+# Included by the sources: part of the build's cache key (ninja tracks them inside a build directory).
+_HEADERS = [Path(__file__).parent / "csrc" / "avx2_exp.h"]
 _lock = threading.Lock()
 _STALE_LOCK_S = 180.0  # a build takes 10-30 s; a lock older than this has no live owner
 _loaded = False
@@ -54,7 +56,7 @@ def _cpu_model() -> str:
 def build_directory() -> Path:
     key = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in _SOURCES),
+        *(source.read_bytes() for source in (*_SOURCES, *_HEADERS)),
         # The sources' paths too: ninja's build file records them, so two checkouts sharing one
         # directory would rebuild it in turn (each waiting on the other's lock) on every start.
         *(str(source.resolve()).encode() for source in _SOURCES),

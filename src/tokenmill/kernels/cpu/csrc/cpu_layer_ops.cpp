@@ -9,9 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "avx2_exp.h"
 
 #include <cmath>
 #include <cstdint>
@@ -19,28 +17,6 @@
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp(x) of 8 floats, x clamped to [-87, 88] (beyond it silu's result no longer moves in float32):
-// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
-// < 2e-7, against std::exp's ~1e-7), 2^n built in the exponent bits. std::exp does not vectorize
-// without -ffast-math, and silu_mul of a 32-row step spent ~0.35 ms a layer in scalar expf calls.
-inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& pending,
                         const std::optional<at::Tensor>& weight, double eps) {
@@ -139,7 +115,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const __m256 one = _mm256_set1_ps(1.f);
     for (; i + 8 <= inter; i += 8) {
       const __m256 g8 = _mm256_loadu_ps(gt + i);
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g8));
+      const __m256 e = tokenmill_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g8));
       _mm256_storeu_ps(yt + i, _mm256_mul_ps(_mm256_div_ps(g8, _mm256_add_ps(one, e)), _mm256_loadu_ps(gt + inter + i)));
     }
 #endif

@@ -24,6 +24,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "avx2_exp.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -197,24 +198,6 @@ struct Scratch {
 // path (q pre-scaled, float32 scores and exp, division by the sum at the end) up to summation
 // order and the softmax's single max.
 
-// exp(x) of 8 floats for x <= 0 (exp_nonpositive's polynomial, vectorized).
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // The rows of keys [first, last) of one request for one KV head (`head_offset` floats into a token row).
 struct KeyRange {
   const float* plane;  // the K (or V) plane of the cache
@@ -283,7 +266,7 @@ inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
   __m256 sum8 = _mm256_setzero_ps();
   i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m8));
+    const __m256 e = tokenmill_cpu::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m8));
     _mm256_storeu_ps(s + i, e);
     sum8 = _mm256_add_ps(sum8, e);
   }
