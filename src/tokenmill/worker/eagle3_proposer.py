@@ -1,7 +1,7 @@
 """The `eagle3` proposer: an EAGLE-3 drafter (model/eagle3.py) reading the target's hidden states.
 
 The target runs its forward with `forward_with_aux_hidden_states` (the residual stream entering
-three of its layers, concatenated), eagerly. After each step, with its tokens on the host:
+three of its layers, concatenated). After each step, with its tokens on the host:
 
 1. the drafter runs over the rows of the step whose next token is known: row p takes the token at
    p + 1 and the target's features at p, and writes the drafter's one-layer KV at p (its own cache
@@ -14,8 +14,9 @@ three of its layers, concatenated), eagerly. After each step, with its tokens on
 Drafts are the drafter's greedy tokens mapped from its vocabulary to the target's (d2t). Drafter
 KV past the accepted tokens is rewritten by the next round's first pass, which starts at the
 target's next step start. Decode and verification steps replay CUDA graphs that keep the aux
-hidden states as a second output (worker/cuda_graphs.py, `set_target_aux`); steps with prefill
-chunks run the target eagerly (`target_forward`). The drafter itself runs eagerly.
+hidden states as a second output (worker/cuda_graphs.py); steps with prefill chunks run the
+target eagerly (`target_forward`). Either way the states are bound to the step's host batch
+(`keep_step_aux`), which `propose` gets back. The drafter itself runs eagerly.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ class Eagle3Proposer(DrafterKVCache):
         # The target's aux hidden states by step (keyed by the id of the step's host batch, which
         # `propose` gets back): with async scheduling the next step's forward runs before this
         # step's tokens come back, so one slot would hand `propose` the wrong step's states.
-        self._aux: torch.Tensor | None = None  # the last forward's, until `keep_step_aux`
         self._aux_by_step: OrderedDict[int, tuple[HostBatch, torch.Tensor]] = OrderedDict()
         logger.info(
             "EAGLE-3 drafter %s: aux layers %s, draft vocabulary %d",
@@ -77,22 +77,21 @@ class Eagle3Proposer(DrafterKVCache):
         )  # fmt: skip
 
     def target_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,
+        batch: HostBatch,
     ) -> torch.Tensor:
-        """The target's forward for a step, keeping the aux hidden states for `propose`."""
-        hidden, self._aux = self.runner.model.forward_with_aux_hidden_states(
+        """The target's eager forward for the step of host batch `batch`, keeping its aux hidden
+        states for `propose`."""
+        hidden, aux = self.runner.model.forward_with_aux_hidden_states(
             input_ids, positions, kv_caches, meta, self.aux_layers
         )
+        self.keep_step_aux(batch, aux)
         return hidden
 
-    def keep_step_aux(self, batch: HostBatch, aux: torch.Tensor | None = None) -> None:
-        """Bind the aux hidden states of the step whose host batch is `batch` to it: `aux` from a
-        CUDA graph replay, else those the last `target_forward` kept. At most
-        MAX_STEPS_KEPT steps are kept (a step that failed never comes back to `propose`)."""
-        aux = aux if aux is not None else self._aux
-        self._aux = None
-        if aux is None:
-            return
+    def keep_step_aux(self, batch: HostBatch, aux: torch.Tensor) -> None:
+        """Bind the aux hidden states of the step whose host batch is `batch` to it (from its eager
+        forward or its CUDA graph replay). At most MAX_STEPS_KEPT steps are kept (a step that
+        failed never comes back to `propose`)."""
         self._aux_by_step[id(batch)] = (batch, aux)  # the batch itself too: its id stays unique
         while len(self._aux_by_step) > MAX_STEPS_KEPT:
             self._aux_by_step.popitem(last=False)

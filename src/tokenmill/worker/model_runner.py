@@ -730,8 +730,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.build_metadata(batch, requests=requests)
             if needs_aux:
-                hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta)  # type: ignore[union-attr]
-                self.speculator.keep_step_aux(batch)  # type: ignore[union-attr]
+                hidden = self.speculator.target_forward(input_ids, positions, self.kv_caches, meta, batch)  # type: ignore[union-attr]
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Syncs: the engine does not overlap steps with prompt logprobs.

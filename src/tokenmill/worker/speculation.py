@@ -155,13 +155,13 @@ class Speculator:
             return None
         return tuple(self.draft_model.aux_layers)  # type: ignore[union-attr]
 
-    def keep_step_aux(self, batch: HostBatch, aux=None) -> None:  # noqa: ANN001 - a tensor
-        """EAGLE-3: bind the target's aux hidden states of this step (`aux` from a CUDA graph
-        replay, else the eager forward's) to its host batch, for `after_step` to find them."""
+    def keep_step_aux(self, batch: HostBatch, aux) -> None:  # noqa: ANN001 - a tensor
+        """EAGLE-3: bind the target's aux hidden states of a CUDA graph replay to the step's host
+        batch, for `after_step` to find them (an eager `target_forward` binds its own)."""
         self.draft_model.keep_step_aux(batch, aux)  # type: ignore[union-attr]
 
-    def target_forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201 - tensors
-        return self.draft_model.target_forward(input_ids, positions, kv_caches, meta)  # type: ignore[union-attr]
+    def target_forward(self, input_ids, positions, kv_caches, meta, batch: HostBatch):  # noqa: ANN001, ANN201 - tensors
+        return self.draft_model.target_forward(input_ids, positions, kv_caches, meta, batch)  # type: ignore[union-attr]
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
