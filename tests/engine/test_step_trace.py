@@ -104,3 +104,31 @@ def test_request_timelines_and_iteration_tokens_without_a_trace_dir(tiny_llama_d
     assert stats["iteration_tokens_total_bucket_le_32.0"] == stats["iteration_tokens_total_count"] >= 1
     llm.engine.flush_trace()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_steps_record_when_their_masked_sampling_launched(tiny_llama_dir, tmp_path, async_scheduling):
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    trace = tmp_path / "trace"
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", max_model_len=128, async_scheduling=async_scheduling,
+        trace_dir=str(trace),
+    )  # fmt: skip
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(["hello world"], plain)  # plain steps only
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["red", "green"])
+    )
+    llm.generate(["pick a colour", "another one"], constrained)
+    llm.engine.flush_trace()
+    steps = [json.loads(line) for line in (trace / "steps.jsonl").read_text().splitlines()]
+    sampled = [s for s in steps if s["sampled"]]
+    assert sampled and len(sampled) < len(steps)
+    for s in steps[:4]:  # the plain request's steps sample with their forward
+        assert s["sampled"] == 0.0 and s["mask_wait"] == 0.0
+    for s in sampled:
+        assert s["scheduled"] <= s["sampled"] <= s["done"]
+        if async_scheduling:  # synchronous steps count as launched when done
+            assert s["launched"] <= s["sampled"]
+        assert 0.0 <= s["mask_wait"] <= s["sampled"] - s["start"]

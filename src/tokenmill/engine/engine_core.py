@@ -298,10 +298,15 @@ class EngineCore:
             return []
         scheduler_output, future = self._filling
         self._filling = None
+        waiting = time.monotonic()
         try:
-            pending = self.executor.sample_tokens(future.result())
+            grammar_output = future.result()
+            mask_wait = time.monotonic() - waiting
+            pending = self.executor.sample_tokens(grammar_output)
         except Exception as exc:
             return self._update(scheduler_output, self._failed_step(scheduler_output, exc))
+        if self.tracer is not None:
+            self.tracer.sampled(scheduler_output, mask_wait)
         self._in_flight = (scheduler_output, pending)
         return []
 
@@ -310,8 +315,13 @@ class EngineCore:
         pending = self.executor.execute_model_async(scheduler_output)
         if pending is not None:  # nothing waited for a mask (no request sampled)
             return pending
+        filling = time.monotonic()
         grammar_output = self.structured_output.grammar_output(scheduler_output)
-        return self.executor.sample_tokens(grammar_output)
+        mask_wait = time.monotonic() - filling
+        pending = self.executor.sample_tokens(grammar_output)
+        if self.tracer is not None:
+            self.tracer.sampled(scheduler_output, mask_wait)
+        return pending
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         """Wait for the launched step's sampled tokens and apply them."""

@@ -9,7 +9,8 @@ steps.jsonl gets a line per step once its results are on the host:
   whole-step decode graph, tokens of piecewise graphs; 0: eager),
   running / waiting after the schedule, compiles ([kernel, start, seconds] of Triton JIT compiles
   during the step's host part), gc ([start, seconds, generation] of collections since the
-  previous step)
+  previous step); for a step with constrained requests also sampled (its masked sampling was
+  launched, after its bitmask) and mask_wait (seconds the engine waited for that bitmask's fill)
 
 and each request's `RequestTimeline` (kept always, engine/request_timelines.py) rides on its final
 output to the API server, which logs it to requests.jsonl (engine/request_trace.py). With async scheduling a
@@ -45,6 +46,8 @@ class StepRecord(msgspec.Struct):
     waiting: int
     launched: float = 0.0
     done: float = 0.0
+    sampled: float = 0.0
+    mask_wait: float = 0.0
     graph: int = 0
     compiles: list[tuple[str, float, float]] = []
     gc: list[tuple[float, float, int]] = []
@@ -86,6 +89,13 @@ class StepTracer:
         if record is not None:
             record.launched = time.monotonic()
             record.compiles = self._compiles.drain()
+
+    def sampled(self, so: SchedulerOutput, mask_wait: float) -> None:
+        """A constrained step's masked sampling was launched, after waiting `mask_wait` s for its mask."""
+        record = self._records.get(id(so))
+        if record is not None:
+            record.sampled = time.monotonic()
+            record.mask_wait = mask_wait
 
     def done(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         record = self._records.pop(id(so), None)
