@@ -10,7 +10,8 @@
 # Env: TARGET cpu|gpu, CONCURRENCY, NUM_PROMPTS, OUTPUT_LEN (max_tokens of both phases), INPUT_LEN
 # (0: text prompts; N: N token ids), FIELD structured_outputs|response_format, PORT, PY, OUT (result
 # JSON; default benchmarks/results), LOGS (server and bench logs), NAME (result file name),
-# TOKENMILL_COMMIT (a copy of the tree without .git), TRACE=1 (the server writes its trace to
+# TOKENMILL_COMMIT (a copy of the tree without .git), SERVER_EXTRA_ARGS (appended to the server's
+# arguments, e.g. "--gpu-memory-utilization 0.8"), TRACE=1 (the server writes its trace to
 # $LOGS/$NAME-trace and each phase's result gets its TTFT split by stage: api_in, to_engine, queued,
 # prefill, engine_to_api, api_to_client).
 set -u
@@ -50,7 +51,9 @@ if [ "${TRACE:-0}" = 1 ]; then
   TRACE_ARGS=(--trace-dir "$LOGS/$NAME-trace") BENCH_TRACE_ARGS=(--server-trace-dir "$LOGS/$NAME-trace")
 fi
 
-"${TOKENMILL[@]}" serve "${SERVER_ARGS[@]}" ${TRACE_ARGS[@]+"${TRACE_ARGS[@]}"} --port "$PORT" >"$LOGS/$NAME-server.log" 2>&1 &
+# shellcheck disable=SC2206 # SERVER_EXTRA_ARGS is split into words on purpose
+EXTRA_ARGS=(${SERVER_EXTRA_ARGS:-})
+"${TOKENMILL[@]}" serve "${SERVER_ARGS[@]}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} ${TRACE_ARGS[@]+"${TRACE_ARGS[@]}"} --port "$PORT" >"$LOGS/$NAME-server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break

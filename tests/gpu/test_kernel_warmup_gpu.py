@@ -80,3 +80,25 @@ def test_a_mixed_workload_after_start_up_compiles_no_triton_kernel(llama_8b_atte
     assert any(not d and n >= 30 and q >= 512 and s >= 512 for d, _, n, q, s in shapes)
     assert any(not d and q <= 16 for d, *_, q, _ in shapes)
     assert any(d and r == 1 for d, r, *_ in shapes)
+
+
+def test_constrained_steps_after_start_up_compile_no_triton_kernel(llama_8b_attention_dir):
+    """The grammar mask kernel (xgrammar's, launched by GrammarMasker) is warmed for every row-count
+    variant: 1, 2-15 and 16+ constrained rows in a step compile nothing while serving."""
+    pytest.importorskip("xgrammar")
+    from tokenmill import SamplingParams
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(llama_8b_attention_dir), device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=64)
+    choice = StructuredOutputsParams(choice=["red", "green", "blue"])
+    compiles = JitCompiles()
+    assert compiles.installed
+    try:
+        for batch in (1, 5, 32):
+            params = SamplingParams(temperature=1.0, seed=batch, max_tokens=6, structured_outputs=choice)
+            outputs = llm.generate([f"colour {i}:" for i in range(batch)], params)
+            assert all(o.outputs[0].text in {"red", "green", "blue"} for o in outputs)
+        found = compiles.drain()
+    finally:
+        compiles.close()
+    assert not found, "compiled while serving: " + ", ".join(f"{name} ({s:.2f} s)" for name, _, s in found)

@@ -362,12 +362,21 @@ class ModelRunner:
             from tokenmill.worker.kernel_warmup import warm_up_eager_steps
 
             warm_up_eager_steps(self)
+            self._warm_up_grammar_mask()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s), up to %d tokens in flight",
             num_blocks, self.block_size, num_blocks * per_block / 2**30,
             str(self.kv_cache_dtype).removeprefix("torch."), num_blocks * self.block_size,
         )  # fmt: skip
         return num_blocks
+
+    @torch.inference_mode()
+    def _warm_up_grammar_mask(self) -> None:
+        """The structured-output mask kernel, at the width of the logits `compute_logits` returns."""
+        hidden = torch.zeros((1, self.arch.hidden_size), dtype=self.dtype, device=self.device)
+        width = self.model.compute_logits(hidden).shape[-1]
+        if self.grammar_masker.warm_up(width):
+            logger.debug("warmed up the grammar mask kernel for %d-token logits", width)
 
     def capture_cuda_graphs(self) -> None:
         from tokenmill.worker.cuda_graphs import MAX_TOKENS_PER_REQUEST
