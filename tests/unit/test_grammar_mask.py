@@ -70,3 +70,26 @@ def test_cpu_numpy_path_equals_xgrammars_kernel_on_random_rows():
     assert torch.equal(logits, expected)
     assert torch.isinf(logits[0]).all()  # "b"'s first row allows nothing
     assert torch.isfinite(logits[3]).all() and torch.isfinite(logits[5]).all()
+
+
+def test_host_buffer_rows_in_order_out_of_order_and_all_rows():
+    """The host-buffer path (bf16 here, as on CUDA) places rows by one index array: rows in batch
+    order (the slice fast path), a permutation that starts at 0 and ends at the last row, and every
+    logits row constrained (no all-allowed fill), each equal to the float32 numpy path."""
+    rng = np.random.default_rng(1)
+    vocab = 300
+    words = -(-vocab // 32)
+    for row_of, counts in (
+        ({"a": 0, "b": 1, "c": 2}, [1, 1, 1]),  # in order, one unconstrained row after them
+        ({"a": 0, "b": 2, "c": 1, "d": 3}, [1, 1, 1, 1]),  # starts at 0, ends at 3, not in order
+        ({"a": 2, "b": 0}, [2, 2]),  # every row, two per request
+    ):
+        ids = list(row_of)
+        packed = rng.integers(-(2**31), 2**31 - 1, size=(sum(counts), words), dtype=np.int64).astype("<i4")
+        grammar = GrammarOutput(request_ids=ids, rows_per_request=counts, num_words=words, bitmask=packed.tobytes())
+        logits = torch.randn(4, vocab)
+        bf16 = logits.to(torch.bfloat16)
+        GrammarMasker(torch.device("cpu")).apply(logits, grammar, row_of)
+        GrammarMasker(torch.device("cpu")).apply(bf16, grammar, row_of)
+        assert torch.equal(torch.isfinite(bf16), torch.isfinite(logits))
+        assert not torch.isfinite(logits).all()

@@ -68,18 +68,25 @@ class GrammarMasker:
             return
         host = self._host_buffer(num_rows, num_words)
         host_np = host.numpy()
-        # Every token allowed in the rows of unconstrained requests. numpy, not `host.fill_`: torch
-        # runs that 1 MB fill on its OpenMP team, 7 ms instead of 0.03 when a thread of it is
-        # descheduled (2 threads on the busy 2-core dev machine); this is on the step's critical path.
-        host_np.fill(-1)
-        src = 0
-        masked_rows: list[int] = []
-        for request_id, count in zip(grammar.request_ids, grammar.rows_per_request, strict=True):
-            dst = row_of[request_id]
-            host_np[dst : dst + count, :grammar_words] = rows[src : src + count]
-            host_np[dst : dst + count, grammar_words:] = 0
-            masked_rows.extend(range(dst, dst + count))
-            src += count
+        # The logits row of each grammar row, in one index array: one numpy copy for all rows,
+        # instead of two per request on the step's critical path (64 requests: ~0.2 ms on the H200
+        # host, from a py-spy profile of the served constrained phase).
+        starts = np.fromiter((row_of[r] for r in grammar.request_ids), dtype=np.int64, count=len(grammar.request_ids))
+        counts = np.asarray(grammar.rows_per_request, dtype=np.int64)
+        first = np.cumsum(counts) - counts  # each request's first grammar row
+        dst = np.repeat(starts - first, counts) + np.arange(len(rows))
+        if len(dst) < num_rows:
+            # Every token allowed in the rows of unconstrained requests. numpy, not `host.fill_`:
+            # torch runs that 1 MB fill on its OpenMP team, 7 ms instead of 0.03 when a thread of it
+            # is descheduled (2 threads on the busy 2-core dev machine).
+            host_np.fill(-1)
+        if np.array_equal(dst, np.arange(len(dst))):  # rows 0..n-1 in order (the common case): slices
+            host_np[: len(dst), :grammar_words] = rows
+            host_np[: len(dst), grammar_words:] = 0
+        else:
+            host_np[dst, :grammar_words] = rows
+            host_np[dst, grammar_words:] = 0
+        masked_rows = dst.tolist()
         if logits.is_cuda:
             # All rows (the unconstrained ones allow everything): row indices would be one more
             # host-to-device copy from pageable memory.
