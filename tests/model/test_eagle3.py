@@ -411,3 +411,50 @@ def test_engine_with_an_eagle3_drafter_keeps_greedy_output(target_dir, target, t
     assert stats["kv_cache_usage"] == 0.0
     llm.engine.check_invariants()
     assert not llm.engine.runner.speculator.draft_model._aux_by_step  # every step's states were used
+
+
+def test_engine_drafts_equal_the_drafter_run_step_by_step(target_dir, target, tmp_path):
+    """The proposer feeds each draft step the previous draft on the device (no host round trip):
+    its first proposal after the prefill must be the drafter's greedy chain computed here, step by
+    step with explicit token ids."""
+    from tokenmill import LLM, SamplingParams
+
+    tensors = _drafter_tensors(target, seed=1)  # a seed whose chain of drafts varies
+    # Make each draft follow from its input token: a random drafter's output is mostly its hidden
+    # input carried on the residual stream, so a wrong token fed would still give the same chain.
+    tensors["midlayer.hidden_norm.weight"] = tensors["midlayer.hidden_norm.weight"] * 0.01
+    tensors["midlayer.self_attn.o_proj.weight"] = tensors["midlayer.self_attn.o_proj.weight"] * 30
+    path = _write_drafter(tmp_path / "drafter", _drafter_config(target), tensors)
+    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    llm = LLM(str(target_dir), device="cpu", max_model_len=128, block_size=4, speculative_config=spec)
+    proposer = llm.engine.runner.speculator.draft_model
+    proposals: list[dict[str, list[int]]] = []
+    real_propose = proposer.propose
+
+    def recording_propose(*args, **kwargs):
+        drafts = real_propose(*args, **kwargs)
+        if drafts:
+            proposals.append(drafts)
+        return drafts
+
+    proposer.propose = recording_propose
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    (engine_drafts,) = proposals[0].values()
+
+    drafter = _load_drafter(path, target)
+    final, aux = _target_aux(target, [len(PROMPT)])
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16)
+    with torch.inference_mode():
+        next_token = int(target.compute_logits(final[-1:]).argmax())
+        step_ids = PROMPT[1:] + [next_token]
+        n = len(step_ids)
+        out = drafter(torch.tensor(step_ids), torch.arange(n), aux, cache, _meta(BLOCK_TABLE, 0, n))
+        hidden, draft = out.hidden_out[-1:], drafter.greedy_draft_tokens(out.normed[-1:])
+        expected = [int(draft)]
+        for position in range(n, n + 2):
+            out = drafter(draft, torch.tensor([position]), hidden, cache, _meta(BLOCK_TABLE, position, 1))
+            hidden, draft = out.hidden_out, drafter.greedy_draft_tokens(out.normed)
+            expected.append(int(draft))
+    assert engine_drafts == expected
+    assert len(set(expected)) > 1  # a chain that repeats one token would not show a wrong feed

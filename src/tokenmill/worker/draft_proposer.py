@@ -8,7 +8,9 @@ target step, with the step's tokens on the host:
 1. catch-up: the drafter runs over the tokens the target computed this step plus the token the
    step produced (a request's positions from its step start up to its newest token), which writes
    its KV there and gives, at each request's newest token, its first draft;
-2. k - 1 single-token steps, each feeding the previous draft, give the rest.
+2. k - 1 single-token steps, each fed the previous draft on the device, give the rest: no step
+   waits for the host (`draft_on_device`), which builds the next one meanwhile; the drafts come
+   back in one copy at the end.
 
 Positions past the accepted tokens hold drafter KV of rejected guesses; the next catch-up starts
 at the target's step start, which is never past them, and writes them again. The catch-up runs
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -152,31 +155,37 @@ class DraftModelProposer(DrafterKVCache):
             )  # fmt: skip
             self.piecewise.capture()
 
-    def _forward(self, batch) -> torch.Tensor:  # noqa: ANN001 - a HostBatch
-        """The drafter's final hidden states of a step: a piecewise graph when captured, else eager."""
+    def _forward(self, batch, input_ids_on_device: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ANN001 - a HostBatch
+        """The drafter's final hidden states of a step: a piecewise graph when captured, else eager.
+        `input_ids_on_device`: the step's input ids, already on the device (they replace the
+        batch's own, placeholders)."""
         runner = self.runner
         num_tokens = len(batch.input_ids)
         size = self.piecewise.padded_size(num_tokens) if self.piecewise is not None else None
         if size is not None:
-            _, _, meta = runner.build_metadata(batch, padded_tokens=size)
+            input_ids, _, meta = runner.build_metadata(batch, padded_tokens=size)
+            _feed(input_ids, input_ids_on_device)
             return self.piecewise.run(size, num_tokens, meta)[:num_tokens]
         input_ids, positions, meta = runner.build_metadata(batch)
+        _feed(input_ids, input_ids_on_device)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _decode_step(self, views: list[DraftView]) -> torch.Tensor:
-        """One token for each of `views` (its newest draft), through a CUDA graph when one fits:
-        the argmax ids [len(views)]."""
+    def _decode_step(self, index: torch.Tensor, views: list[DraftView], input_ids: torch.Tensor) -> torch.Tensor:
+        """One token for each of `views` (`index`: unused here), whose newest token (a placeholder in
+        its token_ids) is `input_ids[i]` on the device, through a CUDA graph when one fits: the argmax ids
+        [len(views)], on the device."""
         runner = self.runner
         key = self.graphs.graph_key(len(views), 1) if self.graphs is not None else None
         positions = [len(v.token_ids) - 1 for v in views]
         if key is None:
             batch = build_host_batch(views, positions, [1] * len(views), runner.block_size)  # type: ignore[arg-type]
-            return self._argmax(self._forward(batch))
+            return self._argmax(self._forward(batch, input_ids))
         batch = build_host_batch(
             views, positions, [1] * len(views), runner.block_size,  # type: ignore[arg-type]
             block_table_width=runner.max_blocks_per_req,
         )  # fmt: skip
-        runner.build_metadata(batch, padded_reqs=key[0])
+        staged, _, _ = runner.build_metadata(batch, padded_reqs=key[0])
+        _feed(staged, input_ids)
         logits = self.graphs.replay(key)[: len(views)]
         return logits[:, : self.target_vocab_size].argmax(dim=-1)
 
@@ -217,26 +226,52 @@ class DraftModelProposer(DrafterKVCache):
             for i in proposing
         ]
         wanted = [num_drafts[v.request_id] for v in views]
-        drafts: list[list[int]] = [[] for _ in views]
-        for step in range(max(wanted)):
-            ids = next_ids.tolist()
-            active = []
-            for j in range(len(views)):
-                if step < wanted[j]:
-                    drafts[j].append(ids[j])
-                    if step + 1 < wanted[j]:
-                        active.append(j)
-            if not active:
-                break
-            for j in active:
-                views[j].token_ids.append(drafts[j][-1])
-                views[j].num_tokens += 1
-            step_ids = self._decode_step([views[j] for j in active])
-            full = torch.zeros(len(views), dtype=step_ids.dtype, device=step_ids.device)
-            full[torch.tensor(active, device=step_ids.device)] = step_ids
-            next_ids = full
-        return {view.request_id: d for view, d in zip(views, drafts, strict=True)}
+        return collect_drafts(views, wanted, draft_on_device(next_ids, views, wanted, self._decode_step))
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)
         return logits[:, : self.target_vocab_size].argmax(dim=-1)
+
+
+def _feed(staged: torch.Tensor, input_ids: torch.Tensor | None) -> None:
+    """Put input ids that are on the device (the previous draft's argmax) over the staged ones."""
+    if input_ids is not None:
+        staged[: len(input_ids)].copy_(input_ids)
+
+
+PLACEHOLDER = 0  # a draft's token id on the host until the drafts come back (the device has the real one)
+
+
+def draft_on_device(
+    first_ids: torch.Tensor,
+    views: list[DraftView],
+    wanted: list[int],
+    decode_step: Callable[[torch.Tensor, list[DraftView], torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """The drafter's single-token steps, each fed the previous step's argmax on the device: no
+    step waits for the host, whose next batch (positions, slots: they follow from lengths alone)
+    is built while the device runs the step before. `first_ids`: the first draft of each view;
+    `wanted[j]`: how many drafts view j wants; `decode_step(index, active views, their input ids)`
+    runs one step (`index`: the active views' positions in `views`, on the device). Returns the per-step ids [len(views)] (rows past a view's wanted count: garbage)."""
+    per_step = [first_ids]
+    next_ids = first_ids
+    for step in range(max(wanted) - 1):
+        active = [j for j in range(len(views)) if step + 1 < wanted[j]]
+        if not active:
+            break
+        for j in active:
+            views[j].token_ids.append(PLACEHOLDER)
+            views[j].num_tokens += 1
+        index = torch.tensor(active, device=next_ids.device)
+        step_ids = decode_step(index, [views[j] for j in active], next_ids[index])
+        full = torch.zeros(len(views), dtype=step_ids.dtype, device=step_ids.device)
+        full[index] = step_ids
+        per_step.append(full)
+        next_ids = full
+    return per_step
+
+
+def collect_drafts(views: list[DraftView], wanted: list[int], per_step: list[torch.Tensor]) -> dict[str, list[int]]:
+    """The drafts on the host, in one copy: view j's first wanted[j] ids."""
+    rows = torch.stack(per_step, dim=1).tolist()
+    return {view.request_id: row[:k] for view, row, k in zip(views, rows, wanted, strict=True)}

@@ -16,7 +16,9 @@ KV past the accepted tokens is rewritten by the next round's first pass, which s
 target's next step start. Decode and verification steps replay CUDA graphs that keep the aux
 hidden states as a second output (worker/cuda_graphs.py); steps with prefill chunks run the
 target eagerly (`target_forward`). Either way the states are bound to the step's host batch
-(`keep_step_aux`), which `propose` gets back. The drafter itself runs eagerly.
+(`keep_step_aux`), which `propose` gets back. The drafter itself runs eagerly; its k - 1 single-row
+steps are each fed the previous draft on the device (draft_proposer.draft_on_device), so they queue
+back to back with one copy of the drafts to the host at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.draft_proposer import DrafterKVCache, DraftView
+from tokenmill.worker.draft_proposer import DrafterKVCache, DraftView, collect_drafts, draft_on_device
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -144,31 +146,22 @@ class Eagle3Proposer(DrafterKVCache):
         )
         hidden = out.hidden_out[last_rows]
         next_ids = drafter.greedy_draft_tokens(out.normed[last_rows])
-        drafting = [views[keep[j]] for j in proposing]
+        drafting = [views[keep[j]] for j in proposing]  # their token lists are copies (a slice): drafts go on them
         wanted = [num_drafts[v.request_id] for v in drafting]
-        drafts: list[list[int]] = [[] for _ in drafting]
-        for step in range(max(wanted)):
-            ids = next_ids.tolist()
-            for j in range(len(drafting)):
-                if step < wanted[j]:
-                    drafts[j].append(ids[j])
-            active = [j for j in range(len(drafting)) if step + 1 < wanted[j]]
-            if not active:
-                break
-            for j in active:
-                drafting[j].token_ids = [*drafting[j].token_ids, drafts[j][-1]]
-                drafting[j].num_tokens += 1
-            step_views = [drafting[j] for j in active]
+
+        def decode_step(index: torch.Tensor, step_views: list[DraftView], ids: torch.Tensor) -> torch.Tensor:
+            """One single-row step of the drafting requests `index`, fed their previous draft (on the
+            device) and the drafter's own hidden state."""
+            nonlocal hidden
             step_batch = build_host_batch(
                 step_views, [len(v.token_ids) - 1 for v in step_views], [1] * len(step_views),  # type: ignore[arg-type]
                 runner.block_size,
             )
             input_ids, positions, meta = runner.build_metadata(step_batch)
-            index = torch.tensor(active, device=hidden.device)
+            input_ids[: len(ids)].copy_(ids)
             out = drafter(input_ids, positions, hidden[index], self.kv_caches[0], meta)
             hidden = hidden.clone()
             hidden[index] = out.hidden_out
-            step_ids = drafter.greedy_draft_tokens(out.normed)
-            next_ids = torch.zeros(len(drafting), dtype=step_ids.dtype, device=step_ids.device)
-            next_ids[index] = step_ids
-        return {view.request_id: d for view, d in zip(drafting, drafts, strict=True)}
+            return drafter.greedy_draft_tokens(out.normed)
+
+        return collect_drafts(drafting, wanted, draft_on_device(next_ids, drafting, wanted, decode_step))
