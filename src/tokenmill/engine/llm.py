@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import logging
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +29,31 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def import_off_stack(module: str) -> None:
+    """Imports `module` on a short-lived thread unless it is loaded already.
+
+    Importing torch runs `torch.fx.wrap` at module level, whose frame refers to itself (a local
+    holding `inspect.currentframe()`): that cycle keeps every frame on the importing stack, and
+    their locals, until a full garbage collection. Imported from `LLM.__init__` itself, the first
+    `LLM` of a process (its `self`), and any caller's locals such as a function that returns it,
+    would outlive `del llm`; a thread's stack holds none of them."""
+    if module in sys.modules:
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"import-{module}", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """The EngineConfig of `LLM(model, **kwargs)`; the options are EngineArgs' fields."""
     return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
@@ -39,6 +67,7 @@ class LLM:
     `engine` is the EngineCore itself, for benchmarks and tests that look inside it."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        import_off_stack("torch")
         import torch
 
         from tokenmill.model.generation_defaults import generation_defaults
