@@ -159,6 +159,7 @@ class EngineCore:
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
+        self._shut_down = False
         # What start-up compiled and collected is not charged to the first step.
         self.start_serving()
 
@@ -383,6 +384,10 @@ class EngineCore:
             self.tracer.flush()
 
     def shutdown(self) -> None:
+        """Frees the devices and ends the workers; idempotent (LLM.close may follow an explicit call)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self.tracer is not None:
             self.tracer.close()
         self.structured_output.shutdown()
