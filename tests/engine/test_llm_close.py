@@ -161,3 +161,34 @@ def test_with_block_closes_when_its_body_raises(tiny_llama_dir) -> None:
     assert llm.closed
     runner = watched["runner"]()
     assert runner is None or (runner.model is None and runner.kv_cache_tensors == [])  # released either way
+
+
+FIRST_LLM_SCRIPT = """
+import gc, sys, weakref
+gc.disable()
+from tokenmill import LLM
+assert "torch" not in sys.modules  # the LLM below imports it
+
+def build():
+    llm = LLM(sys.argv[1], device="cpu", max_model_len=128, num_kv_blocks=16)
+    return llm, weakref.ref(llm.engine.runner.kv_cache_tensors[0])
+
+llm, kv = build()
+del llm
+print("kv alive" if kv() is not None else "kv freed")
+"""
+
+
+def test_the_first_llm_of_a_process_is_freed_on_del(tiny_llama_dir) -> None:
+    # Importing torch leaves a self-referencing frame (torch.fx.wrap's) that holds every frame on
+    # the importing stack: the LLM that imports it, and a function that returns it, would outlive
+    # `del llm` unless the import runs off their stack. Only a fresh process imports torch here.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_LLM_SCRIPT, str(tiny_llama_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "kv freed"
