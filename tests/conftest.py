@@ -228,12 +228,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     stop_interpreted_runs()
 
 
-# An engine sits in reference cycles (EngineCore <-> its structured-output manager's bound method,
-# LLM <-> its client, ...), so it outlives its test until the cyclic garbage collector happens to
-# run a full pass; on the CPU each holds a zero-filled 1 GiB KV pool, and the suite's process grew
-# to 7-9 GB that way. A full collection costs ~0.25 s, too much after each of ~2500 tests: one
-# runs after a test only when the process has grown by _COLLECT_AFTER_GROWTH over the smallest
-# size seen since the last one.
+# An engine used to sit in reference cycles (EngineCore <-> its structured-output manager's bound
+# method, a drafter <-> its runner, the free-block list's links), so it outlived its test until the
+# cyclic garbage collector happened to run a full pass; on the CPU each holds a zero-filled 1 GiB KV
+# pool, and the suite's process grew to 7-9 GB that way. Those cycles are gone (a dropped LLM is
+# freed at once: tests/engine/test_llm_close.py), but a test can still make its own (a traceback
+# kept in a frame that holds an LLM), so this stays as a safety net. A full collection costs
+# ~0.25 s, too much after each of ~2500 tests: one runs after a test only when the process has
+# grown by _COLLECT_AFTER_GROWTH over the smallest size seen since the last one.
 _COLLECT_AFTER_GROWTH = 1536 << 20
 _rss_floor: list[int] = []
 

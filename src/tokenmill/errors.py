@@ -39,3 +39,7 @@ class EngineDeadError(TokenmillError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class LLMClosedError(TokenmillError, RuntimeError):
+    """The offline LLM was closed (`LLM.close()`); its engine is gone."""

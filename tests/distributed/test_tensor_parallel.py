@@ -43,6 +43,7 @@ def assert_greedy_equals_hf(llm: LLM, path: str, prompts: list[list[int]]) -> No
 def test_greedy_equals_transformers(request, checkpoint, size, async_scheduling):
     path = str(request.getfixturevalue(checkpoint))
     llm = LLM(path, tensor_parallel_size=size, async_scheduling=async_scheduling, **SMALL_ENGINE)
+    workers = llm.engine.executor._processes
     try:
         assert llm.info.vocab_size % size, "the vocabulary should need padding rows"
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
@@ -52,13 +53,12 @@ def test_greedy_equals_transformers(request, checkpoint, size, async_scheduling)
         _check_constrained_and_sampled_steps(llm)
         # The last rank killed: the next step (launched ahead of the previous one's result with async
         # scheduling) raises instead of waiting on it, naming the rank.
-        workers = llm.engine.executor._processes
         workers[-1].kill()
         with pytest.raises(EngineDeadError, match=rf"rank {size - 1} \(pid {workers[-1].pid}\) exited"):
             llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_NEW))
     finally:
         llm.shutdown()
-    assert all(p.poll() is not None for p in llm.engine.executor._processes), "workers outlived shutdown"
+    assert all(p.poll() is not None for p in workers), "workers outlived shutdown"
 
 
 def _check_constrained_and_sampled_steps(llm: LLM) -> None:

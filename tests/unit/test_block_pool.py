@@ -42,6 +42,18 @@ def test_free_queue_pop_remove_append_are_ordered() -> None:
         queue.remove(blocks[1])
 
 
+def test_a_dropped_pool_unlinks_its_free_list() -> None:
+    # The free list's links are a reference cycle: a dropped pool unlinks them itself, so its blocks
+    # die by reference counting (no garbage collection), as an engine's pool must.
+    pool = BlockPool(64)
+    in_use = pool.allocate(10)
+    blocks = list(pool.blocks)
+    assert sum(b.next_free is not None for b in blocks) == 54
+    del pool
+    assert all(b.prev_free is None and b.next_free is None for b in blocks)
+    assert all(b.ref_count == 1 for b in in_use)  # the blocks themselves are untouched
+
+
 def test_allocate_takes_from_head_and_refuses_too_many() -> None:
     pool = BlockPool(4)
     assert [b.block_id for b in pool.allocate(3)] == [0, 1, 2]

@@ -84,6 +84,16 @@ class FreeBlockQueue:
             yield block
             block = block.next_free
 
+    def __del__(self) -> None:
+        # A doubly linked list is a reference cycle: unlinked here, a dropped pool's blocks (over
+        # 100,000 on the CPU's default 1 GiB pool of a small model) go when it goes, not at the
+        # cyclic collector's next full pass.
+        block = self._head
+        while block is not None:
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+
 
 NULL_BLOCK_ID = 0  # the null block's id, in a pool that reserves one
 

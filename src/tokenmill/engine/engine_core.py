@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.args import resolve_device_defaults
 from tokenmill.config import EngineConfig
@@ -59,6 +59,17 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     return requested
 
 
+def _tokenizer_loader(resolved: ResolvedModel, chat_template: str | None) -> Callable[[], Any]:
+    """Loads the model's tokenizer (or None) when called: the structured-output manager's."""
+
+    def load():  # noqa: ANN202 - a transformers tokenizer, or None
+        from tokenmill.model.tokenizer import load_tokenizer_or_none
+
+        return load_tokenizer_or_none(resolved, chat_template)
+
+    return load
+
+
 # Powers of two: a decode step of one request up to the largest prefill chunks.
 ITERATION_TOKENS_BUCKETS = tuple(float(2**i) for i in range(15))
 
@@ -88,7 +99,12 @@ class EngineCore:
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         # Builds nothing until the first constrained request or `warm_up()` (`serve` calls it at
         # start-up; then the tokenizer and xgrammar, on a compile thread).
-        self.structured_output = StructuredOutputManager(self._load_tokenizer, arch.vocab_size)
+        # The loader closes over the model only, not `self`: a bound method here would put the
+        # engine in a reference cycle (engine -> manager -> engine), so a dropped engine would keep
+        # its KV pool and weights until a full garbage collection.
+        self.structured_output = StructuredOutputManager(
+            _tokenizer_loader(self.resolved, config.model.chat_template), arch.vocab_size
+        )
         # The same plan the model runner built from the same inputs: layers grouped by attention type.
         kv_cache_groups = plan_kv_cache_groups(arch.num_layers, arch.sliding_windows, max_model_len)
         speculative = config.speculative
@@ -143,13 +159,9 @@ class EngineCore:
         self._needs_history: set[str] = set()  # live requests that rule out overlapping steps
         self._queue_times: dict[str, float] = {}  # first-scheduled delay, until the first output carries it
         self._reported_queue_time: set[str] = set()
+        self._shut_down = False
         # What start-up compiled and collected is not charged to the first step.
         self.start_serving()
-
-    def _load_tokenizer(self):  # noqa: ANN202 - a transformers tokenizer, or None
-        from tokenmill.model.tokenizer import load_tokenizer_or_none
-
-        return load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -382,6 +394,10 @@ class EngineCore:
             self.tracer.flush()
 
     def shutdown(self) -> None:
+        """Frees the devices and ends the workers; idempotent (LLM.close may follow an explicit call)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self.tracer is not None:
             self.tracer.close()
         self.structured_output.shutdown()

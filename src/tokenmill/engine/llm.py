@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import logging
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,13 +20,38 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, LLMClosedError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import load_tokenizer_or_none  # noqa: F401  (re-exported: older import path)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def import_off_stack(module: str) -> None:
+    """Imports `module` on a short-lived thread unless it is loaded already.
+
+    Importing torch runs `torch.fx.wrap` at module level, whose frame refers to itself (a local
+    holding `inspect.currentframe()`): that cycle keeps every frame on the importing stack, and
+    their locals, until a full garbage collection. Imported from `LLM.__init__` itself, the first
+    `LLM` of a process (its `self`), and any caller's locals such as a function that returns it,
+    would outlive `del llm`; a thread's stack holds none of them."""
+    if module in sys.modules:
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"import-{module}", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -36,9 +64,14 @@ class LLM:
 
     The frontend pieces are those of the API server's AsyncEngine (fan_out for n > 1, the input and
     output processors); the engine core is reached through an InprocClient and stepped here.
-    `engine` is the EngineCore itself, for benchmarks and tests that look inside it."""
+    `engine` is the EngineCore itself, for benchmarks and tests that look inside it.
+
+    `close()` (or leaving a `with LLM(...) as llm:` block) frees the KV pool and the weights and
+    ends tensor-parallel workers at once; any later call raises LLMClosedError. Without it, the
+    engine is freed when the last reference to the LLM goes (no garbage collection needed)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        import_off_stack("torch")
         import torch
 
         from tokenmill.model.generation_defaults import generation_defaults
@@ -61,9 +94,9 @@ class LLM:
         # The model's sampling defaults (--generation-config), for calls that pass no SamplingParams.
         self.default_sampling_fields = generation_defaults(self.config.model, self.resolved)
         self.tokenizer = load_tokenizer_or_none(self.resolved, self.config.model.chat_template)
-        self.engine = EngineCore(self.config, self.resolved)
-        self.client = InprocClient(self.engine)
-        self.info = self.engine.info
+        self._engine: EngineCore | None = EngineCore(self.config, self.resolved)
+        self._client: InprocClient | None = InprocClient(self._engine)
+        self.info = self._engine.info
         eos = (
             eos_token_ids(self.tokenizer, self.resolved)
             if self.tokenizer is not None
@@ -74,9 +107,45 @@ class LLM:
         self._ids = itertools.count()
         self._loras: dict[int, LoRARequest] = {}  # adapters checked and handed to the engine, by id
 
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise LLMClosedError("this LLM is closed (close() was called): make a new LLM to generate again")
+        return self._engine
+
+    @property
+    def client(self) -> InprocClient:
+        if self._client is None:
+            raise LLMClosedError("this LLM is closed (close() was called): make a new LLM to generate again")
+        return self._client
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    def close(self) -> None:
+        """Free the KV pool, the weights and the devices' memory, and end the engine's workers
+        (tensor parallelism's processes); idempotent. Every later call raises LLMClosedError."""
+        engine, client = self._engine, self._client
+        if engine is None or client is None:
+            return
+        # Forgotten first: even if the shutdown raises, this LLM no longer holds the engine (its
+        # block pool, scheduler and runner go with the last reference), and it stays closed.
+        self._engine = self._client = None
+        client.shutdown()
+
     def shutdown(self) -> None:
-        """Free the engine's devices and end its workers (tensor parallelism's processes); idempotent."""
-        self.client.shutdown()
+        """The same as close() (the name the engine's other clients use)."""
+        self.close()
+
+    def __enter__(self) -> LLM:
+        self.engine  # noqa: B018 - raises LLMClosedError: a closed LLM cannot be entered again
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -99,6 +168,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter every prompt runs with, or one (or None: the base model) per
         prompt; LoRA must be enabled (`enable_lora=True`)."""
+        self.client  # noqa: B018 - a closed LLM raises LLMClosedError before anything is staged
         prompt_list = self._as_prompt_list(prompts)
         lora_list = self._lora_requests(lora_request, len(prompt_list))
         if sampling_params is None:
@@ -273,6 +343,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        self.client  # noqa: B018 - a closed LLM raises LLMClosedError before any template renders
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {
@@ -291,23 +362,24 @@ class LLM:
 
 def stream_generate(llm: LLM, prompt: PromptInput, params: SamplingParams):
     """Yields text deltas of one prompt as they are produced (used by `tokenmill generate`)."""
+    client = llm.client  # a closed LLM raises LLMClosedError here
     text, token_ids = llm.input_processor.tokenize(prompt)
     request_id = f"stream-{next(llm._ids)}"
     core_req = llm.input_processor.make_request(request_id, token_ids, dataclasses.replace(params, n=1))
     llm.output_processor.add_request(
         request_id, request_id, 0, text, token_ids, core_req.sampling_params, stream=True
     )
-    llm.client.add_requests([core_req])
+    client.add_requests([core_req])
     try:
         while llm.output_processor.has_unfinished():
-            processed = llm.output_processor.process_outputs(llm.client.get_output())
+            processed = llm.output_processor.process_outputs(client.get_output())
             if processed.reqs_to_abort:
-                llm.client.abort_requests(processed.reqs_to_abort)
+                client.abort_requests(processed.reqs_to_abort)
             for out in processed.request_outputs:
                 if out.outputs[0].text:
                     yield out.outputs[0].text
     finally:
         if llm.output_processor.states.pop(request_id, None) is not None:
-            llm.client.abort_requests([request_id])
-        while llm.client.has_work():
-            llm.client.get_output()
+            client.abort_requests([request_id])
+        while client.has_work():
+            client.get_output()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -54,13 +55,28 @@ class DraftView:
 class DrafterKVCache:
     """What a proposer that runs a model keeps beside the target: its own KV cache over the
     target's block tables (the pool is sized for both), written up to k - 1 positions past a
-    request's newest token (the scheduler's lookahead slots)."""
+    request's newest token (the scheduler's lookahead slots).
 
-    runner: ModelRunner
+    The runner owns its proposer, so the proposer holds the runner weakly: a strong reference
+    back would put both in a cycle, and a dropped engine's KV pool and weights would wait for a
+    full garbage collection."""
+
+    _runner: weakref.ReferenceType[ModelRunner]
     arch: ArchConfig
     k: int
     num_kv_layers: int
     kv_caches: list[torch.Tensor]
+
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self._runner()
+        if runner is None:
+            raise ReferenceError("the drafter's model runner is gone")
+        return runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self._runner = weakref.ref(runner)
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from abc import abstractmethod
 from collections.abc import Callable
@@ -231,6 +232,13 @@ class WorkerGroupExecutor(Executor):
     def release(self) -> None:
         self._send(ReleaseMemory())
         self._collect(Released)
+
+    def __del__(self) -> None:
+        # A dropped engine that was never shut down (`del llm`) still ends its workers, which
+        # would otherwise hold their devices' memory until this process exits. At interpreter exit
+        # the workers see their parent gone and stop by themselves.
+        if not getattr(self, "_shut_down", True) and not sys.is_finalizing():
+            self.shutdown()
 
     def shutdown(self) -> None:
         if self._shut_down:

@@ -10,6 +10,7 @@ load never holds up the step loop here either. Removal goes to every rank the sa
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from tokenmill.config import LoRAConfig
@@ -25,10 +26,19 @@ class WorkerGroupLoRA:
 
     def __init__(self, config: LoRAConfig, executor: WorkerGroupExecutor) -> None:
         self.max_loras = config.max_loras
-        self._executor = executor
+        # Weak: the executor owns these hooks, and a reference back would be a cycle that keeps a
+        # dropped engine (and its workers) until a full garbage collection.
+        self._executor_ref = weakref.ref(executor)
         self._size = executor.size
         self._known: dict[int, LoRARequest] = {}  # adapters asked for, by id (loading, loaded or failed)
         self._answers: dict[int, dict[int, str | None]] = {}  # lora id -> rank -> None or its error
+
+    @property
+    def _executor(self) -> WorkerGroupExecutor:
+        executor = self._executor_ref()
+        if executor is None:
+            raise ReferenceError("the tensor-parallel executor of these LoRA hooks is gone")
+        return executor
 
     def ready(self, lora: LoRARequest) -> bool | str:
         lora_id = lora.lora_int_id
