@@ -449,3 +449,25 @@ def test_skinny_gemm_at_llama_8b_shapes(rows):
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ lm_head.float().t(), rtol=1e-4, atol=1e-3)
     assert not use_skinny_gemm(hidden[:1].repeat(9, 1), lm_head)  # 9 rows: cuBLAS
+
+
+def test_close_frees_the_gpu_and_a_second_llm_gets_the_same_kv_pool(tiny_llama_dir):
+    """LLM.close() on CUDA frees the KV pool, the weights and the CUDA graphs: torch's allocated
+    memory goes back to where it was, and an LLM made after it profiles the same free memory, so it
+    sizes the same KV pool and gives the same greedy output (vLLM users' "del llm frees nothing")."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [40, 41, 42]}]
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    pools, outputs = [], []
+    for _ in range(2):
+        llm = LLM(str(tiny_llama_dir), device="cuda", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
+        pools.append(llm.engine.runner.num_blocks)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert torch.cuda.memory_allocated() - before > 2**30  # the pool: 30 % of the GPU, less weights
+        llm.close()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < 64 * 2**20, "the closed LLM kept GPU memory"
+    assert pools[0] == pools[1]
+    assert outputs[0] == outputs[1]
