@@ -452,15 +452,17 @@ def test_skinny_gemm_at_llama_8b_shapes(rows):
 
 
 def test_close_frees_the_gpu_and_a_second_llm_gets_the_same_kv_pool(tiny_llama_dir):
-    """LLM.close() on CUDA frees the KV pool, the weights and the CUDA graphs: torch's allocated
-    memory goes back to where it was, and an LLM made after it profiles the same free memory, so it
-    sizes the same KV pool and gives the same greedy output (vLLM users' "del llm frees nothing")."""
+    """LLM.close() on CUDA frees the KV pool, the weights and the CUDA graphs: an LLM made after it
+    profiles the same free memory, so it sizes the same KV pool and gives the same greedy output, and
+    closing it leaves torch's allocated memory exactly where the first close did (nothing per LLM
+    stays; vLLM users' "del llm frees nothing"). What the first LLM leaves is per process: the
+    cuBLAS workspace of the piecewise graphs' capture stream (64 MiB on an H200)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [40, 41, 42]}]
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    pools, outputs = [], []
+    pools, outputs, after = [], [], []
     for _ in range(2):
         llm = LLM(str(tiny_llama_dir), device="cuda", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
         pools.append(llm.engine.runner.num_blocks)
@@ -468,6 +470,8 @@ def test_close_frees_the_gpu_and_a_second_llm_gets_the_same_kv_pool(tiny_llama_d
         assert torch.cuda.memory_allocated() - before > 2**30  # the pool: 30 % of the GPU, less weights
         llm.close()
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() - before < 64 * 2**20, "the closed LLM kept GPU memory"
+        after.append(torch.cuda.memory_allocated())
+    assert after[0] - before <= 128 * 2**20, f"the first closed LLM kept {(after[0] - before) / 2**20:.0f} MiB"
+    assert after[1] - after[0] < 2**20, f"the second LLM kept {(after[1] - after[0]) / 2**20:.1f} MiB more"
     assert pools[0] == pools[1]
     assert outputs[0] == outputs[1]

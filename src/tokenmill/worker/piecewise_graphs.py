@@ -187,7 +187,7 @@ class PiecewiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         split = _AttentionSplit(self)
         swapped = self._swap_backend(split)
-        stream = torch.cuda.Stream()
+        stream = _capture_stream(b.input_ids.device)
         try:
             for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing piecewise CUDA graphs", unit="size"):
                 meta = self._capture_meta(size)
@@ -242,3 +242,16 @@ class PiecewiseGraphs:
         graphs[-1].replay()
         self.num_replays += 1
         return captured.hidden
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every engine's captures, as torch.cuda.graph keeps one: torch
+    keeps a cuBLAS workspace per stream that ran a matmul for the life of the process (64 MiB on
+    an H200), so a new stream per engine left one behind for every LLM made and closed."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
