@@ -453,7 +453,8 @@ def test_skinny_gemm_at_llama_8b_shapes(rows):
 
 def test_close_frees_the_gpu_and_a_second_llm_gets_the_same_kv_pool(tiny_llama_dir):
     """LLM.close() on CUDA frees the KV pool, the weights and the CUDA graphs: an LLM made after it
-    profiles the same free memory, so it sizes the same KV pool and gives the same greedy output, and
+    profiles the same free memory, so it sizes the same KV pool (less the first's per-process
+    leftovers) and gives the same greedy output, and
     closing it leaves torch's allocated memory exactly where the first close did (nothing per LLM
     stays; vLLM users' "del llm frees nothing"). What the first LLM leaves is per process: the
     cuBLAS workspace of the piecewise graphs' capture stream (64 MiB on an H200)."""
@@ -473,5 +474,6 @@ def test_close_frees_the_gpu_and_a_second_llm_gets_the_same_kv_pool(tiny_llama_d
         after.append(torch.cuda.memory_allocated())
     assert after[0] - before <= 128 * 2**20, f"the first closed LLM kept {(after[0] - before) / 2**20:.0f} MiB"
     assert after[1] - after[0] < 2**20, f"the second LLM kept {(after[1] - after[0]) / 2**20:.1f} MiB more"
-    assert pools[0] == pools[1]
+    # The second profile sees the first LLM's per-process leftovers (that workspace) as used.
+    assert pools[0] * 0.99 <= pools[1] <= pools[0]
     assert outputs[0] == outputs[1]
