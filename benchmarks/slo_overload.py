@@ -148,7 +148,10 @@ def main() -> int:
                 flags += ["--trace-dir", str(Path(args.trace_dir) / policy)]
             env = {"PYTHONPATH": str(Path(args.baseline_src).resolve())} if policy == "slo-baseline" else None
             servers[policy] = start_server(tmp, *flags, env=env)
-            run_bench(servers[policy].port, *workload, "--num-prompts", "2")  # warm it (not reported)
+            # Warm it (not reported): arrivals spread over ~4 s, so that the slo policy's step cost
+            # model, which leaves the engine's first (cold) steps out, has seen prefill and decode
+            # steps of a warm engine before the first run.
+            run_bench(servers[policy].port, *workload, "--num-prompts", "8", "--request-rate", "2")
         for load_index, load in enumerate(loads):
             rate = load * saturation_rps
             # New prompts at each load (the same for every policy): a load's prompts must not hit
