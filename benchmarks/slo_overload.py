@@ -2,9 +2,9 @@
 
     PYTHONPATH=src python benchmarks/slo_overload.py            # default model, ~5 min on 2 cores
 
-1. A `tokenmill serve` under fcfs measures the unloaded time to first token (a few requests one at
-   a time) and the saturation rate (requests/s completed when many arrive at once), each twice,
-   keeping the faster.
+1. A `tokenmill serve` under fcfs, without prefix caching, measures the unloaded time to first
+   token (a few requests one at a time: the model's own prefill plus the HTTP path) and the
+   saturation rate (requests/s completed when many arrive at once), each twice, keeping the faster.
 2. The SLO classes follow from those: priority 0 (interactive, 30 % of requests) must see its
    first token within 2 x (unloaded TTFT + 2 saturated decode steps), priority 1 (batch, 70 %)
    within 5x that; both a TPOT within 3x the TPOT seen at saturation (unless --classes sets them).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -51,6 +52,47 @@ def run_bench(port: int, *extra: str) -> dict:
     return runs[0].metrics
 
 
+def calibrate(tmp: str, server_flags: list[str], workload: list[str], args: argparse.Namespace) -> dict:
+    """The unloaded TTFT and the saturation rate, from a fcfs server; the SLO classes follow."""
+    print("== calibration (fcfs) ==", flush=True)
+    # No prefix cache here: both measurements run twice on the same prompts (and the warm-up
+    # request is the first measured one), so with it the second run of each would time cache hits
+    # (a one-block prefill), not the model's prefill: an unloaded TTFT of a third of the real one
+    # and a saturation rate near twice the real one (passes 1-15 did; see BENCHMARKS.md, issue 20).
+    server = start_server(tmp, *server_flags, "--scheduling-policy", "fcfs", "--no-enable-prefix-caching")
+    try:
+        # Twice each, keeping the faster: other load on a shared machine only ever slows a
+        # measurement, and an underestimated saturation rate would make "2x" no overload at all.
+        unloaded = [
+            run_bench(server.port, *workload, "--num-prompts", "4", "--max-concurrency", "1", "--num-warmups", "1")
+            for _ in range(2)
+        ]
+        saturated = [
+            run_bench(server.port, *workload, "--num-prompts", str(args.saturation_prompts)) for _ in range(2)
+        ]
+    finally:
+        server.stop()
+    fastest = max(saturated, key=lambda m: m["request_throughput"])
+    saturation_rps = fastest["request_throughput"]
+    ttft0_ms = min(m["median_ttft_ms"] for m in unloaded)
+    tpot_sat_ms = fastest["median_tpot_ms"]
+    # A request arriving into a full batch waits for the step in flight and shares its prefill
+    # step with the decodes: the interactive class gets twice (unloaded TTFT + 2 saturated steps),
+    # the batch class 5x that; both 3x the saturated TPOT.
+    hi_ttft_ms = 2 * (ttft0_ms + 2 * tpot_sat_ms)
+    classes = args.classes or (
+        f"0={hi_ttft_ms:.0f}/{3 * tpot_sat_ms:.0f},1={5 * hi_ttft_ms:.0f}/{3 * tpot_sat_ms:.0f}"
+    )
+    return {
+        "unloaded_median_ttft_ms": ttft0_ms,
+        "unloaded_median_ttft_ms_both": [m["median_ttft_ms"] for m in unloaded],
+        "saturation_request_rps": saturation_rps,
+        "saturation_request_rps_both": [m["request_throughput"] for m in saturated],
+        "saturation_median_tpot_ms": tpot_sat_ms,
+        "classes": classes,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model to serve (default: tokenmill's default model)")
@@ -62,6 +104,11 @@ def main() -> int:
     parser.add_argument("--saturation-prompts", type=int, default=24)
     parser.add_argument("--classes", default=None, help="PRIORITY=TTFT_MS/TPOT_MS,... (default: derived)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--calibration-from", default=None,
+        help="reuse the calibration (saturation rate, unloaded TTFT, classes) of this earlier result JSON instead "
+        "of measuring it again (a pass then fits in fewer minutes; the result records where it came from)",
+    )  # fmt: skip
     parser.add_argument("--result-name", default=None)
     parser.add_argument(
         "--baseline-src", default=None,
@@ -92,40 +139,17 @@ def main() -> int:
     started = time.monotonic()
     results: dict = {"runs": {}}
 
-    print("== calibration (fcfs) ==", flush=True)
-    server = start_server(tmp, *server_flags, "--scheduling-policy", "fcfs")
-    try:
-        # Twice each, keeping the faster: other load on a shared machine only ever slows a
-        # measurement, and an underestimated saturation rate would make "2x" no overload at all.
-        unloaded = [
-            run_bench(server.port, *workload, "--num-prompts", "4", "--max-concurrency", "1", "--num-warmups", "1")
-            for _ in range(2)
-        ]
-        saturated = [
-            run_bench(server.port, *workload, "--num-prompts", str(args.saturation_prompts)) for _ in range(2)
-        ]
-    finally:
-        server.stop()
-    fastest = max(saturated, key=lambda m: m["request_throughput"])
-    saturation_rps = fastest["request_throughput"]
-    ttft0_ms = min(m["median_ttft_ms"] for m in unloaded)
-    tpot_sat_ms = fastest["median_tpot_ms"]
-    # A request arriving into a full batch waits for the step in flight and shares its prefill
-    # step with the decodes: the interactive class gets twice (unloaded TTFT + 2 saturated steps),
-    # the batch class 5x that; both 3x the saturated TPOT.
-    hi_ttft_ms = 2 * (ttft0_ms + 2 * tpot_sat_ms)
-    classes = args.classes or (
-        f"0={hi_ttft_ms:.0f}/{3 * tpot_sat_ms:.0f},1={5 * hi_ttft_ms:.0f}/{3 * tpot_sat_ms:.0f}"
-    )
-    results["calibration"] = {
-        "unloaded_median_ttft_ms": ttft0_ms,
-        "saturation_request_rps": saturation_rps,
-        "saturation_request_rps_both": [m["request_throughput"] for m in saturated],
-        "saturation_median_tpot_ms": tpot_sat_ms,
-        "classes": classes,
-    }
-    print(f"saturation {saturation_rps:.2f} req/s, unloaded TTFT {ttft0_ms:.0f} ms, TPOT at saturation "
-          f"{tpot_sat_ms:.0f} ms -> classes {classes}", flush=True)  # fmt: skip
+    if args.calibration_from:
+        calibration = dict(json.loads(Path(args.calibration_from).read_text())["metrics"]["calibration"])
+        calibration["reused_from"] = args.calibration_from
+        if args.classes:
+            calibration["classes"] = args.classes
+    else:
+        calibration = calibrate(tmp, server_flags, workload, args)
+    results["calibration"] = calibration
+    saturation_rps, classes = calibration["saturation_request_rps"], calibration["classes"]
+    print(f"saturation {saturation_rps:.2f} req/s, unloaded TTFT {calibration['unloaded_median_ttft_ms']:.0f} ms, "
+          f"TPOT at saturation {calibration['saturation_median_tpot_ms']:.0f} ms -> classes {classes}", flush=True)  # fmt: skip
 
     # The three servers run side by side (idle ones cost nothing) and take the loads interleaved,
     # fcfs / priority / slo at one load, then the next: on a shared machine, drift in the other
@@ -143,7 +167,10 @@ def main() -> int:
                 flags += ["--trace-dir", str(Path(args.trace_dir) / policy)]
             env = {"PYTHONPATH": str(Path(args.baseline_src).resolve())} if policy == "slo-baseline" else None
             servers[policy] = start_server(tmp, *flags, env=env)
-            run_bench(servers[policy].port, *workload, "--num-prompts", "2")  # warm it (not reported)
+            # Warm it (not reported): arrivals spread over ~4 s, so that the slo policy's step cost
+            # model, which leaves the engine's first (cold) steps out, has seen prefill and decode
+            # steps of a warm engine before the first run.
+            run_bench(servers[policy].port, *workload, "--num-prompts", "8", "--request-rate", "2")
         for load_index, load in enumerate(loads):
             rate = load * saturation_rps
             # New prompts at each load (the same for every policy): a load's prompts must not hit

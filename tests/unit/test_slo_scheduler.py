@@ -12,7 +12,7 @@ from tests.unit.test_scheduler import FakeRunner, Harness, make_request, referen
 from tokenmill.config import CacheConfig, SchedulerConfig, SloConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.slo_queue import SloQueue
+from tokenmill.core.slo_queue import COLD_STEPS, SloQueue
 from tokenmill.core.step_cost import StepCostModel, StepTimer
 from tokenmill.slo import SloTarget, parse_slo_classes, resolve_target
 
@@ -72,6 +72,20 @@ def test_cost_model_recovers_the_line_it_was_fed() -> None:
     # Nothing decoding: the cap does not apply (the scheduler's rule).
     assert trained_cost(0.1, 0.01).seconds_for(100, 64, 0, 16) == pytest.approx(2 * 0.1 + 1.0)
     assert not StepCostModel(min_steps=3).ready
+
+
+def test_cost_model_leaves_the_first_cold_steps_out_of_its_fit() -> None:
+    cost = StepCostModel(decay=1.0, min_steps=2, skip_steps=3)
+    for tokens, seconds in ((96, 1.5), (2, 0.8), (2, 0.5)):  # cold: several times the warm cost
+        cost.observe(tokens, seconds)
+    assert not cost.ready and cost.coefficients() == (0.0, 0.0)
+    for tokens in (2, 96):
+        cost.observe(tokens, 0.05 + 0.004 * tokens)
+    assert cost.ready
+    assert cost.coefficients() == (pytest.approx(0.05), pytest.approx(0.004))
+    # The slo queue's own model skips the engine's first steps.
+    queue = SloQueue(SchedulerConfig(8, 64, "slo", 256, SloConfig()))
+    assert queue.cost.skip_steps == COLD_STEPS > 0
 
 
 def test_step_timer_starts_a_step_at_the_later_of_schedule_and_previous_result() -> None:

@@ -57,6 +57,12 @@ class PolicyHooks:
         `running`'s tail."""
         return []
 
+    def running_prefill_chunk(self, request: Request, num_new: int, prefill_room: int, num_running: int) -> int:
+        """How many of the `num_new` prompt tokens (already within `prefill_room`) a running
+        request still prefilling computes this step, `num_running` requests running; 0: none, it
+        waits a step. The default: all of them."""
+        return num_new
+
     def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
         """May the queue's head join a step that already admitted `admitted` (non-empty) and
         schedules `step_tokens` tokens so far? False: it and everything behind it wait for a later step."""

@@ -253,6 +253,8 @@ class Scheduler:
                 num_drafts = 0
                 if num_new > 1:  # a prefill chunk (or a recompute after preemption)
                     num_new = min(num_new, prefill_room)
+                    if self.waiting:  # the policy may keep room for a waiting request's prompt (slo)
+                        num_new = self.waiting.running_prefill_chunk(request, num_new, prefill_room, len(running))
                     prefill_room -= num_new
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1

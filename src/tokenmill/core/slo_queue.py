@@ -23,7 +23,9 @@ orders and sheds to maximise it:
   request of a strictly lower class, which recomputes later (preempt_for_waiting). Running
   requests are kept in priority order.
 - Keep a first token's step short: a lower class does not join a step that prefills a higher
-  class's first token when it would push that step past the token's deadline (joins_step).
+  class's first token when it would push that step past the token's deadline (joins_step), and a
+  lower class's running prompt chunk leaves room for that first token's whole prompt
+  (running_prefill_chunk).
 
 It also counts, per SLO class, the requests that completed within their targets (goodput),
 missed them, or were shed; the engine reports these in its stats (tokenmill/slo_metrics.py).
@@ -48,6 +50,7 @@ from tokenmill.core.step_cost import StepCostModel, StepTimer
 from tokenmill.slo import SloTarget, resolve_target
 
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+COLD_STEPS = 8  # the engine's first steps, left out of the step cost fit
 
 # Engine stats keys (absolute totals); ".<class>" follows the per-class ones.
 GOODPUT_KEY = "slo_goodput_requests"
@@ -65,11 +68,15 @@ class SloQueue(PolicyHooks):
     ) -> None:
         self.slo = config.slo
         self.token_budget = config.max_num_batched_tokens or 2048
+        self.max_num_seqs = config.max_num_seqs
         # While anything decodes a step prefills at most this many tokens (0: the whole budget).
         self.prefill_cap = config.max_prefill_tokens_while_decoding or 0
         self.max_model_len = config.max_model_len
         self.clock = clock
-        self.cost = cost if cost is not None else StepCostModel()
+        # A new engine's first steps are cold (first touches of the weights' pages, buffers growing):
+        # on the CPU benchmark's servers steps 0-5 took 2-10x their warm time (0.5-1.5 s), and a fit
+        # that kept them predicted prefills far too slow and shed requests that would have made it.
+        self.cost = cost if cost is not None else StepCostModel(skip_steps=COLD_STEPS)
         self.timer = StepTimer(clock)
         # (priority, latest start, arrival time if no TTFT target, sequence number, request),
         # sorted: the head is scheduled first.
@@ -224,6 +231,30 @@ class SloQueue(PolicyHooks):
                 free_seats += 1  # the victim's seat is free for the requests behind
             free_blocks -= needed
         return victims
+
+    def running_prefill_chunk(self, request: Request, num_new: int, prefill_room: int, num_running: int) -> int:
+        """A lower class's prompt chunk leaves a waiting higher class's first token (the queue's
+        head: a TTFT target, no token yet, a free seat) the room for its whole prompt this step,
+        and takes what is left only if the step still ends by that token's deadline (before the
+        cost model is ready: nothing). Running chunks are scheduled before any admission: without
+        this a half-prefilled batch prompt takes the step's prefill room (the CPU server's
+        --max-prefill-tokens-while-decoding, 128) and the interactive prompt is split over two
+        steps, its first token a whole prefill step later (the benchmark's trace, BENCHMARKS.md
+        issue 20, pass A). The chunk waits a step; its request keeps its seat and blocks."""
+        if not self._entries or num_running >= self.max_num_seqs:
+            return num_new  # no head, or no seat for it this step: the chunk delays nothing
+        head = self._entries[0][-1]
+        ttft_s = self.targets[head.request_id].ttft_s
+        if head.priority >= request.priority or ttft_s is None or head.num_output_tokens:
+            return num_new
+        head_tokens = head.num_tokens - head.num_computed_tokens
+        keep = min(num_new, max(prefill_room - head_tokens, 0))
+        if keep and self.cost.ready:
+            # The step: the running requests' decodes (about one token each), this chunk, the head's prompt.
+            step_ends = self.clock() + self.cost.seconds_for(num_running + keep + head_tokens, self.token_budget)
+            if step_ends <= head.arrival_time + ttft_s:
+                return keep
+        return 0
 
     def joins_step(self, request: Request, admitted: Sequence[Request], step_tokens: int) -> bool:
         """A lower class does not join a step that prefills a higher class's first token (a TTFT

@@ -12,11 +12,13 @@ from collections import deque
 
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.98, min_steps: int = 8) -> None:
+    def __init__(self, decay: float = 0.98, min_steps: int = 8, skip_steps: int = 0) -> None:
         """`decay`: the weight each older step keeps per newer one; `min_steps`: steps seen before
-        predictions are trusted (before that `ready` is False)."""
+        predictions are trusted (before that `ready` is False); `skip_steps`: the first steps
+        observed are left out of the fit (a new engine's first steps are cold)."""
         self.decay = decay
         self.min_steps = min_steps
+        self.skip_steps = skip_steps
         self.num_steps = 0
         # Decayed sums for the weighted least-squares fit of seconds on tokens.
         self._w = self._x = self._y = self._xx = self._xy = 0.0
@@ -26,6 +28,9 @@ class StepCostModel:
         return self.num_steps >= self.min_steps
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        if self.skip_steps:
+            self.skip_steps -= 1
+            return
         d = self.decay
         self._w = self._w * d + 1.0
         self._x = self._x * d + num_tokens
