@@ -408,3 +408,24 @@ def test_each_checkout_builds_the_cpu_kernels_in_its_own_directory(tmp_path, mon
         copies.append(copy)
     monkeypatch.setattr(build, "_SOURCES", copies)
     assert build.build_directory() != here
+
+
+@needs_kernels
+def test_cpu_backend_converts_each_steps_metadata_anew():
+    """The CPU backend converts a step's metadata once and reuses it for the step's other layers
+    (keyed by the metadata object). One backend over two consecutive decode steps of a request
+    must read the second step's lengths and slots: the same output and cache as a fresh backend."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, table = 4, 2, 32, [2, 0, 1]
+    cache = torch.randn(2, 3, BLOCK_SIZE, kv_heads, dim, generator=gen)
+    reused = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, BLOCK_SIZE)
+    for seq_len in (5, 6):
+        q = torch.randn(1, heads, dim, generator=gen)
+        k, v = torch.randn(1, kv_heads, dim, generator=gen), torch.randn(1, kv_heads, dim, generator=gen)
+        meta = _metadata([1], [seq_len], [table])
+        for _ in range(2):  # a second layer of the step: the cached conversion
+            fresh_cache = cache.clone()
+            expected = CpuPagedBackend(heads, kv_heads, dim, dim**-0.5, BLOCK_SIZE).forward(q, k, v, fresh_cache, meta)
+            out = reused.forward(q, k, v, cache, meta)
+            assert torch.equal(out, expected)
+            assert torch.equal(cache, fresh_cache)

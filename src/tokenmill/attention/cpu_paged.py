@@ -49,6 +49,29 @@ class CpuPagedBackend(AttentionBackend):
         load_cpu_kernels()
         self._reference = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.max_kernel_query_len = _MAX_KERNEL_QUERY_LEN
+        ops = torch.ops.tokenmill_cpu
+        # Resolved overloads: a call skips the op packet's overload lookup (~2 us; two calls a layer).
+        self._paged_attention = ops.paged_attention.default
+        self._store_kv = ops.store_kv.default
+        # The kernel's int32 views of the last step's metadata (starts, seq_lens, block tables) and
+        # its int64 slots: converted once a step, not once a layer. Keyed by the metadata object,
+        # which the model runner builds anew every step (the reference keeps it alive, so a later
+        # step's metadata can never be mistaken for it).
+        self._step_meta: AttentionMetadata | None = None
+        self._step_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _kernel_tensors(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(starts, seq_lens, block_tables) as the kernel reads them, and the slot mapping (int64)."""
+        if meta is not self._step_meta or self._step_tensors is None:
+            seq_lens = _int32(meta.seq_lens_cpu)
+            self._step_tensors = (
+                _int32(meta.query_start_loc_cpu),
+                seq_lens,
+                _int32(meta.block_tables[: seq_lens.numel()]),
+                meta.slot_mapping.to(torch.int64).contiguous(),
+            )
+            self._step_meta = meta
+        return self._step_tensors
 
     def forward(
         self,
@@ -64,8 +87,14 @@ class CpuPagedBackend(AttentionBackend):
         if q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU tensors, got {q.device}")
         num_tokens = meta.num_actual_tokens
+        starts_32, seq_lens_32, tables_32, slots = self._kernel_tensors(meta)
         if not kv_already_stored and num_tokens:
-            self.store_kv(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
+            self._store_kv(
+                kv_cache,
+                _rows_contiguous(k[:num_tokens].to(kv_cache.dtype)),
+                _rows_contiguous(v[:num_tokens].to(kv_cache.dtype)),
+                slots[:num_tokens],
+            )
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=kv_cache.dtype)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows: defined, never read
@@ -80,13 +109,13 @@ class CpuPagedBackend(AttentionBackend):
             if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
                 return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True, layer=layer)
         # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
-        torch.ops.tokenmill_cpu.paged_attention(
+        self._paged_attention(
             out,
             q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype),
             kv_cache,
-            _int32(starts),
-            _int32(seq_lens),
-            _int32(meta.block_tables[: seq_lens.numel()]),
+            starts_32,
+            seq_lens_32,
+            tables_32,
             self.scale,
             self.max_kernel_query_len,
             layer.sliding_window or 0,

@@ -36,6 +36,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -664,6 +665,16 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
 #endif
 }
 
+// quant_gemv_int8 into a new [M, N] float32 tensor. The decode step calls this ~120 times (one
+// row): allocating the output here costs a fraction of a microsecond against a few for a
+// torch.empty called from Python before each product.
+at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "quant_linear_int8: x [M, K] and blocks [N, row_bytes] expected");
+  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options().dtype(at::kFloat));
+  quant_gemv_int8(out, x, blocks, quant_type, bits);
+  return out;
+}
+
 // Whether this build (-march=native) has the kernel (VNNI or AVX2); without it the float kernel serves.
 bool quant_gemv_int8_available() {
 #if defined(TOKENMILL_VNNI) || defined(TOKENMILL_INT8_AVX2)
@@ -688,8 +699,12 @@ std::string quant_gemv_int8_isa() {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("quant_gemv_int8(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type, int bits) -> ()");
+  m.def("quant_linear_int8(Tensor x, Tensor blocks, int quant_type, int bits) -> Tensor");
   m.def("quant_gemv_int8_available() -> bool", &quant_gemv_int8_available);
   m.def("quant_gemv_int8_isa() -> str", &quant_gemv_int8_isa);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemv_int8", &quant_gemv_int8); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("quant_gemv_int8", &quant_gemv_int8);
+  m.impl("quant_linear_int8", &quant_linear_int8);
+}
