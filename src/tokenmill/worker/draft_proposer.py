@@ -8,9 +8,8 @@ target step, with the step's tokens on the host:
 1. catch-up: the drafter runs over the tokens the target computed this step plus the token the
    step produced (a request's positions from its step start up to its newest token), which writes
    its KV there and gives, at each request's newest token, its first draft;
-2. k - 1 single-token steps, each fed the previous draft on the device, give the rest: no step
-   waits for the host (`draft_on_device`), which builds the next one meanwhile; the drafts come
-   back in one copy at the end.
+2. k - 1 single-token steps, each fed the previous draft on the device, give the rest
+   (`draft_on_device`): the drafts go to the host in one copy at the end, not one per step.
 
 Positions past the accepted tokens hold drafter KV of rejected guesses; the next catch-up starts
 at the target's step start, which is never past them, and writes them again. The catch-up runs
@@ -264,11 +263,15 @@ def draft_on_device(
     wanted: list[int],
     decode_step: Callable[[torch.Tensor, list[DraftView], torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """The drafter's single-token steps, each fed the previous step's argmax on the device: no
-    step waits for the host, whose next batch (positions, slots: they follow from lengths alone)
-    is built while the device runs the step before. `first_ids`: the first draft of each view;
-    `wanted[j]`: how many drafts view j wants; `decode_step(index, active views, their input ids)`
-    runs one step (`index`: the active views' positions in `views`, on the device). Returns the per-step ids [len(views)] (rows past a view's wanted count: garbage)."""
+    """The drafter's single-token steps, each fed the previous step's argmax on the device rather
+    than through the host (a step's positions and slots follow from lengths alone; its token is a
+    placeholder on the host). `first_ids`: the first draft of each view; `wanted[j]`: how many
+    drafts view j wants; `decode_step(index, active views, their input ids)` runs one step
+    (`index`: the active views' positions in `views`, on the device). Returns the per-step ids
+    [len(views)] (rows past a view's wanted count: garbage).
+
+    Not yet free of waits: `index` is copied from pageable host memory, which makes the host wait
+    for the stream once a step (a pinned, non-blocking copy would not; not measured on a GPU)."""
     per_step = [first_ids]
     next_ids = first_ids
     for step in range(max(wanted) - 1):
