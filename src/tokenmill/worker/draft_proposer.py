@@ -185,9 +185,9 @@ class DraftModelProposer(DrafterKVCache):
         _feed(input_ids, input_ids_on_device)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _decode_step(self, index: torch.Tensor, views: list[DraftView], input_ids: torch.Tensor) -> torch.Tensor:
-        """One token for each of `views` (`index`: unused here), whose newest token (a placeholder in
-        its token_ids) is `input_ids[i]` on the device, through a CUDA graph when one fits: the argmax ids
+    def _decode_step(self, views: list[DraftView], input_ids: torch.Tensor) -> torch.Tensor:
+        """One token for each of `views`, whose newest token (a placeholder in its token_ids) is
+        `input_ids[i]` on the device, through a CUDA graph when one fits: the argmax ids
         [len(views)], on the device."""
         runner = self.runner
         key = self.graphs.graph_key(len(views), 1) if self.graphs is not None else None
@@ -231,10 +231,14 @@ class DraftModelProposer(DrafterKVCache):
         proposing = [
             i for i, s in enumerate(states) if num_drafts.get(s.request_id, 0) > 0 and starts[i] + lens[i] == len(s.token_ids)
         ]
+        # Most drafts first: each later step's requests are a prefix (draft_on_device). The rows'
+        # index goes to the device before the forward, while the device is idle.
+        proposing.sort(key=lambda i: -num_drafts[states[i].request_id])
+        rows = [int(batch.query_start_loc[i + 1]) - 1 for i in proposing]
+        last_rows = torch.tensor(rows, dtype=torch.long, device=runner.device) if proposing else None
         hidden = self._forward(batch)
-        if not proposing:
+        if last_rows is None:
             return {}
-        last_rows = torch.tensor([int(batch.query_start_loc[i + 1]) - 1 for i in proposing], device=hidden.device)
         next_ids = self._argmax(hidden[last_rows])
         views = [
             DraftView(states[i].request_id, list(states[i].token_ids), states[i].block_ids, len(states[i].token_ids))
@@ -261,30 +265,27 @@ def draft_on_device(
     first_ids: torch.Tensor,
     views: list[DraftView],
     wanted: list[int],
-    decode_step: Callable[[torch.Tensor, list[DraftView], torch.Tensor], torch.Tensor],
+    decode_step: Callable[[list[DraftView], torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
     """The drafter's single-token steps, each fed the previous step's argmax on the device rather
     than through the host (a step's positions and slots follow from lengths alone; its token is a
-    placeholder on the host). `first_ids`: the first draft of each view; `wanted[j]`: how many
-    drafts view j wants; `decode_step(index, active views, their input ids)` runs one step
-    (`index`: the active views' positions in `views`, on the device). Returns the per-step ids
-    [len(views)] (rows past a view's wanted count: garbage).
-
-    Not yet free of waits: `index` is copied from pageable host memory, which makes the host wait
-    for the stream once a step (a pinned, non-blocking copy would not; not measured on a GPU)."""
+    placeholder on the host), so no step waits for the one before. `wanted[j]`: how many drafts
+    view j wants, most first, so that the views still drafting at every step are a prefix (plain
+    slices on the device, no index copied from the host); `first_ids`: their first drafts;
+    `decode_step(views, their input ids)` runs one step of the first len(views) views. Returns
+    the per-step ids [len(views)] (rows past a view's wanted count: garbage)."""
+    if any(a < b for a, b in zip(wanted, wanted[1:], strict=False)):
+        raise ValueError(f"draft counts must come most first, got {wanted}")
     per_step = [first_ids]
     next_ids = first_ids
-    for step in range(max(wanted) - 1):
-        active = [j for j in range(len(views)) if step + 1 < wanted[j]]
-        if not active:
-            break
-        for j in active:
-            views[j].token_ids.append(PLACEHOLDER)
-            views[j].num_tokens += 1
-        index = torch.tensor(active, device=next_ids.device)
-        step_ids = decode_step(index, [views[j] for j in active], next_ids[index])
+    for step in range(1, max(wanted, default=0)):
+        n = sum(1 for k in wanted if k > step)  # the views that want more than `step` drafts
+        for view in views[:n]:
+            view.token_ids.append(PLACEHOLDER)
+            view.num_tokens += 1
+        step_ids = decode_step(views[:n], next_ids[:n])
         full = torch.zeros(len(views), dtype=step_ids.dtype, device=step_ids.device)
-        full[index] = step_ids
+        full[:n] = step_ids
         per_step.append(full)
         next_ids = full
     return per_step

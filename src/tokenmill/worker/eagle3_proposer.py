@@ -132,36 +132,39 @@ class Eagle3Proposer(DrafterKVCache):
             runner.block_size,
         )
         row_index = torch.from_numpy(np.concatenate([rows[i] for i in keep])).to(aux.device)
-        input_ids, positions, meta = runner.build_metadata(first_batch)
-        drafter = self.drafter
-        out = drafter(input_ids, positions, aux[row_index], self.kv_caches[0], meta)
         proposing = [
             j for j, i in enumerate(keep)
             if num_drafts.get(states[i].request_id, 0) > 0 and step_starts[i] + lens[i] == len(states[i].token_ids) - 1
         ]  # fmt: skip
-        if not proposing:
+        # Most drafts first: each later step's requests are a prefix (draft_on_device). The rows'
+        # index goes to the device before the drafter's first pass, while the device is idle.
+        proposing.sort(key=lambda j: -num_drafts[states[keep[j]].request_id])
+        rows_of = [int(first_batch.query_start_loc[j + 1]) - 1 for j in proposing]
+        last_rows = torch.tensor(rows_of, dtype=torch.long, device=aux.device) if proposing else None
+        input_ids, positions, meta = runner.build_metadata(first_batch)
+        drafter = self.drafter
+        out = drafter(input_ids, positions, aux[row_index], self.kv_caches[0], meta)
+        if last_rows is None:
             return {}
-        last_rows = torch.tensor(
-            [int(first_batch.query_start_loc[j + 1]) - 1 for j in proposing], device=out.normed.device
-        )
         hidden = out.hidden_out[last_rows]
         next_ids = drafter.greedy_draft_tokens(out.normed[last_rows])
         drafting = [views[keep[j]] for j in proposing]  # their token lists are copies (a slice): drafts go on them
         wanted = [num_drafts[v.request_id] for v in drafting]
 
-        def decode_step(index: torch.Tensor, step_views: list[DraftView], ids: torch.Tensor) -> torch.Tensor:
-            """One single-row step of the drafting requests `index`, fed their previous draft (on the
-            device) and the drafter's own hidden state."""
+        def decode_step(step_views: list[DraftView], ids: torch.Tensor) -> torch.Tensor:
+            """One single-row step of the first len(step_views) drafting requests, fed their previous
+            draft (on the device) and the drafter's own hidden state."""
             nonlocal hidden
+            n = len(step_views)
             step_batch = build_host_batch(
-                step_views, [len(v.token_ids) - 1 for v in step_views], [1] * len(step_views),  # type: ignore[arg-type]
+                step_views, [len(v.token_ids) - 1 for v in step_views], [1] * n,  # type: ignore[arg-type]
                 runner.block_size,
             )
             input_ids, positions, meta = runner.build_metadata(step_batch)
-            input_ids[: len(ids)].copy_(ids)
-            out = drafter(input_ids, positions, hidden[index], self.kv_caches[0], meta)
+            input_ids[:n].copy_(ids)
+            out = drafter(input_ids, positions, hidden[:n], self.kv_caches[0], meta)
             hidden = hidden.clone()
-            hidden[index] = out.hidden_out
+            hidden[:n] = out.hidden_out
             return drafter.greedy_draft_tokens(out.normed)
 
         return collect_drafts(drafting, wanted, draft_on_device(next_ids, drafting, wanted, decode_step))
