@@ -86,14 +86,13 @@ class GrammarMasker:
         else:
             host_np[dst, :grammar_words] = rows
             host_np[dst, grammar_words:] = 0
-        masked_rows = dst.tolist()
         if logits.is_cuda:
             # All rows (the unconstrained ones allow everything): row indices would be one more
             # host-to-device copy from pageable memory.
             bitmask = host.to(logits.device, non_blocking=True)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
         else:
-            xgr.apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1], indices=masked_rows)
+            xgr.apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1], indices=dst.tolist())
 
 
 def _apply_unpacked(logits: np.ndarray, rows: np.ndarray, grammar: GrammarOutput, row_of: dict[str, int]) -> None:

@@ -179,10 +179,10 @@ class DraftModelProposer(DrafterKVCache):
         size = self.piecewise.padded_size(num_tokens) if self.piecewise is not None else None
         if size is not None:
             input_ids, _, meta = runner.build_metadata(batch, padded_tokens=size)
-            _feed(input_ids, input_ids_on_device)
+            feed_input_ids(input_ids, input_ids_on_device)
             return self.piecewise.run(size, num_tokens, meta)[:num_tokens]
         input_ids, positions, meta = runner.build_metadata(batch)
-        _feed(input_ids, input_ids_on_device)
+        feed_input_ids(input_ids, input_ids_on_device)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _decode_step(self, views: list[DraftView], input_ids: torch.Tensor) -> torch.Tensor:
@@ -200,7 +200,7 @@ class DraftModelProposer(DrafterKVCache):
             block_table_width=runner.max_blocks_per_req,
         )  # fmt: skip
         staged, _, _ = runner.build_metadata(batch, padded_reqs=key[0])
-        _feed(staged, input_ids)
+        feed_input_ids(staged, input_ids)
         logits = self.graphs.replay(key)[: len(views)]
         return logits[:, : self.target_vocab_size].argmax(dim=-1)
 
@@ -252,7 +252,7 @@ class DraftModelProposer(DrafterKVCache):
         return logits[:, : self.target_vocab_size].argmax(dim=-1)
 
 
-def _feed(staged: torch.Tensor, input_ids: torch.Tensor | None) -> None:
+def feed_input_ids(staged: torch.Tensor, input_ids: torch.Tensor | None) -> None:
     """Put input ids that are on the device (the previous draft's argmax) over the staged ones."""
     if input_ids is not None:
         staged[: len(input_ids)].copy_(input_ids)

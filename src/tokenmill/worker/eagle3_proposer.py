@@ -32,7 +32,13 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch
-from tokenmill.worker.draft_proposer import DrafterKVCache, DraftView, collect_drafts, draft_on_device
+from tokenmill.worker.draft_proposer import (
+    DrafterKVCache,
+    DraftView,
+    collect_drafts,
+    draft_on_device,
+    feed_input_ids,
+)
 from tokenmill.worker.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -161,10 +167,10 @@ class Eagle3Proposer(DrafterKVCache):
                 runner.block_size,
             )
             input_ids, positions, meta = runner.build_metadata(step_batch)
-            input_ids[:n].copy_(ids)
+            feed_input_ids(input_ids, ids)
             out = drafter(input_ids, positions, hidden[:n], self.kv_caches[0], meta)
-            hidden = hidden.clone()
-            hidden[:n] = out.hidden_out
+            # The requests drafting at a later step are a prefix of these: their rows are all it reads.
+            hidden = out.hidden_out
             return drafter.greedy_draft_tokens(out.normed)
 
         return collect_drafts(drafting, wanted, draft_on_device(next_ids, drafting, wanted, decode_step))
