@@ -56,26 +56,15 @@ class DrafterKVCache:
     target's block tables (the pool is sized for both), written up to k - 1 positions past a
     request's newest token (the scheduler's lookahead slots).
 
-    The runner owns its proposer, so the proposer holds the runner weakly: a strong reference
-    back would put both in a cycle, and a dropped engine's KV pool and weights would wait for a
-    full garbage collection."""
+    The runner owns its proposer, so the proposer holds the runner through a weak proxy
+    (`weakref.proxy`, ReferenceError once it is gone): a strong reference back would put both in
+    a cycle, and a dropped engine's KV pool and weights would wait for a full garbage collection."""
 
-    _runner: weakref.ReferenceType[ModelRunner]
+    runner: ModelRunner  # a weakref.proxy
     arch: ArchConfig
     k: int
     num_kv_layers: int
     kv_caches: list[torch.Tensor]
-
-    @property
-    def runner(self) -> ModelRunner:
-        runner = self._runner()
-        if runner is None:
-            raise ReferenceError("the drafter's model runner is gone")
-        return runner
-
-    @runner.setter
-    def runner(self, runner: ModelRunner) -> None:
-        self._runner = weakref.ref(runner)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -100,7 +89,7 @@ class DraftModelProposer(DrafterKVCache):
         from tokenmill.model.resolve import resolve_model
 
         assert config.model is not None
-        self.runner = runner
+        self.runner = weakref.proxy(runner)
         self.k = config.num_speculative_tokens
         target = runner.config.model
         model_config = ModelConfig(

@@ -24,6 +24,7 @@ back to back with one copy of the drafts to the host at the end.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,7 @@ class Eagle3Proposer(DrafterKVCache):
         from tokenmill.model.resolve import locate_model_dir
 
         assert config.model is not None
-        self.runner = runner
+        self.runner = weakref.proxy(runner)
         self.k = config.num_speculative_tokens
         if runner.kv_groups.num_groups > 1:
             raise ValueError("speculative method 'eagle3' needs a target without sliding-window layers")

@@ -26,19 +26,13 @@ class WorkerGroupLoRA:
 
     def __init__(self, config: LoRAConfig, executor: WorkerGroupExecutor) -> None:
         self.max_loras = config.max_loras
-        # Weak: the executor owns these hooks, and a reference back would be a cycle that keeps a
-        # dropped engine (and its workers) until a full garbage collection.
-        self._executor_ref = weakref.ref(executor)
+        # Weak (a proxy: ReferenceError once it is gone): the executor owns these hooks, and a
+        # reference back would be a cycle that keeps a dropped engine (and its workers) until a
+        # full garbage collection.
+        self._executor: WorkerGroupExecutor = weakref.proxy(executor)
         self._size = executor.size
         self._known: dict[int, LoRARequest] = {}  # adapters asked for, by id (loading, loaded or failed)
         self._answers: dict[int, dict[int, str | None]] = {}  # lora id -> rank -> None or its error
-
-    @property
-    def _executor(self) -> WorkerGroupExecutor:
-        executor = self._executor_ref()
-        if executor is None:
-            raise ReferenceError("the tensor-parallel executor of these LoRA hooks is gone")
-        return executor
 
     def ready(self, lora: LoRARequest) -> bool | str:
         lora_id = lora.lora_int_id
