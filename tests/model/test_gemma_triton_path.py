@@ -1,7 +1,7 @@
 """The Gemma model's CUDA path, run on the CPU under TRITON_INTERPRET=1: the Triton layer ops
 (add + RMSNorm with Gemma's float32 weight, GeGLU's gelu_tanh_mul, RoPE with the KV store in the
 same launch) and the Triton attention backend (sliding windows, Gemma 2's soft cap, and for decode
-steps Gemma 2's RoPE inside the attention launch) give transformers' logits in fp32.
+steps RoPE, and Gemma 3's Q/K norms, inside the attention launch) give transformers' logits in fp32.
 
 No GPU runs in CI, so this is where the launches Gemma takes on CUDA meet the oracle on every
 commit. Two requests over a paged cache (tests/model/test_model_forward.py's harness): prefill
@@ -57,7 +57,7 @@ def test_triton_ops_and_attention_match_transformers(family, tmp_path, tiny_toke
     fused = backend.forward_decode_with_rope
 
     def counted(*args, **kwargs):
-        fused_calls.append(kwargs["layer"])
+        fused_calls.append((kwargs["layer"], kwargs["qk_norm"]))
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(backend, "forward_decode_with_rope", counted)
@@ -77,12 +77,16 @@ def test_triton_ops_and_attention_match_transformers(family, tmp_path, tiny_toke
         harness.step([(first, 1)])
     for r, prompt in ((first, prompts[0]), (second, prompts[1])):
         torch.testing.assert_close(harness.logits_of(r), _hf_logits(path, prompt), rtol=1e-4, atol=1e-4)
+    # Decode-only steps rotate inside the attention launch; Gemma 3's Q/K norms (float32 1 + w)
+    # are applied there too.
+    assert fused_calls, "no decode step went through forward_decode_with_rope"
+    windows = {arch.layer_sliding_window(i) for i in range(arch.num_layers)}
+    assert {spec.sliding_window for spec, _ in fused_calls} == windows and len(windows) == 2
     if family == "gemma2":
-        assert fused_calls, "no decode step went through forward_decode_with_rope"
-        assert {spec.logits_soft_cap for spec in fused_calls} == {1.0}
-        assert {spec.sliding_window for spec in fused_calls} == {16, None}
-    else:  # Q/K norms: RoPE stays out of the attention launch
-        assert not fused_calls
+        assert {spec.logits_soft_cap for spec, _ in fused_calls} == {1.0}
+        assert all(qk_norm is None for _, qk_norm in fused_calls)
+    else:
+        assert all(qk_norm is not None and qk_norm.q_weight.dtype == torch.float32 for _, qk_norm in fused_calls)
 
 
 @interpreted_only

@@ -512,6 +512,57 @@ def test_decode_with_rope_scales_by_the_deferred_norm(dtype: torch.dtype) -> Non
 
 
 @interpreted_only
+@interpreter_loops
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16-rmsnorm", "bf16-gemma-weight"],
+)
+def test_decode_with_rope_applies_the_qk_norms(dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """With `qk_norm` (Qwen3's RMSNorm, Gemma 3's float32 1 + w) the launch normalizes each q and k
+    head before RoPE: the same cache and output as normalizing them with the model's own norm
+    (layers/rmsnorm.py) and passing the results in."""
+    from tokenmill.attention.backend import QKNorm
+    from tokenmill.model.layers.rmsnorm import rms_norm, rms_norm_float32_weight
+
+    num_heads, num_kv_heads, head_dim, eps, block_size = 8, 2, 16, 1e-6, 4
+    contexts = [21, 0, 7]
+    q, k, v, kv_cache, meta = make_batch(
+        [1, 1, 1], contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, num_padding_tokens=1
+    )
+    gen = torch.Generator().manual_seed(8)
+    q, k = (q.float() * 4).to(dtype), (k.float() * 3).to(dtype)  # far from unit rms
+    q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype)
+    k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype)
+    norm = rms_norm_float32_weight if weight_dtype == torch.float32 else rms_norm
+    positions = torch.tensor(contexts + [0])
+    cos, sin = _rope_tables(head_dim, dtype)
+    backend = triton_paged.TritonPagedBackend(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, num_kv_splits=2
+    )
+    results = []
+    for q_in, k_in, qk_norm in (
+        (q, k, QKNorm(q_weight, k_weight, eps)),
+        (norm(q, q_weight, eps), norm(k, k_weight, eps), None),
+    ):
+        cache = kv_cache.clone()
+        out = backend.forward_decode_with_rope(
+            q_in.clone(), k_in.clone(), v, positions, cos, sin, cache, meta, qk_norm=qk_norm
+        )
+        results.append((out[: meta.num_actual_tokens].float(), cache.float()))
+    (out, cache), (expected_out, expected_cache) = results
+    assert not torch.equal(results[0][1], kv_cache.float())  # the new keys were stored
+    # Both round where the model rounds; only 1/rms may differ in its last bit (reduction order).
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-3}
+    torch.testing.assert_close(cache, expected_cache, **tolerance)
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    with pytest.raises(ValueError, match="k_norm_weight"):
+        backend.forward_decode_with_rope(
+            q, k, v, positions, cos, sin, kv_cache.clone(), meta, qk_norm=QKNorm(q_weight, k_weight[:8], eps)
+        )
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_and_unweighted_norm_for_folded_norm_weights(dtype: torch.dtype) -> None:
     """A model with its norm weights folded into the matmuls (W' = w * W): silu_mul given the

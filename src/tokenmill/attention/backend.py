@@ -84,6 +84,17 @@ class AttentionLayerSpec:
 PLAIN_ATTENTION = AttentionLayerSpec()
 
 
+@dataclass(frozen=True, slots=True)
+class QKNorm:
+    """A layer's per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3), for a fused decode
+    launch: the [head_dim] weights (16-bit: normalize, round, multiply, round, as
+    layers/rmsnorm.rms_norm; float32: Gemma's 1 + w, multiplied before the one rounding)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 class KVLayerHooks(Protocol):
     """A KV connector's per-layer hooks (worker/kv_connector/base.py), called by each attention layer
     of a step that moves KV: before the layer touches its cache (its loaded blocks must be there and
@@ -149,6 +160,9 @@ class AttentionBackend(ABC):
     accepts_kv_stored_by_rope: bool = False
     # Whether forward_decode_with_rope also applies a deferred input RMSNorm (norm_source).
     fused_decode_rope_applies_norm: bool = False
+    # Whether forward_decode_with_rope also applies a per-head Q/K RMSNorm (qk_norm), so that
+    # models with one (Qwen3, Gemma 3) fuse their decode steps too.
+    fused_decode_rope_applies_qk_norm: bool = False
 
     # Whether multi_token_decode steps read each KV tile once for all of a request's query tokens.
     supports_multi_token_decode: bool = False
@@ -231,10 +245,12 @@ class AttentionBackend(ABC):
         *,
         norm_source: torch.Tensor | None = None,
         norm_eps: float = 0.0,
+        qk_norm: QKNorm | None = None,
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch: only for backends whose
-        supports_fused_decode_rope says so."""
+        supports_fused_decode_rope says so. `qk_norm` (only where fused_decode_rope_applies_qk_norm):
+        q and k still need their per-head RMSNorm, before RoPE."""
         raise NotImplementedError(
             f"the {self.name} attention backend does not fuse RoPE into decode attention"
         )

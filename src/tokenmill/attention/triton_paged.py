@@ -37,6 +37,7 @@ from tokenmill.attention.backend import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
+    QKNorm,
 )
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
@@ -130,6 +131,7 @@ class TritonPagedBackend(AttentionBackend):
     supported_layer_features = frozenset({"sliding window", "logit soft-capping", "attention sinks"})
     accepts_kv_stored_by_rope = True  # its cache takes K/V from the RoPE launch (rope_and_store_kv)
     fused_decode_rope_applies_norm = True  # DecodeRope's norm_source
+    fused_decode_rope_applies_qk_norm = True  # DecodeRope's q/k norm weights
     supports_cuda_graphs = True
     supports_multi_token_decode = True
 
@@ -239,6 +241,7 @@ class TritonPagedBackend(AttentionBackend):
         *,
         norm_source: torch.Tensor | None = None,
         norm_eps: float = 0.0,
+        qk_norm: QKNorm | None = None,
         layer: AttentionLayerSpec = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         """A decode-only step's RoPE, KV store and attention in one launch per layer.
@@ -246,7 +249,8 @@ class TritonPagedBackend(AttentionBackend):
         Same result as rotating q and k (kernels/triton/elementwise.rope_inplace), storing k/v and calling
         forward(); q, k and v are left as they were. Mixed batches must use forward().
         With `norm_source` [num_tokens, hidden], q/k/v are first scaled by 1/rms of those rows
-        (the deferred input RMSNorm: see DecodeRope).
+        (the deferred input RMSNorm: see DecodeRope). With `qk_norm`, q and k get their per-head
+        RMSNorm before RoPE in the same launch.
         """
         if not meta.is_decode_only:
             raise ValueError("forward_decode_with_rope serves decode-only batches; use forward()")
@@ -259,6 +263,9 @@ class TritonPagedBackend(AttentionBackend):
             meta.slot_mapping,
             norm_source=norm_source,
             norm_eps=norm_eps,
+            q_norm_weight=qk_norm.q_weight if qk_norm is not None else None,
+            k_norm_weight=qk_norm.k_weight if qk_norm is not None else None,
+            qk_norm_eps=qk_norm.eps if qk_norm is not None else 0.0,
         )
         return self._forward(q, k, v, kv_cache, meta, kv_already_stored=True, rope=rope, layer=layer)
 

@@ -14,8 +14,8 @@ sliding layers their own RoPE table (rope_local_base_freq).
 As in llama.py the residual adds are deferred into the next norm's launch: the post-attention and
 post-feed-forward norms' outputs are the `pending` tensors. What does not fit Gemma stays off
 through what the layers declare: GemmaDecoderLayer has no deferred-norm path, so it folds no norm
-weights (fold_norm_weights returns False), and Gemma 3's Q/K norms keep decode RoPE out of the
-attention launch (CausalLM.fuse_decode_rope, as for Qwen3).
+weights (fold_norm_weights returns False). Gemma 3's Q/K norms go into the decode attention
+launch with RoPE where the backend applies them (CausalLM.fuse_decode_rope, as for Qwen3).
 """
 
 from __future__ import annotations

@@ -228,8 +228,10 @@ class CausalLM(nn.Module):
             None if arch.rotary_dim is None else partial_rotary_permutation(arch.head_dim, arch.rotary_dim)
         )
         # Decode-only steps the backend supports rotate q/k and store K/V inside the attention
-        # launch (not with Q/K norms: those come between the projection and RoPE).
-        self.fuse_decode_rope = kernel.fused_decode_rope and not arch.qk_norm
+        # launch; with Q/K norms (between the projection and RoPE) only where the launch applies them.
+        self.fuse_decode_rope = kernel.fused_decode_rope and (
+            not arch.qk_norm or attn_backend.fused_decode_rope_applies_qk_norm
+        )
 
     def _make_layer(
         self,

@@ -40,7 +40,9 @@ writes them to their cache slot. No program reads that slot in the same launch, 
 read-after-write race, and the separate RoPE/KV-store launch per layer goes away. With
 `rope.norm_source`, q/k/v are projections of the un-normalized residual rows (the input
 RMSNorm's weight folded into the qkv weight) and every program first scales them by 1/rms of
-the token's row, so the norm needs no launch either.
+the token's row, so the norm needs no launch either. With `rope.q_norm_weight` / `k_norm_weight`
+(Qwen3's and Gemma 3's per-head RMSNorm on q and k), every program normalizes its q rows and the
+new key before rotating them: one launch instead of the norms', the rotation's and the store's.
 """
 
 from __future__ import annotations
@@ -161,6 +163,12 @@ class DecodeRope:
     # 1/rms(row) (with this eps) before anything else, so the norm needs no launch of its own.
     norm_source: torch.Tensor | None = None
     norm_eps: float = 0.0
+    # Set for models with a per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3): their
+    # [head_dim] weights, 16-bit (rounded as layers/rmsnorm.rms_norm) or float32 (Gemma's 1 + w,
+    # rounded once), applied in the launch instead of by launches of their own.
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
 
 
 def paged_attention(
@@ -403,6 +411,11 @@ def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_cache: torch.Tensor, decod
         raise ValueError(
             f"norm_source must be [{num_tokens}, hidden] with contiguous rows, got {tuple(source.shape)}"
         )
+    if (rope.q_norm_weight is None) != (rope.k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight come together (a model normalizes both or neither)")
+    for name, weight in (("q_norm_weight", rope.q_norm_weight), ("k_norm_weight", rope.k_norm_weight)):
+        if weight is not None and (weight.shape != (head_dim,) or weight.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor, got {tuple(weight.shape)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +483,8 @@ class _Launch:
             k, v, positions, cos, sin, slots = q, q, self.seq_lens, q, q, self.seq_lens
         norm_source = rope.norm_source if rope is not None else None
         hidden = norm_source.shape[1] if norm_source is not None else 1
+        q_norm = rope.q_norm_weight if rope is not None else None
+        k_norm = rope.k_norm_weight if rope is not None else None
         layer = self.layer
         _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
             out,
@@ -492,6 +507,9 @@ class _Launch:
             norm_source.stride(0) if norm_source is not None else 0,
             hidden,
             rope.norm_eps if rope is not None else 0.0,
+            q_norm if q_norm is not None else q,  # (unused without QK_NORM)
+            k_norm if k_norm is not None else q,
+            rope.qk_norm_eps if rope is not None else 0.0,
             self.scale * LOG2_E,
             self.num_reqs,
             num_kv_splits,
@@ -537,6 +555,7 @@ class _Launch:
             MERGE_CHUNK=min(config.merge_chunk, triton.next_power_of_2(num_kv_splits)),
             ROPE_KV=rope is not None,
             NORM_SCALE=norm_source is not None,
+            QK_NORM=q_norm is not None,
             HIDDEN_PAD=triton.next_power_of_2(hidden),
             HALF=head_dim // 2,
             SLIDING=layer.sliding_window is not None,

@@ -15,7 +15,7 @@ from tokenmill.kernels.triton.paged_attention_tiles import (
     _split_plan,
     _window_first_tile,
 )
-from tokenmill.kernels.triton.rms import inverse_rms, scale_rounded
+from tokenmill.kernels.triton.rms import head_rms_norm, inverse_rms, scale_rounded
 from tokenmill.kernels.triton.rounding import rope_rows
 
 
@@ -50,6 +50,9 @@ def _paged_attention_kernel(
     stride_norm_source,
     hidden,
     norm_eps,
+    q_norm_ptr,  # QK_NORM only: the per-head RMSNorm weights of q and k [head_dim] (Qwen3, Gemma 3)
+    k_norm_ptr,
+    qk_norm_eps,
     scale_log2,  # softmax scale * log2(e): scores live in base 2 so exp2 does the softmax
     num_reqs,
     num_kv_splits,
@@ -95,6 +98,7 @@ def _paged_attention_kernel(
     MERGE_CHUNK: tl.constexpr,  # splits the merge reads per round
     ROPE_KV: tl.constexpr,  # DECODE only: rotate q and k here, store k/v, new token from registers
     NORM_SCALE: tl.constexpr,  # ROPE_KV only: q/k/v still need the input RMSNorm's 1/rms factor
+    QK_NORM: tl.constexpr,  # ROPE_KV only: q and k get their per-head RMSNorm before RoPE
     HIDDEN_PAD: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     SLIDING: tl.constexpr,  # the layer has a sliding window
@@ -210,6 +214,21 @@ def _paged_attention_kernel(
             k_raw = scale_rounded(k_raw, inv_rms)
             k_partner = scale_rounded(k_partner, inv_rms)
             v_raw = scale_rounded(v_raw, inv_rms)
+        if QK_NORM:
+            # Per-head RMSNorm of q and k (the model's q_norm / k_norm), before RoPE as the model
+            # applies it. The partner values belong to the same head, so they share its 1/rms.
+            q_w = tl.load(q_norm_ptr + dims, mask=dim_valid, other=0.0)
+            q_w_partner = tl.load(q_norm_ptr + partner, mask=dim_valid, other=0.0)
+            k_w = tl.load(k_norm_ptr + dims, mask=dim_valid, other=0.0)
+            k_w_partner = tl.load(k_norm_ptr + partner, mask=dim_valid, other=0.0)
+            q_f = q.to(tl.float32)
+            q_inv = 1.0 / tl.sqrt_rn(tl.sum(q_f * q_f, axis=1) / HEAD_DIM + qk_norm_eps)
+            q = head_rms_norm(q, q_inv[:, None], q_w[None, :])
+            q_partner = head_rms_norm(q_partner, q_inv[:, None], q_w_partner[None, :])
+            k_f = k_raw.to(tl.float32)
+            k_inv = 1.0 / tl.sqrt_rn(tl.sum(k_f * k_f, axis=0) / HEAD_DIM + qk_norm_eps)
+            k_raw = head_rms_norm(k_raw, k_inv, k_w)
+            k_partner = head_rms_norm(k_partner, k_inv, k_w_partner)
         q = rope_rows(q, q_partner, cos[None, :], sin[None, :])
         k_new = rope_rows(k_raw, k_partner, cos, sin)
         if KV_FP8:

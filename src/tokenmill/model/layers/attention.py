@@ -19,6 +19,7 @@ from tokenmill.attention.backend import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
+    QKNorm,
 )
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.layers.layer_ops import LayerOps, RopeInputs
@@ -144,7 +145,8 @@ class SelfAttention(nn.Module):
         norm_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
-        launch; q and k go in un-rotated. `meta` is the step's (group 0's): the layer picks its
+        launch; q and k go in un-rotated (and un-normalized: a model with Q/K norms fuses only on
+        backends whose fused_decode_rope_applies_qk_norm says they apply them). `meta` is the step's (group 0's): the layer picks its
         KV cache group's, here and in rope_and_attend. With `norm_source` (the deferred-norm path) qkv is the
         projection of those un-normalized rows and the launch applies their 1/rms too."""
         hooks = meta.kv_layer_hooks
@@ -157,9 +159,12 @@ class SelfAttention(nn.Module):
         q_size, kv_size = self.q_size, self.kv_size
         qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        qk_norm = None
+        if self.q_norm is not None:
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.attn_backend.forward_decode_with_rope(
             qk[:, :heads], qk[:, heads:], v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, meta,
-            norm_source=norm_source, norm_eps=self.eps, layer=self.layer_spec,
+            norm_source=norm_source, norm_eps=self.eps, qk_norm=qk_norm, layer=self.layer_spec,
         )  # fmt: skip
         if hooks is not None:
             hooks.save_kv_layer(self.layer_index)
