@@ -210,7 +210,7 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_single_request_decode_steps_match_transformers(model, dtype, request, monkeypatch):
     """Single-request decode steps take their own path: 32-token attention tiles, RoPE + KV
-    store inside the attention launch (not Qwen3: its Q/K norm), and for models whose norm
+    store inside the attention launch (for Qwen3 with its Q/K norms), and for models whose norm
     weights are folded into qkv / gate_up (Llama, Mistral: no q/k/v bias, no Q/K norm; the tiny
     checkpoints' norm weights are random, not ones) no norm launches: the attention launch and
     silu_mul apply 1/rms, o_proj and down add into the residual; in bf16 every matmul of these
@@ -242,6 +242,16 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
         return row_gemv(*args, **kwargs)
 
     monkeypatch.setattr(gemv, "row_gemv", counted_gemv)
+    from tokenmill.model.layers.attention import SelfAttention
+
+    fused_calls = []
+    fused = SelfAttention.attend_with_rope_in_launch
+
+    def counted_fused(self, *args, **kwargs):
+        fused_calls.append(1)
+        return fused(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelfAttention, "attend_with_rope_in_launch", counted_fused)
     llm = _llm(path, dtype=dtype)
     folds = model in ("tiny_llama_dir", "tiny_mistral_dir")
     assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
@@ -257,6 +267,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
     if diffs:
         assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
     assert bool(calls) == folds, f"{len(calls)} calls of the deferred-norm path"
+    assert fused_calls, "no decode step fused RoPE into the attention launch"
     assert bool(gemv_calls) == (dtype == "bfloat16"), f"{len(gemv_calls)} row GEMV calls"
     assert _graph_replays(llm) > 0
 
