@@ -382,6 +382,52 @@ def test_rope_and_store_kv_equals_rope_then_store(dtype: torch.dtype, first_kv_h
 
 
 @interpreted_only
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16-rmsnorm", "bf16-gemma-weight"],
+)
+def test_rope_with_qk_norm_equals_norm_then_rope(dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """The RoPE launches with a layer's Q/K norms (prefill and mixed steps of Qwen3 / Gemma 3):
+    the same q/k and cache as normalizing each head with the model's own norm first."""
+    from tokenmill.kernels.triton.elementwise import rope_and_store_kv, rope_inplace
+    from tokenmill.model.layers.rmsnorm import rms_norm, rms_norm_float32_weight
+
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, eps = 5, 4, 2, 16, 4, 1e-6
+    x = (torch.randn(num_tokens, num_q_heads + num_kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype)
+    k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype)
+    norm = rms_norm_float32_weight if weight_dtype == torch.float32 else rms_norm
+    positions = torch.tensor([0, 3, 7, 8, 2])
+    slot_mapping = torch.tensor([0, 9, 13, -1, 22])
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * (0.1 * torch.arange(1, head_dim // 2 + 1))
+    cos_cache = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin_cache = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    cache = torch.randn(2, 6, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    expected_x, expected_cache = x.clone(), cache.clone()
+    expected_x[:, :num_q_heads] = norm(x[:, :num_q_heads], q_weight, eps)
+    expected_x[:, num_q_heads:] = norm(x[:, num_q_heads:], k_weight, eps)
+    rope_and_store_kv(expected_x, num_q_heads, v, positions, cos_cache, sin_cache, expected_cache, slot_mapping)
+    fused_x, fused_cache = x.clone(), cache.clone()
+    rope_and_store_kv(
+        fused_x, num_q_heads, v, positions, cos_cache, sin_cache, fused_cache, slot_mapping,
+        qk_norm=(q_weight, k_weight, eps),
+    )  # fmt: skip
+    rotated_only = x.clone()
+    rope_inplace(rotated_only, positions, cos_cache, sin_cache, qk_norm=(q_weight, k_weight, eps), first_kv_head=4)
+    # Only 1/rms may differ in its last bit (reduction order).
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-3}
+    torch.testing.assert_close(fused_x.float(), expected_x.float(), **tolerance)
+    torch.testing.assert_close(fused_cache.float(), expected_cache.float(), **tolerance)
+    torch.testing.assert_close(rotated_only.float(), expected_x.float(), **tolerance)
+    with pytest.raises(ValueError, match="k norm weight"):
+        rope_inplace(x.clone(), positions, cos_cache, sin_cache, qk_norm=(q_weight, k_weight[:8], eps))
+
+
+@interpreted_only
 def test_greedy_sample_matches_torch_argmax_and_flags_non_finite_rows() -> None:
     from tokenmill.kernels.triton import greedy as greedy_triton
 

@@ -19,8 +19,11 @@ import triton.language as tl
 
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for, quantize_kv
-from tokenmill.kernels.triton.rms import inverse_rms
+from tokenmill.kernels.triton.rms import head_rms_norm, inverse_rms
 from tokenmill.kernels.triton.rounding import round_like as _round_like
+
+# (q norm weight, k norm weight, eps): a layer's per-head Q/K RMSNorm for the RoPE launch.
+QKNormWeights = tuple[torch.Tensor, torch.Tensor, float]
 
 
 @triton.jit
@@ -127,6 +130,11 @@ def _rope_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    # Only with QK_NORM: x's heads before first_kv_head are q heads normalized with q_norm, the rest
+    # k heads with k_norm ([2 * HALF] weights), before the rotation.
+    q_norm_ptr,
+    k_norm_ptr,
+    qk_norm_eps,
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -135,6 +143,7 @@ def _rope_kernel(
     KV_HEADS_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     FP8: tl.constexpr,  # STORE_KV into an e4m3 cache: keys and values divided by their head's scale
+    QK_NORM: tl.constexpr,  # per-head RMSNorm of q and k first (Qwen3, Gemma 3)
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -148,6 +157,23 @@ def _rope_kernel(
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
+    if QK_NORM:
+        is_k = heads >= first_kv_head
+        w1 = tl.where(
+            is_k,
+            tl.load(k_norm_ptr + dims, mask=dims < HALF, other=0.0),
+            tl.load(q_norm_ptr + dims, mask=dims < HALF, other=0.0),
+        )
+        w2 = tl.where(
+            is_k,
+            tl.load(k_norm_ptr + HALF + dims, mask=dims < HALF, other=0.0),
+            tl.load(q_norm_ptr + HALF + dims, mask=dims < HALF, other=0.0),
+        )
+        x1n = x1.to(tl.float32)
+        x2n = x2.to(tl.float32)
+        inv = 1.0 / tl.sqrt_rn((tl.sum(x1n * x1n, axis=1) + tl.sum(x2n * x2n, axis=1)) / (2 * HALF) + qk_norm_eps)
+        x1 = head_rms_norm(x1, inv[:, None], w1)
+        x2 = head_rms_norm(x2, inv[:, None], w2)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     # rotate_half(x) = [-x2, x1]; each product rounded to the model dtype, as transformers does.
@@ -189,23 +215,43 @@ def _check_rope_input(x: torch.Tensor) -> None:
         raise ValueError(f"RoPE needs an even head_dim contiguous in memory, got {tuple(x.shape)}")
 
 
+def _checked_qk_norm(qk_norm: QKNormWeights | None, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if qk_norm is None:
+        return None
+    q_weight, k_weight, _ = qk_norm
+    for name, weight in (("q norm", q_weight), ("k norm", k_weight)):
+        if weight.shape != (head_dim,) or weight.stride(0) != 1:
+            raise ValueError(f"the {name} weight must be a contiguous [{head_dim}] tensor, got {tuple(weight.shape)}")
+    return q_weight, k_weight
+
+
 def rope_inplace(
-    x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    qk_norm: QKNormWeights | None = None,
+    first_kv_head: int = 0,
 ) -> None:
     """Rotates x [T, heads, head_dim] (token and head strides free, head_dim contiguous) in place.
 
-    cos_cache / sin_cache: [max_positions, head_dim] as RotaryEmbedding holds them.
+    cos_cache / sin_cache: [max_positions, head_dim] as RotaryEmbedding holds them. With `qk_norm`
+    (q weight, k weight, eps) every head is first RMS-normalized, heads from `first_kv_head` on
+    with the k weight (see layers/rmsnorm.py for the two rounding orders the weights' dtypes pick).
     """
     num_tokens, num_heads, head_dim = x.shape
     _check_rope_input(x)
+    norm = _checked_qk_norm(qk_norm, head_dim)
     if num_tokens == 0:
         return
     half = head_dim // 2
     _rope_kernel[(num_tokens,)](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
-        0, x, x, x, positions, x, x, 0, 0, 0, 0, 0,  # no KV store
+        first_kv_head, x, x, x, positions, x, x, 0, 0, 0, 0, 0,  # no KV store
+        norm[0] if norm else x, norm[1] if norm else x, qk_norm[2] if qk_norm else 0.0,
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
-        STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, FP8=False, num_warps=4,
+        STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, FP8=False, QK_NORM=norm is not None,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -220,8 +266,9 @@ def rope_and_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    qk_norm: QKNormWeights | None = None,
 ) -> None:
-    """rope_inplace(x), then the rotated keys (x's heads from `first_kv_head` on) and v
+    """rope_inplace(x) (with `qk_norm`: the per-head norms first), then the rotated keys (x's heads from `first_kv_head` on) and v
     [T, kv_heads, head_dim] written to their slots of kv_cache [2, blocks, block_size, kv_heads,
     head_dim]; slot -1 writes nothing. One launch instead of two for a decode layer. An FP8 cache
     stores them as store_kv does (divided by k_scale / v_scale per KV head; None = 1.0)."""
@@ -240,6 +287,7 @@ def rope_and_store_kv(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} must be ({num_tokens},)")
+    norm = _checked_qk_norm(qk_norm, head_dim)
     if num_tokens == 0:
         return
     half = head_dim // 2
@@ -249,9 +297,10 @@ def rope_and_store_kv(
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
         first_kv_head, v, key_cache, value_cache, slot_mapping, k_scale, v_scale, v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        norm[0] if norm else x, norm[1] if norm else x, qk_norm[2] if qk_norm else 0.0,
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
         STORE_KV=True, NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=kv_cache.shape[2], FP8=is_fp8_kv(kv_cache.dtype), num_warps=4,
+        PAGE_SIZE=kv_cache.shape[2], FP8=is_fp8_kv(kv_cache.dtype), QK_NORM=norm is not None, num_warps=4,
     )  # fmt: skip
 
 

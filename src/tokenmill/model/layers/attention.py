@@ -187,7 +187,18 @@ class SelfAttention(nn.Module):
         q_size, kv_size = self.q_size, self.kv_size
         store = self.store_kv_in_rope
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and ops.applies_qk_norm_in_rope:
+            # The Q/K norms, RoPE (and the store) in one launch, in place on qkv's q and k.
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            if store:
+                qk = ops.rotate_and_store_kv(
+                    qk, heads, v, rope, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale, qk_norm=qk_norm
+                )
+            else:
+                qk = ops.rotate(qk, rope, qk_norm=qk_norm, num_q_heads=heads)
+            q, k = qk[:, :heads], qk[:, heads:]
+        elif self.q_norm is not None:
             q = self.q_norm.forward(qkv[:, :q_size].view(num_tokens, heads, head_dim))
             k = self.k_norm.forward(qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim))
             q = ops.rotate(q, rope)

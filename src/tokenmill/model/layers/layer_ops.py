@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.backend import QKNorm
 from tokenmill.model.layers.rmsnorm import rms_norm, rms_norm_float32_weight
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -34,6 +35,8 @@ class RopeInputs:
 class TorchLayerOps:
     # Whether rotate_and_store_kv exists: RoPE and the KV store in one launch.
     stores_kv_in_rope = False
+    # Whether rotate / rotate_and_store_kv take a layer's Q/K norms (else the layer norms first).
+    applies_qk_norm_in_rope = False
 
     def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeInputs:
         cos, signed_sin = rotary(positions)
@@ -140,6 +143,8 @@ class CpuNativeLayerOps(TorchLayerOps):
 
 class TritonLayerOps:
     stores_kv_in_rope = True
+    # rotate / rotate_and_store_kv take a layer's Q/K norm weights and apply them in the same launch.
+    applies_qk_norm_in_rope = True
 
     def __init__(self) -> None:
         # Imported here: triton is optional on CPU-only installs.
@@ -156,20 +161,28 @@ class TritonLayerOps:
     ) -> torch.Tensor:  # fmt: skip
         return self._ops.add_rms_norm(x, weight, eps, pending, weight_in_float32=weight_in_float32)
 
-    def rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        self._ops.rope_inplace(x, rope.positions, rope.cos_cache, rope.sin_cache)
+    def rotate(
+        self, x: torch.Tensor, rope: RopeInputs, qk_norm: QKNorm | None = None, num_q_heads: int = 0
+    ) -> torch.Tensor:
+        """Rotate x in place; with `qk_norm`, x is [T, q heads + kv heads, head_dim] (k heads from
+        `num_q_heads` on) and each head is normalized first."""
+        self._ops.rope_inplace(
+            x, rope.positions, rope.cos_cache, rope.sin_cache, qk_norm=_norm_weights(qk_norm), first_kv_head=num_q_heads
+        )
         return x
 
     def rotate_and_store_kv(
         self, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope: RopeInputs,
         kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Rotate qk [T, q heads + kv heads, head_dim] in place and store its K heads and v (an
-        FP8 cache: divided by the per-KV-head scales, see kernels/kv_fp8.py)."""
+        """Rotate qk [T, q heads + kv heads, head_dim] in place (with `qk_norm`: each head
+        normalized first) and store its K heads and v (an FP8 cache: divided by the per-KV-head
+        scales, see kernels/kv_fp8.py)."""
         self._ops.rope_and_store_kv(
             qk, num_q_heads, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, slot_mapping,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, qk_norm=_norm_weights(qk_norm),
         )  # fmt: skip
         return qk
 
@@ -182,6 +195,10 @@ class TritonLayerOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._ops.gelu_tanh_mul(gate_up)
+
+
+def _norm_weights(qk_norm: QKNorm | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    return None if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
 
 
 LayerOps = TorchLayerOps | TritonLayerOps
