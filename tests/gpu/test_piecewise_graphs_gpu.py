@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 
+from tests import moe_checkpoints
+from tests.engine.gemma_checkpoints import write_gemma_checkpoint
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 
@@ -23,6 +25,20 @@ pytestmark = [
         os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"
     ),
 ]
+
+
+tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
+tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
+    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", tiny_tokenizer, seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory, tiny_tokenizer):
+    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", tiny_tokenizer, seed=12)
 
 
 def _prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
@@ -37,7 +53,12 @@ def _llm(path: str, **kwargs) -> LLM:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "model",
+    # Dense, Q/K norms, mixture-of-experts (grouped GEMMs and routing inside the pieces), and
+    # Gemma's sliding-window layers, soft caps and per-layer RoPE tables.
+    ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mixtral_dir", "tiny_qwen3_moe_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"],
+)
 def test_mixed_steps_in_piecewise_graphs_match_transformers(model, request):
     path = str(request.getfixturevalue(model))
     llm = _llm(path)

@@ -125,7 +125,7 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaCausalLM(CausalLM):
-    supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    supports_piecewise_graphs = True  # its forward has no host logic on the data (checked on a GPU)
     # Sharded as llama's: heads and GeGLU columns per rank, the vocabulary-parallel embedding
     # (scaled after its all-reduce) and lm_head (soft-capped after its all-gather).
     supports_tensor_parallel = True

@@ -38,7 +38,10 @@ _SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_p
 
 
 class MoECausalLM(CausalLM):
-    supports_piecewise_graphs = False  # not checked against piecewise CUDA graphs yet
+    # The CUDA MoE ops read nothing back to the host (routing, alignment and the grouped GEMMs'
+    # grids depend only on the token count), so the layers between attention calls capture as
+    # they are (tests/gpu/test_piecewise_graphs_gpu.py).
+    supports_piecewise_graphs = True
     # Sharded: attention as llama's; each expert's intermediate dimension split over the ranks
     # (layers/moe.py), the router whole, one all-reduce after the block.
     supports_tensor_parallel = True

@@ -17,7 +17,7 @@ read back.
 During capture a stand-in for the attention backend (`_AttentionSplit`) ends the piece being
 captured at each attention call, records which layer's cache and options the call had, and
 starts the next piece. A model opts in with `supports_piecewise_graphs` (families whose forward
-has host-side logic depending on the data, such as mixture-of-experts routing, do not).
+has host-side logic depending on the data do not; the CUDA mixture-of-experts ops have none).
 """
 
 from __future__ import annotations
