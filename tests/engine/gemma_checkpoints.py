@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 EMBED_STD = 0.05
@@ -113,3 +114,14 @@ def write_gemma_checkpoint(path: Path, family: str, tokenizer, seed: int, **over
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
+    """A test module uses it with `tiny_gemma2_dir = gemma_checkpoints.tiny_gemma2_dir`."""
+    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", tiny_tokenizer, seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, tiny_tokenizer):
+    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", tiny_tokenizer, seed=12)

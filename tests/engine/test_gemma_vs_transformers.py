@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from tests.engine import gemma_checkpoints
 from tests.engine.gemma_checkpoints import GEMMA2_WINDOW, GEMMA3_WINDOW, write_gemma_checkpoint
 from tests.engine.hf_oracle import load_hf
 from tests.engine.sliding_window_checkpoints import WindowBound
@@ -27,14 +28,8 @@ FAMILIES = ["gemma2", "gemma3"]
 WINDOWS = {"gemma2": GEMMA2_WINDOW, "gemma3": GEMMA3_WINDOW}
 
 
-@pytest.fixture(scope="session")
-def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
-    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", tiny_tokenizer, seed=11)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3_dir(tmp_path_factory, tiny_tokenizer):
-    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", tiny_tokenizer, seed=12)
+tiny_gemma2_dir = gemma_checkpoints.tiny_gemma2_dir
+tiny_gemma3_dir = gemma_checkpoints.tiny_gemma3_dir
 
 
 @pytest.fixture(params=FAMILIES)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests import moe_checkpoints
-from tests.engine.gemma_checkpoints import write_gemma_checkpoint
+from tests.engine import gemma_checkpoints
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
 
@@ -31,14 +31,8 @@ tiny_mixtral_dir = moe_checkpoints.tiny_mixtral_dir
 tiny_qwen3_moe_dir = moe_checkpoints.tiny_qwen3_moe_dir
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma2_dir(tmp_path_factory, tiny_tokenizer):
-    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", tiny_tokenizer, seed=11)
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory, tiny_tokenizer):
-    return write_gemma_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", tiny_tokenizer, seed=12)
+tiny_gemma2_dir = gemma_checkpoints.tiny_gemma2_dir
+tiny_gemma3_dir = gemma_checkpoints.tiny_gemma3_dir
 
 
 def _prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
