@@ -268,10 +268,11 @@ def rope_and_store_kv(
     v_scale: torch.Tensor | None = None,
     qk_norm: QKNormWeights | None = None,
 ) -> None:
-    """rope_inplace(x) (with `qk_norm`: the per-head norms first), then the rotated keys (x's heads from `first_kv_head` on) and v
-    [T, kv_heads, head_dim] written to their slots of kv_cache [2, blocks, block_size, kv_heads,
-    head_dim]; slot -1 writes nothing. One launch instead of two for a decode layer. An FP8 cache
-    stores them as store_kv does (divided by k_scale / v_scale per KV head; None = 1.0)."""
+    """rope_inplace(x) (with `qk_norm`: the per-head norms first), then the rotated keys (x's
+    heads from `first_kv_head` on) and v [T, kv_heads, head_dim] written to their slots of
+    kv_cache [2, blocks, block_size, kv_heads, head_dim]; slot -1 writes nothing. One launch
+    instead of two for a decode layer. An FP8 cache stores them as store_kv does (divided by
+    k_scale / v_scale per KV head; None = 1.0)."""
     num_tokens, num_heads, head_dim = x.shape
     _check_rope_input(x)
     num_kv_heads = num_heads - first_kv_head

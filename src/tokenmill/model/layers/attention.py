@@ -146,9 +146,10 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Small decode-only steps (CUDA-graph ones): RoPE, the KV store and attention in one
         launch; q and k go in un-rotated (and un-normalized: a model with Q/K norms fuses only on
-        backends whose fused_decode_rope_applies_qk_norm says they apply them). `meta` is the step's (group 0's): the layer picks its
-        KV cache group's, here and in rope_and_attend. With `norm_source` (the deferred-norm path) qkv is the
-        projection of those un-normalized rows and the launch applies their 1/rms too."""
+        backends whose fused_decode_rope_applies_qk_norm says they apply them). `meta` is the
+        step's (group 0's): the layer picks its KV cache group's, here and in rope_and_attend. With
+        `norm_source` (the deferred-norm path) qkv is the projection of those un-normalized rows
+        and the launch applies their 1/rms too."""
         hooks = meta.kv_layer_hooks
         if hooks is not None:
             hooks.wait_for_layer_load(self.layer_index)
