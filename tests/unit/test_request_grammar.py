@@ -43,6 +43,7 @@ def _grammar(allowed: set[int], start_after: list[int]) -> tuple[RequestGrammar,
     grammar.error = None
     grammar.num_accepted = 0
     grammar.extra_mask = None
+    grammar._terminated = False
     return grammar, request
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 
@@ -54,9 +55,12 @@ def build_host_batch(
     starts = np.asarray(num_computed_tokens, dtype=np.int64)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
     seq_lens = starts + query_lens
+    # Each request's end row as Python ints: the loop below reads one per request, and numpy
+    # scalar reads cost more than the rest of a decode's work there.
+    ends = list(accumulate(num_scheduled_tokens))
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
+    query_start_loc[1:] = ends
+    num_tokens = ends[-1] if ends else 0
 
     input_ids: list[int] = []
     sample_rows: list[int] = []
@@ -64,8 +68,8 @@ def build_host_batch(
     placeholder_rows: list[int] = []
     placeholder_req_ids: list[str] = []
     sampling_drafts: list[list[int]] = []
-    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, strict=True)
-    for i, (r, start, num_new) in enumerate(rows):
+    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, ends, strict=True)
+    for i, (r, start, num_new, end_row) in enumerate(rows):
         token_ids = r.token_ids
         request_drafts = drafts[i] if drafts is not None else None
         if request_drafts:
@@ -77,7 +81,7 @@ def build_host_batch(
                 )
             input_ids.extend(token_ids[start:])
             input_ids.extend(request_drafts)
-            last_row = int(query_start_loc[i + 1]) - 1
+            last_row = end_row - 1
             sample_rows.extend(range(last_row - len(request_drafts), last_row + 1))
             sampling_req_indices.extend([i] * (len(request_drafts) + 1))
             sampling_drafts.append(request_drafts)
@@ -96,7 +100,7 @@ def build_host_batch(
             input_ids.extend(token_ids[start:end])
         # The chunk reaches the request's last token (known, or still in flight): it samples.
         if start + num_new >= r.num_tokens:
-            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            sample_rows.append(end_row - 1)
             sampling_req_indices.append(i)
             if drafts is not None:
                 sampling_drafts.append([])
@@ -111,15 +115,28 @@ def build_host_batch(
     needed_width = -(-max_seq_len // block_size)
     width = max(needed_width, 1) if block_table_width is None else block_table_width
     num_groups = len(requests[0].block_ids) if requests else 1
+    # Blocks each request's sequence covers; its table may hold more (lookahead slots).
+    num_blocks = [
+        -(-(start + n) // block_size)
+        for start, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
+    ]
+    # The tables' cells in row-major order: one vectorised write per group, not one per request.
+    cells = np.arange(width) < np.asarray(num_blocks, dtype=np.int64)[:, None]
+    total_blocks = sum(num_blocks)
     block_tables_per_group = []
     slot_mappings = []
     block_of_token = positions // block_size
     offset_in_block = positions % block_size
     for group in range(num_groups):
         block_tables = np.zeros((num_reqs, width), dtype=np.int32)
-        for i, r in enumerate(requests):
-            num_blocks = -(-int(seq_lens[i]) // block_size)
-            block_tables[i, :num_blocks] = r.block_ids[group][:num_blocks]
+        block_tables[cells] = np.fromiter(
+            chain.from_iterable(
+                table if len(table) == n else table[:n]
+                for table, n in zip((r.block_ids[group] for r in requests), num_blocks, strict=True)
+            ),
+            dtype=np.int32,
+            count=total_blocks,
+        )
         block_idx = block_tables[req_of_token, block_of_token].astype(np.int64)
         block_tables_per_group.append(block_tables)
         slot_mappings.append(block_idx * block_size + offset_in_block)

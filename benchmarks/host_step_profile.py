@@ -1,0 +1,311 @@
+"""Per-step host time of a busy engine core, split by phase, with and without JSON-schema constraints.
+
+  PYTHONPATH=src:. python benchmarks/host_step_profile.py --modes plain,constrained --steps 200
+  (--tokenizer .gputok --vocab-size 128256: SmolLM2's tokenizer on Llama-3's vocabulary width, the
+   GPU benchmark's grammar and bitmask sizes; --profile 25: cProfile's top functions of the last mode)
+
+A tiny random Llama (hidden 64, 2 layers; tests/conftest.py's checkpoint writer) keeps the forward
+cheap, so a step is mostly the host work a GPU step also does before and after its launch. The
+engine core is stepped by hand with async scheduling (the CUDA default): `--requests` requests run
+at once; each ends after its own max_tokens (or its grammar's end) and a new one joins with a
+`--prompt-len` prompt, whose prefill is chunked under `--max-num-batched-tokens`, so most steps
+carry prefill chunks next to ~`--requests` decodes (the steps issues 14 and 24 are about).
+
+Each phase's time is its own (nested phases are subtracted): wrappers around the scheduler, the
+runner's input preparation, sampling, the grammar manager and the core's output path, plus what
+the core process does per step besides `step()` (get_stats, msgpack of the outputs) and the API
+side's output processing (detokenization, reported apart: another process in `serve`). `forward`,
+`logits` and `mask_apply` are device work on a GPU: host ms per step leaves them out.
+
+Modes alternate round by round in one process (`--rounds`), each with fresh requests from the same
+seed; `tokens_sha` is a digest of every request's tokens, equal across code versions when greedy
+output is unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import hashlib
+import io
+import json
+import pstats
+import random
+import statistics
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# Device work on a GPU (on this CPU it runs inline): not host time.
+DEVICE_PHASES = ("forward", "logits", "mask_apply")
+
+
+class PhaseTimer:
+    """Exclusive time per phase of the main thread (a phase called inside another is taken out of
+    the outer one's time); other threads (the grammar fill) pass through untimed."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # [start, time of nested phases]
+        self._main = threading.get_ident()
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        inner = getattr(owner, attr)
+
+        @functools.wraps(inner)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._main:
+                return inner(*args, **kwargs)
+            frame = [time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                elapsed = time.perf_counter() - frame[0]
+                self.totals[phase] += elapsed - frame[1]
+                if self._stack:
+                    self._stack[-1][1] += elapsed
+
+        setattr(owner, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        totals, self.totals = dict(self.totals), defaultdict(float)
+        return totals
+
+
+def build_model(tokenizer_path: str | None, vocab_size: int | None, out: Path) -> Path:
+    from tests.conftest import build_tiny_tokenizer, write_tiny_checkpoint
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else build_tiny_tokenizer()
+    if tokenizer.eos_token_id is None:
+        tokenizer.eos_token = tokenizer.pad_token or tokenizer.convert_ids_to_tokens(0)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    overrides: dict[str, Any] = {"max_position_embeddings": 4096, "tie_word_embeddings": True, "head_dim": 16}
+    if vocab_size:
+        overrides["vocab_size"] = max(vocab_size, len(tokenizer))
+    return write_tiny_checkpoint(out, "llama", tokenizer, seed=1, **overrides)
+
+
+def instrument(llm: Any, timer: PhaseTimer) -> None:
+    from tokenmill.worker import model_runner
+
+    core = llm.engine
+    runner = core.runner
+    wraps = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.scheduler, "update_from_output", "update"),
+        (core.scheduler, "launched", "sched_launched"),
+        (runner.requests, "update", "runner_states"),
+        (model_runner, "build_host_batch", "host_batch"),
+        (runner, "build_metadata", "metadata"),
+        (runner, "_sample", "sample"),
+        (runner, "sample_tokens", "masked_sample"),
+        (runner.model, "forward", "forward"),
+        (runner.model, "compute_logits", "logits"),
+        (runner.grammar_masker, "apply", "mask_apply"),
+        (model_runner.PendingStep, "result", "result"),
+        (core.structured_output, "prepare_fill", "grammar_prepare"),
+        (core.structured_output, "grammar_output_async", "grammar_dispatch"),
+        (core.structured_output, "grammar_output", "grammar_fill_sync"),
+        (core, "_sample_filled", "mask_wait+sample_filled"),
+        (core.timelines, "scheduled", "timelines"),
+        (core.timelines, "outputs", "timelines"),
+        (core, "get_stats", "stats"),
+        (llm.output_processor, "process_outputs", "api_output_processing"),
+    ]
+    for owner, attr, phase in wraps:
+        timer.wrap(owner, attr, phase)
+
+
+def compile_grammars(llm: Any) -> None:
+    """Every schema's grammar compiled (the manager caches them by spec) before anything is timed:
+    a constrained request then joins the batch at the next schedule, not when its compile thread
+    happens to finish, so runs schedule alike and their tokens can be compared."""
+    from tokenmill.bench.json_schemas import SCHEMAS
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=1,
+            structured_outputs=StructuredOutputsParams(json=case.schema, disable_any_whitespace=True),
+        )
+        for case in SCHEMAS
+    ]  # fmt: skip
+    llm.generate([[5, 6, 7]] * len(params), params)
+
+
+def run_mode(
+    llm: Any,
+    args: argparse.Namespace,
+    constrained: bool,
+    timer: PhaseTimer,
+    profiler: cProfile.Profile | None,
+) -> dict:
+    import msgspec
+
+    from tokenmill.bench.json_schemas import SCHEMAS
+    from tokenmill.engine.messages import EngineCoreRequest, StepOutputs
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+    core = llm.engine
+    rng = random.Random(args.seed)
+    vocab = len(llm.tokenizer)
+    eos = list(core.resolved.arch.eos_token_ids)
+    encoder = msgspec.msgpack.Encoder()
+    ids = iter(range(10**9))
+    tokens: dict[str, list[int]] = {}
+
+    def add() -> None:
+        rid = f"r{next(ids)}"
+        prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+        max_tokens = rng.randint(args.output_len // 2, args.output_len * 3 // 2)
+        if constrained:
+            schema = SCHEMAS[rng.randrange(len(SCHEMAS))].schema
+            so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.output_processor.add_request(rid, rid, 0, None, prompt, params, stream=True)
+        core.add_request(EngineCoreRequest(rid, prompt, params, max_tokens=max_tokens, eos_token_ids=eos))
+        tokens[rid] = []
+
+    live = 0
+    for _ in range(args.requests):
+        add()
+        live += 1
+    records: list[tuple[float, float, bool]] = []  # (host seconds, device seconds, mixed)
+    phases: dict[str, float] = defaultdict(float)
+    shapes: list[tuple[int, int]] = []
+    total_steps = args.warmup_steps + args.steps
+    for step in range(total_steps):
+        measuring = step >= args.warmup_steps
+        if measuring and profiler is not None:
+            profiler.enable()
+        timer.take()
+        started = time.perf_counter()
+        outputs = core.step()
+        stepped = time.perf_counter()
+        if outputs:
+            encoder.encode(StepOutputs(outputs=outputs, stats=core.get_stats()))  # the core process's send
+        engine_s = time.perf_counter() - started
+        llm.output_processor.process_outputs(outputs)
+        if measuring and profiler is not None:
+            profiler.disable()
+        step_phases = timer.take()
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                live -= 1
+        while live < args.requests:
+            add()
+            live += 1
+        if not measuring:
+            continue
+        device_s = sum(step_phases.get(p, 0.0) for p in DEVICE_PHASES)
+        in_step = sum(step_phases.values()) - step_phases.get("api_output_processing", 0.0)
+        step_phases["serialize"] = engine_s - (stepped - started) - step_phases.get("stats", 0.0)
+        step_phases["other"] = engine_s - in_step - step_phases["serialize"]
+        for name, seconds in step_phases.items():
+            phases[name] += seconds
+        sched = core._in_flight[0] if core._in_flight else (core._filling[0] if core._filling else None)
+        mixed = sched is not None and any(n > 1 for n in sched.num_scheduled_tokens.values())
+        if sched is not None:
+            shapes.append((len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens))
+        records.append((engine_s - device_s, device_s, mixed))
+    # Drain: every request to its end, for the digest.
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        llm.output_processor.process_outputs([])
+    digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
+    host = [h for h, _, _ in records]
+    mixed_host = [h for h, _, m in records if m]
+    n = len(records)
+    return {
+        "host_ms_per_step": round(1000 * statistics.fmean(host), 3),
+        "host_ms_p50": round(1000 * statistics.median(host), 3),
+        "host_ms_mixed_steps": round(1000 * statistics.fmean(mixed_host), 3) if mixed_host else None,
+        "mixed_steps": len(mixed_host),
+        "device_ms_per_step": round(1000 * statistics.fmean(d for _, d, _ in records), 3),
+        "avg_reqs": round(statistics.fmean(r for r, _ in shapes), 1) if shapes else 0,
+        "avg_tokens": round(statistics.fmean(t for _, t in shapes), 1) if shapes else 0,
+        "phases_ms_per_step": {
+            k: round(1000 * v / n, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+        },
+        "tokens_sha": digest,
+        "requests_done": len(tokens),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modes", default="plain,constrained", help="comma-separated: plain, constrained")
+    parser.add_argument("--rounds", type=int, default=1, help="alternations of the modes")
+    parser.add_argument("--requests", type=int, default=64, help="requests running at once")
+    parser.add_argument("--prompt-len", type=int, default=320)
+    parser.add_argument("--output-len", type=int, default=48, help="mean max_tokens (uniform in [L/2, 3L/2])")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per mode and round")
+    parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument(
+        "--tokenizer", default=None, help="an HF tokenizer directory (default: the tests' tiny BPE)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="the model's vocabulary (>= the tokenizer's)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions (last mode)")
+    parser.add_argument("--sort", default="tottime", help="cProfile sort key")
+    args = parser.parse_args()
+
+    from tokenmill import LLM
+
+    modes = [m for m in args.modes.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="host-step-") as tmp:
+        model = build_model(args.tokenizer, args.vocab_size, Path(tmp))
+        llm = LLM(
+            str(model),
+            device="cpu",
+            async_scheduling=True,
+            max_model_len=4096,
+            max_num_seqs=max(args.requests, 8),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=256 << 20,
+        )
+        if "constrained" in modes:
+            compile_grammars(llm)
+        timer = PhaseTimer()
+        instrument(llm, timer)
+        results: dict[str, list[dict]] = defaultdict(list)
+        for r in range(args.rounds):
+            for i, mode in enumerate(modes):
+                last = r == args.rounds - 1 and i == len(modes) - 1
+                profiler = cProfile.Profile() if args.profile and last else None
+                results[mode].append(run_mode(llm, args, mode == "constrained", timer, profiler))
+                if profiler is not None:
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats(args.sort).print_stats(args.profile)
+                    print(text.getvalue())
+        summary = {
+            mode: {
+                "host_ms_per_step": [r["host_ms_per_step"] for r in runs],
+                "host_ms_mixed_steps": [r["host_ms_mixed_steps"] for r in runs],
+                "last": runs[-1],
+            }
+            for mode, runs in results.items()
+        }
+        print(json.dumps(summary, indent=1))
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
