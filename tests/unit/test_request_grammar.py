@@ -118,3 +118,20 @@ def test_a_json_row_loses_the_extra_masked_tokens_and_may_end_up_empty(monkeypat
     assert json_grammar.error is None
     assert only_forbidden.error is not None and "allows no token" in only_forbidden.error
     assert rows[2, 1] == 1 << 8 and plain.error is None  # a grammar without the extra mask keeps 40
+
+
+def test_rows_that_share_one_extra_mask_are_all_restricted(monkeypatch):
+    """A step of JSON requests only: every row ANDed with the one shared mask."""
+    monkeypatch.setattr(bitmask_module, "BATCH_FILL_MIN_ROWS", 1000)
+    mask = np.full(4, -1, dtype=np.int32)
+    mask[1] = 0  # tokens 32..63 forbidden
+    grammars = []
+    for i, allowed in enumerate(({5, 40}, {33, 70}, {6})):
+        grammar, _ = _grammar(allowed, start_after=[])
+        grammar.extra_mask = mask
+        grammars.append((f"r{i}", grammar))
+    output = BitmaskFiller(vocab_size=100).fill(grammars)
+    rows = np.frombuffer(output.bitmask, dtype="<i4").reshape(3, -1)
+    assert rows[:, 1].tolist() == [0, 0, 0]
+    assert rows[:, 0].tolist() == [1 << 5, 0, 1 << 6] and rows[1, 2] == 1 << 6  # 70 = 2 * 32 + 6
+    assert [g.error is None for _, g in grammars] == [True, True, True]
