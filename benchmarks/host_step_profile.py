@@ -141,6 +141,29 @@ def compile_grammars(llm: Any) -> None:
     llm.generate([[5, 6, 7]] * len(params), params)
 
 
+class Channel:
+    """The core process's sockets (an idle inbox it polls, the outbox it sends its outputs on) and
+    the API server's end of the outbox, in-process."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        context = zmq.Context.instance()
+        address = f"inproc://host-step-{id(self)}"
+        self.api_inbox = context.socket(zmq.PULL)
+        self.api_inbox.bind(address)
+        self.outbox = context.socket(zmq.PUSH)
+        self.outbox.connect(address)
+        self.inbox = context.socket(zmq.PULL)
+        self.inbox.bind(f"inproc://host-step-in-{id(self)}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+
+    def close(self) -> None:
+        for socket in (self.outbox, self.api_inbox, self.inbox):
+            socket.close(linger=0)
+
+
 def run_mode(
     llm: Any,
     args: argparse.Namespace,
@@ -149,6 +172,7 @@ def run_mode(
     profiler: cProfile.Profile | None,
 ) -> dict:
     import msgspec
+    import zmq
 
     from tokenmill.bench.json_schemas import SCHEMAS
     from tokenmill.engine.messages import EngineCoreRequest, StepOutputs
@@ -159,6 +183,8 @@ def run_mode(
     vocab = len(llm.tokenizer)
     eos = list(core.resolved.arch.eos_token_ids)
     encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(StepOutputs)
+    channel = Channel()
     ids = iter(range(10**9))
     tokens: dict[str, list[int]] = {}
 
@@ -190,12 +216,20 @@ def run_mode(
             profiler.enable()
         timer.take()
         started = time.perf_counter()
+        # The core process's loop: poll its inbox, step, send the outputs (the poll and the send
+        # give up the GIL, which is when the grammar fill thread gets to run Python).
+        channel.poller.poll(0)
         outputs = core.step()
         stepped = time.perf_counter()
         if outputs:
-            encoder.encode(StepOutputs(outputs=outputs, stats=core.get_stats()))  # the core process's send
+            channel.outbox.send(
+                encoder.encode(StepOutputs(outputs=outputs, stats=core.get_stats())), zmq.NOBLOCK
+            )
         engine_s = time.perf_counter() - started
-        llm.output_processor.process_outputs(outputs)
+        if outputs:  # the API server's side, another process in `serve`
+            decoded = decoder.decode(channel.api_inbox.recv())
+            if args.detokenize:
+                llm.output_processor.process_outputs(decoded.outputs)
         if measuring and profiler is not None:
             profiler.disable()
         step_phases = timer.take()
@@ -223,7 +257,7 @@ def run_mode(
     while core.has_work():
         for out in core.step():
             tokens[out.request_id].extend(out.new_token_ids)
-        llm.output_processor.process_outputs([])
+    channel.close()
     digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
     host = [h for h, _, _ in records]
     mixed_host = [h for h, _, m in records if m]
@@ -263,6 +297,9 @@ def main() -> None:
         "--vocab-size", type=int, default=None, help="the model's vocabulary (>= the tokenizer's)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--detokenize", action="store_true", help="also run the API side's output processing (timed apart)"
+    )
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions (last mode)")
     parser.add_argument("--sort", default="tottime", help="cProfile sort key")
     args = parser.parse_args()

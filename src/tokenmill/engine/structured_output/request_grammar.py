@@ -16,7 +16,16 @@ from tokenmill.core.request import Request
 
 
 class RequestGrammar:
-    __slots__ = ("matcher", "start_after", "active", "error", "num_accepted", "extra_mask", "_terminated")
+    __slots__ = (
+        "matcher",
+        "start_after",
+        "active",
+        "error",
+        "num_accepted",
+        "extra_mask",
+        "_terminated",
+        "_stop_token_ids",
+    )
 
     def __init__(
         self,
@@ -39,8 +48,11 @@ class RequestGrammar:
         self.num_accepted = 0
         # The matcher's is_terminated() after its last accept: the scheduler's stop check and the
         # next step's fill both ask every step, and only an accept changes the answer (a draft
-        # fill's accepts are rolled back before it returns).
+        # fill's accepts are rolled back before it returns). A matcher made without
+        # terminate_without_stop_token ends exactly when it accepts one of its stop tokens, so the
+        # answer needs no call into xgrammar either.
         self._terminated = False
+        self._stop_token_ids = frozenset(self.matcher.stop_token_ids)
         # A bitmask row ANDed into every row this grammar fills (JSON: no raw control characters).
         self.extra_mask = extra_mask
         if not self.active:  # tokens before a preemption-free start may already hold the marker
@@ -69,7 +81,7 @@ class RequestGrammar:
             )
             return self.error
         self.num_accepted += 1
-        self._terminated = self.matcher.is_terminated()
+        self._terminated = token_id in self._stop_token_ids
         return None
 
     def gate_opens_with(self, output_token_ids: list[int], token_id: int) -> None:
