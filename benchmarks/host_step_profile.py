@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import hashlib
 import io
 import json
@@ -206,6 +207,11 @@ def run_mode(
     for _ in range(args.requests):
         add()
         live += 1
+    from tokenmill.engine.gc_pauses import GcPauses
+
+    pauses = GcPauses()
+    gc_seconds = 0.0
+    gc_counts = [0, 0, 0]
     records: list[tuple[float, float, bool]] = []  # (host seconds, device seconds, mixed)
     phases: dict[str, float] = defaultdict(float)
     shapes: list[tuple[int, int]] = []
@@ -240,8 +246,12 @@ def run_mode(
         while live < args.requests:
             add()
             live += 1
+        step_pauses = pauses.drain()
         if not measuring:
             continue
+        for _, seconds, generation in step_pauses:  # inside whichever phase it interrupted
+            gc_seconds += seconds
+            gc_counts[generation] += 1
         device_s = sum(step_phases.get(p, 0.0) for p in DEVICE_PHASES)
         in_step = sum(step_phases.values()) - step_phases.get("api_output_processing", 0.0)
         step_phases["serialize"] = engine_s - (stepped - started) - step_phases.get("stats", 0.0)
@@ -258,6 +268,7 @@ def run_mode(
         for out in core.step():
             tokens[out.request_id].extend(out.new_token_ids)
     channel.close()
+    pauses.close()
     digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
     host = [h for h, _, _ in records]
     mixed_host = [h for h, _, m in records if m]
@@ -270,6 +281,8 @@ def run_mode(
         "device_ms_per_step": round(1000 * statistics.fmean(d for _, d, _ in records), 3),
         "avg_reqs": round(statistics.fmean(r for r, _ in shapes), 1) if shapes else 0,
         "avg_tokens": round(statistics.fmean(t for _, t in shapes), 1) if shapes else 0,
+        "gc_ms_per_step": round(1000 * gc_seconds / n, 3),
+        "gc_collections_by_generation": gc_counts,
         "phases_ms_per_step": {
             k: round(1000 * v / n, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
         },
@@ -302,6 +315,8 @@ def main() -> None:
     )
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions (last mode)")
     parser.add_argument("--sort", default="tottime", help="cProfile sort key")
+    parser.add_argument("--output", default=None, help="append every run's results here (a JSON line)")
+    parser.add_argument("--label", default="", help="stored with --output (e.g. the code version)")
     args = parser.parse_args()
 
     from tokenmill import LLM
@@ -320,6 +335,9 @@ def main() -> None:
         )
         if "constrained" in modes:
             compile_grammars(llm)
+        # As the core process does once it is up: start-up's objects out of the collector's walks.
+        gc.collect()
+        gc.freeze()
         timer = PhaseTimer()
         instrument(llm, timer)
         results: dict[str, list[dict]] = defaultdict(list)
@@ -341,6 +359,16 @@ def main() -> None:
             for mode, runs in results.items()
         }
         print(json.dumps(summary, indent=1))
+        if args.output:
+            import tokenmill
+
+            record = {
+                "src": str(Path(tokenmill.__file__).parents[1]),
+                "label": args.label,
+                "args": vars(args),
+            }
+            with open(args.output, "a") as f:
+                f.write(json.dumps(record | {"results": results}) + "\n")
         llm.close()
 
 

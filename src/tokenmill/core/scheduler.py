@@ -228,6 +228,9 @@ class Scheduler:
                     preempted.add(victim.request_id)
         num_preempted_for_policy = len(preempted)
         prefill_room = self._prefill_room(budget)
+        allocate_slots = self.kv.allocate_slots
+        num_lookahead_tokens = self.num_lookahead_tokens
+        structured_ids = output.structured_output_request_ids
 
         i = 0
         while i < len(running) and budget > 0:
@@ -267,11 +270,11 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            lookahead = num_drafts + self.num_lookahead_tokens if num_computed + num_new >= num_known else 0
+            lookahead = num_drafts + num_lookahead_tokens if num_computed + num_new >= num_known else 0
             if lookahead:
-                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, lookahead)
+                new_block_ids = allocate_slots(request, num_new - num_drafts, None, lookahead)
             else:
-                new_block_ids = self.kv.allocate_slots(request, num_new)
+                new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, lookahead, preempted)
                 if new_block_ids is None:
@@ -290,7 +293,7 @@ class Scheduler:
             if num_computed + num_new >= num_known:  # the chunk samples: the id comes with the results
                 request.num_output_placeholders = placeholders + 1
                 if request.use_structured_output:
-                    output.structured_output_request_ids.append(request_id)
+                    structured_ids.append(request_id)
             request.num_computed_tokens = num_computed + num_new  # progress counts at schedule time
             num_scheduled[request_id] = num_new
             budget -= num_new
@@ -525,7 +528,8 @@ class Scheduler:
 
         prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
         # Only a step that scheduled constrained requests can have grammar verdicts to ask for.
-        verdicts = self._accept_single_tokens(runner_output) if scheduler_output.structured_output_request_ids else {}
+        constrained = scheduler_output.structured_output_request_ids
+        verdicts = self._accept_single_tokens(runner_output) if constrained else {}
         logprobs = runner_output.logprobs
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         any_finished = False
