@@ -16,6 +16,11 @@ runner's input preparation, sampling, the grammar manager and the core's output 
 the core process does per step besides `step()` (get_stats, msgpack of the outputs) and the API
 side's output processing (detokenization, reported apart: another process in `serve`). `forward`,
 `logits` and `mask_apply` are device work on a GPU: host ms per step leaves them out.
+`sample` / `masked_sample` hold some host work but mostly, on this CPU, tensor math over the
+logits that a GPU runs as kernels: `host_ms_without_sampling` leaves them out too (a lower bound).
+The grammar fill runs on the manager's thread: where it holds the GIL it shows up in the main
+thread's phases (the ZMQ send and poll give it the GIL), and `mask_wait+sample_filled` is what
+the next step waited for it.
 
 Modes alternate round by round in one process (`--rounds`), each with fresh requests from the same
 seed; `tokens_sha` is a digest of every request's tokens, equal across code versions when greedy
@@ -43,6 +48,9 @@ from typing import Any
 
 # Device work on a GPU (on this CPU it runs inline): not host time.
 DEVICE_PHASES = ("forward", "logits", "mask_apply")
+# Sampling: some host work, but on this CPU mostly tensor math over [rows, vocab] (argmax, the
+# non-finite check) that a GPU runs as kernels: `host_ms_without_sampling` leaves them out too.
+SAMPLING_PHASES = ("sample", "masked_sample")
 
 
 class PhaseTimer:
@@ -212,7 +220,7 @@ def run_mode(
     pauses = GcPauses()
     gc_seconds = 0.0
     gc_counts = [0, 0, 0]
-    records: list[tuple[float, float, bool]] = []  # (host seconds, device seconds, mixed)
+    records: list[tuple[float, float, bool, float]] = []  # (host s, device s, mixed, sampling s)
     phases: dict[str, float] = defaultdict(float)
     shapes: list[tuple[int, int]] = []
     total_steps = args.warmup_steps + args.steps
@@ -262,7 +270,8 @@ def run_mode(
         mixed = sched is not None and any(n > 1 for n in sched.num_scheduled_tokens.values())
         if sched is not None:
             shapes.append((len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens))
-        records.append((engine_s - device_s, device_s, mixed))
+        sampling_s = sum(step_phases.get(p, 0.0) for p in SAMPLING_PHASES)
+        records.append((engine_s - device_s, device_s, mixed, sampling_s))
     # Drain: every request to its end, for the digest.
     while core.has_work():
         for out in core.step():
@@ -270,15 +279,16 @@ def run_mode(
     channel.close()
     pauses.close()
     digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
-    host = [h for h, _, _ in records]
-    mixed_host = [h for h, _, m in records if m]
+    host = [h for h, _, _, _ in records]
+    mixed_host = [h for h, _, m, _ in records if m]
     n = len(records)
     return {
         "host_ms_per_step": round(1000 * statistics.fmean(host), 3),
+        "host_ms_without_sampling": round(1000 * statistics.fmean(h - s for h, _, _, s in records), 3),
         "host_ms_p50": round(1000 * statistics.median(host), 3),
         "host_ms_mixed_steps": round(1000 * statistics.fmean(mixed_host), 3) if mixed_host else None,
         "mixed_steps": len(mixed_host),
-        "device_ms_per_step": round(1000 * statistics.fmean(d for _, d, _ in records), 3),
+        "device_ms_per_step": round(1000 * statistics.fmean(d for _, d, _, _ in records), 3),
         "avg_reqs": round(statistics.fmean(r for r, _ in shapes), 1) if shapes else 0,
         "avg_tokens": round(statistics.fmean(t for _, t in shapes), 1) if shapes else 0,
         "gc_ms_per_step": round(1000 * gc_seconds / n, 3),
