@@ -19,6 +19,6 @@ import json, sys
 text = sys.stdin.read()
 for mode, v in json.loads(text[text.index('{'):]).items():
     last = v['last']
-    print('round $round $side', mode, 'host_ms', last['host_ms_per_step'], 'without_sampling', last['host_ms_without_sampling'], 'mixed_steps_ms', last['host_ms_mixed_steps'], 'tokens', last['tokens_sha'])"
+    print('round $round $side', mode, 'host_ms', last['host_ms_per_step'], 'without_sampling', last['host_ms_without_sampling'], 'cpu', last['host_cpu_ms_without_sampling'], 'mixed_steps_ms', last['host_ms_mixed_steps'], 'tokens', last['tokens_sha'])"
   done
 done

@@ -16,6 +16,8 @@ runner's input preparation, sampling, the grammar manager and the core's output 
 the core process does per step besides `step()` (get_stats, msgpack of the outputs) and the API
 side's output processing (detokenization, reported apart: another process in `serve`). `forward`,
 `logits` and `mask_apply` are device work on a GPU: host ms per step leaves them out.
+`host_cpu_ms_without_sampling` is that total in the main thread's CPU time (immune to other
+processes on a shared machine; waits for the fill thread or the GIL are not in it).
 `sample` / `masked_sample` hold some host work but mostly, on this CPU, tensor math over the
 logits that a GPU runs as kernels: `host_ms_without_sampling` leaves them out too (a lower bound).
 The grammar fill runs on the manager's thread: where it holds the GIL it shows up in the main
@@ -55,11 +57,14 @@ SAMPLING_PHASES = ("sample", "masked_sample")
 
 class PhaseTimer:
     """Exclusive time per phase of the main thread (a phase called inside another is taken out of
-    the outer one's time); other threads (the grammar fill) pass through untimed."""
+    the outer one's time), as wall time and as the thread's CPU time (`cpu`: what other processes
+    on a shared machine cannot inflate, and without waits); other threads (the grammar fill) pass
+    through untimed."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
-        self._stack: list[list[float]] = []  # [start, time of nested phases]
+        self.cpu: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # [start, cpu start, nested wall, nested cpu]
         self._main = threading.get_ident()
 
     def wrap(self, owner: Any, attr: str, phase: str) -> None:
@@ -69,22 +74,26 @@ class PhaseTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != self._main:
                 return inner(*args, **kwargs)
-            frame = [time.perf_counter(), 0.0]
+            frame = [time.perf_counter(), time.thread_time(), 0.0, 0.0]
             self._stack.append(frame)
             try:
                 return inner(*args, **kwargs)
             finally:
                 self._stack.pop()
                 elapsed = time.perf_counter() - frame[0]
-                self.totals[phase] += elapsed - frame[1]
+                cpu = time.thread_time() - frame[1]
+                self.totals[phase] += elapsed - frame[2]
+                self.cpu[phase] += cpu - frame[3]
                 if self._stack:
-                    self._stack[-1][1] += elapsed
+                    self._stack[-1][2] += elapsed
+                    self._stack[-1][3] += cpu
 
         setattr(owner, attr, timed)
 
-    def take(self) -> dict[str, float]:
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
         totals, self.totals = dict(self.totals), defaultdict(float)
-        return totals
+        cpu, self.cpu = dict(self.cpu), defaultdict(float)
+        return totals, cpu
 
 
 def build_model(tokenizer_path: str | None, vocab_size: int | None, out: Path) -> Path:
@@ -221,6 +230,8 @@ def run_mode(
     gc_seconds = 0.0
     gc_counts = [0, 0, 0]
     records: list[tuple[float, float, bool, float]] = []  # (host s, device s, mixed, sampling s)
+    cpu_records: list[float] = []  # the main thread's CPU seconds, device and sampling phases out
+    cpu_phases: dict[str, float] = defaultdict(float)
     phases: dict[str, float] = defaultdict(float)
     shapes: list[tuple[int, int]] = []
     total_steps = args.warmup_steps + args.steps
@@ -230,6 +241,7 @@ def run_mode(
             profiler.enable()
         timer.take()
         started = time.perf_counter()
+        started_cpu = time.thread_time()
         # The core process's loop: poll its inbox, step, send the outputs (the poll and the send
         # give up the GIL, which is when the grammar fill thread gets to run Python).
         channel.poller.poll(0)
@@ -240,13 +252,14 @@ def run_mode(
                 encoder.encode(StepOutputs(outputs=outputs, stats=core.get_stats())), zmq.NOBLOCK
             )
         engine_s = time.perf_counter() - started
+        engine_cpu = time.thread_time() - started_cpu
         if outputs:  # the API server's side, another process in `serve`
             decoded = decoder.decode(channel.api_inbox.recv())
             if args.detokenize:
                 llm.output_processor.process_outputs(decoded.outputs)
         if measuring and profiler is not None:
             profiler.disable()
-        step_phases = timer.take()
+        step_phases, step_cpu = timer.take()
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:
@@ -272,6 +285,10 @@ def run_mode(
             shapes.append((len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens))
         sampling_s = sum(step_phases.get(p, 0.0) for p in SAMPLING_PHASES)
         records.append((engine_s - device_s, device_s, mixed, sampling_s))
+        excluded = DEVICE_PHASES + SAMPLING_PHASES
+        cpu_records.append(engine_cpu - sum(step_cpu.get(p, 0.0) for p in excluded))
+        for name, seconds in step_cpu.items():
+            cpu_phases[name] += seconds
     # Drain: every request to its end, for the digest.
     while core.has_work():
         for out in core.step():
@@ -285,6 +302,7 @@ def run_mode(
     return {
         "host_ms_per_step": round(1000 * statistics.fmean(host), 3),
         "host_ms_without_sampling": round(1000 * statistics.fmean(h - s for h, _, _, s in records), 3),
+        "host_cpu_ms_without_sampling": round(1000 * statistics.fmean(cpu_records), 3),
         "host_ms_p50": round(1000 * statistics.median(host), 3),
         "host_ms_mixed_steps": round(1000 * statistics.fmean(mixed_host), 3) if mixed_host else None,
         "mixed_steps": len(mixed_host),
@@ -295,6 +313,9 @@ def run_mode(
         "gc_collections_by_generation": gc_counts,
         "phases_ms_per_step": {
             k: round(1000 * v / n, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+        },
+        "cpu_phases_ms_per_step": {
+            k: round(1000 * v / n, 3) for k, v in sorted(cpu_phases.items(), key=lambda kv: -kv[1])
         },
         "tokens_sha": digest,
         "requests_done": len(tokens),
