@@ -3,7 +3,8 @@ source trees run one after the other (same machine, alternating):
 
   for tree in /tmp/base/src src; do PYTHONPATH=$tree:. python benchmarks/host_path_micro.py --tokenizer .gputok; done
 
-build_host_batch (64 in-flight decodes and two 256-token prefill chunks), a stats histogram's
+build_host_batch (64 in-flight decodes and two 256-token prefill chunks; also from the runner's
+kept numpy block tables where the tree has them), a stats histogram's
 stats(), needs_mask + is_terminated of 64 live JSON grammars (what a step's fill and stop checks
 ask), and one step's extra masks (64 JSON rows over the tokenizer's vocabulary). Prints one JSON line.
 """
@@ -90,6 +91,20 @@ def main() -> None:
     out["build_host_batch_fixed_width_us"] = best(
         lambda: build_host_batch(reqs, nc, ns, 16, block_table_width=256), 300
     )
+    try:  # the runner's kept numpy block tables (trees that have them)
+        from tokenmill.worker.request_state import BlockTables
+    except ImportError:
+        BlockTables = None  # noqa: N806
+    if BlockTables is not None:
+        kept = BlockTables()
+        for state in reqs:
+            kept.add(state)
+        out["build_host_batch_kept_tables_us"] = best(
+            lambda: build_host_batch(reqs, nc, ns, 16, tables=kept), 300
+        )
+        out["build_host_batch_kept_tables_fixed_width_us"] = best(
+            lambda: build_host_batch(reqs, nc, ns, 16, block_table_width=256, tables=kept), 300
+        )
     # 2. stats histogram
     from tokenmill.stats_histogram import StatsHistogram
 

@@ -8,7 +8,7 @@ from itertools import accumulate, chain
 
 import numpy as np
 
-from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.request_state import BlockTables, RequestState
 
 
 @dataclass(slots=True)
@@ -47,10 +47,13 @@ def build_host_batch(
     block_size: int,
     block_table_width: int | None = None,
     drafts: list[list[int]] | None = None,
+    tables: BlockTables | None = None,
 ) -> HostBatch:
     """The step's inputs: per request (batch order) its state, the tokens computed before the
     step and the tokens it computes now (`drafts`: per request, the draft tokens it verifies after
-    its last known token; they are counted in its scheduled tokens)."""
+    its last known token; they are counted in its scheduled tokens). `tables`: the requests'
+    block ids kept as numpy rows (the runner's `RequestStates`); without it they are read from
+    each request's `block_ids` lists."""
     num_reqs = len(requests)
     starts = np.asarray(num_computed_tokens, dtype=np.int64)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -120,23 +123,36 @@ def build_host_batch(
         -(-(start + n) // block_size)
         for start, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
     ]
-    # The tables' cells in row-major order: one vectorised write per group, not one per request.
+    # The tables' cells that the step's sequences cover (a table may hold more: lookahead slots).
     cells = np.arange(width) < np.asarray(num_blocks, dtype=np.int64)[:, None]
-    total_blocks = sum(num_blocks)
+    if tables is not None:
+        if any(len(r.block_ids[0]) < n for r, n in zip(requests, num_blocks, strict=True)):
+            raise RuntimeError("a request's block table is shorter than its scheduled tokens need")
+        rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=num_reqs)
+    else:
+        total_blocks = sum(num_blocks)
     block_tables_per_group = []
     slot_mappings = []
     block_of_token = positions // block_size
     offset_in_block = positions % block_size
     for group in range(num_groups):
-        block_tables = np.zeros((num_reqs, width), dtype=np.int32)
-        block_tables[cells] = np.fromiter(
-            chain.from_iterable(
-                table if len(table) == n else table[:n]
-                for table, n in zip((r.block_ids[group] for r in requests), num_blocks, strict=True)
-            ),
-            dtype=np.int32,
-            count=total_blocks,
-        )
+        if tables is not None:
+            # One gather from the kept rows; past what a sequence covers, zeros as below.
+            kept = tables.group(group)
+            block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+            span = min(width, kept.shape[1])
+            np.copyto(block_tables[:, :span], kept[rows, :span], where=cells[:, :span])
+        else:
+            # Row-major order: one vectorised write per group, not one per request.
+            block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+            block_tables[cells] = np.fromiter(
+                chain.from_iterable(
+                    table if len(table) == n else table[:n]
+                    for table, n in zip((r.block_ids[group] for r in requests), num_blocks, strict=True)
+                ),
+                dtype=np.int32,
+                count=total_blocks,
+            )
         block_idx = block_tables[req_of_token, block_of_token].astype(np.int64)
         block_tables_per_group.append(block_tables)
         slot_mappings.append(block_idx * block_size + offset_in_block)
