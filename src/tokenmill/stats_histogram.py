@@ -17,6 +17,10 @@ class StatsHistogram:
         self.count = 0
         self._counts = [0] * len(self.bounds)  # cumulative: values <= each bound
         self._lock = threading.Lock()  # grammar compiles observe from pool threads
+        # The keys, formatted once: the engine core sends its stats with every step's outputs.
+        self._sum_key = f"{name}_sum"
+        self._count_key = f"{name}_count"
+        self._bucket_keys = tuple(f"{name}{BUCKET_KEY}{bound!r}" for bound in self.bounds)
 
     def observe(self, value: float) -> None:
         with self._lock:
@@ -28,9 +32,8 @@ class StatsHistogram:
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            out = {f"{self.name}_sum": self.sum, f"{self.name}_count": float(self.count)}
-            for bound, count in zip(self.bounds, self._counts, strict=True):
-                out[f"{self.name}{BUCKET_KEY}{bound!r}"] = float(count)
+            out = {self._sum_key: self.sum, self._count_key: float(self.count)}
+            out.update(zip(self._bucket_keys, map(float, self._counts), strict=True))
         return out
 
 

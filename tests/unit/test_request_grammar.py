@@ -43,6 +43,8 @@ def _grammar(allowed: set[int], start_after: list[int]) -> tuple[RequestGrammar,
     grammar.error = None
     grammar.num_accepted = 0
     grammar.extra_mask = None
+    grammar._terminated = False
+    grammar._stop_token_ids = frozenset()
     return grammar, request
 
 
@@ -117,3 +119,41 @@ def test_a_json_row_loses_the_extra_masked_tokens_and_may_end_up_empty(monkeypat
     assert json_grammar.error is None
     assert only_forbidden.error is not None and "allows no token" in only_forbidden.error
     assert rows[2, 1] == 1 << 8 and plain.error is None  # a grammar without the extra mask keeps 40
+
+
+def test_rows_that_share_one_extra_mask_are_all_restricted(monkeypatch):
+    """A step of JSON requests only: every row ANDed with the one shared mask."""
+    monkeypatch.setattr(bitmask_module, "BATCH_FILL_MIN_ROWS", 1000)
+    mask = np.full(4, -1, dtype=np.int32)
+    mask[1] = 0  # tokens 32..63 forbidden
+    grammars = []
+    for i, allowed in enumerate(({5, 40}, {33, 70}, {6})):
+        grammar, _ = _grammar(allowed, start_after=[])
+        grammar.extra_mask = mask
+        grammars.append((f"r{i}", grammar))
+    output = BitmaskFiller(vocab_size=100).fill(grammars)
+    rows = np.frombuffer(output.bitmask, dtype="<i4").reshape(3, -1)
+    assert rows[:, 1].tolist() == [0, 0, 0]
+    assert rows[:, 0].tolist() == [1 << 5, 0, 1 << 6] and rows[1, 2] == 1 << 6  # 70 = 2 * 32 + 6
+    assert [g.error is None for _, g in grammars] == [True, True, True]
+
+
+def test_the_kept_terminated_state_follows_the_matcher():
+    """`is_terminated` / `needs_mask` answer from the last accept (a stop token ends the grammar)
+    without asking xgrammar: after every accept, and after a rejected token, they agree with it."""
+    import xgrammar as xgr
+
+    vocab = [chr(c) for c in range(32, 127)] + ["ab", "</s>"]
+    stop = len(vocab) - 1
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[stop])
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"(ab|[0-9]{2,4})x")
+    request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="x")))
+    early = RequestGrammar(compiled, request)
+    assert early.accept([], stop) is not None  # a stop token before the grammar is complete
+    assert not early.is_terminated and not early.matcher.is_terminated() and not early.needs_mask
+    grammar = RequestGrammar(compiled, request)
+    for token in (vocab.index("ab"), vocab.index("x"), stop):
+        assert grammar.needs_mask
+        assert grammar.accept([], token) is None
+        assert grammar.is_terminated == grammar.matcher.is_terminated()
+    assert grammar.is_terminated and not grammar.needs_mask

@@ -228,16 +228,27 @@ class Scheduler:
                     preempted.add(victim.request_id)
         num_preempted_for_policy = len(preempted)
         prefill_room = self._prefill_room(budget)
+        allocate_slots = self.kv.allocate_slots
+        num_lookahead_tokens = self.num_lookahead_tokens
+        structured_ids = output.structured_output_request_ids
 
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
-            if placeholders and self._in_flight_token_is_last(request, placeholders):
+            num_known = len(request.all_token_ids) + placeholders
+            # The tokens in flight already reach max_tokens or max_model_len: nothing to compute.
+            # (Inlined: every running request, every step.)
+            if placeholders and (
+                num_known >= max_model_len
+                or (
+                    request.max_tokens is not None
+                    and len(request.output_token_ids) + placeholders >= request.max_tokens
+                )
+            ):
                 i += 1
                 continue
-            num_known = len(request.all_token_ids) + placeholders
             drafts = request.spec_token_ids
             # Drafts follow the last known token; none while a token is still in flight (async
             # scheduling with speculative decoding would need placeholder drafts: not supported yet).
@@ -259,11 +270,11 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
-            lookahead = num_drafts + self.num_lookahead_tokens if num_computed + num_new >= num_known else 0
+            lookahead = num_drafts + num_lookahead_tokens if num_computed + num_new >= num_known else 0
             if lookahead:
-                new_block_ids = self.kv.allocate_slots(request, num_new - num_drafts, None, lookahead)
+                new_block_ids = allocate_slots(request, num_new - num_drafts, None, lookahead)
             else:
-                new_block_ids = self.kv.allocate_slots(request, num_new)
+                new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, num_drafts, lookahead, preempted)
                 if new_block_ids is None:
@@ -282,7 +293,7 @@ class Scheduler:
             if num_computed + num_new >= num_known:  # the chunk samples: the id comes with the results
                 request.num_output_placeholders = placeholders + 1
                 if request.use_structured_output:
-                    output.structured_output_request_ids.append(request_id)
+                    structured_ids.append(request_id)
             request.num_computed_tokens = num_computed + num_new  # progress counts at schedule time
             num_scheduled[request_id] = num_new
             budget -= num_new
@@ -423,12 +434,6 @@ class Scheduler:
     def _grammar_allows_drafts(self, request: Request) -> bool:
         return self.structured_output is not None and self.structured_output.allows_drafts(request)
 
-    def _in_flight_token_is_last(self, request: Request, placeholders: int) -> bool:
-        """True when the tokens still in flight already reach max_tokens or max_model_len."""
-        if request.max_tokens is not None and request.num_output_tokens + placeholders >= request.max_tokens:
-            return True
-        return request.num_tokens + placeholders >= self.max_model_len
-
     def _schedule_new(self, request: Request, num_new: int, structured_ids: list[str]) -> NewRequestData:
         """First scheduled, or resumed after preemption: everything the runner needs, once."""
         new = NewRequestData(
@@ -522,7 +527,9 @@ class Scheduler:
             )
 
         prompt_logprobs = self._new_prompt_logprobs(scheduler_output, runner_output)
-        verdicts = self._accept_single_tokens(runner_output)
+        # Only a step that scheduled constrained requests can have grammar verdicts to ask for.
+        constrained = scheduler_output.structured_output_request_ids
+        verdicts = self._accept_single_tokens(runner_output) if constrained else {}
         logprobs = runner_output.logprobs
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         any_finished = False
@@ -636,15 +643,16 @@ class Scheduler:
             if self.structured_output.is_terminated(request):
                 return RequestStatus.FINISHED_STOPPED
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)  # (not the properties: every request, every step)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+        if request.max_tokens is not None and num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

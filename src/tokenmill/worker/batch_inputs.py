@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 
-from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.request_state import BlockTables, RequestState
 
 
 @dataclass(slots=True)
@@ -46,17 +47,23 @@ def build_host_batch(
     block_size: int,
     block_table_width: int | None = None,
     drafts: list[list[int]] | None = None,
+    tables: BlockTables | None = None,
 ) -> HostBatch:
     """The step's inputs: per request (batch order) its state, the tokens computed before the
     step and the tokens it computes now (`drafts`: per request, the draft tokens it verifies after
-    its last known token; they are counted in its scheduled tokens)."""
+    its last known token; they are counted in its scheduled tokens). `tables`: the requests'
+    block ids kept as numpy rows (the runner's `RequestStates`); without it they are read from
+    each request's `block_ids` lists."""
     num_reqs = len(requests)
     starts = np.asarray(num_computed_tokens, dtype=np.int64)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
     seq_lens = starts + query_lens
+    # Each request's end row as Python ints: the loop below reads one per request, and numpy
+    # scalar reads cost more than the rest of a decode's work there.
+    ends = list(accumulate(num_scheduled_tokens))
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
+    query_start_loc[1:] = ends
+    num_tokens = ends[-1] if ends else 0
 
     input_ids: list[int] = []
     sample_rows: list[int] = []
@@ -64,8 +71,8 @@ def build_host_batch(
     placeholder_rows: list[int] = []
     placeholder_req_ids: list[str] = []
     sampling_drafts: list[list[int]] = []
-    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, strict=True)
-    for i, (r, start, num_new) in enumerate(rows):
+    rows = zip(requests, num_computed_tokens, num_scheduled_tokens, ends, strict=True)
+    for i, (r, start, num_new, end_row) in enumerate(rows):
         token_ids = r.token_ids
         request_drafts = drafts[i] if drafts is not None else None
         if request_drafts:
@@ -77,7 +84,7 @@ def build_host_batch(
                 )
             input_ids.extend(token_ids[start:])
             input_ids.extend(request_drafts)
-            last_row = int(query_start_loc[i + 1]) - 1
+            last_row = end_row - 1
             sample_rows.extend(range(last_row - len(request_drafts), last_row + 1))
             sampling_req_indices.extend([i] * (len(request_drafts) + 1))
             sampling_drafts.append(request_drafts)
@@ -96,7 +103,7 @@ def build_host_batch(
             input_ids.extend(token_ids[start:end])
         # The chunk reaches the request's last token (known, or still in flight): it samples.
         if start + num_new >= r.num_tokens:
-            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            sample_rows.append(end_row - 1)
             sampling_req_indices.append(i)
             if drafts is not None:
                 sampling_drafts.append([])
@@ -111,15 +118,41 @@ def build_host_batch(
     needed_width = -(-max_seq_len // block_size)
     width = max(needed_width, 1) if block_table_width is None else block_table_width
     num_groups = len(requests[0].block_ids) if requests else 1
+    # Blocks each request's sequence covers; its table may hold more (lookahead slots).
+    num_blocks = [
+        -(-(start + n) // block_size)
+        for start, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
+    ]
+    # The tables' cells that the step's sequences cover (a table may hold more: lookahead slots).
+    cells = np.arange(width) < np.asarray(num_blocks, dtype=np.int64)[:, None]
+    if tables is not None:
+        if any(len(r.block_ids[0]) < n for r, n in zip(requests, num_blocks, strict=True)):
+            raise RuntimeError("a request's block table is shorter than its scheduled tokens need")
+        rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=num_reqs)
+    else:
+        total_blocks = sum(num_blocks)
     block_tables_per_group = []
     slot_mappings = []
     block_of_token = positions // block_size
     offset_in_block = positions % block_size
     for group in range(num_groups):
-        block_tables = np.zeros((num_reqs, width), dtype=np.int32)
-        for i, r in enumerate(requests):
-            num_blocks = -(-int(seq_lens[i]) // block_size)
-            block_tables[i, :num_blocks] = r.block_ids[group][:num_blocks]
+        if tables is not None:
+            # One gather from the kept rows; past what a sequence covers, zeros as below.
+            kept = tables.group(group)
+            block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+            span = min(width, kept.shape[1])
+            np.copyto(block_tables[:, :span], kept[rows, :span], where=cells[:, :span])
+        else:
+            # Row-major order: one vectorised write per group, not one per request.
+            block_tables = np.zeros((num_reqs, width), dtype=np.int32)
+            block_tables[cells] = np.fromiter(
+                chain.from_iterable(
+                    table if len(table) == n else table[:n]
+                    for table, n in zip((r.block_ids[group] for r in requests), num_blocks, strict=True)
+                ),
+                dtype=np.int32,
+                count=total_blocks,
+            )
         block_idx = block_tables[req_of_token, block_of_token].astype(np.int64)
         block_tables_per_group.append(block_tables)
         slot_mappings.append(block_idx * block_size + offset_in_block)

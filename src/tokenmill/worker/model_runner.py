@@ -701,6 +701,7 @@ class ModelRunner:
                 self.block_size,
                 block_table_width=self.max_blocks_per_req,
                 drafts=drafts,
+                tables=self.requests.tables,
             )
             if drafts is not None and len(batch.input_ids) != num_reqs * q:
                 # Drafts of different lengths: each request's rows padded to the graph's q.
@@ -728,7 +729,14 @@ class ModelRunner:
                     last_rows = last_rows.index_select(0, index.to(self.device, non_blocking=True))
                 logits = last_rows
             return self._sample_or_wait(so, requests, batch, None, output, logits=logits)
-        batch = build_host_batch(requests, num_computed_tokens, num_scheduled_tokens, self.block_size, drafts=drafts)
+        batch = build_host_batch(
+            requests,
+            num_computed_tokens,
+            num_scheduled_tokens,
+            self.block_size,
+            drafts=drafts,
+            tables=self.requests.tables,
+        )
         piecewise = None if needs_aux else self.piecewise
         size = piecewise.padded_size(so.total_num_scheduled_tokens) if piecewise is not None else None
         if size is not None:

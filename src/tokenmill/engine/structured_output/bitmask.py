@@ -48,14 +48,19 @@ def fill_threads() -> int:
 
 
 def apply_extra_masks(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:
-    """AND each row with its grammar's extra mask (JSON: no control characters), grouped by mask
-    (one vectorised AND for all JSON rows). `grammars[i]` is row i's."""
-    by_mask: dict[int, tuple[np.ndarray, list[int]]] = {}
-    for row, grammar in enumerate(grammars):
-        if grammar.extra_mask is not None:
-            by_mask.setdefault(id(grammar.extra_mask), (grammar.extra_mask, []))[1].append(row)
-    for mask, row_ids in by_mask.values():
-        rows[row_ids] &= mask
+    """AND each row with its grammar's extra mask (JSON: no control characters), in place.
+    `grammars[i]` is row i's."""
+    masks = [grammar.extra_mask for grammar in grammars]
+    first = masks[0] if masks else None
+    if first is not None and all(mask is first for mask in masks):
+        # One mask for every row (a step of JSON requests only): one in-place AND.
+        np.bitwise_and(rows, first, out=rows)
+        return
+    # Row by row in place: a fancy-indexed `rows[row_ids] &= mask` gathers and scatters the rows
+    # (0.06-0.56 ms for 32-64 rows of a 49K vocabulary on the development CPU, ~1 us a row here).
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            np.bitwise_and(rows[row], mask, out=rows[row])
 
 
 def restrict(rows: np.ndarray, grammars: list[RequestGrammar]) -> None:

@@ -128,17 +128,16 @@ class StructuredOutputManager:
     def accept_tokens(self, batch: list[tuple[Request, int]]) -> list[str | None]:
         """`accept_token` for a step's one-token results, before they are appended and before the
         rest of the scheduler's update (batch_accept.py); a chunked fill sends their rows now."""
-        items = []
-        for request, token_id in batch:
-            grammar = self.grammars.get(request.request_id)
-            if grammar is None:  # answered by the loop below
-                continue
-            items.append((grammar, request.output_token_ids, token_id))
+        grammars = [self.grammars.get(request.request_id) for request, _ in batch]
+        items = [
+            (grammar, request.output_token_ids, token_id)
+            for grammar, (request, token_id) in zip(grammars, batch, strict=True)
+            if grammar is not None  # answered by the loop below
+        ]
         verdicts = iter(accept_batch(items))
         results: list[str | None] = []
         step_fill = self._step_fill
-        for request, _ in batch:
-            grammar = self.grammars.get(request.request_id)
+        for (request, _), grammar in zip(batch, grammars, strict=True):
             if grammar is None:
                 results.append("structured output: the request has no grammar state")
                 continue
@@ -229,7 +228,10 @@ class StructuredOutputManager:
         return rows
 
     def _fill(
-        self, rows: list[tuple[str, RequestGrammar]], started: float, drafts: dict[str, list[int]] | None = None
+        self,
+        rows: list[tuple[str, RequestGrammar]],
+        started: float,
+        drafts: dict[str, list[int]] | None = None,
     ) -> GrammarOutput:
         output = self._bitmask_filler().fill(rows, drafts)
         self.mask_seconds.observe(time.perf_counter() - started)

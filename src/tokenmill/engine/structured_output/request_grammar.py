@@ -16,10 +16,23 @@ from tokenmill.core.request import Request
 
 
 class RequestGrammar:
-    __slots__ = ("matcher", "start_after", "active", "error", "num_accepted", "extra_mask")
+    __slots__ = (
+        "matcher",
+        "start_after",
+        "active",
+        "error",
+        "num_accepted",
+        "extra_mask",
+        "_terminated",
+        "_stop_token_ids",
+    )
 
     def __init__(
-        self, compiled: Any, request: Request, extra_mask: np.ndarray | None = None, vocab_size: int | None = None
+        self,
+        compiled: Any,
+        request: Request,
+        extra_mask: np.ndarray | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         import xgrammar as xgr
 
@@ -33,6 +46,13 @@ class RequestGrammar:
         self.active = not self.start_after
         self.error: str | None = None
         self.num_accepted = 0
+        # The matcher's is_terminated() after its last accept: the scheduler's stop check and the
+        # next step's fill both ask every step, and only an accept changes the answer (a draft
+        # fill's accepts are rolled back before it returns). A matcher made without
+        # terminate_without_stop_token ends exactly when it accepts one of its stop tokens, so the
+        # answer needs no call into xgrammar either.
+        self._terminated = False
+        self._stop_token_ids = frozenset(self.matcher.stop_token_ids)
         # A bitmask row ANDed into every row this grammar fills (JSON: no raw control characters).
         self.extra_mask = extra_mask
         if not self.active:  # tokens before a preemption-free start may already hold the marker
@@ -41,7 +61,7 @@ class RequestGrammar:
     @property
     def needs_mask(self) -> bool:
         """Its next token is constrained."""
-        return self.active and self.error is None and not self.matcher.is_terminated()
+        return self.active and self.error is None and not self._terminated
 
     def accept(self, output_token_ids: list[int], token_id: int) -> str | None:
         """Advance by the request's newest output token; an error message if it is not allowed."""
@@ -61,6 +81,7 @@ class RequestGrammar:
             )
             return self.error
         self.num_accepted += 1
+        self._terminated = token_id in self._stop_token_ids
         return None
 
     def gate_opens_with(self, output_token_ids: list[int], token_id: int) -> None:
@@ -72,7 +93,7 @@ class RequestGrammar:
 
     @property
     def is_terminated(self) -> bool:
-        return self.active and self.matcher.is_terminated()
+        return self.active and self._terminated
 
     def fail(self, message: str) -> None:
         """The grammar machinery failed for this request: it ends with `message` when its next
