@@ -65,7 +65,7 @@ class KernelConfig:
     # CPU, AVX-512 or AVX2+FMA, GGUF (with cpu_quantized_gemv): matmuls of more rows than the GEMV
     # serves, up to this many (decode batches), dequantize the blocks once a step into a float32
     # panel (kernels/cpu/csrc/cpu_quant_gemm.cpp) instead of reading the float32 oneDNN weights;
-    # 0 = off. Prefill chunks stay on oneDNN unless cpu_quantized_prefill says otherwise.
+    # 0 = off. Above it prefill chunks use oneDNN, unless cpu_quantized_prefill moves them here.
     cpu_quantized_gemm_rows: int = 64
     # CPU, GGUF (with cpu_quantized_gemm_rows > 0): prefill chunks too go through the batched kernel
     # where its path beats oneDNN's float32 there: the AVX2+FMA path (AVX-512 keeps oneDNN). Same
