@@ -48,9 +48,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
 # While requests decode, a CPU step's prefill chunks take at most this many tokens. Prefill runs
 # near the core's float32 peak (~1.75 ms a token for SmolLM2-135M on one engine thread), and every
 # prefill token in a step delays every decoding stream's next token: 512-token chunks made
-# 1.0-1.5 s steps, the c=32 serve benchmark's ITL p99. 128 keeps such a step near 0.35 s on a
-# quiet core and served the waiting prompts sooner too (docs/CPU_PERFORMANCE.md). 0 on a GPU: no cap.
-DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 128
+# 1.0-1.5 s steps, the c=32 serve benchmark's ITL p99. 128 kept such a step near 0.35 s on the
+# AVX-512 Xeon; on an AVX2 core (~3.5 ms a prefill token) it made 0.6 s steps between 0.16 s ones.
+# 32 spreads a joining prompt over ~4 steps of ~2x a decode step: a closed loop of equal prompt
+# and answer lengths must prefill about one token per decoding stream a step anyway (so at c=32
+# ~31 a step on average, whatever the cap), and a stream whose next character spans two tokens
+# waits two steps, which a long step makes the ITL tail (docs/CPU_PERFORMANCE.md). Below the
+# decode batch the queue of prompts grows without end (16 at c=32: TTFT p50 18 s). 0 on a GPU.
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 32
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")

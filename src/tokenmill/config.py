@@ -65,8 +65,12 @@ class KernelConfig:
     # CPU, AVX-512 or AVX2+FMA, GGUF (with cpu_quantized_gemv): matmuls of more rows than the GEMV
     # serves, up to this many (decode batches), dequantize the blocks once a step into a float32
     # panel (kernels/cpu/csrc/cpu_quant_gemm.cpp) instead of reading the float32 oneDNN weights;
-    # 0 = off. Prefill chunks stay on oneDNN (faster there on both kinds of CPU: CPU_PERFORMANCE.md).
+    # 0 = off. Above it prefill chunks use oneDNN, unless cpu_quantized_prefill moves them here.
     cpu_quantized_gemm_rows: int = 64
+    # CPU, GGUF (with cpu_quantized_gemm_rows > 0): prefill chunks too go through the batched kernel
+    # where its path beats oneDNN's float32 there: the AVX2+FMA path (AVX-512 keeps oneDNN). Same
+    # float32 products of the dequantized weights up to summation order (CPU_PERFORMANCE.md).
+    cpu_quantized_prefill: bool = True
     # CPU, AVX-512 VNNI or AVX2, GGUF (with cpu_quantized_gemv): the one-to-four-row matmuls (one row
     # on AVX2) quantize the activations per block of 32 to this many bits and multiply with integer
     # dot products (VNNI dpbusd / dpwssd, or AVX2 maddubs / madd)

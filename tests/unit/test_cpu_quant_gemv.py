@@ -150,3 +150,37 @@ def test_decode_batches_up_to_gemm_rows_read_the_blocks() -> None:
     limit = 32 if gemm_available() else rows_limit()
     assert layer.method.blocks_for_rows(limit) is blocks
     assert layer.method.blocks_for_rows(limit + 1) is None
+
+
+def test_prefill_rows_limit_takes_every_row_on_avx2_only(monkeypatch):
+    # Prefill chunks join the batched kernel where its path beats oneDNN (AVX2); AVX-512 keeps the
+    # configured decode limit, and 0 (kernel off) or a build without the kernel stay as they are.
+    from tokenmill.kernels.cpu import quant_gemv
+
+    assert quant_gemv.gemm_isa() in ("avx512", "avx2", "")
+    monkeypatch.setattr(quant_gemv, "gemm_available", lambda: True)
+    monkeypatch.setattr(quant_gemv, "gemm_isa", lambda: "avx2")
+    assert quant_gemv.prefill_rows_limit(64) == quant_gemv.ALL_ROWS
+    assert quant_gemv.prefill_rows_limit(0) == 0
+    monkeypatch.setattr(quant_gemv, "gemm_isa", lambda: "avx512")
+    assert quant_gemv.prefill_rows_limit(64) == 64
+    monkeypatch.setattr(quant_gemv, "gemm_available", lambda: False)
+    assert quant_gemv.prefill_rows_limit(64) == 64
+
+
+def test_batched_kernel_on_prefill_sized_products_matches_dequantized_weights():
+    # A 512-row product (a prefill chunk) through quant_gemm: the float32 product of the
+    # dequantized weights up to summation order.
+    from tokenmill.kernels.cpu.quant_gemv import gemm_available
+
+    if not gemm_available():
+        pytest.skip("no batched kernel in this build")
+    rng = np.random.default_rng(7)
+    n, k = 96, 576
+    raw = random_blocks(rng, GGMLQuantizationType.Q4_1, n, k)
+    weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k).astype(np.float32))
+    blocks = QuantizedBlocks(torch.from_numpy(split_rows(raw, 0)), 0, n)
+    x = torch.randn(512, k)
+    expected = (x.double() @ weights.double().t()).float()
+    out = quantized_linear(x, blocks, None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

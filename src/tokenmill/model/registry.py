@@ -101,7 +101,10 @@ def load_model(
         and quantization is None  # --quantization replaces the GGUF's own blocks
         and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
     ):
-        _attach_gguf_blocks(model, resolved.path, arch, kernel.cpu_quantized_gemm_rows, kernel.cpu_activation_bits)
+        _attach_gguf_blocks(
+            model, resolved.path, arch, kernel.cpu_quantized_gemm_rows, kernel.cpu_activation_bits,
+            kernel.cpu_quantized_prefill,
+        )  # fmt: skip
     return model.eval()
 
 
@@ -119,27 +122,33 @@ def _linear_hf_names(model: CausalLM) -> dict[int, list[str]]:
     return names
 
 
-def _attach_gguf_blocks(model: CausalLM, path: str, arch: ArchConfig, gemm_rows: int, activation_bits: int) -> None:
-    """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build."""
+def _attach_gguf_blocks(
+    model: CausalLM, path: str, arch: ArchConfig, gemm_rows: int, activation_bits: int, prefill: bool = False
+) -> None:
+    """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build; batched ones
+    up to `gemm_rows` rows, or (`prefill`) every row count where the build's kernel is the faster."""
     from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     available, why = cpu_kernels_available()
     if not available:
         logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
         return
-    from tokenmill.kernels.cpu.quant_gemv import blocks_rows_limit, rows_limit
+    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, blocks_rows_limit, prefill_rows_limit, rows_limit
 
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
         return
+    if prefill:
+        gemm_rows = prefill_rows_limit(gemm_rows)
     from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available, int8_isa
 
     bits = activation_bits if int8_available() else 0
     attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows, bits)
     if attached:
+        limit = blocks_rows_limit(gemm_rows)
         logger.info(
-            "matmuls of up to %d rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
-            blocks_rows_limit(gemm_rows),
+            "matmuls of up to %s rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
+            "any number of" if limit >= ALL_ROWS else limit,
             attached / 2**20,
             rows_limit(),
             f"{bits}-bit integer ({int8_isa().upper()})" if bits else "float32",

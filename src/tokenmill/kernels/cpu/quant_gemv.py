@@ -61,6 +61,27 @@ def gemm_available() -> bool:
 
 
 @functools.cache
+def gemm_isa() -> str:
+    """The batched kernel's path in this build: "avx512", "avx2" or "" (none)."""
+    return str(torch.ops.tokenmill_cpu.quant_gemm_isa())
+
+
+# Rows without limit: every product, prefill chunks included.
+ALL_ROWS = 1 << 62
+
+
+def prefill_rows_limit(gemm_rows: int) -> int:
+    """`gemm_rows` (KernelConfig.cpu_quantized_gemm_rows), raised to every row count where this
+    build's batched kernel also beats oneDNN's float32 product on prefill chunks: its AVX2+FMA
+    path (AMD Zen 3, one thread: 1.09-1.32x per matmul at 128 and 512 rows over SmolLM2-135M's
+    shapes, a 512-token prefill step 7-10 % less CPU; docs/CPU_PERFORMANCE.md). The AVX-512 path
+    keeps oneDNN above `gemm_rows` (oneDNN was the faster there). 0 stays 0 (kernel off)."""
+    if gemm_rows <= 0 or not gemm_available():
+        return gemm_rows
+    return ALL_ROWS if gemm_isa() == "avx2" else gemm_rows
+
+
+@functools.cache
 def _linear_int8() -> torch._ops.OpOverload:
     # The resolved overload: calling it skips the packet's overload lookup (~2 us of a decode
     # step's ~120 products each).

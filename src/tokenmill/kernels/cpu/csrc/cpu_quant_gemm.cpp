@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -325,11 +326,24 @@ bool quant_gemm_available() {
 #endif
 }
 
+// Which path this build has: "avx512", "avx2" or "" (none). The Python side picks the row counts
+// the kernel serves by it (kernels/cpu/quant_gemv.prefill_rows_limit).
+std::string quant_gemm_isa() {
+#if defined(TM_GEMM_AVX512)
+  return "avx512";
+#elif defined(TM_GEMM_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor blocks, int quant_type) -> ()");
   m.def("quant_gemm_available() -> bool", &quant_gemm_available);
+  m.def("quant_gemm_isa() -> str", &quant_gemm_isa);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("quant_gemm", &quant_gemm); }
