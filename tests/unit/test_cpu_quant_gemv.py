@@ -152,6 +152,38 @@ def test_decode_batches_up_to_gemm_rows_read_the_blocks() -> None:
     assert layer.method.blocks_for_rows(limit + 1) is None
 
 
+def test_blocks_serving_every_row_count_free_the_onednn_weights() -> None:
+    """Where the blocks serve every product (the AVX2 build's prefill too), the packed float32
+    copy oneDNN kept is freed (~300 MiB of the default model's RSS); the products still equal the
+    dequantized weights', and an input the blocks cannot take is refused by name. With a bounded
+    row count the float weights stay for the larger products."""
+    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, gemm_available, rows_limit
+    from tokenmill.model.layers.linear import ReplicatedLinear
+    from tokenmill.model.layers.onednn_linear import OneDNNLinearMethod, onednn_packing_available
+    from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
+
+    if not onednn_packing_available(torch.float32) or not gemm_available() or rows_limit() < 1:
+        pytest.skip("needs oneDNN packing and the batched quantized kernel")
+    rng = np.random.default_rng(3)
+    gguf_rows = random_blocks(rng, GGMLQuantizationType.Q8_0, 24, 64)
+    dense = torch.from_numpy(dequantize(gguf_rows, GGMLQuantizationType.Q8_0).reshape(24, 64).astype(np.float32))
+    layers = {}
+    for name, gemm_rows in (("all", ALL_ROWS), ("bounded", 4)):
+        layer = ReplicatedLinear(64, 24, method=OneDNNLinearMethod())
+        layer.weight.data.copy_(dense)
+        layer.method.process_layers_after_loading([layer])
+        blocks = QuantizedBlocks(torch.from_numpy(split_rows(gguf_rows, 1)), 1, 24)
+        attach_quantized_blocks(layer, blocks, gemm_rows=gemm_rows)
+        layers[name] = layer
+    assert layers["all"].packed_weight is None and layers["all"].plain_weight is None
+    assert layers["bounded"].packed_weight is not None
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    for layer in layers.values():
+        torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="keeps only its GGUF blocks"):
+        layers["all"](x.double())
+
+
 def test_prefill_rows_limit_takes_every_row_on_avx2_only(monkeypatch):
     # Prefill chunks join the batched kernel where its path beats oneDNN (AVX2); AVX-512 keeps the
     # configured decode limit, and 0 (kernel off) or a build without the kernel stay as they are.

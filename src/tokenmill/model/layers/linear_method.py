@@ -62,6 +62,10 @@ class LinearMethod:
         """Free a second copy of the weights kept only for one-row products (another method serves
         those now). Nothing to free here."""
 
+    def release_float_copies(self, layer: LinearBase) -> None:
+        """Free the float weights this method multiplies with: another method serves every
+        product of the layer now. Nothing here (the plain weight is the layer's parameter)."""
+
     def apply(
         self,
         layer: LinearBase,
@@ -110,6 +114,9 @@ class WrappingLinearMethod(LinearMethod):
 
     def release_single_row_copy(self, layer: LinearBase) -> None:
         self.inner.release_single_row_copy(layer)
+
+    def release_float_copies(self, layer: LinearBase) -> None:
+        self.inner.release_float_copies(layer)
 
     def apply(
         self,

@@ -76,6 +76,11 @@ class OneDNNLinearMethod(LinearMethod):
     def release_single_row_copy(self, layer: LinearBase) -> None:
         layer.plain_weight = None
 
+    def release_float_copies(self, layer: LinearBase) -> None:
+        layer.packed_weight = None
+        if not layer.weight_is_shared:  # a tied lm_head's plain weight is the embedding table itself
+            layer.plain_weight = None
+
     def apply(
         self,
         layer: LinearBase,

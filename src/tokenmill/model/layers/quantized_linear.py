@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, blocks_rows_limit, quantized_linear
+from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, QuantizedBlocks, blocks_rows_limit, quantized_linear
 from tokenmill.model.layers.linear_method import LinearMethod, WrappingLinearMethod, finish_product
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ class GGUFBlocksMethod(WrappingLinearMethod):
         super().__init__(inner)
         self.blocks = blocks
         self.max_rows = blocks_rows_limit(gemm_rows)
+        # Set when the blocks serve every row count and the inner method's float weights are freed.
+        self.float_weights_released = False
 
     def blocks_for_rows(self, rows: int) -> QuantizedBlocks | None:
         """The blocks when a product of `rows` rows should use them."""
@@ -48,6 +50,11 @@ class GGUFBlocksMethod(WrappingLinearMethod):
     ) -> torch.Tensor:
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows:
             return finish_product(quantized_linear(x, self.blocks, bias), residual, out_dtype)
+        if self.float_weights_released:
+            raise RuntimeError(
+                f"this layer keeps only its GGUF blocks, which multiply float32 rows; got {x.dtype} "
+                f"[{x.shape[0]} rows]"
+            )
         return self.inner.apply(layer, x, bias, residual, out_dtype)
 
 
@@ -55,8 +62,15 @@ def attach_quantized_blocks(layer: LinearBase, blocks: QuantizedBlocks, gemm_row
     """Route `layer`'s few-row products (up to `gemm_rows` rows where the batched kernel exists) to
     `blocks` and free the float copy kept for single rows (the blocks serve those now). Only call it
     where rows_limit() >= 1."""
-    layer.method = GGUFBlocksMethod(layer.method, blocks, gemm_rows)
-    layer.method.release_single_row_copy(layer)
+    method = layer.method = GGUFBlocksMethod(layer.method, blocks, gemm_rows)
+    if method.max_rows >= ALL_ROWS:
+        # Every product goes to the blocks (the AVX2 build's prefill too): the float copies the
+        # inner method kept (oneDNN's packed weights, ~430 MiB for the default model) would only
+        # take memory.
+        method.release_float_copies(layer)
+        method.float_weights_released = True
+    else:
+        method.release_single_row_copy(layer)
 
 
 def quantized_blocks(layer: LinearBase) -> QuantizedBlocks | None:
