@@ -166,10 +166,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument("--quantization", default=None, help="as `serve --quantization` (e.g. fp8, quantized at load)")
     args = parser.parse_args()
-    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len)
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len, quantization=args.quantization)
     rows = [profile_batch(llm, int(b), args.input_len) for b in args.batch_sizes.split(",")]
-    print(f"{torch.cuda.get_device_name(0)}, Llama-3.1-8B shapes, bf16, {args.input_len}-token prompts")
+    print(
+        f"{torch.cuda.get_device_name(0)}, {args.model} shapes, {args.quantization or 'bf16'}, "
+        f"{args.input_len}-token prompts"
+    )
     print("batch | mode   | step ms | forward device ms | kernel ms | kernels | other syncs/step")
     for r in rows:
         for mode in ("graphs", "eager"):
@@ -187,6 +191,7 @@ def main() -> None:
         "load_format": "dummy",
         "input_len": args.input_len,
         "max_model_len": args.max_model_len,
+        "quantization": args.quantization,
     }
     print(f"wrote {write_result('profile-decode', config, {'rows': rows}, out_dir=args.result_dir)}")
 

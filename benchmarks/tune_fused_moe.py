@@ -47,8 +47,11 @@ def _tiles(spec: tuple[int, int, int, int], group_m: int):
     return GemmTiles(block_n=block_n, block_k=block_k, group_m=group_m, num_warps=warps, num_stages=stages)
 
 
-GEMV_SPECS = [(1, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (4, 256, 4, 3), (8, 256, 4, 2), (8, 512, 8, 2),
-              (16, 128, 4, 3), (16, 256, 8, 2)]  # fmt: skip
+# (block_n, block_k, warps, stages). The first rows read whole weight rows per program in one
+# stage, as the dense row GEMV (gemv.py) does at batch 1; the rest tile K.
+GEMV_SPECS = [(1, 2048, 8, 1), (1, 2048, 4, 1), (2, 2048, 8, 1), (2, 1024, 8, 1), (4, 1024, 8, 1),
+              (1, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (1, 256, 2, 3), (2, 256, 4, 3), (4, 256, 4, 3),
+              (8, 256, 4, 2), (8, 512, 8, 2), (8, 128, 4, 3), (16, 128, 4, 3), (16, 256, 8, 2)]  # fmt: skip
 
 
 def candidates(num_tokens: int, top_k: int, num_experts: int) -> list[tuple[str, int, list]]:
@@ -172,7 +175,7 @@ def tune_shape(name: str, dtype: torch.dtype, batches: tuple[int, ...]) -> dict:
                 blocks = [align_pairs(ids, experts, block_m) for _, ids in routes]
                 outs = [torch.empty(num_pairs, hidden, device="cuda", dtype=dtype) for _ in range(routings)]
                 gate_up_calls = [
-                    functools.partial(fm._launch_gate_up, x, gate_up, act, b, top_k)
+                    functools.partial(fm._launch_gate_up, x, gate_up, act, b, top_k, epilogue=fm._ExpertEpilogue())
                     for x, act, b in zip(xs, acts, blocks, strict=True)
                 ]
                 down_calls = [
@@ -228,6 +231,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--out-dir", default=None, help="where to write (default: the repo's moe_configs)")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="keep the existing file's entries for the batches not tuned now (tune a few batches again)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import triton
@@ -267,6 +274,12 @@ def main() -> None:
             "configs": entries,
         }
         path = os.path.join(out_dir, config_file_name(experts, inter, hidden, dtype))
+        existing = CONFIG_DIR / config_file_name(experts, inter, hidden, dtype)
+        if args.merge and existing.is_file():
+            kept = json.loads(existing.read_text())["configs"]
+            record["configs"] = dict(sorted({**kept, **entries}.items(), key=lambda kv: int(kv[0])))
+            record["merged_with"] = {"device": json.loads(existing.read_text()).get("device"), "kept": sorted(
+                (k for k in kept if k not in entries), key=int)}  # fmt: skip
         with open(path, "w") as f:
             f.write(json.dumps(record, indent=1) + "\n")
         print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
