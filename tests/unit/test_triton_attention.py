@@ -25,7 +25,7 @@ import triton.language as tl  # noqa: E402
 
 from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.attention import triton_paged  # noqa: E402
-from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
+from tokenmill.attention.backend import AttentionMetadata, QKNorm  # noqa: E402
 from tokenmill.kernels.triton.kv_store import store_kv  # noqa: E402
 
 INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
@@ -414,17 +414,17 @@ def test_rope_with_qk_norm_equals_norm_then_rope(dtype: torch.dtype, weight_dtyp
     fused_x, fused_cache = x.clone(), cache.clone()
     rope_and_store_kv(
         fused_x, num_q_heads, v, positions, cos_cache, sin_cache, fused_cache, slot_mapping,
-        qk_norm=(q_weight, k_weight, eps),
+        qk_norm=QKNorm(q_weight, k_weight, eps),
     )  # fmt: skip
     rotated_only = x.clone()
-    rope_inplace(rotated_only, positions, cos_cache, sin_cache, qk_norm=(q_weight, k_weight, eps), first_kv_head=4)
+    rope_inplace(rotated_only, positions, cos_cache, sin_cache, qk_norm=QKNorm(q_weight, k_weight, eps), first_kv_head=4)
     # Only 1/rms may differ in its last bit (reduction order).
     tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-3}
     torch.testing.assert_close(fused_x.float(), expected_x.float(), **tolerance)
     torch.testing.assert_close(fused_cache.float(), expected_cache.float(), **tolerance)
     torch.testing.assert_close(rotated_only.float(), expected_x.float(), **tolerance)
     with pytest.raises(ValueError, match="k norm weight"):
-        rope_inplace(x.clone(), positions, cos_cache, sin_cache, qk_norm=(q_weight, k_weight[:8], eps))
+        rope_inplace(x.clone(), positions, cos_cache, sin_cache, qk_norm=QKNorm(q_weight, k_weight[:8], eps))
 
 
 @interpreted_only
@@ -568,7 +568,6 @@ def test_decode_with_rope_applies_the_qk_norms(dtype: torch.dtype, weight_dtype:
     """With `qk_norm` (Qwen3's RMSNorm, Gemma 3's float32 1 + w) the launch normalizes each q and k
     head before RoPE: the same cache and output as normalizing them with the model's own norm
     (layers/rmsnorm.py) and passing the results in."""
-    from tokenmill.attention.backend import QKNorm
     from tokenmill.model.layers.rmsnorm import rms_norm, rms_norm_float32_weight
 
     num_heads, num_kv_heads, head_dim, eps, block_size = 8, 2, 16, 1e-6, 4

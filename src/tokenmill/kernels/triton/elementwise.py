@@ -17,13 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.backend import QKNorm
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for, quantize_kv
 from tokenmill.kernels.triton.rms import head_rms_norm, inverse_rms
 from tokenmill.kernels.triton.rounding import round_like as _round_like
-
-# (q norm weight, k norm weight, eps): a layer's per-head Q/K RMSNorm for the RoPE launch.
-QKNormWeights = tuple[torch.Tensor, torch.Tensor, float]
 
 
 @triton.jit
@@ -215,10 +213,10 @@ def _check_rope_input(x: torch.Tensor) -> None:
         raise ValueError(f"RoPE needs an even head_dim contiguous in memory, got {tuple(x.shape)}")
 
 
-def _checked_qk_norm(qk_norm: QKNormWeights | None, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _checked_qk_norm(qk_norm: QKNorm | None, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     if qk_norm is None:
         return None
-    q_weight, k_weight, _ = qk_norm
+    q_weight, k_weight = qk_norm.q_weight, qk_norm.k_weight
     for name, weight in (("q norm", q_weight), ("k norm", k_weight)):
         if weight.shape != (head_dim,) or weight.stride(0) != 1:
             raise ValueError(f"the {name} weight must be a contiguous [{head_dim}] tensor, got {tuple(weight.shape)}")
@@ -230,13 +228,13 @@ def rope_inplace(
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    qk_norm: QKNormWeights | None = None,
+    qk_norm: QKNorm | None = None,
     first_kv_head: int = 0,
 ) -> None:
     """Rotates x [T, heads, head_dim] (token and head strides free, head_dim contiguous) in place.
 
     cos_cache / sin_cache: [max_positions, head_dim] as RotaryEmbedding holds them. With `qk_norm`
-    (q weight, k weight, eps) every head is first RMS-normalized, heads from `first_kv_head` on
+    every head is first RMS-normalized, heads from `first_kv_head` on
     with the k weight (see layers/rmsnorm.py for the two rounding orders the weights' dtypes pick).
     """
     num_tokens, num_heads, head_dim = x.shape
@@ -248,7 +246,7 @@ def rope_inplace(
     _rope_kernel[(num_tokens,)](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
         first_kv_head, x, x, x, positions, x, x, 0, 0, 0, 0, 0,  # no KV store
-        norm[0] if norm else x, norm[1] if norm else x, qk_norm[2] if qk_norm else 0.0,
+        norm[0] if norm else x, norm[1] if norm else x, qk_norm.eps if qk_norm else 0.0,
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
         STORE_KV=False, NUM_KV_HEADS=1, KV_HEADS_PAD=1, PAGE_SIZE=1, FP8=False, QK_NORM=norm is not None,
         num_warps=4,
@@ -266,7 +264,7 @@ def rope_and_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    qk_norm: QKNormWeights | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """rope_inplace(x) (with `qk_norm`: the per-head norms first), then the rotated keys (x's
     heads from `first_kv_head` on) and v [T, kv_heads, head_dim] written to their slots of
@@ -298,7 +296,7 @@ def rope_and_store_kv(
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
         first_kv_head, v, key_cache, value_cache, slot_mapping, k_scale, v_scale, v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        norm[0] if norm else x, norm[1] if norm else x, qk_norm[2] if qk_norm else 0.0,
+        norm[0] if norm else x, norm[1] if norm else x, qk_norm.eps if qk_norm else 0.0,
         HALF=half, HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
         STORE_KV=True, NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         PAGE_SIZE=kv_cache.shape[2], FP8=is_fp8_kv(kv_cache.dtype), QK_NORM=norm is not None, num_warps=4,

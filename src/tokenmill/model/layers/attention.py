@@ -136,6 +136,13 @@ class SelfAttention(nn.Module):
     # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
     __call__ = forward
 
+    def _qk_norm(self) -> QKNorm | None:
+        """The per-head Q/K norms (Qwen3, Gemma 3) for a launch that applies them; None without.
+        Built per call: loading or folding may replace the norm weights."""
+        if self.q_norm is None:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def attend_with_rope_in_launch(
         self,
         qkv: torch.Tensor,
@@ -160,9 +167,7 @@ class SelfAttention(nn.Module):
         q_size, kv_size = self.q_size, self.kv_size
         qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        qk_norm = None
-        if self.q_norm is not None:
-            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        qk_norm = self._qk_norm()
         out = self.attn_backend.forward_decode_with_rope(
             qk[:, :heads], qk[:, heads:], v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, meta,
             norm_source=norm_source, norm_eps=self.eps, qk_norm=qk_norm, layer=self.layer_spec,
@@ -191,7 +196,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and ops.applies_qk_norm_in_rope:
             # The Q/K norms, RoPE (and the store) in one launch, in place on qkv's q and k.
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
-            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            qk_norm = self._qk_norm()
             if store:
                 qk = ops.rotate_and_store_kv(
                     qk, heads, v, rope, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale, qk_norm=qk_norm

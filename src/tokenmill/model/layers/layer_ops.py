@@ -167,7 +167,7 @@ class TritonLayerOps:
         """Rotate x in place; with `qk_norm`, x is [T, q heads + kv heads, head_dim] (k heads from
         `num_q_heads` on) and each head is normalized first."""
         self._ops.rope_inplace(
-            x, rope.positions, rope.cos_cache, rope.sin_cache, qk_norm=_norm_weights(qk_norm), first_kv_head=num_q_heads
+            x, rope.positions, rope.cos_cache, rope.sin_cache, qk_norm=qk_norm, first_kv_head=num_q_heads
         )
         return x
 
@@ -182,7 +182,7 @@ class TritonLayerOps:
         scales, see kernels/kv_fp8.py)."""
         self._ops.rope_and_store_kv(
             qk, num_q_heads, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, slot_mapping,
-            k_scale=k_scale, v_scale=v_scale, qk_norm=_norm_weights(qk_norm),
+            k_scale=k_scale, v_scale=v_scale, qk_norm=qk_norm,
         )  # fmt: skip
         return qk
 
@@ -195,10 +195,6 @@ class TritonLayerOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._ops.gelu_tanh_mul(gate_up)
-
-
-def _norm_weights(qk_norm: QKNorm | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    return None if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
 
 
 LayerOps = TorchLayerOps | TritonLayerOps
