@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU serving under load (issue 24): for each request rate, a FRESH `tokenmill serve` (no warm-up
-# traffic) with Llama-3.1-8B shapes and dummy bf16 weights, traced (--trace-dir), driven by
+# traffic) with $MODEL's shapes (default Llama-3.1-8B) and dummy bf16 weights, traced (--trace-dir), driven by
 # `tokenmill bench serve` with 512-token prompts and 256-token answers (Poisson arrivals, or all
 # at once for "inf" = saturation). Each result JSON carries metrics.tail: where the slowest 1 % of
 # requests spent their time (bench/tail.py).
@@ -43,10 +43,10 @@ for rate in $RATES; do
   fi
   echo "rate $rate: server healthy after $(python3 -c "import time; print(round(time.time() - $started, 1))") s"
   limit=()
-  name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate$TAG"
+  name="serve-tail-$(basename "$MODEL")-$DEVICE_NAME-rate-$rate$TAG"
   if [ -n "${MAX_CONCURRENCY:-}" ]; then
     limit=(--max-concurrency "$MAX_CONCURRENCY")
-    name="serve-tail-llama-3.1-8b-$DEVICE_NAME-rate-$rate-c$MAX_CONCURRENCY$TAG"
+    name="serve-tail-$(basename "$MODEL")-$DEVICE_NAME-rate-$rate-c$MAX_CONCURRENCY$TAG"
   fi
   if [ "$rate" = inf ]; then n=$SATURATION_PROMPTS; else n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))"); fi
   timeout 300 "${TOKENMILL[@]}" bench serve --dataset-name random --random-input-len 512 --random-output-len 256 \
