@@ -113,8 +113,9 @@ def test_align_small_and_align_by_sort_give_the_same_valid_blocks(num_tokens, nu
 @interpreted_only
 @pytest.mark.parametrize(
     ("num_experts", "top_k", "renormalize", "dtype"),
-    [(8, 2, True, torch.float32), (60, 4, False, torch.bfloat16), (128, 8, True, torch.bfloat16), (6, 1, False, torch.float32)],
-)
+    [(8, 2, True, torch.float32), (60, 4, False, torch.bfloat16), (128, 8, True, torch.bfloat16), (6, 1, False, torch.float32),
+     (160, 6, True, torch.float32)],  # float32: bf16 ties order as torch.topk does not
+)  # fmt: skip
 def test_topk_softmax_matches_torch_routing(num_experts, top_k, renormalize, dtype):
     logits = (torch.randn(11, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 2).to(dtype)
     weights, ids = topk_softmax(logits, top_k, renormalize, round_to_logits_dtype=dtype != torch.float32)
@@ -124,6 +125,16 @@ def test_topk_softmax_matches_torch_routing(num_experts, top_k, renormalize, dty
     torch.testing.assert_close(weights, expected_weights.float(), atol=1e-6, rtol=1e-6)
     if renormalize and dtype == torch.float32:
         torch.testing.assert_close(weights.sum(-1), torch.ones(11))
+
+
+@interpreted_only
+@pytest.mark.parametrize("num_experts", [8, 160])
+def test_topk_softmax_ties_go_to_the_lower_expert_id(num_experts):
+    logits = torch.zeros(2, num_experts)
+    logits[1, [3, 5, 6]] = 1.0  # three tied leaders, then all the rest tied
+    weights, ids = topk_softmax(logits, 4, renormalize=False)
+    assert ids.tolist() == [[0, 1, 2, 3], [3, 5, 6, 0]]
+    assert torch.equal(weights[0], torch.full((4,), 1 / num_experts))
 
 
 # -- the grouped GEMMs ----------------------------------------------------------------------------------
