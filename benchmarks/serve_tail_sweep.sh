@@ -5,6 +5,8 @@
 # at once for "inf" = saturation). Each result JSON carries metrics.tail: where the slowest 1 % of
 # requests spent their time (bench/tail.py).
 #   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
+# TOKENIZER: one whose vocabulary covers the model's (benchmarks/make_dummy_tokenizer.py writes one
+# for dummy weights); a smaller one leaves most sampled ids without text and the TTFTs late.
 # Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
 # TAG (result-name suffix), MAX_CONCURRENCY (unset: no cap; N: at most N requests in flight at every
 # rate, a request's TTFT counted from when it is sent; with "inf" that is a closed loop of N, with a

@@ -64,3 +64,23 @@ def test_the_shell_scripts_parse_and_the_speculation_one_answers_help() -> None:
     assert "num_speculative_tokens" in result.stdout
     wrong = subprocess.run(["bash", str(script), "--port"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert wrong.returncode == 2 and "takes no arguments" in wrong.stderr
+
+
+def test_the_dummy_tokenizer_gives_every_id_visible_text_and_round_trips(tmp_path: Path) -> None:
+    """benchmarks/make_dummy_tokenizer.py: serving benchmarks on random weights need every sampled
+    id to stream text (else the client's first chunk, its TTFT, comes late)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+
+    spec = importlib.util.spec_from_file_location("make_dummy_tokenizer", ROOT / "benchmarks/make_dummy_tokenizer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tokenizer = AutoTokenizer.from_pretrained(module.write(tmp_path / "tok", 300))
+    assert len(tokenizer) == 300 and tokenizer.all_special_ids == [0]
+    ids = list(range(1, 300))
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+    detokenizer = IncrementalDetokenizer(tokenizer, [5, 6])
+    assert all(detokenizer.add_tokens([i]) for i in ids)

@@ -1,0 +1,52 @@
+"""Write a tokenizer whose every id decodes to visible text, for serving benchmarks on dummy weights.
+
+A model with random weights samples ids from its whole vocabulary. Served with a smaller real
+tokenizer (the default model's 49,152 ids on a 151,936-id Qwen3 shape), most sampled ids decode
+to no text, the API server has nothing to stream, and the client's first chunk, and so its TTFT,
+arrives late or only at the end (BENCHMARKS.md, MoE serving with piecewise graphs). This one is a
+word-level vocabulary of exactly `--vocab-size` entries, id i <-> "w{i}", split on whitespace and
+joined with spaces: every id is one visible word, and text made of them round-trips to the same
+ids, so `bench serve --dataset-name random` prompts keep their length.
+
+    python3 benchmarks/make_dummy_tokenizer.py .gputok-151936 --vocab-size 151936
+    TOKENIZER=.gputok-151936 MODEL=benchmarks/configs/qwen3-30b-a3b benchmarks/serve_tail_sweep.sh
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+UNKNOWN = "w0"  # never produced by a round trip; text outside the vocabulary maps here
+
+
+def build(vocab_size: int) -> Tokenizer:
+    if vocab_size < 2:
+        raise ValueError(f"--vocab-size must be at least 2, got {vocab_size}")
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token=UNKNOWN))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return tokenizer
+
+
+def write(out_dir: Path, vocab_size: int) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build(vocab_size).save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20, "unk_token": UNKNOWN}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--vocab-size", type=int, required=True, help="the model config's vocab_size")
+    args = parser.parse_args()
+    print(f"wrote {write(args.out_dir, args.vocab_size)} ({args.vocab_size} ids)")
+
+
+if __name__ == "__main__":
+    main()
