@@ -1,9 +1,9 @@
 """Write a tokenizer whose every id decodes to visible text, for serving benchmarks on dummy weights.
 
 A model with random weights samples ids from its whole vocabulary. Served with a smaller real
-tokenizer (the default model's 49,152 ids on a 151,936-id Qwen3 shape), most sampled ids decode
-to no text, the API server has nothing to stream, and the client's first chunk, and so its TTFT,
-arrives late or only at the end (BENCHMARKS.md, MoE serving with piecewise graphs). This one is a
+tokenizer (the default model's 49,152 ids on a 151,936-id Qwen3 shape), the ids beyond it decode
+to no text, so the API server streams nothing for them and a client's TTFT / ITL also depend on
+which ids came out (suspected in the MoE serving runs of BENCHMARKS.md, not established). This one is a
 word-level vocabulary of exactly `--vocab-size` entries, id i <-> "w{i}", split on whitespace and
 joined with spaces: every id is one visible word, and text made of them round-trips to the same
 ids, so `bench serve --dataset-name random` prompts keep their length.
