@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.config import KernelConfig
+from tokenmill.kernels.qk_norm import QKNorm  # defined below the kernels; backends and layers import it here
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +83,6 @@ class AttentionLayerSpec:
 
 
 PLAIN_ATTENTION = AttentionLayerSpec()
-
-
-@dataclass(frozen=True, slots=True)
-class QKNorm:
-    """A layer's per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3), for a fused decode
-    launch: the [head_dim] weights (16-bit: normalize, round, multiply, round, as
-    layers/rmsnorm.rms_norm; float32: Gemma's 1 + w, multiplied before the one rounding)."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
 
 
 class KVLayerHooks(Protocol):

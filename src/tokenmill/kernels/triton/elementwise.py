@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.backend import QKNorm
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.qk_norm import QKNorm
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for, quantize_kv
 from tokenmill.kernels.triton.rms import head_rms_norm, inverse_rms
 from tokenmill.kernels.triton.rounding import round_like as _round_like
