@@ -208,6 +208,25 @@ def tiny_mistral_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     )
 
 
+# The CPU's default KV pool (kv_cache_memory unset, no num_kv_blocks) is 1 GiB, zero-filled at every
+# engine start: ~0.65 s of page faults and memset per LLM, over the hundreds of in-process engines
+# the suite builds (the 1 GiB pools were most of its ~300 s of system time). Tests of the pool's own
+# size set kv_cache_memory / num_kv_blocks explicitly; everywhere else 256 MiB is far more than any
+# test's requests hold (~5.7K tokens of the default model in fp32, over 100K of a tiny one).
+# Engines in other processes (served models, TP workers) keep the real default.
+TEST_DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _smaller_default_cpu_kv_pool():
+    from tokenmill.worker import kv_cache
+
+    real = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = TEST_DEFAULT_CPU_KV_CACHE_BYTES
+    yield
+    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = real
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model's .gguf (SmolLM2-135M-Instruct Q4_1), fetched into $TOKENMILL_CACHE once."""
