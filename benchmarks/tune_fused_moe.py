@@ -276,10 +276,12 @@ def main() -> None:
         path = os.path.join(out_dir, config_file_name(experts, inter, hidden, dtype))
         existing = CONFIG_DIR / config_file_name(experts, inter, hidden, dtype)
         if args.merge and existing.is_file():
-            kept = json.loads(existing.read_text())["configs"]
+            previous = json.loads(existing.read_text())
+            kept = previous["configs"]
             record["configs"] = dict(sorted({**kept, **entries}.items(), key=lambda kv: int(kv[0])))
-            record["merged_with"] = {"device": json.loads(existing.read_text()).get("device"), "kept": sorted(
-                (k for k in kept if k not in entries), key=int)}  # fmt: skip
+            record["merged_with"] = {
+                "device": previous.get("device"), "kept": sorted((k for k in kept if k not in entries), key=int),
+            }  # fmt: skip
         with open(path, "w") as f:
             f.write(json.dumps(record, indent=1) + "\n")
         print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
