@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.fast_launch import FastLauncher
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for, quantize_kv
 
 
@@ -61,6 +62,10 @@ def _inner_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+# Launched eagerly per layer in mixed steps (between CUDA-graph pieces): skip Triton's dispatch.
+_STORE_KV_LAUNCH = FastLauncher(_store_kv_kernel)
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -94,7 +99,8 @@ def store_kv(
     value = _inner_dim_contiguous(value)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, num_kv_heads)
-    _store_kv_kernel[(num_tokens,)](
+    _STORE_KV_LAUNCH(
+        (num_tokens,),
         key,
         value,
         key_cache,

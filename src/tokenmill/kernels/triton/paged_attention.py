@@ -53,11 +53,17 @@ import torch
 import triton
 
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.fast_launch import FastLauncher
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for
 from tokenmill.kernels.triton.paged_attention_kernel import _paged_attention_kernel
 from tokenmill.kernels.triton.paged_attention_merge import _merge_splits_kernel
 
 LOG2_E = 1.4426950408889634
+
+# A mixed step launches attention eagerly between its CUDA-graph pieces: skip Triton's per-call
+# dispatch of these ~90-parameter kernels (kernels/triton/fast_launch.py).
+_ATTENTION_LAUNCH = FastLauncher(_paged_attention_kernel)
+_MERGE_LAUNCH = FastLauncher(_merge_splits_kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,7 +492,8 @@ class _Launch:
         q_norm = rope.q_norm_weight if rope is not None else None
         k_norm = rope.k_norm_weight if rope is not None else None
         layer = self.layer
-        _paged_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
+        _ATTENTION_LAUNCH(
+            (num_q_programs, num_kv_heads, num_kv_splits),
             out,
             partial_out,
             partial_lse,
@@ -575,7 +582,8 @@ class _Launch:
         out = self.out
         num_heads, num_kv_heads = out.shape[1], self.kv_cache.shape[3]
         layer = self.layer
-        _merge_splits_kernel[(self.num_reqs, num_kv_heads)](
+        _MERGE_LAUNCH(
+            (self.num_reqs, num_kv_heads),
             out,
             self.partial_out,
             self.partial_lse,
