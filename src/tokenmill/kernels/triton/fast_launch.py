@@ -38,6 +38,15 @@ def fast_launch_mode() -> str:
     return os.environ.get("TOKENMILL_TRITON_FAST_LAUNCH", "1")
 
 
+def _hook_set(hook: object) -> bool:
+    """Whether a launch hook would do anything: Triton 3.6 keeps an always-present `HookChain`
+    (empty unless a profiler added a call), later versions None when unset."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
 class FastLauncher:
     """Launches one `@triton.jit` kernel, reusing the compiled kernel Triton picked for a key."""
 
@@ -116,7 +125,7 @@ class FastLauncher:
         if self.constexpr_names is None or len(args) != self.num_runtime:
             return None
         knobs = triton.knobs.runtime
-        if knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None:
+        if _hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook):
             return None  # a profiler wants launch metadata: let Triton build it
         specs: list[object] = []
         append = specs.append
