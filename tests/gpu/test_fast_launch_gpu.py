@@ -74,3 +74,100 @@ def test_cpu_tensors_fall_back(monkeypatch) -> None:
     with pytest.raises(Exception):  # noqa: B017 - Triton's own error for a host pointer
         launcher((1,), torch.zeros(16), torch.zeros(16, device="cuda"), 16, 1, 1.0, BLOCK=16)
     assert not launcher.compiled
+
+
+def _mixed_step(num_layers: int, dtype: torch.dtype = torch.bfloat16):
+    """A mixed step's metadata (one 96-token chunk on a 40-token prefix beside 7 decodes at
+    ~300 tokens) and per-layer caches, q, k, v."""
+    from tokenmill.attention.backend import AttentionMetadata
+
+    heads, kv_heads, head_dim, block = 8, 2, 64, 16
+    query_lens, context_lens = [96] + [1] * 7, [40] + [300 + 13 * i for i in range(7)]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks = [-(-s // block) for s in seq_lens]
+    num_blocks = sum(blocks)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    slots, used = [], 0
+    for r, n in enumerate(blocks):
+        owned = order[used : used + n]
+        used += n
+        tables[r, :n] = owned.to(torch.int32)
+        pos = torch.arange(context_lens[r], seq_lens[r])
+        slots.append(owned[pos // block] * block + pos % block)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        num_reqs=len(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq.cuda(),
+        block_tables=tables.cuda(),
+        slot_mapping=torch.cat(slots).cuda(),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        is_decode_only=False,
+    )
+    n = sum(query_lens)
+    layers = [
+        (
+            torch.randn(2, num_blocks, block, kv_heads, head_dim, device="cuda", dtype=dtype),
+            torch.randn(n, heads, head_dim, device="cuda", dtype=dtype),
+            torch.randn(n, kv_heads, head_dim, device="cuda", dtype=dtype),
+            torch.randn(n, kv_heads, head_dim, device="cuda", dtype=dtype),
+        )
+        for _ in range(num_layers)
+    ]
+    return (heads, kv_heads, head_dim, block), meta, layers
+
+
+@pytest.mark.parametrize("mode", ["1", "verify"])
+def test_layers_replaying_a_recorded_step_match_fresh_launches(monkeypatch, mode: str) -> None:
+    """The backend records the first layer's attention launches of a step and replays them for the
+    others with their own cache, q and output: same bits as each layer computed on its own."""
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.kernels.triton import paged_attention as pa
+
+    monkeypatch.setenv("TOKENMILL_TRITON_FAST_LAUNCH", mode)
+    (heads, kv_heads, head_dim, block), meta, layers = _mixed_step(4)
+    fresh_caches = [cache.clone() for cache, *_ in layers]
+    stepped = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+    hits_before = pa._ATTENTION_LAUNCH.hits
+    replayed = [stepped.forward(q, k, v, cache, meta).clone() for cache, q, k, v in layers]
+    if mode == "1":
+        assert pa._ATTENTION_LAUNCH.hits - hits_before >= 2 * (len(layers) - 1)  # prefill + decode launches
+    for i, (_, q, k, v) in enumerate(layers):
+        alone = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+        expected = alone.forward(q, k, v, fresh_caches[i], meta)
+        torch.testing.assert_close(replayed[i], expected, rtol=0, atol=0)
+        torch.testing.assert_close(layers[i][0], fresh_caches[i], rtol=0, atol=0)  # the KV stores agree too
+
+
+def test_replay_refuses_a_q_of_other_strides(monkeypatch) -> None:
+    """A layer whose q differs in strides from the recorded one (or alignment) is launched afresh."""
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.kernels.triton.paged_attention import replay_paged_attention
+
+    monkeypatch.setenv("TOKENMILL_TRITON_FAST_LAUNCH", "1")
+    (heads, kv_heads, head_dim, block), meta, layers = _mixed_step(2)
+    backend = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+    cache0, q0, k0, v0 = layers[0]
+    backend.forward(q0, k0, v0, cache0, meta)
+    ((_, _, recorded),) = backend._replay_memo[2].values()
+    cache1, q1, k1, v1 = layers[1]
+    wide = torch.zeros(q1.shape[0], heads + 1, head_dim, device="cuda", dtype=q1.dtype)
+    wide[:, :heads] = q1
+    strided_q = wide[:, :heads]
+    out = torch.empty_like(q1)
+    assert not replay_paged_attention(recorded, out, strided_q, cache1)
+    unaligned = torch.empty(q1.numel() + 1, device="cuda", dtype=q1.dtype)[1:].view_as(q1)
+    unaligned.copy_(q1)
+    assert not replay_paged_attention(recorded, out, unaligned, cache1)
+    # Through the backend both still give the right answer (a fresh launch).
+    expected = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block).forward(
+        q1, k1, v1, cache1.clone(), meta
+    )
+    got = backend.forward(strided_q, k1, v1, cache1, meta)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -48,6 +48,7 @@ from tokenmill.kernels.triton.paged_attention import (
     decode_query_block,
     launch_variants,
     paged_attention,
+    replay_paged_attention,
 )
 
 MAX_KV_SPLITS = 64
@@ -157,6 +158,8 @@ class TritonPagedBackend(AttentionBackend):
         self._graph_max_context_len = 0
         self._graph_scratch: _SplitScratch | None = None
         self._plan_memo: tuple | None = None  # (metadata, window, plan) of the step being run
+        # (metadata, its sizes, {id(layer spec): (layer spec, recorded launches)}) of the step being run
+        self._replay_memo: tuple | None = None
 
     # -- CUDA-graph hooks -----------------------------------------------------------------------
 
@@ -168,7 +171,11 @@ class TritonPagedBackend(AttentionBackend):
         if not torch.cuda.is_available():
             raise RuntimeError("prepare_for_capture needs CUDA: graphs are captured on the GPU only")
         device = torch.device("cuda", torch.cuda.current_device())
-        limits = (max_num_reqs, decode_query_block(max_decode_query_len), max_blocks_per_req * self.block_size)
+        limits = (
+            max_num_reqs,
+            decode_query_block(max_decode_query_len),
+            max_blocks_per_req * self.block_size,
+        )
         if self._graph_scratch is not None:
             # A second set of graphs (LoRA captures one with its kernels and one without) shares the
             # first's scratch: graphs already captured read it, so it must stay where it is.
@@ -295,6 +302,25 @@ class TritonPagedBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        # Every layer of a step launches the same attention but for its cache, q and output: the
+        # first layer (per layer spec) records its launches, the others replay them.
+        record = None
+        if rope is None and q.is_cuda:
+            memo = self._replay_memo
+            # The metadata object is the step (as for _step_plan); its sizes are checked too, in
+            # case a caller mutates one in place between steps.
+            facts = (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len)
+            if memo is None or memo[0] is not meta or memo[1] != facts:
+                memo = self._replay_memo = (meta, facts, {})
+            recorded = memo[2].get(id(layer))
+            if (
+                recorded is not None
+                and recorded[0] is layer
+                and replay_paged_attention(recorded[1], out, q, kv_cache)
+            ):
+                return out
+            record = []
+            memo[2][id(layer)] = (layer, record)  # holding `layer` keeps its id from being reused
         num_splits, (partial_out, partial_lse, split_counters), all_decode = self._step_plan(
             meta, q.device, layer.sliding_window
         )
@@ -325,6 +351,7 @@ class TritonPagedBackend(AttentionBackend):
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
             decode_query_len=decode_q,
+            record=record,
         )
         return out
 
@@ -361,7 +388,9 @@ class TritonPagedBackend(AttentionBackend):
         decode_q = _decode_query_len(meta)
         all_in_decode_launch = meta.is_decode_only or decode_q > 1
         return (
-            all_in_decode_launch and meta.num_reqs <= self._graph_max_reqs and decode_q <= self._graph_max_decode_q
+            all_in_decode_launch
+            and meta.num_reqs <= self._graph_max_reqs
+            and decode_q <= self._graph_max_decode_q
         )
 
     def _graph_num_kv_splits(self, num_reqs: int, device: torch.device, window: int | None = None) -> int:
@@ -370,7 +399,10 @@ class TritonPagedBackend(AttentionBackend):
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
         return choose_num_kv_splits(
-            num_reqs, self.num_kv_heads, _keys_seen(self._graph_max_context_len, window), self._sm_count(device)
+            num_reqs,
+            self.num_kv_heads,
+            _keys_seen(self._graph_max_context_len, window),
+            self._sm_count(device),
         )
 
     def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device, window: int | None = None) -> int:

@@ -83,42 +83,72 @@ class FastLauncher:
     def __call__(self, grid: Sequence[int], *args, **kwargs) -> None:
         """Same as `kernel[grid](*args, **kwargs)` (runtime arguments positional, constexprs and
         options such as num_warps by name)."""
+        self._launch(grid, args, kwargs)
+
+    def prepare(
+        self, swappable: Sequence[torch.Tensor], grid: Sequence[int], *args, **kwargs
+    ) -> PreparedLaunch | None:
+        """Launch as `__call__` does and return the launch for replaying with the `swappable`
+        tensors (found among the arguments by identity) replaced by others of the same dtype,
+        shape, strides and alignment; None where it took Triton's own path (nothing to replay)."""
+        compiled = self._launch(grid, args, kwargs)
+        if compiled is None:
+            return None
+        values = self._values(args, kwargs)
+        positions = tuple(
+            tuple(i for i, value in enumerate(values) if value is tensor) for tensor in swappable
+        )
+        for tensor_positions in positions:  # the replay fills these in; don't keep this launch's tensors
+            for i in tensor_positions:
+                values[i] = None
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        return PreparedLaunch(self, compiled, grid3, kwargs, values, positions, tuple(map(_facts, swappable)))
+
+    def _launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> object | None:
+        """Launch; the compiled kernel when this launch's key is cached (or now is), else None."""
         mode = fast_launch_mode()
         key = self._key(args, kwargs) if mode != "0" else None
         if key is None:
             self.kernel[grid](*args, **kwargs)
-            return
+            return None
         compiled = self.compiled.get(key)
         if compiled is None or self.verify or mode == "verify":
             chosen = self.kernel[grid](*args, **kwargs)
-            if compiled is not None and chosen is not compiled:
-                raise AssertionError(
-                    f"FastLauncher({self.kernel.__name__}): the cached kernel for this key is not the one "
-                    "Triton's dispatch chose; the key misses part of Triton's specialization"
-                )
+            self._check_choice(compiled, chosen)
             self.compiled[key] = chosen
-            return
+            return chosen
         self.hits += 1
+        self._run(
+            compiled,
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            self._values(args, kwargs),
+        )
+        return compiled
+
+    def _check_choice(self, cached: object | None, chosen: object) -> None:
+        if cached is not None and chosen is not cached:
+            raise AssertionError(
+                f"FastLauncher({self.kernel.__name__}): the cached kernel for this key is not the one "
+                "Triton's dispatch chose; the key misses part of Triton's specialization"
+            )
+
+    def _values(self, args: tuple, kwargs: dict) -> list:
+        """Every parameter's value in signature order, as JITFunction.run passes them to the launcher."""
         values = list(args)
         for name in self.constexpr_names:
             values.append(kwargs[name] if name in kwargs else self.constexpr_defaults[name])
-        grid_0 = grid[0]
-        grid_1 = grid[1] if len(grid) > 1 else 1
-        grid_2 = grid[2] if len(grid) > 2 else 1
+        return values
+
+    def _run(self, compiled, grid_0: int, grid_1: int, grid_2: int, values: list) -> None:  # noqa: ANN001
         driver = self._driver
         stream = driver.get_current_stream(driver.get_current_device())
+        # The launcher's arguments after the kernel's function: its packed metadata, the launch
+        # metadata and the enter / exit hooks (none: _key checked that no profiler listens).
         compiled.run(
-            grid_0,
-            grid_1,
-            grid_2,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *values,
-        )
+            grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values
+        )  # fmt: skip
 
     def _key(self, args: tuple, kwargs: dict) -> tuple | None:
         """This launch's key, or None where it must take Triton's own path."""
@@ -152,3 +182,48 @@ class FastLauncher:
         append(driver.get_current_device())
         append(tuple(kwargs.items()))
         return tuple(specs)
+
+
+def _facts(tensor: torch.Tensor) -> tuple:
+    """What a replacement tensor must share with the one a launch was prepared with."""
+    return (tensor.dtype, tensor.shape, tensor.stride(), tensor.data_ptr() & 15 == 0)
+
+
+class PreparedLaunch:
+    """One launch of a FastLauncher, replayable with its swappable tensors replaced (the other
+    arguments, the grid and the compiled kernel stay): a mixed step launches the same attention for
+    every layer with only the layer's KV cache, q and output changing."""
+
+    __slots__ = ("launcher", "compiled", "grid", "kwargs", "values", "positions", "facts")
+
+    def __init__(self, launcher: FastLauncher, compiled, grid, kwargs, values, positions, facts) -> None:  # noqa: ANN001
+        self.launcher = launcher
+        self.compiled = compiled
+        self.grid = grid
+        self.kwargs = kwargs
+        self.values = values
+        self.positions = positions
+        self.facts = facts
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> list | None:
+        """The launch's argument values with `tensors` in place of the swappable ones, or None when
+        one differs from its original in dtype, shape, strides, alignment (or the launcher is off)."""
+        if fast_launch_mode() == "0":
+            return None
+        values = self.values.copy()
+        for tensor, positions, facts in zip(tensors, self.positions, self.facts, strict=True):
+            if not tensor.is_cuda or _facts(tensor) != facts:
+                return None
+            for i in positions:
+                values[i] = tensor
+        return values
+
+    def launch(self, values: list) -> None:
+        """Launch with values from `bind`."""
+        launcher = self.launcher
+        if launcher.verify or fast_launch_mode() == "verify":
+            chosen = launcher.kernel[self.grid](*values[: launcher.num_runtime], **self.kwargs)
+            launcher._check_choice(self.compiled, chosen)
+            return
+        launcher.hits += 1
+        launcher._run(self.compiled, *self.grid, values)

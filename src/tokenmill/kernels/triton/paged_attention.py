@@ -50,10 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
-from tokenmill.kernels.triton.fast_launch import FastLauncher
+from tokenmill.kernels.triton.fast_launch import FastLauncher, PreparedLaunch
 from tokenmill.kernels.triton.kv_fp8 import kv_scales_for
 from tokenmill.kernels.triton.paged_attention_kernel import _paged_attention_kernel
 from tokenmill.kernels.triton.paged_attention_merge import _merge_splits_kernel
@@ -203,6 +202,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # FP8 cache only: float32 [num_kv_heads]; None = 1.0
     v_scale: torch.Tensor | None = None,
     decode_query_len: int = 1,
+    record: list[PreparedLaunch | None] | None = None,
 ) -> None:
     """Attention for every query row into `out`; launches only, never syncs or allocates.
 
@@ -226,13 +226,15 @@ def paged_attention(
     requests with 1..decode_query_len query tokens, and the prefill launch the longer ones (none
     run when max_query_len <= decode_query_len > 1); split partials then hold
     num_reqs * decode_query_len rows.
+    `record`: a list that receives each launch as a PreparedLaunch (None where one took Triton's
+    own path), for `replay_paged_attention` to repeat with another layer's out, q and cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_reqs == 0:
         return
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    group_pad = _next_power_of_2(num_heads // num_kv_heads)
+    head_dim_pad = max(16, _next_power_of_2(head_dim))
     use_splits = num_kv_splits > 1
     if use_splits and (partial_out is None or partial_lse is None):
         raise ValueError("num_kv_splits > 1 needs partial_out and partial_lse scratch buffers")
@@ -282,13 +284,16 @@ def paged_attention(
         k_scale,
         v_scale,
         decode_query_len,
+        record,
     )
     prefill, config = _tile_configs(
         group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, is_fp8_kv(kv_cache.dtype),
         prefill_config, decode_config, decode_query_len,
     )  # fmt: skip
     if config.block_q != decode_query_len:
-        raise ValueError(f"the decode tiles' block_q {config.block_q} must equal decode_query_len {decode_query_len}")
+        raise ValueError(
+            f"the decode tiles' block_q {config.block_q} must equal decode_query_len {decode_query_len}"
+        )
     if prefill is not None:
         launch.attention(prefill, num_tokens // prefill.block_q + num_reqs, decode=False, num_kv_splits=1)
     min_tiles = max(1, min_kv_per_split // config.block_n)
@@ -303,6 +308,26 @@ def paged_attention(
     )
     if use_splits and not fused_merge:
         launch.merge(num_kv_splits, min_tiles, config)
+
+
+def replay_paged_attention(
+    launches: list[PreparedLaunch | None], out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
+) -> bool:
+    """Repeat the launches a `paged_attention(..., record=launches)` call made, for another layer of
+    the same step: its `out`, `q` and `kv_cache` must match the recorded ones in dtype, shape,
+    strides and 16-byte alignment (everything else, the step's metadata, scratch and the layer's
+    options, is reused as recorded). False, launching nothing, where they do not or a launch
+    was not recorded: then call paged_attention."""
+    swappable = (out, q, kv_cache[0], kv_cache[1])
+    bound = []
+    for launch in launches:
+        values = launch.bind(swappable) if launch is not None else None
+        if values is None:
+            return False
+        bound.append(values)
+    for launch, values in zip(launches, bound, strict=True):
+        launch.launch(values)
+    return True
 
 
 def _tile_configs(
@@ -376,7 +401,13 @@ def launch_variants(
     group_pad = _next_power_of_2(num_heads // num_kv_heads)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
     prefill, decode = _tile_configs(
-        group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, kv_fp8, decode_query_len=decode_query_len
+        group_pad,
+        head_dim_pad,
+        num_reqs,
+        max_query_len,
+        decode_only,
+        kv_fp8,
+        decode_query_len=decode_query_len,
     )
     switches = {"kv_fp8": kv_fp8, "sliding": sliding, "soft_cap": soft_cap, "sinks": sinks}
     launches = []
@@ -463,6 +494,20 @@ class _Launch:
     k_scale: torch.Tensor  # FP8 cache: float32 [num_kv_heads] (else unused)
     v_scale: torch.Tensor
     decode_query_len: int  # the decode launch serves the requests with 1..this many query tokens
+    record: list[PreparedLaunch | None] | None = None  # paged_attention's `record`
+
+    def _launch(
+        self,
+        launcher: FastLauncher,
+        grid: tuple[int, ...],
+        swappable: tuple[torch.Tensor, ...],
+        *args,
+        **kwargs,
+    ) -> None:
+        if self.record is None:
+            launcher(grid, *args, **kwargs)
+        else:
+            self.record.append(launcher.prepare(swappable, grid, *args, **kwargs))
 
     def attention(
         self,
@@ -492,8 +537,10 @@ class _Launch:
         q_norm = rope.q_norm_weight if rope is not None else None
         k_norm = rope.k_norm_weight if rope is not None else None
         layer = self.layer
-        _ATTENTION_LAUNCH(
+        self._launch(
+            _ATTENTION_LAUNCH,
             (num_q_programs, num_kv_heads, num_kv_splits),
+            (out, q, key_cache, value_cache),
             out,
             partial_out,
             partial_lse,
@@ -545,9 +592,9 @@ class _Launch:
             layer.sliding_window or 0,
             layer.soft_cap_log2 or 0.0,
             GROUP=num_heads // num_kv_heads,
-            GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
+            GROUP_PAD=_next_power_of_2(num_heads // num_kv_heads),
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            HEAD_DIM_PAD=max(16, _next_power_of_2(head_dim)),
             PAGE_SIZE=kv_cache.shape[2],
             BLOCK_Q=config.block_q,
             BLOCK_M=config.block_m,
@@ -558,12 +605,12 @@ class _Launch:
             ALL_DECODE=decode and all_decode,
             USE_SPLITS=num_kv_splits > 1,
             FUSED_MERGE=decode and num_kv_splits > 1 and self.fused_merge,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            MERGE_CHUNK=min(config.merge_chunk, triton.next_power_of_2(num_kv_splits)),
+            SPLITS_PAD=_next_power_of_2(num_kv_splits),
+            MERGE_CHUNK=min(config.merge_chunk, _next_power_of_2(num_kv_splits)),
             ROPE_KV=rope is not None,
             NORM_SCALE=norm_source is not None,
             QK_NORM=q_norm is not None,
-            HIDDEN_PAD=triton.next_power_of_2(hidden),
+            HIDDEN_PAD=_next_power_of_2(hidden),
             HALF=head_dim // 2,
             SLIDING=layer.sliding_window is not None,
             SOFT_CAP=layer.soft_cap_log2 is not None,
@@ -582,8 +629,10 @@ class _Launch:
         out = self.out
         num_heads, num_kv_heads = out.shape[1], self.kv_cache.shape[3]
         layer = self.layer
-        _MERGE_LAUNCH(
+        self._launch(
+            _MERGE_LAUNCH,
             (self.num_reqs, num_kv_heads),
+            (out, self.q, self.kv_cache[0], self.kv_cache[1]),
             out,
             self.partial_out,
             self.partial_lse,
@@ -601,11 +650,11 @@ class _Launch:
             layer.sinks if layer.sinks is not None else out,  # (unused without sinks)
             layer.sliding_window or 0,
             GROUP=num_heads // num_kv_heads,
-            GROUP_PAD=triton.next_power_of_2(num_heads // num_kv_heads),
+            GROUP_PAD=_next_power_of_2(num_heads // num_kv_heads),
             HEAD_DIM=out.shape[2],
-            HEAD_DIM_PAD=max(16, triton.next_power_of_2(out.shape[2])),
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            MERGE_CHUNK=min(config.merge_chunk, triton.next_power_of_2(num_kv_splits)),
+            HEAD_DIM_PAD=max(16, _next_power_of_2(out.shape[2])),
+            SPLITS_PAD=_next_power_of_2(num_kv_splits),
+            MERGE_CHUNK=min(config.merge_chunk, _next_power_of_2(num_kv_splits)),
             BLOCK_N=config.block_n,
             SLIDING=layer.sliding_window is not None,
             SINKS=layer.sinks is not None,
