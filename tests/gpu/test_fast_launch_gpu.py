@@ -155,7 +155,7 @@ def test_replay_refuses_a_q_of_other_strides(monkeypatch) -> None:
     backend = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
     cache0, q0, k0, v0 = layers[0]
     backend.forward(q0, k0, v0, cache0, meta)
-    ((_, _, recorded),) = backend._replay_memo[2].values()
+    ((_, recorded),) = backend._replay_memo[2].values()
     cache1, q1, k1, v1 = layers[1]
     wide = torch.zeros(q1.shape[0], heads + 1, head_dim, device="cuda", dtype=q1.dtype)
     wide[:, :heads] = q1

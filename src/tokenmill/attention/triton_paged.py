@@ -158,7 +158,7 @@ class TritonPagedBackend(AttentionBackend):
         self._graph_max_context_len = 0
         self._graph_scratch: _SplitScratch | None = None
         self._plan_memo: tuple | None = None  # (metadata, window, plan) of the step being run
-        # (metadata, its sizes, {id(layer spec): (layer spec, recorded launches)}) of the step being run
+        # (metadata, its sizes, {layer kind: (its sinks, recorded launches)}) of the step being run
         self._replay_memo: tuple | None = None
 
     # -- CUDA-graph hooks -----------------------------------------------------------------------
@@ -312,15 +312,17 @@ class TritonPagedBackend(AttentionBackend):
             facts = (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len)
             if memo is None or memo[0] is not meta or memo[1] != facts:
                 memo = self._replay_memo = (meta, facts, {})
-            recorded = memo[2].get(id(layer))
+            # Layers alike in what the launches compile in share one record; their FP8 scales swap.
+            kind = (layer.sliding_window, layer.logits_soft_cap, id(layer.sinks))
+            recorded = memo[2].get(kind)
             if (
                 recorded is not None
-                and recorded[0] is layer
-                and replay_paged_attention(recorded[1], out, q, kv_cache)
+                and recorded[0] is layer.sinks
+                and replay_paged_attention(recorded[1], out, q, kv_cache, layer.k_scale, layer.v_scale)
             ):
                 return out
             record = []
-            memo[2][id(layer)] = (layer, record)  # holding `layer` keeps its id from being reused
+            memo[2][kind] = (layer.sinks, record)  # holding the sinks keeps their id from being reused
         num_splits, (partial_out, partial_lse, split_counters), all_decode = self._step_plan(
             meta, q.device, layer.sliding_window
         )

@@ -102,7 +102,8 @@ class FastLauncher:
             for i in tensor_positions:
                 values[i] = None
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        return PreparedLaunch(self, compiled, grid3, kwargs, values, positions, tuple(map(_facts, swappable)))
+        facts = tuple(map(_facts, swappable))
+        return PreparedLaunch(self, compiled, grid3, kwargs, values, positions, facts, _aliases(swappable))
 
     def _launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> object | None:
         """Launch; the compiled kernel when this launch's key is cached (or now is), else None."""
@@ -184,6 +185,11 @@ class FastLauncher:
         return tuple(specs)
 
 
+def _aliases(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """For each tensor, the index of the first one that is the same object."""
+    return tuple(next(j for j, other in enumerate(tensors) if other is tensor) for tensor in tensors)
+
+
 def _facts(tensor: torch.Tensor) -> tuple:
     """What a replacement tensor must share with the one a launch was prepared with."""
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.data_ptr() & 15 == 0)
@@ -194,9 +200,11 @@ class PreparedLaunch:
     arguments, the grid and the compiled kernel stay): a mixed step launches the same attention for
     every layer with only the layer's KV cache, q and output changing."""
 
-    __slots__ = ("launcher", "compiled", "grid", "kwargs", "values", "positions", "facts")
+    __slots__ = ("launcher", "compiled", "grid", "kwargs", "values", "positions", "facts", "aliases")
 
-    def __init__(self, launcher: FastLauncher, compiled, grid, kwargs, values, positions, facts) -> None:  # noqa: ANN001
+    def __init__(
+        self, launcher: FastLauncher, compiled, grid, kwargs, values, positions, facts, aliases
+    ) -> None:  # noqa: ANN001
         self.launcher = launcher
         self.compiled = compiled
         self.grid = grid
@@ -204,11 +212,14 @@ class PreparedLaunch:
         self.values = values
         self.positions = positions
         self.facts = facts
+        # Which swappable tensors were one object (they share argument positions): a replay must
+        # alias the same ones, or one tensor would land in the other's place.
+        self.aliases = aliases
 
     def bind(self, tensors: Sequence[torch.Tensor]) -> list | None:
         """The launch's argument values with `tensors` in place of the swappable ones, or None when
         one differs from its original in dtype, shape, strides, alignment (or the launcher is off)."""
-        if fast_launch_mode() == "0":
+        if fast_launch_mode() == "0" or _aliases(tensors) != self.aliases:
             return None
         values = self.values.copy()
         for tensor, positions, facts in zip(tensors, self.positions, self.facts, strict=True):

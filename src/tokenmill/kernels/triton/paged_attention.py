@@ -311,14 +311,20 @@ def paged_attention(
 
 
 def replay_paged_attention(
-    launches: list[PreparedLaunch | None], out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
+    launches: list[PreparedLaunch | None],
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Repeat the launches a `paged_attention(..., record=launches)` call made, for another layer of
-    the same step: its `out`, `q` and `kv_cache` must match the recorded ones in dtype, shape,
-    strides and 16-byte alignment (everything else, the step's metadata, scratch and the layer's
-    options, is reused as recorded). False, launching nothing, where they do not or a launch
-    was not recorded: then call paged_attention."""
-    swappable = (out, q, kv_cache[0], kv_cache[1])
+    the same step with the same window, soft cap and sinks: its `out`, `q`, `kv_cache` (and FP8
+    scales) must match the recorded ones in dtype, shape, strides and 16-byte alignment (everything
+    else, the step's metadata and scratch, is reused as recorded). False, launching nothing,
+    where they do not or a launch was not recorded: then call paged_attention."""
+    k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, kv_cache.shape[3])
+    swappable = (out, q, kv_cache[0], kv_cache[1], k_scale, v_scale)
     bound = []
     for launch in launches:
         values = launch.bind(swappable) if launch is not None else None
@@ -540,7 +546,7 @@ class _Launch:
         self._launch(
             _ATTENTION_LAUNCH,
             (num_q_programs, num_kv_heads, num_kv_splits),
-            (out, q, key_cache, value_cache),
+            (out, q, key_cache, value_cache, self.k_scale, self.v_scale),
             out,
             partial_out,
             partial_lse,
@@ -632,7 +638,7 @@ class _Launch:
         self._launch(
             _MERGE_LAUNCH,
             (self.num_reqs, num_kv_heads),
-            (out, self.q, self.kv_cache[0], self.kv_cache[1]),
+            (out, self.q, self.kv_cache[0], self.kv_cache[1], self.k_scale, self.v_scale),
             out,
             self.partial_out,
             self.partial_lse,
