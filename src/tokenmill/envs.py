@@ -168,6 +168,29 @@ TOKENMILL_FUZZ_RANDOM = _bool(
 )
 
 
+def _parse_fast_launch(text: str) -> str:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return "1"
+    if value in _FALSE:
+        return "0"
+    if value == "verify":
+        return "verify"
+    raise ValueError("expected 1 (on), 0 (off) or verify")
+
+
+TOKENMILL_TRITON_FAST_LAUNCH = _register(
+    "TOKENMILL_TRITON_FAST_LAUNCH",
+    _parse_fast_launch,
+    "1",
+    "CUDA: eager Triton launches (attention between piecewise CUDA-graph pieces, the KV store) reuse "
+    "the compiled kernel Triton chose without its per-call dispatch, and a step's layers replay the "
+    "first layer's attention launches (0: Triton's own dispatch every time; verify: both, raising if "
+    "they disagree)",
+    "1, 0 or verify",
+)
+
+
 def describe() -> str:
     """One line per variable: name, type, default and help; `*` marks the ones set now."""
     lines = []

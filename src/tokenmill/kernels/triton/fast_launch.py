@@ -23,19 +23,20 @@ launching through it, and raises if it chose another compiled kernel than the ca
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
+
+from tokenmill import envs
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_LIMIT = 2**63
 
 
 def fast_launch_mode() -> str:
-    """The TOKENMILL_TRITON_FAST_LAUNCH setting: 1 (default), 0 (off) or verify."""
-    return os.environ.get("TOKENMILL_TRITON_FAST_LAUNCH", "1")
+    """The TOKENMILL_TRITON_FAST_LAUNCH setting: "1" (default), "0" (off) or "verify"."""
+    return envs.TOKENMILL_TRITON_FAST_LAUNCH.get()
 
 
 def _hook_set(hook: object) -> bool:
