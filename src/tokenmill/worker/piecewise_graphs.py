@@ -11,7 +11,8 @@ stretch between two attention calls: embedding + layer 0 up to its attention, th
 o_proj, MLP and the next layer's norm, qkv and RoPE / KV store, then the final norm. Attention
 depends on the step's requests (how many, their query lengths and contexts: the kernels' grids),
 so it runs eagerly between the pieces, reading q from and writing its output to static buffers
-the pieces were captured against. Padded rows carry slot -1 (their K/V go nowhere) and are never
+the pieces were captured against. (The Triton backend plans those launches once a step and replays
+them for the other layers: attention/triton_paged.py, kernels/triton/fast_launch.py.) Padded rows carry slot -1 (their K/V go nowhere) and are never
 read back.
 
 During capture a stand-in for the attention backend (`_AttentionSplit`) ends the piece being
