@@ -322,7 +322,6 @@ class TritonPagedBackend(AttentionBackend):
             ):
                 return out
             record = []
-            memo[2][kind] = (layer.sinks, record)  # holding the sinks keeps their id from being reused
         num_splits, (partial_out, partial_lse, split_counters), all_decode = self._step_plan(
             meta, q.device, layer.sliding_window
         )
@@ -355,6 +354,8 @@ class TritonPagedBackend(AttentionBackend):
             decode_query_len=decode_q,
             record=record,
         )
+        if record is not None:  # kept only once complete (a launch that raised leaves none behind)
+            self._replay_memo[2][kind] = (layer.sinks, record)  # holding the sinks keeps their id unused
         return out
 
     # -- planning --------------------------------------------------------------------------------
