@@ -24,6 +24,7 @@ import triton
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.triton_paged import MAX_KV_SPLITS, TritonPagedBackend, choose_num_kv_splits
+from tokenmill.bench.paged_batch import scattered_paged_batch
 from tokenmill.bench.timing import capture_graph, cuda_ms
 from tokenmill.kernels.triton.paged_attention import TileConfig, paged_attention
 
@@ -148,33 +149,7 @@ def _prefill_case(
     query_lens: list[int], context_lens: list[int]
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Metadata, cache, q/k/v and the attention FLOPs of one mixed batch."""
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    blocks = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(blocks)
-    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    order = torch.randperm(num_blocks)
-    slots, used = [], 0
-    for r, n in enumerate(blocks):
-        owned = order[used : used + n]
-        used += n
-        block_tables[r, :n] = owned.to(torch.int32)
-        pos = torch.arange(context_lens[r], seq_lens[r])
-        slots.append(owned[pos // BLOCK] * BLOCK + pos % BLOCK)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=sum(query_lens),
-        num_reqs=len(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=qsl.cuda(),
-        seq_lens=seq.cuda(),
-        block_tables=block_tables.cuda(),
-        slot_mapping=torch.cat(slots).cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq,
-        is_decode_only=False,
-    )
+    meta, num_blocks = scattered_paged_batch(query_lens, context_lens, BLOCK, seed=None)
     n = sum(query_lens)
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)

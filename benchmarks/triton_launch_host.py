@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.triton_paged import TritonPagedBackend
+from tokenmill.bench.paged_batch import scattered_paged_batch
 from tokenmill.bench.results import write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
@@ -35,33 +36,7 @@ def mixed_batch(
     """One request with a `chunk`-token query (chunk 1 with context: a decode) beside `decodes` decodes."""
     query_lens = [chunk] + [1] * decodes
     context_lens = [0 if chunk > 1 else context] + [context] * decodes
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    blocks = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(blocks)
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    slots, used = [], 0
-    for r, n in enumerate(blocks):
-        owned = order[used : used + n]
-        used += n
-        tables[r, :n] = owned.to(torch.int32)
-        pos = torch.arange(context_lens[r], seq_lens[r])
-        slots.append(owned[pos // BLOCK] * BLOCK + pos % BLOCK)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=sum(query_lens),
-        num_reqs=len(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=qsl.cuda(),
-        seq_lens=seq.cuda(),
-        block_tables=tables.cuda(),
-        slot_mapping=torch.cat(slots).cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq,
-        is_decode_only=chunk == 1,
-    )
+    meta, num_blocks = scattered_paged_batch(query_lens, context_lens, BLOCK)
     n = sum(query_lens)
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     qkv = [

@@ -79,37 +79,11 @@ def test_cpu_tensors_fall_back(monkeypatch) -> None:
 def _mixed_step(num_layers: int, dtype: torch.dtype = torch.bfloat16):
     """A mixed step's metadata (one 96-token chunk on a 40-token prefix beside 7 decodes at
     ~300 tokens) and per-layer caches, q, k, v."""
-    from tokenmill.attention.backend import AttentionMetadata
+    from tokenmill.bench.paged_batch import scattered_paged_batch
 
     heads, kv_heads, head_dim, block = 8, 2, 64, 16
     query_lens, context_lens = [96] + [1] * 7, [40] + [300 + 13 * i for i in range(7)]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    blocks = [-(-s // block) for s in seq_lens]
-    num_blocks = sum(blocks)
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    slots, used = [], 0
-    for r, n in enumerate(blocks):
-        owned = order[used : used + n]
-        used += n
-        tables[r, :n] = owned.to(torch.int32)
-        pos = torch.arange(context_lens[r], seq_lens[r])
-        slots.append(owned[pos // block] * block + pos % block)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=sum(query_lens),
-        num_reqs=len(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=qsl.cuda(),
-        seq_lens=seq.cuda(),
-        block_tables=tables.cuda(),
-        slot_mapping=torch.cat(slots).cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq,
-        is_decode_only=False,
-    )
+    meta, num_blocks = scattered_paged_batch(query_lens, context_lens, block, seed=1)
     n = sum(query_lens)
     layers = [
         (
