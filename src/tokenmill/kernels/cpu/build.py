@@ -28,6 +28,7 @@ _SOURCES = [
         "cpu_quant_gemv.cpp",
         "cpu_quant_gemv_int8.cpp",
         "cpu_quant_gemm.cpp",
+        "cpu_quant_gemm_vnni.cpp",
         "cpu_layer_ops.cpp",
     )
 ]

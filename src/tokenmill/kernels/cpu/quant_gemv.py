@@ -61,6 +61,14 @@ def gemm_available() -> bool:
 
 
 @functools.cache
+def gemm_vnni16_available() -> bool:
+    """Whether this build has the batched 16-bit-activation kernel (csrc/cpu_quant_gemm_vnni.cpp):
+    the CPU it was built on (-march=native) has AVX-512 VNNI. It reads the few-row kernel's layout
+    (QuantizedBlocks.vnni), so it serves layers that have that layout."""
+    return bool(torch.ops.tokenmill_cpu.quant_gemm_vnni16_available())
+
+
+@functools.cache
 def gemm_isa() -> str:
     """The batched kernel's path in this build: "avx512", "avx2" or "" (none)."""
     return str(torch.ops.tokenmill_cpu.quant_gemm_isa())
@@ -82,6 +90,16 @@ def prefill_rows_limit(gemm_rows: int) -> int:
 
 
 @functools.cache
+def _linear_vnni16() -> torch._ops.OpOverload:
+    return torch.ops.tokenmill_cpu.quant_linear_vnni16.default
+
+
+@functools.cache
+def _gemm_float() -> torch._ops.OpOverload:
+    return torch.ops.tokenmill_cpu.quant_gemm.default
+
+
+@functools.cache
 def _linear_int8() -> torch._ops.OpOverload:
     # The resolved overload: calling it skips the packet's overload lookup (~2 us of a decode
     # step's ~120 products each).
@@ -98,11 +116,18 @@ def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tenso
         if bias is not None:
             out += bias
         return out
+    if blocks.vnni is not None and x.shape[0] > rows_limit() and gemm_vnni16_available():
+        # Batched rows on AVX-512 VNNI: 16-bit activations and integer products, as the few-row
+        # kernel at 16 bits (any activation_bits: 8 is for the few-row kernel's speed only).
+        out = _linear_vnni16()(x.contiguous(), blocks.vnni, blocks.quant_type)
+        if bias is not None:
+            out += bias
+        return out
     out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
     if x.shape[0] <= rows_limit():
         torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     else:
-        torch.ops.tokenmill_cpu.quant_gemm(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+        _gemm_float()(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     if bias is not None:
         out += bias
     return out
