@@ -1,5 +1,6 @@
 """The batched quantized CPU matmul (kernels/cpu/csrc/cpu_quant_gemm.cpp) against oneDNN's
-float32 linear over the same weights prepacked, as a decode step meets them.
+float32 linear over the same weights prepacked, as a decode step meets them, and, where the build
+has AVX-512 VNNI, the 16-bit-activation integer kernel (csrc/cpu_quant_gemm_vnni.cpp).
 
 `--layers` different random Q4_1 matrices of one shape (default 30 of 1536 x 576, SmolLM2-135M's
 gate/up shape; their float32 copies, 106 MB, do not fit in L3, as the model's 425 MB do not) are
@@ -48,7 +49,14 @@ def main() -> None:
     from gguf.quants import dequantize
 
     from tokenmill.kernels.cpu.build import load_cpu_kernels
-    from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, gemm_available, quantized_linear, split_rows
+    from tokenmill.kernels.cpu.quant_gemv import (
+        QuantizedBlocks,
+        gemm_available,
+        gemm_vnni16_available,
+        quantized_linear,
+        split_rows,
+    )
+    from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 
     load_cpu_kernels()
     if not gemm_available():
@@ -64,6 +72,7 @@ def main() -> None:
         for r in rows
     ]
     blocks = [QuantizedBlocks(torch.from_numpy(split_rows(r, 0)), 0, n) for r in rows]
+    vnni = [torch.from_numpy(vnni_rows(r, 0)) for r in rows] if gemm_vnni16_available() else []
     print(f"{args.layers} x [{n}, {k}] Q4_1, {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s)")
     for m in (int(value) for value in args.rows.split(",")):
         x = torch.randn(m, k)
@@ -72,7 +81,13 @@ def main() -> None:
             args.reps, args.layers,
         )  # fmt: skip
         quant = best_ms(lambda x=x: [quantized_linear(x, b, None) for b in blocks], args.reps, args.layers)
-        print(f"rows {m:4d}: oneDNN float32 {onednn:7.3f} ms, quant_gemm {quant:7.3f} ms, ratio {onednn / quant:5.2f}")
+        line = f"rows {m:4d}: oneDNN float32 {onednn:7.3f} ms, quant_gemm {quant:7.3f} ms, ratio {onednn / quant:5.2f}"
+        if vnni:
+            vnni16 = best_ms(
+                lambda x=x: [torch.ops.tokenmill_cpu.quant_linear_vnni16(x, v, 0) for v in vnni], args.reps, args.layers
+            )
+            line += f", vnni16 {vnni16:7.3f} ms (vs quant_gemm {quant / vnni16:5.2f}x, vs oneDNN {onednn / vnni16:5.2f}x)"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -97,47 +97,88 @@ void quantize_activations(const float* x, int64_t m, int64_t num_blocks, Quantiz
   }
 }
 
-// The 32 bytes of block i of a chunk of `c` blocks, in natural order, from its packed quants:
-// 4-byte group t of the chunk's sequence is block t % c, weights 4 (t / c) .. + 3, so gathering
-// dword t = c * p + i for p = 0..7 puts them in order.
-inline __m256i chunk_block_bytes_q8(const uint8_t* chunk, int c, int i) {
-  const __m256i index = _mm256_setr_epi32(i, c + i, 2 * c + i, 3 * c + i, 4 * c + i, 5 * c + i, 6 * c + i, 7 * c + i);
-  const __m256i gathered = _mm256_i32gather_epi32(reinterpret_cast<const int*>(chunk), index, 4);
-  return _mm256_xor_si256(gathered, _mm256_set1_epi8(static_cast<char>(0x80)));  // stored q + 128 -> q
+// Unpacking a chunk of c blocks (4-byte group t of its sequence is block t % c, weights
+// 4 (t / c) .. + 3) into natural order. Q4_1: sequence value s is the low nibble of byte s (s < 16c)
+// or the high nibble of byte s - 16c, so block i's weights 0..15 are the low nibbles of byte groups
+// c p + i (p = 0..3) and 16..31 the high nibbles of the same groups. Q8_0 (q + 128 stored): block
+// i's weights are byte groups c p + i, p = 0..7, the first four in the first 16c bytes. Either
+// way one two-source dword permute per pair of blocks puts them in order.
+inline void store_widened(int16_t* dst, __m256i bytes, bool q4) {
+  _mm512_storeu_si512(dst, q4 ? _mm512_cvtepu8_epi16(bytes)
+                              : _mm512_cvtepi8_epi16(_mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)))));
 }
 
-// Q4_1: sequence value s is the low nibble of byte s (s < 16c) or the high nibble of byte s - 16c.
-inline __m256i chunk_block_bytes_q4(const uint8_t* chunk, int c, int i) {
-  // Weights 0..15 of block i: sequence groups t = c p + i, p = 0..3 (low nibbles); 16..31: p = 4..7,
-  // i.e. byte groups c (p - 4) + i (high nibbles).
-  const __m128i index = _mm_setr_epi32(i, c + i, 2 * c + i, 3 * c + i);
-  const __m128i bytes = _mm_i32gather_epi32(reinterpret_cast<const int*>(chunk), index, 4);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  return _mm256_set_m128i(hi, lo);
+template <bool Q4>
+inline void unpack_chunk4(const uint8_t* chunk, int16_t* dst, int64_t stride) {
+  __m512i first, second;
+  if (Q4) {
+    const __m512i packed = _mm512_loadu_si512(chunk), mask = _mm512_set1_epi8(0x0F);
+    first = _mm512_and_si512(packed, mask);
+    second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+  } else {
+    first = _mm512_loadu_si512(chunk);
+    second = _mm512_loadu_si512(chunk + 64);
+  }
+  const __m512i blocks01 = _mm512_permutex2var_epi32(
+      first, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29), second);
+  const __m512i blocks23 = _mm512_permutex2var_epi32(
+      first, _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31), second);
+  store_widened(dst, _mm512_castsi512_si256(blocks01), Q4);
+  store_widened(dst + stride, _mm512_extracti64x4_epi64(blocks01, 1), Q4);
+  store_widened(dst + 2 * stride, _mm512_castsi512_si256(blocks23), Q4);
+  store_widened(dst + 3 * stride, _mm512_extracti64x4_epi64(blocks23, 1), Q4);
+}
+
+template <bool Q4>
+inline void unpack_chunk2(const uint8_t* chunk, int16_t* dst, int64_t stride) {
+  __m256i first, second;
+  if (Q4) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    first = _mm256_and_si256(packed, mask);
+    second = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  } else {
+    first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+    second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+  }
+  store_widened(dst, _mm256_permutex2var_epi32(first, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), second), Q4);
+  store_widened(dst + stride, _mm256_permutex2var_epi32(first, _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15), second),
+                Q4);
+}
+
+template <bool Q4>
+inline void unpack_chunk1(const uint8_t* chunk, int16_t* dst) {
+  if (Q4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)), mask = _mm_set1_epi8(0x0F);
+    store_widened(dst, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask)),
+                  true);
+  } else {
+    store_widened(dst, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)), false);
+  }
 }
 
 // Weight row (vnni layout) -> panel_row[b * kPanelRows * 32 ..] int16 in natural order, and its
-// float scales d (and Q4_1 offsets m) into d_panel / m_panel [block][kPanelRows].
+// float scales d (and Q4_1 offsets m) into d_panel / m_panel [block] (the panel's row r of them
+// at r * num_blocks: the tile reads them one broadcast at a time, so contiguous per row is free).
 template <bool Q4>
 void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, float* d_panel, float* m_panel) {
   constexpr int64_t stride = kPanelRows * kBlock;
   const uint8_t* chunk = row;
-  for (int64_t b0 = 0; b0 < num_blocks;) {
-    const int64_t left = num_blocks - b0;
-    const int c = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
-    for (int i = 0; i < c; ++i) {
-      const __m256i bytes = Q4 ? chunk_block_bytes_q4(chunk, c, i) : chunk_block_bytes_q8(chunk, c, i);
-      const __m512i w16 = Q4 ? _mm512_cvtepu8_epi16(bytes) : _mm512_cvtepi8_epi16(bytes);
-      _mm512_storeu_si512(panel_row + (b0 + i) * stride, w16);
-    }
-    chunk += (Q4 ? 16 : 32) * c;
-    b0 += c;
+  int64_t b = 0;
+  for (; b + 4 <= num_blocks; b += 4, chunk += (Q4 ? 64 : 128)) unpack_chunk4<Q4>(chunk, panel_row + b * stride, stride);
+  if (b + 2 <= num_blocks) {
+    unpack_chunk2<Q4>(chunk, panel_row + b * stride, stride);
+    chunk += Q4 ? 32 : 64;
+    b += 2;
   }
+  if (b < num_blocks) unpack_chunk1<Q4>(chunk, panel_row + b * stride);
   const uint16_t* d = reinterpret_cast<const uint16_t*>(row + num_blocks * (Q4 ? 16 : 32));
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    d_panel[b * kPanelRows] = _cvtsh_ss(d[b]);
-    if (Q4) m_panel[b * kPanelRows] = _cvtsh_ss(d[num_blocks + b]);
+  for (int64_t i = 0; i < num_blocks; i += 16) {
+    const __mmask16 mask = num_blocks - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (num_blocks - i)) - 1);
+    _mm512_mask_storeu_ps(d_panel + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + i)));
+    if (Q4) {
+      _mm512_mask_storeu_ps(m_panel + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + num_blocks + i)));
+    }
   }
 }
 
@@ -167,14 +208,13 @@ void tile_dot(const int16_t* panel, const float* d_panel, const float* m_panel, 
 #undef TM_DOT
     }
     const __m512 dx = _mm512_loadu_ps(scale_g + b * kGroup);
-    const float* db = d_panel + b * kPanelRows;
-#define TM_SCALE(n) acc##n = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum##n), _mm512_mul_ps(dx, _mm512_set1_ps(db[n])), acc##n);
+#define TM_SCALE(n) \
+  acc##n = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum##n), _mm512_mul_ps(dx, _mm512_set1_ps(d_panel[(n) * num_blocks + b])), acc##n);
     TM_TILE(TM_SCALE)
 #undef TM_SCALE
     if (Q4) {
       const __m512 sx = _mm512_loadu_ps(sum_g + b * kGroup);
-      const float* mb = m_panel + b * kPanelRows;
-#define TM_OFFSET(n) acc##n = _mm512_fmadd_ps(_mm512_set1_ps(mb[n]), sx, acc##n);
+#define TM_OFFSET(n) acc##n = _mm512_fmadd_ps(_mm512_set1_ps(m_panel[(n) * num_blocks + b]), sx, acc##n);
       TM_TILE(TM_OFFSET)
 #undef TM_OFFSET
     }
@@ -199,21 +239,22 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanelRows, rows = std::min(kPanelRows, n - first);
       for (int64_t r = 0; r < rows; ++r) {
-        unpack_row<Q4>(w + (first + r) * row_bytes, num_blocks, panel.data() + r * kBlock, d_panel.data() + r,
-                       m_panel.data() + r);
+        unpack_row<Q4>(w + (first + r) * row_bytes, num_blocks, panel.data() + r * kBlock,
+                       d_panel.data() + r * num_blocks, m_panel.data() + r * num_blocks);
       }
       for (int64_t r = rows; r < kPanelRows; ++r) {  // zero weights for the missing rows (outputs dropped)
         for (int64_t b = 0; b < num_blocks; ++b) {
           std::fill_n(panel.data() + (b * kPanelRows + r) * kBlock, kBlock, int16_t{0});
-          d_panel[b * kPanelRows + r] = 0.f;
-          m_panel[b * kPanelRows + r] = 0.f;
         }
+        std::fill_n(d_panel.data() + r * num_blocks, num_blocks, 0.f);
+        std::fill_n(m_panel.data() + r * num_blocks, num_blocks, 0.f);
       }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t group_rows = std::min(kGroup, m - g * kGroup);
         for (int64_t t = 0; t * kTileRows < rows; ++t) {
           const int64_t at = t * kTileRows;
-          tile_dot<Q4>(panel.data() + at * kBlock, d_panel.data() + at, m_panel.data() + at, xq, g, num_blocks, tile);
+          tile_dot<Q4>(panel.data() + at * kBlock, d_panel.data() + at * num_blocks, m_panel.data() + at * num_blocks,
+                       xq, g, num_blocks, tile);
           const int64_t tile_rows = std::min(kTileRows, rows - at);
           for (int64_t j = 0; j < group_rows; ++j) {
             float* yr = y + (g * kGroup + j) * n + first + at;
