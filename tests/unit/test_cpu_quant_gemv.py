@@ -184,8 +184,8 @@ def test_blocks_serving_every_row_count_free_the_onednn_weights() -> None:
         layers["all"](x.double())
 
 
-def test_prefill_rows_limit_takes_every_row_on_avx2_only(monkeypatch):
-    # Prefill chunks join the batched kernel where its path beats oneDNN (AVX2); AVX-512 keeps the
+def test_prefill_rows_limit_takes_every_row_on_avx2_and_vnni_only(monkeypatch):
+    # Prefill chunks join the batched kernel where its path beats oneDNN (AVX2, VNNI); AVX-512 keeps the
     # configured decode limit, and 0 (kernel off) or a build without the kernel stay as they are.
     from tokenmill.kernels.cpu import quant_gemv
 
@@ -196,6 +196,12 @@ def test_prefill_rows_limit_takes_every_row_on_avx2_only(monkeypatch):
     assert quant_gemv.prefill_rows_limit(0) == 0
     monkeypatch.setattr(quant_gemv, "gemm_isa", lambda: "avx512")
     assert quant_gemv.prefill_rows_limit(64) == 64
+    # AVX-512 with VNNI: the 16-bit integer kernel takes prefill too, where layers have its layout.
+    for vnni in (False, True):
+        monkeypatch.setattr(quant_gemv, "gemm_vnni16_available", lambda vnni=vnni: vnni)
+        assert quant_gemv.prefill_rows_limit(64) == 64
+        assert quant_gemv.prefill_rows_limit(64, integer_activations=True) == (quant_gemv.ALL_ROWS if vnni else 64)
+        assert quant_gemv.prefill_rows_limit(0, integer_activations=True) == 0
     monkeypatch.setattr(quant_gemv, "gemm_available", lambda: False)
     assert quant_gemv.prefill_rows_limit(64) == 64
 

@@ -138,11 +138,11 @@ def _attach_gguf_blocks(
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
         return
-    if prefill:
-        gemm_rows = prefill_rows_limit(gemm_rows)
     from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available, int8_isa
 
     bits = activation_bits if int8_available() else 0
+    if prefill:
+        gemm_rows = prefill_rows_limit(gemm_rows, integer_activations=bits > 0)
     attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows, bits)
     if attached:
         limit = blocks_rows_limit(gemm_rows)

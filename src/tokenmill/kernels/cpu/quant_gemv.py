@@ -78,14 +78,18 @@ def gemm_isa() -> str:
 ALL_ROWS = 1 << 62
 
 
-def prefill_rows_limit(gemm_rows: int) -> int:
+def prefill_rows_limit(gemm_rows: int, integer_activations: bool = False) -> int:
     """`gemm_rows` (KernelConfig.cpu_quantized_gemm_rows), raised to every row count where this
     build's batched kernel also beats oneDNN's float32 product on prefill chunks: its AVX2+FMA
     path (AMD Zen 3, one thread: 1.09-1.32x per matmul at 128 and 512 rows over SmolLM2-135M's
-    shapes, a 512-token prefill step 7-10 % less CPU; docs/CPU_PERFORMANCE.md). The AVX-512 path
-    keeps oneDNN above `gemm_rows` (oneDNN was the faster there). 0 stays 0 (kernel off)."""
+    shapes, a 512-token prefill step 7-10 % less CPU; docs/CPU_PERFORMANCE.md), and the AVX-512
+    VNNI 16-bit kernel where the layers get its layout (`integer_activations`: AMD Zen 4, one
+    thread: 1.2-1.6x oneDNN at 64-512 rows). The float AVX-512 path keeps oneDNN above
+    `gemm_rows` (oneDNN was the faster there). 0 stays 0 (kernel off)."""
     if gemm_rows <= 0 or not gemm_available():
         return gemm_rows
+    if integer_activations and gemm_vnni16_available():
+        return ALL_ROWS
     return ALL_ROWS if gemm_isa() == "avx2" else gemm_rows
 
 
