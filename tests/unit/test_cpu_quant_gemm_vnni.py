@@ -130,3 +130,27 @@ def test_vnni16_available_follows_the_cpu_flags() -> None:
     flags = _cpu_model().split()
     has_vnni = all(flag in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"))
     assert gemm_vnni16_available() == has_vnni
+
+
+def test_split_layout_left_out_only_where_the_vnni_kernels_serve_every_row_count() -> None:
+    """With the VNNI batched kernel the float kernels' layout is never read, so the loader keeps
+    only the integer-activation one (and both elsewhere, or with float activations)."""
+    from types import SimpleNamespace
+
+    from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available, quantized_linear
+    from tokenmill.model.loader.gguf_blocks import _blocks_for
+
+    rows = random_blocks(np.random.default_rng(2), TYPES["Q4_1"][0], 24, 64)
+    layer = SimpleNamespace(tp_size=1, out_features=24)
+    integer = _blocks_for(layer, {None: (0, rows)}, 16)
+    floats = _blocks_for(layer, {None: (0, rows)}, 0)
+    assert integer is not None and floats is not None
+    assert (integer.blocks is None) == gemm_vnni16_available() and floats.blocks is not None
+    x = torch.randn(9, 64)
+    expected = quantized_linear(x, floats, None)
+    if integer.blocks is None:  # every row count still multiplies, from the one layout
+        for m in (1, 4, 9):
+            # (16-bit activations: ~1e-5 of each block's products off the float32 result)
+            torch.testing.assert_close(
+                quantized_linear(x[:m], integer, None), expected[:m], rtol=1e-3, atol=1e-3
+            )

@@ -34,7 +34,10 @@ _SCALE_BYTES = {0: 4, 1: 2}
 
 @dataclass(frozen=True, slots=True)
 class QuantizedBlocks:
-    blocks: torch.Tensor  # uint8 [out_features, row_bytes] in the kernel's layout (split_rows)
+    # uint8 [out_features, row_bytes] in the float kernels' layout (split_rows); None where the
+    # integer-activation kernels serve every row count from `vnni` (AVX-512 VNNI builds), so the
+    # float kernels never read it (92 MiB for the default model).
+    blocks: torch.Tensor | None
     quant_type: int  # the kernel's code: 0 = Q4_1, 1 = Q8_0
     out_features: int
     # The same blocks in the quantized-activation kernel's layout (quant_gemv_int8.vnni_rows), when
@@ -127,6 +130,11 @@ def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tenso
         if bias is not None:
             out += bias
         return out
+    if blocks.blocks is None:
+        raise RuntimeError(
+            f"these GGUF blocks have only the integer-activation layout, which this build cannot multiply "
+            f"[{x.shape[0]} rows] with (rows_limit() = {rows_limit()}, VNNI batched kernel: {gemm_vnni16_available()})"
+        )
     out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
     if x.shape[0] <= rows_limit():
         torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)

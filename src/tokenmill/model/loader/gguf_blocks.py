@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, split_rows
+from tokenmill.kernels.cpu.quant_gemv import QuantizedBlocks, gemm_vnni16_available, split_rows
 from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 from tokenmill.model.layers.linear import LinearBase, ShardId
 from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
@@ -31,7 +31,8 @@ def attach_gguf_blocks(
 ) -> int:
     """Give each linear layer whose whole weight comes quantized (loader.gguf_loader.iter_gguf_quantized)
     a GGUFBlocksMethod over its blocks (and, with `activation_bits` 8 or 16, the same blocks in the
-    quantized-activation kernel's layout too: both layouts stay, the batched kernel reads the first). Only unsharded
+    quantized-activation kernel's layout too: both layouts stay, the float batched kernel reads the first,
+    except where the VNNI batched kernel serves every row count from the second). Only unsharded
     layers (tp_size 1). Returns the bytes attached."""
     parts: dict[int, tuple[LinearBase, dict[ShardId, tuple[int, np.ndarray]]]] = {}
     for name, code, rows in quantized:
@@ -45,7 +46,7 @@ def attach_gguf_blocks(
         blocks = _blocks_for(layer, shards, activation_bits)
         if blocks is not None:
             attach_quantized_blocks(layer, blocks, gemm_rows)
-            attached += blocks.blocks.nbytes + (blocks.vnni.nbytes if blocks.vnni is not None else 0)
+            attached += sum(t.nbytes for t in (blocks.blocks, blocks.vnni) if t is not None)
     return attached
 
 
@@ -60,6 +61,8 @@ def _blocks_for(
     if gguf_rows.shape[0] != layer.out_features:
         return None
     vnni = torch.from_numpy(vnni_rows(gguf_rows, code)) if activation_bits else None
-    return QuantizedBlocks(
-        torch.from_numpy(split_rows(gguf_rows, code)), code, layer.out_features, vnni, activation_bits or 16
-    )
+    # With the VNNI batched kernel, the integer-activation layout serves every row count (1-4 rows:
+    # quant_gemv_int8; more: quant_gemm_vnni16; or oneDNN where the batched kernel is off), so the
+    # float kernels' layout would never be read.
+    split = None if vnni is not None and gemm_vnni16_available() else torch.from_numpy(split_rows(gguf_rows, code))
+    return QuantizedBlocks(split, code, layer.out_features, vnni, activation_bits or 16)
