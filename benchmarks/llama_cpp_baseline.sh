@@ -34,9 +34,17 @@ LOG_DIR=${LOG_DIR:-/tmp/tokenmill-llama-cpp-baseline}
 # where the CPU has them; AVX2 / FMA / F16C alone elsewhere (the AMD Zen 3 machine: no AVX-512).
 AVX2_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
-  DEFAULT_FLAGS="$AVX2_FLAGS -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+  DEFAULT_FLAGS="$AVX2_FLAGS -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 else
   DEFAULT_FLAGS=$AVX2_FLAGS
+fi
+# AVX-VNNI (the VEX-encoded 256-bit form) is a flag of its own: AMD Zen 4 has AVX-512 VNNI without
+# it, and a build with it died there with SIGILL on the first such instruction.
+# (OFF spelled out: CMake keeps a cached ON from an earlier configure of the same build directory.)
+if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null; then
+  DEFAULT_FLAGS="$DEFAULT_FLAGS -DGGML_AVX_VNNI=ON"
+else
+  DEFAULT_FLAGS="$DEFAULT_FLAGS -DGGML_AVX_VNNI=OFF"
 fi
 LLAMA_CMAKE_FLAGS=${LLAMA_CMAKE_FLAGS:-$DEFAULT_FLAGS}
 COMMIT=${TOKENMILL_COMMIT:-$(git rev-parse --short HEAD)}
