@@ -246,7 +246,8 @@ def test_default_model_greedy_answer(default_model_path):
 def test_default_model_matches_transformers_gguf_loader(default_model_path, activation_bits: int):
     """The prompt in one chunk, then three one-row steps. With float32 activations every logit is
     transformers'; with quantized ones (the 1-4-row GGUF kernel, AVX-512 VNNI or AVX2) the one-row steps'
-    logits move (observed: up to ~0.01 with 16 bits, ~1.5 with 8); with 16 they keep their argmax."""
+    logits move (observed: up to ~0.01 with 16 bits, ~1.5 with 8), and on AVX-512 VNNI the prompt
+    chunk's too (16 bits); with 16 they keep their argmax."""
     from tokenmill.kernels.cpu.build import cpu_kernels_available
     from tokenmill.model.tokenizer import load_tokenizer
 
@@ -282,7 +283,16 @@ def test_default_model_matches_transformers_gguf_loader(default_model_path, acti
         expected = hf(torch.tensor([prompt])).logits[0]
     ours = harness.logits_of(r)
     decoded = len(prompt) - 3  # the rows of the one-row steps
-    torch.testing.assert_close(ours[:decoded], expected[:decoded], atol=1e-3, rtol=1e-4)
+    from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available
+
+    if activation_bits and gemm_vnni16_available():
+        # AVX-512 VNNI builds multiply the prompt chunk with 16-bit activations too (the batched
+        # kernel, csrc/cpu_quant_gemm_vnni.cpp, whatever activation_bits): ~0.01-0.03 off, as the
+        # one-row steps at 16 bits (observed 0.023 on an AMD Zen 4).
+        worst_prompt = (ours[:decoded] - expected[:decoded]).abs().max().item()
+        assert worst_prompt < 0.05, worst_prompt
+    else:
+        torch.testing.assert_close(ours[:decoded], expected[:decoded], atol=1e-3, rtol=1e-4)
     if not activation_bits:
         torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
     else:
