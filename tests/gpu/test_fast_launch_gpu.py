@@ -3,6 +3,8 @@ dispatch gives, and the cache never reuses a kernel across a specialization Trit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -10,7 +12,13 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.fast_launch import FastLauncher
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 in this process"
+    ),
+]
 
 
 @triton.jit
