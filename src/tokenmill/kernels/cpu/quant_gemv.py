@@ -116,30 +116,28 @@ def _linear_int8() -> torch._ops.OpOverload:
 def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 @ dequant(blocks)^T (+ bias) -> float32 [M, out_features]: the one-row
     kernel up to rows_limit() rows (its quantized-activation form where `blocks.vnni` is set), the
-    batched one (dequantize once, panel x rows) above."""
-    if blocks.vnni is not None and x.shape[0] <= rows_limit():
-        # The hot decode path: the kernel allocates its output (no torch.empty from Python).
-        out = _linear_int8()(x.contiguous(), blocks.vnni, blocks.quant_type, blocks.activation_bits)
-        if bias is not None:
-            out += bias
-        return out
-    if blocks.vnni is not None and x.shape[0] > rows_limit() and gemm_vnni16_available():
-        # Batched rows on AVX-512 VNNI: 16-bit activations and integer products, as the few-row
-        # kernel at 16 bits (any activation_bits: 8 is for the few-row kernel's speed only).
-        out = _linear_vnni16()(x.contiguous(), blocks.vnni, blocks.quant_type)
-        if bias is not None:
-            out += bias
-        return out
-    if blocks.blocks is None:
+    batched one (dequantize once, panel x rows) above (on AVX-512 VNNI builds, with `blocks.vnni`,
+    its 16-bit-activation form)."""
+    few_rows = x.shape[0] <= rows_limit()
+    if blocks.vnni is not None and (few_rows or gemm_vnni16_available()):
+        if few_rows:
+            # The hot decode path: the kernel allocates its output (no torch.empty from Python).
+            out = _linear_int8()(x.contiguous(), blocks.vnni, blocks.quant_type, blocks.activation_bits)
+        else:
+            # Batched rows on AVX-512 VNNI: 16-bit activations and integer products, as the few-row
+            # kernel at 16 bits (any activation_bits: 8 is for the few-row kernel's speed only).
+            out = _linear_vnni16()(x.contiguous(), blocks.vnni, blocks.quant_type)
+    elif blocks.blocks is None:
         raise RuntimeError(
             f"these GGUF blocks have only the integer-activation layout, which this build cannot multiply "
             f"[{x.shape[0]} rows] with (rows_limit() = {rows_limit()}, VNNI batched kernel: {gemm_vnni16_available()})"
         )
-    out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
-    if x.shape[0] <= rows_limit():
-        torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     else:
-        _gemm_float()(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+        out = torch.empty((x.shape[0], blocks.out_features), dtype=torch.float32)
+        if few_rows:
+            torch.ops.tokenmill_cpu.quant_gemv(out, x.contiguous(), blocks.blocks, blocks.quant_type)
+        else:
+            _gemm_float()(out, x.contiguous(), blocks.blocks, blocks.quant_type)
     if bias is not None:
         out += bias
     return out
