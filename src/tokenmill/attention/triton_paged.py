@@ -171,11 +171,7 @@ class TritonPagedBackend(AttentionBackend):
         if not torch.cuda.is_available():
             raise RuntimeError("prepare_for_capture needs CUDA: graphs are captured on the GPU only")
         device = torch.device("cuda", torch.cuda.current_device())
-        limits = (
-            max_num_reqs,
-            decode_query_block(max_decode_query_len),
-            max_blocks_per_req * self.block_size,
-        )
+        limits = (max_num_reqs, decode_query_block(max_decode_query_len), max_blocks_per_req * self.block_size)
         if self._graph_scratch is not None:
             # A second set of graphs (LoRA captures one with its kernels and one without) shares the
             # first's scratch: graphs already captured read it, so it must stay where it is.
@@ -391,9 +387,7 @@ class TritonPagedBackend(AttentionBackend):
         decode_q = _decode_query_len(meta)
         all_in_decode_launch = meta.is_decode_only or decode_q > 1
         return (
-            all_in_decode_launch
-            and meta.num_reqs <= self._graph_max_reqs
-            and decode_q <= self._graph_max_decode_q
+            all_in_decode_launch and meta.num_reqs <= self._graph_max_reqs and decode_q <= self._graph_max_decode_q
         )
 
     def _graph_num_kv_splits(self, num_reqs: int, device: torch.device, window: int | None = None) -> int:
@@ -402,10 +396,7 @@ class TritonPagedBackend(AttentionBackend):
         if self.forced_num_kv_splits is not None:
             return self.forced_num_kv_splits
         return choose_num_kv_splits(
-            num_reqs,
-            self.num_kv_heads,
-            _keys_seen(self._graph_max_context_len, window),
-            self._sm_count(device),
+            num_reqs, self.num_kv_heads, _keys_seen(self._graph_max_context_len, window), self._sm_count(device)
         )
 
     def _num_kv_splits(self, meta: AttentionMetadata, device: torch.device, window: int | None = None) -> int:

@@ -291,9 +291,7 @@ def paged_attention(
         prefill_config, decode_config, decode_query_len,
     )  # fmt: skip
     if config.block_q != decode_query_len:
-        raise ValueError(
-            f"the decode tiles' block_q {config.block_q} must equal decode_query_len {decode_query_len}"
-        )
+        raise ValueError(f"the decode tiles' block_q {config.block_q} must equal decode_query_len {decode_query_len}")
     if prefill is not None:
         launch.attention(prefill, num_tokens // prefill.block_q + num_reqs, decode=False, num_kv_splits=1)
     min_tiles = max(1, min_kv_per_split // config.block_n)
@@ -407,13 +405,7 @@ def launch_variants(
     group_pad = _next_power_of_2(num_heads // num_kv_heads)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
     prefill, decode = _tile_configs(
-        group_pad,
-        head_dim_pad,
-        num_reqs,
-        max_query_len,
-        decode_only,
-        kv_fp8,
-        decode_query_len=decode_query_len,
+        group_pad, head_dim_pad, num_reqs, max_query_len, decode_only, kv_fp8, decode_query_len=decode_query_len
     )
     switches = {"kv_fp8": kv_fp8, "sliding": sliding, "soft_cap": soft_cap, "sinks": sinks}
     launches = []
