@@ -137,7 +137,7 @@ def test_replay_refuses_a_q_of_other_strides(monkeypatch) -> None:
     backend = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
     cache0, q0, k0, v0 = layers[0]
     backend.forward(q0, k0, v0, cache0, meta)
-    ((_, recorded),) = backend._replay_memo[2].values()
+    ((recorded,),) = [records.launches.values() for records in backend._replay_memo.values()]
     cache1, q1, k1, v1 = layers[1]
     wide = torch.zeros(q1.shape[0], heads + 1, head_dim, device="cuda", dtype=q1.dtype)
     wide[:, :heads] = q1
@@ -153,3 +153,52 @@ def test_replay_refuses_a_q_of_other_strides(monkeypatch) -> None:
     )
     got = backend.forward(strided_q, k1, v1, cache1, meta)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_hybrid_step_replays_each_group_and_swaps_sinks(monkeypatch) -> None:
+    """A step of a hybrid model alternates two metadata objects (sliding and global layers, as
+    Gemma 2/3 and gpt-oss do) and each layer has its own sinks: every layer after the first of its
+    group replays, and gives the bits it gives launched on its own."""
+    from tokenmill.attention import triton_paged
+    from tokenmill.attention.backend import AttentionLayerSpec
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.bench.paged_batch import scattered_paged_batch
+
+    monkeypatch.setenv("TOKENMILL_TRITON_FAST_LAUNCH", "1")
+    replays: list[bool] = []
+    replay = triton_paged.replay_paged_attention
+
+    def counted_replay(*args, **kwargs) -> bool:
+        replays.append(replay(*args, **kwargs))
+        return replays[-1]
+
+    monkeypatch.setattr(triton_paged, "replay_paged_attention", counted_replay)
+    (heads, kv_heads, head_dim, block), global_meta, layers = _mixed_step(6, torch.bfloat16)
+    # The sliding group's metadata: the same requests, its own (scattered) block tables and slots.
+    sliding_meta, sliding_blocks = scattered_paged_batch(
+        [96] + [1] * 7, [40] + [300 + 13 * i for i in range(7)], block, seed=2
+    )
+    assert sliding_blocks == layers[0][0].shape[1]
+    specs = [
+        (
+            sliding_meta if i % 2 == 0 else global_meta,
+            AttentionLayerSpec(
+                sliding_window=64 if i % 2 == 0 else None,
+                sinks=torch.randn(heads, device="cuda", dtype=torch.float32),
+            ),
+        )
+        for i in range(len(layers))
+    ]
+    fresh_caches = [cache.clone() for cache, *_ in layers]
+    stepped = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+    got = [
+        stepped.forward(q, k, v, cache, meta, kv_already_stored=False, layer=spec).clone()
+        for (cache, q, k, v), (meta, spec) in zip(layers, specs, strict=True)
+    ]
+    # Two layers record (the first of each group); the other four replay theirs, sinks swapped.
+    assert replays == [True] * (len(layers) - 2)
+    assert len(stepped._replay_memo) == 2
+    for i, ((_, q, k, v), (meta, spec)) in enumerate(zip(layers, specs, strict=True)):
+        alone = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+        expected = alone.forward(q, k, v, fresh_caches[i], meta, kv_already_stored=False, layer=spec)
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=0)

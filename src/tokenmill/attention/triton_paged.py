@@ -41,6 +41,7 @@ from tokenmill.attention.backend import (
 )
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.kv_fp8 import is_fp8_kv
+from tokenmill.kernels.triton.fast_launch import PreparedLaunch
 from tokenmill.kernels.triton.kv_store import store_kv
 from tokenmill.kernels.triton.paged_attention import (
     DecodeRope,
@@ -127,6 +128,21 @@ class _SplitScratch:
         return partial_out, partial_lse
 
 
+# Metadata objects whose records are kept: a step has one per KV group (two for models with
+# sliding and global layers); more would only hold the tensors of steps that have ended.
+_KEPT_STEP_RECORDS = 4
+
+
+@dataclass(slots=True)
+class _StepRecords:
+    """The attention launches recorded at the first layer of each kind (window, soft cap, sinks or
+    not) for one metadata object of a step, replayed by the other layers of that kind."""
+
+    meta: AttentionMetadata  # held so that its id is not reused while the record lives
+    facts: tuple[int, int, int, int]
+    launches: dict[tuple, list[PreparedLaunch | None]]
+
+
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
     supported_layer_features = frozenset({"sliding window", "logit soft-capping", "attention sinks"})
@@ -158,8 +174,8 @@ class TritonPagedBackend(AttentionBackend):
         self._graph_max_context_len = 0
         self._graph_scratch: _SplitScratch | None = None
         self._plan_memo: tuple | None = None  # (metadata, window, plan) of the step being run
-        # (metadata, its sizes, {layer kind: (its sinks, recorded launches)}) of the step being run
-        self._replay_memo: tuple | None = None
+        # The recorded launches of the latest steps' metadata objects, by id (oldest first).
+        self._replay_memo: dict[int, _StepRecords] = {}
 
     # -- CUDA-graph hooks -----------------------------------------------------------------------
 
@@ -302,19 +318,13 @@ class TritonPagedBackend(AttentionBackend):
         # first layer (per layer spec) records its launches, the others replay them.
         record = None
         if rope is None and q.is_cuda:
-            memo = self._replay_memo
-            # The metadata object is the step (as for _step_plan); its sizes are checked too, in
-            # case a caller mutates one in place between steps.
-            facts = (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len)
-            if memo is None or memo[0] is not meta or memo[1] != facts:
-                memo = self._replay_memo = (meta, facts, {})
-            # Layers alike in what the launches compile in share one record; their FP8 scales swap.
-            kind = (layer.sliding_window, layer.logits_soft_cap, id(layer.sinks))
-            recorded = memo[2].get(kind)
-            if (
-                recorded is not None
-                and recorded[0] is layer.sinks
-                and replay_paged_attention(recorded[1], out, q, kv_cache, layer.k_scale, layer.v_scale)
+            records = self._step_records(meta)
+            # Layers alike in what the launches compile in share one record; their sinks and FP8
+            # scales swap in.
+            kind = (layer.sliding_window, layer.logits_soft_cap, layer.sinks is not None)
+            recorded = records.launches.get(kind)
+            if recorded is not None and replay_paged_attention(
+                recorded, out, q, kv_cache, layer.k_scale, layer.v_scale, layer.sinks
             ):
                 return out
             record = []
@@ -351,8 +361,23 @@ class TritonPagedBackend(AttentionBackend):
             record=record,
         )
         if record is not None:  # kept only once complete (a launch that raised leaves none behind)
-            self._replay_memo[2][kind] = (layer.sinks, record)  # holding the sinks keeps their id unused
+            records.launches[kind] = record
         return out
+
+    def _step_records(self, meta: AttentionMetadata) -> _StepRecords:
+        """The launches recorded for `meta` this step. The metadata object is the step's (as for
+        _step_plan); its sizes are checked too, in case a caller mutates one in place between
+        steps. A hybrid model's step has one metadata object per KV group (sliding and global
+        layers alternate), so the latest few are kept rather than only the last."""
+        memo = self._replay_memo
+        facts = (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len)
+        records = memo.get(id(meta))
+        if records is None or records.meta is not meta or records.facts != facts:
+            memo.pop(id(meta), None)
+            while len(memo) >= _KEPT_STEP_RECORDS:
+                del memo[next(iter(memo))]
+            records = memo[id(meta)] = _StepRecords(meta, facts, {})
+        return records
 
     # -- planning --------------------------------------------------------------------------------
 

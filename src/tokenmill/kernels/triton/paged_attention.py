@@ -315,14 +315,16 @@ def replay_paged_attention(
     kv_cache: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Repeat the launches a `paged_attention(..., record=launches)` call made, for another layer of
-    the same step with the same window, soft cap and sinks: its `out`, `q`, `kv_cache` (and FP8
-    scales) must match the recorded ones in dtype, shape, strides and 16-byte alignment (everything
-    else, the step's metadata and scratch, is reused as recorded). False, launching nothing,
-    where they do not or a launch was not recorded: then call paged_attention."""
+    the same step with the same window and soft cap, and sinks where the recorded one had them: its
+    `out`, `q`, `kv_cache` (FP8 scales, sinks) must match the recorded ones in dtype, shape, strides
+    and 16-byte alignment (everything else, the step's metadata and scratch, is reused as
+    recorded). False, launching nothing, where they do not or a launch was not recorded: then
+    call paged_attention."""
     k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, kv_cache.shape[3])
-    swappable = (out, q, kv_cache[0], kv_cache[1], k_scale, v_scale)
+    swappable = _swappable(out, q, kv_cache, k_scale, v_scale, sinks)
     bound = []
     for launch in launches:
         values = launch.bind(swappable) if launch is not None else None
@@ -332,6 +334,20 @@ def replay_paged_attention(
     for launch, values in zip(launches, bound, strict=True):
         launch.launch(values)
     return True
+
+
+def _swappable(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The tensors a recorded launch takes from the layer replaying it: gpt-oss's sinks differ per
+    layer (a launch without sinks passes a stand-in, not swapped)."""
+    layer_tensors = (out, q, kv_cache[0], kv_cache[1], k_scale, v_scale)
+    return layer_tensors if sinks is None else (*layer_tensors, sinks)
 
 
 def _tile_configs(
@@ -538,7 +554,7 @@ class _Launch:
         self._launch(
             _ATTENTION_LAUNCH,
             (num_q_programs, num_kv_heads, num_kv_splits),
-            (out, q, key_cache, value_cache, self.k_scale, self.v_scale),
+            _swappable(out, q, kv_cache, self.k_scale, self.v_scale, layer.sinks),
             out,
             partial_out,
             partial_lse,
@@ -630,7 +646,7 @@ class _Launch:
         self._launch(
             _MERGE_LAUNCH,
             (self.num_reqs, num_kv_heads),
-            (out, self.q, self.kv_cache[0], self.kv_cache[1], self.k_scale, self.v_scale),
+            _swappable(out, self.q, self.kv_cache, self.k_scale, self.v_scale, layer.sinks),
             out,
             self.partial_out,
             self.partial_lse,
