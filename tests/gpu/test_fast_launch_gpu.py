@@ -202,3 +202,21 @@ def test_hybrid_step_replays_each_group_and_swaps_sinks(monkeypatch) -> None:
         alone = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
         expected = alone.forward(q, k, v, fresh_caches[i], meta, kv_already_stored=False, layer=spec)
         torch.testing.assert_close(got[i], expected, rtol=0, atol=0)
+
+
+def test_replay_yields_to_a_profiler(monkeypatch) -> None:
+    """While a profiler has set Triton's launch hooks, a recorded step is not replayed: every
+    launch goes through Triton, which calls the hooks."""
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+
+    monkeypatch.setenv("TOKENMILL_TRITON_FAST_LAUNCH", "1")
+    (heads, kv_heads, head_dim, block), meta, layers = _mixed_step(3)
+    backend = TritonPagedBackend(heads, kv_heads, head_dim, head_dim**-0.5, block)
+    cache0, q0, k0, v0 = layers[0]
+    backend.forward(q0, k0, v0, cache0, meta)  # records
+    seen: list[str] = []
+    knobs = triton.knobs.runtime
+    monkeypatch.setattr(knobs, "launch_enter_hook", lambda metadata: seen.append(metadata.data["name"]))
+    for cache, q, k, v in layers[1:]:
+        backend.forward(q, k, v, cache, meta)
+    assert seen.count("_paged_attention_kernel") >= 2 * (len(layers) - 1)

@@ -48,6 +48,17 @@ def _hook_set(hook: object) -> bool:
     return calls is None or len(calls) > 0
 
 
+def _profiler_listening() -> bool:
+    """Whether a profiler set Triton's launch hooks: it wants each launch's metadata, so launches
+    take Triton's own path meanwhile."""
+    knobs = triton.knobs.runtime
+    return _hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook)
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
 class FastLauncher:
     """Launches one `@triton.jit` kernel, reusing the compiled kernel Triton picked for a key."""
 
@@ -102,9 +113,8 @@ class FastLauncher:
         for tensor_positions in positions:  # the replay fills these in; don't keep this launch's tensors
             for i in tensor_positions:
                 values[i] = None
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         facts = tuple(map(_facts, swappable))
-        return PreparedLaunch(self, compiled, grid3, kwargs, values, positions, facts, _aliases(swappable))
+        return PreparedLaunch(self, compiled, _grid3(grid), kwargs, values, positions, facts, _aliases(swappable))
 
     def _launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> object | None:
         """Launch; the compiled kernel when this launch's key is cached (or now is), else None."""
@@ -120,13 +130,7 @@ class FastLauncher:
             self.compiled[key] = chosen
             return chosen
         self.hits += 1
-        self._run(
-            compiled,
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            self._values(args, kwargs),
-        )
+        self._run(compiled, _grid3(grid), self._values(args, kwargs))
         return compiled
 
     def _check_choice(self, cached: object | None, chosen: object) -> None:
@@ -143,22 +147,21 @@ class FastLauncher:
             values.append(kwargs[name] if name in kwargs else self.constexpr_defaults[name])
         return values
 
-    def _run(self, compiled, grid_0: int, grid_1: int, grid_2: int, values: list) -> None:  # noqa: ANN001
+    def _run(self, compiled, grid: tuple[int, int, int], values: list) -> None:  # noqa: ANN001
         driver = self._driver
         stream = driver.get_current_stream(driver.get_current_device())
         # The launcher's arguments after the kernel's function: its packed metadata, the launch
-        # metadata and the enter / exit hooks (none: _key checked that no profiler listens).
+        # metadata and the enter / exit hooks (none: _key and bind checked that no profiler listens).
         compiled.run(
-            grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values
+            *grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values
         )  # fmt: skip
 
     def _key(self, args: tuple, kwargs: dict) -> tuple | None:
         """This launch's key, or None where it must take Triton's own path."""
         if self.constexpr_names is None or len(args) != self.num_runtime:
             return None
-        knobs = triton.knobs.runtime
-        if _hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook):
-            return None  # a profiler wants launch metadata: let Triton build it
+        if _profiler_listening():
+            return None
         specs: list[object] = []
         append = specs.append
         for arg in args:
@@ -219,8 +222,9 @@ class PreparedLaunch:
 
     def bind(self, tensors: Sequence[torch.Tensor]) -> list | None:
         """The launch's argument values with `tensors` in place of the swappable ones, or None when
-        one differs from its original in dtype, shape, strides, alignment (or the launcher is off)."""
-        if fast_launch_mode() == "0" or _aliases(tensors) != self.aliases:
+        one differs from its original in dtype, shape, strides, alignment (or the launcher is off, or
+        a profiler listens: then the caller launches afresh, through Triton)."""
+        if fast_launch_mode() == "0" or _aliases(tensors) != self.aliases or _profiler_listening():
             return None
         values = self.values.copy()
         for tensor, positions, facts in zip(tensors, self.positions, self.facts, strict=True):
@@ -238,4 +242,4 @@ class PreparedLaunch:
             launcher._check_choice(self.compiled, chosen)
             return
         launcher.hits += 1
-        launcher._run(self.compiled, *self.grid, values)
+        launcher._run(self.compiled, self.grid, values)
