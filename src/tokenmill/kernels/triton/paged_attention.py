@@ -324,7 +324,7 @@ def replay_paged_attention(
     recorded). False, launching nothing, where they do not or a launch was not recorded: then
     call paged_attention."""
     k_scale, v_scale = kv_scales_for(kv_cache, k_scale, v_scale, kv_cache.shape[3])
-    swappable = _swappable(out, q, kv_cache, k_scale, v_scale, sinks)
+    swappable = _swappable(out, q, kv_cache[0], kv_cache[1], k_scale, v_scale, sinks)
     bound = []
     for launch in launches:
         values = launch.bind(swappable) if launch is not None else None
@@ -339,14 +339,16 @@ def replay_paged_attention(
 def _swappable(
     out: torch.Tensor,
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     """The tensors a recorded launch takes from the layer replaying it: gpt-oss's sinks differ per
-    layer (a launch without sinks passes a stand-in, not swapped)."""
-    layer_tensors = (out, q, kv_cache[0], kv_cache[1], k_scale, v_scale)
+    layer (a launch without sinks passes a stand-in, not swapped). A recording finds them among
+    its arguments by identity, so they must be the very objects passed (not fresh views)."""
+    layer_tensors = (out, q, key_cache, value_cache, k_scale, v_scale)
     return layer_tensors if sinks is None else (*layer_tensors, sinks)
 
 
@@ -554,7 +556,7 @@ class _Launch:
         self._launch(
             _ATTENTION_LAUNCH,
             (num_q_programs, num_kv_heads, num_kv_splits),
-            _swappable(out, q, kv_cache, self.k_scale, self.v_scale, layer.sinks),
+            _swappable(out, q, key_cache, value_cache, self.k_scale, self.v_scale, layer.sinks),
             out,
             partial_out,
             partial_lse,
@@ -646,7 +648,7 @@ class _Launch:
         self._launch(
             _MERGE_LAUNCH,
             (self.num_reqs, num_kv_heads),
-            _swappable(out, self.q, self.kv_cache, self.k_scale, self.v_scale, layer.sinks),
+            _swappable(out, self.q, self.kv_cache[0], self.kv_cache[1], self.k_scale, self.v_scale, layer.sinks),
             out,
             self.partial_out,
             self.partial_lse,
