@@ -5,6 +5,7 @@
 // Numerics: x += pending (float32), then x * (1 / sqrt(mean(x^2) + eps)) * weight, as F.rms_norm
 // computes in float32; only the summation order of mean(x^2) differs.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -107,20 +108,25 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({tokens, inter}, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* gt = g + t * 2 * inter;
-    float* yt = y + t * inter;
-    int64_t i = 0;
+  // Rows across the threads (a 64-row decode step's 64 x 1536 took ~140 us on one); 8 rows at
+  // least a chunk, so a few-row step stays on the calling thread. Same arithmetic per element.
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gt = g + t * 2 * inter;
+      float* yt = y + t * inter;
+      int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= inter; i += 8) {
-      const __m256 g8 = _mm256_loadu_ps(gt + i);
-      const __m256 e = tokenmill_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g8));
-      _mm256_storeu_ps(yt + i, _mm256_mul_ps(_mm256_div_ps(g8, _mm256_add_ps(one, e)), _mm256_loadu_ps(gt + inter + i)));
-    }
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 g8 = _mm256_loadu_ps(gt + i);
+        const __m256 e = tokenmill_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g8));
+        _mm256_storeu_ps(yt + i,
+                         _mm256_mul_ps(_mm256_div_ps(g8, _mm256_add_ps(one, e)), _mm256_loadu_ps(gt + inter + i)));
+      }
 #endif
-    for (; i < inter; ++i) yt[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[inter + i];
-  }
+      for (; i < inter; ++i) yt[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[inter + i];
+    }
+  });
   return out;
 }
 
