@@ -352,6 +352,59 @@ def test_cpu_kernel_random_batches_match_the_reference(seed):
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_cpu_kernel_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
+    # A float32 model over a float16 / bfloat16 cache: q and the output stay float32 and the kernel
+    # converts the cache's rows as it reads them (the decode fast path at head_dim 64, the general
+    # path for longer queries and head_dim 36). Against the reference over the same values held in
+    # float32 (k and v rounded to the cache's dtype first, as storing them does), so the only
+    # difference left is float32 summation order.
+    gen = torch.Generator().manual_seed(5)
+    query_lens, seq_lens = [1, 1, 1, 5, 17], [1, 40, 71, 9, 30]
+    block_size, num_heads, num_kv_heads = 16, 9, 3
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(order[used : used + n])
+        used += n
+    width = max(blocks)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True)
+        for p in range(s_len - q_len, s_len)
+    ]
+    meta = AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        is_decode_only=False,
+    )
+    cache16 = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
+    k = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(cache_dtype).float()
+    v = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(cache_dtype).float()
+    args = (num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
+    cache32 = cache16.float()
+    expected = TorchReferenceBackend(*args).forward(q, k, v, cache32, meta)
+    got = _kernel_for_every_batch(*args).forward(q, k, v, cache16, meta)
+    assert got.dtype == torch.float32
+    assert torch.equal(cache16.float(), cache32)  # the same rows stored
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
 def test_cpu_kernel_refuses_a_block_id_outside_the_cache():
     meta = _metadata([1], [3], [[0]])
     meta.block_tables[0, 0] = 7  # the cache below has 2 blocks

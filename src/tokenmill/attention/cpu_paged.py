@@ -95,7 +95,10 @@ class CpuPagedBackend(AttentionBackend):
                 _rows_contiguous(v[:num_tokens].to(kv_cache.dtype)),
                 slots[:num_tokens],
             )
-        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=kv_cache.dtype)
+        # A float32 model over a 16-bit cache keeps q and the output in float32: the kernel converts
+        # the cache's rows as it reads them (half the bytes of a float32 cache), q is not rounded.
+        q_dtype = q.dtype if _reads_as_float32(q.dtype, kv_cache.dtype) else kv_cache.dtype
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q_dtype)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows: defined, never read
         # The host copies describe the real requests (a padded batch has empty ones after them).
@@ -111,7 +114,7 @@ class CpuPagedBackend(AttentionBackend):
         # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
         self._paged_attention(
             out,
-            q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype),
+            q if q.dtype == q_dtype else q.to(q_dtype),
             kv_cache,
             starts_32,
             seq_lens_32,
@@ -136,6 +139,11 @@ class CpuPagedBackend(AttentionBackend):
             _rows_contiguous(v.to(kv_cache.dtype)),
             slots.to(torch.int64).contiguous(),
         )
+
+
+def _reads_as_float32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel takes float32 q / out over this cache (a 16-bit float cache)."""
+    return q_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

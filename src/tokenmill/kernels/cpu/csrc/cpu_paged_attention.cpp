@@ -207,9 +207,9 @@ struct Scratch {
   }
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-// One decode row (a task of one query token, float32 cache, head_dim a multiple of 32, no soft
-// cap): the general path below works block by block with an online softmax (per 16 keys: a
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// One decode row (a task of one query token, float32 q, a float32 / float16 / bfloat16 cache,
+// head_dim a multiple of 32, no soft cap): the general path below works block by block with an online softmax (per 16 keys: a
 // scalar max, a rescale of every accumulator, scattered scores), which made a decode row cost
 // ~3x its arithmetic. Here, per KV head and up to 3 of its query heads at once: every visible
 // key's scores in one pass (each key row loaded once for the 3 heads, 4 keys a round, 12
@@ -218,31 +218,44 @@ struct Scratch {
 // path (q pre-scaled, float32 scores and exp, division by the sum at the end) up to summation
 // order and the softmax's single max.
 
-// The rows of keys [first, last) of one request for one KV head (`head_offset` floats into a token row).
+// 8 cache elements as float32: float32 as is, float16 by F16C's convert, bfloat16 by a shift (its
+// bits are float32's upper half). A 16-bit cache halves the bytes a decode row reads from memory.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// The rows of keys [first, last) of one request for one KV head (`head_offset` elements into a token row).
+template <typename C>
 struct KeyRange {
-  const float* plane;  // the K (or V) plane of the cache
+  const C* plane;  // the K (or V) plane of the cache
   const int32_t* table;
   int64_t head_offset, first, last;
 };
 
-inline const float* key_row(const KeyRange& kr, const Shape& sh, int64_t t) {
+template <typename C>
+inline const C* key_row(const KeyRange<C>& kr, const Shape& sh, int64_t t) {
   return kr.plane + static_cast<int64_t>(kr.table[t / sh.block_size]) * sh.cache_stride_block +
          (t % sh.block_size) * sh.cache_stride_tok + kr.head_offset;
 }
 
 // s[h][t - first] = dot(q[h], key t) for NH query heads (q [NH][D], pre-scaled).
-template <int NH>
-void decode_scores(const float* q, const KeyRange& kr, const Shape& sh, float* s, int64_t s_stride) {
+template <int NH, typename C>
+void decode_scores(const float* q, const KeyRange<C>& kr, const Shape& sh, float* s, int64_t s_stride) {
   const int64_t D = sh.head_dim;
   int64_t t = kr.first;
   while (t < kr.last) {
     const int64_t block_end = std::min(kr.last, (t / sh.block_size + 1) * sh.block_size);
     if (block_end < kr.last) {  // the next block is elsewhere in memory: start fetching it now
-      const float* next = key_row(kr, sh, block_end);
-      for (int64_t i = 0; i < sh.block_size; ++i) prefetch_lines(next + i * sh.cache_stride_tok, D * 4);
+      const C* next = key_row(kr, sh, block_end);
+      for (int64_t i = 0; i < sh.block_size; ++i) prefetch_lines(next + i * sh.cache_stride_tok, D * sizeof(C));
     }
     for (; t + 4 <= block_end; t += 4) {
-      const float* k0 = key_row(kr, sh, t);
+      const C* k0 = key_row(kr, sh, t);
       const int64_t st = sh.cache_stride_tok;
       __m256 acc[NH][4];
       for (int h = 0; h < NH; ++h)
@@ -250,7 +263,7 @@ void decode_scores(const float* q, const KeyRange& kr, const Shape& sh, float* s
       for (int64_t d = 0; d < D; d += 8) {
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m256 kv = _mm256_loadu_ps(k0 + j * st + d);
+          const __m256 kv = load8(k0 + j * st + d);
 #pragma GCC unroll 3
           for (int h = 0; h < NH; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, acc[h][j]);
         }
@@ -263,10 +276,10 @@ void decode_scores(const float* q, const KeyRange& kr, const Shape& sh, float* s
       }
     }
     for (; t < block_end; ++t) {
-      const float* k = key_row(kr, sh, t);
+      const C* k = key_row(kr, sh, t);
       for (int h = 0; h < NH; ++h) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), _mm256_loadu_ps(k + d), a);
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), load8(k + d), a);
         s[h * s_stride + (t - kr.first)] = hsum(a);
       }
     }
@@ -299,8 +312,8 @@ inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
 }
 
 // out[h][0, D) = sum_t p[h][t - first] * value t, for NH heads, 32 columns at a time.
-template <int NH>
-void decode_values(const float* p, int64_t p_stride, const KeyRange& vr, const Shape& sh, float* out) {
+template <int NH, typename C>
+void decode_values(const float* p, int64_t p_stride, const KeyRange<C>& vr, const Shape& sh, float* out) {
   const int64_t D = sh.head_dim;
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     __m256 acc[NH][4];
@@ -310,16 +323,16 @@ void decode_values(const float* p, int64_t p_stride, const KeyRange& vr, const S
     while (t < vr.last) {
       const int64_t block_end = std::min(vr.last, (t / sh.block_size + 1) * sh.block_size);
       if (d0 == 0 && block_end < vr.last) {
-        const float* next = key_row(vr, sh, block_end);
-        for (int64_t i = 0; i < sh.block_size; ++i) prefetch_lines(next + i * sh.cache_stride_tok, D * 4);
+        const C* next = key_row(vr, sh, block_end);
+        for (int64_t i = 0; i < sh.block_size; ++i) prefetch_lines(next + i * sh.cache_stride_tok, D * sizeof(C));
       }
-      const float* v = key_row(vr, sh, t) + d0;
+      const C* v = key_row(vr, sh, t) + d0;
       for (; t < block_end; ++t, v += sh.cache_stride_tok) {
 #pragma GCC unroll 3
         for (int h = 0; h < NH; ++h) {
           const __m256 ph = _mm256_broadcast_ss(p + h * p_stride + (t - vr.first));
 #pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) acc[h][c] = _mm256_fmadd_ps(ph, _mm256_loadu_ps(v + 8 * c), acc[h][c]);
+          for (int c = 0; c < 4; ++c) acc[h][c] = _mm256_fmadd_ps(ph, load8(v + 8 * c), acc[h][c]);
         }
       }
     }
@@ -328,16 +341,17 @@ void decode_values(const float* p, int64_t p_stride, const KeyRange& vr, const S
   }
 }
 
-template <int NH>
-void decode_heads(const float* q, const KeyRange& kr, const KeyRange& vr, const Shape& sh, float* s,
+template <int NH, typename C>
+void decode_heads(const float* q, const KeyRange<C>& kr, const KeyRange<C>& vr, const Shape& sh, float* s,
                   int64_t s_stride, float* m, float* l, float* acc) {
   decode_scores<NH>(q, kr, sh, s, s_stride);
   for (int h = 0; h < NH; ++h) std::tie(m[h], l[h]) = softmax_numerators(s + h * s_stride, kr.last - kr.first);
   decode_values<NH>(s, s_stride, vr, sh, acc);
 }
 
-template <typename T>
-bool attend_decode(const Task& task, const Shape& sh, const T* q, const T* cache, const int32_t* block_table,
+// T: q and out; C: the cache (float32, or a 16-bit cache under a float32 model).
+template <typename T, typename C>
+bool attend_decode(const Task& task, const Shape& sh, const T* q, const C* cache, const int32_t* block_table,
                    T* out, Scratch& w) {
   if constexpr (!std::is_same_v<T, float>) {
     return false;
@@ -353,8 +367,8 @@ bool attend_decode(const Task& task, const Shape& sh, const T* q, const T* cache
     w.scores.resize(3 * n);
     float* qf = w.q.data();
     for (int64_t kvh = task.first_kv_head; kvh < task.first_kv_head + task.num_kv_heads; ++kvh) {
-      const KeyRange kr{cache, block_table, kvh * D, first, pos + 1};
-      const KeyRange vr{cache + sh.cache_stride_plane, block_table, kvh * D, first, pos + 1};
+      const KeyRange<C> kr{cache, block_table, kvh * D, first, pos + 1};
+      const KeyRange<C> vr{cache + sh.cache_stride_plane, block_table, kvh * D, first, pos + 1};
       for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int64_t nh = std::min<int64_t>(3, G - g0);
         for (int64_t h = 0; h < nh; ++h) {
@@ -385,8 +399,8 @@ bool attend_decode(const Task& task, const Shape& sh, const T* q, const T* cache
   }
 }
 #else
-template <typename T>
-bool attend_decode(const Task&, const Shape&, const T*, const T*, const int32_t*, T*, Scratch&) {
+template <typename T, typename C>
+bool attend_decode(const Task&, const Shape&, const T*, const C*, const int32_t*, T*, Scratch&) {
   return false;
 }
 #endif
@@ -394,8 +408,9 @@ bool attend_decode(const Task&, const Shape&, const T*, const T*, const int32_t*
 // One task: query tokens [first_token, +num_tokens) of one request, KV heads
 // [first_kv_head, +num_kv_heads) and their query heads. Rows are ordered by KV head, then
 // token, then query head in the group, so each KV head's rows are contiguous.
-template <typename T>
-void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const int32_t* block_table,
+// T: q and out; C: the cache (T itself, or a 16-bit cache under float32 q / out).
+template <typename T, typename C>
+void attend(const Task& task, const Shape& sh, const T* q, const C* cache, const int32_t* block_table,
             T* out, Scratch& w) {
   if (attend_decode(task, sh, q, cache, block_table, out, w)) return;
   const int64_t D = sh.head_dim, G = sh.group, BS = sh.block_size;
@@ -431,13 +446,13 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
   const int64_t head_offset = task.first_kv_head * D;
   const int64_t span = task.num_kv_heads * D;  // contiguous elements of one token's row we read
   for (int64_t b = first_block; b < num_blocks; ++b) {
-    const T* k_block = cache + static_cast<int64_t>(block_table[b]) * sh.cache_stride_block + head_offset;
-    const T* v_block = k_block + sh.cache_stride_plane;
+    const C* k_block = cache + static_cast<int64_t>(block_table[b]) * sh.cache_stride_block + head_offset;
+    const C* v_block = k_block + sh.cache_stride_plane;
     if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: start fetching it now
-      const T* next = cache + static_cast<int64_t>(block_table[b + 1]) * sh.cache_stride_block + head_offset;
+      const C* next = cache + static_cast<int64_t>(block_table[b + 1]) * sh.cache_stride_block + head_offset;
       for (int64_t t = 0; t < BS; ++t) {
-        prefetch_lines(next + t * sh.cache_stride_tok, span * sizeof(T));
-        prefetch_lines(next + sh.cache_stride_plane + t * sh.cache_stride_tok, span * sizeof(T));
+        prefetch_lines(next + t * sh.cache_stride_tok, span * sizeof(C));
+        prefetch_lines(next + sh.cache_stride_plane + t * sh.cache_stride_tok, span * sizeof(C));
       }
     }
     const int64_t first_key = b * BS;
@@ -446,7 +461,7 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
     // Keys as float, [t][h][d] (a copy only for 16-bit caches).
     const float* kf;
     int64_t kf_stride;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       kf = k_block, kf_stride = sh.cache_stride_tok;
     } else {
       for (int64_t t = 0; t < n; ++t) load_row(k_block + t * sh.cache_stride_tok, w.kv.data() + t * span, span);
@@ -496,7 +511,7 @@ void attend(const Task& task, const Shape& sh, const T* q, const T* cache, const
     // acc[row] += sum_t p[row][t] * v[t], the row's accumulator kept in registers across keys.
     const float* vf;
     int64_t vf_stride;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       vf = v_block, vf_stride = sh.cache_stride_tok;
     } else {
       for (int64_t t = 0; t < n; ++t) load_row(v_block + t * sh.cache_stride_tok, w.kv.data() + t * span, span);
@@ -539,8 +554,12 @@ void check_layout(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, kv_cache and out must share one dtype, got ", q.scalar_type(), " and ", kv_cache.scalar_type());
+  // One dtype for all three, or float32 q / out over a 16-bit cache (read as float32).
+  const bool mixed = q.scalar_type() == at::kFloat &&
+                     (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK((q.scalar_type() == kv_cache.scalar_type() || mixed) && out.scalar_type() == q.scalar_type(),
+              "q and out must share the kv_cache's dtype (or be float32 over a float16 / bfloat16 cache), got ",
+              q.scalar_type(), ", ", out.scalar_type(), " and ", kv_cache.scalar_type());
   TORCH_CHECK(q.size(2) == kv_cache.size(4), "q head_dim ", q.size(2), " != cache head_dim ", kv_cache.size(4));
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
 }
@@ -622,18 +641,24 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_cpu_paged_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* cache_ptr = kv_cache.data_ptr<scalar_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  auto run = [&](auto* out_ptr, const auto* cache_ptr) {
+    const auto* q_ptr = static_cast<decltype(out_ptr)>(q.data_ptr());
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       thread_local Scratch scratch;
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         if (i + 1 < end) prefetch_task(tasks[i + 1], sh, cache_ptr, tables + tasks[i + 1].req * sh.max_blocks);
-        attend<scalar_t>(task, sh, q_ptr, cache_ptr, tables + task.req * sh.max_blocks, out_ptr, scratch);
+        attend(task, sh, q_ptr, cache_ptr, tables + task.req * sh.max_blocks, out_ptr, scratch);
       }
     });
+  };
+  if (q.scalar_type() != kv_cache.scalar_type()) {  // float32 q / out over a 16-bit cache
+    if (kv_cache.scalar_type() == at::kHalf) run(out.data_ptr<float>(), kv_cache.data_ptr<c10::Half>());
+    else run(out.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>());
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_cpu_paged_attention", [&] {
+    run(out.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>());
   });
 }
 
