@@ -482,3 +482,26 @@ def test_cpu_backend_converts_each_steps_metadata_anew():
             out = reused.forward(q, k, v, cache, meta)
             assert torch.equal(out, expected)
             assert torch.equal(cache, fresh_cache)
+
+
+@needs_kernels
+def test_cpu_backend_auto_kv_cache_dtype_follows_the_kernel_config(monkeypatch):
+    from tokenmill.config import KernelConfig
+
+    def backend(**kernel):
+        return CpuPagedBackend(9, 3, 64, 0.125, 16, kernel=KernelConfig(**kernel))
+
+    assert backend().auto_kv_cache_dtype(torch.float32) == torch.float32  # default: the model's
+    assert backend(cpu_kv_cache_dtype="float16").auto_kv_cache_dtype(torch.float32) == torch.float16
+    assert backend(cpu_kv_cache_dtype="bfloat16").auto_kv_cache_dtype(torch.float32) == torch.bfloat16
+    # a 16-bit model keeps its own dtype; a build without the vector decode path keeps float32
+    assert backend(cpu_kv_cache_dtype="float16").auto_kv_cache_dtype(torch.bfloat16) == torch.bfloat16
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert backend(cpu_kv_cache_dtype="float16").auto_kv_cache_dtype(torch.float32) == torch.float32
+
+
+def test_cpu_kv_cache_dtype_kernel_config_is_checked():
+    from tokenmill.args import EngineArgs
+
+    with pytest.raises(ValueError, match="cpu_kv_cache_dtype"):
+        EngineArgs(kernel_config={"cpu_kv_cache_dtype": "fp8"}).create_kernel_config()

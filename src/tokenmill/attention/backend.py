@@ -181,6 +181,11 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.kernel = kernel or KernelConfig()  # the kernel-path choices a backend may read
 
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type under kv_cache_dtype "auto": the model's, unless a backend
+        reads a narrower cache faster at no cost to greedy output (the C++ CPU backend)."""
+        return model_dtype
+
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
         """Whether this backend reads and writes a KV cache of `kv_cache_dtype` under a model of
         `model_dtype`. Here: 16- and 32-bit floats, converted on store and load (the C++ backend);

@@ -60,6 +60,15 @@ class CpuPagedBackend(AttentionBackend):
         self._step_meta: AttentionMetadata | None = None
         self._step_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        # A float32 model's cache in 16 bits (KernelConfig.cpu_kv_cache_dtype) where the kernel's
+        # decode path converts rows as it reads them (AVX2 / AVX-512 builds: F16C); elsewhere the
+        # general path would convert element by element, slower than reading float32.
+        wanted = self.kernel.cpu_kv_cache_dtype
+        if model_dtype != torch.float32 or wanted == "auto" or not _vector_build():
+            return model_dtype
+        return {"float16": torch.float16, "bfloat16": torch.bfloat16}[wanted]
+
     def _kernel_tensors(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(starts, seq_lens, block_tables) as the kernel reads them, and the slot mapping (int64)."""
         if meta is not self._step_meta or self._step_tensors is None:
@@ -139,6 +148,11 @@ class CpuPagedBackend(AttentionBackend):
             _rows_contiguous(v.to(kv_cache.dtype)),
             slots.to(torch.int64).contiguous(),
         )
+
+
+def _vector_build() -> bool:
+    """Whether the kernels were built with AVX2 (and so F16C) or AVX-512 (-march=native)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _reads_as_float32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

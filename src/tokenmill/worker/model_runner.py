@@ -148,8 +148,12 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # The KV store and attention kernels read the element type from the cache tensors.
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.attn_backend = self._make_attention_backend(config.attention_backend)
+        self.kv_cache_dtype = (
+            self.attn_backend.auto_kv_cache_dtype(self.dtype)
+            if config.cache.kv_cache_dtype == "auto"
+            else resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        )
         if not self.attn_backend.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype):
             self.attn_backend = self._reference_for_kv_cache_dtype(config.attention_backend)
         started = time.perf_counter()
