@@ -108,12 +108,19 @@ grep -h "engine on CPU" "$LOG_DIR/tokenmill-serve.log" || true
 for round in $(seq 1 "$ROUNDS"); do
   for c in $CONCURRENCIES; do
     prompts=$((c * 2 < 8 ? 8 : c * 2))
+    # Fresh prompts in every run: under one seed c=8's 16 prompts are c=32's first 16, and a later
+    # round repeats the earlier one's, so both servers answered those from their prefix / prompt
+    # caches (a c=32 run after c=8 started 16 of its first 32 prompts at once, from the cache).
+    # Round 1 of c=32 keeps seed 0, the prompts of the earlier c=32 figures. SAME_PROMPTS=1: seed 0
+    # everywhere, as before 2026-12-02.
+    seed=$(( (round - 1) * 1000 + (c == 32 ? 0 : c) ))
+    [ "${SAME_PROMPTS:-0}" = 1 ] && seed=0
     for side in llama-server tokenmill; do
       port=$LLAMA_PORT
       [ "$side" = tokenmill ] && port=$TM_PORT
       echo "== round $round, c=$c, $side ($prompts prompts)"
       tm bench serve --port "$port" --tokenizer "$TOKENIZER" --dataset-name random --num-prompts "$prompts" \
-        --random-input-len 128 --random-output-len 128 --max-concurrency "$c" --ignore-eos --disable-tqdm \
+        --random-input-len 128 --random-output-len 128 --max-concurrency "$c" --ignore-eos --disable-tqdm --seed "$seed" \
         --num-warmups 1 --save-result --result-dir "$OUT" \
         --result-filename "llama-cpp-baseline-$TAG-$side-r$round-c$c" 2>&1 |
         grep -E "throughput|TTFT|ITL|Successful|Failed|failed:" | head -12
