@@ -56,6 +56,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
 # waits two steps, which a long step makes the ITL tail (docs/CPU_PERFORMANCE.md). Below the
 # decode batch the queue of prompts grows without end (16 at c=32: TTFT p50 18 s). 0 on a GPU.
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 32
+# --prefill-step-target-ms on the CPU: a step that is still prefilling adds no further prompt once
+# its predicted time passes this. Below one 128-token prompt's step on the 2-core machines
+# (~0.3 s), so prompts that arrive together are prefilled one a step, whole (a single prompt is
+# never split by it); short prompts still share a step. 0 on a GPU and offline.
+DEFAULT_PREFILL_STEP_TARGET_MS_CPU = 250.0
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
@@ -145,6 +150,14 @@ class EngineArgs:
         "while any request decodes, the most prompt tokens one step prefills (bounds the inter-token "
         f"gap a prefill adds); 0: only max_num_batched_tokens (default: {DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU} "
         "on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
+    )
+    prefill_step_target_ms: float | None = _option(
+        None,
+        "a step's prefill beyond its first prompt chunk stops where the step cost learned from the "
+        "engine's own steps predicts the step would take longer than this many ms (never below "
+        "max_prefill_tokens_while_decoding): prompts that arrive together finish prefill one after "
+        "another, not all in one long step; 0: off "
+        f"(default: {DEFAULT_PREFILL_STEP_TARGET_MS_CPU:g} on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
     )
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")
     kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)
@@ -391,6 +404,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+                prefill_step_target_ms=self.prefill_step_target_ms,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
                 slo=self.create_slo_config(),
             ),
@@ -484,6 +498,8 @@ class EngineArgs:
                 "max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
                 f"got {self.max_prefill_tokens_while_decoding}"
             )
+        if self.prefill_step_target_ms is not None and not self.prefill_step_target_ms >= 0:
+            raise ValueError(f"prefill_step_target_ms must be >= 0 (0: off), got {self.prefill_step_target_ms}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self._check_kv_offload()
@@ -655,11 +671,17 @@ def resolve_device_defaults(config: EngineConfig) -> EngineConfig:
     prefill_cap = config.scheduler.max_prefill_tokens_while_decoding
     if prefill_cap is None:
         prefill_cap = 0 if on_gpu else DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU
+    step_target = config.scheduler.prefill_step_target_ms
+    if step_target is None:
+        step_target = 0.0 if on_gpu else DEFAULT_PREFILL_STEP_TARGET_MS_CPU
     return dataclasses.replace(
         config,
         device=str(device),
         scheduler=dataclasses.replace(
-            config.scheduler, max_num_batched_tokens=budget, max_prefill_tokens_while_decoding=prefill_cap
+            config.scheduler,
+            max_num_batched_tokens=budget,
+            max_prefill_tokens_while_decoding=prefill_cap,
+            prefill_step_target_ms=step_target,
         ),
         async_scheduling=config.async_scheduling if config.async_scheduling is not None else on_gpu,
     )

@@ -61,3 +61,17 @@ def test_the_offline_llm_leaves_the_prefill_cap_off_unless_asked(tiny_llama_dir)
     assert llm.config.scheduler.max_prefill_tokens_while_decoding == 0
     llm = LLM(str(tiny_llama_dir), device="cpu", max_prefill_tokens_while_decoding=32)
     assert llm.config.scheduler.max_prefill_tokens_while_decoding == 32
+
+
+def test_prefill_step_target_defaults_on_the_cpu_off_offline_and_a_given_one_wins(tiny_llama_dir):
+    from tokenmill import LLM
+    from tokenmill.args import DEFAULT_PREFILL_STEP_TARGET_MS_CPU
+
+    config = build_engine_config(str(tiny_llama_dir), device="cpu")
+    assert config.scheduler.prefill_step_target_ms == DEFAULT_PREFILL_STEP_TARGET_MS_CPU > 0
+    config = build_engine_config(str(tiny_llama_dir), device="cpu", prefill_step_target_ms=0)
+    assert config.scheduler.prefill_step_target_ms == 0
+    with pytest.raises(ValueError, match="prefill_step_target_ms must be >= 0"):
+        build_engine_config(str(tiny_llama_dir), device="cpu", prefill_step_target_ms=-1)
+    assert LLM(str(tiny_llama_dir), device="cpu").config.scheduler.prefill_step_target_ms == 0
+    assert LLM(str(tiny_llama_dir), device="cpu", prefill_step_target_ms=None).config.scheduler.prefill_step_target_ms == 0

@@ -208,6 +208,7 @@ class Harness:
         async_mode: bool = False,
         kv_cache_groups: KVCacheGroups | None = None,
         max_prefill_tokens_while_decoding: int = 0,
+        prefill_step_target_ms: float = 0.0,
     ) -> None:
         self.async_mode = async_mode
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -218,6 +219,7 @@ class Harness:
                 policy,  # type: ignore[arg-type]
                 max_model_len,
                 max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+                prefill_step_target_ms=prefill_step_target_ms,
             ),
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks,

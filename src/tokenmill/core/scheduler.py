@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import deque
 from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -53,8 +54,12 @@ from tokenmill.core.outputs import (
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FcfsQueue, KVRoom, PriorityQueue, SortKey
 from tokenmill.core.slo_queue import SloQueue
+from tokenmill.core.step_cost import PrefillDecodeCostModel, StepTimer
 from tokenmill.core.structured_output import StructuredOutputHooks
 from tokenmill.spec_decode.stats import SpecDecodingStats
+
+# The engine's first steps, left out of the prefill step-time fit (as the slo policy's).
+COLD_STEPS = 8
 
 # `_check_stop`'s verdict when the grammar has not been asked about the token yet.
 _NOT_ACCEPTED = object()
@@ -108,6 +113,17 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
         self.lora = lora
         self.kv_connector = kv_connector
+        # prefill_step_target_ms: a step's prefill beyond its first chunk is bounded by the tokens
+        # the cost model learned from the steps' (prefill tokens, decode rows, seconds) predicts fit
+        # in the target. None: off.
+        target_ms = scheduler_config.prefill_step_target_ms or 0.0
+        self.prefill_step_target_s = target_ms / 1000.0
+        self.step_cost: PrefillDecodeCostModel | None = None
+        if target_ms > 0:
+            # A new engine's first steps are cold (first touches of the weights, buffers growing): out of the fit.
+            self.step_cost = PrefillDecodeCostModel(skip_steps=COLD_STEPS)
+            self._step_timer = StepTimer()
+            self._step_mix: deque[tuple[int, int]] = deque()  # (prefill tokens, decode rows) of steps in flight
         if kv_connector is not None:
             check_kv_cache_groups(self.kv.groups)
             self.kv.pool.on_evict = kv_connector.on_blocks_evicted
@@ -201,6 +217,8 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._poll_grammars()
         self.waiting.step_scheduled()
+        if self.step_cost is not None:
+            self._step_timer.scheduled()
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput()
         # Filled in batch order: running (cached) requests first, then admitted (new) ones.
@@ -227,7 +245,8 @@ class Scheduler:
                     self._preempt(victim)
                     preempted.add(victim.request_id)
         num_preempted_for_policy = len(preempted)
-        prefill_room = self._prefill_room(budget)
+        prefill_room, prefill_limit = self._prefill_room(budget)
+        num_prefill = 0  # prompt tokens (prefill chunks) scheduled so far this step
         allocate_slots = self.kv.allocate_slots
         num_lookahead_tokens = self.num_lookahead_tokens
         structured_ids = output.structured_output_request_ids
@@ -264,9 +283,12 @@ class Scheduler:
                 num_drafts = 0
                 if num_new > 1:  # a prefill chunk (or a recompute after preemption)
                     num_new = min(num_new, prefill_room)
+                    if num_prefill:  # not the step's first chunk: within the predicted step time
+                        num_new = min(num_new, max(prefill_limit - num_prefill, 0))
                     if self.waiting:  # the policy may keep room for a waiting request's prompt (slo)
                         num_new = self.waiting.running_prefill_chunk(request, num_new, prefill_room, len(running))
                     prefill_room -= num_new
+                    num_prefill += num_new
             if num_new <= 0:  # nothing to compute until a sampled token comes back
                 i += 1
                 continue
@@ -309,6 +331,7 @@ class Scheduler:
             no_kv_preemption
             and self.waiting
             and min(budget, prefill_room) > 0
+            and (not num_prefill or num_prefill < prefill_limit)
             and len(running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
@@ -344,6 +367,8 @@ class Scheduler:
                 num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_start = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_start, budget, prefill_room)
+            if num_prefill:  # not the step's first chunk: within the predicted step time
+                num_new = min(num_new, prefill_limit - num_prefill)
             # A chunk that samples reserves the lookahead slots a draft model writes after it.
             lookahead = self.num_lookahead_tokens if num_start + num_new >= request.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_ids, lookahead)
@@ -377,11 +402,14 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             prefill_room -= num_new
+            num_prefill += num_new
             admitted.append(request)
 
         for request in reversed(skipped):
             self.waiting.add_preempted(request, self._keys[request.request_id])
         output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        if self.step_cost is not None:
+            self._step_mix.append((num_prefill, output.total_num_scheduled_tokens - num_prefill))
         output.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         self._unlaunched = set(num_scheduled)
@@ -389,13 +417,26 @@ class Scheduler:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return output
 
-    def _prefill_room(self, budget: int) -> int:
-        """How many of this step's tokens prefill chunks may take: the whole budget, or
-        max_prefill_tokens_while_decoding where a running request is past its prompt (decoding)."""
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap and cap < budget and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
-            return cap
-        return budget
+    def _prefill_room(self, budget: int) -> tuple[int, int]:
+        """(room, limit) for this step's prefill chunks (partial prefills, admitted prompts,
+        recomputes). `room` bounds them all together: the whole budget, or
+        max_prefill_tokens_while_decoding (the cap) where a running request is past its prompt
+        (decoding). `limit` bounds them together once the step has its first chunk: with
+        prefill_step_target_ms and a step-cost model that has seen enough steps, the most prompt
+        tokens predicted to keep the step (beside its decoding rows) within the target, never below
+        the cap; else the room. So a single prompt is never split by the target, and prompts that
+        arrive together while nothing decodes finish their prefills in different steps, not all in
+        one long step (their first tokens come sooner and, where their answers are as long, those
+        do not all end, and get replaced, in one step)."""
+        cap = self.config.max_prefill_tokens_while_decoding or 0
+        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        room = cap if cap and cap < budget and decoding else budget
+        cost = self.step_cost
+        if cost is None or not cost.ready or room <= cap:
+            return room, room
+        num_decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        fits = cost.prefill_tokens_within(self.prefill_step_target_s, num_decoding)
+        return room, min(max(fits, cap, 1), room)
 
     def _lora_admission(self) -> LoRAAdmission | None:
         if self.lora is None:
@@ -598,7 +639,18 @@ class Scheduler:
         if finished_waiting:
             self.waiting.remove(finished_waiting)
         self.waiting.step_finished(scheduler_output, runner_output)
+        if self.step_cost is not None:
+            self._observe_step()
         return outputs
+
+    def _observe_step(self) -> None:
+        """The step whose results just came back, into the prefill step-time model."""
+        seconds = self._step_timer.finished()
+        if not self._step_mix:
+            return
+        num_prefill, num_decode = self._step_mix.popleft()
+        if seconds is not None and num_prefill + num_decode:
+            self.step_cost.observe(num_prefill, num_decode, seconds)  # type: ignore[union-attr]
 
     def _append_run(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens in order, checking stop conditions after each: a stop (EOS, stop token,

@@ -94,3 +94,94 @@ class StepTimer:
         started = max(self._scheduled_at.popleft(), self._last_result)
         self._last_result = now
         return now - started
+
+
+class PrefillDecodeCostModel:
+    """seconds ≈ overhead + per_prefill_token × prefill tokens + per_decode_row × decode rows.
+
+    StepCostModel's one slope cannot tell the two kinds of rows apart, and on the CPU they differ
+    (a decoding row also pays its attention over the whole context, the lm_head and sampling: ~2x
+    a prompt token's cost on the default model), so a step's time is predicted from both counts.
+    A weighted least-squares plane over the recent steps, older ones forgotten geometrically, with
+    a small ridge so that steps of one fixed mix (a steady state) keep the coefficients finite. Pure
+    Python, O(1) a step."""
+
+    def __init__(self, decay: float = 0.99, min_steps: int = 8, skip_steps: int = 0, ridge: float = 1e-3) -> None:
+        self.decay = decay
+        self.min_steps = min_steps
+        self.skip_steps = skip_steps
+        self.ridge = ridge  # relative to the mean squared counts: a prior pulling slopes to 0, weakly
+        self.num_steps = 0
+        # Decayed sums: weight, x1 (prefill), x2 (decode), y, and their products.
+        self._w = self._p = self._d = self._y = 0.0
+        self._pp = self._pd = self._dd = self._py = self._dy = 0.0
+        self._coefficients: tuple[float, float, float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.num_steps >= self.min_steps
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        if self.skip_steps:
+            self.skip_steps -= 1
+            return
+        k = self.decay
+        p, d = float(prefill_tokens), float(decode_rows)
+        self._w = self._w * k + 1.0
+        self._p = self._p * k + p
+        self._d = self._d * k + d
+        self._y = self._y * k + seconds
+        self._pp = self._pp * k + p * p
+        self._pd = self._pd * k + p * d
+        self._dd = self._dd * k + d * d
+        self._py = self._py * k + p * seconds
+        self._dy = self._dy * k + d * seconds
+        self.num_steps += 1
+        self._coefficients = None
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(seconds per step, per prefill token, per decode row), each >= 0; zeros before any step."""
+        if self._coefficients is not None:
+            return self._coefficients
+        if self._w == 0.0:
+            return 0.0, 0.0, 0.0
+        w = self._w
+        mp, md, my = self._p / w, self._d / w, self._y / w
+        # Centred (co)variances: the overhead drops out of the 2 x 2 system for the slopes.
+        spp = self._pp / w - mp * mp
+        sdd = self._dd / w - md * md
+        spd = self._pd / w - mp * md
+        spy = self._py / w - mp * my
+        sdy = self._dy / w - md * my
+        spp += self.ridge * (self._pp / w + 1.0)
+        sdd += self.ridge * (self._dd / w + 1.0)
+        det = spp * sdd - spd * spd
+        if det <= 0.0:
+            b = c = 0.0
+        else:
+            b = (spy * sdd - sdy * spd) / det
+            c = (sdy * spp - spy * spd) / det
+        # A negative slope is noise (more rows never make a step cheaper): refit the other alone.
+        if b < 0.0:
+            b, c = 0.0, max(sdy / sdd, 0.0) if sdd > 0.0 else 0.0
+        elif c < 0.0:
+            b, c = max(spy / spp, 0.0) if spp > 0.0 else 0.0, 0.0
+        a = max(my - b * mp - c * md, 0.0)
+        self._coefficients = (a, b, c)
+        return self._coefficients
+
+    def seconds(self, prefill_tokens: int, decode_rows: int) -> float:
+        a, b, c = self.coefficients()
+        return a + b * prefill_tokens + c * decode_rows
+
+    def prefill_tokens_within(self, seconds: float, decode_rows: int) -> int:
+        """The most prefill tokens a step with `decode_rows` decodes may carry and still be
+        predicted to take at most `seconds` (0 if the decodes alone do not fit; a large number if
+        prompt tokens look free)."""
+        a, b, c = self.coefficients()
+        left = seconds - a - c * decode_rows
+        if left <= 0.0:
+            return 0
+        if b <= 0.0:
+            return 1 << 30
+        return int(left / b)

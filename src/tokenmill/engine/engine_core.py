@@ -87,9 +87,10 @@ class EngineCore:
         if config != unresolved:
             logger.info(
                 "engine core: device=%s, max_num_batched_tokens=%d, max_prefill_tokens_while_decoding=%d, "
-                "async_scheduling=%s",
+                "prefill_step_target_ms=%g, async_scheduling=%s",
                 config.device, config.scheduler.max_num_batched_tokens,
-                config.scheduler.max_prefill_tokens_while_decoding, config.async_scheduling,
+                config.scheduler.max_prefill_tokens_while_decoding, config.scheduler.prefill_step_target_ms,
+                config.async_scheduling,
             )  # fmt: skip
         self.resolved = resolved if resolved is not None else resolve_model(config.model)
         arch = self.resolved.arch

@@ -88,6 +88,8 @@ class LLM:
         # 64 x 128/128 benchmark (docs/CPU_PERFORMANCE.md). Off unless asked for.
         if kwargs.get("max_prefill_tokens_while_decoding") is None:  # None: the default (bench passes it)
             kwargs["max_prefill_tokens_while_decoding"] = 0
+        if kwargs.get("prefill_step_target_ms") is None:  # the same: a latency bound, off offline
+            kwargs["prefill_step_target_ms"] = 0.0
         self.config = build_engine_config(model, **kwargs)
         torch.manual_seed(self.config.model.seed)
         self.resolved = resolve_model(self.config.model)
