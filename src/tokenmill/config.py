@@ -144,9 +144,10 @@ class SchedulerConfig:
     # engine's own steps) predicts the step would take longer than this, though never below
     # max_prefill_tokens_while_decoding: prompts that arrive together then finish their prefills
     # in different steps, so the first of them answers sooner and, with equal lengths, their
-    # answers do not all end in the same step (at c=32 a clump of prompts finishing together left
-    # a standing queue of prompts behind the replacements: TTFT p50 ~6 s instead of ~1.2 s). 0:
-    # off; None until args.resolve_device_defaults fills in the device's default.
+    # answers do not all end in the same step (in the c=32 benchmark's closed loop a clump of
+    # prompts finishing prefill together comes back as a clump of new prompts and leaves a queue
+    # that does not drain; docs/CPU_PERFORMANCE.md). While requests decode under the CPU's cap it
+    # changes nothing. 0: off; None until args.resolve_device_defaults fills in the device's default.
     prefill_step_target_ms: float | None = None
 
 

@@ -115,7 +115,7 @@ class Scheduler:
         self.kv_connector = kv_connector
         # prefill_step_target_ms: a step's prefill beyond its first chunk is bounded by the tokens
         # the cost model learned from the steps' (prefill tokens, decode rows, seconds) predicts fit
-        # in the target. None: off.
+        # in the target. 0: off (no model, no timing).
         target_ms = scheduler_config.prefill_step_target_ms or 0.0
         self.prefill_step_target_s = target_ms / 1000.0
         self.step_cost: PrefillDecodeCostModel | None = None
