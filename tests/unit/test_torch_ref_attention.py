@@ -39,14 +39,21 @@ def make_backend(request):
 
 
 def _metadata(
-    query_lens, seq_lens, block_tables, num_padding_rows=0, num_padding_reqs=0
+    query_lens,
+    seq_lens,
+    block_tables,
+    num_padding_rows=0,
+    num_padding_reqs=0,
+    block_size=BLOCK_SIZE,
+    decode_only: bool | None = None,
 ) -> AttentionMetadata:
+    """decode_only None: whether every query is one token."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
     slots = []
     for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s_len - q_len, s_len)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len)]
     slots += [-1] * num_padding_rows
     width = max(len(t) for t in block_tables)
     query_start_loc = torch.tensor(starts, dtype=torch.int32)
@@ -66,7 +73,7 @@ def _metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc_cpu=query_start_loc.clone(),
         seq_lens_cpu=seq_lens_t.clone(),
-        is_decode_only=all(n == 1 for n in query_lens),
+        is_decode_only=all(n == 1 for n in query_lens) if decode_only is None else decode_only,
     )
 
 
@@ -316,28 +323,8 @@ def test_cpu_kernel_random_batches_match_the_reference(seed):
     for n in blocks:
         tables.append(order[used : used + n])
         used += n
-    width = max(blocks)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True)
-        for p in range(s_len - q_len, s_len)
-    ]
-    meta = AttentionMetadata(
-        num_actual_tokens=starts[-1],
-        num_reqs=len(query_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
-        is_decode_only=all(q == 1 for q in query_lens),
-    )
+    meta = _metadata(query_lens, seq_lens, tables, block_size=block_size)
+    starts = meta.query_start_loc_cpu.tolist()
     cache = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -369,28 +356,8 @@ def test_cpu_kernel_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
     for n in blocks:
         tables.append(order[used : used + n])
         used += n
-    width = max(blocks)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True)
-        for p in range(s_len - q_len, s_len)
-    ]
-    meta = AttentionMetadata(
-        num_actual_tokens=starts[-1],
-        num_reqs=len(query_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
-        is_decode_only=False,
-    )
+    meta = _metadata(query_lens, seq_lens, tables, block_size=block_size, decode_only=False)
+    starts = meta.query_start_loc_cpu.tolist()
     cache16 = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
     k = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen).to(cache_dtype).float()
