@@ -35,6 +35,7 @@ from tokenmill.bench.datasets import (
 )
 from tokenmill.bench.prometheus_text import scrape
 from tokenmill.bench.results import DEFAULT_RESULTS_DIR, write_result
+from tokenmill.bench.saturation import format_saturated_window, saturated_window
 from tokenmill.bench.serve_client import build_payload, is_chat_endpoint, send_request
 from tokenmill.bench.serve_metrics import (
     RequestResult,
@@ -430,6 +431,9 @@ async def run_benchmark(args: argparse.Namespace) -> list[ServeRun]:
             metrics["max_concurrency"] = max_concurrency
             metrics["rejected_429"] = sum(r.error.startswith("HTTP 429") for r in results)
             print(format_report(metrics, max_concurrency, args.request_rate))
+            if (window := saturated_window(results, max_concurrency)) is not None:
+                metrics["saturated_window"] = window
+                print(format_saturated_window(window, max_concurrency))
             if priorities is not None:
                 metrics["slo"] = slo_report(results, priorities, args.slo_classes, duration)
                 print(format_slo_report(metrics["slo"]))
