@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenmill.engine.otel_spans import TraceContext
+from tokenmill.engine.output_merge import merge_delta, take_waiting
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -268,9 +269,24 @@ async def generate_all(
     if status.queue_timeout_s is not None:
         timers.append(asyncio.create_task(expire_waiting(status.queue_timeout_s)))
     remaining = len(tasks)
+    ready: deque = deque()  # taken from the queue, to hand out
+
+    def sequence_key(item: Any) -> tuple[tuple[int, int], bool] | None:
+        if isinstance(item, tuple):
+            i, out = item
+            return (i, out.outputs[0].index), out.finished
+        return None
+
+    def merge(a: tuple[int, RequestOutput], b: tuple[int, RequestOutput]) -> tuple[int, RequestOutput]:
+        return a[0], merge_delta(a[1], b[1])
+
     try:
         while remaining:
-            item = await queue.get()
+            if not ready:
+                # A sequence's deltas that waited here together (the handler ran later than they
+                # came) go out as one chunk: engine/output_merge.py.
+                ready.extend(take_waiting(queue, await queue.get(), sequence_key, merge))
+            item = ready.popleft()
             if item is done:
                 remaining -= 1
             elif isinstance(item, BaseException):
