@@ -1,0 +1,217 @@
+"""The API server's streaming path when the engine steps faster than the server writes chunks
+(CPU, no model): what issue 14's H200 runs hit (64 streams, a step every ~6 ms), reproduced on a
+CPU where the real engine is too slow to push the API server that far.
+
+    PYTHONPATH=src python benchmarks/api_stream_backlog.py --step-ms 6 --concurrency 64 --requests 512
+
+A child process serves the real API app (FastAPI, uvicorn on a TCP port, SSE, output processing)
+and its real engine client (ZMQ, msgpack) over a fake engine process: tests/server/fake_engine.py's
+scripted core (one token per running request a step) behind the engine process's sockets, stepping
+every --step-ms whether or not the server keeps up, its outputs waiting in the socket when it does
+not, as a real engine's do. This process sends the load (aiohttp, tokenmill.bench.serve_client) and
+reports TTFT, tokens per SSE chunk, ITL and the server process's CPU seconds. Run from the repo
+root; the tree under test is the one PYTHONPATH names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SERVE_FLAG = "--serve-child"
+ENGINE_FLAG = "--engine-child"
+
+
+def fake_engine_process(input_addr: str, output_addr: str, step_s: float) -> None:
+    """The engine child: tests/server/fake_engine.py's scripted core behind the engine process's
+    sockets and messages; one step every `step_s` while it has requests, its outputs sent whether
+    or not the server keeps up (they wait in the socket), as the real engine does."""
+    sys.path.insert(0, ".")
+    import msgspec
+    import zmq
+    from tests.server.fake_engine import REPLY, FakeCore, FakeEngine
+
+    from tokenmill.engine.messages import ClientMessage, EngineReady, Shutdown, StepOutputs
+
+    shape = FakeEngine(max_model_len=4096, num_kv_blocks=10**6)  # its tokenizer and EngineInfo only
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(input_addr)
+    outbox.connect(output_addr)
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClientMessage)
+
+    class SocketCore(FakeCore):
+        def _deliver(self, message: object) -> None:
+            outbox.send(encoder.encode(message))
+
+    core = SocketCore(None, shape.tokenizer.encode(REPLY, add_special_tokens=False), shape.tokenizer.eos_token_id)  # type: ignore[arg-type]
+    outbox.send(encoder.encode(EngineReady(info=shape.info)))
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    due = time.monotonic()
+    parent = os.getppid()
+    while os.getppid() == parent:  # never outlives the server
+        busy = bool(core.running or core.pending)
+        wait_ms = max(0.0, due - time.monotonic()) * 1000 if busy else 200
+        if poller.poll(wait_ms):
+            while True:
+                try:
+                    message = decoder.decode(inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(message, Shutdown):
+                    return
+                core.receive(message)
+        now = time.monotonic()
+        if core.running or core.pending:
+            if now >= due:
+                core._deliver(StepOutputs(outputs=core.step(), stats=core.stats()))
+                due = now + step_s
+        else:
+            due = now  # idle: the next request's first step comes at once
+
+
+def serve(port: int, step_s: float) -> None:
+    """The server child: the real app and engine client (ZMQ, msgpack) over the fake engine
+    process, on uvicorn, until killed."""
+    sys.path.insert(0, ".")
+    from tests.server.fake_engine import FakeEngine, fake_server_state
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine import core_process_client
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.input_processor import InputProcessor
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.server.api_server import create_app
+    from tokenmill.server.http_protocol import make_uvicorn_config
+
+    def spawn(config, input_addr, output_addr, env=None):  # noqa: ANN001, ANN202
+        return subprocess.Popen([sys.executable, __file__, ENGINE_FLAG, input_addr, output_addr, str(step_s)])
+
+    core_process_client._spawn_engine_process = spawn
+
+    async def main() -> None:
+        import uvicorn
+
+        shape = FakeEngine(max_model_len=4096, num_kv_blocks=10**6)
+        engine = AsyncEngine(EngineConfig())
+        engine.tokenizer, engine.eos_token_ids = shape.tokenizer, shape.eos_token_ids
+        engine.client.launch(engine.config)
+        await engine.client.wait_until_ready(60)
+        engine.info = engine.client.info
+        engine.input_processor = InputProcessor(engine.tokenizer, engine.info, engine.eos_token_ids)
+        engine.output_processor = OutputProcessor(engine.tokenizer)
+        engine.client.start_loops()
+        state = fake_server_state(engine)  # type: ignore[arg-type]
+        server = uvicorn.Server(make_uvicorn_config(create_app(state), host="127.0.0.1", port=port))
+        try:
+            await server.serve()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def load(port: int, concurrency: int, requests: int, max_tokens: int) -> tuple[list, float]:
+    import aiohttp
+
+    from tokenmill.bench.serve_client import send_request
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    limit = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def one() -> object:
+            async with limit:
+                return await send_request(session, url, body, {}, prompt_len=2)
+
+        await asyncio.gather(*(one() for _ in range(min(concurrency, 8))))  # warm-up
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one() for _ in range(requests)))
+        return list(results), time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == SERVE_FLAG:
+        serve(int(sys.argv[2]), float(sys.argv[3]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == ENGINE_FLAG:
+        fake_engine_process(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step-ms", type=float, default=6.0, help="the fake engine's step period")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens of every reply (ignore_eos)")
+    parser.add_argument("--port", type=int, default=8795)
+    parser.add_argument("--result-name", default=None, help="also write a result file to benchmarks/results/")
+    args = parser.parse_args()
+    sys.path.insert(0, ".")
+    import urllib.request
+
+    import tokenmill
+    from tokenmill.bench.results import write_result
+
+    child = subprocess.Popen([sys.executable, __file__, SERVE_FLAG, str(args.port), str(args.step_ms / 1000)])
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        cpu_before, client_before = cpu_seconds(child.pid), cpu_seconds(os.getpid())
+        results, duration = asyncio.run(load(args.port, args.concurrency, args.requests, args.max_tokens))
+        # The warm-up's share is small and alike in every run.
+        server_cpu, client_cpu = cpu_seconds(child.pid) - cpu_before, cpu_seconds(os.getpid()) - client_before
+    finally:
+        child.terminate()
+        child.wait(10)
+    ok = [r for r in results if r.success]
+    tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.itl) + 1 for r in ok)
+    itls = [x for r in ok for x in r.itl]
+    ttfts = [r.ttft for r in ok]
+    metrics = {
+        "completed": len(ok),
+        "duration_s": round(duration, 3),
+        "output_tok_s": round(tokens / duration, 1),
+        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 2),
+        "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 2),
+        "itl_p50_ms": round(1000 * statistics.median(itls), 3),
+        "tokens_per_chunk": round(tokens / chunks, 3),
+        "server_cpu_s": round(server_cpu, 2),
+        "server_cpu_ms_per_1k_tokens": round(1000 * server_cpu / tokens * 1000, 1),
+        "client_cpu_s": round(client_cpu, 2),  # the load generator shares the host's cores
+    }
+    src = os.path.dirname(os.path.dirname(tokenmill.__file__))
+    commit = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    config = {"step_ms": args.step_ms, "concurrency": args.concurrency, "requests": args.requests,
+              "max_tokens": args.max_tokens, "tokenmill_src": src,
+              "tokenmill_src_commit": os.environ.get("TOKENMILL_COMMIT") or commit.stdout.strip() or None}  # fmt: skip
+    print(json.dumps(config | metrics))
+    if args.result_name:
+        print(write_result("api-stream-backlog", config, metrics, name=args.result_name))
+
+
+if __name__ == "__main__":
+    main()
