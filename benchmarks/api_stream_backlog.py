@@ -50,7 +50,8 @@ def fake_engine_process(input_addr: str, output_addr: str, step_s: float) -> Non
         def _deliver(self, message: object) -> None:
             outbox.send(encoder.encode(message))
 
-    core = SocketCore(None, shape.tokenizer.encode(REPLY, add_special_tokens=False), shape.tokenizer.eos_token_id)  # type: ignore[arg-type]
+    reply_ids = shape.tokenizer.encode(REPLY, add_special_tokens=False)
+    core = SocketCore(None, reply_ids, shape.tokenizer.eos_token_id)  # type: ignore[arg-type]
     outbox.send(encoder.encode(EngineReady(info=shape.info)))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -157,7 +158,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == ENGINE_FLAG:
         fake_engine_process(sys.argv[2], sys.argv[3], float(sys.argv[4]))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--step-ms", type=float, default=6.0, help="the fake engine's step period")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=512)
@@ -204,10 +207,11 @@ def main() -> None:
         "client_cpu_s": round(client_cpu, 2),  # the load generator shares the host's cores
     }
     src = os.path.dirname(os.path.dirname(tokenmill.__file__))
-    commit = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    git = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("TOKENMILL_COMMIT") or git.stdout.strip() or None  # a copy of a tree: told
     config = {"step_ms": args.step_ms, "concurrency": args.concurrency, "requests": args.requests,
               "max_tokens": args.max_tokens, "tokenmill_src": src,
-              "tokenmill_src_commit": os.environ.get("TOKENMILL_COMMIT") or commit.stdout.strip() or None}  # fmt: skip
+              "tokenmill_src_commit": commit}  # fmt: skip
     print(json.dumps(config | metrics))
     if args.result_name:
         print(write_result("api-stream-backlog", config, metrics, name=args.result_name))

@@ -42,13 +42,14 @@ def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
         finish_reason=b.finish_reason,
         stop_reason=b.stop_reason,
     )
+    prompt_logprobs = later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs
     return RequestOutput(
         request_id=later.request_id,
         prompt=later.prompt,
         prompt_token_ids=later.prompt_token_ids,
         outputs=[completion],
         finished=later.finished,
-        prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         num_cached_tokens=later.num_cached_tokens,
         error=later.error or earlier.error,
         metrics={**earlier.metrics, **later.metrics},
