@@ -35,9 +35,12 @@ class FakeStructuredServer(ThreadedHTTPServer):
     constrained request and an object missing every property (invalid) after. /metrics exports the
     two grammar histograms, grown by each constrained request, when `with_metrics`."""
 
-    def __init__(self, with_metrics: bool = True, reject_constrained: bool = False) -> None:
+    def __init__(
+        self, with_metrics: bool = True, reject_constrained: bool = False, plain_tokens_per_piece: int = 1
+    ) -> None:
         self.with_metrics = with_metrics
         self.reject_constrained = reject_constrained
+        self.plain_tokens_per_piece = plain_tokens_per_piece  # >1: plain tokens that add no text alone
         self.payloads: list[dict[str, Any]] = []
         self.constrained_seen = 0
         super().__init__()
@@ -73,10 +76,13 @@ class FakeStructuredServer(ThreadedHTTPServer):
         payload = await request.json()
         self.payloads.append(payload)
         constraint = payload.get("structured_outputs") or payload.get("response_format")
+        piece_chars, tokens = 4, None  # None: a token per piece
         if constraint is None:
             # A plain reply: 3 pieces, or exactly the limit when told to ignore EOS.
             limit = payload.get("max_tokens") or payload.get("max_completion_tokens")
             text = "".join(f" w{i:02d}" for i in range(limit)) if payload.get("ignore_eos") else " w0 w1 w2 w3"
+            if payload.get("ignore_eos"):
+                piece_chars, tokens = 4 * self.plain_tokens_per_piece, limit
         elif self.reject_constrained:  # a server without structured output refusing the field
             return web.json_response({"error": {"message": "json_schema is not supported"}}, status=400)
         else:
@@ -87,7 +93,8 @@ class FakeStructuredServer(ThreadedHTTPServer):
                 if self.constrained_seen == 1
                 else "{}"
             )
-        pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+        pieces = [text[i : i + piece_chars] for i in range(0, len(text), piece_chars)]
+        tokens = len(pieces) if tokens is None else tokens
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = "messages" in payload
@@ -96,7 +103,7 @@ class FakeStructuredServer(ThreadedHTTPServer):
             content = {"delta": {"content": piece}} if chat else {"text": piece}
             finish = "stop" if i == len(pieces) - 1 else None
             await resp.write(self._event({"choices": [{"index": 0, **content, "finish_reason": finish}]}))
-        usage = {"prompt_tokens": 30, "completion_tokens": len(pieces), "total_tokens": 30 + len(pieces)}
+        usage = {"prompt_tokens": 30, "completion_tokens": tokens, "total_tokens": 30 + tokens}
         await resp.write(self._event({"choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -184,6 +191,22 @@ def test_one_valid_and_one_invalid_reply_is_half_valid(
             p["structured_outputs"]["json"],
         )
         assert isinstance(p["prompt"], str) and "JSON Schema" in p["prompt"]
+
+
+@pytest.mark.parametrize("fake_server", [{"plain_tokens_per_piece": 2}], indirect=True)
+def test_each_phase_reports_its_tokens_per_text_chunk(
+    fake_server: FakeStructuredServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plain phase's replies carry two tokens a chunk here (as on the H200, where many plain
+    tokens add no text): same tokens, half the chunks, which each phase's result says."""
+    m = run_bench(fake_server, tmp_path)["metrics"]
+    longest = m["constrained"]["max_output_tokens"]  # the other reply is "{}": one piece, one token
+    assert m["constrained"]["tokens_per_text_chunk"] == 1.0
+    assert m["unconstrained"]["total_output_tokens"] == m["constrained"]["total_output_tokens"] == 1 + longest
+    chunks = 1 + (longest + 1) // 2  # the long reply in pieces of two tokens
+    assert m["unconstrained"]["tokens_per_text_chunk"] == pytest.approx((1 + longest) / chunks)
+    assert m["unconstrained"]["tokens_per_text_chunk"] > 1.5
+    assert "Tokens per text chunk" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fake_server", [{"with_metrics": False}], indirect=True)

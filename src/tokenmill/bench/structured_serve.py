@@ -95,6 +95,16 @@ def _validity(items: list[StructuredRequest], results: list[RequestResult]) -> d
     }
 
 
+def tokens_per_text_chunk(results: list[RequestResult]) -> float | None:
+    """Output tokens per streamed chunk that carried text, over the successful requests: how many
+    SSE events the server formatted and wrote for the phase's tokens. Two phases with the same
+    tokens but different values put different loads on the API server (a plain reply's tokens that
+    add no text yet send no chunk)."""
+    ok = [r for r in results if r.success]
+    chunks = sum(len(r.itl) + 1 for r in ok if r.generated_text)
+    return sum(r.output_tokens for r in ok) / chunks if chunks else None
+
+
 def _server_timings(before: Samples | None, after: Samples | None) -> dict[str, Any]:
     """Compile and per-step mask time gained during the constrained phase (null when not exported)."""
     missing = []
@@ -155,6 +165,8 @@ def format_summary(metrics: dict[str, Any]) -> str:
     row("TTFT p50 (ms)", "median_ttft_ms")
     row("TTFT p99 (ms)", "p99_ttft_ms")
     row("Output tokens", "total_output_tokens", "d")
+    if plain.get("tokens_per_text_chunk") and con.get("tokens_per_text_chunk"):
+        row("Tokens per text chunk", "tokens_per_text_chunk", ".3f")
     rate = con["schema_valid_rate"]
     lines.append(f"Schema-valid replies: {con['schema_valid']}/{con['schema_valid'] + con['schema_invalid']}"
                  + ("" if rate is None else f" ({rate:.1%})"))  # fmt: skip
@@ -307,6 +319,7 @@ async def run_structured(args: argparse.Namespace) -> list[ServeRun]:
                 if phase == "constrained":
                     after = await scrape(session, base_url, headers)
                 metrics = compute_metrics(results, duration, None, percentiles)
+                metrics["tokens_per_text_chunk"] = tokens_per_text_chunk(results)
                 print(format_report(metrics, max_concurrency, args.request_rate))
                 if args.server_trace_dir:  # each phase's TTFT by stage, from the server's trace
                     await asyncio.sleep(TRACE_SETTLE_S)  # the engine flushes its step records when idle
