@@ -51,7 +51,7 @@ for rate in $RATES; do
     name="serve-tail-$(basename "$MODEL")-$DEVICE_NAME-rate-$rate-c$MAX_CONCURRENCY$TAG"
   fi
   if [ "$rate" = inf ]; then n=$SATURATION_PROMPTS; else n=$(python3 -c "print(max(200, int($rate * $SECONDS_OF_LOAD)))"); fi
-  timeout 300 "${TOKENMILL[@]}" bench serve --dataset-name random --random-input-len 512 --random-output-len 256 \
+  timeout 300 "${TOKENMILL[@]}" bench serve --tokenizer "$TOKENIZER" --dataset-name random --random-input-len 512 --random-output-len 256 \
     --num-prompts "$n" --request-rate "$rate" "${limit[@]}" --ignore-eos --disable-tqdm --server-trace-dir "$trace" \
     --save-result --result-dir "$OUT" --result-filename "$name" 2>&1 |
     tee "$OUT/bench-rate-$rate$TAG.log" | grep -vE "^(Total|Request|Benchmark|Successful|Maximum)" | tail -34
