@@ -34,13 +34,30 @@ def wall_per_step(llm: LLM, steps: int) -> tuple[float, float]:
     return 1000 * statistics.median(walls), 1000 * statistics.median(cpus)
 
 
-def op_table(llm: LLM, steps: int, rows: int) -> str:
+def op_table(llm: LLM, steps: int, rows: int, by_shape: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=by_shape) as prof:
         for _ in range(steps):
             llm.engine.step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    if by_shape:
+        table += "\n" + gemm_by_shape(prof, steps)
+    return table
+
+
+def gemm_by_shape(prof, steps: int) -> str:
+    """The quantized products' self CPU time per step by weight shape (x [M, K], blocks [N, bytes])."""
+    lines = ["quantized products by shape (self CPU ms a step, calls a step):"]
+    for event in prof.key_averages(group_by_input_shape=True):
+        if "quant_linear" not in event.key or not event.input_shapes:
+            continue
+        x_shape, w_shape = event.input_shapes[0], event.input_shapes[1]
+        lines.append(
+            f"  {event.key} x {x_shape} blocks {w_shape}: {event.self_cpu_time_total / 1000 / steps:.2f} ms, "
+            f"{event.count / steps:.0f} calls"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -53,6 +70,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=18)
     parser.add_argument("--kernel-config", default="{}", help="JSON of KernelConfig fields")
     parser.add_argument("--no-table", action="store_true", help="step times only")
+    parser.add_argument("--by-shape", action="store_true", help="also the quantized products by weight shape")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kwargs = {"max_model_len": 1024, "kernel_config": json.loads(args.kernel_config)}
@@ -67,7 +85,7 @@ def main() -> None:
             f"{cpu_ms:.2f} ms CPU"
         )
         if not args.no_table:
-            print(op_table(llm, 5, args.rows))
+            print(op_table(llm, 5, args.rows, args.by_shape))
         llm.engine.abort_requests(ids)
         while llm.engine.has_work():
             llm.engine.step()
