@@ -60,6 +60,19 @@ def test_equals_the_same_integer_math_in_numpy(name: str, n: int, k: int, m: int
 
 
 @pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_panels_a_thread_equal_numpy(name: str, threads: int) -> None:
+    """Several panels a thread, the last one partial: each panel prefetches the next one's weight
+    rows while it computes (the prefetch must neither read past the last row nor change a result)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        test_equals_the_same_integer_math_in_numpy(name, 24 * 9 + 7, 96, 20)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_matches_the_few_row_kernel(name: str) -> None:
     """Same quantization as the 1-4-row kernel at 16 bits: a row's outputs agree to float32
     summation order whether its step has 4 rows (that kernel) or more (this one)."""

@@ -22,6 +22,18 @@ from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_penalties, ban_tokens
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on the CPU, where this process has loaded the C++ kernels, their
+    `argmax_rows` (the same indices, NaN rows included; torch's took 1.3-2.9 ms of a 64-row decode
+    step over SmolLM2's 49152 logits)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        from tokenmill.kernels.cpu import build
+
+        if build.kernels_loaded():
+            return torch.ops.tokenmill_cpu.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
@@ -56,7 +68,7 @@ class Sampler:
 
         logits = self.processed_logits(logits, md)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits)
         else:
             sampled = self._sample_random(logits, md)
             if md.greedy_mask is not None:

@@ -138,6 +138,11 @@ def load_cpu_kernels() -> None:
         _loaded = True
 
 
+def kernels_loaded() -> bool:
+    """Whether this process has loaded the kernels (never builds them: for optional fast paths)."""
+    return _loaded
+
+
 def cpu_kernels_available() -> tuple[bool, str]:
     """(True, "") when the kernels load, else (False, why)."""
     try:
