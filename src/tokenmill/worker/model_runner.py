@@ -27,7 +27,7 @@ from tokenmill.model.tensor_parallel import rank_arch
 from tokenmill.sample.grammar_mask import GrammarMasker
 from tokenmill.sample.metadata import RowSamplingInfo, SamplingMetadata, make_generator
 from tokenmill.sample.rejection_sampler import VerifyLayout, verify_drafts
-from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
+from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs, greedy_argmax
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch, pad_to_uniform_query
 from tokenmill.worker.kv_cache import (
     allocate_kv_caches,
@@ -828,7 +828,7 @@ class ModelRunner:
                 packed = greedy_sample(logits)  # ids and non-finite flags in two launches
                 sampled_ids = packed[0]
             else:
-                sampled_ids = logits.argmax(dim=-1)
+                sampled_ids = greedy_argmax(logits)  # on the CPU the C++ kernel's, else torch's
         else:
             metadata = self._row_metadata(sampling_reqs, logits)
             sampled = self.sampler(logits, metadata)
