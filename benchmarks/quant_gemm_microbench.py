@@ -95,7 +95,8 @@ def model_shapes(args: argparse.Namespace) -> None:
     kernel = torch.ops.tokenmill_cpu.quant_linear_vnni16
     row_counts = [int(value) for value in (args.rows or "64,128,512").split(",")]
     threads = [int(t) for t in args.thread_counts.split(",")]
-    print(f"{'shape':8s} {'N x K':>11s} {'rows':>5s} " + " ".join(f"{f'{t} thr ms':>9s} {'GMAC/s/thr':>10s}" for t in threads))
+    columns = " ".join(f"{f'{t} thr ms':>9s} {'GMAC/s/thr':>10s}" for t in threads)
+    print(f"{'shape':8s} {'N x K':>11s} {'rows':>5s} {columns}")
     totals = {t: {} for t in threads}
     for name, n, k, quant in MODEL_SHAPES:
         row_bytes = k // 32 * (20 if quant == 0 else 34)

@@ -54,7 +54,8 @@ def test_the_sampler_greedy_path_uses_it_and_agrees() -> None:
     logits = torch.randn(8, 3000)
     logits[2, 100] = float("nan")
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
-    assert torch.equal(greedy_argmax(logits.double()), logits.double().argmax(dim=-1))  # other dtypes: torch's
+    doubles = logits.double()  # other dtypes: torch's argmax
+    assert torch.equal(greedy_argmax(doubles), doubles.argmax(dim=-1))
 
 
 def test_refuses_bad_input() -> None:

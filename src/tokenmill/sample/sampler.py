@@ -26,7 +26,12 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1); on the CPU, where this process has loaded the C++ kernels, their
     `argmax_rows` (the same indices, NaN rows included; torch's took 1.3-2.9 ms of a 64-row decode
     step over SmolLM2's 49152 logits)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+    ):
         from tokenmill.kernels.cpu import build
 
         if build.kernels_loaded():
