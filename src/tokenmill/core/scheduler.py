@@ -430,14 +430,12 @@ class Scheduler:
         do not all end, and get replaced, in one step)."""
         cap = self.config.max_prefill_tokens_while_decoding or 0
         cost = self.step_cost
-        if cost is None or not cost.ready:
-            # Only whether anything decodes matters: stop at the first that does.
-            decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-            room = cap if cap and cap < budget and decoding else budget
-            return room, room
-        num_decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        measured = cost is not None and cost.ready
+        decodes = (r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        # The cost model needs how many decode; otherwise whether any does (stops at the first).
+        num_decoding = sum(decodes) if measured else int(any(decodes))
         room = cap if cap and cap < budget and num_decoding else budget
-        if room <= cap:
+        if not measured or room <= cap:
             return room, room
         fits = cost.prefill_tokens_within(self.prefill_step_target_s, num_decoding)
         return room, min(max(fits, cap, 1), room)
