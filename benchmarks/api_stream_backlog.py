@@ -173,6 +173,7 @@ def main() -> None:
 
     import tokenmill
     from tokenmill.bench.results import write_result
+    from tokenmill.bench.structured_serve import tokens_per_text_chunk
 
     child = subprocess.Popen([sys.executable, __file__, SERVE_FLAG, str(args.port), str(args.step_ms / 1000)])
     try:
@@ -191,7 +192,6 @@ def main() -> None:
         child.wait(10)
     ok = [r for r in results if r.success]
     tokens = sum(r.output_tokens for r in ok)
-    chunks = sum(len(r.itl) + 1 for r in ok)
     itls = [x for r in ok for x in r.itl]
     ttfts = [r.ttft for r in ok]
     metrics = {
@@ -201,7 +201,7 @@ def main() -> None:
         "ttft_p50_ms": round(1000 * statistics.median(ttfts), 2),
         "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 2),
         "itl_p50_ms": round(1000 * statistics.median(itls), 3),
-        "tokens_per_chunk": round(tokens / chunks, 3),
+        "tokens_per_chunk": round(tokens_per_text_chunk(results), 3),
         "server_cpu_s": round(server_cpu, 2),
         "server_cpu_ms_per_1k_tokens": round(1000 * server_cpu / tokens * 1000, 1),
         "client_cpu_s": round(client_cpu, 2),  # the load generator shares the host's cores
