@@ -192,3 +192,48 @@ def test_the_first_llm_of_a_process_is_freed_on_del(tiny_llama_dir) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "kv freed"
+
+
+def test_generate_freezes_the_collector_only_while_it_runs(tiny_llama_dir) -> None:
+    """`generate` keeps the model and engine out of the collector's walks while it runs
+    (engine/gc_frozen.py) and gives them back after, also when it raises; output is unchanged."""
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects for good; generate leaves those alone")
+    llm = _llm(tiny_llama_dir)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert gc.get_freeze_count() == 0
+    seen: list[int] = []
+    get_output = llm.client.get_output
+
+    def recording_get_output():
+        seen.append(gc.get_freeze_count())
+        return get_output()
+
+    llm.client.get_output = recording_get_output  # type: ignore[method-assign]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert seen and min(seen) > 0
+    assert gc.get_freeze_count() == 0
+
+    def failing_get_output():
+        raise RuntimeError("boom")
+
+    llm.client.get_output = failing_get_output  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(PROMPTS, GREEDY)
+    assert gc.get_freeze_count() == 0
+    llm.close()
+
+
+def test_generate_leaves_objects_someone_else_froze_frozen(tiny_llama_dir) -> None:
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects for good")
+    llm = _llm(tiny_llama_dir)
+    gc.freeze()  # as the serving engine process does after start-up
+    try:
+        llm.generate(PROMPTS, GREEDY)
+        # Still frozen (an unfreeze would have emptied the permanent generation; the count itself
+        # falls by the frozen objects that died meanwhile).
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        llm.close()

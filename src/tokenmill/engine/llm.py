@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.fanout import fan_out
+from tokenmill.engine.gc_frozen import objects_frozen_while_generating
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError, LLMClosedError
@@ -215,7 +216,9 @@ class LLM:
                     child_id, request_id, index, text, token_ids, core_req.sampling_params
                 )
                 self.client.add_requests([core_req])
-        return self._run_to_completion(order, {rid: p.n for rid, _, _, p, _ in staged}, use_tqdm)
+        # The model and the engine's objects stay out of the collector's walks while this runs.
+        with objects_frozen_while_generating():
+            return self._run_to_completion(order, {rid: p.n for rid, _, _, p, _ in staged}, use_tqdm)
 
     @staticmethod
     def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
