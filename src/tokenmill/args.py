@@ -609,9 +609,9 @@ class EngineArgs:
             raise ValueError(
                 f"kernel_config 'cpu_activation_bits' must be 0 (float32), 8 or 16, got {kernel.cpu_activation_bits}"
             )
-        if kernel.cpu_kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+        if kernel.cpu_kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
-                "kernel_config 'cpu_kv_cache_dtype' must be auto, float16 or bfloat16, got "
+                "kernel_config 'cpu_kv_cache_dtype' must be auto, float32, float16 or bfloat16, got "
                 f"{kernel.cpu_kv_cache_dtype!r}"
             )
         return kernel

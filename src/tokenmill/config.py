@@ -82,12 +82,15 @@ class KernelConfig:
     cpu_activation_bits: int = 16
     # CPU, C++ attention backend (AVX2 / AVX-512 builds), float32 model, kv_cache_dtype "auto": the
     # KV cache's element type. float16 halves the bytes a decode step's attention reads from memory
-    # (a 64-row step's cache is far beyond L2); the kernel converts rows to float32 as it reads
-    # them, q, scores, softmax and outputs stay float32, and prefill chunks' reference path reads
-    # the same rows. Not the default: rounding K and V to float16 (relative error <= 2^-11) kept
-    # the default model's greedy tokens in the tests tried, but moved the float32 path's logprobs
-    # by up to 1.9e-3 against transformers (1e-4 in float32), i.e. it is lossy like
-    # --kv-cache-dtype float16. "auto" = the model's dtype; "bfloat16" is accepted too (coarser).
+    # (a 64-row step's cache is far beyond L2) and doubles the tokens the pool holds; the kernel
+    # converts rows to float32 as it reads them, q, scores, softmax and outputs stay float32, and
+    # prefill chunks' reference path reads the same rows. Rounding K and V to float16 (relative
+    # error <= 2^-11) kept the default model's greedy tokens in the tests, but moves the float32
+    # path's logprobs by up to 1.9e-3 against transformers (1e-4 in float32), i.e. it is lossy like
+    # --kv-cache-dtype float16. "auto" = float16 under a GGUF checkpoint (its weights are quantized
+    # blocks and its activations 16-bit integers already; llama.cpp's default cache is float16 too),
+    # float32 otherwise (the transformers oracle's path); "float32", "float16", "bfloat16" (coarser)
+    # choose.
     cpu_kv_cache_dtype: str = "auto"
 
 

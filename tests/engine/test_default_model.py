@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.engine.hf_oracle import hf_greedy
 from tokenmill import LLM, SamplingParams
@@ -207,7 +208,11 @@ def test_one_row_steps_read_the_gguf_blocks_and_match_transformers(llm, default_
             assert quantized_blocks(linear).quant_type == 0, name  # Q4_1 in this file
             assert getattr(linear, "plain_weight", None) is None, name
     assert quantized_blocks(model.lm_head).quant_type == 1  # the tied table is Q8_0
-    float_llm = LLM(None, device="cpu", max_model_len=128, kernel_config={"cpu_activation_bits": 0})
+    # float32 activations and a float32 KV cache: transformers' arithmetic up to summation order
+    float_llm = LLM(
+        None, device="cpu", max_model_len=128, kernel_config={"cpu_activation_bits": 0, "cpu_kv_cache_dtype": "float32"}
+    )
+    assert float_llm.engine.runner.kv_cache_dtype == torch.float32
     assert quantized_blocks(float_llm.engine.runner.model.lm_head).vnni is None
     same, error = _one_row_tokens_and_logprob_error(
         float_llm, default_model_path, "The three primary colors are", 24
@@ -236,6 +241,19 @@ def test_quantized_activation_steps_keep_transformers_greedy_tokens(llm, default
         same, error = _one_row_tokens_and_logprob_error(llm, default_model_path, text, 32)
         assert same, text
         assert error < 5e-3, (text, error)
+
+
+def test_the_kv_cache_is_float16_under_the_gguf_weights_unless_asked(llm, default_model_path):
+    """As llama.cpp's default: the GGUF model's float32 activations over a float16 KV cache (where
+    the C++ kernels convert rows as they read them), which the greedy-token tests above run with;
+    --kv-cache-dtype or cpu_kv_cache_dtype float32 keeps float32."""
+    from tokenmill.attention.cpu_paged import _vector_build
+
+    runner = llm.engine.runner
+    assert runner.dtype == torch.float32
+    assert runner.kv_cache_dtype == (torch.float16 if _vector_build() else torch.float32)
+    for options in ({"kv_cache_dtype": "float32"}, {"kernel_config": {"cpu_kv_cache_dtype": "float32"}}):
+        assert LLM(None, device="cpu", max_model_len=64, **options).engine.runner.kv_cache_dtype == torch.float32
 
 
 def test_quantized_one_row_steps_can_be_turned_off(default_model_path):

@@ -459,6 +459,12 @@ def test_cpu_backend_auto_kv_cache_dtype_follows_the_kernel_config(monkeypatch):
         return CpuPagedBackend(9, 3, 64, 0.125, 16, kernel=KernelConfig(**kernel))
 
     assert backend().auto_kv_cache_dtype(torch.float32) == torch.float32  # default: the model's
+    # ... except under a GGUF checkpoint's quantized weights (llama.cpp's default cache), unless asked
+    assert backend().auto_kv_cache_dtype(torch.float32, quantized_weights=True) == torch.float16
+    assert (
+        backend(cpu_kv_cache_dtype="float32").auto_kv_cache_dtype(torch.float32, quantized_weights=True)
+        == torch.float32
+    )
     assert backend(cpu_kv_cache_dtype="float16").auto_kv_cache_dtype(torch.float32) == torch.float16
     assert backend(cpu_kv_cache_dtype="bfloat16").auto_kv_cache_dtype(torch.float32) == torch.bfloat16
     # a 16-bit model keeps its own dtype; a build without the vector decode path keeps float32

@@ -181,9 +181,10 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.kernel = kernel or KernelConfig()  # the kernel-path choices a backend may read
 
-    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype, *, quantized_weights: bool = False) -> torch.dtype:
         """The KV cache's element type under kv_cache_dtype "auto": the model's, unless a backend
-        reads a narrower cache faster at no cost to greedy output (the C++ CPU backend)."""
+        reads a narrower cache faster at no cost to greedy output (the C++ CPU backend, e.g. under
+        a GGUF checkpoint's quantized weights: `quantized_weights`)."""
         return model_dtype
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:

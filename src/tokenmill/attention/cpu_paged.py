@@ -60,14 +60,18 @@ class CpuPagedBackend(AttentionBackend):
         self._step_meta: AttentionMetadata | None = None
         self._step_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype, *, quantized_weights: bool = False) -> torch.dtype:
         # A float32 model's cache in 16 bits (KernelConfig.cpu_kv_cache_dtype) where the kernel's
         # decode path converts rows as it reads them (AVX2 / AVX-512 builds: F16C); elsewhere the
-        # general path would convert element by element, slower than reading float32.
+        # general path would convert element by element, slower than reading float32. Its "auto":
+        # float16 under quantized (GGUF) weights, as llama.cpp's default cache; float32 otherwise,
+        # where the float32 path is the transformers oracle's.
         wanted = self.kernel.cpu_kv_cache_dtype
-        if model_dtype != torch.float32 or wanted == "auto" or not _vector_build():
+        if wanted == "auto":
+            wanted = "float16" if quantized_weights else "float32"
+        if model_dtype != torch.float32 or not _vector_build():
             return model_dtype
-        return {"float16": torch.float16, "bfloat16": torch.bfloat16}[wanted]
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wanted]
 
     def _kernel_tensors(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(starts, seq_lens, block_tables) as the kernel reads them, and the slot mapping (int64)."""

@@ -150,7 +150,8 @@ class ModelRunner:
         # The KV store and attention kernels read the element type from the cache tensors.
         self.attn_backend = self._make_attention_backend(config.attention_backend)
         self.kv_cache_dtype = (
-            self.attn_backend.auto_kv_cache_dtype(self.dtype)
+            # A GGUF checkpoint's weights are quantized blocks: the backend may pick a narrower cache.
+            self.attn_backend.auto_kv_cache_dtype(self.dtype, quantized_weights=resolved.format == "gguf")
             if config.cache.kv_cache_dtype == "auto"
             else resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         )
