@@ -159,12 +159,6 @@ class EngineArgs:
         "another, not all in one long step; 0: off "
         f"(default: {DEFAULT_PREFILL_STEP_TARGET_MS_CPU:g} on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
     )
-    admission_interval_steps: int = _option(
-        1,
-        "while requests decode, admit waiting requests only every N-th step, so prompts that arrive "
-        "or get a seat in between are prefilled together in one larger step (more output tok/s at "
-        "saturation, up to N-1 steps more time to first token); 1: every step. fcfs policy only",
-    )
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")
     kv_cache_memory: int | None = _option(None, "CPU: KV pool size in bytes, e.g. 2GiB", parse=parse_bytes)
     gpu_memory_utilization: float = _option(0.9, "GPU: fraction of the GPU's memory the engine may use")
@@ -411,7 +405,6 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                 prefill_step_target_ms=self.prefill_step_target_ms,
-                admission_interval_steps=self.admission_interval_steps,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
                 slo=self.create_slo_config(),
             ),
@@ -504,15 +497,6 @@ class EngineArgs:
             raise ValueError(
                 "max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
                 f"got {self.max_prefill_tokens_while_decoding}"
-            )
-        if self.admission_interval_steps < 1:
-            raise ValueError(
-                f"admission_interval_steps must be >= 1 (1: admit every step), got {self.admission_interval_steps}"
-            )
-        if self.admission_interval_steps > 1 and self.scheduling_policy != "fcfs":
-            raise ValueError(
-                f"admission_interval_steps > 1 works with the fcfs scheduling policy only (the {self.scheduling_policy} "
-                "policy decides admission itself); use --scheduling-policy fcfs or admission_interval_steps 1"
             )
         if self.prefill_step_target_ms is not None and not self.prefill_step_target_ms >= 0:
             raise ValueError(f"prefill_step_target_ms must be >= 0 (0: off), got {self.prefill_step_target_ms}")

@@ -152,14 +152,6 @@ class SchedulerConfig:
     # that does not drain; docs/CPU_PERFORMANCE.md). While requests decode under the CPU's cap it
     # changes nothing. 0: off; None until args.resolve_device_defaults fills in the device's default.
     prefill_step_target_ms: float | None = None
-    # While any running request decodes, waiting requests are admitted only every this many steps
-    # (1: every step). Prompts that arrive, or find a free seat, in between are prefilled together
-    # in one larger step: a step with prompt rows costs its decode rows plus GEMM rows that get
-    # cheaper per row as there are more of them (an H200 serving Llama-3.1-8B shapes at saturation:
-    # a step's first 512-token prompt 24.5 us a token, each further one ~20.5), at up to
-    # N - 1 steps of queueing per prompt. An idle engine admits at once. TGI's max_waiting_tokens
-    # is the same idea. fcfs only (a priority or SLO policy decides admission itself).
-    admission_interval_steps: int = 1
 
 
 @dataclass(frozen=True, slots=True)

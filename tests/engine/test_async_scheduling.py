@@ -137,23 +137,3 @@ def test_abort_while_its_step_is_in_flight(engines, tiny_llama_dir):
     again = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 16
     assert again.outputs[0].token_ids == hf_greedy(str(tiny_llama_dir), prompts[0], 8)[0]
-
-
-@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
-def test_admission_interval_keeps_greedy_output(engines, tiny_llama_dir, async_mode: bool):
-    """admission_interval_steps 3 with two seats: requests wait for a seat and then for the
-    interval's step while others decode; every output equals admitting every step (and the first
-    equals transformers')."""
-    prompts = _prompts(6)
-    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(6)]
-    held = LLM(
-        str(tiny_llama_dir), device="cpu", max_model_len=128, block_size=4, max_num_seqs=2,
-        admission_interval_steps=3, async_scheduling=async_mode,
-    )  # fmt: skip
-    outputs = held.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    reference = engines[False].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    assert outputs[0].outputs[0].token_ids == hf_greedy(str(tiny_llama_dir), prompts[0], 3)[0]
-    assert not held.engine.has_work()
-    held.engine.check_invariants()
-    held.close()

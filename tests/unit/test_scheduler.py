@@ -209,7 +209,6 @@ class Harness:
         kv_cache_groups: KVCacheGroups | None = None,
         max_prefill_tokens_while_decoding: int = 0,
         prefill_step_target_ms: float = 0.0,
-        admission_interval_steps: int = 1,
     ) -> None:
         self.async_mode = async_mode
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -221,7 +220,6 @@ class Harness:
                 max_model_len,
                 max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                 prefill_step_target_ms=prefill_step_target_ms,
-                admission_interval_steps=admission_interval_steps,
             ),
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks,
@@ -370,53 +368,6 @@ def test_prefill_cap_while_decoding_bounds_each_steps_prompt_tokens(async_mode: 
     for rid, max_tokens in (("first", 12), ("long", 3), ("short", 3)):
         assert h.tokens[rid] == reference_output(prompts[rid], max_tokens, 256)
     assert h.scheduler.kv.usage == 0
-
-
-@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
-def test_admission_interval_admits_waiting_prompts_together_every_nth_step(async_mode: bool) -> None:
-    """admission_interval_steps 3: while requests decode, waiting prompts join only every third
-    step, together; an idle engine admits at once; outputs are those of admitting every step."""
-    h = Harness(max_num_batched_tokens=64, admission_interval_steps=3, async_mode=async_mode)
-    prompts = {f"r{i}": list(range(100 * i + 1, 100 * i + 6)) for i in range(7)}
-    h.add(make_request("r0", prompts["r0"], max_tokens=30))
-    h.step()
-    assert scheduled_counts(h.steps[-1]) == {"r0": 5}  # nothing decoding: admitted at once
-    admitted_at: dict[str, int] = {}
-    for i in range(1, 7):
-        h.add(make_request(f"r{i}", prompts[f"r{i}"], max_tokens=4))  # one arrival a step
-        h.step()
-        for rid, n in scheduled_counts(h.steps[-1]).items():
-            if n > 1:
-                admitted_at.setdefault(rid, len(h.steps) - 1)
-    # Steps 1, 2 hold (the first admission was step 0), step 3 admits r1-r3, 4 and 5 hold, 6 admits r4-r6.
-    assert admitted_at == {"r1": 3, "r2": 3, "r3": 3, "r4": 6, "r5": 6, "r6": 6}
-    h.run()
-    for rid, prompt in prompts.items():
-        assert h.tokens[rid] == reference_output(prompt, 30 if rid == "r0" else 4, 256)
-    assert h.scheduler.kv.usage == 0
-
-
-def test_admission_interval_never_holds_an_idle_engine() -> None:
-    """With nothing decoding (only prefills running, or nothing at all) waiting prompts start at once."""
-    h = Harness(max_num_batched_tokens=8, admission_interval_steps=50)
-    h.add(make_request("long", 20, max_tokens=2))
-    h.step()  # 8 of its 20 prompt tokens: it is not decoding yet
-    h.add(make_request("next", list(range(50, 54)), max_tokens=2))
-    h.step()
-    assert "next" not in scheduled_counts(h.steps[-1])  # the budget went to "long"'s next chunk
-    h.step()
-    assert scheduled_counts(h.steps[-1]).get("next") == 4  # "long" still prefilling: no hold
-    h.run()
-    assert h.tokens["next"] == reference_output(list(range(50, 54)), 2, 256)
-
-
-def test_admission_interval_is_checked() -> None:
-    from tokenmill.args import EngineArgs
-
-    with pytest.raises(ValueError, match="admission_interval_steps must be >= 1"):
-        EngineArgs(admission_interval_steps=0).create_engine_config()
-    with pytest.raises(ValueError, match="fcfs scheduling policy only"):
-        EngineArgs(admission_interval_steps=4, scheduling_policy="priority").create_engine_config()
 
 
 def test_prefill_cap_leaves_preemption_recompute_and_lone_prefills_whole() -> None:
@@ -873,7 +824,6 @@ scheduler_configs = st.fixed_dictionaries(
         "max_model_len": st.integers(8, 96),
         "policy": st.sampled_from(["fcfs", "priority", "slo"]),
         "enable_prefix_caching": st.booleans(),
-        "admission_interval_steps": st.sampled_from([1, 1, 3]),
     }
 )
 # (prompt length, max_tokens, prefix group, priority): prompts of one group are prefixes of each other.

@@ -124,9 +124,6 @@ class Scheduler:
             self.step_cost = PrefillDecodeCostModel(skip_steps=COLD_STEPS)
             self._step_timer = StepTimer()
             self._step_mix: deque[tuple[int, int]] = deque()  # (prefill tokens, decode rows) of steps in flight
-        # admission_interval_steps: schedules since the last that admitted a waiting request (an
-        # engine that never admitted admits at once).
-        self._steps_since_admission = scheduler_config.admission_interval_steps
         if kv_connector is not None:
             check_kv_cache_groups(self.kv.groups)
             self.kv.pool.on_evict = kv_connector.on_blocks_evicted
@@ -249,14 +246,6 @@ class Scheduler:
                     preempted.add(victim.request_id)
         num_preempted_for_policy = len(preempted)
         prefill_room, prefill_limit = self._prefill_room(budget)
-        # admission_interval_steps: waiting requests wait for the interval's last step while some
-        # running request decodes (as of before this step).
-        hold_admission = (
-            self.config.admission_interval_steps > 1
-            and bool(self.waiting)
-            and self._steps_since_admission + 1 < self.config.admission_interval_steps
-            and self._decoding()
-        )
         num_prefill = 0  # prompt tokens (prefill chunks) scheduled so far this step
         allocate_slots = self.kv.allocate_slots
         num_lookahead_tokens = self.num_lookahead_tokens
@@ -340,7 +329,6 @@ class Scheduler:
         admitted: list[Request] = []
         while (
             no_kv_preemption
-            and not hold_admission
             and self.waiting
             and min(budget, prefill_room) > 0
             and (not num_prefill or num_prefill < prefill_limit)
@@ -419,7 +407,6 @@ class Scheduler:
 
         for request in reversed(skipped):
             self.waiting.add_preempted(request, self._keys[request.request_id])
-        self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         if self.step_cost is not None:
             self._step_mix.append((num_prefill, output.total_num_scheduled_tokens - num_prefill))
@@ -429,11 +416,6 @@ class Scheduler:
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return output
-
-    def _decoding(self) -> bool:
-        """Whether a running request is past its prompt (admission_interval_steps holds waiting
-        requests back only then: an idle engine admits at once)."""
-        return any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
 
     def _prefill_room(self, budget: int) -> tuple[int, int]:
         """(room, limit) for this step's prefill chunks (partial prefills, admitted prompts,
