@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.attention import torch_ref
-from tokenmill.attention.backend import AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpu.build import cpu_kernels_available
@@ -369,51 +369,6 @@ def test_cpu_kernel_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
     assert got.dtype == torch.float32
     assert torch.equal(cache16.float(), cache32)  # the same rows stored
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
-@needs_kernels
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("decodes", [0, 3], ids=["prefills-only", "mixed"])
-def test_cpu_backend_first_prefill_chunks_match_the_reference(cache_dtype, decodes):
-    """Long chunks that are their request's whole context attend over their own k/v (rounded to
-    the cache's dtype) instead of gathering the cache; next to chunks with cached context before
-    them and decode rows, every row equals the reference's over the same stored values."""
-    gen = torch.Generator().manual_seed(11)
-    query_lens = [40, 23, 1, 30, 17][: 5 if decodes else 4] + [1] * decodes
-    fresh = [True, False, False, True, True][: len(query_lens) - decodes] + [False] * decodes
-    seq_lens = [q if f else q + 13 + i for i, (q, f) in enumerate(zip(query_lens, fresh, strict=True))]
-    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
-    blocks = [-(-s // block_size) for s in seq_lens]
-    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
-    tables, used = [], 0
-    for n in blocks:
-        tables.append(order[used : used + n])
-        used += n
-    meta = _metadata(query_lens, seq_lens, tables, block_size=block_size, decode_only=False)
-    starts = meta.query_start_loc_cpu.tolist()
-    cache = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
-    k = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(starts[-1], num_kv_heads, head_dim, generator=gen)
-    args = (num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
-    backend = CpuPagedBackend(*args)
-    assert backend.max_kernel_query_len < 17  # the long chunks above go around the kernel
-    cache_cpu = cache.clone()
-    got = backend.forward(q, k, v, cache_cpu, meta)
-    # The reference over the same stored values, in float32: k and v as the cache holds them.
-    cache_ref = cache.float()
-    expected = TorchReferenceBackend(*args).forward(
-        q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), cache_ref, meta
-    )
-    assert torch.equal(cache_cpu.float(), cache_ref)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
-    # A layer with a sliding window takes the cache path for every chunk: same answer as before.
-    windowed = AttentionLayerSpec(sliding_window=8)
-    got_w = backend.forward(q, k, v, cache.clone(), meta, layer=windowed)
-    expected_w = TorchReferenceBackend(*args).forward(
-        q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), cache.float(), meta, layer=windowed
-    )
-    torch.testing.assert_close(got_w, expected_w, atol=2e-5, rtol=2e-5)
 
 
 @needs_kernels

@@ -8,11 +8,6 @@ instead, and another writes the step's K/V into their slots.
 For long query chunks (prefills) the gather is paid once for many query rows and torch's SDPA
 kernel is faster than our straightforward loops, so those requests go to the reference
 backend's path over the same cache; the rest of a mixed batch (decodes) stays on the kernel.
-A long chunk that is its request's whole context so far (a prompt's first chunk: nothing cached
-before it) skips the cache altogether: causal SDPA over the chunk's own keys and values, rounded
-to the cache's dtype first so that every later read of them (decode rows, later chunks) sees the
-same numbers. That gather, and a 16-bit cache's conversion back to float32, were ~20 % of a
-prefill step's CPU time on the default model.
 
 Both honour each layer's sliding window, soft cap and sinks; a sliding layer never reads the
 blocks wholly before the window of a request's earliest query row.
@@ -21,7 +16,6 @@ blocks wholly before the window of a request's earliest query row.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.attention.backend import (
     PLAIN_ATTENTION,
@@ -125,25 +119,9 @@ class CpuPagedBackend(AttentionBackend):
         if num_tokens == 0 or seq_lens.numel() == 0:
             return out if out.dtype == q.dtype else out.to(q.dtype)
         long_reqs = None
-        fresh_rows: list[tuple[torch.Tensor, slice]] = []
         if meta.max_query_len > self.max_kernel_query_len:
             query_lens = starts[1:] - starts[:-1]
-            is_long = query_lens > self.max_kernel_query_len
-            if _plain_causal(layer, kv_cache.dtype) and k.shape[0] >= num_tokens:
-                # Chunks that are their request's whole context (nothing cached before them).
-                fresh = is_long & (seq_lens == query_lens)
-                for r in torch.nonzero(fresh).flatten().tolist():
-                    rows = slice(int(starts[r]), int(starts[r + 1]))
-                    fresh_rows.append((self._attend_fresh(q[rows], k[rows], v[rows], kv_cache.dtype), rows))
-                is_long &= ~fresh
-            long_reqs = torch.nonzero(is_long).flatten()
-            if fresh_rows and long_reqs.numel() + len(fresh_rows) == seq_lens.numel():
-                for rows_out, rows in fresh_rows:  # nothing left for the kernel
-                    out[rows] = rows_out
-                if long_reqs.numel():
-                    for rows_out, where in self._reference.attend_requests(q, kv_cache, meta, long_reqs, layer):
-                        out.index_copy_(0, where, rows_out.to(out.dtype))
-                return out if out.dtype == q.dtype else out.to(q.dtype)
+            long_reqs = torch.nonzero(query_lens > self.max_kernel_query_len).flatten()
             if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
                 return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True, layer=layer)
         # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
@@ -160,23 +138,10 @@ class CpuPagedBackend(AttentionBackend):
             layer.logits_soft_cap or 0.0,
             None if layer.sinks is None else layer.sinks.to(torch.float32).contiguous(),
         )
-        for rows_out, rows in fresh_rows:
-            out[rows] = rows_out
-        if long_reqs is not None and long_reqs.numel():
+        if long_reqs is not None:
             for rows, where in self._reference.attend_requests(q, kv_cache, meta, long_reqs, layer):
                 out.index_copy_(0, where, rows.to(out.dtype))
         return out if out.dtype == q.dtype else out.to(q.dtype)
-
-    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-        """Causal attention of one request's chunk [L, heads, D] over its own keys and values, as
-        the cache holds them (rounded to its dtype), softmax in float32 as the reference path's."""
-        keys = k.to(cache_dtype).to(torch.float32).transpose(0, 1)  # [kv_heads, L, D]
-        values = v.to(cache_dtype).to(torch.float32).transpose(0, 1)
-        queries = q.to(torch.float32).transpose(0, 1)  # [heads, L, D]
-        rows = F.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-        )
-        return rows.transpose(0, 1)
 
     @staticmethod
     def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -187,17 +152,6 @@ class CpuPagedBackend(AttentionBackend):
             _rows_contiguous(v.to(kv_cache.dtype)),
             slots.to(torch.int64).contiguous(),
         )
-
-
-def _plain_causal(layer: AttentionLayerSpec, cache_dtype: torch.dtype) -> bool:
-    """A layer whose attention is plain causal softmax over a float cache (what _attend_fresh does)."""
-    return (
-        layer.sliding_window is None
-        and layer.logits_soft_cap is None
-        and layer.sinks is None
-        and cache_dtype.is_floating_point
-        and cache_dtype.itemsize >= 2
-    )
 
 
 def _vector_build() -> bool:
