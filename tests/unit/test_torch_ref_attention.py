@@ -372,6 +372,48 @@ def test_cpu_kernel_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_cpu_backend_takes_long_chunks_over_short_contexts_on_the_kernel(cache_dtype):
+    """Prefill chunks longer than the kernel's query tile go to the kernel while every such chunk's
+    context is short (max_kernel_prefill_context), to the reference's gather + SDPA once one is
+    long; the rows equal the reference's over the same stored values either way."""
+    gen = torch.Generator().manual_seed(12)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    args = (num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
+
+    def run(query_lens, seq_lens):
+        blocks = [-(-s // block_size) for s in seq_lens]
+        order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+        tables, used = [], 0
+        for n in blocks:
+            tables.append(order[used : used + n])
+            used += n
+        meta = _metadata(query_lens, seq_lens, tables, block_size=block_size, decode_only=False)
+        rows = meta.query_start_loc_cpu.tolist()[-1]
+        cache = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        q = torch.randn(rows, num_heads, head_dim, generator=gen)
+        k = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+        backend = CpuPagedBackend(*args)
+        calls = []
+        for name in ("forward", "attend_requests"):
+            original = getattr(backend._reference, name)
+            setattr(backend._reference, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+        got = backend.forward(q, k, v, cache.clone(), meta)
+        expected = TorchReferenceBackend(*args).forward(
+            q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), cache.float(), meta
+        )
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+        return calls
+
+    limit = CpuPagedBackend(*args).max_kernel_prefill_context
+    assert run([40, 1, 33, 1], [40, 70, limit, 9]) == []  # long chunks, short contexts: the kernel alone
+    assert run([40, 33], [40, 33 + 20]) == []
+    assert run([40, 1, 33], [40, 70, limit + 1]) == ["attend_requests"]  # one long context: its step's long chunks
+    assert set(run([40, 33], [40, limit + 50])) == {"forward"}  # all prefill, one long context
+
+
+@needs_kernels
 def test_cpu_kernel_refuses_a_block_id_outside_the_cache():
     meta = _metadata([1], [3], [[0]])
     meta.block_tables[0, 0] = 7  # the cache below has 2 blocks

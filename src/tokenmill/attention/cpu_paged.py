@@ -5,9 +5,13 @@ its SDPA call; on a decode step that copy moves about as many bytes as the model
 Here one C++ kernel (kernels/cpu/csrc/cpu_paged_attention.cpp) walks each request's block table
 instead, and another writes the step's K/V into their slots.
 
-For long query chunks (prefills) the gather is paid once for many query rows and torch's SDPA
-kernel is faster than our straightforward loops, so those requests go to the reference
+For long query chunks (prefills) over long contexts the gather is paid once for many query rows
+and torch's SDPA kernel is faster than our loops, so those requests go to the reference
 backend's path over the same cache; the rest of a mixed batch (decodes) stays on the kernel.
+Where every long chunk's context is short (up to _MAX_KERNEL_PREFILL_CONTEXT tokens: prompts of
+a few hundred tokens, the CPU's 512-token step budget) the kernel takes those chunks too: on
+the 2-core EPYC 16 prompts of 128 tokens prefilled in 0.91x / 0.84x the time over a float16 /
+float32 cache, 4 of 512 in 0.94x; 2 of 1,800 (later chunks over up to 1,800 keys) took 1.13x.
 
 Both honour each layer's sliding window, soft cap and sinks; a sliding layer never reads the
 blocks wholly before the window of a request's earliest query row.
@@ -27,8 +31,10 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import KernelConfig
 from tokenmill.kernels.cpu.build import load_cpu_kernels
 
-# Requests whose query chunk is longer than this use the reference (gather + SDPA) path.
+# Requests whose query chunk is longer than this use the reference (gather + SDPA) path...
 _MAX_KERNEL_QUERY_LEN = 16
+# ... unless every such chunk of the step has at most this many tokens of context (see above).
+_MAX_KERNEL_PREFILL_CONTEXT = 512
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -49,6 +55,7 @@ class CpuPagedBackend(AttentionBackend):
         load_cpu_kernels()
         self._reference = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.max_kernel_query_len = _MAX_KERNEL_QUERY_LEN
+        self.max_kernel_prefill_context = _MAX_KERNEL_PREFILL_CONTEXT
         ops = torch.ops.tokenmill_cpu
         # Resolved overloads: a call skips the op packet's overload lookup (~2 us; two calls a layer).
         self._paged_attention = ops.paged_attention.default
@@ -119,11 +126,16 @@ class CpuPagedBackend(AttentionBackend):
         if num_tokens == 0 or seq_lens.numel() == 0:
             return out if out.dtype == q.dtype else out.to(q.dtype)
         long_reqs = None
+        kernel_query_len = self.max_kernel_query_len
         if meta.max_query_len > self.max_kernel_query_len:
             query_lens = starts[1:] - starts[:-1]
-            long_reqs = torch.nonzero(query_lens > self.max_kernel_query_len).flatten()
-            if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
-                return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True, layer=layer)
+            is_long = query_lens > self.max_kernel_query_len
+            if bool((seq_lens[is_long] <= self.max_kernel_prefill_context).all()):
+                kernel_query_len = int(meta.max_query_len)  # short contexts: all on the kernel
+            else:
+                long_reqs = torch.nonzero(is_long).flatten()
+                if long_reqs.numel() == seq_lens.numel():  # all prefill chunks: the reference path alone
+                    return self._reference.forward(q, k, v, kv_cache, meta, kv_already_stored=True, layer=layer)
         # The kernel takes the short queries (decodes, small chunks); the reference the long ones.
         self._paged_attention(
             out,
@@ -133,7 +145,7 @@ class CpuPagedBackend(AttentionBackend):
             seq_lens_32,
             tables_32,
             self.scale,
-            self.max_kernel_query_len,
+            kernel_query_len,
             layer.sliding_window or 0,
             layer.logits_soft_cap or 0.0,
             None if layer.sinks is None else layer.sinks.to(torch.float32).contiguous(),
