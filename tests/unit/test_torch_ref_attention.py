@@ -38,6 +38,18 @@ def make_backend(request):
     return request.param
 
 
+def _shuffled_tables(seq_lens, block_size, gen) -> tuple[list[list[int]], list[int]]:
+    """Block tables for requests of `seq_lens` tokens over a shuffled pool with one spare block:
+    (tables, the pool's block ids in order)."""
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(order[used : used + n])
+        used += n
+    return tables, order
+
+
 def _metadata(
     query_lens,
     seq_lens,
@@ -350,12 +362,7 @@ def test_cpu_kernel_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
     gen = torch.Generator().manual_seed(5)
     query_lens, seq_lens = [1, 1, 1, 5, 17], [1, 40, 71, 9, 30]
     block_size, num_heads, num_kv_heads = 16, 9, 3
-    blocks = [-(-s // block_size) for s in seq_lens]
-    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
-    tables, used = [], 0
-    for n in blocks:
-        tables.append(order[used : used + n])
-        used += n
+    tables, order = _shuffled_tables(seq_lens, block_size, gen)
     meta = _metadata(query_lens, seq_lens, tables, block_size=block_size, decode_only=False)
     starts = meta.query_start_loc_cpu.tolist()
     cache16 = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
@@ -382,12 +389,7 @@ def test_cpu_backend_takes_long_chunks_over_short_contexts_on_the_kernel(cache_d
     args = (num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size)
 
     def run(query_lens, seq_lens):
-        blocks = [-(-s // block_size) for s in seq_lens]
-        order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
-        tables, used = [], 0
-        for n in blocks:
-            tables.append(order[used : used + n])
-            used += n
+        tables, order = _shuffled_tables(seq_lens, block_size, gen)
         meta = _metadata(query_lens, seq_lens, tables, block_size=block_size, decode_only=False)
         rows = meta.query_start_loc_cpu.tolist()[-1]
         cache = torch.randn(2, len(order), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
