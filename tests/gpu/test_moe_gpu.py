@@ -86,6 +86,44 @@ def test_fp32_greedy_matches_transformers(moe_model, enforce_eager):
     llm.engine.check_invariants()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_request_decode_steps_skip_the_norm_launches(moe_model, dtype, monkeypatch):
+    """Single-request decode steps of the models without a shared expert (Mixtral, Qwen3-MoE) take
+    the deferred-norm path (llama.DecoderLayer._forward_deferred_norm): the norm weights are
+    folded into qkv, the router and the experts' gate/up, the attention launch and the experts'
+    GEMV launches apply 1/rms, o_proj and down add into the residual. fp32 greedy tokens equal
+    transformers' (CPU); bf16 as the batched test above allows (experts may flip where router
+    logits tie at bf16 precision). Qwen2-MoE (a shared expert) keeps its norm launches."""
+    from tokenmill.kernels.triton import fused_moe
+
+    calls = []
+    original = fused_moe.routed_fused_moe_from_residual
+    monkeypatch.setattr(
+        fused_moe, "routed_fused_moe_from_residual", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    llm = _llm(moe_model, dtype=dtype)
+    folds = "qwen2" not in moe_model
+    assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
+    prompts = _prompts(llm.info.vocab_size, 3, seed=19, min_len=8)
+    agreed, diffs = [], []
+    for prompt in prompts:  # one at a time: single-request steps are the deferred ones
+        if dtype == "float32":
+            completion = _greedy(llm, [prompt], 16)[0]
+            assert completion.token_ids == hf_greedy(moe_model, prompt, 16)[0], f"{len(prompt)}-token prompt"
+            continue
+        completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
+        tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(moe_model, prompt, 32)
+        same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b), 32)
+        agreed.append(32 if same < 32 and ties[same] else same)
+        diffs += [abs(completion.logprobs[i][tokens[i]].logprob - expected_lps[i]) for i in range(same)]
+    if dtype == "bfloat16":
+        assert sum(agreed) >= 0.5 * 3 * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
+        diffs.sort()
+        assert diffs and diffs[len(diffs) // 2] < 0.02 and diffs[int(0.9 * len(diffs))] < 0.1, (agreed, diffs[-5:])
+    assert bool(calls) == folds, f"{len(calls)} calls of the experts' deferred-norm launches"
+    assert _graph_replays(llm) > 0
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_moe_steps_sync_with_the_host_only_for_the_sampled_ids(tiny_qwen3_moe_dir, enforce_eager):
     """As tests/gpu/test_engine_gpu.py checks for dense models: routing, align and the grouped

@@ -254,6 +254,106 @@ def test_fused_moe_through_the_sort_based_align(monkeypatch):
     torch.testing.assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
+def _folded_inputs(dtype: torch.dtype, seed: int):
+    """A residual row batch h, a post-attention norm weight w, a router and experts; returns
+    (h, w, router, gate_up, down, eps)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(2, 32, generator=gen) * 3).to(dtype)
+    norm_weight = (0.5 + torch.rand(32, generator=gen)).to(dtype)
+    router = (torch.randn(6, 32, generator=gen) * 0.5).to(dtype)
+    gate_up, down = _expert_weights(6, 32, 24, dtype, seed=seed + 1)
+    return h, norm_weight, router, gate_up, down, 1e-6
+
+
+@interpreted_only
+@pytest.mark.parametrize(("renormalize", "dtype"), [(True, torch.float32), (False, torch.bfloat16)])
+def test_moe_from_the_residual_is_the_residual_plus_the_normed_block(renormalize, dtype):
+    """The deferred norm (fused_moe_gemv.py): router and gate/up weights carry the norm weight, the
+    GEMV launches read the un-normalized residual h, scale by 1/rms(h) and add h in the down
+    epilogue: h + experts(RMSNorm(h) * w), as the separate norm launch would give."""
+    from tokenmill.kernels.triton.fused_moe import routed_fused_moe_from_residual
+
+    h, w, router, gate_up, down, eps = _folded_inputs(dtype, seed=40)
+    round_weights = dtype != torch.float32
+    normed = (F.rms_norm(h.float(), (32,), None, eps).to(dtype) * w).to(dtype)
+    expected = h.float() + TorchMoEOps().forward(
+        normed, normed @ router.t(), gate_up, down, 3, renormalize, round_weights
+    ).float()
+    tiles = MoETiles(16, GemmTiles(8, 16), GemmTiles(8, 16), "gemv")
+    out = routed_fused_moe_from_residual(
+        h, h @ (router * w).t(), gate_up * w, down, 3, renormalize, round_weights, eps, tiles
+    )
+    assert out.dtype == dtype and out.data_ptr() != h.data_ptr()
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    with pytest.raises(ValueError, match="grouped path"):
+        grouped = MoETiles(16, GemmTiles(8, 16), GemmTiles(8, 16), "grouped")
+        routed_fused_moe_from_residual(h, h @ router.t(), gate_up, down, 3, renormalize, round_weights, eps, grouped)
+
+
+@interpreted_only
+def test_the_down_launch_refuses_to_add_a_residual_into_itself():
+    from tokenmill.kernels.triton.fused_moe_gemv import launch_token_down
+
+    x = torch.zeros(1, 32)
+    with pytest.raises(ValueError, match="residual must be another"):
+        launch_token_down(
+            torch.zeros(3, 24), torch.zeros(6, 32, 24), torch.zeros(3, dtype=torch.int32), torch.ones(3), x, 3,
+            GemmTiles(8, 16), residual=x,
+        )  # fmt: skip
+
+
+def _qwen3_moe_block(path, monkeypatch, ops=None) -> tuple[SparseMoEBlock, torch.Tensor]:
+    """Layer 0's MoE block of the tiny Qwen3-MoE and its post-attention norm weight, its router's
+    linear method allowed to fold (as the CUDA one does)."""
+    model = _load(path, cpu_weight_packing=False)  # the router's weight as a plain [E, H] tensor
+    layer = model.layers[0]
+    block = layer.mlp
+    assert isinstance(block, SparseMoEBlock)
+    block.moe_ops = ops or TritonMoEOps()
+    monkeypatch.setattr(block.gate.method, "folds_input_scale", True)
+    return block, layer.post_attention_layernorm.weight.detach().clone()
+
+
+@interpreted_only
+@pytest.mark.parametrize("grouped", [False, True], ids=["gemv", "norm-launch-fallback"])
+def test_moe_block_folds_its_norm_and_runs_from_the_residual(tiny_qwen3_moe_dir, monkeypatch, grouped):
+    """SparseMoEBlock.fold_input_scale + forward_from_residual (the deferred-norm decode path of
+    a layer): h + block(RMSNorm(h) * w) for decode-sized steps, through the GEMV launches or, where
+    the tiles take the grouped path, one norm launch first."""
+    from tokenmill.kernels.triton import fused_moe
+
+    block, weight = _qwen3_moe_block(tiny_qwen3_moe_dir, monkeypatch)
+    eps = 1e-6
+    h = torch.randn(1, weight.numel(), generator=torch.Generator().manual_seed(41)) * 2
+    with torch.no_grad():
+        expected = h + block(F.rms_norm(h, (h.shape[1],), weight, eps))
+        assert block.can_fold_input_scale()
+        block.fold_input_scale(weight)
+        calls = []
+        original = fused_moe.routed_fused_moe_from_residual
+        monkeypatch.setattr(
+            fused_moe, "routed_fused_moe_from_residual", lambda *a, **k: calls.append(1) or original(*a, **k)
+        )
+        block.moe_ops = TritonMoEOps()  # picks up the counted function
+        if grouped:
+            monkeypatch.setattr(block.moe_ops, "takes_residual", lambda *a: False)
+        out = block.forward_from_residual(h, eps)
+    assert bool(calls) != grouped
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@interpreted_only
+def test_moe_blocks_that_cannot_fold_their_norm_say_so(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, monkeypatch):
+    """The CPU ops (no deferred-norm launches) and a shared expert (Qwen2-MoE) keep the norm launch."""
+    block, weight = _qwen3_moe_block(tiny_qwen3_moe_dir, monkeypatch, ops=TorchMoEOps())
+    assert not block.can_fold_input_scale()
+    with pytest.raises(ValueError, match="cannot fold"):
+        block.fold_input_scale(weight)
+    shared, _ = _qwen3_moe_block(tiny_qwen2_moe_dir, monkeypatch)
+    assert shared.shared_expert is not None and not shared.can_fold_input_scale()
+
+
 # -- the CUDA-path MoE block in the tiny models ------------------------------------------------------------
 
 

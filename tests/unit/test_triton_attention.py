@@ -519,10 +519,12 @@ def _inverse_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
 
 @interpreted_only
 @interpreter_loops
+@pytest.mark.parametrize("qk_norms", [False, True], ids=["plain", "qk-norms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_with_rope_scales_by_the_deferred_norm(dtype: torch.dtype) -> None:
+def test_decode_with_rope_scales_by_the_deferred_norm(dtype: torch.dtype, qk_norms: bool) -> None:
     """With `norm_source` (the un-normalized residual rows q/k/v were projected from), the launch
-    scales q, k and v by 1/rms(row) first: the same cache and output as passing them scaled."""
+    scales q, k and v by 1/rms(row) first: the same cache and output as passing them scaled; with
+    Q/K norms (Qwen3's deferred-norm decode) those follow the scale, as they follow the projection."""
     num_heads, num_kv_heads, head_dim, hidden, eps, block_size = 8, 2, 16, 48, 1e-5, 4
     contexts = [21, 0, 7]
     q, k, v, kv_cache, meta = make_batch(
@@ -538,12 +540,17 @@ def test_decode_with_rope_scales_by_the_deferred_norm(dtype: torch.dtype) -> Non
     backend = triton_paged.TritonPagedBackend(
         num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, num_kv_splits=2
     )
+    qk_norm = None
+    if qk_norms:
+        gen = torch.Generator().manual_seed(4)
+        q_weight, k_weight = (0.5 + torch.rand(2, head_dim, generator=gen)).to(dtype)
+        qk_norm = QKNorm(q_weight, k_weight, eps)
     results = []
     for rows, source in ((qkv, residual), (scaled, None)):
         cache = kv_cache.clone()
         out = backend.forward_decode_with_rope(
             rows[:, :num_heads], rows[:, num_heads:heads_qk], rows[:, heads_qk:], positions, cos, sin,
-            cache, meta, norm_source=source, norm_eps=eps,
+            cache, meta, norm_source=source, norm_eps=eps, qk_norm=qk_norm,
         )  # fmt: skip
         results.append((out[: meta.num_actual_tokens].float(), cache.float()))
     (out, cache), (expected_out, expected_cache) = results

@@ -121,37 +121,40 @@ class DecoderLayer(nn.Module):
         """forward for small decode-only steps of a layer with folded norm weights: no norm
         launches. RMSNorm(h) * w @ W = (h @ (w * W)) / rms(h), so the matmuls read the residual
         rows themselves and the kernels that consume their outputs (the attention launch for
-        q/k/v, silu_mul for gate/up) apply 1/rms(h). The residual adds happen in the o_proj and
-        down matmuls' epilogues, which return the residual stream. Per layer that is 6 launches
-        instead of 8: at batch 1 an add+RMSNorm launch costs ~2.3 us on an H200, and
-        Llama-3.1-8B decodes at 223.2 instead of 218.6 tok/s (benchmarks/BENCHMARKS.md)."""
-        attn, mlp = self.self_attn, self.mlp
+        q/k/v, before any Q/K norms; the MLP's, see its forward_from_residual) apply 1/rms(h).
+        The residual adds happen in the o_proj and MLP-output epilogues, which return the residual
+        stream. Per layer that is 6 launches instead of 8: at batch 1 an add+RMSNorm launch costs
+        ~2.3 us on an H200, and Llama-3.1-8B decodes at 223.2 instead of 218.6 tok/s
+        (benchmarks/BENCHMARKS.md)."""
+        attn = self.self_attn
         qkv = attn.qkv_proj(x)  # no bias: fold_norm_weights folds only bias-free models
         out = attn.attend_with_rope_in_launch(qkv, rope, kv_cache, meta, norm_source=x)
         x = attn.o_proj(out.reshape(x.shape[0], attn.q_size), residual=x)
-        gate_up = mlp.gate_up_proj(x)
-        return mlp.down_proj(self.ops.silu_mul(gate_up, norm_source=x, eps=self.eps), residual=x)
+        return self.mlp.forward_from_residual(x, self.eps)
 
     def fold_norm_weights(self) -> bool:
-        """Fold the input and post-attention RMSNorm weights into qkv_proj and gate_up_proj
-        (W <- W * w along the input dimension, rounded once), so that a decode step can skip the
-        norm launches (_forward_deferred_norm); the other paths then normalize without a weight.
-        Only where the linear methods can (CUDA), and not for models with a q/k/v or o_proj bias
-        or Q/K norms (the deferred path has no place for those); returns whether it folded."""
+        """Fold the input and post-attention RMSNorm weights into qkv_proj and the MLP (W <- W * w
+        along the input dimension, rounded once; a dense MLP's gate_up_proj, a MoE block's router
+        and experts), so that a decode step can skip the norm launches (_forward_deferred_norm);
+        the other paths then normalize without a weight. Only where the linear methods (and the
+        MLP) can (CUDA), and not for models with a q/k/v or o_proj bias; Q/K norms are applied by
+        the attention launch after its 1/rms. Returns whether it folded."""
         attn, mlp = self.self_attn, self.mlp
+        can_fold_mlp = getattr(mlp, "can_fold_input_scale", None)
         if (
-            attn.q_norm is not None
             # Sharded layers: the row-parallel epilogue adds the residual on rank 0 only and
             # all-reduces after it, and nothing on a GPU is checked with that yet.
-            or attn.o_proj.tp_size > 1
+            attn.o_proj.tp_size > 1
             or attn.qkv_proj.bias is not None
             or attn.o_proj.bias is not None
-            or not (attn.qkv_proj.method.folds_input_scale and mlp.gate_up_proj.method.folds_input_scale)
+            or not attn.qkv_proj.method.folds_input_scale
+            or can_fold_mlp is None
+            or not can_fold_mlp()
         ):
             return False
         if not self.norms_folded:
             attn.qkv_proj.fold_input_scale(self.input_layernorm.weight)
-            mlp.gate_up_proj.fold_input_scale(self.post_attention_layernorm.weight)
+            mlp.fold_input_scale(self.post_attention_layernorm.weight)
             self.norms_folded = True
         return True
 

@@ -61,12 +61,6 @@ class MoECausalLM(CausalLM):
             device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )  # fmt: skip
 
-    def fold_norm_weights(self) -> bool:
-        """No folding: the deferred-norm decode path (llama.DecoderLayer._forward_deferred_norm)
-        runs a dense MLP's gate_up_proj on the residual rows, and a MoE block's router and experts
-        have no such place for the norm's 1/rms."""
-        return False
-
     # -- loading ------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

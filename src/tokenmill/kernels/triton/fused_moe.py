@@ -314,6 +314,35 @@ def routed_fused_moe(
     return _grouped(x, w13, w2, weights.reshape(-1), ids, tiles)
 
 
+def takes_residual(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    """Whether routed_fused_moe_from_residual serves `num_tokens` tokens: where the tile configs
+    pick the few-token GEMV path, whose launches apply the deferred norm."""
+    return moe_tiles(w13.shape[0], w2.shape[2], w13.shape[2], w13.dtype, num_tokens, top_k).method == "gemv"
+
+
+def routed_fused_moe_from_residual(
+    x: torch.Tensor,  # [T, H] the un-normalized residual stream
+    router_logits: torch.Tensor,  # [T, E] of x through the router with the norm weight folded in
+    w13: torch.Tensor,  # the norm weight folded in along H
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_to_logits_dtype: bool,
+    eps: float,
+    tiles: MoETiles | None = None,
+) -> torch.Tensor:
+    """x + routed_fused_moe(RMSNorm(x)) without a norm launch (fused_moe_gemv.py's deferred
+    norm); only where takes_residual says so."""
+    _check_shapes(x, w13, w2)
+    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    if tiles.method != "gemv":
+        raise ValueError(f"{x.shape[0]} tokens take the grouped path, which has no deferred norm")
+    return routed_fused_moe_gemv(
+        x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down,
+        residual_norm_eps=eps,
+    )
+
+
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     hidden = x.shape[1]
     num_experts, two_inter, w13_hidden = w13.shape

@@ -14,6 +14,13 @@ sum over k after. Here instead:
 Two launches after the routing one, nothing read back to the host (graph-safe). A token's k
 experts are distinct; two tokens that share an expert read its weights twice (the second time
 mostly from L2), which is why larger batches take the grouped path (the tile configs choose).
+
+From the residual stream (`residual_norm_eps`, the deferred-norm decode path of
+model/llama.DecoderLayer): x is the un-normalized residual row h, the router and w13 carry the
+post-attention norm's weight folded in, and the block's RMSNorm launch is skipped. RMSNorm is a
+per-row scale, so the gate/up kernel scales the router logits and the gate and up sums by 1/rms(h)
+(each rounded as the projection of the normed row would be), and the down kernel adds its sum
+into h in its epilogue, returning the residual stream: h + experts(RMSNorm(h)).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.moe_routing import topk_of_row
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles
+from tokenmill.kernels.triton.rms import inverse_rms
 from tokenmill.kernels.triton.rounding import round_like
 
 
@@ -43,6 +51,7 @@ def _pair_gate_up_kernel(
     stride_wn,
     stride_om,
     stride_logits,
+    norm_eps,  # NORM_SCALE only
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -52,17 +61,23 @@ def _pair_gate_up_kernel(
     EXPERTS_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND_TO_LOGITS_DTYPE: tl.constexpr,
+    NORM_SCALE: tl.constexpr,  # x is the un-normalized residual row: scale by its 1/rms
+    HIDDEN_PAD: tl.constexpr,  # NORM_SCALE only: next power of 2 of hidden
 ):
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < inter
+    if NORM_SCALE:
+        inv_rms = inverse_rms(x_ptr + token * stride_xm, hidden, norm_eps, HIDDEN_PAD)
+    else:
+        inv_rms = 1.0
     if ROUTE:
         # Every program of the pair's token computes the token's top-k (E values: cheap next to
         # the weight read); the first column block of each pair records its expert and weight.
         top_values, top_ids = topk_of_row(
             logits_ptr + token * stride_logits, num_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE,
-            ROUND_TO_LOGITS_DTYPE,
+            ROUND_TO_LOGITS_DTYPE, inv_rms, NORM_SCALE,
         )  # fmt: skip
         this_slot = tl.arange(0, TOP_K_PAD) == (pair % TOP_K)
         expert32 = tl.sum(tl.where(this_slot, top_ids, 0), axis=0)
@@ -98,6 +113,9 @@ def _pair_gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     g = round_like(tl.sum(acc_gate, axis=1), dtype)
     u = round_like(tl.sum(acc_up, axis=1), dtype)
+    if NORM_SCALE:
+        g = round_like(g * inv_rms, dtype)
+        u = round_like(u * inv_rms, dtype)
     act = round_like(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(out_ptr + pair * stride_om + cols, (act * u).to(dtype), mask=is_col)
 
@@ -109,17 +127,20 @@ def _token_down_kernel(
     ids_ptr,  # [N]
     weights_ptr,  # [N] float32
     out_ptr,  # [T, H]
+    residual_ptr,  # [T, H], HAS_RESIDUAL only: added to the sum before the one rounding
     hidden,
     inter,
     stride_am,
     stride_we,
     stride_wn,
     stride_om,
+    stride_rm,
     TOP_K: tl.constexpr,
     K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
+    HAS_RESIDUAL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,7 +166,10 @@ def _token_down_kernel(
             w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
         acc += w.to(tl.float32) * scaled[None, :]
-    tl.store(out_ptr + token * stride_om + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=is_col)
+    total = tl.sum(acc, axis=1)
+    if HAS_RESIDUAL:
+        total += tl.load(residual_ptr + token * stride_rm + cols, mask=is_col, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=is_col)
 
 
 def fused_moe_gemv(
@@ -177,19 +201,25 @@ def routed_fused_moe_gemv(
     round_to_logits_dtype: bool,
     gate_up_tiles: GemmTiles,
     down_tiles: GemmTiles,
+    residual_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """Routing and experts for a few tokens in two launches: the gate/up kernel also routes
-    (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel."""
+    (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel.
+
+    With `residual_norm_eps`, x is the un-normalized residual stream and the router logits and
+    w13 come from weights with the norm's weight folded in: returns x + the experts' output for
+    RMSNorm(x) (eps `residual_norm_eps`), a new tensor (see the module docstring)."""
     num_pairs = x.shape[0] * top_k
     ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_pairs, dtype=torch.float32, device=x.device)
     activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
     launch_pair_gate_up(
         x, w13, ids, activated, top_k, gate_up_tiles, weights=weights, router_logits=router_logits,
-        renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype,
+        renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype, norm_eps=residual_norm_eps,
     )  # fmt: skip
     out = torch.empty_like(x)
-    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
+    residual = x if residual_norm_eps is not None else None
+    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles, residual=residual)
     return out
 
 
@@ -205,36 +235,47 @@ def launch_pair_gate_up(
     router_logits: torch.Tensor | None = None,
     renormalize: bool = False,
     round_to_logits_dtype: bool = False,
+    norm_eps: float | None = None,
 ) -> None:
     """out [N, I] = silu(gate) * up of each pair p (token p // top_k); with `router_logits`, the
-    kernel routes and writes `ids` and `weights` [N] itself."""
+    kernel routes and writes `ids` and `weights` [N] itself. With `norm_eps`, x holds
+    un-normalized rows whose 1/rms scales the logits and the gate and up sums."""
     num_pairs, inter = out.shape
     hidden, num_experts = x.shape[1], w13.shape[0]
     route = router_logits is not None
     if route and (weights is None or router_logits.stride(-1) != 1):
         raise ValueError("routing in the gate/up launch needs `weights` and contiguous router logits")
+    if norm_eps is not None and x.stride(-1) != 1:
+        raise ValueError("the deferred norm needs x with contiguous rows")
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n))](
         x, w13, ids, weights if route else out, router_logits if route else x, out, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), router_logits.stride(0) if route else 0,
+        norm_eps if norm_eps is not None else 0.0,
         TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=hidden % tiles.block_k == 0,
         ROUTE=route, TOP_K_PAD=triton.next_power_of_2(top_k), EXPERTS_PAD=triton.next_power_of_2(num_experts),
         RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
+        NORM_SCALE=norm_eps is not None, HIDDEN_PAD=triton.next_power_of_2(hidden) if norm_eps is not None else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
 def launch_token_down(
     activated: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-    top_k: int, tiles: GemmTiles,
+    top_k: int, tiles: GemmTiles, residual: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """out [T, H] = sum over each token's k pairs of weight * down(activated row)."""
+    """out [T, H] = sum over each token's k pairs of weight * down(activated row) (+ residual,
+    added in float32 before the one rounding; `out` must not be `residual`)."""
     num_tokens, hidden = out.shape
     inter = w2.shape[2]
+    if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
+        raise ValueError(f"the residual must be another [T, H] = {tuple(out.shape)} tensor than out")
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
-        activated, w2, ids, weights, out, hidden, inter,
+        activated, w2, ids, weights, out, residual if residual is not None else out, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
         TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        EVEN_K=inter % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -252,15 +293,16 @@ def compile_gemv(
     if kernel == "gate_up":
         _pair_gate_up_kernel.warmup(
             dtype, dtype, torch.int32, torch.float32, dtype, dtype, hidden, inter, num_experts,
-            hidden, 2 * inter * hidden, hidden, inter, num_experts,
+            hidden, 2 * inter * hidden, hidden, inter, num_experts, 0.0,
             EVEN_K=hidden % tiles.block_k == 0, ROUTE=True, TOP_K_PAD=triton.next_power_of_2(top_k),
             EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-            ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype, **common,
+            ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype, NORM_SCALE=False, HIDDEN_PAD=1, **common,
         )  # fmt: skip
     elif kernel == "down":
         _token_down_kernel.warmup(
-            dtype, dtype, torch.int32, torch.float32, dtype, hidden, inter, inter, hidden * inter, inter, hidden,
-            K_STEPS=triton.cdiv(inter, tiles.block_k), EVEN_K=inter % tiles.block_k == 0, **common,
+            dtype, dtype, torch.int32, torch.float32, dtype, dtype, hidden, inter, inter, hidden * inter, inter,
+            hidden, 0, K_STEPS=triton.cdiv(inter, tiles.block_k), EVEN_K=inter % tiles.block_k == 0,
+            HAS_RESIDUAL=False, **common,
         )  # fmt: skip
     else:
         raise ValueError(f"unknown MoE GEMV {kernel!r}; expected 'gate_up' or 'down'")

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.rms import scale_rounded
 from tokenmill.kernels.triton.rounding import round_like
 
 
@@ -26,13 +27,20 @@ def topk_of_row(
     EXPERTS_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND_TO_LOGITS_DTYPE: tl.constexpr,
+    logit_scale,
+    SCALE_LOGITS: tl.constexpr,
 ):
     """(weights [TOP_K_PAD] float32, expert ids [TOP_K_PAD] int32) of one token; slots past
     TOP_K hold zeros. Shared with the few-token experts kernel (fused_moe_gemv.py), which routes
-    inside its own launch."""
+    inside its own launch. With SCALE_LOGITS the stored logits are first multiplied by
+    `logit_scale` (> 0) and rounded to their dtype: the deferred norm's 1/rms, when the router
+    projected the un-normalized row (see fused_moe_gemv.py)."""
     experts = tl.arange(0, EXPERTS_PAD)
     is_expert = experts < num_experts
-    logits = tl.load(row_ptr + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
+    logits = tl.load(row_ptr + experts, mask=is_expert, other=float("-inf"))
+    if SCALE_LOGITS:
+        logits = scale_rounded(logits, logit_scale)
+    logits = logits.to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
     probs = exps / tl.sum(exps, axis=0)
     probs = tl.where(is_expert, probs, -1.0)  # padding is never picked
@@ -68,7 +76,7 @@ def _topk_softmax_kernel(
     row = tl.program_id(0).to(tl.int64)
     top_values, top_ids = topk_of_row(
         logits_ptr + row * stride_logits, num_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE,
-        ROUND_TO_LOGITS_DTYPE,
+        ROUND_TO_LOGITS_DTYPE, 1.0, False,
     )  # fmt: skip
     slots = tl.arange(0, TOP_K_PAD)
     in_k = slots < TOP_K

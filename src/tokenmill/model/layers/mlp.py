@@ -49,9 +49,27 @@ class SwiGLUMLP(nn.Module):
     # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
     __call__ = forward
 
+    # -- the deferred norm (model/llama.DecoderLayer._forward_deferred_norm) ----------------------
+
+    def can_fold_input_scale(self) -> bool:
+        """Whether fold_input_scale can fold the preceding norm's weight into this MLP."""
+        return self.gate_up_proj.method.folds_input_scale
+
+    def fold_input_scale(self, scale: torch.Tensor) -> None:
+        self.gate_up_proj.fold_input_scale(scale)
+
+    def forward_from_residual(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x + forward(RMSNorm(x)) after fold_input_scale: gate_up projects the un-normalized rows,
+        silu_mul applies 1/rms, down adds into the residual in its epilogue."""
+        return self.down_proj(self.ops.silu_mul(self._gate_up(x), norm_source=x, eps=eps), residual=x)
+
 
 class GeGLUMLP(SwiGLUMLP):
-    """Gemma's MLP: down(gelu(gate(x)) * up(x)), gelu with the tanh approximation."""
+    """Gemma's MLP: down(gelu(gate(x)) * up(x)), gelu with the tanh approximation. No deferred
+    norm (Gemma's norms scale by 1 + w in float32; model/gemma.py folds nothing)."""
+
+    def can_fold_input_scale(self) -> bool:
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._down(self.ops.gelu_tanh_mul(self._gate_up(x)))

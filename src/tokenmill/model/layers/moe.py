@@ -116,6 +116,8 @@ class TritonMoEOps:
 
         self._fused_moe = fused_moe.fused_moe
         self._routed_fused_moe = fused_moe.routed_fused_moe
+        self._routed_fused_moe_from_residual = fused_moe.routed_fused_moe_from_residual
+        self._takes_residual = fused_moe.takes_residual
         self._topk_softmax = moe_routing.topk_softmax
 
     def forward(
@@ -125,6 +127,20 @@ class TritonMoEOps:
         """Routing and experts together: a few tokens route inside the experts' first launch."""
         return self._routed_fused_moe(
             x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype
+        )
+
+    def takes_residual(self, num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int) -> bool:
+        """Whether forward_from_residual serves a step of `num_tokens` tokens (the few-token GEMVs)."""
+        return self._takes_residual(num_tokens, gate_up_proj, down_proj, top_k)
+
+    def forward_from_residual(
+        self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool, eps: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """x + forward(RMSNorm(x)), x the residual stream, the norm weight folded into the router
+        and gate_up_proj: the two GEMV launches apply 1/rms and add the residual."""
+        return self._routed_fused_moe_from_residual(
+            x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype, eps
         )
 
     def route(
@@ -268,6 +284,7 @@ class SparseMoEBlock(nn.Module):
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
         self.moe_ops = moe_ops
+        self.ops = ops
         bind_hot_path(self, router=self.gate, experts_=self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,6 +303,42 @@ class SparseMoEBlock(nn.Module):
 
     # Called once per layer per step: skip nn.Module.__call__'s hook dispatch (see LinearBase.__call__).
     __call__ = forward
+
+    # -- the deferred norm (model/llama.DecoderLayer._forward_deferred_norm) ----------------------
+
+    def can_fold_input_scale(self) -> bool:
+        """Whether the post-attention norm's weight can go into the router and the experts'
+        gate/up: only for the Triton ops (their GEMV launches apply 1/rms), a router whose method
+        folds, no shared expert and one rank (its gate and the all-reduce have no place for it)."""
+        return (
+            isinstance(self.moe_ops, TritonMoEOps)
+            and self.shared_expert is None
+            and self.experts.tp_size == 1
+            and self.gate.method.folds_input_scale
+            and self.experts.gate_up_proj.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        )
+
+    @torch.no_grad()
+    def fold_input_scale(self, scale: torch.Tensor) -> None:
+        """W <- W * scale along the hidden dimension for the router and every expert's gate/up rows
+        (rounded once), as LinearBase.fold_input_scale does for a dense MLP."""
+        if not self.can_fold_input_scale():
+            raise ValueError("this MoE block cannot fold its input norm's weight (see can_fold_input_scale)")
+        self.gate.fold_input_scale(scale)
+        self.experts.gate_up_proj.mul_(scale.to(self.experts.gate_up_proj.dtype))
+
+    def forward_from_residual(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x + forward(RMSNorm(x)) after fold_input_scale, x the residual stream: the router projects
+        the un-normalized rows and, for a few tokens, the experts' two launches apply 1/rms and add
+        x in the down epilogue; otherwise one norm launch first, as forward's caller would."""
+        experts = self._experts_
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        if self.moe_ops.takes_residual(x.shape[0], w13, w2, self.top_k):
+            return self.moe_ops.forward_from_residual(
+                x, self._router(x), w13, w2, self.top_k, self.renormalize, self.weights_in_model_dtype, eps
+            )
+        normed = self.ops.add_rms_norm(x, None, eps, None)  # the weight is folded in
+        return x + self.forward(normed)
 
 
 def unread_expert_bytes(model: nn.Module) -> int:
