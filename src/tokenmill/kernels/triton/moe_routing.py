@@ -4,8 +4,9 @@ k most likely experts, optionally renormalized to sum to 1.
 transformers does it in four or five launches (softmax in float32, topk, sum, divide, cast); a
 decode step runs it once per MoE layer, so here one program takes one token's row: it reads the
 logits once, keeps the probabilities in registers and picks the k largest by k rounds of
-arg-max (ties go to the lower expert id). The weights come out in float32, rounded to the
-logits' dtype first when the model rounds them there (Qwen's routers do, Mixtral's do not).
+arg-max over packed (probability, expert) keys (ties go to the lower expert id). The weights
+come out in float32, rounded to the logits' dtype first when the model rounds them there (Qwen's
+routers do, Mixtral's do not).
 """
 
 from __future__ import annotations
@@ -43,16 +44,23 @@ def topk_of_row(
     logits = logits.to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
     probs = exps / tl.sum(exps, axis=0)
-    probs = tl.where(is_expert, probs, -1.0)  # padding is never picked
+    # One reduction per pick: a probability (>= +0) orders as its float32 bit pattern does, so a
+    # key of those bits above the inverted expert id makes one integer max pick the most likely
+    # expert and, among equal probabilities, the lowest id (a max, then a min over the ties,
+    # took two dependent reductions, all before the experts kernel's first weight load).
+    tl.static_assert(EXPERTS_PAD <= 65536)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(is_expert, (bits << 16) | (65535 - experts).to(tl.int64), -1)  # padding is never picked
     slots = tl.arange(0, TOP_K_PAD)
     top_values = tl.zeros([TOP_K_PAD], dtype=tl.float32)
     top_ids = tl.zeros([TOP_K_PAD], dtype=tl.int32)
     for slot in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        best_id = tl.min(tl.where(probs == best, experts, EXPERTS_PAD), axis=0)
-        top_values = tl.where(slots == slot, best, top_values)
+        best = tl.max(keys, axis=0)
+        best_id = (65535 - (best & 65535)).to(tl.int32)
+        best_prob = (best >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        top_values = tl.where(slots == slot, best_prob, top_values)
         top_ids = tl.where(slots == slot, best_id, top_ids)
-        probs = tl.where(experts == best_id, -1.0, probs)
+        keys = tl.where(keys == best, -1, keys)
     if RENORMALIZE:
         top_values = top_values / tl.sum(top_values, axis=0)
     if ROUND_TO_LOGITS_DTYPE:
