@@ -63,17 +63,27 @@ def test_bf16_greedy_and_logprobs_mostly_match_transformers(moe_model, monkeypat
     llm = _llm(moe_model)
     assert llm.info.dtype == "bfloat16"
     prompts = _prompts(llm.info.vocab_size, 4, seed=13, min_len=8)
+    _assert_mostly_agrees_with_transformers_bf16(moe_model, prompts, _greedy(llm, prompts, 32, logprobs=0))
+    assert _graph_replays(llm) > 0 and calls
+
+
+def _assert_mostly_agrees_with_transformers_bf16(model: str, prompts, completions) -> None:
+    """32 greedy tokens a prompt against transformers' bf16 on the GPU, compared up to each prompt's
+    first divergence (to the end where transformers' two best logits tie there): at least half of
+    all tokens agree, and their logprobs are close. The median bound is 0.03, not the dense tests'
+    0.02: where the norm weights are folded into qkv, the router and the experts (W * w rounded
+    once; models without a shared expert), logits move by about an ulp more against transformers'
+    rounding order (the tiny Qwen3-MoE's median went from below 0.02 to 0.0205 on an H200, all
+    128 tokens still agreeing)."""
     agreed, diffs = [], []
-    for prompt, completion in zip(prompts, _greedy(llm, prompts, 32, logprobs=0), strict=True):
-        tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(moe_model, prompt, 32)
+    for prompt, completion in zip(prompts, completions, strict=True):
+        tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(model, prompt, 32)
         same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b), 32)
         agreed.append(32 if same < 32 and ties[same] else same)
         diffs += [abs(completion.logprobs[i][tokens[i]].logprob - expected_lps[i]) for i in range(same)]
-    assert sum(agreed) >= 0.5 * 4 * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
+    assert sum(agreed) >= 0.5 * len(prompts) * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
     diffs.sort()
-    if diffs:
-        assert diffs[len(diffs) // 2] < 0.02 and diffs[int(0.9 * len(diffs))] < 0.1, (agreed, diffs[-5:])
-    assert _graph_replays(llm) > 0 and calls
+    assert diffs and diffs[len(diffs) // 2] < 0.03 and diffs[int(0.9 * len(diffs))] < 0.1, (agreed, diffs[-5:])
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
@@ -105,21 +115,13 @@ def test_single_request_decode_steps_skip_the_norm_launches(moe_model, dtype, mo
     folds = "qwen2" not in moe_model
     assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
     prompts = _prompts(llm.info.vocab_size, 3, seed=19, min_len=8)
-    agreed, diffs = [], []
-    for prompt in prompts:  # one at a time: single-request steps are the deferred ones
-        if dtype == "float32":
+    if dtype == "float32":
+        for prompt in prompts:  # one at a time: single-request steps are the deferred ones
             completion = _greedy(llm, [prompt], 16)[0]
             assert completion.token_ids == hf_greedy(moe_model, prompt, 16)[0], f"{len(prompt)}-token prompt"
-            continue
-        completion = _greedy(llm, [prompt], 32, logprobs=0)[0]
-        tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(moe_model, prompt, 32)
-        same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b), 32)
-        agreed.append(32 if same < 32 and ties[same] else same)
-        diffs += [abs(completion.logprobs[i][tokens[i]].logprob - expected_lps[i]) for i in range(same)]
-    if dtype == "bfloat16":
-        assert sum(agreed) >= 0.5 * 3 * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
-        diffs.sort()
-        assert diffs and diffs[len(diffs) // 2] < 0.02 and diffs[int(0.9 * len(diffs))] < 0.1, (agreed, diffs[-5:])
+    else:
+        completions = [_greedy(llm, [prompt], 32, logprobs=0)[0] for prompt in prompts]
+        _assert_mostly_agrees_with_transformers_bf16(moe_model, prompts, completions)
     assert bool(calls) == folds, f"{len(calls)} calls of the experts' deferred-norm launches"
     assert _graph_replays(llm) > 0
 
