@@ -210,10 +210,10 @@ def test_bf16_decode_rope_in_attention_launch_changes_nothing(model, request):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_single_request_decode_steps_match_transformers(model, dtype, request, monkeypatch):
     """Single-request decode steps take their own path: 32-token attention tiles, RoPE + KV
-    store inside the attention launch (for Qwen3 with its Q/K norms, after the deferred 1/rms),
-    and for models whose norm weights are folded into qkv / gate_up (Llama, Mistral, Qwen3: no
-    q/k/v bias; the tiny checkpoints' norm weights are random, not ones) no norm launches: the
-    attention launch and silu_mul apply 1/rms, o_proj and down add into the residual; in bf16 every matmul of these
+    store inside the attention launch (for Qwen3 with its Q/K norms), and for models whose norm
+    weights are folded into qkv / gate_up (Llama, Mistral: no q/k/v bias, no Q/K norm; the tiny
+    checkpoints' norm weights are random, not ones) no norm launches: the attention launch and
+    silu_mul apply 1/rms, o_proj and down add into the residual; in bf16 every matmul of these
     steps is the row GEMV (kernels/triton/gemv.py), fp32 keeps cuBLAS. fp32 greedy tokens equal
     transformers' (CPU) token for token; bf16 the first 32 equal transformers' bf16 on the GPU,
     with close logprobs, except that a step where transformers' two best logits are within two
@@ -253,7 +253,7 @@ def test_single_request_decode_steps_match_transformers(model, dtype, request, m
 
     monkeypatch.setattr(SelfAttention, "attend_with_rope_in_launch", counted_fused)
     llm = _llm(path, dtype=dtype)
-    folds = model in ("tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen3_dir")  # Qwen2: q/k/v bias
+    folds = model in ("tiny_llama_dir", "tiny_mistral_dir")
     assert all(layer.norms_folded == folds for layer in llm.engine.runner.model.layers)
     prompts = _prompts(llm.info.vocab_size, 3, seed=18, min_len=8)
     diffs = []
