@@ -271,19 +271,28 @@ def test_kv_store_skips_minus_one_slots(slots):
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("slots", [[-1, 5, -1, 7, -1], [-1, -1], [3, 9]])
-def test_cpu_kernel_kv_store_skips_minus_one_slots(slots):
+def test_cpu_kernel_kv_store_skips_minus_one_slots(slots, cache_dtype):
+    """float32 rows go into a 16-bit cache converted by the kernel, rounded as Tensor.to rounds
+    (bit for bit, over values from fp16 subnormals to past bf16's and fp16's mantissas)."""
     gen = torch.Generator().manual_seed(7)
-    cache = torch.randn(2, 3, BLOCK_SIZE, 2, 8, generator=gen)
-    k = torch.randn(len(slots), 2, 8, generator=gen)
-    v = torch.randn(len(slots), 2, 8, generator=gen)
+    cache = torch.randn(2, 3, BLOCK_SIZE, 2, 8, generator=gen).to(cache_dtype)
+    magnitudes = torch.tensor([1e-7, 3e-5, 1.0, 37.3, 6.1e4, 1e-3, 0.1, 250.0])
+    k = torch.randn(len(slots), 2, 8, generator=gen) * magnitudes
+    v = torch.randn(len(slots), 2, 8, generator=gen) * magnitudes.flip(0)
     expected = cache.clone()
     flat = expected.view(2, -1, 2, 8)
     for row, slot in enumerate(slots):
         if slot >= 0:
-            flat[0, slot], flat[1, slot] = k[row], v[row]
-    CpuPagedBackend.store_kv(k, v, cache, torch.tensor(slots))
+            flat[0, slot], flat[1, slot] = k[row].to(cache_dtype), v[row].to(cache_dtype)
+    torch.ops.tokenmill_cpu.store_kv(cache, k, v, torch.tensor(slots))
+    assert torch.equal(cache.view(torch.int16 if cache_dtype != torch.float32 else torch.int32),
+                       expected.view(torch.int16 if cache_dtype != torch.float32 else torch.int32))
+    CpuPagedBackend.store_kv(k, v, cache, torch.tensor(slots))  # the backend's entry: the same
     assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="share the cache's dtype"):
+        torch.ops.tokenmill_cpu.store_kv(cache, k.double(), v.double(), torch.tensor(slots))
 
 
 @needs_kernels

@@ -663,14 +663,25 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
 }
 
 // Writes k/v rows into their slots; slot -1 writes nowhere (padding).
+// One token's k or v row into the cache: a copy, or (float32 rows into a 16-bit float cache) a
+// conversion with c10's round-to-nearest-even, the rounding `Tensor.to` applies.
+template <typename CacheT>
+inline void convert_row(CacheT* dst, const float* src, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<CacheT>(src[j]);
+}
+
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
                   v.stride(1) == v.size(2),
               "k and v must be [num_tokens, num_kv_heads, head_dim] with contiguous rows");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
-              "k, v and kv_cache must share one dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  // float32 k/v go into a float16 / bfloat16 cache converted here: a float32 model over a 16-bit
+  // cache (the CPU default under GGUF weights) then needs no conversion launches per layer.
+  const bool convert = k.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (convert || k.scalar_type() == cache_type),
+              "k and v must share the cache's dtype (or be float32 over a float16 / bfloat16 cache)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be int64");
   const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), k.size(0));
   const int64_t row = kv_cache.size(3) * kv_cache.size(4);
@@ -685,12 +696,25 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
   char* v_cache = k_cache + num_slots * row * elem;
   const char* k_ptr = static_cast<const char*>(k.data_ptr());
   const char* v_ptr = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
+  const int64_t in_elem = k.element_size();
+  const int64_t k_stride = k.stride(0) * in_elem, v_stride = v.stride(0) * in_elem;
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (slots[i] < 0) continue;
-      std::memcpy(k_cache + slots[i] * row * elem, k_ptr + i * k_stride, row * elem);
-      std::memcpy(v_cache + slots[i] * row * elem, v_ptr + i * v_stride, row * elem);
+      char* k_dst = k_cache + slots[i] * row * elem;
+      char* v_dst = v_cache + slots[i] * row * elem;
+      const char* k_src = k_ptr + i * k_stride;
+      const char* v_src = v_ptr + i * v_stride;
+      if (!convert) {
+        std::memcpy(k_dst, k_src, row * elem);
+        std::memcpy(v_dst, v_src, row * elem);
+      } else if (cache_type == at::kHalf) {
+        convert_row(reinterpret_cast<c10::Half*>(k_dst), reinterpret_cast<const float*>(k_src), row);
+        convert_row(reinterpret_cast<c10::Half*>(v_dst), reinterpret_cast<const float*>(v_src), row);
+      } else {
+        convert_row(reinterpret_cast<c10::BFloat16*>(k_dst), reinterpret_cast<const float*>(k_src), row);
+        convert_row(reinterpret_cast<c10::BFloat16*>(v_dst), reinterpret_cast<const float*>(v_src), row);
+      }
     }
   });
 }
