@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     args = parser.parse_args()
 
     from tokenmill.kernels.cpu.build import load_cpu_kernels
@@ -35,7 +36,8 @@ def main() -> None:
     batch, ctx, bs = args.batch, args.context, args.block_size
     blocks_per_req = -(-ctx // bs)
     caches = [
-        torch.randn(2, batch * blocks_per_req + 1, bs, args.kv_heads, args.head_dim) for _ in range(args.layers)
+        torch.randn(2, batch * blocks_per_req + 1, bs, args.kv_heads, args.head_dim).to(getattr(torch, args.cache_dtype))
+        for _ in range(args.layers)
     ]
     tables = torch.randperm(batch * blocks_per_req).to(torch.int32).view(batch, blocks_per_req).contiguous()
     q = torch.randn(batch, args.heads, args.head_dim)
@@ -44,7 +46,7 @@ def main() -> None:
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     attention = torch.ops.tokenmill_cpu.paged_attention
     calls = max(args.layers, 60 // args.layers * args.layers)
-    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 4 * 2
+    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * caches[0].element_size() * 2
     for _ in range(args.rounds):
         started = time.thread_time()
         for i in range(calls):

@@ -156,6 +156,13 @@ TOKENMILL_STRUCTURED_OUTPUT_FILL_THREADS = _int(
     "threads xgrammar fills a constrained step's mask rows on (one batch call a step; unset: half "
     "the CPUs this process may run on, 1 to 8; 1 fills them on the engine's fill thread alone)",
 )
+TOKENMILL_CPU_HELPER_THREAD = _bool(
+    "TOKENMILL_CPU_HELPER_THREAD",
+    None,
+    "CPU: let one helper thread share the few-row products and attention of a process that runs one "
+    "torch thread (kernels/cpu/csrc/helper_pool.h; unset: on when the process has one torch thread "
+    "and the machine two or more cores, as the serving engine on a small machine)",
+)
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",
     None,

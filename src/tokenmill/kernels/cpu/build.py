@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import envs
 from tokenmill.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -30,10 +32,11 @@ _SOURCES = [
         "cpu_quant_gemm.cpp",
         "cpu_quant_gemm_vnni.cpp",
         "cpu_layer_ops.cpp",
+        "cpu_helper_pool.cpp",
     )
 ]
 # Included by the sources: part of the build's cache key (ninja tracks them inside a build directory).
-_HEADERS = [Path(__file__).parent / "csrc" / "avx2_exp.h"]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_exp.h", "helper_pool.h")]
 _lock = threading.Lock()
 _STALE_LOCK_S = 180.0  # a build takes 10-30 s; a lock older than this has no live owner
 _loaded = False
@@ -136,6 +139,21 @@ def load_cpu_kernels() -> None:
         if fresh:
             logger.info("CPU attention kernels built in %.0f s", time.monotonic() - start)
         _loaded = True
+        _configure_helper_thread()
+
+
+def _configure_helper_thread() -> None:
+    """Start the few-row kernels' helper thread (csrc/helper_pool.h) where this process runs one
+    torch thread on a machine of two or more cores: the serving engine on a small machine, which
+    leaves the other core to the API server (engine/core_process.py). There the helper takes the
+    other core only while it is free. TOKENMILL_CPU_HELPER_THREAD overrides the choice."""
+    wanted = envs.TOKENMILL_CPU_HELPER_THREAD.get()
+    if wanted is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        wanted = torch.get_num_threads() == 1 and cores >= 2
+    torch.ops.tokenmill_cpu.set_helper_threads(1 if wanted else 0)
+    if wanted:
+        logger.info("CPU kernels: one helper thread shares the few-row products and attention")
 
 
 def kernels_loaded() -> bool:

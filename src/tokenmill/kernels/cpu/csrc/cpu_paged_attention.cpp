@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "avx2_exp.h"
+#include "helper_pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -46,6 +47,8 @@ namespace {
 // Query tokens per task: enough rows to reuse each loaded key/value row, few enough that a
 // prefill chunk still splits into many tasks for the threads.
 constexpr int64_t kQueryTile = 16;
+// Steps of at most this many requests share their tasks with the helper thread (helper_pool.h).
+constexpr int64_t kHelperMaxRows = 4;
 // Key rows whose scores against one query row are computed together (independent FMA chains).
 constexpr int64_t kKeyGroup = 4;
 
@@ -641,16 +644,25 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
+  // One torch thread (the serving engine on a small machine) and a few-row step: the tasks are
+  // shared with the helper thread where there is one (helper_pool.h), one task a chunk.
+  const bool on_helper = at::get_num_threads() == 1 && num_reqs <= kHelperMaxRows && num_tasks > 1 &&
+                         tokenmill_cpu::helper_threads() > 0;
   auto run = [&](auto* out_ptr, const auto* cache_ptr) {
     const auto* q_ptr = static_cast<decltype(out_ptr)>(q.data_ptr());
-    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    const auto tasks_in = [&](int64_t begin, int64_t end) {
       thread_local Scratch scratch;
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         if (i + 1 < end) prefetch_task(tasks[i + 1], sh, cache_ptr, tables + tasks[i + 1].req * sh.max_blocks);
         attend(task, sh, q_ptr, cache_ptr, tables + task.req * sh.max_blocks, out_ptr, scratch);
       }
-    });
+    };
+    if (on_helper) {
+      tokenmill_cpu::parallel_chunks(num_tasks, [&](int64_t i) { tasks_in(i, i + 1); });
+    } else {
+      at::parallel_for(0, num_tasks, 1, tasks_in);
+    }
   };
   if (q.scalar_type() != kv_cache.scalar_type()) {  // float32 q / out over a 16-bit cache
     if (kv_cache.scalar_type() == at::kHalf) run(out.data_ptr<float>(), kv_cache.data_ptr<c10::Half>());

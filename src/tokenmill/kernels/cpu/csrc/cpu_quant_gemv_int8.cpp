@@ -39,6 +39,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "helper_pool.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define TOKENMILL_VNNI 1
 #include <immintrin.h>
@@ -596,6 +598,19 @@ void dot_range_avx2(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, con
 }
 #endif  // TOKENMILL_INT8_AVX2
 
+// fn(begin, end) over row ranges covering [0, n): with several torch threads, at::parallel_for's;
+// with one (the serving engine on a small machine), chunks of ~1/32 of the rows (at least 64, a
+// multiple of the 4-row pass) shared with the helper thread when there is one (helper_pool.h).
+template <typename F>
+void for_row_ranges(int64_t n, const F& fn) {
+  if (at::get_num_threads() > 1 || tokenmill_cpu::helper_threads() == 0) {
+    at::parallel_for(0, n, 64, fn);
+    return;
+  }
+  const int64_t rows = std::max<int64_t>(64, (n / 32 + 3) / 4 * 4);
+  tokenmill_cpu::parallel_chunks((n + rows - 1) / rows, [&](int64_t c) { fn(c * rows, std::min(n, (c + 1) * rows)); });
+}
+
 // out [M, N] float32 = x [M, K] float32 (int8-quantized per block of 32) @ dequant(blocks)^T, with
 // `blocks` [N, row_bytes] uint8 in the vnni layout above; quant_type 0 = Q4_1, 1 = Q8_0.
 void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type,
@@ -629,7 +644,7 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
   float* y = out.data_ptr<float>();
 #if defined(TOKENMILL_INT8_AVX2)
   const int64_t row_bytes = num_blocks * block_bytes;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  for_row_ranges(n, [&](int64_t begin, int64_t end) {
     if (bits == 16) {
       q4 ? dot_range_avx2<true, 16>(w, row_bytes, num_blocks, rows, begin, end, y, n)
          : dot_range_avx2<false, 16>(w, row_bytes, num_blocks, rows, begin, end, y, n);
@@ -639,7 +654,7 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
     }
   });
 #else
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  for_row_ranges(n, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = w + row * num_blocks * block_bytes;
       if (kPrefetchRows > 0 && row + kPrefetchRows < end) {

@@ -1,0 +1,119 @@
+"""The few-row kernels' helper thread (kernels/cpu/csrc/helper_pool.h): it takes chunks only while
+it is free, every chunk runs once, and the kernels that use it (the int8-activation product, the
+decode attention) write the same bits with it as without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.test_cpu_quant_gemv import TYPES, random_blocks
+from tokenmill.kernels.cpu.build import cpu_kernels_available
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The serving engine's setting on a small machine: one torch thread, the helper on; restored
+    afterwards (the helper off, the thread count as it was)."""
+    from tokenmill.kernels.cpu.build import load_cpu_kernels
+
+    load_cpu_kernels()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch.ops.tokenmill_cpu
+    torch.ops.tokenmill_cpu.set_helper_threads(0)
+    torch.set_num_threads(threads)
+
+
+def test_without_the_helper_every_chunk_runs_on_the_caller(one_torch_thread):
+    ops = one_torch_thread
+    ops.set_helper_threads(0)
+    assert ops.helper_threads() == 0
+    assert ops.helper_pool_probe(16, 200) == 16
+
+
+def test_the_helper_takes_chunks_and_each_runs_once(one_torch_thread):
+    ops = one_torch_thread
+    ops.set_helper_threads(1)
+    assert ops.helper_threads() == 1
+    # 16 chunks of 2 ms: a helper that wakes at all takes some of them. It may be late when the
+    # machine is busy, so a few tries; the probe itself checks that the job finished (it returns).
+    on_caller = [ops.helper_pool_probe(16, 2000) for _ in range(5)]
+    assert all(0 <= c <= 16 for c in on_caller)
+    assert min(on_caller) < 16, f"the helper never took a chunk: {on_caller}"
+
+
+def test_a_job_of_one_chunk_and_of_none_run_inline(one_torch_thread):
+    ops = one_torch_thread
+    ops.set_helper_threads(1)
+    assert ops.helper_pool_probe(1, 10) == 1
+    assert ops.helper_pool_probe(0, 10) == 0
+
+
+def test_set_helper_threads_takes_zero_or_one(one_torch_thread):
+    with pytest.raises(RuntimeError, match="0 or 1 helper threads"):
+        one_torch_thread.set_helper_threads(2)
+
+
+def _int8_or_skip() -> None:
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
+
+    if not int8_available():
+        pytest.skip("the int8-activation kernel needs AVX-512 VNNI or AVX2")
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n, k, m", [(1000, 576, 1), (3072, 576, 2), (577, 1536, 4), (49152 // 16, 576, 1)])
+def test_int8_product_is_the_same_with_the_helper(one_torch_thread, name: str, n: int, k: int, m: int) -> None:
+    """Rows are split in chunks (1/32 of them, >= 64, a multiple of 4, a ragged last one) between the
+    caller and the helper; each output is computed by one thread as before: the same bits."""
+    _int8_or_skip()
+    from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
+
+    ops = one_torch_thread
+    qtype, code = TYPES[name]
+    rng = np.random.default_rng(n + k + m)
+    blocks = torch.from_numpy(vnni_rows(random_blocks(rng, qtype, n, k), code))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    for bits in (8, 16):
+        ops.set_helper_threads(0)
+        alone = ops.quant_linear_int8(x, blocks, code, bits)
+        ops.set_helper_threads(1)
+        for _ in range(3):
+            assert torch.equal(ops.quant_linear_int8(x, blocks, code, bits), alone)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seq_lens", [[1], [200], [37, 300], [5, 64, 129, 700]])
+def test_decode_attention_is_the_same_with_the_helper(one_torch_thread, cache_dtype, seq_lens) -> None:
+    """A step of up to 4 decode rows shares its tasks (one a KV head with so few rows) with the
+    helper; each task is computed by one thread as before: the same bits."""
+    ops = one_torch_thread
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks_per), generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    at = 0
+    for r, b in enumerate(blocks_per):
+        tables[r, :b] = order[at : at + b]
+        at += b
+    cache = torch.randn(2, sum(blocks_per), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, cache, starts, lens, tables, head_dim**-0.5, 16, 0, 0.0, None)
+        return out
+
+    ops.set_helper_threads(0)
+    alone = attend()
+    assert not alone.isnan().any()
+    ops.set_helper_threads(1)
+    for _ in range(3):
+        assert torch.equal(attend(), alone)
