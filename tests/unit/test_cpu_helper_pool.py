@@ -117,3 +117,65 @@ def test_decode_attention_is_the_same_with_the_helper(one_torch_thread, cache_dt
     ops.set_helper_threads(1)
     for _ in range(3):
         assert torch.equal(attend(), alone)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n, k, m", [(3072, 576, 8), (577, 1536, 33), (960, 576, 130)])
+def test_batched_product_is_the_same_with_the_helper(one_torch_thread, name: str, n: int, k: int, m: int) -> None:
+    """The batched VNNI product's panels are shared in ~16 chunks (a ragged last one); each panel
+    is computed by one thread as before: the same bits."""
+    from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available
+    from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
+
+    if not gemm_vnni16_available():
+        pytest.skip("the batched 16-bit kernel needs AVX-512 VNNI")
+    ops = one_torch_thread
+    qtype, code = TYPES[name]
+    rng = np.random.default_rng(n + k + m)
+    blocks = torch.from_numpy(vnni_rows(random_blocks(rng, qtype, n, k), code))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+
+    def product() -> torch.Tensor:
+        out = torch.full((m, n), float("nan"))
+        ops.quant_gemm_vnni16(out, x, blocks, code)
+        return out
+
+    ops.set_helper_threads(0)
+    alone = product()
+    assert not alone.isnan().any()
+    ops.set_helper_threads(1)
+    for _ in range(3):
+        assert torch.equal(product(), alone)
+
+
+def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thread) -> None:
+    """More than 4 requests (decode rows and prefill chunks): runs of consecutive tasks go to the
+    caller and the helper; the same bits."""
+    ops = one_torch_thread
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    query_lens = [1] * 20 + [17, 40, 5]
+    seq_lens = [int(s) for s in torch.randint(1, 400, (20,), generator=gen)] + [60, 40, 300]
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks_per), generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    at = 0
+    for r, b in enumerate(blocks_per):
+        tables[r, :b] = order[at : at + b]
+        at += b
+    cache = torch.randn(2, sum(blocks_per), block_size, num_kv_heads, head_dim, generator=gen).half()
+    starts = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, cache, starts, lens, tables, head_dim**-0.5, 64, 0, 0.0, None)
+        return out
+
+    ops.set_helper_threads(0)
+    alone = attend()
+    assert not alone.isnan().any()
+    ops.set_helper_threads(1)
+    for _ in range(3):
+        assert torch.equal(attend(), alone)

@@ -47,7 +47,8 @@ namespace {
 // Query tokens per task: enough rows to reuse each loaded key/value row, few enough that a
 // prefill chunk still splits into many tasks for the threads.
 constexpr int64_t kQueryTile = 16;
-// Steps of at most this many requests share their tasks with the helper thread (helper_pool.h).
+// Steps of at most this many requests share their tasks with the helper thread one by one
+// (helper_pool.h); larger ones in runs of consecutive tasks.
 constexpr int64_t kHelperMaxRows = 4;
 // Key rows whose scores against one query row are computed together (independent FMA chains).
 constexpr int64_t kKeyGroup = 4;
@@ -700,10 +701,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  // One torch thread (the serving engine on a small machine) and a few-row step: the tasks are
-  // shared with the helper thread where there is one (helper_pool.h), one task a chunk.
-  const bool on_helper = at::get_num_threads() == 1 && num_reqs <= kHelperMaxRows && num_tasks > 1 &&
-                         tokenmill_cpu::helper_threads() > 0;
+  // One torch thread (the serving engine on a small machine): the tasks are shared with the helper
+  // thread where there is one (helper_pool.h), one task a chunk for a few-row step, else ~16 chunks
+  // of consecutive tasks (each prefetching the next one's rows).
+  const bool on_helper = at::get_num_threads() == 1 && num_tasks > 1 && tokenmill_cpu::helper_threads() > 0;
+  const int64_t tasks_per_chunk = num_reqs <= kHelperMaxRows ? 1 : (num_tasks + 15) / 16;
   auto run = [&](auto* out_ptr, const auto* cache_ptr) {
     const auto* q_ptr = static_cast<decltype(out_ptr)>(q.data_ptr());
     const auto tasks_in = [&](int64_t begin, int64_t end) {
@@ -725,7 +727,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
       }
     };
     if (on_helper) {
-      tokenmill_cpu::parallel_chunks(num_tasks, [&](int64_t i) { tasks_in(i, i + 1); });
+      tokenmill_cpu::parallel_chunks((num_tasks + tasks_per_chunk - 1) / tasks_per_chunk, [&](int64_t c) {
+        tasks_in(c * tasks_per_chunk, std::min(num_tasks, (c + 1) * tasks_per_chunk));
+      });
     } else {
       at::parallel_for(0, num_tasks, 1, tasks_in);
     }

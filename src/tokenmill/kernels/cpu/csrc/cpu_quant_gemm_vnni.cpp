@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "helper_pool.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(__F16C__)
 #define TM_GEMM_VNNI 1
@@ -244,7 +246,7 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
   const int64_t groups = (m + kGroup - 1) / kGroup;
   const int64_t row_bytes = num_blocks * (Q4 ? 20 : 34);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const auto panel_range = [&](int64_t begin, int64_t end) {
     std::vector<int16_t> panel(num_blocks * kPanelRows * kBlock);
     std::vector<float> d_panel(num_blocks * kPanelRows), m_panel(num_blocks * kPanelRows);
     alignas(64) float tile[kTileRows * kGroup];
@@ -284,7 +286,16 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
         }
       }
     }
-  });
+  };
+  if (at::get_num_threads() == 1 && tokenmill_cpu::helper_threads() > 0 && panels > 1) {
+    // One torch thread (the serving engine on a small machine): ~16 chunks of panels shared with
+    // the helper thread (helper_pool.h), each panel computed by one thread as before.
+    const int64_t per = (panels + 15) / 16;
+    tokenmill_cpu::parallel_chunks((panels + per - 1) / per,
+                                   [&](int64_t c) { panel_range(c * per, std::min(panels, (c + 1) * per)); });
+  } else {
+    at::parallel_for(0, panels, 1, panel_range);
+  }
 }
 #endif  // TM_GEMM_VNNI
 
