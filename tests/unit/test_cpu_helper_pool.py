@@ -179,3 +179,27 @@ def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thre
     ops.set_helper_threads(1)
     for _ in range(3):
         assert torch.equal(attend(), alone)
+
+
+def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thread, monkeypatch) -> None:
+    """Auto: on with one torch thread on a machine of >= 2 cores (the serving engine there), off with
+    more torch threads (the offline engine's OpenMP team); TOKENMILL_CPU_HELPER_THREAD overrides."""
+    import os
+
+    from tokenmill.kernels.cpu.build import _configure_helper_thread
+
+    ops = one_torch_thread
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("TOKENMILL_CPU_HELPER_THREAD", raising=False)
+    _configure_helper_thread()
+    assert ops.helper_threads() == (1 if cores >= 2 else 0)
+    torch.set_num_threads(2)
+    _configure_helper_thread()
+    assert ops.helper_threads() == 0
+    monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "1")
+    _configure_helper_thread()
+    assert ops.helper_threads() == 1
+    torch.set_num_threads(1)
+    monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "0")
+    _configure_helper_thread()
+    assert ops.helper_threads() == 0

@@ -62,7 +62,9 @@ def _init_torch(config: EngineConfig) -> None:
     2 cores (64 in-flight tokens x 32 streams, passive OpenMP waits, machine otherwise loaded):
     1 torch thread 60-64 output tok/s, 2 threads 51 tok/s; one stream: equal. So the engine
     leaves one core to the rest unless OMP_NUM_THREADS says otherwise. OpenMP's wait policy is
-    set when tokenmill is imported, before torch loads (tokenmill/__init__.py).
+    set when tokenmill is imported, before torch loads (tokenmill/__init__.py). The CPU kernels
+    then start a helper thread that takes part of the products and attention only while the other
+    core is free (kernels/cpu/build.py, csrc/helper_pool.h).
     """
     import torch
 
