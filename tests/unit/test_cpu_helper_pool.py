@@ -14,15 +14,15 @@ from tokenmill.kernels.cpu.build import cpu_kernels_available
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The serving engine's setting on a small machine: one torch thread, the helper on; restored
-    afterwards (the helper off, the thread count as it was)."""
+@pytest.fixture(params=[1, 2], ids=["1-torch-thread", "2-torch-threads"])
+def one_torch_thread(request):
+    """The engines' settings on a small machine, where the helper runs: one torch thread (serving)
+    or two (offline); restored afterwards (the helper off, the thread count as it was)."""
     from tokenmill.kernels.cpu.build import load_cpu_kernels
 
     load_cpu_kernels()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(request.param)
     yield torch.ops.tokenmill_cpu
     torch.ops.tokenmill_cpu.set_helper_threads(0)
     torch.set_num_threads(threads)
@@ -181,9 +181,9 @@ def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thre
         assert torch.equal(attend(), alone)
 
 
-def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thread, monkeypatch) -> None:
-    """Auto: on with one torch thread on a machine of >= 2 cores (the serving engine there), off with
-    more torch threads (the offline engine's OpenMP team); TOKENMILL_CPU_HELPER_THREAD overrides."""
+def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_torch_thread, monkeypatch) -> None:
+    """Auto: on with one or two torch threads on a machine of >= 2 cores (the engines there), off
+    with more (an OpenMP team of three or more); TOKENMILL_CPU_HELPER_THREAD overrides."""
     import os
 
     from tokenmill.kernels.cpu.build import _configure_helper_thread
@@ -193,7 +193,7 @@ def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thr
     monkeypatch.delenv("TOKENMILL_CPU_HELPER_THREAD", raising=False)
     _configure_helper_thread()
     assert ops.helper_threads() == (1 if cores >= 2 else 0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(3)
     _configure_helper_thread()
     assert ops.helper_threads() == 0
     monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "1")

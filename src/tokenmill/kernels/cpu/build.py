@@ -143,17 +143,19 @@ def load_cpu_kernels() -> None:
 
 
 def _configure_helper_thread() -> None:
-    """Start the few-row kernels' helper thread (csrc/helper_pool.h) where this process runs one
-    torch thread on a machine of two or more cores: the serving engine on a small machine, which
-    leaves the other core to the API server (engine/core_process.py). There the helper takes the
-    other core only while it is free. TOKENMILL_CPU_HELPER_THREAD overrides the choice."""
+    """Start the CPU kernels' helper thread (csrc/helper_pool.h) where this process runs one or two
+    torch threads on a machine of two or more cores. With one (the serving engine on a small
+    machine, which leaves the other core to the API server, engine/core_process.py) the helper
+    takes that core only while it is free; with two (the offline engine on a 2-core machine) the
+    caller and the helper replace the OpenMP team in the products and attention, sharing chunks
+    instead of a static split. TOKENMILL_CPU_HELPER_THREAD overrides the choice."""
     wanted = envs.TOKENMILL_CPU_HELPER_THREAD.get()
     if wanted is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        wanted = torch.get_num_threads() == 1 and cores >= 2
+        wanted = torch.get_num_threads() <= 2 and cores >= 2
     torch.ops.tokenmill_cpu.set_helper_threads(1 if wanted else 0)
     if wanted:
-        logger.info("CPU kernels: one helper thread shares the few-row products and attention")
+        logger.info("CPU kernels: one helper thread shares the products and attention")
 
 
 def kernels_loaded() -> bool:

@@ -9,6 +9,7 @@
 
 #include "helper_pool.h"
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -130,6 +131,8 @@ void parallel_chunks(int64_t num_chunks, const std::function<void(int64_t)>& fn)
 }
 
 int64_t helper_threads() { return pool().helpers.load(std::memory_order_relaxed); }
+
+bool use_helper_pool() { return helper_threads() > 0 && at::get_num_threads() <= 2; }
 
 namespace {
 

@@ -701,10 +701,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  // One torch thread (the serving engine on a small machine): the tasks are shared with the helper
-  // thread where there is one (helper_pool.h), one task a chunk for a few-row step, else ~16 chunks
-  // of consecutive tasks (each prefetching the next one's rows).
-  const bool on_helper = at::get_num_threads() == 1 && num_tasks > 1 && tokenmill_cpu::helper_threads() > 0;
+  // With the helper thread (a small machine, helper_pool.h): the tasks are shared between the caller
+  // and the helper, one task a chunk for a few-row step, else ~16 chunks of consecutive tasks (each
+  // prefetching the next one's rows).
+  const bool on_helper = num_tasks > 1 && tokenmill_cpu::use_helper_pool();
   const int64_t tasks_per_chunk = num_reqs <= kHelperMaxRows ? 1 : (num_tasks + 15) / 16;
   auto run = [&](auto* out_ptr, const auto* cache_ptr) {
     const auto* q_ptr = static_cast<decltype(out_ptr)>(q.data_ptr());

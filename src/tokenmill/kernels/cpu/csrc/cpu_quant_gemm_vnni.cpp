@@ -287,9 +287,9 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
       }
     }
   };
-  if (at::get_num_threads() == 1 && tokenmill_cpu::helper_threads() > 0 && panels > 1) {
-    // One torch thread (the serving engine on a small machine): ~16 chunks of panels shared with
-    // the helper thread (helper_pool.h), each panel computed by one thread as before.
+  if (panels > 1 && tokenmill_cpu::use_helper_pool()) {
+    // A small machine: ~16 chunks of panels shared by the caller and the helper thread
+    // (helper_pool.h), each panel computed by one thread as before.
     const int64_t per = (panels + 15) / 16;
     tokenmill_cpu::parallel_chunks((panels + per - 1) / per,
                                    [&](int64_t c) { panel_range(c * per, std::min(panels, (c + 1) * per)); });

@@ -598,12 +598,12 @@ void dot_range_avx2(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, con
 }
 #endif  // TOKENMILL_INT8_AVX2
 
-// fn(begin, end) over row ranges covering [0, n): with several torch threads, at::parallel_for's;
-// with one (the serving engine on a small machine), chunks of ~1/32 of the rows (at least 64, a
-// multiple of the 4-row pass) shared with the helper thread when there is one (helper_pool.h).
+// fn(begin, end) over row ranges covering [0, n): with the helper thread (a small machine,
+// helper_pool.h), chunks of ~1/32 of the rows (at least 64, a multiple of the 4-row pass) shared by
+// the caller and the helper; else at::parallel_for's.
 template <typename F>
 void for_row_ranges(int64_t n, const F& fn) {
-  if (at::get_num_threads() > 1 || tokenmill_cpu::helper_threads() == 0) {
+  if (!tokenmill_cpu::use_helper_pool()) {
     at::parallel_for(0, n, 64, fn);
     return;
   }

@@ -25,4 +25,10 @@ void parallel_chunks(int64_t num_chunks, const std::function<void(int64_t)>& fn)
 // How many helper threads parallel_chunks may use (0 or 1).
 int64_t helper_threads();
 
+// Whether a kernel should split its work with parallel_chunks rather than at::parallel_for: a
+// helper is running and the process has at most two torch threads, so the caller and the helper
+// are as many threads as an OpenMP team would be, and they adapt to a core taken by something else
+// (an OpenMP team splits statically and waits for its slowest member).
+bool use_helper_pool();
+
 }  // namespace tokenmill_cpu
