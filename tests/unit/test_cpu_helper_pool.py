@@ -91,32 +91,8 @@ def test_int8_product_is_the_same_with_the_helper(one_torch_thread, name: str, n
 def test_decode_attention_is_the_same_with_the_helper(one_torch_thread, cache_dtype, seq_lens) -> None:
     """A step of up to 4 decode rows shares its tasks (one a KV head with so few rows) with the
     helper; each task is computed by one thread as before: the same bits."""
-    ops = one_torch_thread
     gen = torch.Generator().manual_seed(len(seq_lens))
-    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
-    blocks_per = [-(-s // block_size) for s in seq_lens]
-    order = torch.randperm(sum(blocks_per), generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
-    at = 0
-    for r, b in enumerate(blocks_per):
-        tables[r, :b] = order[at : at + b]
-        at += b
-    cache = torch.randn(2, sum(blocks_per), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
-    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-
-    def attend() -> torch.Tensor:
-        out = torch.full_like(q, float("nan"))
-        ops.paged_attention(out, q, cache, starts, lens, tables, head_dim**-0.5, 16, 0, 0.0, None)
-        return out
-
-    ops.set_helper_threads(0)
-    alone = attend()
-    assert not alone.isnan().any()
-    ops.set_helper_threads(1)
-    for _ in range(3):
-        assert torch.equal(attend(), alone)
+    _attention_same_with_and_without_helper(one_torch_thread, gen, [1] * len(seq_lens), seq_lens, cache_dtype, 16)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -151,34 +127,10 @@ def test_batched_product_is_the_same_with_the_helper(one_torch_thread, name: str
 def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thread) -> None:
     """More than 4 requests (decode rows and prefill chunks): runs of consecutive tasks go to the
     caller and the helper; the same bits."""
-    ops = one_torch_thread
     gen = torch.Generator().manual_seed(3)
-    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     query_lens = [1] * 20 + [17, 40, 5]
     seq_lens = [int(s) for s in torch.randint(1, 400, (20,), generator=gen)] + [60, 40, 300]
-    blocks_per = [-(-s // block_size) for s in seq_lens]
-    order = torch.randperm(sum(blocks_per), generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
-    at = 0
-    for r, b in enumerate(blocks_per):
-        tables[r, :b] = order[at : at + b]
-        at += b
-    cache = torch.randn(2, sum(blocks_per), block_size, num_kv_heads, head_dim, generator=gen).half()
-    starts = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-
-    def attend() -> torch.Tensor:
-        out = torch.full_like(q, float("nan"))
-        ops.paged_attention(out, q, cache, starts, lens, tables, head_dim**-0.5, 64, 0, 0.0, None)
-        return out
-
-    ops.set_helper_threads(0)
-    alone = attend()
-    assert not alone.isnan().any()
-    ops.set_helper_threads(1)
-    for _ in range(3):
-        assert torch.equal(attend(), alone)
+    _attention_same_with_and_without_helper(one_torch_thread, gen, query_lens, seq_lens, torch.float16, 64)
 
 
 def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_torch_thread, monkeypatch) -> None:
@@ -203,3 +155,32 @@ def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_t
     monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "0")
     _configure_helper_thread()
     assert ops.helper_threads() == 0
+
+
+def _attention_same_with_and_without_helper(ops, gen, query_lens, seq_lens, cache_dtype, max_query_len) -> None:
+    """Paged attention over a shuffled cache, once without the helper and three times with it:
+    every output row written and the same bits each time."""
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks_per), generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    at = 0
+    for r, b in enumerate(blocks_per):
+        tables[r, :b] = order[at : at + b]
+        at += b
+    cache = torch.randn(2, sum(blocks_per), block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    starts = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, cache, starts, lens, tables, head_dim**-0.5, max_query_len, 0, 0.0, None)
+        return out
+
+    ops.set_helper_threads(0)
+    alone = attend()
+    assert not alone.isnan().any()
+    ops.set_helper_threads(1)
+    for _ in range(3):
+        assert torch.equal(attend(), alone)
