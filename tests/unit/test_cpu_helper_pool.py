@@ -133,9 +133,9 @@ def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thre
     _attention_same_with_and_without_helper(one_torch_thread, gen, query_lens, seq_lens, torch.float16, 64)
 
 
-def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_torch_thread, monkeypatch) -> None:
-    """Auto: on with one or two torch threads on a machine of >= 2 cores (the engines there), off
-    with more (an OpenMP team of three or more); TOKENMILL_CPU_HELPER_THREAD overrides."""
+def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thread, monkeypatch) -> None:
+    """Auto: on with one torch thread on a machine of >= 2 cores (the serving engine there), off
+    with more; TOKENMILL_CPU_HELPER_THREAD overrides."""
     import os
 
     from tokenmill.kernels.cpu.build import _configure_helper_thread
@@ -143,9 +143,10 @@ def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_t
     ops = one_torch_thread
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("TOKENMILL_CPU_HELPER_THREAD", raising=False)
+    torch.set_num_threads(1)
     _configure_helper_thread()
     assert ops.helper_threads() == (1 if cores >= 2 else 0)
-    torch.set_num_threads(3)
+    torch.set_num_threads(2)
     _configure_helper_thread()
     assert ops.helper_threads() == 0
     monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "1")

@@ -143,16 +143,18 @@ def load_cpu_kernels() -> None:
 
 
 def _configure_helper_thread() -> None:
-    """Start the CPU kernels' helper thread (csrc/helper_pool.h) where this process runs one or two
-    torch threads on a machine of two or more cores. With one (the serving engine on a small
-    machine, which leaves the other core to the API server, engine/core_process.py) the helper
-    takes that core only while it is free; with two (the offline engine on a 2-core machine) the
-    caller and the helper replace the OpenMP team in the products and attention, sharing chunks
-    instead of a static split. TOKENMILL_CPU_HELPER_THREAD overrides the choice."""
+    """Start the CPU kernels' helper thread (csrc/helper_pool.h) where this process runs one torch
+    thread on a machine of two or more cores: the serving engine on a small machine, which leaves
+    the other core to the API server (engine/core_process.py); the helper takes it only while it is
+    free. TOKENMILL_CPU_HELPER_THREAD=1 also starts it under two torch threads (the offline engine on
+    a 2-core machine: 1.18x the OpenMP team offline there, docs/CPU_PERFORMANCE.md), not by default:
+    when more busy threads than cores share the machine (two such processes, as the test suite's
+    two workers), the caller waits whenever the scheduler parks the helper in a chunk it claimed,
+    and the suite ran several times slower."""
     wanted = envs.TOKENMILL_CPU_HELPER_THREAD.get()
     if wanted is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        wanted = torch.get_num_threads() <= 2 and cores >= 2
+        wanted = torch.get_num_threads() == 1 and cores >= 2
     torch.ops.tokenmill_cpu.set_helper_threads(1 if wanted else 0)
     if wanted:
         logger.info("CPU kernels: one helper thread shares the products and attention")
