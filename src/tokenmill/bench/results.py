@@ -10,7 +10,6 @@ import dataclasses
 import datetime as dt
 import json
 import math
-import os
 import re
 import shlex
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenmill import envs
+from tokenmill.cpu_cores import usable_cores
 
 if TYPE_CHECKING:
     from tokenmill.args import EngineArgs
@@ -113,7 +113,7 @@ def _cpu_name() -> str:
         import platform
 
         model = platform.processor() or platform.machine() or "unknown CPU"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return f"{model} ({cores} cores)"
 
 

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.cpu_cores import usable_cores
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -70,7 +71,7 @@ def _init_torch(config: EngineConfig) -> None:
 
     torch.manual_seed(config.model.seed)
     if config.device.startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         threads = max(1, cores - 1)
         torch.set_num_threads(threads)
         logger.info(

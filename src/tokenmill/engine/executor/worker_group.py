@@ -30,6 +30,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.runner_facts import RunnerFacts
+from tokenmill.cpu_cores import usable_cores
 from tokenmill.engine.executor.abstract import Executor, PendingOutput
 from tokenmill.engine.executor.worker_messages import (
     DescribeRunner,
@@ -167,7 +168,7 @@ class WorkerGroupExecutor(Executor):
         if "OMP_NUM_THREADS" in os.environ:
             budget = max(1, int(os.environ["OMP_NUM_THREADS"]))
         else:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cores = usable_cores()
             budget = max(1, cores - 1)
         return max(1, budget // self.size)
 

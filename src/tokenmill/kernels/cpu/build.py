@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import envs
+from tokenmill.cpu_cores import usable_cores
 from tokenmill.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def _configure_helper_thread() -> None:
     and the suite ran several times slower."""
     wanted = envs.TOKENMILL_CPU_HELPER_THREAD.get()
     if wanted is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         wanted = torch.get_num_threads() == 1 and cores >= 2
     torch.ops.tokenmill_cpu.set_helper_threads(1 if wanted else 0)
     if wanted:

@@ -1,4 +1,4 @@
-// Opportunistic helper thread for the few-row kernels: see helper_pool.h for why.
+// Opportunistic helper thread for the CPU kernels: see helper_pool.h for why.
 //
 // One job at a time. A job is published as one 64-bit word, (generation, number of chunks, next
 // chunk), so a helper checks "same job, chunks left" and claims a chunk in one compare-and-swap;

@@ -176,31 +176,12 @@ struct Task {
   int64_t first_kv_head, num_kv_heads;
 };
 
-// Starts fetching (into L2) the first keys and values a task will read, while the task before it
-// computes: a decode row's keys and values come from memory (a 64-row step's cache far exceeds
-// L2), and without this each block's lines missed one after another. Capped so that a long
-// context does not evict what the current task is reading.
-template <typename T>
-void prefetch_task(const Task& task, const Shape& sh, const T* cache, const int32_t* block_table) {
-  constexpr int64_t kMaxBytes = 256 * 1024;
-  const int64_t span = task.num_kv_heads * sh.head_dim * static_cast<int64_t>(sizeof(T));
-  const int64_t first_block = first_visible(sh, task.first_pos) / sh.block_size;
-  const int64_t last_block = (task.first_pos + task.num_tokens - 1) / sh.block_size;
-  const int64_t max_blocks = std::max<int64_t>(1, kMaxBytes / (2 * span * sh.block_size));
-  for (int64_t b = first_block; b <= std::min(last_block, first_block + max_blocks - 1); ++b) {
-    const T* kb = cache + static_cast<int64_t>(block_table[b]) * sh.cache_stride_block + task.first_kv_head * sh.head_dim;
-    for (int64_t t = 0; t < sh.block_size; ++t) {
-      prefetch_lines(kb + t * sh.cache_stride_tok, span);
-      prefetch_lines(kb + sh.cache_stride_plane + t * sh.cache_stride_tok, span);
-    }
-  }
-}
-
 // The next decode task's cache rows, fetched a few at a time while the current task computes
 // (tick() at each block it starts), not all at once before it: a burst of ~2,300 line prefetches
 // (a 192-token row's 147 KB) fills the core's miss buffers and stalls it until most have arrived,
 // which is most of what a row costs when its rows come from memory. Rows in the order the next
-// task reads them (keys, then values, block by block); finish() issues whatever is left.
+// task reads them (keys, then values, block by block); finish() issues whatever is left. At most
+// 256 KB of a task's rows, so that a long context does not evict what the current task reads.
 struct PacedPrefetch {
   const char* cache = nullptr;
   const int32_t* table = nullptr;
@@ -248,6 +229,17 @@ struct PacedPrefetch {
 inline PacedPrefetch& paced_prefetch() {
   thread_local PacedPrefetch pacer;
   return pacer;
+}
+
+// Starts fetching (into L2) the keys and values a task will read, all at once, while the task before
+// it computes: the cache far exceeds L2, and without this each block's lines missed one after
+// another. For a task after a prefill chunk; after a decode row the rows are paced instead
+// (PacedPrefetch), and both fetch the same capped set.
+template <typename T>
+void prefetch_task(const Task& task, const Shape& sh, const T* cache, const int32_t* block_table) {
+  PacedPrefetch rows;
+  rows.start(task, sh, cache, block_table, 1);
+  rows.finish();
 }
 
 // Per-thread scratch, reused across tasks and calls.

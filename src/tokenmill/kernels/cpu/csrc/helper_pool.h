@@ -1,4 +1,4 @@
-// Opportunistic helper threads for the few-row kernels (cpu_helper_pool.cpp).
+// Opportunistic helper threads for the CPU kernels' products and attention (cpu_helper_pool.cpp).
 //
 // On a small machine the serving engine runs one torch thread and leaves the other core(s) to the
 // API server and the client. A one-row decode step is then ~120 matrix-vector products of 25 us
