@@ -36,6 +36,7 @@ TIERS: list[set[str]] = [
         "outputs",
         "device",
         "paths",
+        "cpu_cores",
         "chat_template",
         "metrics",
         "metrics_info",
