@@ -33,6 +33,11 @@ constexpr uint32_t kGenerationMask = (uint32_t{1} << (64 - kIndexBits - kCountBi
 // How long a helper polls for the next job before it sleeps: a one-row decode step's products come
 // a few to tens of microseconds apart, and a sleeping helper takes ~10 us or more to wake.
 constexpr auto kPollFor = std::chrono::microseconds(200);
+// How long the caller spins for the helper's last chunks before it sleeps on them: a chunk is a few
+// to tens of microseconds of work, so a running helper finishes within this; a helper the scheduler
+// parked mid-chunk (more busy threads than cores) may take a time slice, and the caller's spinning
+// would only burn the core the helper needs.
+constexpr auto kCallerSpinFor = std::chrono::microseconds(30);
 
 inline uint64_t pack(uint32_t generation, int64_t count, int64_t index) {
   return (static_cast<uint64_t>(generation) << (kIndexBits + kCountBits)) |
@@ -51,7 +56,8 @@ inline void relax() {
 struct Pool {
   std::atomic<uint64_t> claim{0};
   std::atomic<uint32_t> published{0};  // the current job's generation; the helper sleeps on it
-  std::atomic<int64_t> helper_done{0};  // chunks the helper finished in the current job
+  std::atomic<uint32_t> helper_done{0};  // chunks the helper finished in the current job (futex word)
+  std::atomic<bool> caller_sleeping{false};  // the caller waits on helper_done in the kernel
   std::atomic<const std::function<void(int64_t)>*> fn{nullptr};
   std::atomic<int64_t> helpers{0};
   std::atomic<bool> busy{false};  // a job is running (a second caller runs its chunks inline)
@@ -72,7 +78,10 @@ void help_with(Pool& p, uint32_t generation) {
       continue;  // `word` now holds the current value
     }
     (*p.fn.load(std::memory_order_acquire))(index_of(word));
-    p.helper_done.fetch_add(1, std::memory_order_release);
+    // seq_cst pairs with the caller's store of caller_sleeping then load of helper_done: either the
+    // caller sees this chunk done or this thread sees it asleep and wakes it.
+    p.helper_done.fetch_add(1, std::memory_order_seq_cst);
+    if (p.caller_sleeping.load(std::memory_order_seq_cst)) p.helper_done.notify_one();
     word = p.claim.load(std::memory_order_acquire);
   }
 }
@@ -103,6 +112,22 @@ void help_with(Pool& p, uint32_t generation) {
   }
 }
 
+// Returns once the helper has finished `theirs` chunks: spins briefly, then sleeps in the kernel.
+void wait_for_helper(Pool& p, uint32_t theirs) {
+  if (p.helper_done.load(std::memory_order_acquire) >= theirs) return;
+  const auto until = std::chrono::steady_clock::now() + kCallerSpinFor;
+  int spins = 0;
+  while (p.helper_done.load(std::memory_order_acquire) < theirs) {
+    relax();
+    if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+  }
+  p.caller_sleeping.store(true, std::memory_order_seq_cst);
+  for (uint32_t done; (done = p.helper_done.load(std::memory_order_seq_cst)) < theirs;) {
+    p.helper_done.wait(done, std::memory_order_acquire);
+  }
+  p.caller_sleeping.store(false, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 void parallel_chunks(int64_t num_chunks, const std::function<void(int64_t)>& fn) {
@@ -125,8 +150,7 @@ void parallel_chunks(int64_t num_chunks, const std::function<void(int64_t)>& fn)
     fn(c);
     ++mine;
   }
-  const int64_t theirs = num_chunks - mine;
-  while (p.helper_done.load(std::memory_order_acquire) < theirs) relax();
+  wait_for_helper(p, static_cast<uint32_t>(num_chunks - mine));
   p.busy.store(false, std::memory_order_release);
 }
 

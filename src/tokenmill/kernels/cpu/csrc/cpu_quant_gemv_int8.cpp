@@ -559,16 +559,19 @@ void dot_rows_avx2(const uint8_t* row0, int64_t row_bytes, int64_t num_blocks, c
       for (int r = 0; r < R; ++r) tail[r] += _cvtsh_ss(d_w[r][num_blocks + i]) * xq.sum[i];
     }
   }
+  // One reduction order for both widths, ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + tail,
+  // so a row's bits do not depend on whether a row range split put it in a pass of 4 or of 1
+  // (OpenMP's split and the helper's chunks differ).
   if (R == 4) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     _mm_storeu_ps(y, _mm_add_ps(t, _mm_loadu_ps(tail)));
   } else {
     for (int r = 0; r < R; ++r) {
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_add_ss(t, _mm_movehdup_ps(t));
-      y[r] = _mm_cvtss_f32(t) + tail[r];
+      const __m256 pairs = _mm256_hadd_ps(acc[r], acc[r]);
+      const __m256 h = _mm256_hadd_ps(pairs, pairs);
+      const __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      y[r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_set_ss(tail[r])));
     }
   }
 }
