@@ -70,8 +70,8 @@ class KernelConfig:
     # CPU, GGUF (with cpu_quantized_gemm_rows > 0): prefill chunks too go through the batched kernel
     # where its path beats oneDNN's float32 there: the AVX2+FMA path (float32 products of the
     # dequantized weights up to summation order) and, with integer activations (cpu_activation_bits
-    # 8 or 16), the AVX-512 VNNI 16-bit kernel (the few-row kernel's 16-bit numerics; it also takes
-    # the decode batches there). AVX-512 without VNNI keeps oneDNN (CPU_PERFORMANCE.md).
+    # 8 or 16), the 16-bit kernel on AVX-512 VNNI or AVX2 (the few-row kernel's 16-bit numerics; it
+    # also takes the decode batches there). AVX-512 without VNNI keeps oneDNN (CPU_PERFORMANCE.md).
     cpu_quantized_prefill: bool = True
     # CPU, AVX-512 VNNI or AVX2, GGUF (with cpu_quantized_gemv): the one-to-four-row matmuls (one row
     # on AVX2) quantize the activations per block of 32 to this many bits and multiply with integer

@@ -104,7 +104,7 @@ def test_batched_product_is_the_same_with_the_helper(one_torch_thread, name: str
     from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 
     if not gemm_vnni16_available():
-        pytest.skip("the batched 16-bit kernel needs AVX-512 VNNI")
+        pytest.skip("the batched 16-bit kernel needs AVX-512 VNNI or AVX2")
     ops = one_torch_thread
     qtype, code = TYPES[name]
     rng = np.random.default_rng(n + k + m)

@@ -1,5 +1,6 @@
-"""The batched 16-bit-activation VNNI kernel (csrc/cpu_quant_gemm_vnni.cpp) against numpy doing the
-same quantization and exact integer block products, and the dispatch that picks it."""
+"""The batched 16-bit-activation kernel (csrc/cpu_quant_gemm_vnni.cpp on AVX-512 VNNI,
+csrc/cpu_quant_gemm_int16_avx2.cpp on AVX2) against numpy doing the same quantization and exact
+integer block products, and the dispatch that picks it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tokenmill.kernels.cpu.build import cpu_kernels_available
 pytestmark = pytest.mark.skipif(not cpu_kernels_available()[0], reason="the CPU kernels cannot be built here")
 
 # K: chunks of 4 blocks plus each remainder (1, 2, 3 = 2 + 1); N: panels of 24 and a partial one
-# (and a partial second tile of 12); M: one group of 16, partial groups, several groups.
+# (and a partial second tile of 12); M: one group of 16, partial groups, several groups (AVX2:
+# groups of 8, tiles of two groups and a last odd one).
 SHAPES = [
     (24, 128, 5),
     (7, 32, 16),
@@ -29,7 +31,7 @@ def _vnni16_kernel() -> torch._ops.OpOverloadPacket:
     from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available
 
     if not gemm_vnni16_available():
-        pytest.skip("the batched 16-bit kernel needs AVX-512 VNNI")
+        pytest.skip("the batched 16-bit kernel needs AVX-512 VNNI or AVX2")
     return torch.ops.tokenmill_cpu.quant_gemm_vnni16
 
 
@@ -142,7 +144,8 @@ def test_vnni16_available_follows_the_cpu_flags() -> None:
 
     flags = _cpu_model().split()
     has_vnni = all(flag in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"))
-    assert gemm_vnni16_available() == has_vnni
+    has_avx2 = all(flag in flags for flag in ("avx2", "fma", "f16c"))
+    assert gemm_vnni16_available() == (has_vnni or has_avx2)
 
 
 def test_split_layout_left_out_only_where_the_vnni_kernels_serve_every_row_count() -> None:

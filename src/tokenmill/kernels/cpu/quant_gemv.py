@@ -65,8 +65,9 @@ def gemm_available() -> bool:
 
 @functools.cache
 def gemm_vnni16_available() -> bool:
-    """Whether this build has the batched 16-bit-activation kernel (csrc/cpu_quant_gemm_vnni.cpp):
-    the CPU it was built on (-march=native) has AVX-512 VNNI. It reads the few-row kernel's layout
+    """Whether this build has the batched 16-bit-activation kernel: the CPU it was built on
+    (-march=native) has AVX-512 VNNI (csrc/cpu_quant_gemm_vnni.cpp) or AVX2 + FMA + F16C
+    (csrc/cpu_quant_gemm_int16_avx2.cpp). It reads the few-row kernel's layout
     (QuantizedBlocks.vnni), so it serves layers that have that layout."""
     return bool(torch.ops.tokenmill_cpu.quant_gemm_vnni16_available())
 
@@ -124,8 +125,8 @@ def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tenso
             # The hot decode path: the kernel allocates its output (no torch.empty from Python).
             out = _linear_int8()(x.contiguous(), blocks.vnni, blocks.quant_type, blocks.activation_bits)
         else:
-            # Batched rows on AVX-512 VNNI: 16-bit activations and integer products, as the few-row
-            # kernel at 16 bits (any activation_bits: 8 is for the few-row kernel's speed only).
+            # Batched rows (AVX-512 VNNI or AVX2): 16-bit activations and integer products, as the
+            # few-row kernel at 16 bits (any activation_bits: 8 is for the few-row kernel's speed only).
             out = _linear_vnni16()(x.contiguous(), blocks.vnni, blocks.quant_type)
     elif blocks.blocks is None:
         raise RuntimeError(

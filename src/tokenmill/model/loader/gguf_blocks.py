@@ -61,8 +61,8 @@ def _blocks_for(
     if gguf_rows.shape[0] != layer.out_features:
         return None
     vnni = torch.from_numpy(vnni_rows(gguf_rows, code)) if activation_bits else None
-    # With the VNNI batched kernel, the integer-activation layout serves every row count (1-4 rows:
-    # quant_gemv_int8; more: quant_gemm_vnni16; or oneDNN where the batched kernel is off), so the
-    # float kernels' layout would never be read.
+    # With the 16-bit batched kernel (AVX-512 VNNI or AVX2), the integer-activation layout serves
+    # every row count (the few rows: quant_gemv_int8; more: quant_gemm_vnni16; or oneDNN where the
+    # batched kernel is off), so the float kernels' layout would never be read.
     split = None if vnni is not None and gemm_vnni16_available() else torch.from_numpy(split_rows(gguf_rows, code))
     return QuantizedBlocks(split, code, layer.out_features, vnni, activation_bits or 16)

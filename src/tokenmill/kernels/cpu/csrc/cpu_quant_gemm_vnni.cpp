@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "helper_pool.h"
+#include "quant_gemm_int16_avx2.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(__F16C__)
@@ -299,12 +300,14 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
 }
 #endif  // TM_GEMM_VNNI
 
+bool quant_gemm_vnni16_available();
+
 // out [M, N] float32 = x [M, K] float32 (16-bit-quantized per block of 32) @ dequant(blocks)^T,
-// `blocks` [N, row_bytes] uint8 in the vnni layout; quant_type 0 = Q4_1, 1 = Q8_0.
+// `blocks` [N, row_bytes] uint8 in the vnni layout; quant_type 0 = Q4_1, 1 = Q8_0. On AVX2 builds
+// without VNNI the same product runs on `vpmaddwd` (cpu_quant_gemm_int16_avx2.cpp).
 void quant_gemm_vnni16(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type) {
-#if !defined(TM_GEMM_VNNI)
-  TORCH_CHECK(false, "quant_gemm_vnni16 needs AVX-512 VNNI (quant_gemm_vnni16_available() is false on this build)");
-#else
+  TORCH_CHECK(quant_gemm_vnni16_available(),
+              "quant_gemm_vnni16 needs AVX-512 VNNI or AVX2 (quant_gemm_vnni16_available() is false on this build)");
   TORCH_CHECK(quant_type == 0 || quant_type == 1,
               "quant_gemm_vnni16: quant_type must be 0 (Q4_1) or 1 (Q8_0), got ", quant_type);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -314,18 +317,22 @@ void quant_gemm_vnni16(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "quant_gemm_vnni16: blocks must be a contiguous uint8 [N, row_bytes] tensor");
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % kBlock == 0, "quant_gemm_vnni16: K (", k, ") must be a multiple of 32");
-  const int64_t num_blocks = k / kBlock;
+  TORCH_CHECK(k % 32 == 0, "quant_gemm_vnni16: K (", k, ") must be a multiple of 32");
+  const int64_t num_blocks = k / 32;
   const int64_t block_bytes = quant_type == 0 ? 20 : 34;
   TORCH_CHECK(blocks.size(1) == num_blocks * block_bytes, "quant_gemm_vnni16: blocks have ", blocks.size(1),
               " bytes a row; K = ", k, " needs ", num_blocks * block_bytes);
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_gemm_vnni16: out must be [", m, ", ", n, "]");
   if (m == 0 || n == 0) return;
+#if defined(TM_GEMM_VNNI)
   if (quant_type == 0) {
     gemm_vnni16<true>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), m, n, num_blocks);
   } else {
     gemm_vnni16<false>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), m, n, num_blocks);
   }
+#else
+  tokenmill_cpu::gemm_int16_avx2(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), m, n, num_blocks,
+                                 quant_type == 0);
 #endif
 }
 
@@ -343,7 +350,7 @@ bool quant_gemm_vnni16_available() {
 #if defined(TM_GEMM_VNNI)
   return true;
 #else
-  return false;
+  return tokenmill_cpu::gemm_int16_avx2_available();
 #endif
 }
 
