@@ -160,8 +160,8 @@ TOKENMILL_CPU_HELPER_THREAD = _bool(
     "TOKENMILL_CPU_HELPER_THREAD",
     None,
     "CPU: let one helper thread share the quantized products and attention of a process that runs one "
-    "or two torch threads (kernels/cpu/csrc/helper_pool.h; unset: on when the process has one torch "
-    "thread and the machine two or more cores, as the serving engine on a small machine)",
+    "or two torch threads (kernels/cpu/csrc/helper_pool.h; unset: on when the process has one or two torch "
+    "threads and the machine two or more cores, as the serving and offline engines on a small machine)",
 )
 TOKENMILL_FUZZ_EXAMPLES = _int(
     "TOKENMILL_FUZZ_EXAMPLES",

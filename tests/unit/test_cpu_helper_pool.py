@@ -53,6 +53,18 @@ def test_a_job_of_one_chunk_and_of_none_run_inline(one_torch_thread):
     assert ops.helper_pool_probe(0, 10) == 0
 
 
+def test_small_calls_stay_on_the_caller(one_torch_thread):
+    """Kernels share a call with the helper only from 2^16 multiply-adds (a tiny model's products
+    and attention would pay a wake-up for microseconds of work), and never with it off."""
+    ops = one_torch_thread
+    ops.set_helper_threads(1)
+    assert not ops.helper_pool_used_for(2**16 - 1)
+    assert ops.helper_pool_used_for(2**16)
+    assert ops.helper_pool_used_for(576 * 576)  # SmolLM2-135M's smallest product, one row
+    ops.set_helper_threads(0)
+    assert not ops.helper_pool_used_for(2**30)
+
+
 def test_set_helper_threads_takes_zero_or_one(one_torch_thread):
     with pytest.raises(RuntimeError, match="0 or 1 helper threads"):
         one_torch_thread.set_helper_threads(2)
@@ -133,9 +145,9 @@ def test_a_large_mixed_attention_step_is_the_same_with_the_helper(one_torch_thre
     _attention_same_with_and_without_helper(one_torch_thread, gen, query_lens, seq_lens, torch.float16, 64)
 
 
-def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thread, monkeypatch) -> None:
-    """Auto: on with one torch thread on a machine of >= 2 cores (the serving engine there), off
-    with more; TOKENMILL_CPU_HELPER_THREAD overrides."""
+def test_the_helper_starts_where_the_process_runs_one_or_two_torch_threads(one_torch_thread, monkeypatch) -> None:
+    """Auto: on with one or two torch threads on a machine of >= 2 cores (the serving and offline
+    engines there), off with more; TOKENMILL_CPU_HELPER_THREAD overrides."""
     import os
 
     from tokenmill.kernels.cpu.build import _configure_helper_thread
@@ -147,6 +159,9 @@ def test_the_helper_starts_where_the_process_runs_one_torch_thread(one_torch_thr
     _configure_helper_thread()
     assert ops.helper_threads() == (1 if cores >= 2 else 0)
     torch.set_num_threads(2)
+    _configure_helper_thread()
+    assert ops.helper_threads() == (1 if cores >= 2 else 0)
+    torch.set_num_threads(3)
     _configure_helper_thread()
     assert ops.helper_threads() == 0
     monkeypatch.setenv("TOKENMILL_CPU_HELPER_THREAD", "1")

@@ -144,18 +144,17 @@ def load_cpu_kernels() -> None:
 
 
 def _configure_helper_thread() -> None:
-    """Start the CPU kernels' helper thread (csrc/helper_pool.h) where this process runs one torch
-    thread on a machine of two or more cores: the serving engine on a small machine, which leaves
-    the other core to the API server (engine/core_process.py); the helper takes it only while it is
-    free. TOKENMILL_CPU_HELPER_THREAD=1 also starts it under two torch threads (the offline engine on
-    a 2-core machine: 1.18x the OpenMP team offline there, docs/CPU_PERFORMANCE.md), not by default:
-    when more busy threads than cores share the machine (two such processes, as the test suite's
-    two workers), the caller waits whenever the scheduler parks the helper in a chunk it claimed,
-    and the suite ran several times slower."""
+    """Start the CPU kernels' helper thread (csrc/helper_pool.h) where this process runs one or two
+    torch threads on a machine of two or more cores: the serving engine on a small machine (one
+    torch thread, leaving the other core to the API server: engine/core_process.py), where the
+    helper takes that core only while it is free, and the offline engine there (two threads: the
+    helper replaces the OpenMP team's static split in the products and attention, 1.06-1.31x offline
+    on a 2-core Zen 3). Where more busy threads than cores share the machine the caller sleeps
+    rather than spins on a chunk the helper holds, and calls under kHelperMinWork multiply-adds (tiny
+    models) never wake the helper. TOKENMILL_CPU_HELPER_THREAD=0 / 1 decides instead."""
     wanted = envs.TOKENMILL_CPU_HELPER_THREAD.get()
     if wanted is None:
-        cores = usable_cores()
-        wanted = torch.get_num_threads() == 1 and cores >= 2
+        wanted = torch.get_num_threads() <= 2 and usable_cores() >= 2
     torch.ops.tokenmill_cpu.set_helper_threads(1 if wanted else 0)
     if wanted:
         logger.info("CPU kernels: one helper thread shares the products and attention")

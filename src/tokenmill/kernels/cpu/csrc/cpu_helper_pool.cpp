@@ -156,7 +156,9 @@ void parallel_chunks(int64_t num_chunks, const std::function<void(int64_t)>& fn)
 
 int64_t helper_threads() { return pool().helpers.load(std::memory_order_relaxed); }
 
-bool use_helper_pool() { return helper_threads() > 0 && at::get_num_threads() <= 2; }
+bool use_helper_pool(int64_t work) {
+  return work >= kHelperMinWork && helper_threads() > 0 && at::get_num_threads() <= 2;
+}
 
 namespace {
 
@@ -195,4 +197,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("set_helper_threads(int n) -> ()", &tokenmill_cpu::set_helper_threads);
   m.def("helper_threads() -> int", &tokenmill_cpu::helper_threads);
   m.def("helper_pool_probe(int num_chunks, int work_us) -> int", &tokenmill_cpu::helper_pool_probe);
+  m.def("helper_pool_used_for(int work) -> bool", &tokenmill_cpu::use_helper_pool);
 }

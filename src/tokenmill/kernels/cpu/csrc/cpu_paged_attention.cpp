@@ -696,7 +696,12 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_c
   // With the helper thread (a small machine, helper_pool.h): the tasks are shared between the caller
   // and the helper, one task a chunk for a few-row step, else ~16 chunks of consecutive tasks (each
   // prefetching the next one's rows).
-  const bool on_helper = num_tasks > 1 && tokenmill_cpu::use_helper_pool();
+  int64_t work = 0;  // multiply-adds: scores and values, every query head over its visible keys
+  for (const Task& task : tasks) {
+    work += 2 * task.num_tokens * (task.first_pos + 1 - first_visible(sh, task.first_pos)) * task.num_kv_heads *
+            sh.group * sh.head_dim;
+  }
+  const bool on_helper = num_tasks > 1 && tokenmill_cpu::use_helper_pool(work);
   const int64_t tasks_per_chunk = num_reqs <= kHelperMaxRows ? 1 : (num_tasks + 15) / 16;
   auto run = [&](auto* out_ptr, const auto* cache_ptr) {
     const auto* q_ptr = static_cast<decltype(out_ptr)>(q.data_ptr());

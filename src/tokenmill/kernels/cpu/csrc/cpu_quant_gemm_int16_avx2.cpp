@@ -233,23 +233,10 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
 #define TM_R4G2(X) X(0, 0) X(0, 1) X(1, 0) X(1, 1) X(2, 0) X(2, 1) X(3, 0) X(3, 1)
 #define TM_R8G1(X) X(0, 0) X(1, 0) X(2, 0) X(3, 0) X(4, 0) X(5, 0) X(6, 0) X(7, 0)
 #define TM_R2G4(X) X(0, 0) X(0, 1) X(0, 2) X(0, 3) X(1, 0) X(1, 1) X(1, 2) X(1, 3)
-#define TM_R4(X) X(0, 0) X(1, 0) X(2, 0) X(3, 0)
-#define TM_R2(X) X(0, 0) X(1, 0)
 #define TM_G1(X) X(0, 0)
 #define TM_G2(X) X(0, 0) X(0, 1)
 #define TM_G4(X) X(0, 0) X(0, 1) X(0, 2) X(0, 3)
 #define TM_ZERO(r, g) __m256i isum_##r##_##g = _mm256_setzero_si256();
-// Row r's weight pair j, broadcast (vpbroadcastd from memory); a tile of 2 groups uses it twice.
-#define TM_BROADCAST(r, g) const __m256i w_##r##_##g = _mm256_set1_epi32(wb[(r) * kPairs + j]);
-// Inline asm: with the intrinsics GCC 12 spilled one accumulator and copied the other seven once an
-// iteration (8 vmovdqa and a load + store per 8 vpmaddwd; the kernel ran at 0.8x the float one).
-#define TM_DOT(r, g)                                                                                   \
-  {                                                                                                    \
-    __m256i product;                                                                                   \
-    __asm__("vpmaddwd %[w], %[x], %[p]\n\tvpaddd %[p], %[acc], %[acc]"                                \
-            : [acc] "+x"(isum_##r##_##g), [p] "=&x"(product)                                           \
-            : [x] "x"(xv##g), [w] "x"(w_##r##_0));                                                      \
-  }
 #define TM_SCALE(r, g)                                                                                     \
   {                                                                                                        \
     float* s = sums + ((r) * G + (g)) * kGroup;                                                            \
@@ -259,60 +246,139 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
     if (Q4) acc = _mm256_fmadd_ps(_mm256_set1_ps(m_panel[(r) * num_blocks + b]), sx##g, acc);             \
     _mm256_storeu_ps(s, acc);                                                                              \
   }
-// One pair j of a tile with intrinsics and a vpmaddwd + vpaddd asm pair per accumulator.
-#define TM_STEP(TILE, ROWS, GROUPS) \
-  GROUPS(TM_LOAD_X)                 \
-  ROWS(TM_BROADCAST)                \
-  TILE(TM_DOT)
-// The 2 x 4 tile's pair j as one asm block: 8 accumulators, 4 activation vectors, 2 broadcasts and
-// a product take 15 of the 16 ymm registers, and GCC, left to allocate them, loaded every activation
-// vector twice.
-#define TM_STEP_R2G4(TILE, ROWS, GROUPS)                                                               \
-  {                                                                                                   \
-    __m256i x0, x1, x2, x3, w0, w1, product;                                                          \
-    const int32_t* xj = xb + j * kGroup;                                                              \
-    __asm__(                                                                                          \
-        "vmovdqu (%[xj]), %[x0]\n\t"                                                                   \
-        "vmovdqu (%[xj],%[gs],4), %[x1]\n\t"                                                           \
-        "vmovdqu (%[xj],%[gs],8), %[x2]\n\t"                                                           \
-        "vmovdqu (%[xj3]), %[x3]\n\t"                                                                  \
-        "vpbroadcastd %[w0m], %[w0]\n\t"                                                               \
-        "vpbroadcastd %[w1m], %[w1]\n\t"                                                               \
-        "vpmaddwd %[w0], %[x0], %[p]\n\tvpaddd %[p], %[a00], %[a00]\n\t"                               \
-        "vpmaddwd %[w0], %[x1], %[p]\n\tvpaddd %[p], %[a01], %[a01]\n\t"                               \
-        "vpmaddwd %[w0], %[x2], %[p]\n\tvpaddd %[p], %[a02], %[a02]\n\t"                               \
-        "vpmaddwd %[w0], %[x3], %[p]\n\tvpaddd %[p], %[a03], %[a03]\n\t"                               \
-        "vpmaddwd %[w1], %[x0], %[p]\n\tvpaddd %[p], %[a10], %[a10]\n\t"                               \
-        "vpmaddwd %[w1], %[x1], %[p]\n\tvpaddd %[p], %[a11], %[a11]\n\t"                               \
-        "vpmaddwd %[w1], %[x2], %[p]\n\tvpaddd %[p], %[a12], %[a12]\n\t"                               \
-        "vpmaddwd %[w1], %[x3], %[p]\n\tvpaddd %[p], %[a13], %[a13]"                                     \
-        : [a00] "+x"(isum_0_0), [a01] "+x"(isum_0_1), [a02] "+x"(isum_0_2), [a03] "+x"(isum_0_3),     \
-          [a10] "+x"(isum_1_0), [a11] "+x"(isum_1_1), [a12] "+x"(isum_1_2), [a13] "+x"(isum_1_3),     \
-          [x0] "=&x"(x0), [x1] "=&x"(x1), [x2] "=&x"(x2), [x3] "=&x"(x3), [w0] "=&x"(w0),             \
-          [w1] "=&x"(w1), [p] "=&x"(product)                                                          \
-        : [xj] "r"(xj), [xj3] "r"(xj + 3 * group_stride), [gs] "r"(group_stride),                     \
-          [w0m] "m"(wb[j]), [w1m] "m"(wb[kPairs + j])                                                 \
-        : "memory");                                                                                  \
+// The tiles' pair j, each as one asm block: left to allocate 15 of the 16 ymm registers to the
+// 2 x 4 tile's 8 accumulators, 4 activation vectors, 2 broadcasts and a product, GCC loaded every
+// activation vector twice (the kernel ran at ~28 G multiply-adds/s a core; ~35-40 as asm).
+#define TM_STEP_R2G4()                                                          \
+  {                                                                                               \
+    __m256i x0, x1, x2, x3, w0, w1, product;                                                      \
+    const int32_t* xj = xb + j * kGroup;                                                          \
+    __asm__(                                                                                      \
+        "vmovdqu (%[xj]), %[x0]\n\t"                                                              \
+        "vmovdqu (%[xj],%[gs],4), %[x1]\n\t"                                                      \
+        "vmovdqu (%[xj],%[gs],8), %[x2]\n\t"                                                      \
+        "vmovdqu (%[xj3]), %[x3]\n\t"                                                             \
+        "vpbroadcastd %[w0m], %[w0]\n\t"                                                          \
+        "vpbroadcastd %[w1m], %[w1]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a00], %[a00]\n\t"                                                         \
+        "vpmaddwd %[w0], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a01], %[a01]\n\t"                                                         \
+        "vpmaddwd %[w0], %[x2], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a02], %[a02]\n\t"                                                         \
+        "vpmaddwd %[w0], %[x3], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a03], %[a03]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a10], %[a10]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a11], %[a11]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x2], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a12], %[a12]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x3], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a13], %[a13]"                                                             \
+        : [a00] "+x"(isum_0_0), [a01] "+x"(isum_0_1), [a02] "+x"(isum_0_2), [a03] "+x"(isum_0_3), \
+          [a10] "+x"(isum_1_0), [a11] "+x"(isum_1_1), [a12] "+x"(isum_1_2), [a13] "+x"(isum_1_3), \
+          [x0] "=&x"(x0), [x1] "=&x"(x1), [x2] "=&x"(x2), [x3] "=&x"(x3), [w0] "=&x"(w0),         \
+          [w1] "=&x"(w1), [p] "=&x"(product)                                                      \
+        : [xj] "r"(xj), [gs] "r"(group_stride), [xj3] "r"(xj + 3 * group_stride),                 \
+          [w0m] "m"(wb[0 * kPairs + j]), [w1m] "m"(wb[1 * kPairs + j])                            \
+        : "memory");                                                                              \
   }
-// Group g's activation pairs j, and its scales and sums of block b.
-#define TM_LOAD_X(r, g) const __m256i xv##g = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + (g) * group_stride + j * kGroup));
+// 4 x 2: 8 accumulators, 2 activation vectors, 4 broadcasts, a product.
+#define TM_STEP_R4G2()                                                          \
+  {                                                                                               \
+    __m256i x0, x1, w0, w1, w2, w3, product;                                                      \
+    const int32_t* xj = xb + j * kGroup;                                                          \
+    __asm__(                                                                                      \
+        "vmovdqu (%[xj]), %[x0]\n\t"                                                              \
+        "vmovdqu (%[xj],%[gs],4), %[x1]\n\t"                                                      \
+        "vpbroadcastd %[w0m], %[w0]\n\t"                                                          \
+        "vpbroadcastd %[w1m], %[w1]\n\t"                                                          \
+        "vpbroadcastd %[w2m], %[w2]\n\t"                                                          \
+        "vpbroadcastd %[w3m], %[w3]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a00], %[a00]\n\t"                                                         \
+        "vpmaddwd %[w0], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a01], %[a01]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a10], %[a10]\n\t"                                                         \
+        "vpmaddwd %[w1], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a11], %[a11]\n\t"                                                         \
+        "vpmaddwd %[w2], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a20], %[a20]\n\t"                                                         \
+        "vpmaddwd %[w2], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a21], %[a21]\n\t"                                                         \
+        "vpmaddwd %[w3], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a30], %[a30]\n\t"                                                         \
+        "vpmaddwd %[w3], %[x1], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a31], %[a31]"                                                             \
+        : [a00] "+x"(isum_0_0), [a01] "+x"(isum_0_1), [a10] "+x"(isum_1_0), [a11] "+x"(isum_1_1), \
+          [a20] "+x"(isum_2_0), [a21] "+x"(isum_2_1), [a30] "+x"(isum_3_0), [a31] "+x"(isum_3_1), \
+          [x0] "=&x"(x0), [x1] "=&x"(x1), [w0] "=&x"(w0), [w1] "=&x"(w1), [w2] "=&x"(w2),         \
+          [w3] "=&x"(w3), [p] "=&x"(product)                                                      \
+        : [xj] "r"(xj), [gs] "r"(group_stride), [w0m] "m"(wb[0 * kPairs + j]),                    \
+          [w1m] "m"(wb[1 * kPairs + j]), [w2m] "m"(wb[2 * kPairs + j]),                           \
+          [w3m] "m"(wb[3 * kPairs + j])                                                           \
+        : "memory");                                                                              \
+  }
+// 8 x 1: 8 accumulators, 1 activation vector, one broadcast register reused, a product.
+#define TM_STEP_R8G1()                                                          \
+  {                                                                                               \
+    __m256i x0, w0, product;                                                                      \
+    const int32_t* xj = xb + j * kGroup;                                                          \
+    __asm__(                                                                                      \
+        "vmovdqu (%[xj]), %[x0]\n\t"                                                              \
+        "vpbroadcastd %[w0m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a00], %[a00]\n\t"                                                         \
+        "vpbroadcastd %[w1m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a10], %[a10]\n\t"                                                         \
+        "vpbroadcastd %[w2m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a20], %[a20]\n\t"                                                         \
+        "vpbroadcastd %[w3m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a30], %[a30]\n\t"                                                         \
+        "vpbroadcastd %[w4m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a40], %[a40]\n\t"                                                         \
+        "vpbroadcastd %[w5m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a50], %[a50]\n\t"                                                         \
+        "vpbroadcastd %[w6m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a60], %[a60]\n\t"                                                         \
+        "vpbroadcastd %[w7m], %[w0]\n\t"                                                          \
+        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpaddd %[p], %[a70], %[a70]"                                                             \
+        : [a00] "+x"(isum_0_0), [a10] "+x"(isum_1_0), [a20] "+x"(isum_2_0), [a30] "+x"(isum_3_0), \
+          [a40] "+x"(isum_4_0), [a50] "+x"(isum_5_0), [a60] "+x"(isum_6_0), [a70] "+x"(isum_7_0), \
+          [x0] "=&x"(x0), [w0] "=&x"(w0), [p] "=&x"(product)                                      \
+        : [xj] "r"(xj), [w0m] "m"(wb[0 * kPairs + j]), [w1m] "m"(wb[1 * kPairs + j]),             \
+          [w2m] "m"(wb[2 * kPairs + j]), [w3m] "m"(wb[3 * kPairs + j]),                           \
+          [w4m] "m"(wb[4 * kPairs + j]), [w5m] "m"(wb[5 * kPairs + j]),                           \
+          [w6m] "m"(wb[6 * kPairs + j]), [w7m] "m"(wb[7 * kPairs + j])                            \
+        : "memory");                                                                              \
+  }
+// Group g's scales and sums of block b.
 #define TM_LOAD_SCALES(r, g)                                                       \
   const __m256 dx##g = _mm256_loadu_ps(scale_b + (g) * num_blocks * kGroup);        \
   const __m256 sx##g = _mm256_loadu_ps(sum_b + (g) * num_blocks * kGroup);          \
   (void)sx##g;
-#define TM_TILE_BODY(TILE, ROWS, GROUPS, STEP)                                                               \
-  const int64_t group_stride = num_blocks * kPairs * kGroup;                                              \
-  for (int64_t b = block_begin; b < block_end; ++b) {                                                    \
-    const int32_t* wb = reinterpret_cast<const int32_t*>(panel + b * kPanelRows * kBlock);                \
-    const int32_t* xb = xq.pairs.data() + group * group_stride + b * kPairs * kGroup;                     \
-    TILE(TM_ZERO)                                                                                         \
-    for (int64_t j = 0; j < kPairs; ++j) {                                                                \
-      STEP(TILE, ROWS, GROUPS)                                                                            \
-    }                                                                                                     \
-    const float* scale_b = xq.scale.data() + (group * num_blocks + b) * kGroup;                           \
-    const float* sum_b = xq.sum.data() + (group * num_blocks + b) * kGroup;                               \
-    GROUPS(TM_LOAD_SCALES)                                                                                \
-    TILE(TM_SCALE)                                                                                        \
+#define TM_TILE_BODY(TILE, GROUPS, STEP)                                                   \
+  const int64_t group_stride = num_blocks * kPairs * kGroup;                               \
+  for (int64_t b = block_begin; b < block_end; ++b) {                                      \
+    const int32_t* wb = reinterpret_cast<const int32_t*>(panel + b * kPanelRows * kBlock); \
+    const int32_t* xb = xq.pairs.data() + group * group_stride + b * kPairs * kGroup;      \
+    TILE(TM_ZERO)                                                                          \
+    for (int64_t j = 0; j < kPairs; ++j) {                                                 \
+      STEP()                                                                               \
+    }                                                                                      \
+    const float* scale_b = xq.scale.data() + (group * num_blocks + b) * kGroup;            \
+    const float* sum_b = xq.sum.data() + (group * num_blocks + b) * kGroup;                \
+    GROUPS(TM_LOAD_SCALES)                                                                 \
+    TILE(TM_SCALE)                                                                         \
   }
 
 // 2 panel rows x 4 groups (32 activation rows): the fewest broadcasts per vpmaddwd (0.25).
@@ -320,7 +386,7 @@ template <bool Q4>
 void tile_r2g4(const int16_t* panel, const float* d_panel, const float* m_panel, const QuantizedActivations& xq,
                int64_t group, int64_t num_blocks, int64_t block_begin, int64_t block_end, float* sums) {
   constexpr int64_t R = 2, G = 4;
-  TM_TILE_BODY(TM_R2G4, TM_R2, TM_G4, TM_STEP_R2G4)
+  TM_TILE_BODY(TM_R2G4, TM_G4, TM_STEP_R2G4)
 }
 
 // 4 panel rows x 2 groups (16 activation rows).
@@ -328,7 +394,7 @@ template <bool Q4>
 void tile_r4g2(const int16_t* panel, const float* d_panel, const float* m_panel, const QuantizedActivations& xq,
                int64_t group, int64_t num_blocks, int64_t block_begin, int64_t block_end, float* sums) {
   constexpr int64_t R = 4, G = 2;
-  TM_TILE_BODY(TM_R4G2, TM_R4, TM_G2, TM_STEP)
+  TM_TILE_BODY(TM_R4G2, TM_G2, TM_STEP_R4G2)
 }
 
 // 8 panel rows x 1 group (a last odd group, or a product of at most 8 rows).
@@ -336,25 +402,21 @@ template <bool Q4>
 void tile_r8g1(const int16_t* panel, const float* d_panel, const float* m_panel, const QuantizedActivations& xq,
                int64_t group, int64_t num_blocks, int64_t block_begin, int64_t block_end, float* sums) {
   constexpr int64_t R = 8, G = 1;
-  TM_TILE_BODY(TM_R8G1, TM_R8G1, TM_G1, TM_STEP)
+  TM_TILE_BODY(TM_R8G1, TM_G1, TM_STEP_R8G1)
 }
 #undef TM_TILE_BODY
-#undef TM_STEP
 #undef TM_STEP_R2G4
+#undef TM_STEP_R4G2
+#undef TM_STEP_R8G1
 #undef TM_SCALE
-#undef TM_DOT
 #undef TM_ZERO
 #undef TM_R8G1
 #undef TM_R4G2
 #undef TM_R2G4
-#undef TM_R4
-#undef TM_R2
 #undef TM_G1
 #undef TM_G2
 #undef TM_G4
-#undef TM_LOAD_X
 #undef TM_LOAD_SCALES
-#undef TM_BROADCAST
 
 // sums [R][G][8] of a tile at panel row `at` and group `group` -> y rows (only the real ones).
 void store_tile(const float* sums, int64_t R, int64_t G, int64_t group, int64_t at, int64_t rows, int64_t m,
@@ -426,7 +488,7 @@ void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int6
       }
     }
   };
-  if (panels > 1 && use_helper_pool()) {
+  if (panels > 1 && use_helper_pool(m * n * num_blocks * kBlock)) {
     // A small machine: ~16 chunks of panels shared by the caller and the helper thread
     // (helper_pool.h), each panel computed by one thread as before.
     const int64_t per = (panels + 15) / 16;

@@ -288,7 +288,7 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
       }
     }
   };
-  if (panels > 1 && tokenmill_cpu::use_helper_pool()) {
+  if (panels > 1 && tokenmill_cpu::use_helper_pool(m * n * num_blocks * kBlock)) {
     // A small machine: ~16 chunks of panels shared by the caller and the helper thread
     // (helper_pool.h), each panel computed by one thread as before.
     const int64_t per = (panels + 15) / 16;

@@ -601,12 +601,12 @@ void dot_range_avx2(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, con
 }
 #endif  // TOKENMILL_INT8_AVX2
 
-// fn(begin, end) over row ranges covering [0, n): with the helper thread (a small machine,
-// helper_pool.h), chunks of ~1/32 of the rows (at least 64, a multiple of the 4-row pass) shared by
+// fn(begin, end) over row ranges covering [0, n) (`work` multiply-adds in all): with the helper
+// thread (a small machine, helper_pool.h), chunks of ~1/32 of the rows (at least 64, a multiple of the 4-row pass) shared by
 // the caller and the helper; else at::parallel_for's.
 template <typename F>
-void for_row_ranges(int64_t n, const F& fn) {
-  if (!tokenmill_cpu::use_helper_pool()) {
+void for_row_ranges(int64_t n, int64_t work, const F& fn) {
+  if (!tokenmill_cpu::use_helper_pool(work)) {
     at::parallel_for(0, n, 64, fn);
     return;
   }
@@ -647,7 +647,7 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
   float* y = out.data_ptr<float>();
 #if defined(TOKENMILL_INT8_AVX2)
   const int64_t row_bytes = num_blocks * block_bytes;
-  for_row_ranges(n, [&](int64_t begin, int64_t end) {
+  for_row_ranges(n, m * n * k, [&](int64_t begin, int64_t end) {
     if (bits == 16) {
       q4 ? dot_range_avx2<true, 16>(w, row_bytes, num_blocks, rows, begin, end, y, n)
          : dot_range_avx2<false, 16>(w, row_bytes, num_blocks, rows, begin, end, y, n);
@@ -657,7 +657,7 @@ void quant_gemv_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& blo
     }
   });
 #else
-  for_row_ranges(n, [&](int64_t begin, int64_t end) {
+  for_row_ranges(n, m * n * k, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* wrow = w + row * num_blocks * block_bytes;
       if (kPrefetchRows > 0 && row + kPrefetchRows < end) {
