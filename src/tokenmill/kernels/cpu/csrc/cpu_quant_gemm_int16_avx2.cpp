@@ -1,8 +1,9 @@
 // Batched matmuls (decode batches above the one-row kernel, and prefill chunks) from GGUF Q4_1 /
 // Q8_0 weights with 16-bit integer activations, for AVX2 builds without AVX-512 VNNI (AMD Zen 2/3,
 // Intel before Ice Lake). `vpmaddwd` does 16 int16 multiply-adds an instruction where the float
-// kernel's FMA (cpu_quant_gemm.cpp) does 8; measured on a Zen 3 core, 78 G int16 MAC/s against 42 G
-// float32 FMA/s. The weights need only widening to int16, not converting and scaling.
+// kernel's FMA (cpu_quant_gemm.cpp) does 8; tight loops on a Zen 3 core: 71-78 G int16
+// multiply-adds/s against 42 G float32 FMA/s (45 G with a tile's broadcast loads). The weights need
+// only widening to int16, not converting and scaling.
 //
 // Numerics: the AVX-512 VNNI kernel's (cpu_quant_gemm_vnni.cpp) and so the few-row kernel's at 16
 // bits: each activation row is quantized per block of 32 with d_x = max|x| / 32767, round to
@@ -13,9 +14,8 @@
 // Layout: a panel of 24 weight rows is unpacked from the vnni layout into int16 in natural order,
 // [block][panel row][32]; activations are quantized into groups of 8 rows, [group][block][pair j]
 // [row] of int16 pairs (weights 2j, 2j + 1), so one `vpmaddwd` applies one broadcast weight pair to
-// 8 rows (no horizontal sums). A tile is 4 weight rows x 2 groups (8 int32 accumulators, 2
-// activation registers, 1 broadcast: 11 of the 16 ymm registers) or 8 rows x 1 group for a last odd
-// group; the float sums live in a small array in L1, updated once a block.
+// 8 rows (no horizontal sums). Tiles of 8 int32 accumulators: 2 weight rows x 4 groups, 4 x 2, or
+// 8 x 1 for what is left; each block's sums become float32 into a small array in L1.
 
 #include "quant_gemm_int16_avx2.h"
 
@@ -45,10 +45,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPairs = 16;      // int16 pairs a block
 constexpr int64_t kGroup = 8;       // activation rows a ymm (one int32 lane each)
 constexpr int64_t kPanelRows = 24;  // weight rows unpacked at a time (a multiple of the tiles' 2, 4 and 8)
-// Blocks a pass of the panel's tiles covers before the next pass: the tiles of a panel reuse these
-// blocks' activations (4 groups: 2 KiB a block) and weights (1.5 KiB a block) from L1. A tile over
-// all blocks at once re-read its activations from L2 each time (36 KiB for K = 576 at 4 groups)
-// and ran at 30-38 G multiply-adds/s of the core's ~78.
+// Blocks a pass of the panel's tiles covers before the next pass, so that the tiles of a panel
+// find these blocks' activations (4 groups: 2 KiB a block) and weights (1.5 KiB) in L1 whatever K
+// is (a tile over all of K = 1536 reads 96 KiB of activations). Passes of 2 and 6 blocks measured
+// the same as whole-K passes at the default model's K (576, 1536); the asm tiles (below) mattered.
 constexpr int64_t kChunkBlocks = 2;
 constexpr float kLevels = 32767.f;
 
