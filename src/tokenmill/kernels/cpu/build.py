@@ -37,7 +37,7 @@ _SOURCES = [
     )
 ]
 # Included by the sources: part of the build's cache key (ninja tracks them inside a build directory).
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_exp.h", "helper_pool.h", "quant_gemm_int16_avx2.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_exp.h", "helper_pool.h", "int16_panel.h", "quant_gemm_int16_avx2.h")]
 _lock = threading.Lock()
 _STALE_LOCK_S = 180.0  # a build takes 10-30 s; a lock older than this has no live owner
 _loaded = False

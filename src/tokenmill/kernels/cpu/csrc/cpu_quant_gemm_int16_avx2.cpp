@@ -23,6 +23,7 @@
 #include <c10/util/Exception.h>
 
 #include "helper_pool.h"
+#include "int16_panel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__))
@@ -444,22 +445,11 @@ void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int6
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanelRows, rows = std::min(kPanelRows, n - first);
       const int64_t next_rows = p + 1 < end ? std::min(kPanelRows, n - first - kPanelRows) : 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (r < next_rows) {
-          // Row r of the next panel into L2 while this panel computes (the VNNI kernel's measure).
-          const uint8_t* ahead = w + (first + kPanelRows + r) * row_bytes;
-          for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T2);
-        }
-        unpack_row<Q4>(w + (first + r) * row_bytes, num_blocks, panel.data() + r * kBlock,
-                       d_panel.data() + r * num_blocks, m_panel.data() + r * num_blocks);
-      }
-      for (int64_t r = rows; r < kPanelRows; ++r) {  // zero weights for the missing rows (outputs dropped)
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          std::fill_n(panel.data() + (b * kPanelRows + r) * kBlock, kBlock, int16_t{0});
-        }
-        std::fill_n(d_panel.data() + r * num_blocks, num_blocks, 0.f);
-        std::fill_n(m_panel.data() + r * num_blocks, num_blocks, 0.f);
-      }
+      const auto unpack = [&](const uint8_t* row, int16_t* panel_row, float* d_row, float* m_row) {
+        unpack_row<Q4>(row, num_blocks, panel_row, d_row, m_row);
+      };
+      fill_panel<kPanelRows>(w, row_bytes, num_blocks, first, rows, next_rows, panel.data(), d_panel.data(),
+                                     m_panel.data(), unpack);
       for (int64_t g = 0; g < groups;) {
         // The widest tile the remaining groups fill: 4, then 2, then 1 groups.
         const int64_t tile_groups = groups - g >= 4 ? 4 : groups - g >= 2 ? 2 : 1;
