@@ -1,6 +1,7 @@
 """The batched quantized CPU matmul (kernels/cpu/csrc/cpu_quant_gemm.cpp) against oneDNN's
 float32 linear over the same weights prepacked, as a decode step meets them, and, where the build
-has AVX-512 VNNI, the 16-bit-activation integer kernel (csrc/cpu_quant_gemm_vnni.cpp).
+has AVX-512 VNNI or AVX2, the 16-bit-activation integer kernel (csrc/cpu_quant_gemm_vnni.cpp, or
+csrc/cpu_quant_gemm_int16_avx2.cpp on AVX2).
 
 `--layers` different random Q4_1 matrices of one shape (default 30 of 1536 x 576, SmolLM2-135M's
 gate/up shape; their float32 copies, 106 MB, do not fit in L3, as the model's 425 MB do not) are
@@ -9,7 +10,7 @@ multiplied in turn by M float32 rows; ms per matmul, best of `--reps` passes, to
 
     PYTHONPATH=src python3 benchmarks/quant_gemm_microbench.py --rows 2,4,8,16,32,64,512
 
-`--model-shapes` instead times only the VNNI 16-bit kernel at SmolLM2-135M's shapes (qkv 960 x 576,
+`--model-shapes` instead times only the 16-bit kernel (VNNI or AVX2) at SmolLM2-135M's shapes (qkv 960 x 576,
 o_proj 576 x 576, gate_up 3072 x 576, down 576 x 1536 in Q4_1, the tied lm_head 49152 x 576 in
 Q8_0), each over enough random copies to exceed the L3 as a decode step does, at `--rows` (default
 64,128,512) and 1 and 2 threads, as G multiply-adds/s a thread; `--peak` first compiles and runs
@@ -90,7 +91,7 @@ def model_shapes(args: argparse.Namespace) -> None:
     from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 
     if not gemm_vnni16_available():
-        raise SystemExit("this build has no VNNI batched kernel")
+        raise SystemExit("this build has no 16-bit batched kernel (it needs AVX-512 VNNI or AVX2)")
     rng = np.random.default_rng(0)
     kernel = torch.ops.tokenmill_cpu.quant_linear_vnni16
     row_counts = [int(value) for value in (args.rows or "64,128,512").split(",")]
