@@ -53,13 +53,6 @@ constexpr int64_t kPanelRows = 24;  // weight rows unpacked at a time (a multipl
 constexpr int64_t kChunkBlocks = 2;
 constexpr float kLevels = 32767.f;
 
-// Activations of one call: pairs [group][block][pair][row] int32 (an int16 pair each), and per
-// [group][block][row] the scale d_x and the float sum of the block.
-struct QuantizedActivations {
-  std::vector<int32_t> pairs;
-  std::vector<float> scale;
-  std::vector<float> sum;
-};
 
 inline float horizontal_max(__m256 v) {
   __m128 t = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -115,19 +108,6 @@ void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, Quan
   }
 }
 
-// Rows of x [m, k] -> groups of 8 (rows past m: zeros).
-void quantize_activations(const float* x, int64_t m, int64_t num_blocks, QuantizedActivations& out) {
-  const int64_t groups = (m + kGroup - 1) / kGroup, k = num_blocks * kBlock;
-  out.pairs.assign(groups * num_blocks * kPairs * kGroup, 0);
-  out.scale.assign(groups * num_blocks * kGroup, 0.f);
-  out.sum.assign(groups * num_blocks * kGroup, 0.f);
-  // By groups across the threads (rows of one group write the same cache lines).
-  at::parallel_for(0, groups, 1, [&](int64_t group_begin, int64_t group_end) {
-    for (int64_t r = group_begin * kGroup; r < std::min(m, group_end * kGroup); ++r) {
-      quantize_activation_row(x + r * k, r, num_blocks, out);
-    }
-  });
-}
 
 // Widening one block into 32 int16 in natural order. Q4_1: 16 bytes, weights 0..15 the low nibbles,
 // 16..31 the high ones. Q8_0: 32 bytes of q + 128.
@@ -434,7 +414,8 @@ void store_tile(const float* sums, int64_t R, int64_t G, int64_t group, int64_t 
 template <bool Q4>
 void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int64_t num_blocks) {
   QuantizedActivations xq;
-  quantize_activations(x, m, num_blocks, xq);
+  quantize_activations<kGroup>(x, m, num_blocks, xq,
+                                  [&](const float* row, int64_t r) { quantize_activation_row(row, r, num_blocks, xq); });
   const int64_t groups = (m + kGroup - 1) / kGroup;
   const int64_t row_bytes = num_blocks * (Q4 ? 20 : 34);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;

@@ -50,19 +50,12 @@ constexpr int64_t kTileRows = 12;   // weight rows a micro-kernel: 12 int32 + 12
 constexpr int64_t kPanelRows = 24;  // weight rows unpacked at a time (two tiles)
 constexpr float kLevels = 32767.f;
 
-// Activations of one call: xq [group][block][pair][row] int32 (an int16 pair each), and per
-// [group][block][row] the scale d_x and the exact float sum of the block.
-struct QuantizedActivations {
-  std::vector<int32_t> pairs;
-  std::vector<float> scale;
-  std::vector<float> sum;
-};
 
 // Row r of x (its K = 32 num_blocks values at `x`) into its group's lane of `out`. The numbers are
 // quantize_row's in cpu_quant_gemv_int8.cpp: scale = amax / 32767, q = lrint(clamp(x * (32767 /
 // amax))), and a block whose sum is not finite gets a NaN scale (so a NaN / inf activation reaches
 // the output).
-void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, QuantizedActivations& out) {
+void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, tokenmill_cpu::QuantizedActivations& out) {
   const __m512 high = _mm512_set1_ps(kLevels), low = _mm512_set1_ps(-kLevels);
   alignas(64) int32_t words[kPairs];
   const int64_t g = r / kGroup, lane = r % kGroup;
@@ -95,21 +88,6 @@ void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, Quan
   }
 }
 
-// Rows of x [m, k] -> groups of 16 (rows past m: zeros).
-void quantize_activations(const float* x, int64_t m, int64_t num_blocks, QuantizedActivations& out) {
-  const int64_t groups = (m + kGroup - 1) / kGroup, k = num_blocks * kBlock;
-  out.pairs.assign(groups * num_blocks * kPairs * kGroup, 0);
-  out.scale.assign(groups * num_blocks * kGroup, 0.f);
-  out.sum.assign(groups * num_blocks * kGroup, 0.f);
-  // By groups of 16 rows across the threads: a 512-row prefill chunk's quantization took ~0.15 ms
-  // (K = 576) on one thread, serial before the panels' parallel loop. (Not by rows: rows of one
-  // group write the same cache lines.)
-  at::parallel_for(0, groups, 1, [&](int64_t group_begin, int64_t group_end) {
-    for (int64_t r = group_begin * kGroup; r < std::min(m, group_end * kGroup); ++r) {
-      quantize_activation_row(x + r * k, r, num_blocks, out);
-    }
-  });
-}
 
 // Unpacking a chunk of c blocks (4-byte group t of its sequence is block t % c, weights
 // 4 (t / c) .. + 3) into natural order. Q4_1: sequence value s is the low nibble of byte s (s < 16c)
@@ -200,7 +178,7 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
 // Accumulators are named variables: GCC spills an __m512 array to the stack in the loop.
 #define TM_TILE(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 template <bool Q4>
-void tile_dot(const int16_t* panel, const float* d_panel, const float* m_panel, const QuantizedActivations& xq,
+void tile_dot(const int16_t* panel, const float* d_panel, const float* m_panel, const tokenmill_cpu::QuantizedActivations& xq,
               int64_t group, int64_t num_blocks, float* out_tile) {
   static_assert(kTileRows == 12, "TM_TILE names 12 accumulators");
 #define TM_DECLARE(n) __m512 acc##n = _mm512_setzero_ps();
@@ -243,8 +221,9 @@ void tile_dot(const int16_t* panel, const float* d_panel, const float* m_panel, 
 
 template <bool Q4>
 void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int64_t num_blocks) {
-  QuantizedActivations xq;
-  quantize_activations(x, m, num_blocks, xq);
+  tokenmill_cpu::QuantizedActivations xq;
+  tokenmill_cpu::quantize_activations<kGroup>(x, m, num_blocks, xq,
+                                  [&](const float* row, int64_t r) { quantize_activation_row(row, r, num_blocks, xq); });
   const int64_t groups = (m + kGroup - 1) / kGroup;
   const int64_t row_bytes = num_blocks * (Q4 ? 20 : 34);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
