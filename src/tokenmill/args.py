@@ -45,22 +45,26 @@ logger = logging.getLogger(__name__)
 # A/B of BENCHMARKS.md it halved the mean TTFT at the same output rate.
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS_GPU = 8192
-# While requests decode, a CPU step's prefill chunks take at most this many tokens. Prefill runs
-# near the core's float32 peak (~1.75 ms a token for SmolLM2-135M on one engine thread), and every
-# prefill token in a step delays every decoding stream's next token: 512-token chunks made
-# 1.0-1.5 s steps, the c=32 serve benchmark's ITL p99. 128 kept such a step near 0.35 s on the
-# AVX-512 Xeon; on an AVX2 core (~3.5 ms a prefill token) it made 0.6 s steps between 0.16 s ones.
-# 32 spreads a joining prompt over ~4 steps of ~2x a decode step: a closed loop of equal prompt
-# and answer lengths must prefill about one token per decoding stream a step anyway (so at c=32
-# ~31 a step on average, whatever the cap), and a stream whose next character spans two tokens
-# waits two steps, which a long step makes the ITL tail (docs/CPU_PERFORMANCE.md). Below the
-# decode batch the queue of prompts grows without end (16 at c=32: TTFT p50 18 s). 0 on a GPU.
-DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 32
+# While requests decode, a CPU step's prefill chunks take at most this many tokens, and fewer where
+# --prefill-step-target-ms predicts a longer step (never below the scheduler's
+# MIN_PREFILL_TOKENS_WHILE_DECODING, 32). Every prefill token in a step delays every decoding
+# stream's next token: 512-token chunks made 1.0-1.5 s steps, the c=32 serve benchmark's ITL p99.
+# A fixed 32 (the default until 2026-12-03) spread a joining prompt over ~4 steps; each step reads
+# all the weights once, so on the 2-core AVX2 machine, with the 16-bit integer kernels and the helper
+# thread (~2 ms a prompt token, ~2.5 ms a decoding row, ~12 ms a step), 128 trimmed by the target
+# served c=32 faster at ITL p99 < 0.5 s (docs/CPU_PERFORMANCE.md). A closed loop of equal prompt and
+# answer lengths must prefill about one token per decoding stream a step (~31 at c=32), whatever the
+# cap; below that the queue of prompts grows without end (16 at c=32: TTFT p50 18 s). 0 on a GPU.
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU = 128
 # --prefill-step-target-ms on the CPU: a step that is still prefilling adds no further prompt once
-# its predicted time passes this. Below one 128-token prompt's step on the 2-core machines
-# (~0.3 s), so prompts that arrive together are prefilled one a step, whole (a single prompt is
-# never split by it); short prompts still share a step. 0 on a GPU and offline.
-DEFAULT_PREFILL_STEP_TARGET_MS_CPU = 250.0
+# its predicted time passes this: prompts that arrive together are prefilled about one a step
+# (a single prompt is never split by it; a 128-token prompt's step is ~0.27 s on the 2-core AVX2
+# machine); short prompts still share a step. While requests decode it trims the cap above: 350 ms
+# leaves the whole 128 beside ~31 decodes there (~0.35 s) and shrinks the chunks on slower machines.
+# 250 (the default until 2026-12-03) cut them to ~80 tokens there, and c=32's TTFT p50 rose to
+# 1.5-1.8 s (prompts that arrive at one a step while the loop prefills less than one a step queue up).
+# 0 on a GPU and offline.
+DEFAULT_PREFILL_STEP_TARGET_MS_CPU = 350.0
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "float", "bf16", "fp16", "half")
@@ -153,10 +157,11 @@ class EngineArgs:
     )
     prefill_step_target_ms: float | None = _option(
         None,
-        "a step's prefill beyond its first prompt chunk stops where the step cost learned from the "
-        "engine's own steps predicts the step would take longer than this many ms (never below "
-        "max_prefill_tokens_while_decoding): prompts that arrive together finish prefill one after "
-        "another, not all in one long step; 0: off "
+        "a step's prefill stops where the step cost learned from the engine's own steps predicts "
+        "the step would take longer than this many ms: while nothing decodes, after its first prompt "
+        "chunk (never below max_prefill_tokens_while_decoding), so prompts that arrive together "
+        "finish prefill one after another, not all in one long step; while requests decode, below "
+        "max_prefill_tokens_while_decoding down to 32 tokens a step (or the cap, if smaller); 0: off "
         f"(default: {DEFAULT_PREFILL_STEP_TARGET_MS_CPU:g} on the CPU, 0 on a GPU and in the offline LLM / bench throughput)",
     )
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides sizing)")

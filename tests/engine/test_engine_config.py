@@ -44,7 +44,7 @@ def test_cpu_prefill_cap_while_decoding_defaults_to_32_and_a_given_one_wins(tiny
     from tokenmill.args import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU
 
     config = build_engine_config(str(tiny_llama_dir), device="cpu")
-    assert config.scheduler.max_prefill_tokens_while_decoding == DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU == 32
+    assert config.scheduler.max_prefill_tokens_while_decoding == DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU == 128
     for given in (0, 64):
         config = build_engine_config(str(tiny_llama_dir), device="cpu", max_prefill_tokens_while_decoding=given)
         assert config.scheduler.max_prefill_tokens_while_decoding == given

@@ -131,3 +131,21 @@ def test_the_scheduler_learns_each_steps_prefill_and_decode_mix() -> None:
     assert a == pytest.approx(0.01, abs=2e-3)
     assert b == pytest.approx(0.002, rel=0.1)
     assert c == pytest.approx(0.005, rel=0.1)
+
+
+def test_target_trims_the_cap_while_decoding_down_to_the_floor() -> None:
+    from tokenmill.core.scheduler import MIN_PREFILL_TOKENS_WHILE_DECODING
+
+    prompt = list(range(100, 180))  # 80 tokens, below the cap of 100
+    for per_token, expected in ((0.01, MIN_PREFILL_TOKENS_WHILE_DECODING), (0.001, len(prompt))):
+        # 0.01 s a token: beside one decode ~24 prompt tokens fit in 0.25 s, so the floor (32) is
+        # what the step takes; 0.001 s: ~249 fit, so the cap's room takes the whole prompt.
+        h = Harness(max_num_batched_tokens=256, max_prefill_tokens_while_decoding=100, prefill_step_target_ms=250)
+        trained(h, per_token=per_token)
+        h.add(make_request("first", 10, max_tokens=12))
+        h.step()  # "first" is prefilled and decodes from here on
+        h.add(make_request("a", prompt, max_tokens=3))
+        h.step()
+        assert scheduled_counts(h.steps[1]) == {"first": 1, "a": expected}
+        h.run()
+        assert h.tokens["a"] == reference_output(prompt, 3, 256)

@@ -60,6 +60,12 @@ from tokenmill.spec_decode.stats import SpecDecodingStats
 
 # The engine's first steps, left out of the prefill step-time fit (as the slo policy's).
 COLD_STEPS = 8
+# While requests decode, prefill_step_target_ms trims a step's prompt tokens below the cap
+# (max_prefill_tokens_while_decoding) but never below this many (or the cap, if smaller): a closed
+# loop whose prompts are as long as its answers must prefill about one prompt token per decoding
+# stream a step, or its queue of prompts grows without end (at c=32, 16 a step gave a TTFT p50 of
+# 18 s; docs/CPU_PERFORMANCE.md). 32 was the CPU's fixed cap before the target trimmed it.
+MIN_PREFILL_TOKENS_WHILE_DECODING = 32
 
 # `_check_stop`'s verdict when the grammar has not been asked about the token yet.
 _NOT_ACCEPTED = object()
@@ -424,10 +430,16 @@ class Scheduler:
         (decoding). `limit` bounds them together once the step has its first chunk: with
         prefill_step_target_ms and a step-cost model that has seen enough steps, the most prompt
         tokens predicted to keep the step (beside its decoding rows) within the target, never below
-        the cap; else the room. So a single prompt is never split by the target, and prompts that
-        arrive together while nothing decodes finish their prefills in different steps, not all in
-        one long step (their first tokens come sooner and, where their answers are as long, those
-        do not all end, and get replaced, in one step)."""
+        the cap; else the room. So a single prompt is never split by the target while nothing
+        decodes, and prompts that arrive together then finish their prefills in different steps,
+        not all in one long step (their first tokens come sooner and, where their answers are as
+        long, those do not all end, and get replaced, in one step).
+
+        While requests decode, the target trims the cap itself (room and limit both): the prompt
+        tokens predicted to fit beside the decoding rows, never below
+        MIN_PREFILL_TOKENS_WHILE_DECODING (or the cap, if smaller). A fast machine then prefills up
+        to the cap a step (fewer steps, each reading the weights once, and fuller decode batches
+        sooner), a slow one keeps its steps, and so the inter-token gaps, near the target."""
         cap = self.config.max_prefill_tokens_while_decoding or 0
         cost = self.step_cost
         measured = cost is not None and cost.ready
@@ -435,9 +447,14 @@ class Scheduler:
         # The cost model needs how many decode; otherwise whether any does (stops at the first).
         num_decoding = sum(decodes) if measured else int(any(decodes))
         room = cap if cap and cap < budget and num_decoding else budget
-        if not measured or room <= cap:
+        if not measured:
             return room, room
         fits = cost.prefill_tokens_within(self.prefill_step_target_s, num_decoding)
+        if num_decoding and room == cap:
+            room = min(cap, max(fits, MIN_PREFILL_TOKENS_WHILE_DECODING))
+            return room, room
+        if room <= cap:
+            return room, room
         return room, min(max(fits, cap, 1), room)
 
     def _lora_admission(self) -> LoRAAdmission | None:
