@@ -446,12 +446,13 @@ class Scheduler:
         decodes = (r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         # The cost model needs how many decode; otherwise whether any does (stops at the first).
         num_decoding = sum(decodes) if measured else int(any(decodes))
-        room = cap if cap and cap < budget and num_decoding else budget
+        capped = bool(cap) and bool(num_decoding)
+        room = min(cap, budget) if capped else budget
         if not measured:
             return room, room
         fits = cost.prefill_tokens_within(self.prefill_step_target_s, num_decoding)
-        if num_decoding and room == cap:
-            room = min(cap, max(fits, MIN_PREFILL_TOKENS_WHILE_DECODING))
+        if capped:
+            room = min(room, max(fits, MIN_PREFILL_TOKENS_WHILE_DECODING))
             return room, room
         if room <= cap:
             return room, room
