@@ -38,7 +38,7 @@ def test_the_api_server_leaves_the_device_to_the_engine_core(tiny_llama_dir):
         EngineArgs(model=str(tiny_llama_dir), device="tpu").create_engine_config(resolve_device=False)
 
 
-def test_cpu_prefill_cap_while_decoding_defaults_to_32_and_a_given_one_wins(tiny_llama_dir):
+def test_cpu_prefill_cap_while_decoding_defaults_to_128_and_a_given_one_wins(tiny_llama_dir):
     # A CPU prefill token costs every decoding stream in its step ~2-4 ms (docs/CPU_PERFORMANCE.md):
     # the CPU caps a step's prefill while requests decode; 0 turns the cap off.
     from tokenmill.args import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING_CPU
