@@ -53,7 +53,6 @@ constexpr int64_t kPanelRows = 24;  // weight rows unpacked at a time (a multipl
 constexpr int64_t kChunkBlocks = 2;
 constexpr float kLevels = 32767.f;
 
-
 inline float horizontal_max(__m256 v) {
   __m128 t = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
@@ -107,7 +106,6 @@ void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, Quan
     for (int64_t j = 0; j < kPairs; ++j) dst[j * kGroup] = words[j];
   }
 }
-
 
 // Widening one block into 32 int16 in natural order. Q4_1: 16 bytes, weights 0..15 the low nibbles,
 // 16..31 the high ones. Q8_0: 32 bytes of q + 128.

@@ -50,7 +50,6 @@ constexpr int64_t kTileRows = 12;   // weight rows a micro-kernel: 12 int32 + 12
 constexpr int64_t kPanelRows = 24;  // weight rows unpacked at a time (two tiles)
 constexpr float kLevels = 32767.f;
 
-
 // Row r of x (its K = 32 num_blocks values at `x`) into its group's lane of `out`. The numbers are
 // quantize_row's in cpu_quant_gemv_int8.cpp: scale = amax / 32767, q = lrint(clamp(x * (32767 /
 // amax))), and a block whose sum is not finite gets a NaN scale (so a NaN / inf activation reaches
@@ -87,7 +86,6 @@ void quantize_activation_row(const float* x, int64_t r, int64_t num_blocks, toke
     for (int64_t j = 0; j < kPairs; ++j) dst[j * kGroup] = words[j];
   }
 }
-
 
 // Unpacking a chunk of c blocks (4-byte group t of its sequence is block t % c, weights
 // 4 (t / c) .. + 3) into natural order. Q4_1: sequence value s is the low nibble of byte s (s < 16c)

@@ -1,6 +1,6 @@
 // Quantizing the activations and filling one panel of the batched 16-bit-activation kernels (cpu_quant_gemm_vnni.cpp on AVX-512
-// VNNI, cpu_quant_gemm_int16_avx2.cpp on AVX2): their instruction sets differ only in how a weight
-// row is quantized and a weight row unpacked, passed in.
+// VNNI, cpu_quant_gemm_int16_avx2.cpp on AVX2): their instruction sets differ only in how an
+// activation row is quantized and a weight row unpacked, passed in.
 #pragma once
 
 #include <ATen/Parallel.h>
