@@ -218,7 +218,7 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
 #define TM_ZERO(r, g) __m256i isum_##r##_##g = _mm256_setzero_si256();
 #define TM_SCALE(r, g)                                                                                     \
   {                                                                                                        \
-    float* s = sums + ((r) * G + (g)) * kGroup;                                                            \
+    float* s = sums + ((g) * kPanelRows + (r)) * kGroup;                                                   \
     __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_##r##_##g),                                       \
                                  _mm256_mul_ps(dx##g, _mm256_set1_ps(d_panel[(r) * num_blocks + b])),      \
                                  _mm256_loadu_ps(s));                                                      \
@@ -230,35 +230,30 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
 // activation vector twice (the kernel ran at ~28 G multiply-adds/s a core; ~35-40 as asm).
 #define TM_STEP_R2G4()                                                          \
   {                                                                                               \
-    __m256i x0, x1, x2, x3, w0, w1, product;                                                      \
+    __m256i w0, w1, product;                                                                      \
     const int32_t* xj = xb + j * kGroup;                                                          \
     __asm__(                                                                                      \
-        "vmovdqu (%[xj]), %[x0]\n\t"                                                              \
-        "vmovdqu (%[xj],%[gs],4), %[x1]\n\t"                                                      \
-        "vmovdqu (%[xj],%[gs],8), %[x2]\n\t"                                                      \
-        "vmovdqu (%[xj3]), %[x3]\n\t"                                                             \
         "vpbroadcastd %[w0m], %[w0]\n\t"                                                          \
         "vpbroadcastd %[w1m], %[w1]\n\t"                                                          \
-        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w0], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a00], %[a00]\n\t"                                                         \
-        "vpmaddwd %[w0], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w0], %[p]\n\t"                                                \
         "vpaddd %[p], %[a01], %[a01]\n\t"                                                         \
-        "vpmaddwd %[w0], %[x2], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],8), %[w0], %[p]\n\t"                                                \
         "vpaddd %[p], %[a02], %[a02]\n\t"                                                         \
-        "vpmaddwd %[w0], %[x3], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj3]), %[w0], %[p]\n\t"                                                       \
         "vpaddd %[p], %[a03], %[a03]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w1], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a10], %[a10]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w1], %[p]\n\t"                                                \
         "vpaddd %[p], %[a11], %[a11]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x2], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],8), %[w1], %[p]\n\t"                                                \
         "vpaddd %[p], %[a12], %[a12]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x3], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj3]), %[w1], %[p]\n\t"                                                       \
         "vpaddd %[p], %[a13], %[a13]"                                                             \
         : [a00] "+x"(isum_0_0), [a01] "+x"(isum_0_1), [a02] "+x"(isum_0_2), [a03] "+x"(isum_0_3), \
           [a10] "+x"(isum_1_0), [a11] "+x"(isum_1_1), [a12] "+x"(isum_1_2), [a13] "+x"(isum_1_3), \
-          [x0] "=&x"(x0), [x1] "=&x"(x1), [x2] "=&x"(x2), [x3] "=&x"(x3), [w0] "=&x"(w0),         \
-          [w1] "=&x"(w1), [p] "=&x"(product)                                                      \
+          [w0] "=&x"(w0), [w1] "=&x"(w1), [p] "=&x"(product)                                      \
         : [xj] "r"(xj), [gs] "r"(group_stride), [xj3] "r"(xj + 3 * group_stride),                 \
           [w0m] "m"(wb[0 * kPairs + j]), [w1m] "m"(wb[1 * kPairs + j])                            \
         : "memory");                                                                              \
@@ -397,14 +392,47 @@ void tile_r8g1(const int16_t* panel, const float* d_panel, const float* m_panel,
 #undef TM_G4
 #undef TM_LOAD_SCALES
 
-// sums [R][G][8] of a tile at panel row `at` and group `group` -> y rows (only the real ones).
-void store_tile(const float* sums, int64_t R, int64_t G, int64_t group, int64_t at, int64_t rows, int64_t m,
-                int64_t n, int64_t first, float* y) {
+// Columns c .. c + 7 of 8 rows: v[i] holds column c + i's 8 rows -> v[r] holds row r's 8 columns.
+inline void transpose8(__m256 v[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  v[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  v[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  v[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  v[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  v[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  v[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  v[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  v[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// sums [G][panel row][8] of a pass over groups group .. group + G - 1 -> y rows (only the real
+// ones), 8 columns at a time through a transpose: y's rows are n apart, and one scalar store per
+// output (a row's 24 columns written 2 at a time by 12 tiles) stalled on the store buffer's
+// misses (~12 % of the kernel's time at 64 rows).
+void store_pass(const float* sums, int64_t G, int64_t group, int64_t rows, int64_t m, int64_t n, int64_t first,
+                float* y) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t group_rows = std::min(kGroup, m - (group + g) * kGroup);
+    const float* sg = sums + g * kPanelRows * kGroup;
+    float* yg = y + (group + g) * kGroup * n + first;
+    int64_t c = 0;
+    if (group_rows == kGroup) {
+      for (; c + 8 <= rows; c += 8) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(sg + (c + i) * kGroup);
+        transpose8(v);
+        for (int lane = 0; lane < 8; ++lane) _mm256_storeu_ps(yg + lane * n + c, v[lane]);
+      }
+    }
     for (int64_t lane = 0; lane < group_rows; ++lane) {
-      float* yr = y + ((group + g) * kGroup + lane) * n + first + at;
-      for (int64_t r = 0; r < std::min(R, rows - at); ++r) yr[r] = sums[(r * G + g) * kGroup + lane];
+      for (int64_t col = c; col < rows; ++col) yg[lane * n + col] = sg[col * kGroup + lane];
     }
   }
 }
@@ -418,9 +446,9 @@ void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int6
   const int64_t row_bytes = num_blocks * (Q4 ? 20 : 34);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
   const auto panel_range = [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> panel(num_blocks * kPanelRows * kBlock);
-    std::vector<float> d_panel(num_blocks * kPanelRows), m_panel(num_blocks * kPanelRows);
-    std::vector<float> sums(kPanelRows * 4 * kGroup);  // [panel row][group][8] of the groups in flight
+    AlignedVector<int16_t> panel(num_blocks * kPanelRows * kBlock);
+    AlignedVector<float> d_panel(num_blocks * kPanelRows), m_panel(num_blocks * kPanelRows);
+    AlignedVector<float> sums(4 * kPanelRows * kGroup);  // [group][panel row][8] of the groups in flight
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanelRows, rows = std::min(kPanelRows, n - first);
       const int64_t next_rows = p + 1 < end ? std::min(kPanelRows, n - first - kPanelRows) : 0;
@@ -440,7 +468,7 @@ void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int6
             const int16_t* tile_panel = panel.data() + at * kBlock;
             const float* tile_d = d_panel.data() + at * num_blocks;
             const float* tile_m = m_panel.data() + at * num_blocks;
-            float* tile_sums = sums.data() + at * tile_groups * kGroup;
+            float* tile_sums = sums.data() + at * kGroup;
             if (tile_groups == 4) {
               tile_r2g4<Q4>(tile_panel, tile_d, tile_m, xq, g, num_blocks, b, b_end, tile_sums);
             } else if (tile_groups == 2) {
@@ -450,9 +478,7 @@ void gemm(const float* x, const uint8_t* w, float* y, int64_t m, int64_t n, int6
             }
           }
         }
-        for (int64_t at = 0; at < rows; at += tile_rows) {
-          store_tile(sums.data() + at * tile_groups * kGroup, tile_rows, tile_groups, g, at, rows, m, n, first, y);
-        }
+        store_pass(sums.data(), tile_groups, g, rows, m, n, first, y);
         g += tile_groups;
       }
     }
