@@ -258,38 +258,35 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
           [w0m] "m"(wb[0 * kPairs + j]), [w1m] "m"(wb[1 * kPairs + j])                            \
         : "memory");                                                                              \
   }
-// 4 x 2: 8 accumulators, 2 activation vectors, 4 broadcasts, a product.
+// 4 x 2: 8 accumulators, 4 broadcasts, a product; the 2 activation vectors as memory operands.
 #define TM_STEP_R4G2()                                                          \
   {                                                                                               \
-    __m256i x0, x1, w0, w1, w2, w3, product;                                                      \
+    __m256i w0, w1, w2, w3, product;                                                              \
     const int32_t* xj = xb + j * kGroup;                                                          \
     __asm__(                                                                                      \
-        "vmovdqu (%[xj]), %[x0]\n\t"                                                              \
-        "vmovdqu (%[xj],%[gs],4), %[x1]\n\t"                                                      \
         "vpbroadcastd %[w0m], %[w0]\n\t"                                                          \
         "vpbroadcastd %[w1m], %[w1]\n\t"                                                          \
         "vpbroadcastd %[w2m], %[w2]\n\t"                                                          \
         "vpbroadcastd %[w3m], %[w3]\n\t"                                                          \
-        "vpmaddwd %[w0], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w0], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a00], %[a00]\n\t"                                                         \
-        "vpmaddwd %[w0], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w0], %[p]\n\t"                                                \
         "vpaddd %[p], %[a01], %[a01]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w1], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a10], %[a10]\n\t"                                                         \
-        "vpmaddwd %[w1], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w1], %[p]\n\t"                                                \
         "vpaddd %[p], %[a11], %[a11]\n\t"                                                         \
-        "vpmaddwd %[w2], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w2], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a20], %[a20]\n\t"                                                         \
-        "vpmaddwd %[w2], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w2], %[p]\n\t"                                                \
         "vpaddd %[p], %[a21], %[a21]\n\t"                                                         \
-        "vpmaddwd %[w3], %[x0], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj]), %[w3], %[p]\n\t"                                                        \
         "vpaddd %[p], %[a30], %[a30]\n\t"                                                         \
-        "vpmaddwd %[w3], %[x1], %[p]\n\t"                                                         \
+        "vpmaddwd (%[xj],%[gs],4), %[w3], %[p]\n\t"                                                \
         "vpaddd %[p], %[a31], %[a31]"                                                             \
         : [a00] "+x"(isum_0_0), [a01] "+x"(isum_0_1), [a10] "+x"(isum_1_0), [a11] "+x"(isum_1_1), \
           [a20] "+x"(isum_2_0), [a21] "+x"(isum_2_1), [a30] "+x"(isum_3_0), [a31] "+x"(isum_3_1), \
-          [x0] "=&x"(x0), [x1] "=&x"(x1), [w0] "=&x"(w0), [w1] "=&x"(w1), [w2] "=&x"(w2),         \
-          [w3] "=&x"(w3), [p] "=&x"(product)                                                      \
+          [w0] "=&x"(w0), [w1] "=&x"(w1), [w2] "=&x"(w2), [w3] "=&x"(w3), [p] "=&x"(product)     \
         : [xj] "r"(xj), [gs] "r"(group_stride), [w0m] "m"(wb[0 * kPairs + j]),                    \
           [w1m] "m"(wb[1 * kPairs + j]), [w2m] "m"(wb[2 * kPairs + j]),                           \
           [w3m] "m"(wb[3 * kPairs + j])                                                           \
