@@ -226,8 +226,8 @@ void gemm_vnni16(const float* x, const uint8_t* w, float* y, int64_t m, int64_t 
   const int64_t row_bytes = num_blocks * (Q4 ? 20 : 34);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
   const auto panel_range = [&](int64_t begin, int64_t end) {
-    AlignedVector<int16_t> panel(num_blocks * kPanelRows * kBlock);
-    AlignedVector<float> d_panel(num_blocks * kPanelRows), m_panel(num_blocks * kPanelRows);
+    tokenmill_cpu::AlignedVector<int16_t> panel(num_blocks * kPanelRows * kBlock);
+    tokenmill_cpu::AlignedVector<float> d_panel(num_blocks * kPanelRows), m_panel(num_blocks * kPanelRows);
     alignas(64) float tile[kTileRows * kGroup];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanelRows, rows = std::min(kPanelRows, n - first);
