@@ -1,8 +1,8 @@
 // Batched matmuls (decode batches above the one-row kernel, and prefill chunks) from GGUF Q4_1 /
 // Q8_0 weights with 16-bit integer activations, for AVX2 builds without AVX-512 VNNI (AMD Zen 2/3,
 // Intel before Ice Lake). `vpmaddwd` does 16 int16 multiply-adds an instruction where the float
-// kernel's FMA (cpu_quant_gemm.cpp) does 8; tight loops on a Zen 3 core: 71-78 G int16
-// multiply-adds/s against 42 G float32 FMA/s (45 G with a tile's broadcast loads). The weights need
+// kernel's FMA (cpu_quant_gemm.cpp) does 8; tight loops on a Zen 3 core: 71-82 G int16
+// multiply-adds/s against 42 G float32 FMA/s (78-79 G for the 2 x 4 tile's step below). The weights need
 // only widening to int16, not converting and scaling.
 //
 // Numerics: the AVX-512 VNNI kernel's (cpu_quant_gemm_vnni.cpp) and so the few-row kernel's at 16
@@ -15,7 +15,9 @@
 // [block][panel row][32]; activations are quantized into groups of 8 rows, [group][block][pair j]
 // [row] of int16 pairs (weights 2j, 2j + 1), so one `vpmaddwd` applies one broadcast weight pair to
 // 8 rows (no horizontal sums). Tiles of 8 int32 accumulators: 2 weight rows x 4 groups, 4 x 2, or
-// 8 x 1 for what is left; each block's sums become float32 into a small array in L1.
+// 8 x 1 for what is left; each block's sums become float32 into a small array in L1, and a pass's
+// outputs leave through 8 x 8 transposes as row pieces. Buffers are 64-byte aligned
+// (int16_panel.h: from misaligned heap blocks half the 32-byte activation loads split lines).
 
 #include "quant_gemm_int16_avx2.h"
 
@@ -225,9 +227,12 @@ void unpack_row(const uint8_t* row, int64_t num_blocks, int16_t* panel_row, floa
     if (Q4) acc = _mm256_fmadd_ps(_mm256_set1_ps(m_panel[(r) * num_blocks + b]), sx##g, acc);             \
     _mm256_storeu_ps(s, acc);                                                                              \
   }
-// The tiles' pair j, each as one asm block: left to allocate 15 of the 16 ymm registers to the
-// 2 x 4 tile's 8 accumulators, 4 activation vectors, 2 broadcasts and a product, GCC loaded every
-// activation vector twice (the kernel ran at ~28 G multiply-adds/s a core; ~35-40 as asm).
+// The tiles' pair j, each as one asm block (left to allocate the ymm registers, GCC reloaded
+// activation vectors and spilled: ~28 G multiply-adds/s a core). The activation vectors are
+// `vpmaddwd` memory operands, read once per weight row: on Zen 3 the load folds into the
+// instruction, and the 2 x 4 tile's tight loop ran at 78-79 G that way against 63-66 G loading
+// them into registers first (18 instructions per 8 `vpmaddwd` instead of 22).
+// 2 x 4: 8 accumulators, 2 broadcasts, a product.
 #define TM_STEP_R2G4()                                                          \
   {                                                                                               \
     __m256i w0, w1, product;                                                                      \
