@@ -1,6 +1,5 @@
-"""The batched 16-bit-activation CPU product (csrc/cpu_quant_gemm_int16_avx2.cpp on AVX2,
-csrc/cpu_quant_gemm_vnni.cpp on AVX-512 VNNI) of two source trees, in one process, calls
-alternating: the only A/B of a kernel change that held up on this project's shared 2-core VMs,
+"""The AVX2 batched 16-bit-activation CPU product (csrc/cpu_quant_gemm_int16_avx2.cpp) of two
+source trees, in one process, calls alternating: the only A/B of a kernel change that held up on this project's shared 2-core VMs,
 where separate processes differed by 15-20 % from host noise alone and from where the heap put the
 kernel's buffers.
 
@@ -53,11 +52,11 @@ def build(old_tree: Path, new_tree: Path, directory: Path):
     from torch.utils import cpp_extension
 
     isa = _isa()
-    source, fn = (
-        ("cpu_quant_gemm_vnni.cpp", "gemm_vnni16")
-        if isa == "vnni"
-        else ("cpu_quant_gemm_int16_avx2.cpp", "gemm_int16_avx2")
-    )
+    if isa == "vnni":
+        # Its kernel (cpu_quant_gemm_vnni.cpp) has no plain entry point outside its torch op, and an
+        # AVX-512 VNNI build compiles the AVX2 file to a stub.
+        raise SystemExit("this CPU has AVX-512 VNNI: this A/B covers the AVX2 kernel only")
+    source, fn = "cpu_quant_gemm_int16_avx2.cpp", "gemm_int16_avx2"
     sources = []
     for tag, tree in (("old", old_tree), ("new", new_tree)):
         csrc = tree / "src/tokenmill/kernels/cpu/csrc"
