@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from quant_gemm_microbench import random_q4_1_rows  # a sibling script (benchmarks/ is sys.path[0])
 
 from tokenmill.bench.results import write_result
 
@@ -42,20 +43,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("old", &run<0>); m.def("new", &
 """
 
 
-def _isa() -> str:
-    flags = Path("/proc/cpuinfo").read_text()
-    return "vnni" if re.search(r"\bavx512_vnni\b", flags) else "avx2"
-
-
 def build(old_tree: Path, new_tree: Path, directory: Path):
     """Both trees' kernels, namespaces renamed, in one extension module."""
     from torch.utils import cpp_extension
 
-    isa = _isa()
-    if isa == "vnni":
-        # Its kernel (cpu_quant_gemm_vnni.cpp) has no plain entry point outside its torch op, and an
-        # AVX-512 VNNI build compiles the AVX2 file to a stub.
-        raise SystemExit("this CPU has AVX-512 VNNI: this A/B covers the AVX2 kernel only")
+    from tokenmill.kernels.cpu.build import load_cpu_kernels
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_isa
+
+    load_cpu_kernels()
+    isa = int8_isa()  # the package's own -march=native build says which 16-bit kernel this CPU gets
+    if isa != "avx2":
+        # The VNNI kernel (cpu_quant_gemm_vnni.cpp) has no plain entry point outside its torch op, and
+        # such a build (or one without AVX2) compiles the AVX2 file to a stub.
+        raise SystemExit(f"this A/B covers the AVX2 kernel only; this build's kernels are {isa or 'scalar'}")
     source, fn = "cpu_quant_gemm_int16_avx2.cpp", "gemm_int16_avx2"
     sources = []
     for tag, tree in (("old", old_tree), ("new", new_tree)):
@@ -87,13 +87,6 @@ def build(old_tree: Path, new_tree: Path, directory: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return isa, module
-
-
-def random_q4_1_rows(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """Valid Q4_1 block rows [n, k / 32 * 20]: float16 d and m, random quants."""
-    rows = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
-    rows[..., :4] = (rng.standard_normal((n, k // 32, 2)) * 0.05).astype(np.float16).view(np.uint8).reshape(n, -1, 4)
-    return rows.reshape(n, -1)
 
 
 def compare(module, n: int, k: int, m: int, seconds: float) -> dict:
