@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quant_gemm_microbench import random_q4_1_rows  # a sibling script (benchmarks/ is sys.path[0])
 
 from tokenmill.bench.results import write_result
 
@@ -89,7 +88,17 @@ def build(old_tree: Path, new_tree: Path, directory: Path):
     return isa, module
 
 
+def _sibling(name: str):
+    """A script next to this one, loaded by path: benchmarks/ is not on sys.path when this file
+    runs through runpy (the --help test) or from another directory."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compare(module, n: int, k: int, m: int, seconds: float) -> dict:
+    random_q4_1_rows = _sibling("quant_gemm_microbench").random_q4_1_rows
     from tokenmill.kernels.cpu.quant_gemv_int8 import vnni_rows
 
     rng = np.random.default_rng(0)
