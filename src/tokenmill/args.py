@@ -81,6 +81,7 @@ _KERNEL_ENV_DEFAULTS: dict[str, envs.EnvVar[bool | None]] = {
     "skinny_gemm": envs.TOKENMILL_SKINNY_GEMM,
     "fused_decode_rope": envs.TOKENMILL_FUSED_DECODE_ROPE,
     "deferred_norm": envs.TOKENMILL_DEFERRED_NORM,
+    "fused_decode_layers": envs.TOKENMILL_FUSED_DECODE_LAYERS,
 }
 
 

@@ -56,6 +56,9 @@ class KernelConfig:
     fused_decode_rope: bool = True
     # CUDA: those steps also fold the RMSNorm weights into the matmuls and skip the norm launches.
     deferred_norm: bool = True
+    # CPU, GGUF: a decode step's decoder layers run as one C++ call (model/cpu_decode_plan.py) where
+    # the model's layers are the plain path it replicates; off = the Python layer loop (same outputs).
+    fused_decode_layers: bool = True
     # Triton attention: at run time each KV split gets at least this many tokens (0 = as planned).
     min_kv_tokens_per_split: int = 0
     # CPU, float32: prepack matmul weights for oneDNN; off = plain F.linear.

@@ -136,6 +136,11 @@ TOKENMILL_DEFERRED_NORM = _bool(
     None,
     "default of kernel_config deferred_norm: single-request decode folds RMSNorm into the matmuls",
 )
+TOKENMILL_FUSED_DECODE_LAYERS = _bool(
+    "TOKENMILL_FUSED_DECODE_LAYERS",
+    None,
+    "default of kernel_config fused_decode_layers: CPU GGUF decode steps run their layers in one C++ call",
+)
 TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT = _float(
     "TOKENMILL_STRUCTURED_OUTPUT_COMPILE_TIMEOUT",
     10.0,

@@ -80,7 +80,7 @@ class CpuPagedBackend(AttentionBackend):
             return model_dtype
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wanted]
 
-    def _kernel_tensors(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel_tensors(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(starts, seq_lens, block_tables) as the kernel reads them, and the slot mapping (int64)."""
         if meta is not self._step_meta or self._step_tensors is None:
             seq_lens = _int32(meta.seq_lens_cpu)
@@ -107,7 +107,7 @@ class CpuPagedBackend(AttentionBackend):
         if q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU tensors, got {q.device}")
         num_tokens = meta.num_actual_tokens
-        starts_32, seq_lens_32, tables_32, slots = self._kernel_tensors(meta)
+        starts_32, seq_lens_32, tables_32, slots = self.kernel_tensors(meta)
         if not kv_already_stored and num_tokens:
             # The kernel stores the first min(len(slots), len(k)) rows and converts float32 rows
             # into a 16-bit float cache itself: slicing and converting here cost two aten calls

@@ -240,6 +240,8 @@ class CausalLM(nn.Module):
         )
         # Decode-only steps the backend supports rotate q/k and store K/V inside the attention
         # launch; with Q/K norms (between the projection and RoPE) only where the launch applies them.
+        # The layer ops may run a decode step's layers in one call (layer_ops.fused_decode_layers).
+        self.fuse_decode_layers = kernel.fused_decode_layers
         self.fuse_decode_rope = kernel.fused_decode_rope and (
             not arch.qk_norm or attn_backend.fused_decode_rope_applies_qk_norm
         )
@@ -280,6 +282,10 @@ class CausalLM(nn.Module):
         else:
             x = self.vocab_shard.embed(input_ids, self.embed_tokens)
         rope = self.ops.rope_inputs(self.rotary, positions)
+        fused = self.ops.fused_decode_layers(self, meta, x.shape[0], rope) if self.fuse_decode_layers else None
+        if fused is not None:  # the layers below in one native call (the CPU's decode steps)
+            x, pending = fused(x, rope, kv_caches, meta)
+            return self.ops.add_rms_norm(x, self.norm, self.arch.rms_norm_eps, pending)
         fuse_rope = self.fuse_decode_rope and self.attn_backend.supports_fused_decode_rope(meta)
         pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -33,6 +33,7 @@ _SOURCES = [
         "cpu_quant_gemm_vnni.cpp",
         "cpu_quant_gemm_int16_avx2.cpp",
         "cpu_layer_ops.cpp",
+        "cpu_decode_layers.cpp",
         "cpu_helper_pool.cpp",
     )
 ]

@@ -10,6 +10,7 @@ there in its own op, CUDA inside the norm's launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ class RopeInputs:
     sin_cache: torch.Tensor
     cos: torch.Tensor | None = None  # [T, 1, head_dim], gathered
     signed_sin: torch.Tensor | None = None
+
+
+# (x, rope, kv_caches, meta) -> (x, pending): a step's decoder layers in one call, as the model's
+# layer loop returns them (x, the residual stream, updated in place; the last layer's MLP output).
+FusedDecodeLayers = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class TorchLayerOps:
@@ -69,6 +75,11 @@ class TorchLayerOps:
     ) -> torch.Tensor:  # fmt: skip
         raise NotImplementedError("the PyTorch ops store K/V through the attention backend")
 
+    def fused_decode_layers(self, model, meta, rows: int, rope: RopeInputs) -> FusedDecodeLayers | None:
+        """This step's decoder layers of `model` as one call, where these ops have one for the model
+        and the step; None = the model runs its layer loop."""
+        return None
+
     def silu_mul(
         self, gate_up: torch.Tensor, norm_source: torch.Tensor | None = None, eps: float = 0.0
     ) -> torch.Tensor:
@@ -96,6 +107,7 @@ class CpuNativeLayerOps(TorchLayerOps):
         from tokenmill.kernels.cpu.build import load_cpu_kernels
 
         load_cpu_kernels()
+        self._decode_plan = None  # model/cpu_decode_plan.CpuDecodePlan, gathered at the first step
         # The resolved overloads: a call skips the op packet's overload lookup (~2 us; a one-row
         # decode step of a 30-layer model makes ~120 of these calls).
         ops = torch.ops.tokenmill_cpu
@@ -133,6 +145,17 @@ class CpuNativeLayerOps(TorchLayerOps):
             return self._rotate(x, cos, signed_sin)
         return super().rotate(x, rope)
 
+    def fused_decode_layers(self, model, meta, rows: int, rope: RopeInputs) -> FusedDecodeLayers | None:
+        # One model per ops object (CausalLM builds its own): its plan is gathered once, and again
+        # if its linear methods change (kernels/cpu/csrc/cpu_decode_layers.cpp; the plan's module
+        # says what it serves).
+        plan = self._decode_plan
+        if plan is None or not plan.current(model):
+            from tokenmill.model.cpu_decode_plan import CpuDecodePlan
+
+            plan = self._decode_plan = CpuDecodePlan(model)
+        return plan if plan.why_not is None and plan.applies(meta, rows, rope) else None
+
     def silu_mul(
         self, gate_up: torch.Tensor, norm_source: torch.Tensor | None = None, eps: float = 0.0
     ) -> torch.Tensor:
@@ -154,6 +177,9 @@ class TritonLayerOps:
 
     def rope_inputs(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeInputs:
         return RopeInputs(positions, rotary.cos_cache, rotary.sin_cache)
+
+    def fused_decode_layers(self, model, meta, rows: int, rope: RopeInputs) -> FusedDecodeLayers | None:
+        return None  # CUDA graphs take a decode step's Python out of the loop instead
 
     def add_rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, pending: torch.Tensor | None,
