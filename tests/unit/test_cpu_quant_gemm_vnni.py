@@ -126,7 +126,7 @@ def test_dispatch_sends_batched_rows_to_the_vnni_kernel_only_where_it_exists(
     )
     monkeypatch.setattr(quant_gemv, "_gemm_float", lambda: lambda out, x, b, q: calls.append("float"))
     rows = random_blocks(np.random.default_rng(1), TYPES["Q4_1"][0], 8, 64)
-    x = torch.randn(quant_gemv.rows_limit() + 3, 64)
+    x = torch.randn(quant_gemv.int8_rows_limit() + 3, 64)
     for available in (True, False):
         monkeypatch.setattr(quant_gemv, "gemm_vnni16_available", lambda available=available: available)
         quant_gemv.quantized_linear(x, _vnni_blocks(rows, 0, 8, 16), None)
@@ -136,6 +136,27 @@ def test_dispatch_sends_batched_rows_to_the_vnni_kernel_only_where_it_exists(
     float_only = _vnni_blocks(rows, 0, 8, 16)
     quant_gemv.quantized_linear(x, type(float_only)(float_only.blocks, 0, 8), None)  # no vnni layout
     assert calls == ["float"]
+
+
+def test_up_to_four_rows_take_the_few_row_integer_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With integer-activation blocks, 1-4 rows go to quant_linear_int8 on AVX2 builds too (whose
+    float few-row kernel serves one row): the batched kernel unpacks every weight first, which at
+    2-4 rows cost 1.4-2.8x the few-row kernel's loop over the rows (quant_gemv.INT8_FEW_ROWS)."""
+    from tokenmill.kernels.cpu import quant_gemv
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        quant_gemv, "_linear_int8", lambda: lambda x, b, q, bits: calls.append(("int8", x.shape[0])) or torch.zeros(x.shape[0], 8)
+    )
+    monkeypatch.setattr(
+        quant_gemv, "_linear_vnni16", lambda: lambda x, b, q: calls.append(("vnni16", x.shape[0])) or torch.zeros(x.shape[0], 8)
+    )
+    monkeypatch.setattr(quant_gemv, "gemm_vnni16_available", lambda: True)
+    monkeypatch.setattr(quant_gemv, "rows_limit", lambda: 1)  # an AVX2 build's float few-row kernel
+    rows = random_blocks(np.random.default_rng(1), TYPES["Q4_1"][0], 8, 64)
+    for m in (1, 2, 4, 5):
+        quant_gemv.quantized_linear(torch.randn(m, 64), _vnni_blocks(rows, 0, 8, 16), None)
+    assert calls == [("int8", 1), ("int8", 2), ("int8", 4), ("vnni16", 5)]
 
 
 def test_vnni16_available_follows_the_cpu_flags() -> None:

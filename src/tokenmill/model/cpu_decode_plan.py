@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu_paged import CpuPagedBackend
-from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available, rows_limit
+from tokenmill.kernels.cpu.quant_gemv import gemm_vnni16_available, int8_rows_limit
 from tokenmill.model.layers.attention import SelfAttention
 from tokenmill.model.layers.layer_ops import RopeInputs
 from tokenmill.model.layers.mlp import SwiGLUMLP
@@ -87,7 +87,7 @@ class CpuDecodePlan:
         self.quant_types = [b.quant_type for b in blocks]
         self.activation_bits = [b.activation_bits for b in blocks]
         self.sliding_windows = [layer.self_attn.layer_spec.sliding_window or 0 for layer in model.layers]
-        self.few_rows_limit = rows_limit()
+        self.few_rows_limit = int8_rows_limit()
         # Above the few-row kernel's rows the products take the batched 16-bit kernel (where built).
         self.max_rows = min(method.max_rows for method in self.methods)
         if not gemm_vnni16_available():

@@ -133,7 +133,13 @@ def _attach_gguf_blocks(
     if not available:
         logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
         return
-    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, blocks_rows_limit, prefill_rows_limit, rows_limit
+    from tokenmill.kernels.cpu.quant_gemv import (
+        ALL_ROWS,
+        blocks_rows_limit,
+        int8_rows_limit,
+        prefill_rows_limit,
+        rows_limit,
+    )
 
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
@@ -150,6 +156,6 @@ def _attach_gguf_blocks(
             "matmuls of up to %s rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
             "any number of" if limit >= ALL_ROWS else limit,
             attached / 2**20,
-            rows_limit(),
+            min(int8_rows_limit() if bits else rows_limit(), limit),
             f"{bits}-bit integer ({int8_isa().upper()})" if bits else "float32",
         )

@@ -21,6 +21,20 @@ def rows_limit() -> int:
     return int(torch.ops.tokenmill_cpu.quant_gemv_rows())
 
 
+# Rows the integer-activation few-row kernel (quant_gemv_int8, blocks.vnni) takes; more go to the
+# batched 16-bit kernel. The few-row kernel loops over the rows with a chunk of weight rows in cache;
+# the batched one first unpacks every weight into panels, a cost it pays at any row count up to its
+# 8-row group. On AVX2 (AMD Zen 3, one thread, SmolLM2-135M's shapes) the loop took 0.36-0.7x the
+# batched kernel's time at 2-4 rows (gate_up 104 / 220 us against 291 / 447 at 2 / 4 rows), and the
+# two crossed at 5-6 rows; AVX-512 VNNI builds take 4 rows here too (rows_limit()).
+INT8_FEW_ROWS = 4
+
+
+def int8_rows_limit() -> int:
+    """Rows a product may have to use the integer-activation few-row kernel (where blocks.vnni is set)."""
+    return max(rows_limit(), INT8_FEW_ROWS)
+
+
 def blocks_rows_limit(gemm_rows: int) -> int:
     """Rows a step may have to use the blocks at all: the one-row kernel's limit, or `gemm_rows`
     where the batched kernel exists and is asked for (KernelConfig.cpu_quantized_gemm_rows)."""
@@ -119,7 +133,7 @@ def quantized_linear(x: torch.Tensor, blocks: QuantizedBlocks, bias: torch.Tenso
     kernel up to rows_limit() rows (its quantized-activation form where `blocks.vnni` is set), the
     batched one (dequantize once, panel x rows) above (on AVX-512 VNNI builds, with `blocks.vnni`,
     its 16-bit-activation form)."""
-    few_rows = x.shape[0] <= rows_limit()
+    few_rows = x.shape[0] <= (int8_rows_limit() if blocks.vnni is not None else rows_limit())
     if blocks.vnni is not None and (few_rows or gemm_vnni16_available()):
         if few_rows:
             # The hot decode path: the kernel allocates its output (no torch.empty from Python).
