@@ -20,6 +20,7 @@ import torch
 
 from tokenmill import LLM
 from tokenmill.bench.decoding_batch import add_requests, step_until_decoding
+from tokenmill.bench.results import write_result
 
 
 def wall_per_step(llm: LLM, steps: int) -> tuple[float, float]:
@@ -71,10 +72,13 @@ def main() -> None:
     parser.add_argument("--kernel-config", default="{}", help="JSON of KernelConfig fields")
     parser.add_argument("--no-table", action="store_true", help="step times only")
     parser.add_argument("--by-shape", action="store_true", help="also the quantized products by weight shape")
+    parser.add_argument("--result-name", default=None, help="also write the step times to benchmarks/results/NAME.json")
+    parser.add_argument("--result-dir", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kwargs = {"max_model_len": 1024, "kernel_config": json.loads(args.kernel_config)}
     llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
+    steps = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         ids = add_requests(llm, batch, args.input_len, 800, tag=f"b{batch}")
         step_until_decoding(llm, batch)
@@ -84,11 +88,16 @@ def main() -> None:
             f"== batch {batch}, {args.threads} threads: step {step_ms:.2f} ms wall ({1000 * batch / step_ms:.1f} tok/s), "
             f"{cpu_ms:.2f} ms CPU"
         )
+        steps.append({"batch": batch, "step_ms": step_ms, "cpu_ms": cpu_ms, "tok_per_s": 1000 * batch / step_ms})
         if not args.no_table:
             print(op_table(llm, 5, args.rows, args.by_shape))
         llm.engine.abort_requests(ids)
         while llm.engine.has_work():
             llm.engine.step()
+    if args.result_name:
+        config = {"model": args.model or "default", "input_len": args.input_len, "threads": args.threads,
+                  "steps": args.steps, "kernel_config": json.loads(args.kernel_config)}  # fmt: skip
+        print(f"wrote {write_result('profile-cpu-decode', config, {'by_batch': steps}, args.result_dir, args.result_name)}")
 
 
 if __name__ == "__main__":
