@@ -38,9 +38,9 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
     ]
 
 
-def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+def _prompts(seed: int, count: int, low: int, high: int, vocab: int = 40000) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randint(low, high))] for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -119,6 +119,29 @@ def test_models_it_does_not_replicate_keep_the_loop(fused_calls, tiny_llama_dir)
         linear.method = blocks_method
 
 
+def test_qwen2_gguf_with_qkv_bias_equals_the_loop(fused_calls, tmp_path, tiny_tokenizer):
+    """Qwen2's q/k/v bias (added after the product, as the loop adds it) in a Q4_1 GGUF written the
+    way llama.cpp writes Qwen2 files (Q/K rows not permuted)."""
+    from gguf.constants import GGMLQuantizationType
+
+    from tests.conftest import write_tiny_checkpoint
+    from tests.model.test_loader import _write_gguf_like_llama_cpp
+
+    src = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2", tiny_tokenizer, seed=5, tie_word_embeddings=True)
+    gguf_path = tmp_path / "tiny-qwen2-Q4_1.gguf"
+    _write_gguf_like_llama_cpp(src, gguf_path, GGMLQuantizationType.Q4_1, arch="qwen2")
+    options = {"tokenizer": str(src), "device": "cpu", "max_model_len": 128, "seed": 0}
+    prompts = _prompts(3, 3, 4, 30, vocab=1000)
+    loop = LLM(str(gguf_path), kernel_config={"fused_decode_layers": False}, **options)
+    assert loop.engine.runner.model.layers[0].self_attn.qkv_proj._applied_bias is not None
+    expected = _outputs(loop, prompts, _params(3))
+    fused = LLM(str(gguf_path), **options)
+    assert _outputs(fused, prompts, _params(3)) == expected
+    plan = fused.engine.runner.model.ops._decode_plan
+    assert plan.why_not is None and len(plan.qkv_biases) == len(fused.engine.runner.model.layers)
+    assert fused_calls
+
+
 def test_the_op_checks_its_lists():
     from tokenmill.kernels.cpu.build import load_cpu_kernels
 
@@ -127,6 +150,6 @@ def test_the_op_checks_its_lists():
     empty = torch.zeros(0)
     with pytest.raises(RuntimeError, match="expected 2 norms a layer"):
         torch.ops.tokenmill_cpu.decode_layers(
-            x, None, [], [empty] * 4, [0] * 4, [16] * 4, [empty], empty, empty, empty, empty, empty, empty,
+            x, None, [], [empty] * 4, [0] * 4, [16] * 4, [], [empty], empty, empty, empty, empty, empty, empty,
             1, 1, 8, 1.0, 1e-5, 16, [0], 1,
         )  # fmt: skip

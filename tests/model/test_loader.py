@@ -190,16 +190,18 @@ _GGUF_NAMES = {
 }
 
 
-def _write_gguf_like_llama_cpp(src: Path, dst: Path, quantize_matmuls=None) -> None:
+def _write_gguf_like_llama_cpp(src: Path, dst: Path, quantize_matmuls=None, arch: str = "llama") -> None:
     """Convert the tiny tied llama checkpoint to GGUF (F32) the way llama.cpp does; with
     `quantize_matmuls` (a GGMLQuantizationType) the matmul weights and the embedding table are
-    stored in that type."""
+    stored in that type. `arch` "qwen2": a tied Qwen2 checkpoint (q/k/v biases), whose Q/K rows
+    llama.cpp does not permute."""
     import gguf
 
     cfg = json.loads((src / "config.json").read_text())
     rope = cfg["rope_parameters"]
-    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    writer = gguf.GGUFWriter(str(dst), arch="llama")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -214,9 +216,10 @@ def _write_gguf_like_llama_cpp(src: Path, dst: Path, quantize_matmuls=None) -> N
     writer.add_eos_token_id(cfg["eos_token_id"])
     # llama.cpp keeps Llama-3 RoPE scaling as per-frequency divisors in a `rope_freqs` tensor.
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    base = rope_inv_freq(head_dim, rope["rope_theta"], None)
-    factors = base / rope_inv_freq(head_dim, rope["rope_theta"], scaling)
-    writer.add_tensor("rope_freqs.weight", factors.numpy())
+    if scaling.get("rope_type", "default") != "default":
+        base = rope_inv_freq(head_dim, rope["rope_theta"], None)
+        factors = base / rope_inv_freq(head_dim, rope["rope_theta"], scaling)
+        writer.add_tensor("rope_freqs.weight", factors.numpy())
     for name, tensor in _hf_weights(src).items():
         array = tensor.numpy()
         if name == "model.embed_tokens.weight":
@@ -227,7 +230,9 @@ def _write_gguf_like_llama_cpp(src: Path, dst: Path, quantize_matmuls=None) -> N
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
-            if module == "self_attn.q_proj":
+            if arch != "llama":
+                pass
+            elif module == "self_attn.q_proj":
                 array = _llama_cpp_permute(array, heads)
             elif module == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, kv_heads)

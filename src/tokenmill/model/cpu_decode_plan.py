@@ -8,7 +8,7 @@ loop's bit for bit; it only removes the Python between them.
 It serves the models whose every layer is the plain path it replicates: a DecoderLayer with
 SelfAttention (no Q/K norms, no soft cap or sinks, one KV cache group) and a SwiGLU MLP, whose four
 products are GGUF blocks in the integer-activation layout (GGUFBlocksMethod, nothing wrapping it:
-LoRA and the like keep the loop) without bias, on the C++ attention backend, one rank, float32.
+LoRA and the like keep the loop), with no bias but Qwen2's on q/k/v, on the C++ attention backend, one rank, float32.
 Per step: decode-sized steps only (every query chunk within the attention kernel's limit, no
 padding rows, no KV connector hooks), and rows the blocks serve. Everything else runs the loop.
 KernelConfig.fused_decode_layers turns it off.
@@ -86,6 +86,12 @@ class CpuDecodePlan:
         self.weights = [b.vnni for b in blocks]
         self.quant_types = [b.quant_type for b in blocks]
         self.activation_bits = [b.activation_bits for b in blocks]
+        # Qwen2's q/k/v bias (one a layer, or none); no other product may have one (_layer_problem).
+        biases = [layer.self_attn.qkv_proj._applied_bias for layer in model.layers]
+        self.qkv_biases = [] if all(b is None for b in biases) else biases
+        if self.qkv_biases and any(b is None or b.dtype != torch.float32 for b in biases):
+            self.why_not = "q/k/v biases on some layers only, or not float32"
+            return
         self.sliding_windows = [layer.self_attn.layer_spec.sliding_window or 0 for layer in model.layers]
         self.few_rows_limit = int8_rows_limit()
         # Above the few-row kernel's rows the products take the batched 16-bit kernel (where built).
@@ -119,7 +125,7 @@ class CpuDecodePlan:
         """The layer loop's (x, pending): x updated in place, the last layer's MLP output."""
         starts, seq_lens, tables, slots = self.backend.kernel_tensors(meta)
         pending = self._op(
-            x, None, self.norms, self.weights, self.quant_types, self.activation_bits, kv_caches,
+            x, None, self.norms, self.weights, self.quant_types, self.activation_bits, self.qkv_biases, kv_caches,
             rope.cos, rope.signed_sin, starts, seq_lens, tables, slots,
             self.num_heads, self.num_kv_heads, self.head_dim, self.backend.scale, self.eps,
             self.backend.max_kernel_query_len, self.sliding_windows, self.few_rows_limit,
@@ -152,8 +158,8 @@ def _layer_problem(layer, decoder_layer_type: type) -> str | None:
             return f"{type(method).__name__} products"
         if method.blocks.vnni is None:
             return "GGUF blocks without the integer-activation layout"
-        if linear._applied_bias is not None:
-            return "a bias"
+        if linear._applied_bias is not None and linear is not attn.qkv_proj:
+            return "an o_proj or MLP bias"
     return None
 
 

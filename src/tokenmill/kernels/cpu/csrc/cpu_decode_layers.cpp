@@ -10,7 +10,7 @@
 //
 // Per layer (tensors in the lists by layer: norms [input, post], weights [qkv, o, gate_up, down]):
 //   normed = add_rms_norm(x += pending, input_norm)
-//   qkv = product(normed, qkv);  qk = rotate(qkv's q and k columns);  store_kv(k, v)
+//   qkv = product(normed, qkv) (+= its bias, Qwen2's);  qk = rotate(qkv's q and k columns);  store_kv(k, v)
 //   attn = paged_attention(q)
 //   normed = add_rms_norm(x += product(attn, o), post_norm)
 //   pending = product(silu_mul(product(normed, gate_up)), down)
@@ -63,7 +63,7 @@ const LayerOps& layer_ops() {
 
 at::Tensor decode_layers(at::Tensor& x, const std::optional<at::Tensor>& pending_in, at::TensorList norms,
                          at::TensorList weights, at::IntArrayRef quant_types, at::IntArrayRef activation_bits,
-                         at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& signed_sin,
+                         at::TensorList qkv_biases, at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& signed_sin,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& block_tables, const at::Tensor& slot_mapping, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double scale, double eps, int64_t kernel_query_len,
@@ -76,6 +76,8 @@ at::Tensor decode_layers(at::Tensor& x, const std::optional<at::Tensor>& pending
                   static_cast<int64_t>(quant_types.size()) == 4 * num_layers &&
                   static_cast<int64_t>(activation_bits.size()) == 4 * num_layers,
               "decode_layers: expected 4 weights, quant types and activation bits a layer (", 4 * num_layers, ")");
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
+              "decode_layers: expected no qkv biases or one a layer (", num_layers, "), got ", qkv_biases.size());
   TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
               "decode_layers: expected one sliding window (0 = none) a layer");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -96,6 +98,7 @@ at::Tensor decode_layers(at::Tensor& x, const std::optional<at::Tensor>& pending
     const at::Tensor& kv_cache = kv_caches[l];
     at::Tensor normed = ops.add_rms_norm.call(x, pending, norms[2 * l], eps);
     at::Tensor qkv = product(normed, 4 * l);
+    if (!qkv_biases.empty()) qkv.add_(qkv_biases[l]);  // as quant_gemv.quantized_linear's `out += bias`
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: layer ", l, "'s qkv product has ", qkv.size(1),
                 " columns, expected ", q_size + 2 * kv_size);
     at::Tensor qk = ops.rotate.call(qkv.narrow(1, 0, q_size + kv_size).view({rows, num_heads + num_kv_heads, head_dim}),
@@ -118,7 +121,7 @@ at::Tensor decode_layers(at::Tensor& x, const std::optional<at::Tensor>& pending
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
       "decode_layers(Tensor(a!) x, Tensor? pending, Tensor[] norms, Tensor[] weights, int[] quant_types, "
-      "int[] activation_bits, Tensor[] kv_caches, Tensor cos, Tensor signed_sin, Tensor query_start_loc, "
+      "int[] activation_bits, Tensor[] qkv_biases, Tensor[] kv_caches, Tensor cos, Tensor signed_sin, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, "
       "float scale, float eps, int kernel_query_len, int[] sliding_windows, int few_rows_limit) -> Tensor");
 }
