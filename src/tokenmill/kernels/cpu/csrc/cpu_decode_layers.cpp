@@ -6,7 +6,7 @@
 // Why: at one decode row the default model's (SmolLM2-135M, 30 layers) step spent ~2.5-3 ms of
 // ~12-14 ms in Python between the kernels (module calls, views, the backend's per-call checks:
 // ~45 us a layer). Here that is a few microseconds a layer. The arithmetic is the ops' own, so the
-// outputs are bit-identical to the layer loop's (tests/unit/test_cpu_decode_layers.py).
+// outputs are bit-identical to the layer loop's (tests/engine/test_cpu_decode_layers.py).
 //
 // Per layer (tensors in the lists by layer: norms [input, post], weights [qkv, o, gate_up, down]):
 //   normed = add_rms_norm(x += pending, input_norm)
