@@ -21,6 +21,7 @@ from tokenmill.args import EngineArgs
 from tokenmill.errors import EngineDeadError
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader.quant_config import QuantizationSpec
+from tokenmill.model.moe_config import MoEConfig
 from tokenmill.model.tensor_parallel import check_tensor_parallel, rank_arch
 from tokenmill.sampling_params import StructuredOutputsParams as SO
 
@@ -162,6 +163,10 @@ def test_what_cannot_be_split_is_refused_before_loading():
     ):
         with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\).*{reason}"):
             check_tensor_parallel(_arch(), 2, quantization=refused)
+    moe = _arch(architecture="qwen3_moe", moe=MoEConfig(4, 2, 96, renormalize=True, sparse_layers=(0, 1)))
+    with pytest.raises(ValueError, match="quantized mixture-of-experts weights are not sharded"):
+        check_tensor_parallel(moe, 2, quantization=fp8)
+    check_tensor_parallel(moe, 2)  # the 16-bit experts shard
     with pytest.raises(ValueError, match="KV heads: one must divide the other"):
         check_tensor_parallel(_arch(num_kv_heads=2), 3)
     with pytest.raises(ValueError, match="must be >= 1"):

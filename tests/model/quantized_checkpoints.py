@@ -26,7 +26,9 @@ Sources (`QUANT_SOURCES`): tiny Llama / Qwen2 checkpoints written by transformer
 hidden 128, 4 heads of 32, 2 KV heads (k/v have 64 output features), 2 layers: "llama" (intermediate
 256: every group size 32/64/128 divides every K), "llama-bf16" (the same in bfloat16), and "qwen2"
 (q/k/v bias, intermediate 192: partial 128x128 FP8 blocks along N and K, group sizes 32 and 64),
-"llama-mha" (4 KV heads: every merged part a multiple of 128 rows, as the GPU's FP8 blocks need).
+"llama-mha" (4 KV heads: every merged part a multiple of 128 rows, as the GPU's FP8 blocks need),
+and the mixture-of-experts "qwen3-moe", "qwen2-moe" (a shared expert) and "mixtral" (4 experts of
+intermediate 128, top-2; routers and the shared-expert gate unquantized).
 
 Use the session fixture `quantized_checkpoint` (import it into the test module): a function
 (layout, source="llama") -> QuantizedCheckpoint, written once per session. `corrupt_tensor` writes
@@ -56,6 +58,10 @@ from tokenmill.model.layers.quantize_weights import (
 )
 
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts (block_sparse_moe.experts.E.w1 / w3 / w2) are quantized too; MoE routers
+# (mlp.gate, block_sparse_moe.gate) and Qwen's shared_expert_gate stay as the source has them, as
+# the published FP8 MoE checkpoints leave them.
+MIXTRAL_EXPERT_PROJECTIONS = ("w1", "w2", "w3")
 FP8_BLOCK = (128, 128)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8c + AWQ_PACK_ORDER[i]
 
@@ -183,7 +189,10 @@ def compressed_tensors_fp8(src: Path, dtype: torch.dtype, strategy: str, activat
     def quantize(name: str, w: torch.Tensor):
         tensors, deq = _fp8_layer(strategy, dtype, name, w)
         if activations == "static":
-            tensors["input_scale"] = (input_absmax[name] / 448.0).reshape(1).to(dtype)
+            # transformers holds MoE experts stacked (no per-expert module to hook): an expert
+            # takes the largest input absmax recorded (the engine checks static scales, never uses them).
+            absmax = input_absmax[name] if name in input_absmax else max(input_absmax.values())
+            tensors["input_scale"] = (absmax / 448.0).reshape(1).to(dtype)
         return tensors, deq
 
     return compressed_tensors_fp8_config(strategy, activations), quantize
@@ -313,7 +322,10 @@ def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _is_quantized(name: str) -> bool:
     layer, _, leaf = name.rpartition(".")
-    return leaf == "weight" and layer.rpartition(".")[2] in QUANTIZED_PROJECTIONS
+    projection = layer.rpartition(".")[2]
+    return leaf == "weight" and (
+        projection in QUANTIZED_PROJECTIONS or (projection in MIXTRAL_EXPERT_PROJECTIONS and ".experts." in layer)
+    )
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -426,7 +438,27 @@ QUANT_SOURCES: dict[str, tuple[str, int, dict, torch.dtype]] = {
     # 4 KV heads: q, k and v each 128 rows, so 128x128 FP8 blocks tile the merged q/k/v (the GPU
     # kernels need that; real models' parts are multiples of 128).
     "llama-mha": ("llama", 33, dict(_SOURCE_SHAPE, num_key_value_heads=4, intermediate_size=256), torch.float32),
-}
+    # Mixture-of-experts sources (experts stored one tensor per expert, as published): expert
+    # intermediate sizes of 128, so 128x128 FP8 blocks tile each expert's gate and up.
+    "qwen3-moe": (
+        "qwen3_moe", 34,
+        dict(_SOURCE_SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=128,
+             intermediate_size=256),
+        torch.float32,
+    ),
+    "qwen2-moe": (
+        "qwen2_moe", 35,
+        dict(_SOURCE_SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, moe_intermediate_size=128,
+             shared_expert_intermediate_size=128, intermediate_size=256),
+        torch.float32,
+    ),
+    "mixtral": (
+        "mixtral", 36,
+        dict(_SOURCE_SHAPE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None),
+        torch.float32,
+    ),
+}  # fmt: skip
+MOE_SOURCES = ("qwen3-moe", "qwen2-moe", "mixtral")
 
 
 def write_quant_source(path: Path, source: str, tokenizer) -> Path:
@@ -434,6 +466,10 @@ def write_quant_source(path: Path, source: str, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM
 
     family, seed, overrides, dtype = QUANT_SOURCES[source]
+    if source in MOE_SOURCES:
+        from tests.moe_checkpoints import write_tiny_moe_checkpoint
+
+        return write_tiny_moe_checkpoint(path, family, tokenizer, seed, **overrides)
     if dtype == torch.float32:
         return write_tiny_checkpoint(path, family, tokenizer, seed, **overrides)
     fp32 = write_tiny_checkpoint(path.with_name(path.name + "-fp32"), family, tokenizer, seed, **overrides)

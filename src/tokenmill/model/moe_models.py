@@ -25,16 +25,26 @@ from torch import nn
 
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.moe import SparseMoEBlock, select_moe_ops
+from tokenmill.model.layers.moe_fp8 import Fp8ExpertWeights
+from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
 from tokenmill.model.llama import CausalLM
 
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-_MIXTRAL_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_MIXTRAL_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."
+    r"(weight|weight_scale|weight_scale_inv|input_scale)"
+)
 _MIXTRAL_BLOCK = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(.+)")
 _STACKED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.weight")
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale|weight_scale_inv|input_scale)"
+)
+# An FP8 expert projection's tensor -> the MoEExperts parameter (of gate_up_* / down_*) it fills.
+_EXPERT_LEAF_PARAM = {"weight": "proj", "weight_scale": "scale", "weight_scale_inv": "scale", "input_scale": "input_scale"}
+_SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.(\w+)")
 
 
 class MoECausalLM(CausalLM):
@@ -56,10 +66,20 @@ class MoECausalLM(CausalLM):
             return None  # mlp_only_layers / decoder_sparse_step: the dense MLP
         if "moe_ops" not in self.__dict__:
             self.moe_ops = select_moe_ops(device or "cpu")  # once per model, like the layer ops
+        expert_fp8 = None
+        if isinstance(linear_method, QuantizedLinearMethod):
+            # The FP8 linear method's spec, for the routed experts too (resolve_model refused the rest).
+            expert_fp8 = Fp8ExpertWeights(linear_method.spec, use_kernels=linear_method.use_kernels)
+            self.expert_fp8 = expert_fp8
         return SparseMoEBlock(
             self.arch.hidden_size, moe, self.ops, self.moe_ops, linear_method=linear_method,
-            device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            expert_fp8=expert_fp8, device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )  # fmt: skip
+
+    def _expert_leaves(self) -> tuple[str, ...]:
+        """The tensors besides `weight` each FP8 expert projection has in the checkpoint."""
+        fp8 = self.__dict__.get("expert_fp8")
+        return fp8.checkpoint_leaves() if fp8 is not None else ()
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -70,16 +90,22 @@ class MoECausalLM(CausalLM):
         match = _EXPERT.fullmatch(name)
         if match is not None:
             block = self._sparse_block(int(match[1]), name)
-            expert, part = int(match[2]), match[3]
+            expert, part, leaf = int(match[2]), match[3], match[4]
+            if leaf != "weight" and (block.experts.fp8 is None or leaf not in self._expert_leaves()):
+                raise ValueError(
+                    f"unexpected weight {name!r}: this model's experts take "
+                    f"{', '.join(('weight',) + self._expert_leaves())} tensors"
+                )
+            param = _EXPERT_LEAF_PARAM[leaf]
             if part == "down_proj":
-                return block.experts, "down_proj", (expert, None)
-            return block.experts, "gate_up_proj", (expert, _EXPERT_PARTS.index(part))
+                return block.experts, f"down_{param}", (expert, None)
+            return block.experts, f"gate_up_{param}", (expert, _EXPERT_PARTS.index(part))
         match = _SHARED_GATE_UP.fullmatch(name)
         if match is not None:
             block = self._sparse_block(int(match[1]), name)
             if block.shared_expert is None:
                 raise ValueError(f"unexpected weight {name!r}: this {self.arch.architecture} model has no shared expert")
-            return block.shared_expert.gate_up_proj, "weight", _EXPERT_PARTS.index(match[2])
+            return block.shared_expert.gate_up_proj, match[3], _EXPERT_PARTS.index(match[2])
         return super()._checkpoint_module(name)
 
     def _sparse_block(self, layer: int, name: str) -> SparseMoEBlock:
@@ -99,7 +125,10 @@ class MoECausalLM(CausalLM):
             names -= {prefix + f"{part}.weight" for part in _EXPERT_PARTS}  # no dense MLP here
             names.add(prefix + "gate.weight")
             names.update(
-                prefix + f"experts.{e}.{part}.weight" for e in range(moe.num_experts) for part in _EXPERT_PARTS
+                prefix + f"experts.{e}.{part}.{leaf}"
+                for e in range(moe.num_experts)
+                for part in _EXPERT_PARTS
+                for leaf in ("weight", *self._expert_leaves())
             )
             if moe.shared_expert_intermediate_size:
                 names.update(prefix + f"shared_expert.{part}.weight" for part in _EXPERT_PARTS)
@@ -113,8 +142,8 @@ def _per_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
     for name, tensor in weights:
         match = _MIXTRAL_EXPERT.fullmatch(name)
         if match is not None:
-            layer, expert, part = match.groups()
-            yield f"model.layers.{layer}.mlp.experts.{expert}.{_MIXTRAL_EXPERT_PARTS[part]}.weight", tensor
+            layer, expert, part, leaf = match.groups()
+            yield f"model.layers.{layer}.mlp.experts.{expert}.{_MIXTRAL_EXPERT_PARTS[part]}.{leaf}", tensor
             continue
         match = _MIXTRAL_BLOCK.fullmatch(name)
         if match is not None:

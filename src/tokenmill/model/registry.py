@@ -18,6 +18,7 @@ from tokenmill.model.gemma import GemmaCausalLM
 from tokenmill.model.gpt_oss import GptOssCausalLM
 from tokenmill.model.layers.linear import process_weights_after_loading
 from tokenmill.model.layers.linear_select import exclude_unquantized_layers, select_linear_method
+from tokenmill.model.layers.moe import process_experts_after_loading
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.loader.dummy import init_dummy_weights
 from tokenmill.model.loader.gguf_blocks import attach_gguf_blocks
@@ -91,6 +92,7 @@ def load_model(
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
     process_weights_after_loading(model)
+    process_experts_after_loading(model)  # FP8 experts: the kernels' form, or dequantized
     model.fold_norm_weights()  # where the linear methods can (CUDA)
     if (
         device.type == "cpu"

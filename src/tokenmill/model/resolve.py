@@ -43,10 +43,11 @@ logger = logging.getLogger(__name__)
 WeightFormat = Literal["safetensors", "pt", "gguf", "dummy"]
 
 
-# The families whose linear layers take quantized methods: the Llama decoder's (model/llama.py).
-# Mixture-of-experts blocks, gpt-oss, and the families with their own weight layouts (Phi-3's
+# The families whose linear layers take quantized methods: the Llama decoder's (model/llama.py),
+# and its mixture-of-experts variants, whose routed experts take FP8 (layers/moe_fp8.py; their
+# INT4 experts are not built). gpt-oss and the families with their own weight layouts (Phi-3's
 # fused projections, Gemma) are refused until their loaders map quantized tensors.
-_QUANTIZABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_QUANTIZABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,24 @@ class ResolvedModel:
     tokenizer_revision: str | None = None
     # How its linear layers are quantized (model/loader/quant_config.py); None: 16-bit.
     quantization: QuantizationSpec | None = None
+
+
+def _check_quantizable(arch: ArchConfig, quantization: QuantizationSpec) -> None:
+    """UnsupportedModelError (param quantization) for a family or a scheme whose layers cannot take
+    `quantization`, before any weight loads."""
+    if arch.architecture not in _QUANTIZABLE_FAMILIES:
+        raise UnsupportedModelError(
+            f"{quantization.method} quantization of a {arch.architecture} model is not supported yet: quantized "
+            f"linear layers run in {', '.join(_QUANTIZABLE_FAMILIES)}; serve its 16-bit checkpoint",
+            param="quantization",
+        )
+    if arch.moe is not None and quantization.scheme != "fp8_w8a8":
+        raise UnsupportedModelError(
+            f"{quantization.describe()} for a {arch.architecture} model is not supported yet: mixture-of-experts "
+            "blocks take FP8 expert weights (a compressed-tensors or Hugging Face fp8 checkpoint, or "
+            "--quantization fp8), not 4-bit ones; serve its 16-bit or FP8 checkpoint",
+            param="quantization",
+        )
 
 
 def resolve_model(model_config: ModelConfig) -> ResolvedModel:
@@ -106,13 +125,8 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     else:
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
 
-    if quantization is not None and (arch.moe is not None or arch.architecture not in _QUANTIZABLE_FAMILIES):
-        raise UnsupportedModelError(
-            f"{quantization.method} quantization of a {arch.architecture} model is not supported yet: quantized "
-            f"linear layers run in the dense families ({', '.join(_QUANTIZABLE_FAMILIES)}), not in "
-            "mixture-of-experts blocks; serve its 16-bit checkpoint",
-            param="quantization",
-        )
+    if quantization is not None:
+        _check_quantizable(arch, quantization)
     tokenizer_path, tokenizer_revision = str(path), None
     if model_config.tokenizer is not None:
         tokenizer, tokenizer_revision = _locate(

@@ -33,6 +33,8 @@ from tokenmill.model.layers.layer_ops import LayerOps
 from tokenmill.model.layers.linear import ReplicatedLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.mlp import SwiGLUMLP
+from tokenmill.model.layers.moe_fp8 import ExpertScales, Fp8ExpertWeights
+from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
 from tokenmill.model.moe_config import MoEConfig
 
 # A checkpoint tensor's place in the stacked expert weights: (expert, 0 = gate / 1 = up / None =
@@ -56,9 +58,11 @@ class TorchMoEOps:
 
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool, scales: ExpertScales | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The routed experts' output [T, H] for router logits [T, E]."""
+        if scales is not None:
+            raise ValueError("the torch MoE ops multiply dequantized expert weights; FP8 scales go to the Triton ops")
         weights, ids = self.route(router_logits, top_k, renormalize, weights_in_model_dtype)
         return self.experts(x, gate_up_proj, down_proj, weights, ids)
 
@@ -122,12 +126,14 @@ class TritonMoEOps:
 
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool, scales: ExpertScales | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Routing and experts together: a few tokens route inside the experts' first launch."""
+        """Routing and experts together: a few tokens route inside the experts' first launch. With
+        `scales`, the expert weights are FP8 (W8A16 in the same kernels)."""
         return self._routed_fused_moe(
-            x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype
-        )
+            x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype,
+            **(scales.kernel_kwargs() if scales is not None else {}),
+        )  # fmt: skip
 
     def takes_residual(self, num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int) -> bool:
         """Whether forward_from_residual serves a step of `num_tokens` tokens (the few-token GEMVs)."""
@@ -178,7 +184,10 @@ class MoEExperts(nn.Module):
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, device=None,
         dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
+        fp8: Fp8ExpertWeights | None = None,
     ) -> None:  # fmt: skip
+        """`fp8`: the experts' weights are FP8 (layers/moe_fp8.py): in the checkpoint, or
+        quantized at load."""
         super().__init__()
         dtype = dtype or torch.float32
         if intermediate_size % tp_size:
@@ -199,14 +208,27 @@ class MoEExperts(nn.Module):
             torch.empty((num_experts, hidden_size, local), device=device, dtype=dtype),
             requires_grad=False,
         )
+        if fp8 is not None and tp_size > 1:
+            raise ValueError("FP8 expert weights are not sharded for tensor parallelism yet")
+        self.fp8 = fp8
+        self.dtype = dtype
+        self.scales: ExpertScales | None = None  # set after loading, for FP8 weights the kernels read
+        if fp8 is not None:
+            fp8.create_weights(self, device=device, dtype=dtype)
 
     @torch.no_grad()
     def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ExpertShard = None) -> None:
         """Copy this rank's part of a checkpoint tensor into `param_name` ("gate_up_proj" or
         "down_proj"): one expert's gate, up or down matrix (shard_id = (expert, 0 | 1 | None)), or
-        the whole stack (None)."""
+        the whole stack (None). FP8 experts also take each projection's scales
+        (`gate_up_scale`, `down_scale`, and static `gate_up_input_scale` / `down_input_scale`)."""
+        if self.fp8 is not None and param_name in _FP8_SCALE_PARAMS:
+            self.fp8.load_scale(self, param_name, loaded, shard_id)
+            return
         if param_name not in ("gate_up_proj", "down_proj"):
             raise ValueError(f"no such {param_name}; the experts hold gate_up_proj and down_proj")
+        if self.fp8 is not None:
+            self.fp8.check_weight(param_name, loaded)
         param: torch.Tensor = getattr(self, param_name).data
         if shard_id is None:
             for expert, matrix in enumerate(self._checked_stack(param_name, loaded).unbind(0)):
@@ -240,6 +262,21 @@ class MoEExperts(nn.Module):
         _check_expert_shape(loaded, (self.num_experts, rows, cols))
         return loaded
 
+    def process_weights_after_loading(self) -> None:
+        """FP8 experts: the kernels' form on the GPU, dequantized weights elsewhere."""
+        if self.fp8 is not None:
+            self.fp8.process_after_loading(self, self.dtype)
+
+
+_FP8_SCALE_PARAMS = ("gate_up_scale", "down_scale", "gate_up_input_scale", "down_input_scale")
+
+
+def process_experts_after_loading(model: nn.Module) -> None:
+    """Let every MoE block's experts put their loaded weights in the form they multiply."""
+    for module in model.modules():
+        if isinstance(module, MoEExperts):
+            module.process_weights_after_loading()
+
 
 def _check_expert_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != expected:
@@ -259,25 +296,32 @@ class SparseMoEBlock(nn.Module):
         moe_ops: MoEOps,
         *,
         linear_method: LinearMethod | None = None,
+        expert_fp8: Fp8ExpertWeights | None = None,
         device=None,
         dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
         """`tp_rank` of `tp_size`: the share of every expert's (and the shared expert's)
-        intermediate dimension this block holds; the router and the shared expert's gate are whole."""
+        intermediate dimension this block holds; the router and the shared expert's gate are whole.
+        `expert_fp8`: the routed experts' weights are FP8 (layers/moe_fp8.py)."""
         super().__init__()
         place = {"device": device, "dtype": dtype}
         shard = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.gate = ReplicatedLinear(hidden_size, moe.num_experts, method=linear_method, **place)
-        self.experts = MoEExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, **shard, **place)
+        # The router (and below the shared expert's gate) stays 16-bit under a quantized method:
+        # quantized checkpoints leave it so.
+        router_method = linear_method.base if isinstance(linear_method, QuantizedLinearMethod) else linear_method
+        self.gate = ReplicatedLinear(hidden_size, moe.num_experts, method=router_method, **place)
+        self.experts = MoEExperts(
+            moe.num_experts, hidden_size, moe.expert_intermediate_size, fp8=expert_fp8, **shard, **place
+        )
         if moe.shared_expert_intermediate_size:
             # Its down_proj leaves the partial sum: the block all-reduces once, routed + shared.
             self.shared_expert = SwiGLUMLP(
                 hidden_size, moe.shared_expert_intermediate_size, ops, linear_method=linear_method,
                 reduce_results=False, **shard, **place,
             )  # fmt: skip
-            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, method=linear_method, **place)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, method=router_method, **place)
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
@@ -292,7 +336,7 @@ class SparseMoEBlock(nn.Module):
         experts = self._experts_
         out = self.moe_ops.forward(
             x, self._router(x), experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalize,
-            self.weights_in_model_dtype,
+            self.weights_in_model_dtype, experts.scales,
         )  # fmt: skip
         if self.shared_expert is not None:
             # This rank's partial of the shared expert; the gate (whole on every rank) scales the

@@ -104,6 +104,11 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
         return f"{what} are not sharded for tensor parallelism yet (act-order); use tensor_parallel_size=1"
     if arch is None or size == 1:
         return None
+    if arch.moe is not None:
+        return (
+            f"{what}: quantized mixture-of-experts weights are not sharded for tensor parallelism yet; "
+            "use tensor_parallel_size=1 or the 16-bit checkpoint"
+        )
     heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
     # What one rank holds: output rows of the column-parallel parts, input columns of the row-parallel layers.
     rows = {
