@@ -2,6 +2,7 @@
 # The mixture-of-experts GPU work of issue 15 in one command, as run on the device tool's H100:
 #   STEPS=tune,tests,microbench benchmarks/moe_gpu_suite.sh
 #   STEPS=latency,throughput benchmarks/moe_gpu_suite.sh
+#   STEPS=latency,latency-fp8 benchmarks/moe_gpu_suite.sh   (FP8 experts against bf16, same call)
 # tune: benchmarks/tune_fused_moe.py for Mixtral-8x7B and Qwen3-30B-A3B expert shapes (writes the
 # repo's kernels/triton/moe_configs; a tar of them goes to $OUT); tests: tests/gpu/test_moe_gpu.py;
 # microbench: benchmarks/moe_microbench.py; profile: benchmarks/profile_decode.py (where a decode
@@ -47,6 +48,15 @@ if has latency; then
   timeout "${LATENCY_TIMEOUT:-200}" "${TOKENMILL[@]}" bench latency --model "$MODEL" --load-format dummy \
     --input-len 512 --output-len 256 --max-model-len 4096 --max-num-seqs 8 --num-iters 2 \
     --result-dir "$OUT" --result-name latency-qwen3-30b-a3b 2>&1 | tee "$OUT/latency.log" | grep -vE "it/s\]|s/it\]" | tail -8
+fi
+
+# FP8 routed experts (W8A16, quantized at load with per-channel scales; attention W8A8), the same
+# command as `latency`: run both steps in one call for the ratio (STEPS=latency,latency-fp8).
+if has latency-fp8; then
+  timeout "${LATENCY_TIMEOUT:-200}" "${TOKENMILL[@]}" bench latency --model "$MODEL" --load-format dummy \
+    --quantization fp8 --input-len 512 --output-len 256 --max-model-len 4096 --max-num-seqs 8 --num-iters 2 \
+    --result-dir "$OUT" --result-name latency-qwen3-30b-a3b-fp8 2>&1 | tee "$OUT/latency-fp8.log" |
+    grep -vE "it/s\]|s/it\]" | tail -8
 fi
 
 if has throughput; then

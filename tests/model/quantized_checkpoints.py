@@ -28,7 +28,7 @@ hidden 128, 4 heads of 32, 2 KV heads (k/v have 64 output features), 2 layers: "
 (q/k/v bias, intermediate 192: partial 128x128 FP8 blocks along N and K, group sizes 32 and 64),
 "llama-mha" (4 KV heads: every merged part a multiple of 128 rows, as the GPU's FP8 blocks need),
 and the mixture-of-experts "qwen3-moe", "qwen2-moe" (a shared expert) and "mixtral" (4 experts of
-intermediate 128, top-2; routers and the shared-expert gate unquantized).
+intermediate 128, top-2, 4 KV heads; routers and the shared-expert gate unquantized).
 
 Use the session fixture `quantized_checkpoint` (import it into the test module): a function
 (layout, source="llama") -> QuantizedCheckpoint, written once per session. `corrupt_tensor` writes
@@ -439,22 +439,23 @@ QUANT_SOURCES: dict[str, tuple[str, int, dict, torch.dtype]] = {
     # kernels need that; real models' parts are multiples of 128).
     "llama-mha": ("llama", 33, dict(_SOURCE_SHAPE, num_key_value_heads=4, intermediate_size=256), torch.float32),
     # Mixture-of-experts sources (experts stored one tensor per expert, as published): expert
-    # intermediate sizes of 128, so 128x128 FP8 blocks tile each expert's gate and up.
+    # intermediate sizes of 128, so 128x128 FP8 blocks tile each expert's gate and up, and 4 KV
+    # heads, so they tile q/k/v too (the GPU's block kernels need both).
     "qwen3-moe": (
         "qwen3_moe", 34,
-        dict(_SOURCE_SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=128,
+        dict(_SOURCE_SHAPE, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=128,
              intermediate_size=256),
         torch.float32,
     ),
     "qwen2-moe": (
         "qwen2_moe", 35,
-        dict(_SOURCE_SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, moe_intermediate_size=128,
+        dict(_SOURCE_SHAPE, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, moe_intermediate_size=128,
              shared_expert_intermediate_size=128, intermediate_size=256),
         torch.float32,
     ),
     "mixtral": (
         "mixtral", 36,
-        dict(_SOURCE_SHAPE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None),
+        dict(_SOURCE_SHAPE, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, sliding_window=None),
         torch.float32,
     ),
 }  # fmt: skip
