@@ -1,6 +1,6 @@
 """Quantized weights under tensor parallelism (gloo, two ranks).
 
-- Quantized checkpoints (FP8 per tensor / channel, AWQ, GPTQ): each rank loads its part of every
+- Quantized checkpoints (FP8 per tensor / channel, AWQ, GPTQ, compressed-tensors W4A16): each rank loads its part of every
   checkpoint tensor (column-parallel layers: their output rows' entries; row-parallel: their input
   columns' packed words, groups' zeros and scales); greedy tokens equal transformers' on the
   dequantized weights, logprobs close, as the one-process engine's do
@@ -46,8 +46,9 @@ def _on_two_ranks(path: str, **options) -> list[tuple[list[int], list[float]]]:
 
 
 # Per-tensor FP8 scales (whole on every rank), AWQ (words packed along the output rows), GPTQ (along the
-# input columns, with g_idx renumbered per row-parallel shard).
-@pytest.mark.parametrize("layout", ["ct-fp8-tensor", "awq-g32", "gptq-g32-asym"])
+# input columns, with g_idx renumbered per row-parallel shard), compressed-tensors pack-quantized (weights
+# packed along the input columns, zero points along the output rows, weight_shape whole per part).
+@pytest.mark.parametrize("layout", ["ct-fp8-tensor", "awq-g32", "gptq-g32-asym", "ct-w4a16-g32-asym"])
 def test_quantized_checkpoint_equals_transformers_on_its_dequantized_weights(quantized_checkpoint, layout):
     ckpt = quantized_checkpoint(layout)
     for prompt, (tokens, logprobs) in zip(PROMPTS, _on_two_ranks(str(ckpt.path)), strict=True):

@@ -65,7 +65,7 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(qu
     _check(llm, str(ckpt.reference), _prompts(llm.info.vocab_size, 3, seed=len(layout)))
 
 
-@pytest.mark.parametrize("layout", ["ct-fp8-block", "gptq-g32-sym-actorder"])
+@pytest.mark.parametrize("layout", ["ct-fp8-block", "gptq-g32-sym-actorder", "ct-w4a16-g128-sym"])
 def test_batched_with_chunked_prefill_and_a_bf16_source(quantized_checkpoint, layout):
     ckpt = quantized_checkpoint(layout, source="llama-bf16")
     llm = LLM(str(ckpt.path), device="cpu", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=3)
@@ -123,6 +123,11 @@ def test_greedy_output_unchanged_without_quantization(tiny_llama_dir):
         ("awq-g32", "model.layers.0.self_attn.q_proj.qweight"),
         ("gptq-g128-sym", "model.layers.1.self_attn.o_proj.scales"),
         ("gptq-g32-sym-actorder", "model.layers.1.mlp.gate_proj.g_idx"),
+        ("ct-w4a16-g128-sym", "model.layers.0.self_attn.k_proj.weight_packed"),
+        ("ct-w4a16-g128-sym", "model.layers.1.mlp.down_proj.weight_scale"),
+        ("ct-w4a16-g32-asym", "model.layers.0.self_attn.v_proj.weight_shape"),
+        ("ct-w4a16-g32-asym", "model.layers.1.mlp.up_proj.weight_zero_point"),
+        ("ct-w4a16-g64-asym-actorder", "model.layers.0.self_attn.o_proj.weight_g_idx"),
     ],
 )
 def test_a_tensor_disagreeing_with_the_config_is_named(tmp_path, quantized_checkpoint, layout, tensor):
@@ -131,6 +136,23 @@ def test_a_tensor_disagreeing_with_the_config_is_named(tmp_path, quantized_check
     with pytest.raises(ValueError, match=tensor.replace(".", r"\.")) as err:
         LLM(str(broken), device="cpu", max_model_len=64)
     assert "shape" in str(err.value) and str(tuple(wrong)) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "written"),
+    [
+        ("model.layers.0.self_attn.k_proj.weight_shape", [64, 136]),  # k_proj is [64, 128]
+        ("model.layers.1.mlp.gate_proj.weight_shape", [128, 256]),  # [256, 128], transposed
+    ],
+)
+def test_a_pack_quantized_weight_shape_disagreeing_with_the_config_is_named(
+    tmp_path, quantized_checkpoint, tensor, written
+):
+    ckpt = quantized_checkpoint("ct-w4a16-g32-asym")
+    broken, _, _ = corrupt_tensor(ckpt.path, tmp_path / "broken", tensor, lambda t: torch.tensor(written))
+    with pytest.raises(ValueError, match=tensor.replace(".", r"\.")) as err:
+        LLM(str(broken), device="cpu", max_model_len=64)
+    assert f"weight_shape holds {written}" in str(err.value) and "config" in str(err.value)
 
 
 def _with_kv_scales(src, dst, names: dict[str, float]):

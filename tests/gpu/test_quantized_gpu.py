@@ -38,7 +38,7 @@ MAX_NEW = 16
 # e4m3 rounding of activations amplifies bf16-level differences in the inputs: a 6 % step); fp8-a16
 # (the same weights through the kernels' 16-bit-activation paths) and int4 are held tightly.
 TOLERANCES = {"fp8": (1.2, 0.3, 0.8), "fp8-a16": (0.25, 0.05, 0.3), "int4": (0.25, 0.05, 0.3)}
-LAYOUTS = ["ct-fp8-channel", "ct-fp8-block", "hf-fp8-block", "awq-g128", "gptq-g32-sym-actorder"]
+LAYOUTS = ["ct-fp8-channel", "ct-fp8-block", "hf-fp8-block", "awq-g128", "gptq-g32-sym-actorder", "ct-w4a16-g32-asym"]
 
 
 @functools.cache

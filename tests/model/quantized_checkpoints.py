@@ -15,6 +15,10 @@ running the quantized copy.
 | gptq-...       | quant_method gptq, bits 4, group_size, sym,        | qweight, qzeros, scales, g_idx  |
 |                | desc_act, checkpoint_format gptq (zeros minus one) |                                 |
 |                | or gptq_v2                                         |                                 |
+| ct-w4a16-...   | compressed-tensors pack-quantized, int 4 bits,     | weight_packed [N, K/8],         |
+|                | group (32/64/128) or channel, symmetric or not,    | weight_scale [N, G], weight_    |
+|                | actorder null or "group" (llm-compressor "W4A16")  | shape [2]; weight_zero_point    |
+|                |                                                    | [N/8, G] (asym), weight_g_idx   |
 
 Every q/k/v/o/gate/up/down projection is quantized; embeddings, norms, biases and lm_head stay as
 the source has them (`ignore: ["lm_head"]`). The canonical values come from
@@ -252,6 +256,12 @@ def act_order_g_idx(k: int, group_size: int, seed: int) -> torch.Tensor:
     return g_idx
 
 
+def _shared_input(name: str) -> str:
+    """GPTQ orders columns by its Hessian, which comes from the layer's input: projections that read
+    one input (q/k/v; gate/up) get one order, seeded by this name."""
+    return name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+
+
 def gptq(src: Path, dtype: torch.dtype, group_size: int, sym: bool, desc_act: bool, checkpoint_format: str):
     """GPTQ (AutoGPTQ / GPTQModel): qweight [K/8, N] packed along K, qzeros [G, N/8] packed along N
     (minus one in checkpoint_format "gptq", as they are in "gptq_v2"), fp16 scales [G, N], g_idx [K]
@@ -272,10 +282,7 @@ def gptq(src: Path, dtype: torch.dtype, group_size: int, sym: bool, desc_act: bo
 
     def quantize(name: str, w: torch.Tensor):
         k = w.shape[1]
-        # GPTQ orders columns by its Hessian, which comes from the layer's input: projections that read
-        # one input (q/k/v; gate/up) get one order.
-        shared_input = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-        g_idx = act_order_g_idx(k, group_size, zlib.crc32(shared_input.encode())) if desc_act else None
+        g_idx = act_order_g_idx(k, group_size, zlib.crc32(_shared_input(name).encode())) if desc_act else None
         q, scales, zeros, _, g_idx = quantize_int4(w, group_size, symmetric=sym, g_idx=g_idx)
         stored_zeros = ((zeros.to(torch.int64) - zeros_stored_minus) & 0xF).to(torch.uint8)
         tensors = {
@@ -284,6 +291,61 @@ def gptq(src: Path, dtype: torch.dtype, group_size: int, sym: bool, desc_act: bo
             "scales": scales.t().contiguous(),
             "g_idx": g_idx,
         }
+        return tensors, reference_int4(q, scales, zeros, g_idx)
+
+    return config, quantize
+
+
+def compressed_tensors_w4a16_config(group_size: int, symmetric: bool, actorder: str | None) -> dict:
+    """The quantization_config llm-compressor writes for 4-bit integer weights (group_size -1: the
+    "channel" strategy), built with the compressed-tensors package's own models. compressed-tensors
+    0.20 no longer accepts actorder "group" (older versions wrote it, with a weight_g_idx per layer,
+    and such checkpoints are on the Hub): it is set in the dumped config."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(
+        num_bits=4,
+        type="int",
+        symmetric=symmetric,
+        dynamic=False,
+        strategy="channel" if group_size == -1 else "group",
+        group_size=None if group_size == -1 else group_size,
+        actorder=None if actorder == "group" else actorder,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    ).model_dump(mode="json")
+    if actorder == "group":
+        config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return config
+
+
+def compressed_tensors_w4a16(src: Path, dtype: torch.dtype, group_size: int, symmetric: bool, actorder: str | None):
+    """llm-compressor's W4A16 (`pack-quantized`): the signed 4-bit values (q - 8) packed along K by
+    compressed-tensors' own `pack_to_int32`, scales [N, G] in the model's dtype, weight_shape [N, K],
+    and for asymmetric weights the signed zero points (zero - 8) packed along N; actorder "group"
+    adds weight_g_idx (one order for the projections that read one input, as GPTQ's Hessian gives)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    config = compressed_tensors_w4a16_config(group_size, symmetric, actorder)
+
+    def quantize(name: str, w: torch.Tensor):
+        k = w.shape[1]
+        groups = k if group_size == -1 else group_size
+        g_idx = act_order_g_idx(k, groups, zlib.crc32(_shared_input(name).encode())) if actorder == "group" else None
+        q, scales, zeros, _, g_idx = quantize_int4(w, groups, symmetric=symmetric, g_idx=g_idx, scale_dtype=dtype)
+        tensors = {
+            "weight_packed": pack_to_int32((q.to(torch.int16) - 8).to(torch.int8), 4),
+            "weight_scale": scales,
+            "weight_shape": torch.tensor(w.shape),
+        }
+        if not symmetric:
+            tensors["weight_zero_point"] = pack_to_int32((zeros.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0)
+        if actorder == "group":
+            tensors["weight_g_idx"] = g_idx
         return tensors, reference_int4(q, scales, zeros, g_idx)
 
     return config, quantize
@@ -305,6 +367,10 @@ QUANT_LAYOUTS: dict[str, Callable] = {
         gptq, group_size=64, sym=False, desc_act=True, checkpoint_format="gptq"
     ),
     "gptq-v2-g32-asym": partial(gptq, group_size=32, sym=False, desc_act=False, checkpoint_format="gptq_v2"),
+    "ct-w4a16-g128-sym": partial(compressed_tensors_w4a16, group_size=128, symmetric=True, actorder=None),
+    "ct-w4a16-g32-asym": partial(compressed_tensors_w4a16, group_size=32, symmetric=False, actorder="weight"),
+    "ct-w4a16-g64-asym-actorder": partial(compressed_tensors_w4a16, group_size=64, symmetric=False, actorder="group"),
+    "ct-w4a16-channel-sym": partial(compressed_tensors_w4a16, group_size=-1, symmetric=True, actorder=None),
 }
 FP8_LAYOUTS = [name for name in QUANT_LAYOUTS if "fp8" in name]
 INT4_LAYOUTS = [name for name in QUANT_LAYOUTS if "fp8" not in name]

@@ -26,8 +26,10 @@ from tokenmill.model.loader.int4_checkpoint import (
     check_packed_shapes,
     expected_awq_shapes,
     expected_gptq_shapes,
+    expected_pack_quantized_shapes,
     unpack_awq,
     unpack_gptq,
+    unpack_pack_quantized,
 )
 
 quantized_checkpoint = quantized_checkpoints.quantized_checkpoint
@@ -38,11 +40,14 @@ CASES = [(layout, "llama") for layout in QUANT_LAYOUTS] + [
     ("hf-fp8-block", "qwen2"),
     ("awq-g32", "qwen2"),
     ("gptq-g64-asym-actorder", "qwen2"),
+    ("ct-w4a16-g32-asym", "qwen2"),
     # A bfloat16 source: scales of compressed-tensors in bf16, the float tensors kept in bf16.
     ("ct-fp8-channel", "llama-bf16"),
     ("ct-fp8-tensor", "llama-bf16"),
     ("awq-g128", "llama-bf16"),
+    ("ct-w4a16-g128-sym", "llama-bf16"),
 ]
+CT_W4A16_LAYOUTS = [layout for layout in QUANT_LAYOUTS if layout.startswith("ct-w4a16")]
 
 
 def _config(path) -> dict:
@@ -67,14 +72,25 @@ def _expected_layer_tensors(layout: str, n: int, k: int, model_dtype: torch.dtyp
         return {"weight": (fp8, (n, k)), "weight_scale": (model_dtype, blocks)}
     if layout == "hf-fp8-block":
         return {"weight": (fp8, (n, k)), "weight_scale_inv": (torch.float32, blocks)}
-    group_size = QUANT_LAYOUTS[layout].keywords["group_size"]
-    shapes = (
-        expected_awq_shapes(n, k, group_size)
-        if layout.startswith("awq")
-        else expected_gptq_shapes(n, k, group_size)
-    )
-    dtypes = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
+    shapes = _int4_shapes(layout, n, k)
+    if layout.startswith("ct-w4a16"):
+        if "actorder" not in layout:
+            del shapes["weight_g_idx"]
+        # Scales in the model's dtype; weight_shape as torch.tensor(weight.shape) makes it.
+        dtypes = {"weight_packed": torch.int32, "weight_zero_point": torch.int32, "weight_scale": model_dtype,
+                  "weight_shape": torch.int64, "weight_g_idx": torch.int32}  # fmt: skip
+    else:
+        dtypes = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
     return {leaf: (dtypes[leaf], shape) for leaf, shape in shapes.items()}
+
+
+def _int4_shapes(layout: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
+    options = QUANT_LAYOUTS[layout].keywords
+    if layout.startswith("awq"):
+        return expected_awq_shapes(n, k, options["group_size"])
+    if layout.startswith("gptq"):
+        return expected_gptq_shapes(n, k, options["group_size"])
+    return expected_pack_quantized_shapes(n, k, options["group_size"], options["symmetric"])
 
 
 def _dequantized_by_src(tensors: dict, layer: str, quant_config: dict) -> torch.Tensor:
@@ -101,6 +117,14 @@ def _dequantized_by_src(tensors: dict, layer: str, quant_config: dict) -> torch.
     if method == "fp8":
         return dequantize_fp8(t["weight"], t["weight_scale_inv"], tuple(quant_config["weight_block_size"]))
     weights = quant_config["config_groups"]["group_0"]["weights"]
+    if quant_config["format"] == "pack-quantized":
+        group_size = weights["group_size"] if weights["strategy"] == "group" else -1
+        return dequantize_int4(
+            *unpack_pack_quantized(
+                t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), t.get("weight_g_idx"),
+                group_size, weight_shape=t["weight_shape"], layer=layer,
+            )
+        )  # fmt: skip
     block = tuple(weights["block_structure"]) if weights["strategy"] == "block" else None
     return dequantize_fp8(t["weight"], t["weight_scale"], block)
 
@@ -190,6 +214,23 @@ def test_config_of_each_layout():
             assert gptq["quant_method"] == "gptq" and gptq["bits"] == 4
             assert gptq["checkpoint_format"] == ("gptq_v2" if "v2" in layout else "gptq")
             assert gptq["desc_act"] == ("actorder" in layout) and gptq["sym"] == ("-sym" in layout)
+    for layout in CT_W4A16_LAYOUTS:
+        config, _ = QUANT_LAYOUTS[layout](None, torch.float32)
+        weights = config["config_groups"]["group_0"]["weights"]
+        assert (config["quant_method"], config["format"], config["ignore"]) == (
+            "compressed-tensors", "pack-quantized", ["lm_head"],
+        )  # fmt: skip
+        assert config["config_groups"]["group_0"]["input_activations"] is None
+        assert weights["symmetric"] == ("-sym" in layout) and weights.get("actorder") == (
+            "group" if "actorder" in layout else QUANT_LAYOUTS[layout].keywords["actorder"]
+        )
+        # compressed-tensors 0.20 refuses the actorder "group" it once wrote; its model checks the rest.
+        scheme = QuantizationConfig.model_validate(
+            {**config, "config_groups": {"group_0": {**config["config_groups"]["group_0"],
+                                                     "weights": {**weights, "actorder": None}}}}
+        ).config_groups["group_0"]  # fmt: skip
+        strategy = "channel" if "channel" in layout else "group"
+        assert (scheme.weights.num_bits, scheme.weights.type, scheme.weights.strategy) == (4, "int", strategy)
 
 
 def test_static_input_scales_are_calibrated(quantized_checkpoint):
@@ -213,9 +254,43 @@ def test_act_order_checkpoints_have_shuffled_g_idx(quantized_checkpoint):
     assert plain["model.layers.1.mlp.down_proj.g_idx"].tolist() == [i // 32 for i in range(256)]
 
 
+@pytest.mark.parametrize("layout", [layout for layout in CT_W4A16_LAYOUTS if "actorder" not in layout])
+def test_w4a16_layers_decompress_as_compressed_tensors_does(quantized_checkpoint, layout):
+    """compressed-tensors' own decompressor reads each written layer as the reference weight (its
+    0.20 release no longer takes actorder "group", so that layout is checked by the src unpacking)."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    ckpt = quantized_checkpoint(layout)
+    scheme = QuantizationScheme.model_validate(_config(ckpt.path)["quantization_config"]["config_groups"]["group_0"])
+    quantized, reference = read_checkpoint_tensors(ckpt.path), read_checkpoint_tensors(ckpt.reference)
+    for layer in ckpt.layers:
+        own = {leaf.rpartition(".")[2]: t for leaf, t in quantized.items() if leaf.rpartition(".")[0] == layer}
+        weight = PackedQuantizationCompressor.decompress(own, scheme)["weight"]
+        assert torch.equal(weight.float(), reference[f"{layer}.weight"]), layer
+
+
+def test_w4a16_act_order_writes_shuffled_g_idx_shared_by_an_input(quantized_checkpoint):
+    tensors = read_checkpoint_tensors(quantized_checkpoint("ct-w4a16-g64-asym-actorder").path)
+    attn = "model.layers.0.self_attn"
+    g_idx = tensors[f"{attn}.q_proj.weight_g_idx"]
+    assert sorted(g_idx.tolist()) == [i // 64 for i in range(128)] and g_idx.tolist() != sorted(g_idx.tolist())
+    assert torch.equal(tensors[f"{attn}.k_proj.weight_g_idx"], g_idx)
+    assert not torch.equal(tensors[f"{attn}.o_proj.weight_g_idx"], g_idx)
+
+
 @pytest.mark.parametrize(
     ("layout", "tensor"),
-    [("gptq-g32-asym", "qzeros"), ("awq-g32", "qweight"), ("awq-g128", "scales"), ("gptq-g128-sym", "g_idx")],
+    [
+        ("gptq-g32-asym", "qzeros"),
+        ("awq-g32", "qweight"),
+        ("awq-g128", "scales"),
+        ("gptq-g128-sym", "g_idx"),
+        ("ct-w4a16-g128-sym", "weight_packed"),
+        ("ct-w4a16-g32-asym", "weight_zero_point"),
+        ("ct-w4a16-g64-asym-actorder", "weight_g_idx"),
+        ("ct-w4a16-channel-sym", "weight_scale"),
+    ],
 )
 def test_corrupt_int4_tensor_is_named_by_the_shape_check(quantized_checkpoint, tmp_path, layout, tensor):
     ckpt = quantized_checkpoint(layout)
@@ -224,12 +299,9 @@ def test_corrupt_int4_tensor_is_named_by_the_shape_check(quantized_checkpoint, t
     assert wrong != right
     tensors = read_checkpoint_tensors(bad_dir)
     layer = name.rpartition(".")[0]
-    quant_config = _config(bad_dir)["quantization_config"]
     n, k = 64, 128  # k_proj: 2 KV heads of 32 from hidden 128
-    shapes = (expected_awq_shapes if layout.startswith("awq") else expected_gptq_shapes)(
-        n, k, quant_config["group_size"]
-    )
-    own = {leaf: tensors[f"{layer}.{leaf}"] for leaf in shapes}
+    shapes = _int4_shapes(layout, n, k)
+    own = {leaf: tensors.get(f"{layer}.{leaf}") for leaf in shapes}
     with pytest.raises(UnsupportedModelError) as err:
         check_packed_shapes(layer, own, shapes, layout)
     assert f"{name} has shape {wrong}" in str(err.value) and f"needs {right}" in str(err.value)
@@ -250,3 +322,4 @@ def test_corrupt_fp8_scale_is_refused(quantized_checkpoint, tmp_path):
 def test_layout_lists_cover_every_layout():
     assert sorted(FP8_LAYOUTS + INT4_LAYOUTS) == sorted(QUANT_LAYOUTS)
     assert {layout for layout, _ in CASES} == set(QUANT_LAYOUTS)
+    assert CT_W4A16_LAYOUTS and set(CT_W4A16_LAYOUTS) <= set(INT4_LAYOUTS)

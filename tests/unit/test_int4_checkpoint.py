@@ -1,6 +1,7 @@
-"""AWQ and GPTQ unpacking (model/loader/int4_checkpoint.py): hand-packed words that pin the nibble
-orders, round trips through the test-side packers of tests/model/quantized_checkpoints.py, act-order,
-the two GPTQ zero conventions, and the shape checks' errors."""
+"""AWQ, GPTQ and compressed-tensors pack-quantized unpacking (model/loader/int4_checkpoint.py):
+hand-packed words that pin the nibble orders, round trips through the test-side packers of
+tests/model/quantized_checkpoints.py (and compressed-tensors' own pack_to_int32), act-order, the two
+GPTQ zero conventions, and the shape checks' errors."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from tokenmill.model.loader.int4_checkpoint import (
     check_packed_shapes,
     expected_awq_shapes,
     expected_gptq_shapes,
+    expected_pack_quantized_shapes,
     unpack_awq,
     unpack_gptq,
+    unpack_pack_quantized,
 )
 
 
@@ -236,3 +239,98 @@ def test_unpack_rejects_tensors_that_disagree_with_qweight():
 def test_to_int32_keeps_the_bits():
     words = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1], dtype=torch.int64)
     assert to_int32(words).tolist() == [0, 1, 2**31 - 1, -(2**31), -1]
+
+
+# ------------------------------------------------------------------ compressed-tensors pack-quantized
+
+
+def test_pack_quantized_hand_packed_words():
+    # N = 8 rows, K = 8 columns (one word per row, k = 0..7 from the lowest nibble up), one group.
+    # Each nibble is the signed value + 8, i.e. q itself.
+    weight_packed = torch.zeros(8, 1, dtype=torch.int32)
+    weight_packed[0, 0] = _word(0x87654321)  # row 0: k -> k + 1
+    weight_packed[5, 0] = _word(0xF000000E)  # row 5: k=0 -> 14, k=7 -> 15
+    # Zero points packed along N: the group's one word holds rows 0..7 from the lowest nibble up.
+    zero_point = torch.tensor([[_word(0x76543210)]], dtype=torch.int32)
+    scale = torch.full((8, 1), 0.5, dtype=torch.bfloat16)
+    asym = unpack_pack_quantized(weight_packed, scale, zero_point, None, 8, weight_shape=torch.tensor([8, 8]))
+    assert asym.q.shape == (8, 8) and asym.q.dtype == torch.uint8
+    assert asym.q[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert asym.q[5].tolist() == [14, 0, 0, 0, 0, 0, 0, 15]
+    assert asym.zeros[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert asym.scales.dtype == torch.bfloat16 and asym.g_idx.tolist() == [0] * 8 and asym.group_size == 8
+    assert dequantize_int4(*asym)[0].tolist() == [(k + 1) * 0.5 for k in range(8)]  # row 0's zero is 0
+    sym = unpack_pack_quantized(weight_packed, scale, None, None, -1)
+    assert sym.zeros.tolist() == [[8]] * 8 and sym.group_size == 8  # symmetric: no tensor, zero 8
+    assert dequantize_int4(*sym)[0].tolist() == [(k + 1 - 8) * 0.5 for k in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("group_size", "symmetric", "act_order"),
+    [(128, True, False), (32, False, False), (64, False, True), (32, True, True), (-1, False, False)],
+)
+def test_pack_quantized_round_trip_through_compressed_tensors_packing(group_size, symmetric, act_order):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    n, k = 64, 256
+    groups = k if group_size == -1 else group_size
+    g_idx = act_order_g_idx(k, groups, seed=3) if act_order else None
+    canonical = _canonical(n, k, groups, symmetric, g_idx=g_idx)
+    signed_q = (canonical.q.to(torch.int16) - 8).to(torch.int8)
+    weight_packed = pack_to_int32(signed_q, 4)
+    assert torch.equal(unpack_from_int32(weight_packed, 4, torch.Size((n, k))), signed_q)  # their own reading
+    zero_point = None
+    if not symmetric:
+        zero_point = pack_to_int32((canonical.zeros.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0)
+        assert list(zero_point.shape) == [n // 8, canonical.zeros.shape[1]]
+    unpacked = unpack_pack_quantized(
+        weight_packed, canonical.scales, zero_point, g_idx, group_size, weight_shape=torch.tensor([n, k])
+    )
+    _assert_same(unpacked, canonical)
+
+
+def test_pack_quantized_expected_shapes():
+    assert expected_pack_quantized_shapes(4096, 11008, 128, symmetric=False) == {
+        "weight_packed": (4096, 1376),
+        "weight_scale": (4096, 86),
+        "weight_shape": (2,),
+        "weight_g_idx": (11008,),
+        "weight_zero_point": (512, 86),
+    }
+    assert "weight_zero_point" not in expected_pack_quantized_shapes(64, 256, 32, symmetric=True)
+    assert expected_pack_quantized_shapes(64, 256, -1, symmetric=False)["weight_zero_point"] == (8, 1)
+    with pytest.raises(UnsupportedModelError, match=r"pack-quantized out_features \(zero points\) \(60\)"):
+        expected_pack_quantized_shapes(60, 256, 32, symmetric=False)
+    with pytest.raises(UnsupportedModelError, match=r"pack-quantized in_features \(60\) must be a multiple of 8"):
+        expected_pack_quantized_shapes(64, 60, 32, symmetric=True)
+
+
+def test_pack_quantized_rejects_tensors_that_disagree_with_weight_packed():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    canonical = _canonical(64, 128, 32, symmetric=False)
+    packed = pack_to_int32((canonical.q.to(torch.int16) - 8).to(torch.int8), 4)
+    zero_point = pack_to_int32((canonical.zeros.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0)
+    scale = canonical.scales
+
+    def unpack(packed=packed, scale=scale, zero_point=zero_point, g_idx=None, shape=(64, 128)):
+        return unpack_pack_quantized(
+            packed, scale, zero_point, g_idx, 32, weight_shape=torch.tensor(shape), layer="mlp.down_proj"
+        )
+
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_scale has shape \[64, 3\].*needs \[64, 4\]"):
+        unpack(scale=scale[:, :3])
+    with pytest.raises(
+        UnsupportedModelError, match=r"down_proj\.weight_zero_point has shape \[64, 4\].*needs \[8, 4\]"
+    ):  # written unpacked, one zero per row
+        unpack(zero_point=canonical.zeros.to(torch.int32))
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_shape holds \[64, 120\].*\[64, 128\]"):
+        unpack(shape=(64, 120))
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_shape has shape \[3\]"):
+        unpack(shape=(64, 128, 1))
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_g_idx has shape \[127\].*needs \[128\]"):
+        unpack(g_idx=canonical.g_idx[:127])
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_packed should be 2-D int32.*torch\.uint8"):
+        unpack(packed=canonical.q)
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight_scale should be floating point"):
+        unpack(scale=scale.to(torch.int32))

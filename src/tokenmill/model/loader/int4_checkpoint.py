@@ -1,8 +1,9 @@
-"""AWQ and GPTQ checkpoint tensors -> the canonical INT4 form (layers/quantize_weights.QuantizedInt4).
+"""AWQ, GPTQ and compressed-tensors `pack-quantized` checkpoint tensors -> the canonical INT4 form
+(layers/quantize_weights.QuantizedInt4).
 
-Both formats pack eight 4-bit values into each int32 word, value i in bits 4i..4i+3, and store
+All three pack eight 4-bit values into each int32 word, value i in bits 4i..4i+3, and store
 W[n, k] = (q - zero) * scale with one scale and zero per (group of input columns, output row). They
-differ in which axis is packed and in what order:
+differ in which axis is packed, in what order, and in how the zero is stored:
 
 - AWQ "gemm" (AutoAWQ's WQLinear_GEMM, transformers' `version: gemm`): qweight int32 [K, N/8] and
   qzeros int32 [K/G, N/8] are packed along the output axis N, and word c's nibble i holds column
@@ -14,6 +15,13 @@ differ in which axis is packed and in what order:
   act-order (`desc_act: true`) shuffles because it quantized the columns in another order. The
   original `checkpoint_format: gptq` stores zero - 1 in each nibble (so the symmetric zero 8 is
   stored 7); `gptq_v2` stores the zero itself.
+- compressed-tensors `pack-quantized` (llm-compressor's W4A16): weight_packed int32 [N, K/8] is
+  packed along K in plain order (word c of row n holds k = 8c..8c+7) and holds the signed value
+  plus 8, so each nibble is q itself; weight_scale [N, G] (G = 1 per channel) in the model's dtype;
+  weight_shape [2] the unpacked [N, K]. Asymmetric checkpoints add weight_zero_point int32
+  [N/8, G], the signed zero plus 8 packed along N (word r of group g holds rows 8r..8r+7), so again
+  the nibble is the zero; symmetric ones store no zero (it is 8). actorder "group" adds
+  weight_g_idx int32 [K], GPTQ's g_idx by another name.
 
 The loader calls `expected_*_shapes` with the layer's (local) N and K from the model config and
 `check_packed_shapes` before unpacking, so a checkpoint that disagrees with its config is an error
@@ -72,6 +80,23 @@ def expected_gptq_shapes(n: int, k: int, group_size: int) -> dict[str, tuple[int
     }
 
 
+def expected_pack_quantized_shapes(n: int, k: int, group_size: int, symmetric: bool) -> dict[str, tuple[int, ...]]:
+    """The shapes of a compressed-tensors `pack-quantized` 4-bit layer's tensors for a weight of `n`
+    output and `k` input features (weight_zero_point only when asymmetric; weight_g_idx, present with
+    actorder "group", is listed for checking when it is there)."""
+    groups = num_int4_groups(k, group_size)
+    shapes = {
+        "weight_packed": (n, _packed(k, "pack-quantized in_features")),
+        "weight_scale": (n, groups),
+        "weight_shape": (2,),
+        "weight_g_idx": (k,),
+    }
+    if not symmetric:
+        # Zero points are packed along the output rows (compressed-tensors' packed_dim=0).
+        shapes["weight_zero_point"] = (_packed(n, "pack-quantized out_features (zero points)"), groups)
+    return shapes
+
+
 def check_packed_shapes(
     layer: str,
     tensors: Mapping[str, torch.Tensor | None],
@@ -98,10 +123,12 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
 
 
-def _require_packed(layer: str, tensors: Mapping[str, torch.Tensor], scales: torch.Tensor) -> None:
+def _require_packed(
+    layer: str, tensors: Mapping[str, torch.Tensor], scales: torch.Tensor, scales_name: str = "scales"
+) -> None:
     if not scales.is_floating_point():
         raise UnsupportedModelError(
-            f"checkpoint tensor {layer}.scales should be floating point (16-bit); got {scales.dtype}",
+            f"checkpoint tensor {layer}.{scales_name} should be floating point (16-bit); got {scales.dtype}",
             param="model",
         )
     for name, tensor in tensors.items():
@@ -196,4 +223,56 @@ def unpack_gptq(
         )
     return QuantizedInt4(
         q.contiguous(), scales.t().contiguous(), zeros.t().contiguous(), group_size, g_idx.to(torch.int32)
+    )
+
+
+def unpack_pack_quantized(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    *,
+    weight_shape: torch.Tensor | None = None,
+    layer: str = "layer",
+) -> QuantizedInt4:
+    """A compressed-tensors `pack-quantized` 4-bit layer (weight_packed int32 [N, K/8], weight_scale
+    [N, G], weight_zero_point int32 [N/8, G] or None when symmetric, weight_g_idx int32 [K] or None
+    for k // group_size) in the canonical INT4 form. `weight_shape`, if given, must be [N, K] of
+    these tensors (the loader checks a tensor-parallel shard's against the whole layer instead)."""
+    packed = {"weight_packed": weight_packed}
+    if weight_zero_point is not None:
+        packed["weight_zero_point"] = weight_zero_point
+    _require_packed(layer, packed, weight_scale, "weight_scale")
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * PACK_FACTOR
+    num_groups = num_int4_groups(k, group_size)
+    group_size = k if group_size == -1 else group_size
+    check_packed_shapes(
+        layer,
+        {"weight_scale": weight_scale, "weight_zero_point": weight_zero_point, "weight_g_idx": g_idx,
+         "weight_shape": weight_shape},
+        expected_pack_quantized_shapes(n, k, group_size, symmetric=weight_zero_point is None),
+        f"pack-quantized group_size {group_size} with weight_packed {list(weight_packed.shape)}",
+    )  # fmt: skip
+    if weight_shape is not None and weight_shape.tolist() != [n, k]:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {layer}.weight_shape holds {weight_shape.tolist()}, but weight_packed "
+            f"{list(weight_packed.shape)} holds a [{n}, {k}] weight (eight 4-bit values a word)",
+            param="model",
+        )
+    if g_idx is None:
+        g_idx = default_g_idx(k, group_size, weight_packed.device)
+    try:
+        check_g_idx(g_idx, k, num_groups, f"{layer}.weight_g_idx")
+    except ValueError as err:
+        raise UnsupportedModelError(f"checkpoint tensor {err}", param="model") from None
+    # Packed along K: word c of row n holds k = 8c + i in nibble i; the stored value + 8 is q itself.
+    q = _nibbles(weight_packed).reshape(n, k)
+    if weight_zero_point is None:
+        zeros = torch.full((n, num_groups), SYMMETRIC_ZERO, dtype=torch.uint8, device=weight_packed.device)
+    else:
+        # Packed along N: word r of group g holds rows 8r + i in nibble i ([N/8, G, 8] -> [N, G]).
+        zeros = _nibbles(weight_zero_point).permute(0, 2, 1).reshape(n, num_groups)
+    return QuantizedInt4(
+        q.contiguous(), weight_scale.contiguous(), zeros.contiguous(), group_size, g_idx.to(torch.int32)
     )

@@ -10,8 +10,8 @@ parsed here, in `resolve_model`, into one `QuantizationSpec`, and anything token
 before the engine process starts.
 
 Two ways in:
-- a quantized checkpoint (compressed-tensors FP8, Hugging Face `fp8`, AWQ, GPTQ): its tensors load
-  as they are (`from_checkpoint`); `--quantization`, if given, must name the same method;
+- a quantized checkpoint (compressed-tensors FP8 or 4-bit `pack-quantized`, Hugging Face `fp8`, AWQ,
+  GPTQ): its tensors load as they are (`from_checkpoint`); `--quantization`, if given, must name the same method;
 - `--quantization fp8 | awq | gptq` on a 16-bit checkpoint, a GGUF file or dummy weights: the
   weights are quantized at load, round to nearest (FP8: per-channel scales; AWQ: 4-bit groups of
   128 with zero points; GPTQ: symmetric 4-bit groups of 128). No calibration: for benchmarks and
@@ -39,7 +39,7 @@ FP8_BLOCK = (128, 128)
 
 Scheme = Literal["fp8_w8a8", "int4_w4a16"]
 Fp8WeightStrategy = Literal["tensor", "channel", "block"]
-Int4Format = Literal["awq", "gptq"]
+Int4Format = Literal["awq", "gptq", "pack-quantized"]  # pack-quantized: compressed-tensors' W4A16
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +58,11 @@ class QuantizationSpec:
     # activations are quantized per token at run time (at least as accurate; see docs/QUANTIZATION.md).
     fp8_static_input_scales: bool = False
     # INT4
-    int4_format: Int4Format | None = None  # the packed layout on disk (awq | gptq)
+    int4_format: Int4Format | None = None  # the packed layout on disk (awq | gptq | pack-quantized)
     group_size: int = 128  # -1: per-channel
     zero_point: bool = True  # False: symmetric (zero = 8)
-    act_order: bool = False  # GPTQ desc_act: g_idx permutes the input columns' groups
+    # GPTQ desc_act, compressed-tensors actorder "group": g_idx permutes the input columns' groups
+    act_order: bool = False
     gptq_zeros_offset: int = 1  # the original GPTQ format stores zero - 1; gptq_v2 stores zero
     ignore: tuple[str, ...] = ()  # HF module names left unquantized ("re:" prefix: a regular expression)
     kv_cache_scales: bool = False  # the checkpoint holds per-layer k_scale / v_scale
@@ -95,7 +96,8 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
     model/layers/linear.py ParamLayout: output rows for column-parallel layers, input columns for
     row-parallel ones), or quantizes its own shard at load (FP8: a row-parallel shard's
     scales take the whole row's absmax). The shards must fall on the scheme's blocks: FP8 blocks
-    and INT4 groups / packed words. Act-order GPTQ (a permuted g_idx) is not sharded. (GGUF is no
+    and INT4 groups / packed words. Act-order checkpoints (GPTQ desc_act, compressed-tensors actorder
+    "group": a permuted g_idx) are not sharded. (GGUF is no
     spec here: its blocks are dequantized at load.)"""
     if not isinstance(spec, QuantizationSpec):
         return f"quantized weights ({spec}) are not sharded for tensor parallelism yet; use tensor_parallel_size=1"
@@ -123,7 +125,10 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
         assert spec.fp8_block is not None
         row_align, column_align = spec.fp8_block
     else:
-        row_align = 8 if spec.from_checkpoint else 1  # 4-bit values packed 8 to a word along N (AWQ, qzeros)
+        # 4-bit values packed 8 to a word along N: AWQ's qweight, AWQ / GPTQ qzeros, compressed-tensors'
+        # asymmetric weight_zero_point (its symmetric checkpoints pack along K only).
+        packs_rows = spec.int4_format != "pack-quantized" or spec.zero_point
+        row_align = 8 if spec.from_checkpoint and packs_rows else 1
         if spec.group_size == -1:
             if not spec.from_checkpoint:
                 return (
@@ -132,7 +137,8 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
                 )
             column_align = 8
         else:
-            # GPTQ packs 8 input columns to a word; groups of columns hold their zeros / scales.
+            # GPTQ and compressed-tensors pack 8 input columns to a word; groups of columns hold their
+            # zeros / scales.
             column_align = math.lcm(spec.group_size, 8) if spec.from_checkpoint else spec.group_size
     bad = [f"{name} {n} output rows (blocks of {row_align})" for name, n in rows.items() if n % row_align]
     bad += [f"{name} {n} input columns (blocks of {column_align})" for name, n in columns.items() if n % column_align]
@@ -327,26 +333,49 @@ def _parse_gptq(quant: dict, refuse: _Refusal) -> QuantizationSpec:
     )  # fmt: skip
 
 
+CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
+CT_INT4_FORMAT = "pack-quantized"
+CT_INT4_GROUP_SIZES = (32, 64, 128)  # strategy "group"; strategy "channel" is one group (-1)
+_CT_FORMATS = "format 'float-quantized' (FP8 weights) or 'pack-quantized' (4-bit integer weights, W4A16)"
+
+
 def _parse_compressed_tensors(quant: dict, refuse: _Refusal) -> QuantizationSpec:
-    """llm-compressor's FP8 checkpoints (`format: float-quantized`): e4m3 weights with a per-tensor,
+    """llm-compressor's checkpoints: FP8 (`format: float-quantized`): e4m3 weights with a per-tensor,
     per-channel or 128x128-block `weight_scale`; activations dynamic per token (or per 1x128 group
-    for blocks), or static per tensor (`input_scale`)."""
-    fmt = quant.get("format", "float-quantized")
-    if fmt not in ("float-quantized", "naive-quantized"):
-        raise refuse(
-            f"format={fmt!r}",
-            "format 'float-quantized' (FP8); for 4-bit weights load an AWQ or GPTQ checkpoint",
-        )
+    for blocks), or static per tensor (`input_scale`). W4A16 (`format: pack-quantized`): 4-bit
+    integer weights in groups of 32 / 64 / 128 or per channel, symmetric or with zero points, in
+    input-column order or act-order ("group"); 16-bit activations."""
+    top = quant.get("format", "float-quantized")
+    if top not in (*CT_FP8_FORMATS, CT_INT4_FORMAT, "mixed-precision"):
+        raise refuse(f"format={top!r}", _CT_FORMATS)
     groups = quant.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
-        raise refuse("no config_groups", "one config group of FP8 weights")
+        raise refuse(f"format {top!r} without config_groups", "one config group of FP8 or of 4-bit integer weights")
+    # A config group may name its own format (compressed-tensors writes "mixed-precision" at the top
+    # when they differ); one format for every layer is what we run.
+    formats = {group.get("format") or top for group in groups.values()}
+    if len(formats) != 1:
+        raise refuse(f"config groups of different formats ({', '.join(sorted(formats))})", "one format for every Linear layer")
+    fmt = formats.pop()
+    if fmt not in (*CT_FP8_FORMATS, CT_INT4_FORMAT):
+        raise refuse(f"format={fmt!r}", _CT_FORMATS)
+    kv = quant.get("kv_cache_scheme")
+    if kv is not None and (kv.get("type"), kv.get("num_bits")) != ("float", 8):
+        raise refuse(f"kv_cache_scheme={kv!r}", "an FP8 (float, 8 bits) kv_cache_scheme")
+    if fmt == CT_INT4_FORMAT:
+        int4_schemes = {_ct_int4_scheme(group, refuse) for group in groups.values()}
+        if len(int4_schemes) != 1:
+            raise refuse("config groups of different schemes", "one scheme for every Linear layer")
+        group_size, symmetric, act_order = int4_schemes.pop()
+        return QuantizationSpec(
+            method="compressed-tensors", scheme="int4_w4a16", from_checkpoint=True, int4_format="pack-quantized",
+            group_size=group_size, zero_point=not symmetric, act_order=act_order,
+            ignore=_ignore_list(quant, "ignore"), kv_cache_scales=kv is not None,
+        )  # fmt: skip
     schemes = {_ct_scheme(group, refuse) for group in groups.values()}
     if len(schemes) != 1:
         raise refuse("config groups of different schemes", "one scheme for every Linear layer")
     strategy, static_input = schemes.pop()
-    kv = quant.get("kv_cache_scheme")
-    if kv is not None and (kv.get("type"), kv.get("num_bits")) != ("float", 8):
-        raise refuse(f"kv_cache_scheme={kv!r}", "an FP8 (float, 8 bits) kv_cache_scheme")
     return QuantizationSpec(
         method="compressed-tensors", scheme="fp8_w8a8", from_checkpoint=True, fp8_weight_strategy=strategy,
         fp8_block=FP8_BLOCK if strategy == "block" else None, fp8_static_input_scales=static_input,
@@ -354,15 +383,20 @@ def _parse_compressed_tensors(quant: dict, refuse: _Refusal) -> QuantizationSpec
     )  # fmt: skip
 
 
-def _ct_scheme(group: dict, refuse: _Refusal) -> tuple[Fp8WeightStrategy, bool]:
-    """(weight strategy, static input scales) of one compressed-tensors config group."""
+def _ct_targets(group: dict, refuse: _Refusal) -> None:
     targets = group.get("targets") or []
     if targets != ["Linear"]:
         raise refuse(f"targets={targets!r}", "targets ['Linear']")
+
+
+def _ct_scheme(group: dict, refuse: _Refusal) -> tuple[Fp8WeightStrategy, bool]:
+    """(weight strategy, static input scales) of one compressed-tensors FP8 config group."""
+    _ct_targets(group, refuse)
     weights = group.get("weights") or {}
     if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
         raise refuse(
-            f"weights of type {weights.get('type')!r} with {weights.get('num_bits')!r} bits", "FP8 weights (float, 8 bits)"
+            f"weights of type {weights.get('type')!r} with {weights.get('num_bits')!r} bits in an FP8 format",
+            "FP8 weights (float, 8 bits); 4-bit integer weights come as format 'pack-quantized'",
         )
     if weights.get("dynamic") or not weights.get("symmetric", True):
         raise refuse("dynamic or asymmetric weight scales", "static symmetric weight scales")
@@ -385,6 +419,57 @@ def _ct_scheme(group: dict, refuse: _Refusal) -> tuple[Fp8WeightStrategy, bool]:
         f"input activation strategy {act_strategy!r} (dynamic={dynamic})",
         "dynamic per-token or per-group, or static per-tensor",
     )
+
+
+def _ct_int4_scheme(group: dict, refuse: _Refusal) -> tuple[int, bool, bool]:
+    """(group size, -1 per channel; symmetric; act-order) of one compressed-tensors `pack-quantized`
+    config group."""
+    _ct_targets(group, refuse)
+    weights = group.get("weights") or {}
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if kind != "int":
+        raise refuse(f"pack-quantized weights of type {kind!r}", "type 'int' (4-bit integer weights)")
+    if bits != 4:
+        raise refuse(f"pack-quantized weights of num_bits={bits!r}", "num_bits 4")
+    if weights.get("dynamic"):
+        raise refuse(f"dynamic weight scales (dynamic={weights.get('dynamic')!r})", "static weight scales (dynamic false)")
+    strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    if strategy is None and isinstance(group_size, int):  # inferred as compressed-tensors' own model does
+        strategy = "group" if group_size > 0 else "channel" if group_size == -1 else None
+    if strategy == "group":
+        if group_size not in CT_INT4_GROUP_SIZES:
+            raise refuse(
+                f"group_size={group_size!r}",
+                f"strategy 'group' with group_size {', '.join(map(str, CT_INT4_GROUP_SIZES))}, or strategy 'channel'",
+            )
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise refuse(
+            f"4-bit weight strategy {strategy!r}",
+            f"strategy 'group' (group_size {', '.join(map(str, CT_INT4_GROUP_SIZES))}) or 'channel'",
+        )
+    symmetric = weights.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise refuse(f"symmetric={symmetric!r}", "symmetric true or false")
+    for acts in ("input_activations", "output_activations"):
+        if group.get(acts) is not None:
+            raise refuse(
+                f"quantized {acts} ({group[acts]!r})",
+                f"{acts} null (W4A16: 4-bit weights, 16-bit activations)",
+            )
+    return group_size, symmetric, _ct_actorder(weights.get("actorder"), refuse)
+
+
+def _ct_actorder(actorder: object, refuse: _Refusal) -> bool:
+    """Whether a pack-quantized checkpoint's `actorder` stores a permuted weight_g_idx: "group" (older
+    compressed-tensors: "dynamic" or true) does; "weight" ("static") only changed the order GPTQ
+    calibrated in, and the groups are in input-column order as without actorder."""
+    if actorder in (None, False, "weight", "static"):
+        return False
+    if actorder in (True, "group", "dynamic"):
+        return True
+    raise refuse(f"actorder={actorder!r}", "actorder null, 'weight' (or 'static') or 'group' (or 'dynamic')")
 
 
 _PARSERS = {
