@@ -21,23 +21,34 @@ gpt-oss's experts switch on compile-time flags of both GEMMs (off for every othe
 kernels stay as they were): per-expert biases added after each matmul, and its clamped SwiGLU in
 place of silu(gate) * up in the gate/up epilogue.
 
+FP8 experts (W8A16: `w13_scale` / `w2_scale`): float8 e4m3 weights with float32 scales per output
+row or per (bn, bk) block, and 16- or 32-bit activations. Every e4m3 value is exact in bf16, fp16
+and fp32, so the GEMMs convert each weight tile to the activations' dtype for tl.dot; per-row scales
+multiply the float32 accumulator in the epilogue, block scales each K step's product (BLOCK_K
+divides bk, so a step lies in one block: tiles_within_scale_block). The rounding after that is the
+16-bit path's. Scaled launches switch on a compile-time SCALE_MODE; unscaled ones compile as before.
+
 Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
-batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum).
+batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum). FP8 experts take
+the tiles of their activations' dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv, routed_fused_moe_gemv
+from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv, routed_fused_moe_gemv, weight_scale_args
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
 from tokenmill.kernels.triton.moe_routing import topk_softmax
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # the expert weights that come with scales (W8A16)
 
 
 @triton.jit
@@ -88,6 +99,15 @@ def _gate_up_kernel(
     CLAMPED_SWIGLU: tl.constexpr = False,
     ALPHA: tl.constexpr = 0.0,
     LIMIT: tl.constexpr = 0.0,
+    # FP8 weights (fused_moe_gemv.weight_scale_args). Unscaled launches leave the defaults: None is a
+    # compile-time constant, so the 16-bit kernel keeps its parameters and code.
+    ws_ptr=None,  # SCALE_MODE 1: float32 [E, 2I]; 2: [E, cdiv(2I, SCALE_BN), cdiv(H, SCALE_BK)]
+    stride_wse=None,
+    stride_wsn=None,
+    stride_wsk=None,
+    SCALE_MODE: tl.constexpr = 0,  # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -104,6 +124,13 @@ def _gate_up_kernel(
     x_at = x_ptr + tokens[:, None] * stride_xm + ks[None, :]
     gate_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn + ks[:, None] * stride_wk
     up_at = gate_at + inter * stride_wn
+    if SCALE_MODE == 1:
+        gate_scale_at = ws_ptr + expert * stride_wse + wcols * stride_wsn
+        up_scale_at = gate_scale_at + inter * stride_wsn
+    elif SCALE_MODE == 2:
+        # The up rows start a row of scale blocks (inter % SCALE_BN == 0, checked by fused_moe).
+        gate_scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
+        up_scale_at = gate_scale_at + (inter // SCALE_BN) * stride_wsn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -118,11 +145,23 @@ def _gate_up_kernel(
             up = tl.load(up_at, mask=k_ok[:, None], other=0.0)
         if UPCAST_DOT:
             x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-        acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+        elif SCALE_MODE != 0:  # e4m3 -> x's dtype is exact
+            gate, up = gate.to(x.dtype), up.to(x.dtype)
+        if SCALE_MODE == 2:  # this K step's product times its block's scales
+            k_block = (k0 // SCALE_BK) * stride_wsk
+            part = tl.dot(x, gate, input_precision=PRECISION)
+            acc_gate += part * tl.load(gate_scale_at + k_block)[None, :]
+            part = tl.dot(x, up, input_precision=PRECISION)
+            acc_up += part * tl.load(up_scale_at + k_block)[None, :]
+        else:
+            acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
         x_at += BLOCK_K
         gate_at += BLOCK_K * stride_wk
         up_at += BLOCK_K * stride_wk
+    if SCALE_MODE == 1:
+        acc_gate *= tl.load(gate_scale_at)[None, :]
+        acc_up *= tl.load(up_scale_at)[None, :]
     dtype = out_ptr.dtype.element_ty
     g = round_like(acc_gate, dtype)
     u = round_like(acc_up, dtype)
@@ -170,6 +209,14 @@ def _down_kernel(
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,  # add the expert's down bias before the routing weight scales it
+    # FP8 weights, as in _gate_up_kernel: [E, H] or [E, cdiv(H, SCALE_BN), cdiv(I, SCALE_BK)].
+    ws_ptr=None,
+    stride_wse=None,
+    stride_wsn=None,
+    stride_wsk=None,
+    SCALE_MODE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -184,6 +231,10 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_at = a_ptr + rows[:, None] * stride_am + ks[None, :]
     w_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn + ks[:, None] * stride_wk
+    if SCALE_MODE == 1:
+        scale_at = ws_ptr + expert * stride_wse + wcols * stride_wsn
+    elif SCALE_MODE == 2:
+        scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         if EVEN_K:
@@ -195,9 +246,17 @@ def _down_kernel(
             w = tl.load(w_at, mask=k_ok[:, None], other=0.0)
         if UPCAST_DOT:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        elif SCALE_MODE != 0:  # e4m3 -> a's dtype is exact
+            w = w.to(a.dtype)
+        if SCALE_MODE == 2:
+            part = tl.dot(a, w, input_precision=PRECISION)
+            acc += part * tl.load(scale_at + (k0 // SCALE_BK) * stride_wsk)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_at += BLOCK_K
         w_at += BLOCK_K * stride_wk
+    if SCALE_MODE == 1:
+        acc *= tl.load(scale_at)[None, :]
     dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + rows, mask=is_pair, other=0.0)
     y = round_like(acc, dtype)
@@ -219,6 +278,9 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     clamped_swiglu: tuple[float, float] | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), each expert a SwiGLU
     MLP (down(silu(gate(x)) * up(x))): [T, H] in x's dtype.
@@ -232,23 +294,41 @@ def fused_moe(
     (see _gate_up_kernel). These switch the kernels' compile-time flags; without them the kernels
     are the plain ones. They run on the grouped path only (the GEMV kernels have no epilogue
     for them): a batch the tiles send to the GEMVs takes the smallest grouped tiles instead.
+
+    FP8 experts (W8A16): w13 and w2 float8_e4m3fn (x bf16, fp16 or fp32) with float32 scales,
+    `w13_scale` [E, 2I] and `w2_scale` [E, H] (one per output row: gate rows, then up rows), or
+    with `scale_block` = (bn, bk) one per block of bn rows and bk columns: [E, cdiv(2I, bn),
+    cdiv(H, bk)] and [E, cdiv(H, bn), cdiv(I, bk)] (I a multiple of bn). The result is that of
+    the weights dequantized (q * scale in float32), rounded as the 16-bit path rounds. Not with
+    gpt-oss's epilogue.
     """
     top_k = topk_ids.shape[1]
     _check_shapes(x, w13, w2)
     if tuple(topk_weights.shape) != (x.shape[0], top_k):
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ")
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ"
+        )
     epilogue = _ExpertEpilogue.check(w13, w2, gate_up_bias, down_bias, clamped_swiglu)
+    scales = _ExpertScales.check(x, w13, w2, w13_scale, w2_scale, scale_block)
+    if scales is not None and not epilogue.is_plain:
+        raise ValueError(
+            "FP8 experts (w13_scale / w2_scale) with gpt-oss's biases or clamped SwiGLU are not supported; "
+            "pass 16-bit weights for those"
+        )
     if x.shape[0] == 0:
         return torch.empty_like(x)
     tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    if scales is not None:
+        tiles = tiles_within_scale_block(tiles, scales.block)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
     if tiles.method == "gemv":
         if epilogue.is_plain:
-            return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down)
+            fp8 = _gemv_scale_kwargs(scales)
+            return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down, **fp8)
         tiles = _smallest_grouped_tiles(x.dtype)
-    return _grouped(x, w13, w2, weights, topk_ids, tiles, epilogue)
+    return _grouped(x, w13, w2, weights, topk_ids, tiles, epilogue, scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +361,79 @@ class _ExpertEpilogue:
         return _ExpertEpilogue(gate_up_bias, down_bias, clamped_swiglu)
 
 
+@dataclass(frozen=True, slots=True)
+class _ExpertScales:
+    """The float32 scales of FP8 expert weights: per output row, or per `block` (bn, bk); none
+    for 16/32-bit weights."""
+
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
+
+    @staticmethod
+    def check(
+        x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+        w2_scale: torch.Tensor | None, scale_block: tuple[int, int] | None,
+    ) -> _ExpertScales | None:  # fmt: skip
+        """The scales, checked against the weights' shapes; None for unscaled (16/32-bit) weights."""
+        weight_dtypes = f"w13 {w13.dtype} and w2 {w2.dtype}"
+        if w13_scale is None and w2_scale is None:
+            if scale_block is not None:
+                raise ValueError(f"scale_block {scale_block} needs w13_scale and w2_scale; got neither")
+            if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
+                raise ValueError(f"float8_e4m3fn expert weights need w13_scale and w2_scale; got "
+                                 f"{weight_dtypes} without scales")  # fmt: skip
+            return None
+        if w13_scale is None or w2_scale is None:
+            given = "w13_scale" if w13_scale is not None else "w2_scale"
+            raise ValueError(f"FP8 experts need both w13_scale and w2_scale; got only {given}")
+        if w13.dtype != FP8_WEIGHT_DTYPE or w2.dtype != FP8_WEIGHT_DTYPE:
+            raise ValueError(f"w13_scale and w2_scale scale float8_e4m3fn weights; got {weight_dtypes}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"FP8 experts take bfloat16, float16 or float32 activations; got x {x.dtype}")
+        num_experts, hidden, inter = w2.shape
+        if scale_block is None:
+            w13_shape, w2_shape = (num_experts, 2 * inter), (num_experts, hidden)
+            layout = "one scale per output row"
+        else:
+            if len(scale_block) != 2 or any(b < 16 or b & (b - 1) for b in scale_block):
+                raise ValueError(f"scale_block must be (rows, columns), powers of 2 >= 16; got {scale_block}")
+            block_n, block_k = scale_block = (int(scale_block[0]), int(scale_block[1]))
+            if inter % block_n:
+                raise ValueError(f"block-scaled FP8 experts need the intermediate size I = {inter} to be a "
+                                 f"multiple of the scale block's {block_n} rows (so the up rows start a "
+                                 "block)")  # fmt: skip
+            w13_shape = (num_experts, triton.cdiv(2 * inter, block_n), triton.cdiv(hidden, block_k))
+            w2_shape = (num_experts, triton.cdiv(hidden, block_n), triton.cdiv(inter, block_k))
+            layout = f"one scale per {block_n}x{block_k} block"
+        expected = (("w13_scale", w13_scale, w13_shape, w13), ("w2_scale", w2_scale, w2_shape, w2))
+        for name, scale, shape, weight in expected:
+            if scale.dtype != torch.float32 or tuple(scale.shape) != shape:
+                raise ValueError(f"{name} must be a float32 {list(shape)} tensor ({layout}); got "
+                                 f"{scale.dtype} {list(scale.shape)}")  # fmt: skip
+            if scale.device != weight.device:
+                raise ValueError(f"{name} is on {scale.device}, its weights on {weight.device}")
+        return _ExpertScales(w13_scale, w2_scale, scale_block)
+
+
+def tiles_within_scale_block(tiles: MoETiles, scale_block: tuple[int, int] | None) -> MoETiles:
+    """`tiles` with each kernel's block_k at most the scale block's bk columns, so a K step lies
+    in one block of scales (both powers of two: the smaller divides the larger)."""
+    if scale_block is None:
+        return tiles
+    block_k = scale_block[1]
+    gate_up = replace(tiles.gate_up, block_k=min(tiles.gate_up.block_k, block_k))
+    down = replace(tiles.down, block_k=min(tiles.down.block_k, block_k))
+    return replace(tiles, gate_up=gate_up, down=down)
+
+
+def _gemv_scale_kwargs(scales: _ExpertScales | None) -> dict[str, Any]:
+    """The GEMV functions' FP8 keyword arguments: none for unscaled weights."""
+    if scales is None:
+        return {}
+    return {"w13_scale": scales.w13, "w2_scale": scales.w2, "scale_block": scales.block}
+
+
 def _smallest_grouped_tiles(dtype: torch.dtype) -> MoETiles:
     """Grouped tiles for a few tokens (default_tiles' smallest grouped ones)."""
     if dtype == torch.float32:
@@ -299,24 +452,36 @@ def routed_fused_moe(
     renormalize: bool,
     round_to_logits_dtype: bool,
     tiles: MoETiles | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The experts' output for router logits [T, E]: top-k of their softmax (moe_routing.py),
-    then fused_moe. On the few-token path the routing happens inside the gate/up launch."""
+    then fused_moe. On the few-token path the routing happens inside the gate/up launch. FP8
+    experts come with their scales, as in fused_moe."""
     _check_shapes(x, w13, w2)
+    scales = _ExpertScales.check(x, w13, w2, w13_scale, w2_scale, scale_block)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    if scales is not None:
+        tiles = tiles_within_scale_block(tiles, scales.block)
     if tiles.method == "gemv":
         return routed_fused_moe_gemv(
-            x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down
-        )
+            x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down,
+            **_gemv_scale_kwargs(scales),
+        )  # fmt: skip
     weights, ids = topk_softmax(router_logits, top_k, renormalize, round_to_logits_dtype)
-    return _grouped(x, w13, w2, weights.reshape(-1), ids, tiles)
+    return _grouped(x, w13, w2, weights.reshape(-1), ids, tiles, scales=scales)
 
 
 def takes_residual(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
     """Whether routed_fused_moe_from_residual serves `num_tokens` tokens: where the tile configs
-    pick the few-token GEMV path, whose launches apply the deferred norm."""
+    pick the few-token GEMV path, whose launches apply the deferred norm. Never for FP8 experts:
+    the model does not fold the norm into quantized weights."""
+    if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
+        return False
     return moe_tiles(w13.shape[0], w2.shape[2], w13.shape[2], w13.dtype, num_tokens, top_k).method == "gemv"
 
 
@@ -334,13 +499,15 @@ def routed_fused_moe_from_residual(
     """x + routed_fused_moe(RMSNorm(x)) without a norm launch (fused_moe_gemv.py's deferred
     norm); only where takes_residual says so."""
     _check_shapes(x, w13, w2)
+    if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
+        raise ValueError("the deferred norm takes 16/32-bit experts, not float8_e4m3fn (see takes_residual)")
     tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
     if tiles.method != "gemv":
         raise ValueError(f"{x.shape[0]} tokens take the grouped path, which has no deferred norm")
     return routed_fused_moe_gemv(
         x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down,
         residual_norm_eps=eps,
-    )
+    )  # fmt: skip
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -358,18 +525,22 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 def _grouped(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
-    tiles: MoETiles, epilogue: _ExpertEpilogue | None = None,
+    tiles: MoETiles, epilogue: _ExpertEpilogue | None = None, scales: _ExpertScales | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Align, the two grouped GEMMs, the sum over k (weights: [T * k] float32)."""
+    """Align, the two grouped GEMMs, the sum over k (weights: [T * k] float32; with `scales`,
+    tiles whose block_k fits their scale blocks: tiles_within_scale_block)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     blocks = align_pairs(topk_ids, w13.shape[0], tiles.block_m)
     num_pairs = num_tokens * top_k
     activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
     epilogue = epilogue or _ExpertEpilogue()
-    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up, epilogue)
+    scales = scales or _ExpertScales()
+    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up, epilogue, scales.w13, scales.block)
     expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _launch_down(activated, w2, expert_out, weights, blocks, tiles.down, epilogue.down_bias)
+    _launch_down(
+        activated, w2, expert_out, weights, blocks, tiles.down, epilogue.down_bias, scales.w2, scales.block
+    )
     if top_k == 1:
         return expert_out
     return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1)
@@ -386,7 +557,8 @@ def _upcast_dot(x: torch.Tensor) -> bool:
 
 def _launch_gate_up(
     x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles,
-    epilogue: _ExpertEpilogue,
+    epilogue: _ExpertEpilogue, w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     grid = (blocks.max_blocks * triton.cdiv(inter, tiles.block_n),)
@@ -398,6 +570,7 @@ def _launch_gate_up(
     if epilogue.clamped_swiglu is not None:
         alpha, limit = epilogue.clamped_swiglu
         flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
+    flags.update(weight_scale_args(w_scale, scale_block, tiles))
     _gate_up_kernel[grid](
         x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
         blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
@@ -411,11 +584,13 @@ def _launch_gate_up(
 
 def _launch_down(
     a: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, blocks: ExpertBlocks,
-    tiles: GemmTiles, bias: torch.Tensor | None = None,
+    tiles: GemmTiles, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     hidden, inter = w2.shape[1], w2.shape[2]
     grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
     flags = {} if bias is None else {"HAS_BIAS": True}
+    flags.update(weight_scale_args(w_scale, scale_block, tiles))
     _down_kernel[grid](
         a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
         blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,

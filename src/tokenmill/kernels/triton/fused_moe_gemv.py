@@ -21,9 +21,17 @@ post-attention norm's weight folded in, and the block's RMSNorm launch is skippe
 per-row scale, so the gate/up kernel scales the router logits and the gate and up sums by 1/rms(h)
 (each rounded as the projection of the normed row would be), and the down kernel adds its sum
 into h in its epilogue, returning the residual stream: h + experts(RMSNorm(h)).
+
+FP8 experts (W8A16; `w13_scale` / `w2_scale`): the weights are float8 e4m3 with float32 scales per
+output row or per (SCALE_BN, SCALE_BK) block. Each weight tile, converted to float32, is multiplied
+by its scales before the multiply-add: the value of the dequantized weight, exactly, and free in
+kernels bound by the weight read. In block mode BLOCK_K divides SCALE_BK, so one K step lies in one
+block of scales.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -63,6 +71,15 @@ def _pair_gate_up_kernel(
     ROUND_TO_LOGITS_DTYPE: tl.constexpr,
     NORM_SCALE: tl.constexpr,  # x is the un-normalized residual row: scale by its 1/rms
     HIDDEN_PAD: tl.constexpr,  # NORM_SCALE only: next power of 2 of hidden
+    # FP8 weights (weight_scale_args). Unscaled launches leave the defaults: None is a compile-time
+    # constant, so the 16-bit kernel keeps its parameters and code.
+    ws_ptr=None,  # SCALE_MODE 1: float32 [E, 2I]; 2: [E, cdiv(2I, SCALE_BN), cdiv(H, SCALE_BK)]
+    stride_wse=None,
+    stride_wsn=None,
+    stride_wsk=None,
+    SCALE_MODE: tl.constexpr = 0,  # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
 ):
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -88,9 +105,17 @@ def _pair_gate_up_kernel(
     else:
         expert = tl.load(ids_ptr + pair).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
+    wcols = (cols % inter).to(tl.int64)
     x_at = x_ptr + token * stride_xm + ks
-    gate_at = w_ptr + expert * stride_we + (cols % inter).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    gate_at = w_ptr + expert * stride_we + wcols[:, None] * stride_wn + ks[None, :]
     up_at = gate_at + inter * stride_wn
+    if SCALE_MODE == 1:
+        gate_scale = tl.load(ws_ptr + expert * stride_wse + wcols * stride_wsn)
+        up_scale = tl.load(ws_ptr + expert * stride_wse + (wcols + inter) * stride_wsn)
+    elif SCALE_MODE == 2:
+        # The up rows start a row of scale blocks (inter % SCALE_BN == 0, checked by the caller).
+        gate_scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
+        up_scale_at = gate_scale_at + (inter // SCALE_BN) * stride_wsn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -105,8 +130,16 @@ def _pair_gate_up_kernel(
             gate = tl.load(gate_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             up = tl.load(up_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         xf = x.to(tl.float32)[None, :]
-        acc_gate += gate.to(tl.float32) * xf
-        acc_up += up.to(tl.float32) * xf
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
+        if SCALE_MODE == 1:
+            gate = gate * gate_scale[:, None]
+            up = up * up_scale[:, None]
+        elif SCALE_MODE == 2:
+            gate = gate * tl.load(gate_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
+            up = up * tl.load(up_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
+        acc_gate += gate * xf
+        acc_up += up * xf
         x_at += BLOCK_K
         gate_at += BLOCK_K
         up_at += BLOCK_K
@@ -141,11 +174,24 @@ def _token_down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     HAS_RESIDUAL: tl.constexpr,
+    # FP8 weights, as in _pair_gate_up_kernel: [E, H] or [E, cdiv(H, SCALE_BN), cdiv(I, SCALE_BK)].
+    ws_ptr=None,
+    stride_wse=None,
+    stride_wsn=None,
+    stride_wsk=None,
+    SCALE_MODE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < hidden
-    wrows = (cols % hidden).to(tl.int64)[:, None] * stride_wn
+    wcols = (cols % hidden).to(tl.int64)
+    wrows = wcols[:, None] * stride_wn
+    if SCALE_MODE == 1:
+        scale_rows = wcols * stride_wsn
+    elif SCALE_MODE == 2:
+        scale_rows = (wcols // SCALE_BN) * stride_wsn
     ks = tl.arange(0, BLOCK_K)
     # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
     # expert in flight too; the routing weight scales the activation row (so one accumulator
@@ -165,7 +211,13 @@ def _token_down_kernel(
             a = tl.load(a_at, mask=k_ok, other=0.0)
             w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
-        acc += w.to(tl.float32) * scaled[None, :]
+        w = w.to(tl.float32)
+        if SCALE_MODE == 1:
+            w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows)[:, None]
+        elif SCALE_MODE == 2:
+            k_block = (k0 // SCALE_BK) * stride_wsk
+            w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows + k_block)[:, None]
+        acc += w * scaled[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_RESIDUAL:
         total += tl.load(residual_ptr + token * stride_rm + cols, mask=is_col, other=0.0).to(tl.float32)
@@ -180,14 +232,23 @@ def fused_moe_gemv(
     ids: torch.Tensor,  # [T, k] int32 / int64
     gate_up_tiles: GemmTiles,
     down_tiles: GemmTiles,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """fused_moe for a few tokens already routed (the caller checked the shapes); [T, H]."""
+    """fused_moe for a few tokens already routed (the caller checked the shapes, and the scales of
+    FP8 weights); [T, H]."""
     top_k = ids.shape[1]
     ids = ids.reshape(-1)
     activated = torch.empty((ids.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
-    launch_pair_gate_up(x, w13, ids, activated, top_k, gate_up_tiles)
+    launch_pair_gate_up(
+        x, w13, ids, activated, top_k, gate_up_tiles, w_scale=w13_scale, scale_block=scale_block
+    )
     out = torch.empty_like(x)
-    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles)
+    launch_token_down(
+        activated, w2, ids, weights, out, top_k, down_tiles, w_scale=w2_scale, scale_block=scale_block
+    )
     return out
 
 
@@ -202,13 +263,18 @@ def routed_fused_moe_gemv(
     gate_up_tiles: GemmTiles,
     down_tiles: GemmTiles,
     residual_norm_eps: float | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Routing and experts for a few tokens in two launches: the gate/up kernel also routes
     (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel.
 
     With `residual_norm_eps`, x is the un-normalized residual stream and the router logits and
     w13 come from weights with the norm's weight folded in: returns x + the experts' output for
-    RMSNorm(x) (eps `residual_norm_eps`), a new tensor (see the module docstring)."""
+    RMSNorm(x) (eps `residual_norm_eps`), a new tensor (see the module docstring). FP8 weights
+    come with `w13_scale` and `w2_scale` (checked by the caller)."""
     num_pairs = x.shape[0] * top_k
     ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_pairs, dtype=torch.float32, device=x.device)
@@ -216,10 +282,14 @@ def routed_fused_moe_gemv(
     launch_pair_gate_up(
         x, w13, ids, activated, top_k, gate_up_tiles, weights=weights, router_logits=router_logits,
         renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype, norm_eps=residual_norm_eps,
+        w_scale=w13_scale, scale_block=scale_block,
     )  # fmt: skip
     out = torch.empty_like(x)
     residual = x if residual_norm_eps is not None else None
-    launch_token_down(activated, w2, ids, weights, out, top_k, down_tiles, residual=residual)
+    launch_token_down(
+        activated, w2, ids, weights, out, top_k, down_tiles, residual=residual, w_scale=w2_scale,
+        scale_block=scale_block,
+    )  # fmt: skip
     return out
 
 
@@ -236,10 +306,13 @@ def launch_pair_gate_up(
     renormalize: bool = False,
     round_to_logits_dtype: bool = False,
     norm_eps: float | None = None,
+    w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> None:
     """out [N, I] = silu(gate) * up of each pair p (token p // top_k); with `router_logits`, the
     kernel routes and writes `ids` and `weights` [N] itself. With `norm_eps`, x holds
-    un-normalized rows whose 1/rms scales the logits and the gate and up sums."""
+    un-normalized rows whose 1/rms scales the logits and the gate and up sums. With `w_scale`,
+    w13 is float8 e4m3 scaled per row ([E, 2I]) or per `scale_block` (see weight_scale_args)."""
     num_pairs, inter = out.shape
     hidden, num_experts = x.shape[1], w13.shape[0]
     route = router_logits is not None
@@ -256,15 +329,18 @@ def launch_pair_gate_up(
         RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
         NORM_SCALE=norm_eps is not None, HIDDEN_PAD=triton.next_power_of_2(hidden) if norm_eps is not None else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **weight_scale_args(w_scale, scale_block, tiles),
     )  # fmt: skip
 
 
 def launch_token_down(
     activated: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-    top_k: int, tiles: GemmTiles, residual: torch.Tensor | None = None,
+    top_k: int, tiles: GemmTiles, residual: torch.Tensor | None = None, *,
+    w_scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     """out [T, H] = sum over each token's k pairs of weight * down(activated row) (+ residual,
-    added in float32 before the one rounding; `out` must not be `residual`)."""
+    added in float32 before the one rounding; `out` must not be `residual`). With `w_scale`, w2
+    is float8 e4m3 scaled per row ([E, H]) or per `scale_block` (see weight_scale_args)."""
     num_tokens, hidden = out.shape
     inter = w2.shape[2]
     if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
@@ -276,7 +352,30 @@ def launch_token_down(
         TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **weight_scale_args(w_scale, scale_block, tiles),
     )  # fmt: skip
+
+
+def weight_scale_args(
+    w_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, tiles: GemmTiles
+) -> dict[str, Any]:
+    """The FP8 weight-scale arguments of the MoE kernels (here and in fused_moe.py) for a float32
+    `w_scale` of [E, rows] (one per output row, `scale_block` None) or [E, row blocks, K blocks]
+    (`scale_block` = (rows, columns) of a block); none without a scale, so unscaled launches
+    compile as they did before these arguments existed. The shapes are the caller's to check."""
+    if w_scale is None:
+        return {}
+    args: dict[str, Any] = dict(ws_ptr=w_scale, stride_wse=w_scale.stride(0), stride_wsn=w_scale.stride(1))
+    if scale_block is None:
+        return {**args, "SCALE_MODE": 1}
+    block_n, block_k = scale_block
+    if block_k % tiles.block_k:
+        raise ValueError(
+            f"block-scaled FP8 weights need BLOCK_K dividing the scale block's {block_k} columns, "
+            f"got BLOCK_K {tiles.block_k} (clamp it, e.g. fused_moe.tiles_within_scale_block)"
+        )
+    args.update(stride_wsk=w_scale.stride(2), SCALE_MODE=2, SCALE_BN=block_n, SCALE_BK=block_k)
+    return args
 
 
 def compile_gemv(
