@@ -132,10 +132,7 @@ def _pair_gate_up_kernel(
         xf = x.to(tl.float32)[None, :]
         gate = gate.to(tl.float32)
         up = up.to(tl.float32)
-        if SCALE_MODE == 1:
-            gate = gate * gate_scale[:, None]
-            up = up * up_scale[:, None]
-        elif SCALE_MODE == 2:
+        if SCALE_MODE == 2:  # per-row scales (mode 1) multiply the row sums after the loop
             gate = gate * tl.load(gate_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
             up = up * tl.load(up_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
         acc_gate += gate * xf
@@ -144,8 +141,13 @@ def _pair_gate_up_kernel(
         gate_at += BLOCK_K
         up_at += BLOCK_K
     dtype = out_ptr.dtype.element_ty
-    g = round_like(tl.sum(acc_gate, axis=1), dtype)
-    u = round_like(tl.sum(acc_up, axis=1), dtype)
+    g_sum = tl.sum(acc_gate, axis=1)
+    u_sum = tl.sum(acc_up, axis=1)
+    if SCALE_MODE == 1:  # once a row, not once a weight: the loop's multiplies cost more than the bytes saved
+        g_sum *= gate_scale
+        u_sum *= up_scale
+    g = round_like(g_sum, dtype)
+    u = round_like(u_sum, dtype)
     if NORM_SCALE:
         g = round_like(g * inv_rms, dtype)
         u = round_like(u * inv_rms, dtype)
