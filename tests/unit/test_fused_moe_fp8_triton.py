@@ -318,3 +318,39 @@ def test_tiles_within_scale_block_clamp_block_k_only():
     assert tiles_within_scale_block(tiles, None) is tiles
     clamped = tiles_within_scale_block(tiles, (128, 128))
     assert clamped == MoETiles(16, GemmTiles(4, 128, 1, 4, 2), GemmTiles(64, 64, 8, 4, 3), "gemv")
+
+
+@interpreted_only
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_a_moe_block_with_fp8_experts_runs_them_through_the_kernels(num_tokens):
+    """The model wiring (layers/moe.py, moe_fp8.py): a SparseMoEBlock whose experts are quantized at
+    load as a GPU would keep them (e4m3 + ExpertScales into TritonMoEOps) against the same block
+    dequantized on the torch ops (the CPU's path), same weights and inputs."""
+    from tokenmill.model.layers.layer_ops import select_layer_ops
+    from tokenmill.model.layers.moe import SparseMoEBlock, TritonMoEOps
+    from tokenmill.model.layers.moe_fp8 import Fp8ExpertWeights
+    from tokenmill.model.loader.quant_config import at_load_quantization
+    from tokenmill.model.moe_config import MoEConfig
+
+    hidden, inter = 64, 128
+    moe = MoEConfig(NUM_EXPERTS, TOP_K, inter, renormalize=True, sparse_layers=(0,))
+    spec = at_load_quantization("fp8")
+    gen = torch.Generator().manual_seed(num_tokens)
+    router = torch.randn((NUM_EXPERTS, hidden), generator=gen) * 0.2
+    w13 = torch.randn((NUM_EXPERTS, 2 * inter, hidden), generator=gen) * 0.1
+    w2 = torch.randn((NUM_EXPERTS, hidden, inter), generator=gen) * 0.1
+    blocks = []
+    for ops, use_kernels in ((TritonMoEOps(), True), (TorchMoEOps(), False)):
+        block = SparseMoEBlock(
+            hidden, moe, select_layer_ops("cpu"), ops, expert_fp8=Fp8ExpertWeights(spec, use_kernels=use_kernels)
+        )
+        block.gate.weight.data.copy_(router)
+        block.experts.weight_loader("gate_up_proj", w13)
+        block.experts.weight_loader("down_proj", w2)
+        block.experts.process_weights_after_loading()
+        blocks.append(block)
+    kernels, reference = blocks
+    assert kernels.experts.gate_up_proj.dtype == torch.float8_e4m3fn and kernels.experts.scales is not None
+    assert reference.experts.gate_up_proj.dtype == torch.float32 and reference.experts.scales is None
+    x = torch.randn((num_tokens, hidden), generator=gen)
+    torch.testing.assert_close(kernels(x), reference(x), atol=1e-5, rtol=1e-4)
