@@ -61,7 +61,10 @@ from tokenmill.model.layers.quantize_weights import (
     quantize_int4,
 )
 
-QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_PROJECTIONS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "qkv_proj", "gate_up_proj",  # Phi-3's fused projections, quantized as one tensor each (as tools do)
+)  # fmt: skip
 # Mixtral's experts (block_sparse_moe.experts.E.w1 / w3 / w2) are quantized too; MoE routers
 # (mlp.gate, block_sparse_moe.gate) and Qwen's shared_expert_gate stay as the source has them, as
 # the published FP8 MoE checkpoints leave them.
@@ -526,12 +529,26 @@ QUANT_SOURCES: dict[str, tuple[str, int, dict, torch.dtype]] = {
     ),
 }  # fmt: skip
 MOE_SOURCES = ("qwen3-moe", "qwen2-moe", "mixtral")
+# Gemma 2 / Gemma 3 text (tests/engine/gemma_checkpoints.py: soft caps, sliding windows, Q/K norms,
+# tied embeddings) at the shape above: head_dim 32, intermediate 256.
+GEMMA_SOURCES = {
+    "gemma2": ("gemma2", 37, dict(hidden_size=128, head_dim=32, intermediate_size=256, num_hidden_layers=2)),
+    "gemma3": ("gemma3", 38, dict(hidden_size=128, head_dim=32, intermediate_size=256, num_hidden_layers=4)),
+}
 
 
 def write_quant_source(path: Path, source: str, tokenizer) -> Path:
     """A tiny checkpoint to quantize, written by transformers' save_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    if source == "phi3":
+        return _write_phi3_source(path, tokenizer)
+
+    if source in GEMMA_SOURCES:
+        from tests.engine.gemma_checkpoints import write_gemma_checkpoint
+
+        family, seed, overrides = GEMMA_SOURCES[source]
+        return write_gemma_checkpoint(path, family, tokenizer, seed, **overrides)
     family, seed, overrides, dtype = QUANT_SOURCES[source]
     if source in MOE_SOURCES:
         from tests.moe_checkpoints import write_tiny_moe_checkpoint
@@ -564,3 +581,24 @@ def quantized_checkpoint(tmp_path_factory, tiny_tokenizer) -> Callable[..., Quan
         return written[layout, source]
 
     return get
+
+
+def _write_phi3_source(path: Path, tokenizer) -> Path:
+    """Phi-3 (fused qkv_proj and gate_up_proj tensors) at the shape above with 4 KV heads, so each
+    fused part (q, k, v: 128 rows; gate, up: 256) holds whole 128-row FP8 blocks, as Phi-3's do."""
+    import transformers
+
+    from tests.conftest import _randomize
+
+    config = transformers.Phi3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+        sliding_window=None, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(39)
+    model = transformers.Phi3ForCausalLM(config).to(torch.float32).eval()
+    _randomize(model, 39)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -47,7 +47,9 @@ WeightFormat = Literal["safetensors", "pt", "gguf", "dummy"]
 # and its mixture-of-experts variants, whose routed experts take FP8 (layers/moe_fp8.py; their
 # INT4 experts are not built). gpt-oss and the families with their own weight layouts (Phi-3's
 # fused projections, Gemma) are refused until their loaders map quantized tensors.
-_QUANTIZABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_QUANTIZABLE_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,7 +126,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
             part = target.storage_offset() // shapes.stride(0)
             rows = getattr(layer, "output_sizes", (layer.output_size,))[part]
             expected = [rows, layer.input_size]
-            if loaded.reshape(-1).tolist() != expected:
+            fused = [layer.output_size, layer.input_size]  # a fused checkpoint tensor's (Phi-3's qkv_proj)
+            if loaded.reshape(-1).tolist() not in (expected, fused):
                 raise ValueError(
                     f"weight_shape holds {loaded.reshape(-1).tolist()}, but the model config makes this layer "
                     f"{expected} ([out_features, in_features]): the checkpoint disagrees with config.json"

@@ -414,12 +414,28 @@ class MergedColumnParallelLinear(LinearBase):
         if shard_id is not None:
             super().weight_loader(param_name, loaded, shard_id)
             return
-        if loaded.shape[0] != sum(self.output_sizes):
+        layout = self.param_layouts.get(param_name, WEIGHT_LAYOUT)  # weight, bias: rows along dim 0
+        if layout.per_part or layout.out_dim is None:
+            # One entry describing the whole fused tensor (a per-tensor scale, GPTQ's g_idx): every
+            # part's, as the parts were one layer when they were quantized.
+            for part_id in self.shard_ids:
+                super().weight_loader(param_name, loaded, part_id)
+            return
+        per, dim = layout.out_per_index, layout.out_dim
+        if any(size % per for size in self.output_sizes):
             raise ValueError(
-                f"a fused tensor of shape {tuple(loaded.shape)} has {loaded.shape[0]} rows; expected the "
-                f"parts' {' + '.join(map(str, self.output_sizes))} = {sum(self.output_sizes)}"
+                f"a fused tensor of parts {' + '.join(map(str, self.output_sizes))} rows, {per} rows an entry "
+                f"along dim {dim}: each part must hold whole entries to be split"
             )
-        for part_id, part in zip(self.shard_ids, loaded.split(self.output_sizes), strict=True):
+        sizes = [size // per for size in self.output_sizes]
+        if loaded.dim() <= dim or loaded.shape[dim] != sum(sizes):
+            unit = "rows" if (dim, per) == (0, 1) else f"entries along dim {dim}"
+            found = loaded.shape[dim] if loaded.dim() > dim else 0
+            raise ValueError(
+                f"a fused tensor of shape {tuple(loaded.shape)} has {found} {unit}; expected the parts' "
+                f"{' + '.join(map(str, sizes))} = {sum(sizes)}" + (f" ({per} rows an entry)" if per > 1 else "")
+            )
+        for part_id, part in zip(self.shard_ids, loaded.split(sizes, dim=dim), strict=True):
             super().weight_loader(param_name, part, part_id)
 
     def _part_index(self, shard_id: ShardId) -> int | None:
