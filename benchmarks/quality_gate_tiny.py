@@ -19,10 +19,15 @@ from pathlib import Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument(
+        "--source", default="llama", help="the tiny source (tests/model/quantized_checkpoints.py QUANT_SOURCES, "
+        "or gemma2 / gemma3 / phi3); mixture-of-experts sources (qwen3-moe, ...) run the FP8 layouts only",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from tests.conftest import build_tiny_tokenizer
     from tests.model.quantized_checkpoints import (
+        MOE_SOURCES,
         QUANT_LAYOUTS,
         write_quant_source,
         write_quantized_checkpoint,
@@ -38,9 +43,11 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        source = write_quant_source(root / "source", "llama", build_tiny_tokenizer())
-        candidates = {f"at-load {m}": EngineArgs(model=str(source), quantization=m) for m in ("fp8", "awq", "gptq")}
-        for layout in QUANT_LAYOUTS:
+        source = write_quant_source(root / "source", args.source, build_tiny_tokenizer())
+        moe = args.source in MOE_SOURCES  # their experts take FP8 only
+        methods = ("fp8",) if moe else ("fp8", "awq", "gptq")
+        candidates = {f"at-load {m}": EngineArgs(model=str(source), quantization=m) for m in methods}
+        for layout in (name for name in QUANT_LAYOUTS if not moe or "fp8" in name):
             ckpt = write_quantized_checkpoint(source, root / layout, root / f"{layout}-ref", layout)
             candidates[layout] = EngineArgs(model=str(ckpt.path))
         for name, candidate in candidates.items():
@@ -52,8 +59,8 @@ def main() -> None:
             print(f"{name:<24} ppl ratio {m.candidate_perplexity / m.base_perplexity:6.3f}  mean KL {m.mean_kl:.4f}  "
                   f"top-1 {m.top1_agreement:.3f}  greedy {m.greedy_agreement}  {'pass' if report.passed else 'FAIL'}",
                   flush=True)  # fmt: skip
-    path = write_result("quality-gate-tiny", {"options": dataclasses.asdict(options), "source": "tiny llama (hidden 128, 2 layers)"},
-                        rows, args.result_dir, name="quality-gate-tiny-llama-cpu")  # fmt: skip
+    config = {"options": dataclasses.asdict(options), "source": f"tiny {args.source} (hidden 128, 2 layers)"}
+    path = write_result("quality-gate-tiny", config, rows, args.result_dir, name=f"quality-gate-tiny-{args.source}-cpu")
     print(f"wrote {path}")
 
 
