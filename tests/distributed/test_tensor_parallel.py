@@ -164,9 +164,12 @@ def test_what_cannot_be_split_is_refused_before_loading():
         with pytest.raises(ValueError, match=rf"quantized weights \({re.escape(refused.describe())}\).*{reason}"):
             check_tensor_parallel(_arch(), 2, quantization=refused)
     moe = _arch(architecture="qwen3_moe", moe=MoEConfig(4, 2, 96, renormalize=True, sparse_layers=(0, 1)))
-    with pytest.raises(ValueError, match="quantized mixture-of-experts weights are not sharded"):
-        check_tensor_parallel(moe, 2, quantization=fp8)
     check_tensor_parallel(moe, 2)  # the 16-bit experts shard
+    check_tensor_parallel(moe, 2, quantization=fp8)  # per-row scales quantized at load: any split
+    block = dataclasses.replace(fp8, from_checkpoint=True, fp8_weight_strategy="block", fp8_block=(128, 128))
+    with pytest.raises(ValueError, match=r"experts' gate_proj / up_proj 48 output rows \(blocks of 128\)"):
+        check_tensor_parallel(dataclasses.replace(moe, num_heads=8, num_kv_heads=8, head_dim=16,
+                                                  intermediate_size=256), 2, quantization=block)  # fmt: skip
     with pytest.raises(ValueError, match="KV heads: one must divide the other"):
         check_tensor_parallel(_arch(num_kv_heads=2), 3)
     with pytest.raises(ValueError, match="must be >= 1"):

@@ -208,8 +208,6 @@ class MoEExperts(nn.Module):
             torch.empty((num_experts, hidden_size, local), device=device, dtype=dtype),
             requires_grad=False,
         )
-        if fp8 is not None and tp_size > 1:
-            raise ValueError("FP8 expert weights are not sharded for tensor parallelism yet")
         self.fp8 = fp8
         self.dtype = dtype
         self.scales: ExpertScales | None = None  # set after loading, for FP8 weights the kernels read

@@ -74,10 +74,11 @@ class Fp8ExpertWeights:
             gate_up_scale, down_scale = torch.empty((num, 2 * inter), **f32), torch.empty((num, hidden), **f32)
         else:
             bn, bk = self.block
-            if inter % bn:
+            if inter % bn or (experts.tp_size > 1 and inter % bk):
                 raise ValueError(
-                    f"FP8 experts with {bn}x{bk} blocks need the expert intermediate size ({inter}) to be a "
-                    f"multiple of {bn}, so that the up rows start on a block"
+                    f"FP8 experts with {bn}x{bk} blocks need the expert intermediate size held by a rank ({inter}) "
+                    f"to be a multiple of {bn} (the up rows start on a block) and, under tensor parallelism, of "
+                    f"{bk} (a rank's down columns are whole blocks)"
                 )
             gate_up_scale = torch.empty((num, 2 * inter // bn, -(-hidden // bk)), **f32)
             down_scale = torch.empty((num, -(-hidden // bn), -(-inter // bk)), **f32)
@@ -114,8 +115,11 @@ class Fp8ExpertWeights:
             raise ValueError(f"expert {expert} is outside this layer's {experts.num_experts} experts")
         loaded = loaded.float()
         gate_up = param_name.startswith("gate_up")
-        inter, hidden = experts.intermediate_size, experts.hidden_size
-        rows, cols = (inter, hidden) if gate_up else (hidden, inter)
+        # Under tensor parallelism a rank holds `local` of each expert's intermediate rows (gate, up)
+        # and columns (down) from `start`, as MoEExperts.weight_loader narrows the weights.
+        full, local = experts.full_intermediate_size, experts.intermediate_size
+        start, hidden = experts.tp_rank * local, experts.hidden_size
+        rows, cols = (full, hidden) if gate_up else (hidden, full)
         if param_name.endswith("input_scale"):
             if loaded.numel() != 1 or not bool(torch.isfinite(loaded).all()) or float(loaded.reshape(())) <= 0:
                 raise ValueError(
@@ -126,20 +130,25 @@ class Fp8ExpertWeights:
         scales = getattr(experts, param_name).data[expert]
         if self.block is not None:
             bn, bk = self.block
-            expected = (-(-rows // bn), -(-cols // bk))
-            _check_shape(loaded, expected)
-            first = (part or 0) * expected[0]
-            scales[first : first + expected[0]].copy_(loaded)
+            _check_shape(loaded, (-(-rows // bn), -(-cols // bk)))
+            if gate_up:  # this rank's block rows of the part (local is a multiple of bn)
+                loaded = loaded.narrow(0, start // bn, local // bn)
+                first = (part or 0) * (local // bn)
+                scales[first : first + local // bn].copy_(loaded)
+            else:  # this rank's block columns (local is a multiple of bk under tensor parallelism)
+                scales.copy_(loaded.narrow(1, start // bk, scales.shape[1]))
             return
-        first = (part or 0) * rows
+        held = local if gate_up else hidden  # a rank's rows of the part (down's rows are whole)
+        first = (part or 0) * held
         if self.spec.fp8_weight_strategy == "tensor":
             if loaded.numel() != 1:
                 raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's per-tensor scale (1,)")
-            scales[first : first + rows].fill_(float(loaded.reshape(())))
+            scales[first : first + held].fill_(float(loaded.reshape(())))
             return
         if tuple(loaded.shape) not in ((rows,), (rows, 1)):
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the model's per-channel scale ({rows}, 1)")
-        scales[first : first + rows].copy_(loaded.reshape(rows))
+        loaded = loaded.reshape(rows)
+        scales[first : first + held].copy_(loaded.narrow(0, start, local) if gate_up else loaded)
 
     # -- after loading ----------------------------------------------------------------------------
 
@@ -155,7 +164,15 @@ class Fp8ExpertWeights:
             w2, s2 = experts.down_proj.data, experts.down_scale.data
         else:
             w13, s13 = _quantize_rows(experts.gate_up_proj.data)
-            w2, s2 = _quantize_rows(experts.down_proj.data)
+            down_absmax = None
+            if experts.tp_size > 1:
+                # A rank holds some of each down row's columns: the row's scale comes from its absmax
+                # over every rank's, so the ranks hold the one-rank model's FP8 values (as the dense
+                # row-parallel layers do; every rank loads its experts in the same order).
+                from tokenmill.distributed.parallel_state import all_reduce_max
+
+                down_absmax = all_reduce_max(experts.down_proj.data.abs().amax(dim=2).float())
+            w2, s2 = _quantize_rows(experts.down_proj.data, down_absmax)
         if self.use_kernels:
             experts.gate_up_proj, experts.down_proj = _frozen(w13.contiguous()), _frozen(w2.contiguous())
             experts.scales = ExpertScales(s13.contiguous(), s2.contiguous(), self.block)
@@ -174,10 +191,12 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[i
     return torch.stack([dequantize_fp8(w, s, block) for w, s in zip(weight, scale, strict=True)])
 
 
-def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row FP8 of 16-bit stacked weights [E, N, K]: (e4m3 [E, N, K], float32 [E, N]),
-    the dense layers' quantize_fp8_per_channel over all the experts' rows at once."""
-    q, scale, _ = quantize_fp8_per_channel(w.flatten(0, 1))
+    the dense layers' quantize_fp8_per_channel over all the experts' rows at once (`row_absmax`
+    [E, N]: each row's absmax over more columns than `w` holds)."""
+    absmax = None if row_absmax is None else row_absmax.flatten()
+    q, scale, _ = quantize_fp8_per_channel(w.flatten(0, 1), absmax)
     return q.view(w.shape), scale.view(w.shape[:2])
 
 

@@ -106,11 +106,6 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
         return f"{what} are not sharded for tensor parallelism yet (act-order); use tensor_parallel_size=1"
     if arch is None or size == 1:
         return None
-    if arch.moe is not None:
-        return (
-            f"{what}: quantized mixture-of-experts weights are not sharded for tensor parallelism yet; "
-            "use tensor_parallel_size=1 or the 16-bit checkpoint"
-        )
     heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
     # What one rank holds: output rows of the column-parallel parts, input columns of the row-parallel layers.
     rows = {
@@ -119,6 +114,13 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
         "gate_proj / up_proj": arch.intermediate_size // size,
     }
     columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}
+    if arch.moe is not None:  # FP8 experts (resolve_model refuses 4-bit ones): each rank's share of each
+        expert = arch.moe.expert_intermediate_size // size  # expert's gate / up rows and down columns
+        rows["experts' gate_proj / up_proj"] = expert
+        columns["experts' down_proj"] = expert
+        if arch.moe.shared_expert_intermediate_size:
+            rows["shared_expert gate_proj / up_proj"] = arch.moe.shared_expert_intermediate_size // size
+            columns["shared_expert down_proj"] = arch.moe.shared_expert_intermediate_size // size
     if spec.scheme == "fp8_w8a8":
         if spec.fp8_weight_strategy != "block" or not spec.from_checkpoint:
             return None
