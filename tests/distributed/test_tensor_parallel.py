@@ -166,6 +166,8 @@ def test_what_cannot_be_split_is_refused_before_loading():
     moe = _arch(architecture="qwen3_moe", moe=MoEConfig(4, 2, 96, renormalize=True, sparse_layers=(0, 1)))
     check_tensor_parallel(moe, 2)  # the 16-bit experts shard
     check_tensor_parallel(moe, 2, quantization=fp8)  # per-row scales quantized at load: any split
+    with pytest.raises(ValueError, match="4-bit mixture-of-experts experts are not sharded"):
+        check_tensor_parallel(moe, 2, quantization=gptq)
     block = dataclasses.replace(fp8, from_checkpoint=True, fp8_weight_strategy="block", fp8_block=(128, 128))
     with pytest.raises(ValueError, match=r"experts' gate_proj / up_proj 48 output rows \(blocks of 128\)"):
         check_tensor_parallel(dataclasses.replace(moe, num_heads=8, num_kv_heads=8, head_dim=16,

@@ -1,10 +1,11 @@
-"""FP8 mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) in
-the published FP8 layouts, and 16-bit MoE checkpoints quantized at load, against transformers on
-the dequantized weights: greedy tokens equal and logprobs close in fp32, alone and batched with
-chunked prefill. The routed experts' FP8 weights (layers/moe_fp8.py) are dequantized once on the
-CPU, so this is the reference path the GPU kernels are held to (tests/gpu/test_moe_fp8_gpu.py).
-Bad inputs: a 4-bit MoE checkpoint, a scale of the wrong shape, a 16-bit expert weight in an FP8
-checkpoint, tensor parallelism."""
+"""Quantized mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral)
+in the published FP8 and 4-bit (AWQ, GPTQ, compressed-tensors pack-quantized) layouts, and 16-bit
+MoE checkpoints quantized at load, against transformers on the dequantized weights: greedy tokens
+equal and logprobs close in fp32, alone and batched with chunked prefill. The routed experts'
+quantized weights (layers/moe_fp8.py, moe_int4.py) are dequantized once on the CPU, so this is the
+reference path the GPU kernels are held to (tests/gpu/test_moe_fp8_gpu.py). Bad inputs: act-order
+4-bit experts, a scale of the wrong shape, a missing expert tensor, a 16-bit expert weight in an FP8
+checkpoint."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_fp8_moe_checkpoint_matches_transformers_on_its_dequantized_weights(quan
     assert any(".experts." in layer for layer in ckpt.layers)  # the writer quantized the experts
     llm = LLM(str(ckpt.path), device="cpu", max_model_len=128)
     experts = _experts(llm)
-    assert experts and all(e.fp8 is not None and e.gate_up_proj.dtype == torch.float32 for e in experts)
+    assert experts and all(e.quant is not None and e.gate_up_proj.dtype == torch.float32 for e in experts)
     _check(llm, str(ckpt.reference), _prompts(llm.info.vocab_size, 3, seed=len(layout) + len(source)))
 
 
@@ -95,22 +96,65 @@ def test_moe_quantized_to_fp8_at_load_matches_the_dequantized_reference(tmp_path
     src = write_quant_source(tmp_path / "src", source, tiny_tokenizer)
     reference = _at_load_reference(tmp_path, src)
     llm = LLM(str(src), device="cpu", max_model_len=128, quantization="fp8")
-    assert all(e.fp8 is not None for e in _experts(llm))
+    assert all(e.quant is not None for e in _experts(llm))
     _check(llm, str(reference), _prompts(llm.info.vocab_size, 3, seed=5))
 
 
 def test_moe_greedy_output_unchanged_without_quantization(tmp_path, tiny_tokenizer):
     src = write_quant_source(tmp_path / "src", "qwen3-moe", tiny_tokenizer)
     llm = LLM(str(src), device="cpu", max_model_len=128)
-    assert all(e.fp8 is None and e.scales is None for e in _experts(llm))
+    assert all(e.quant is None and e.scales is None for e in _experts(llm))
     _check(llm, str(src), _prompts(llm.info.vocab_size, 2, seed=2))
 
 
-def test_int4_moe_is_refused_before_loading(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize(
+    ("layout", "source"),
+    [("awq-g128", "qwen3-moe"), ("gptq-g32-asym", "mixtral"), ("ct-w4a16-g32-asym", "qwen2-moe"),
+     ("ct-w4a16-g128-sym", "qwen3-moe")],
+)  # fmt: skip
+def test_4bit_moe_checkpoint_matches_transformers_on_its_dequantized_weights(quantized_checkpoint, layout, source):
+    ckpt = quantized_checkpoint(layout, source=source)
+    assert any(".experts." in layer for layer in ckpt.layers)
+    llm = LLM(str(ckpt.path), device="cpu", max_model_len=128)
+    experts = _experts(llm)
+    assert experts and all(e.quant is not None and e.gate_up_proj.dtype == torch.float32 for e in experts)
+    _check(llm, str(ckpt.reference), _prompts(llm.info.vocab_size, 3, seed=len(layout) + len(source)))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_moe_quantized_to_4bit_at_load_matches_the_dequantized_reference(tmp_path, tiny_tokenizer, method):
+    from tests.engine.test_quantized_models import _at_load_reference as dense_at_load_reference
+
     src = write_quant_source(tmp_path / "src", "qwen3-moe", tiny_tokenizer)
-    with pytest.raises(UnsupportedModelError, match="FP8 expert weights") as err:
-        LLM(str(src), device="cpu", max_model_len=64, quantization="awq")
+    reference = dense_at_load_reference(tmp_path, src, method)  # every *_proj weight, experts included
+    llm = LLM(str(src), device="cpu", max_model_len=128, quantization=method)
+    assert all(e.quant is not None for e in _experts(llm))
+    _check(llm, str(reference), _prompts(llm.info.vocab_size, 3, seed=6))
+
+
+def test_act_order_4bit_moe_is_refused_before_loading(quantized_checkpoint):
+    ckpt = quantized_checkpoint("gptq-g32-sym-actorder", source="qwen3-moe")
+    with pytest.raises(UnsupportedModelError, match="act-order") as err:
+        LLM(str(ckpt.path), device="cpu", max_model_len=64)
     assert "qwen3_moe" in str(err.value)
+
+
+def test_a_missing_4bit_expert_tensor_is_named(quantized_checkpoint, tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.model.quantized_checkpoints import _copy_side_files, read_checkpoint_tensors
+
+    ckpt = quantized_checkpoint("awq-g128", source="qwen3-moe")
+    tensors = read_checkpoint_tensors(ckpt.path)
+    name = "model.layers.0.mlp.experts.2.up_proj.qzeros"
+    del tensors[name]
+    broken = tmp_path / "broken"
+    _copy_side_files(ckpt.path, broken)
+    (broken / "config.json").write_text((ckpt.path / "config.json").read_text())
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights") as err:
+        LLM(str(broken), device="cpu", max_model_len=64)
+    assert name in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ def test_a_supported_config_resolves_to_its_spec(tmp_path, tiny_llama_dir):
     )
 
 
-def test_a_mixture_of_experts_model_takes_fp8_but_not_4_bit_quantization(tmp_path, tiny_llama_dir):
+def test_a_mixture_of_experts_model_takes_fp8_and_4_bit_quantization(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)  # fmt: skip
@@ -74,11 +74,13 @@ def test_a_mixture_of_experts_model_takes_fp8_but_not_4_bit_quantization(tmp_pat
     moe_dir.mkdir()
     (moe_dir / "config.json").write_text(json.dumps(config))
     shutil.copy(tiny_llama_dir / "model.safetensors", moe_dir / "model.safetensors")
-    resolved = resolve_model(ModelConfig(model=str(moe_dir), quantization="fp8"))
-    assert resolved.quantization is not None and resolved.quantization.scheme == "fp8_w8a8"
-    for method in ("awq", "gptq"):
-        with pytest.raises(UnsupportedModelError, match="qwen3_moe model is not supported yet.*FP8 expert weights"):
-            resolve_model(ModelConfig(model=str(moe_dir), quantization=method))
+    for method, scheme in (("fp8", "fp8_w8a8"), ("awq", "int4_w4a16"), ("gptq", "int4_w4a16")):
+        resolved = resolve_model(ModelConfig(model=str(moe_dir), quantization=method))
+        assert resolved.quantization is not None and resolved.quantization.scheme == scheme
+    act_order = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True}
+    (moe_dir / "config.json").write_text(json.dumps({**config, "quantization_config": act_order}))
+    with pytest.raises(UnsupportedModelError, match="qwen3_moe model is not supported yet.*act-order"):
+        resolve_model(ModelConfig(model=str(moe_dir)))
 
 
 def test_a_quantization_config_without_a_method_is_refused(tmp_path, tiny_llama_dir):

@@ -26,23 +26,19 @@ from torch import nn
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.moe import SparseMoEBlock, select_moe_ops
 from tokenmill.model.layers.moe_fp8 import Fp8ExpertWeights
+from tokenmill.model.layers.moe_int4 import Int4ExpertWeights
 from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
 from tokenmill.model.llama import CausalLM
 
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-_MIXTRAL_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."
-    r"(weight|weight_scale|weight_scale_inv|input_scale)"
-)
+_MIXTRAL_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.(\w+)")
 _MIXTRAL_BLOCK = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(.+)")
 _STACKED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
-    r"(weight|weight_scale|weight_scale_inv|input_scale)"
-)
-# An FP8 expert projection's tensor -> the MoEExperts parameter (of gate_up_* / down_*) it fills.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
+# An FP8 expert projection's tensor -> the MoEExperts parameter (of gate_up_* / down_*) it fills;
+# a 4-bit one's go to "<projection>:<leaf>" (layers/moe_int4.py keeps them until all have loaded).
 _EXPERT_LEAF_PARAM = {"weight": "proj", "weight_scale": "scale", "weight_scale_inv": "scale", "input_scale": "input_scale"}
 _SHARED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.(\w+)")
 
@@ -66,20 +62,40 @@ class MoECausalLM(CausalLM):
             return None  # mlp_only_layers / decoder_sparse_step: the dense MLP
         if "moe_ops" not in self.__dict__:
             self.moe_ops = select_moe_ops(device or "cpu")  # once per model, like the layer ops
-        expert_fp8 = None
+        expert_quant = None
         if isinstance(linear_method, QuantizedLinearMethod):
-            # The FP8 linear method's spec, for the routed experts too (resolve_model refused the rest).
-            expert_fp8 = Fp8ExpertWeights(linear_method.spec, use_kernels=linear_method.use_kernels)
-            self.expert_fp8 = expert_fp8
+            # The linear method's spec, for the routed experts too.
+            spec, use_kernels = linear_method.spec, linear_method.use_kernels
+            weights = Fp8ExpertWeights if spec.scheme == "fp8_w8a8" else Int4ExpertWeights
+            expert_quant = weights(spec, use_kernels=use_kernels)
+            self.expert_quant = expert_quant
         return SparseMoEBlock(
             self.arch.hidden_size, moe, self.ops, self.moe_ops, linear_method=linear_method,
-            expert_fp8=expert_fp8, device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            expert_quant=expert_quant, device=device, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )  # fmt: skip
 
-    def _expert_leaves(self) -> tuple[str, ...]:
-        """The tensors besides `weight` each FP8 expert projection has in the checkpoint."""
-        fp8 = self.__dict__.get("expert_fp8")
-        return fp8.checkpoint_leaves() if fp8 is not None else ()
+    def _expert_leaves(self, accepted: bool = False) -> tuple[str, ...]:
+        """The tensors besides `weight` each quantized expert projection has in the checkpoint (with
+        `accepted`, the optional ones too)."""
+        quant = self.__dict__.get("expert_quant")
+        if quant is None:
+            return ()
+        return quant.accepted_leaves() if accepted else quant.checkpoint_leaves()
+
+    def _expert_weight_leaves(self) -> tuple[str, ...]:
+        """Every tensor each expert projection must have: its weight (16-bit or FP8) and scales, or
+        a 4-bit checkpoint's packed tensors instead of the weight."""
+        quant = self.__dict__.get("expert_quant")
+        if isinstance(quant, Int4ExpertWeights) and quant.format is not None:
+            return quant.checkpoint_leaves()
+        return ("weight", *self._expert_leaves())
+
+    def _checkpoint_target(self, name: str):
+        # A 4-bit expert's tensors go to "<projection>:<leaf>", which is no attribute to check.
+        match = _EXPERT.fullmatch(name)
+        if match is not None and isinstance(self.__dict__.get("expert_quant"), Int4ExpertWeights):
+            return self._checkpoint_module(name)
+        return super()._checkpoint_target(name)
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -91,15 +107,16 @@ class MoECausalLM(CausalLM):
         if match is not None:
             block = self._sparse_block(int(match[1]), name)
             expert, part, leaf = int(match[2]), match[3], match[4]
-            if leaf != "weight" and (block.experts.fp8 is None or leaf not in self._expert_leaves()):
-                raise ValueError(
-                    f"unexpected weight {name!r}: this model's experts take "
-                    f"{', '.join(('weight',) + self._expert_leaves())} tensors"
-                )
-            param = _EXPERT_LEAF_PARAM[leaf]
-            if part == "down_proj":
-                return block.experts, f"down_{param}", (expert, None)
-            return block.experts, f"gate_up_{param}", (expert, _EXPERT_PARTS.index(part))
+            quant = block.experts.quant
+            int4_checkpoint = isinstance(quant, Int4ExpertWeights) and quant.format is not None
+            takes = self._expert_leaves(accepted=True) if int4_checkpoint else ("weight", *self._expert_leaves(True))
+            if leaf not in takes:
+                raise ValueError(f"unexpected weight {name!r}: this model's experts take {', '.join(takes)} tensors")
+            shard = (expert, None) if part == "down_proj" else (expert, _EXPERT_PARTS.index(part))
+            projection = "down_proj" if part == "down_proj" else "gate_up_proj"
+            if int4_checkpoint:
+                return block.experts, f"{projection}:{leaf}", shard
+            return block.experts, f"{projection.removesuffix('_proj')}_{_EXPERT_LEAF_PARAM[leaf]}", shard
         match = _SHARED_GATE_UP.fullmatch(name)
         if match is not None:
             block = self._sparse_block(int(match[1]), name)
@@ -128,7 +145,7 @@ class MoECausalLM(CausalLM):
                 prefix + f"experts.{e}.{part}.{leaf}"
                 for e in range(moe.num_experts)
                 for part in _EXPERT_PARTS
-                for leaf in ("weight", *self._expert_leaves())
+                for leaf in self._expert_weight_leaves()
             )
             if moe.shared_expert_intermediate_size:
                 names.update(prefix + f"shared_expert.{part}.weight" for part in _EXPERT_PARTS)

@@ -44,8 +44,8 @@ WeightFormat = Literal["safetensors", "pt", "gguf", "dummy"]
 
 
 # The families whose linear layers take quantized methods: the Llama decoder's (model/llama.py),
-# and its mixture-of-experts variants, whose routed experts take FP8 (layers/moe_fp8.py; their
-# INT4 experts are not built). gpt-oss and the families with their own weight layouts (Phi-3's
+# and its mixture-of-experts variants, whose routed experts take FP8 and 4-bit weights
+# (layers/moe_fp8.py, moe_int4.py; not act-order 4-bit). gpt-oss and the families with their own weight layouts (Phi-3's
 # fused projections, Gemma) are refused until their loaders map quantized tensors.
 _QUANTIZABLE_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"
@@ -75,11 +75,11 @@ def _check_quantizable(arch: ArchConfig, quantization: QuantizationSpec) -> None
             f"linear layers run in {', '.join(_QUANTIZABLE_FAMILIES)}; serve its 16-bit checkpoint",
             param="quantization",
         )
-    if arch.moe is not None and quantization.scheme != "fp8_w8a8":
+    if arch.moe is not None and quantization.scheme == "int4_w4a16" and quantization.act_order:
         raise UnsupportedModelError(
-            f"{quantization.describe()} for a {arch.architecture} model is not supported yet: mixture-of-experts "
-            "blocks take FP8 expert weights (a compressed-tensors or Hugging Face fp8 checkpoint, or "
-            "--quantization fp8), not 4-bit ones; serve its 16-bit or FP8 checkpoint",
+            f"{quantization.describe()} for a {arch.architecture} model is not supported yet: 4-bit "
+            "mixture-of-experts experts are read in group order, and act-order (a permuted g_idx) is not; "
+            "use a checkpoint quantized without desc_act / actorder group, or an FP8 one",
             param="quantization",
         )
 

@@ -34,6 +34,7 @@ from tokenmill.model.layers.linear import ReplicatedLinear, bind_hot_path
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.moe_fp8 import ExpertScales, Fp8ExpertWeights
+from tokenmill.model.layers.moe_int4 import Int4ExpertScales, Int4ExpertWeights
 from tokenmill.model.layers.quantized_method import QuantizedLinearMethod
 from tokenmill.model.moe_config import MoEConfig
 
@@ -58,11 +59,12 @@ class TorchMoEOps:
 
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-        top_k: int, renormalize: bool, weights_in_model_dtype: bool, scales: ExpertScales | None = None,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+        scales: ExpertScales | Int4ExpertScales | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The routed experts' output [T, H] for router logits [T, E]."""
         if scales is not None:
-            raise ValueError("the torch MoE ops multiply dequantized expert weights; FP8 scales go to the Triton ops")
+            raise ValueError("the torch MoE ops multiply dequantized expert weights; scales go to the Triton ops")
         weights, ids = self.route(router_logits, top_k, renormalize, weights_in_model_dtype)
         return self.experts(x, gate_up_proj, down_proj, weights, ids)
 
@@ -126,10 +128,11 @@ class TritonMoEOps:
 
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-        top_k: int, renormalize: bool, weights_in_model_dtype: bool, scales: ExpertScales | None = None,
+        top_k: int, renormalize: bool, weights_in_model_dtype: bool,
+        scales: ExpertScales | Int4ExpertScales | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Routing and experts together: a few tokens route inside the experts' first launch. With
-        `scales`, the expert weights are FP8 (W8A16 in the same kernels)."""
+        `scales`, the expert weights are FP8 or 4-bit (W8A16 / W4A16 in the same kernels)."""
         return self._routed_fused_moe(
             x, router_logits, gate_up_proj, down_proj, top_k, renormalize, weights_in_model_dtype,
             **(scales.kernel_kwargs() if scales is not None else {}),
@@ -184,10 +187,10 @@ class MoEExperts(nn.Module):
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, device=None,
         dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
-        fp8: Fp8ExpertWeights | None = None,
+        quant: ExpertQuantization | None = None,
     ) -> None:  # fmt: skip
-        """`fp8`: the experts' weights are FP8 (layers/moe_fp8.py): in the checkpoint, or
-        quantized at load."""
+        """`quant`: the experts' weights are FP8 (layers/moe_fp8.py) or 4-bit (layers/moe_int4.py):
+        in the checkpoint, or quantized at load."""
         super().__init__()
         dtype = dtype or torch.float32
         if intermediate_size % tp_size:
@@ -208,11 +211,12 @@ class MoEExperts(nn.Module):
             torch.empty((num_experts, hidden_size, local), device=device, dtype=dtype),
             requires_grad=False,
         )
-        self.fp8 = fp8
+        self.quant = quant
         self.dtype = dtype
-        self.scales: ExpertScales | None = None  # set after loading, for FP8 weights the kernels read
-        if fp8 is not None:
-            fp8.create_weights(self, device=device, dtype=dtype)
+        # Set after loading, for the quantized weights the kernels read (None: 16-bit or dequantized).
+        self.scales: ExpertScales | Int4ExpertScales | None = None
+        if quant is not None:
+            quant.create_weights(self, device=device, dtype=dtype)
 
     @torch.no_grad()
     def weight_loader(self, param_name: str, loaded: torch.Tensor, shard_id: ExpertShard = None) -> None:
@@ -220,13 +224,19 @@ class MoEExperts(nn.Module):
         "down_proj"): one expert's gate, up or down matrix (shard_id = (expert, 0 | 1 | None)), or
         the whole stack (None). FP8 experts also take each projection's scales
         (`gate_up_scale`, `down_scale`, and static `gate_up_input_scale` / `down_input_scale`)."""
-        if self.fp8 is not None and param_name in _FP8_SCALE_PARAMS:
-            self.fp8.load_scale(self, param_name, loaded, shard_id)
+        if isinstance(self.quant, Fp8ExpertWeights) and param_name in _FP8_SCALE_PARAMS:
+            self.quant.load_scale(self, param_name, loaded, shard_id)
+            return
+        if isinstance(self.quant, Int4ExpertWeights) and ":" in param_name:  # "gate_up_proj:qweight"
+            projection, leaf = param_name.split(":", 1)
+            self.quant.load_leaf(self, projection, leaf, loaded, shard_id)
             return
         if param_name not in ("gate_up_proj", "down_proj"):
             raise ValueError(f"no such {param_name}; the experts hold gate_up_proj and down_proj")
-        if self.fp8 is not None:
-            self.fp8.check_weight(param_name, loaded)
+        if isinstance(self.quant, Fp8ExpertWeights):
+            self.quant.check_weight(param_name, loaded)
+        elif self.quant is not None and self.quant.format is not None:
+            raise ValueError(f"a 16-bit {param_name} in a {self.quant.spec.method} checkpoint, whose experts are 4-bit")
         param: torch.Tensor = getattr(self, param_name).data
         if shard_id is None:
             for expert, matrix in enumerate(self._checked_stack(param_name, loaded).unbind(0)):
@@ -261,12 +271,13 @@ class MoEExperts(nn.Module):
         return loaded
 
     def process_weights_after_loading(self) -> None:
-        """FP8 experts: the kernels' form on the GPU, dequantized weights elsewhere."""
-        if self.fp8 is not None:
-            self.fp8.process_after_loading(self, self.dtype)
+        """Quantized experts: the kernels' form on the GPU, dequantized weights elsewhere."""
+        if self.quant is not None:
+            self.quant.process_after_loading(self, self.dtype)
 
 
 _FP8_SCALE_PARAMS = ("gate_up_scale", "down_scale", "gate_up_input_scale", "down_input_scale")
+ExpertQuantization = Fp8ExpertWeights | Int4ExpertWeights
 
 
 def process_experts_after_loading(model: nn.Module) -> None:
@@ -294,7 +305,7 @@ class SparseMoEBlock(nn.Module):
         moe_ops: MoEOps,
         *,
         linear_method: LinearMethod | None = None,
-        expert_fp8: Fp8ExpertWeights | None = None,
+        expert_quant: ExpertQuantization | None = None,
         device=None,
         dtype: torch.dtype | None = None,
         tp_rank: int = 0,
@@ -302,7 +313,7 @@ class SparseMoEBlock(nn.Module):
     ) -> None:
         """`tp_rank` of `tp_size`: the share of every expert's (and the shared expert's)
         intermediate dimension this block holds; the router and the shared expert's gate are whole.
-        `expert_fp8`: the routed experts' weights are FP8 (layers/moe_fp8.py)."""
+        `expert_quant`: the routed experts' weights are FP8 or 4-bit (layers/moe_fp8.py, moe_int4.py)."""
         super().__init__()
         place = {"device": device, "dtype": dtype}
         shard = {"tp_rank": tp_rank, "tp_size": tp_size}
@@ -311,7 +322,7 @@ class SparseMoEBlock(nn.Module):
         router_method = linear_method.base if isinstance(linear_method, QuantizedLinearMethod) else linear_method
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts, method=router_method, **place)
         self.experts = MoEExperts(
-            moe.num_experts, hidden_size, moe.expert_intermediate_size, fp8=expert_fp8, **shard, **place
+            moe.num_experts, hidden_size, moe.expert_intermediate_size, quant=expert_quant, **shard, **place
         )
         if moe.shared_expert_intermediate_size:
             # Its down_proj leaves the partial sum: the block all-reduces once, routed + shared.

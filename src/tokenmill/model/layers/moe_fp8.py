@@ -88,6 +88,9 @@ class Fp8ExpertWeights:
             experts.gate_up_input_scale = _frozen(torch.ones((num, 2), **f32))
             experts.down_input_scale = _frozen(torch.ones((num, 1), **f32))
 
+    def accepted_leaves(self) -> tuple[str, ...]:
+        return self.checkpoint_leaves()
+
     def checkpoint_leaves(self) -> tuple[str, ...]:
         """The tensors each expert projection has in the checkpoint, besides `weight`."""
         if not self.spec.from_checkpoint:

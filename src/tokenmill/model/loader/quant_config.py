@@ -114,7 +114,9 @@ def tensor_parallel_refusal(spec: object, arch: ArchConfig | None = None, size: 
         "gate_proj / up_proj": arch.intermediate_size // size,
     }
     columns = {"o_proj": heads * head_dim // size, "down_proj": arch.intermediate_size // size}
-    if arch.moe is not None:  # FP8 experts (resolve_model refuses 4-bit ones): each rank's share of each
+    if arch.moe is not None and spec.scheme == "int4_w4a16":
+        return f"{what}: 4-bit mixture-of-experts experts are not sharded for tensor parallelism yet; use tensor_parallel_size=1"
+    if arch.moe is not None:  # FP8 experts: each rank's share of each
         expert = arch.moe.expert_intermediate_size // size  # expert's gate / up rows and down columns
         rows["experts' gate_proj / up_proj"] = expert
         columns["experts' down_proj"] = expert
