@@ -59,6 +59,14 @@ if has latency-fp8; then
     grep -vE "it/s\]|s/it\]" | tail -8
 fi
 
+# 4-bit routed experts (W4A16, AWQ-style groups of 128 rounded at load), the same command.
+if has latency-awq; then
+  timeout "${LATENCY_TIMEOUT:-200}" "${TOKENMILL[@]}" bench latency --model "$MODEL" --load-format dummy \
+    --quantization awq --input-len 512 --output-len 256 --max-model-len 4096 --max-num-seqs 8 --num-iters 2 \
+    --result-dir "$OUT" --result-name latency-qwen3-30b-a3b-awq 2>&1 | tee "$OUT/latency-awq.log" |
+    grep -vE "it/s\]|s/it\]" | tail -8
+fi
+
 if has throughput; then
   timeout "${THROUGHPUT_TIMEOUT:-240}" "${TOKENMILL[@]}" bench throughput --model "$MODEL" --load-format dummy \
     --num-prompts "${NUM_PROMPTS:-512}" --input-len 512 --output-len 256 --max-model-len 4096 \

@@ -1,7 +1,8 @@
-"""FP8 routed experts on a CUDA GPU (layers/moe_fp8.py through kernels/triton/fused_moe*.py, W8A16):
-the kernels at Qwen3-30B-A3B expert shapes against a float32 loop over the dequantized experts, and
-tiny FP8 MoE checkpoints in bf16 against transformers' bf16 on the dequantized weights (the CPU tests
-hold the same checkpoints to transformers exactly: tests/engine/test_quantized_moe.py)."""
+"""FP8 and 4-bit routed experts on a CUDA GPU (layers/moe_fp8.py, moe_int4.py through
+kernels/triton/fused_moe*.py, W8A16 / W4A16): the kernels at Qwen3-30B-A3B expert shapes against a
+float32 loop over the dequantized experts, and tiny quantized MoE checkpoints in bf16 against
+transformers' bf16 on the dequantized weights (the CPU tests hold the same checkpoints to
+transformers exactly: tests/engine/test_quantized_moe.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,32 @@ def test_fp8_expert_kernels_at_qwen3_30b_a3b_shapes(block, num_tokens):
     assert err < 0.02 * expected.abs().max().item(), err
 
 
+@pytest.mark.parametrize("group_size", [128, 32])
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 300])
+def test_4bit_expert_kernels_at_qwen3_30b_a3b_shapes(group_size, num_tokens):
+    from tokenmill.kernels.triton.fused_moe import fused_moe
+    from tokenmill.model.layers.moe_int4 import _kernel_form
+    from tokenmill.model.layers.quantize_weights import dequantize_int4, quantize_int4
+
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    forms = {}
+    for name, (rows, cols) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn((experts, rows, cols), device="cuda", generator=gen) * 0.05
+        forms[name] = [quantize_int4(m, group_size, symmetric=False, scale_dtype=torch.float32) for m in w]
+    (q13, s13, z13), (q2, s2, z2) = (_kernel_form(forms[n], torch.float32) for n in ("w13", "w2"))
+    deq = {n: torch.stack([dequantize_int4(f.q, f.scales, f.zeros, f.group_size, f.g_idx) for f in forms[n]])
+           for n in forms}  # fmt: skip
+    x = torch.randn((num_tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn((num_tokens, experts), device="cuda", generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    got = fused_moe(x, q13, q2, weights, ids.to(torch.int32), w13_scale=s13, w13_zeros=z13, w2_scale=s2,
+                    w2_zeros=z2, group_size=group_size)  # fmt: skip
+    expected = _reference(x, deq["w13"], deq["w2"], weights, ids)
+    err = (got.float() - expected).abs().max().item()
+    assert err < 0.02 * expected.abs().max().item(), err
+
+
 def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 48))] for _ in range(count)]
@@ -81,8 +108,9 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("layout", "source"),
-    [("hf-fp8-block", "qwen3-moe"), ("ct-fp8-channel", "mixtral"), ("ct-fp8-block", "qwen2-moe")],
-)
+    [("hf-fp8-block", "qwen3-moe"), ("ct-fp8-channel", "mixtral"), ("ct-fp8-block", "qwen2-moe"),
+     ("awq-g128", "qwen3-moe"), ("ct-w4a16-g32-asym", "qwen2-moe")],
+)  # fmt: skip
 def test_bf16_fp8_moe_mostly_agrees_with_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
                                                                                  source, monkeypatch):  # fmt: skip
     """As test_moe_gpu.py's bf16 test (a MoE model may take another expert wherever two router
@@ -97,7 +125,8 @@ def test_bf16_fp8_moe_mostly_agrees_with_transformers_on_the_dequantized_weights
     ckpt = quantized_checkpoint(layout, source=source)
     llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEExperts)]
-    assert experts and all(e.gate_up_proj.dtype == FP8_DTYPE and e.scales is not None for e in experts)
+    packed = FP8_DTYPE if "fp8" in layout else torch.int32
+    assert experts and all(e.gate_up_proj.dtype == packed and e.scales is not None for e in experts)
     prompts = _prompts(llm.info.vocab_size, 4, seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
     completions = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
