@@ -8,8 +8,8 @@ read (model/loader/int4_checkpoint.py): AWQ (`qweight`, `qzeros`, `scales`), GPT
 each is unpacked to the canonical form (q [N, K] 0..15, scales and zeros [N, G]) and stacked:
 
 - GPU: repacked for the fused MoE kernels (kernels/triton/fused_moe.py, W4A16): q int32
-  [E, N, K/8] (word j's nibble i is column 8j + i), scales [E, N, G] in the model's dtype, zeros
-  uint8 [E, N, G]; a quarter of bf16's bytes.
+  [E, N, K/8] (word j's nibble i is column 8j + i), float32 scales [E, N, G], zeros uint8
+  [E, N, G]; about a quarter of bf16's bytes.
 - Elsewhere: the dequantized float weights (the CPU's reference path, which the tests compare with
   transformers on).
 
@@ -48,7 +48,7 @@ _OPTIONAL_LEAVES = {"awq": (), "gptq": ("g_idx",), "pack-quantized": ("weight_ze
 class Int4ExpertScales:
     """What the W4A16 kernels take beside the packed weights."""
 
-    w13_scale: torch.Tensor  # [E, 2I, H/G], the model's dtype
+    w13_scale: torch.Tensor  # float32 [E, 2I, H/G]
     w13_zeros: torch.Tensor  # uint8 [E, 2I, H/G]
     w2_scale: torch.Tensor  # [E, H, I/G]
     w2_zeros: torch.Tensor  # uint8 [E, H, I/G]
@@ -125,7 +125,8 @@ class Int4ExpertWeights:
             w2 = [self._unpack_stack(experts, "down_proj", e, (0,), (hidden, inter)) for e in range(experts.num_experts)]
         experts.int4_pending = {}
         if self.use_kernels:
-            (q13, s13, z13), (q2, s2, z2) = _kernel_form(w13, dtype), _kernel_form(w2, dtype)
+            # float32 scales: AWQ / GPTQ store fp16 ones, which bf16 would round (3 bits fewer).
+            (q13, s13, z13), (q2, s2, z2) = _kernel_form(w13, torch.float32), _kernel_form(w2, torch.float32)
             experts.gate_up_proj, experts.down_proj = _frozen(q13), _frozen(q2)
             experts.scales = Int4ExpertScales(s13, z13, s2, z2, w13[0].group_size)
         else:
