@@ -28,6 +28,12 @@ multiply the float32 accumulator in the epilogue, block scales each K step's pro
 divides bk, so a step lies in one block: tiles_within_scale_block). The rounding after that is the
 16-bit path's. Scaled launches switch on a compile-time SCALE_MODE; unscaled ones compile as before.
 
+INT4 experts (W4A16: int32 w13 / w2 with `w13_scale`, `w2_scale`, `w13_zeros`, `w2_zeros` and
+`group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K, a scale and a zero
+per group of columns of a row (fused_moe_gemv.py's module docstring). Each K step dequantizes its
+tile in float32 and rounds it to the activations' dtype for tl.dot, so the GEMMs compute what a
+16-bit checkpoint of the dequantized weights would (the GEMVs keep the float32 weights).
+
 Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
 batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum). FP8 experts take
 the tiles of their activations' dtype.
@@ -42,13 +48,20 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.fused_moe_gemv import fused_moe_gemv, routed_fused_moe_gemv, weight_scale_args
+from tokenmill.kernels.triton.fused_moe_gemv import (
+    dequantize_int4,
+    fused_moe_gemv,
+    routed_fused_moe_gemv,
+    weight_scale_args,
+)
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
 from tokenmill.kernels.triton.moe_routing import topk_softmax
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # the expert weights that come with scales (W8A16)
+INT4_WEIGHT_DTYPE = torch.int32  # 8 packed 4-bit weights per word, with scales and zeros (W4A16)
+INT4_PER_WORD = 8
 
 
 @triton.jit
@@ -105,9 +118,16 @@ def _gate_up_kernel(
     stride_wse=None,
     stride_wsn=None,
     stride_wsk=None,
-    SCALE_MODE: tl.constexpr = 0,  # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block
+    # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block; 3: INT4, w int32 [E, 2I, H / 8]
+    # with scales (x's dtype or float32) and uint8 zeros [E, 2I, H / GROUP_SIZE].
+    SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
+    wz_ptr=None,  # SCALE_MODE 3: the zero points, strides below
+    stride_wze=None,
+    stride_wzn=None,
+    stride_wzk=None,
+    GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -131,10 +151,37 @@ def _gate_up_kernel(
         # The up rows start a row of scale blocks (inter % SCALE_BN == 0, checked by fused_moe).
         gate_scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
         up_scale_at = gate_scale_at + (inter // SCALE_BN) * stride_wsn
+    elif SCALE_MODE == 3:  # columns of words, scales and zeros; the rows (K) are added each step
+        gate_words_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn
+        up_words_at = gate_words_at + inter * stride_wn
+        gate_scale_at = ws_ptr + expert * stride_wse + wcols[None, :] * stride_wsn
+        up_scale_at = gate_scale_at + inter * stride_wsn
+        gate_zero_at = wz_ptr + expert * stride_wze + wcols[None, :] * stride_wzn
+        up_zero_at = gate_zero_at + inter * stride_wzn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
+        if SCALE_MODE == 3:
+            in_k = (k0 + ks) < hidden
+            if EVEN_K:
+                x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
+            else:
+                x = tl.load(x_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+            kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
+            word, group, zero_group = (
+                kk // 8,
+                (kk // GROUP_SIZE) * stride_wsk,
+                (kk // GROUP_SIZE) * stride_wzk,
+            )
+            # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be.
+            gate = dequantize_int4(
+                gate_words_at + word * stride_wk, gate_scale_at + group, gate_zero_at + zero_group, kk, k_ok,
+                EVEN_K,
+            ).to(x_ptr.dtype.element_ty)  # fmt: skip
+            up = dequantize_int4(
+                up_words_at + word * stride_wk, up_scale_at + group, up_zero_at + zero_group, kk, k_ok, EVEN_K
+            ).to(x_ptr.dtype.element_ty)
+        elif EVEN_K:
             x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
             gate = tl.load(gate_at)
             up = tl.load(up_at)
@@ -217,6 +264,11 @@ def _down_kernel(
     SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    wz_ptr=None,  # SCALE_MODE 3 (INT4), as in _gate_up_kernel: w [E, H, I / 8], [E, H, I / G]
+    stride_wze=None,
+    stride_wzn=None,
+    stride_wzk=None,
+    GROUP_SIZE: tl.constexpr = 1,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -235,9 +287,24 @@ def _down_kernel(
         scale_at = ws_ptr + expert * stride_wse + wcols * stride_wsn
     elif SCALE_MODE == 2:
         scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
+    elif SCALE_MODE == 3:
+        words_at = w_ptr + expert * stride_we + wcols[None, :] * stride_wn
+        scale_at = ws_ptr + expert * stride_wse + wcols[None, :] * stride_wsn
+        zero_at = wz_ptr + expert * stride_wze + wcols[None, :] * stride_wzn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
+        if SCALE_MODE == 3:
+            in_k = (k0 + ks) < inter
+            if EVEN_K:
+                a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
+            else:
+                a = tl.load(a_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+            kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
+            w = dequantize_int4(
+                words_at + (kk // 8) * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
+                zero_at + (kk // GROUP_SIZE) * stride_wzk, kk, k_ok, EVEN_K,
+            ).to(a_ptr.dtype.element_ty)  # fmt: skip
+        elif EVEN_K:
             a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
             w = tl.load(w_at)
         else:
@@ -281,6 +348,9 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), each expert a SwiGLU
     MLP (down(silu(gate(x)) * up(x))): [T, H] in x's dtype.
@@ -301,6 +371,15 @@ def fused_moe(
     cdiv(H, bk)] and [E, cdiv(H, bn), cdiv(I, bk)] (I a multiple of bn). The result is that of
     the weights dequantized (q * scale in float32), rounded as the 16-bit path rounds. Not with
     gpt-oss's epilogue.
+
+    INT4 experts (W4A16): w13 int32 [E, 2I, H / 8] and w2 int32 [E, H, I / 8], each row packed
+    along K (bits 4i..4i+3 of word j: column 8j + i, unsigned 0..15), with `w13_scale` [E, 2I,
+    H / G] and `w2_scale` [E, H, I / G] (x's dtype or float32) and uint8 `w13_zeros` / `w2_zeros`
+    of the same shapes (0..15; 8 for symmetric checkpoints), G = `group_size` (a multiple of 8
+    dividing H and I; None: one group per row, G = H for w13 and I for w2). W[e, n, k] =
+    (q[e, n, k] - zeros[e, n, k // G]) * scale[e, n, k // G] in float32; the grouped GEMMs round it
+    to x's dtype (as a 16-bit checkpoint of W), the GEMVs keep it in float32. Not with gpt-oss's
+    epilogue, nor the deferred norm.
     """
     top_k = topk_ids.shape[1]
     _check_shapes(x, w13, w2)
@@ -309,15 +388,19 @@ def fused_moe(
             f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} differ"
         )
     epilogue = _ExpertEpilogue.check(w13, w2, gate_up_bias, down_bias, clamped_swiglu)
-    scales = _ExpertScales.check(x, w13, w2, w13_scale, w2_scale, scale_block)
+    scales = _ExpertScales.check(
+        x, w13, w2, w13_scale, w2_scale, scale_block, w13_zeros=w13_zeros, w2_zeros=w2_zeros,
+        group_size=group_size,
+    )  # fmt: skip
     if scales is not None and not epilogue.is_plain:
+        kind = "INT4" if scales.is_int4 else "FP8"
         raise ValueError(
-            "FP8 experts (w13_scale / w2_scale) with gpt-oss's biases or clamped SwiGLU are not supported; "
+            f"{kind} experts (w13_scale / w2_scale) with gpt-oss's biases or clamped SwiGLU are not supported; "
             "pass 16-bit weights for those"
         )
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    tiles = tiles or moe_tiles(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.dtype, x.shape[0], top_k)
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
     weights = topk_weights.reshape(-1)
@@ -325,8 +408,8 @@ def fused_moe(
         weights = weights.float()
     if tiles.method == "gemv":
         if epilogue.is_plain:
-            fp8 = _gemv_scale_kwargs(scales)
-            return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down, **fp8)
+            quantized = _gemv_scale_kwargs(scales)
+            return fused_moe_gemv(x, w13, w2, weights, topk_ids, tiles.gate_up, tiles.down, **quantized)
         tiles = _smallest_grouped_tiles(x.dtype)
     return _grouped(x, w13, w2, weights, topk_ids, tiles, epilogue, scales)
 
@@ -363,20 +446,38 @@ class _ExpertEpilogue:
 
 @dataclass(frozen=True, slots=True)
 class _ExpertScales:
-    """The float32 scales of FP8 expert weights: per output row, or per `block` (bn, bk); none
-    for 16/32-bit weights."""
+    """The float32 scales of FP8 expert weights: per output row, or per `block` (bn, bk); or the
+    scales and uint8 zeros of INT4 weights per `group_size` columns (None: per row); none for
+    16/32-bit weights."""
 
     w13: torch.Tensor | None = None
     w2: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+    w13_zeros: torch.Tensor | None = None
+    w2_zeros: torch.Tensor | None = None
+    group_size: int | None = None
+
+    @property
+    def is_int4(self) -> bool:
+        return self.w13_zeros is not None
 
     @staticmethod
     def check(
         x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-        w2_scale: torch.Tensor | None, scale_block: tuple[int, int] | None,
+        w2_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, *,
+        w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+        group_size: int | None = None,
     ) -> _ExpertScales | None:  # fmt: skip
-        """The scales, checked against the weights' shapes; None for unscaled (16/32-bit) weights."""
+        """The scales, checked against the weights' shapes (_check_shapes already passed); None for
+        unscaled (16/32-bit) weights."""
         weight_dtypes = f"w13 {w13.dtype} and w2 {w2.dtype}"
+        if w13.dtype == INT4_WEIGHT_DTYPE:  # _check_shapes made w2 int32 too
+            return _ExpertScales._check_int4(
+                x, w2, w13_scale, w2_scale, scale_block, w13_zeros, w2_zeros, group_size
+            )
+        if w13_zeros is not None or w2_zeros is not None or group_size is not None:
+            raise ValueError(f"w13_zeros, w2_zeros and group_size go with INT4 experts (int32-packed w13 and w2); "
+                             f"got {weight_dtypes}")  # fmt: skip
         if w13_scale is None and w2_scale is None:
             if scale_block is not None:
                 raise ValueError(f"scale_block {scale_block} needs w13_scale and w2_scale; got neither")
@@ -415,6 +516,55 @@ class _ExpertScales:
                 raise ValueError(f"{name} is on {scale.device}, its weights on {weight.device}")
         return _ExpertScales(w13_scale, w2_scale, scale_block)
 
+    @staticmethod
+    def _check_int4(
+        x: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+        scale_block: tuple[int, int] | None, w13_zeros: torch.Tensor | None, w2_zeros: torch.Tensor | None,
+        group_size: int | None,
+    ) -> _ExpertScales:  # fmt: skip
+        given = {"w13_scale": w13_scale, "w2_scale": w2_scale, "w13_zeros": w13_zeros, "w2_zeros": w2_zeros}
+        missing = [name for name, tensor in given.items() if tensor is None]
+        if missing:
+            raise ValueError(f"INT4 experts (int32 w13 and w2) need w13_scale, w2_scale, w13_zeros and w2_zeros; "
+                             f"missing {', '.join(missing)}")  # fmt: skip
+        assert (
+            w13_scale is not None and w2_scale is not None and w13_zeros is not None and w2_zeros is not None
+        )
+        if scale_block is not None:
+            raise ValueError(f"scale_block is for block-scaled FP8 experts; INT4 experts take group_size, "
+                             f"got scale_block {scale_block}")  # fmt: skip
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"INT4 experts take bfloat16, float16 or float32 activations; got x {x.dtype}")
+        num_experts, hidden, packed_inter = w2.shape
+        inter = packed_inter * INT4_PER_WORD
+        # Whole words per group: a faster kernel can then load a group's words as one block.
+        bad_group = group_size is not None and (
+            not isinstance(group_size, int) or group_size < INT4_PER_WORD or group_size % INT4_PER_WORD
+            or hidden % group_size or inter % group_size
+        )  # fmt: skip
+        if bad_group:
+            raise ValueError(f"group_size must be a multiple of 8 dividing the hidden size H = {hidden} and the "
+                             f"intermediate size I = {inter} (or None: one group per row); got {group_size!r}")  # fmt: skip
+        w13_groups = hidden // (group_size or hidden)
+        w2_groups = inter // (group_size or inter)
+        layout = f"one per {group_size} columns" if group_size else "one per row (group_size None)"
+        expected = (
+            ("w13_scale", w13_scale, "w13_zeros", w13_zeros, (num_experts, 2 * inter, w13_groups)),
+            ("w2_scale", w2_scale, "w2_zeros", w2_zeros, (num_experts, hidden, w2_groups)),
+        )
+        for scale_name, scale, zeros_name, zeros, shape in expected:
+            scale_dtypes = (x.dtype, torch.float32)
+            if scale.dtype not in scale_dtypes or tuple(scale.shape) != shape:
+                raise ValueError(f"{scale_name} must be a {list(shape)} tensor of x's dtype {x.dtype} or float32 "
+                                 f"({layout}); got {scale.dtype} {list(scale.shape)}")  # fmt: skip
+            if zeros.dtype != torch.uint8 or tuple(zeros.shape) != shape:
+                raise ValueError(f"{zeros_name} must be a uint8 {list(shape)} tensor ({layout}, values 0..15); "
+                                 f"got {zeros.dtype} {list(zeros.shape)}")  # fmt: skip
+            for name, tensor in ((scale_name, scale), (zeros_name, zeros)):
+                if tensor.device != w2.device:
+                    raise ValueError(f"{name} is on {tensor.device}, the expert weights on {w2.device}")
+        return _ExpertScales(w13_scale, w2_scale, None, w13_zeros, w2_zeros, group_size)
+
 
 def tiles_within_scale_block(tiles: MoETiles, scale_block: tuple[int, int] | None) -> MoETiles:
     """`tiles` with each kernel's block_k at most the scale block's bk columns, so a K step lies
@@ -428,9 +578,14 @@ def tiles_within_scale_block(tiles: MoETiles, scale_block: tuple[int, int] | Non
 
 
 def _gemv_scale_kwargs(scales: _ExpertScales | None) -> dict[str, Any]:
-    """The GEMV functions' FP8 keyword arguments: none for unscaled weights."""
+    """The GEMV functions' FP8 or INT4 keyword arguments: none for unscaled weights."""
     if scales is None:
         return {}
+    if scales.is_int4:
+        return {
+            "w13_scale": scales.w13, "w2_scale": scales.w2, "w13_zeros": scales.w13_zeros,
+            "w2_zeros": scales.w2_zeros, "group_size": scales.group_size,
+        }  # fmt: skip
     return {"w13_scale": scales.w13, "w2_scale": scales.w2, "scale_block": scales.block}
 
 
@@ -456,15 +611,21 @@ def routed_fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """The experts' output for router logits [T, E]: top-k of their softmax (moe_routing.py),
     then fused_moe. On the few-token path the routing happens inside the gate/up launch. FP8
-    experts come with their scales, as in fused_moe."""
+    and INT4 experts come with their scales (and zeros, group size), as in fused_moe."""
     _check_shapes(x, w13, w2)
-    scales = _ExpertScales.check(x, w13, w2, w13_scale, w2_scale, scale_block)
+    scales = _ExpertScales.check(
+        x, w13, w2, w13_scale, w2_scale, scale_block, w13_zeros=w13_zeros, w2_zeros=w2_zeros,
+        group_size=group_size,
+    )  # fmt: skip
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
+    tiles = tiles or moe_tiles(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.dtype, x.shape[0], top_k)
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
     if tiles.method == "gemv":
@@ -478,9 +639,9 @@ def routed_fused_moe(
 
 def takes_residual(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
     """Whether routed_fused_moe_from_residual serves `num_tokens` tokens: where the tile configs
-    pick the few-token GEMV path, whose launches apply the deferred norm. Never for FP8 experts:
-    the model does not fold the norm into quantized weights."""
-    if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
+    pick the few-token GEMV path, whose launches apply the deferred norm. Never for FP8 or INT4
+    experts: the model does not fold the norm into quantized weights."""
+    if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype) or INT4_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
         return False
     return moe_tiles(w13.shape[0], w2.shape[2], w13.shape[2], w13.dtype, num_tokens, top_k).method == "gemv"
 
@@ -499,8 +660,10 @@ def routed_fused_moe_from_residual(
     """x + routed_fused_moe(RMSNorm(x)) without a norm launch (fused_moe_gemv.py's deferred
     norm); only where takes_residual says so."""
     _check_shapes(x, w13, w2)
-    if FP8_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
-        raise ValueError("the deferred norm takes 16/32-bit experts, not float8_e4m3fn (see takes_residual)")
+    for quantized in (FP8_WEIGHT_DTYPE, INT4_WEIGHT_DTYPE):
+        if quantized in (w13.dtype, w2.dtype):
+            raise ValueError(f"the deferred norm takes 16/32-bit experts, not {str(quantized).removeprefix('torch.')}"
+                             f" (got w13 {w13.dtype}, w2 {w2.dtype}; see takes_residual)")  # fmt: skip
     tiles = tiles or moe_tiles(w13.shape[0], w2.shape[2], x.shape[1], x.dtype, x.shape[0], top_k)
     if tiles.method != "gemv":
         raise ValueError(f"{x.shape[0]} tokens take the grouped path, which has no deferred norm")
@@ -514,7 +677,23 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     hidden = x.shape[1]
     num_experts, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
-    if w13_hidden != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_inter % 2:
+    if INT4_WEIGHT_DTYPE in (w13.dtype, w2.dtype):
+        if w13.dtype != w2.dtype:
+            raise ValueError(
+                f"INT4 experts need both w13 and w2 packed in int32; got w13 {w13.dtype}, w2 {w2.dtype}"
+            )
+        for name, size in (("hidden size H", hidden), ("intermediate size I", inter)):
+            if size % INT4_PER_WORD:
+                raise ValueError(f"INT4 experts need the {name} = {size} to be a multiple of 8 (8 weights per "
+                                 "int32 word)")  # fmt: skip
+        w13_shape = (num_experts, two_inter, hidden // INT4_PER_WORD)
+        w2_shape = (num_experts, hidden, inter // INT4_PER_WORD)
+        if tuple(w13.shape) != w13_shape or tuple(w2.shape) != w2_shape or two_inter % 2:
+            raise ValueError(
+                f"INT4 expert weights must be int32 [E, 2I, H / 8] and [E, H, I / 8] (8 weights a word along "
+                f"K) for hidden {hidden}: {w13_shape} and {w2_shape}; got {tuple(w13.shape)} and {tuple(w2.shape)}"
+            )
+    elif w13_hidden != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_inter % 2:
         raise ValueError(
             f"expert weights must be [E, 2I, H] and [E, H, I] for hidden {hidden}; got "
             f"{tuple(w13.shape)} and {tuple(w2.shape)}"
@@ -533,14 +712,18 @@ def _grouped(
     top_k = topk_ids.shape[1]
     blocks = align_pairs(topk_ids, w13.shape[0], tiles.block_m)
     num_pairs = num_tokens * top_k
-    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
+    activated = torch.empty((num_pairs, w13.shape[1] // 2), dtype=x.dtype, device=x.device)
     epilogue = epilogue or _ExpertEpilogue()
     scales = scales or _ExpertScales()
-    _launch_gate_up(x, w13, activated, blocks, top_k, tiles.gate_up, epilogue, scales.w13, scales.block)
+    _launch_gate_up(
+        x, w13, activated, blocks, top_k, tiles.gate_up, epilogue, scales.w13, scales.block, scales.w13_zeros,
+        scales.group_size,
+    )  # fmt: skip
     expert_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _launch_down(
-        activated, w2, expert_out, weights, blocks, tiles.down, epilogue.down_bias, scales.w2, scales.block
-    )
+        activated, w2, expert_out, weights, blocks, tiles.down, epilogue.down_bias, scales.w2, scales.block,
+        scales.w2_zeros, scales.group_size,
+    )  # fmt: skip
     if top_k == 1:
         return expert_out
     return torch.sum(expert_out.view(num_tokens, top_k, hidden), dim=1)
@@ -558,9 +741,10 @@ def _upcast_dot(x: torch.Tensor) -> bool:
 def _launch_gate_up(
     x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: GemmTiles,
     epilogue: _ExpertEpilogue, w_scale: torch.Tensor | None = None,
-    scale_block: tuple[int, int] | None = None,
+    scale_block: tuple[int, int] | None = None, w_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> None:  # fmt: skip
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    inter, hidden = w13.shape[1] // 2, x.shape[1]  # w13's last dimension is H / 8 for INT4
     grid = (blocks.max_blocks * triton.cdiv(inter, tiles.block_n),)
     bias = epilogue.gate_up_bias
     # Flags off (plain MoE models): the same compiled kernel as without these arguments.
@@ -570,7 +754,7 @@ def _launch_gate_up(
     if epilogue.clamped_swiglu is not None:
         alpha, limit = epilogue.clamped_swiglu
         flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
-    flags.update(weight_scale_args(w_scale, scale_block, tiles))
+    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden))
     _gate_up_kernel[grid](
         x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
         blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
@@ -585,12 +769,13 @@ def _launch_gate_up(
 def _launch_down(
     a: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, blocks: ExpertBlocks,
     tiles: GemmTiles, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-    scale_block: tuple[int, int] | None = None,
+    scale_block: tuple[int, int] | None = None, w_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> None:  # fmt: skip
-    hidden, inter = w2.shape[1], w2.shape[2]
+    hidden, inter = w2.shape[1], a.shape[1]  # w2's last dimension is I / 8 for INT4
     grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
     flags = {} if bias is None else {"HAS_BIAS": True}
-    flags.update(weight_scale_args(w_scale, scale_block, tiles))
+    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter))
     _down_kernel[grid](
         a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
         blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,

@@ -27,6 +27,13 @@ output row or per (SCALE_BN, SCALE_BK) block. Each weight tile, converted to flo
 by its scales before the multiply-add: the value of the dequantized weight, exactly, and free in
 kernels bound by the weight read. In block mode BLOCK_K divides SCALE_BK, so one K step lies in one
 block of scales.
+
+INT4 experts (W4A16; SCALE_MODE 3: `w13_scale` / `w2_scale` with `w13_zeros` / `w2_zeros` and a
+`group_size`): int32 words holding 8 unsigned 4-bit weights along K (column 8j + i in bits 4i..4i+3
+of word j), with a scale and a zero point per GROUP_SIZE columns of a row: W = (q - zero) * scale.
+Each K step loads, for every column k, the word k // 8 (the same word 8 times, the repeats from
+cache), shifts its nibble down and dequantizes it in float32 (dequantize_int4), with the scale and
+zero of group k // GROUP_SIZE; the multiply-add is then the FP8 one, in float32.
 """
 
 from __future__ import annotations
@@ -41,6 +48,25 @@ from tokenmill.kernels.triton.moe_routing import topk_of_row
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles
 from tokenmill.kernels.triton.rms import inverse_rms
 from tokenmill.kernels.triton.rounding import round_like
+
+
+@triton.jit
+def dequantize_int4(words_at, scale_at, zero_at, ks, k_ok, EVEN_K: tl.constexpr):
+    """The float32 weights (q - zero) * scale of an INT4 tile (SCALE_MODE 3), from pointers of that
+    tile's shape: `words_at` to the int32 word of each weight (column k // 8), `scale_at` and
+    `zero_at` to its group's scale and zero (column k // GROUP_SIZE); `ks` the weights' columns
+    (k, broadcast to the tile) and `k_ok` their mask, unused with EVEN_K."""
+    if EVEN_K:
+        words = tl.load(words_at)
+        zero = tl.load(zero_at)
+        scale = tl.load(scale_at)
+    else:
+        words = tl.load(words_at, mask=k_ok, other=0)
+        zero = tl.load(zero_at, mask=k_ok, other=0)
+        scale = tl.load(scale_at, mask=k_ok, other=0.0)
+    # The mask drops the sign bits an arithmetic shift of the top nibble brings in.
+    q = (words >> ((ks % 8) * 4)) & 0xF
+    return (q - zero.to(tl.int32)).to(tl.float32) * scale.to(tl.float32)
 
 
 @triton.jit
@@ -77,9 +103,16 @@ def _pair_gate_up_kernel(
     stride_wse=None,
     stride_wsn=None,
     stride_wsk=None,
-    SCALE_MODE: tl.constexpr = 0,  # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block
+    # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block; 3: INT4, w int32 [E, 2I, H / 8]
+    # with scales (activation dtype or float32) and uint8 zeros [E, 2I, H / GROUP_SIZE].
+    SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
+    wz_ptr=None,  # SCALE_MODE 3: the zero points, strides below
+    stride_wze=None,
+    stride_wzn=None,
+    stride_wzk=None,
+    GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
 ):
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -116,10 +149,32 @@ def _pair_gate_up_kernel(
         # The up rows start a row of scale blocks (inter % SCALE_BN == 0, checked by the caller).
         gate_scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
         up_scale_at = gate_scale_at + (inter // SCALE_BN) * stride_wsn
+    elif SCALE_MODE == 3:  # rows of words, scales and zeros; the columns are added each K step
+        gate_words_at = w_ptr + expert * stride_we + wcols[:, None] * stride_wn
+        up_words_at = gate_words_at + inter * stride_wn
+        gate_scale_at = ws_ptr + expert * stride_wse + wcols[:, None] * stride_wsn
+        up_scale_at = gate_scale_at + inter * stride_wsn
+        gate_zero_at = wz_ptr + expert * stride_wze + wcols[:, None] * stride_wzn
+        up_zero_at = gate_zero_at + inter * stride_wzn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
+        if SCALE_MODE == 3:
+            in_k = (k0 + ks) < hidden
+            if EVEN_K:
+                x = tl.load(x_at)
+            else:
+                x = tl.load(x_at, mask=in_k, other=0.0)
+            kk, k_ok = (k0 + ks)[None, :], in_k[None, :]
+            word, group = kk // 8, (kk // GROUP_SIZE) * stride_wsk
+            zero_group = (kk // GROUP_SIZE) * stride_wzk
+            gate = dequantize_int4(
+                gate_words_at + word, gate_scale_at + group, gate_zero_at + zero_group, kk, k_ok, EVEN_K
+            )
+            up = dequantize_int4(
+                up_words_at + word, up_scale_at + group, up_zero_at + zero_group, kk, k_ok, EVEN_K
+            )
+        elif EVEN_K:
             x = tl.load(x_at)
             # Each weight byte is read once per step: keep the activations in L2 instead.
             gate = tl.load(gate_at, eviction_policy="evict_first")
@@ -184,6 +239,11 @@ def _token_down_kernel(
     SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    wz_ptr=None,  # SCALE_MODE 3 (INT4), as in _pair_gate_up_kernel: w [E, H, I / 8], [E, H, I / G]
+    stride_wze=None,
+    stride_wzn=None,
+    stride_wzk=None,
+    GROUP_SIZE: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,6 +254,9 @@ def _token_down_kernel(
         scale_rows = wcols * stride_wsn
     elif SCALE_MODE == 2:
         scale_rows = (wcols // SCALE_BN) * stride_wsn
+    elif SCALE_MODE == 3:
+        scale_rows = wcols[:, None] * stride_wsn
+        zero_rows = wcols[:, None] * stride_wzn
     ks = tl.arange(0, BLOCK_K)
     # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
     # expert in flight too; the routing weight scales the activation row (so one accumulator
@@ -205,7 +268,20 @@ def _token_down_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_at = a_ptr + pair * stride_am + k0 + ks
         w_at = w_ptr + expert * stride_we + wrows + (k0 + ks)[None, :]
-        if EVEN_K:
+        if SCALE_MODE == 3:
+            in_k = (k0 + ks) < inter
+            if EVEN_K:
+                a = tl.load(a_at)
+            else:
+                a = tl.load(a_at, mask=in_k, other=0.0)
+            kk, k_ok = (k0 + ks)[None, :], in_k[None, :]
+            w = dequantize_int4(
+                w_ptr + expert * stride_we + wrows + kk // 8,
+                ws_ptr + expert * stride_wse + scale_rows + (kk // GROUP_SIZE) * stride_wsk,
+                wz_ptr + expert * stride_wze + zero_rows + (kk // GROUP_SIZE) * stride_wzk,
+                kk, k_ok, EVEN_K,
+            )  # fmt: skip
+        elif EVEN_K:
             a = tl.load(a_at)
             w = tl.load(w_at, eviction_policy="evict_first")
         else:
@@ -238,19 +314,25 @@ def fused_moe_gemv(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """fused_moe for a few tokens already routed (the caller checked the shapes, and the scales of
-    FP8 weights); [T, H]."""
+    FP8 weights or the scales and zeros of INT4 ones); [T, H]."""
     top_k = ids.shape[1]
     ids = ids.reshape(-1)
-    activated = torch.empty((ids.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
+    # w13's rows give I for 16-bit and packed INT4 weights alike (w2's last dimension is I / 8 there).
+    activated = torch.empty((ids.numel(), w13.shape[1] // 2), dtype=x.dtype, device=x.device)
     launch_pair_gate_up(
-        x, w13, ids, activated, top_k, gate_up_tiles, w_scale=w13_scale, scale_block=scale_block
-    )
+        x, w13, ids, activated, top_k, gate_up_tiles, w_scale=w13_scale, scale_block=scale_block,
+        w_zeros=w13_zeros, group_size=group_size,
+    )  # fmt: skip
     out = torch.empty_like(x)
     launch_token_down(
-        activated, w2, ids, weights, out, top_k, down_tiles, w_scale=w2_scale, scale_block=scale_block
-    )
+        activated, w2, ids, weights, out, top_k, down_tiles, w_scale=w2_scale, scale_block=scale_block,
+        w_zeros=w2_zeros, group_size=group_size,
+    )  # fmt: skip
     return out
 
 
@@ -269,6 +351,9 @@ def routed_fused_moe_gemv(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """Routing and experts for a few tokens in two launches: the gate/up kernel also routes
     (moe_routing.topk_of_row) and records each pair's expert and weight for the down kernel.
@@ -276,21 +361,22 @@ def routed_fused_moe_gemv(
     With `residual_norm_eps`, x is the un-normalized residual stream and the router logits and
     w13 come from weights with the norm's weight folded in: returns x + the experts' output for
     RMSNorm(x) (eps `residual_norm_eps`), a new tensor (see the module docstring). FP8 weights
-    come with `w13_scale` and `w2_scale` (checked by the caller)."""
+    come with `w13_scale` and `w2_scale`, INT4 ones with those, `w13_zeros`, `w2_zeros` and
+    `group_size` (checked by the caller)."""
     num_pairs = x.shape[0] * top_k
     ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_pairs, dtype=torch.float32, device=x.device)
-    activated = torch.empty((num_pairs, w2.shape[2]), dtype=x.dtype, device=x.device)
+    activated = torch.empty((num_pairs, w13.shape[1] // 2), dtype=x.dtype, device=x.device)
     launch_pair_gate_up(
         x, w13, ids, activated, top_k, gate_up_tiles, weights=weights, router_logits=router_logits,
         renormalize=renormalize, round_to_logits_dtype=round_to_logits_dtype, norm_eps=residual_norm_eps,
-        w_scale=w13_scale, scale_block=scale_block,
+        w_scale=w13_scale, scale_block=scale_block, w_zeros=w13_zeros, group_size=group_size,
     )  # fmt: skip
     out = torch.empty_like(x)
     residual = x if residual_norm_eps is not None else None
     launch_token_down(
         activated, w2, ids, weights, out, top_k, down_tiles, residual=residual, w_scale=w2_scale,
-        scale_block=scale_block,
+        scale_block=scale_block, w_zeros=w2_zeros, group_size=group_size,
     )  # fmt: skip
     return out
 
@@ -310,11 +396,14 @@ def launch_pair_gate_up(
     norm_eps: float | None = None,
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    w_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> None:
     """out [N, I] = silu(gate) * up of each pair p (token p // top_k); with `router_logits`, the
     kernel routes and writes `ids` and `weights` [N] itself. With `norm_eps`, x holds
     un-normalized rows whose 1/rms scales the logits and the gate and up sums. With `w_scale`,
-    w13 is float8 e4m3 scaled per row ([E, 2I]) or per `scale_block` (see weight_scale_args)."""
+    w13 is float8 e4m3 scaled per row ([E, 2I]) or per `scale_block`, or with `w_zeros` too INT4
+    in groups of `group_size` columns (None: one group per row; see weight_scale_args)."""
     num_pairs, inter = out.shape
     hidden, num_experts = x.shape[1], w13.shape[0]
     route = router_logits is not None
@@ -331,7 +420,7 @@ def launch_pair_gate_up(
         RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
         NORM_SCALE=norm_eps is not None, HIDDEN_PAD=triton.next_power_of_2(hidden) if norm_eps is not None else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **weight_scale_args(w_scale, scale_block, tiles),
+        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden),
     )  # fmt: skip
 
 
@@ -339,12 +428,14 @@ def launch_token_down(
     activated: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
     top_k: int, tiles: GemmTiles, residual: torch.Tensor | None = None, *,
     w_scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None,
+    w_zeros: torch.Tensor | None = None, group_size: int | None = None,
 ) -> None:  # fmt: skip
     """out [T, H] = sum over each token's k pairs of weight * down(activated row) (+ residual,
     added in float32 before the one rounding; `out` must not be `residual`). With `w_scale`, w2
-    is float8 e4m3 scaled per row ([E, H]) or per `scale_block` (see weight_scale_args)."""
+    is float8 e4m3 scaled per row ([E, H]) or per `scale_block`, or with `w_zeros` too INT4 in
+    groups of `group_size` columns (None: one group per row; see weight_scale_args)."""
     num_tokens, hidden = out.shape
-    inter = w2.shape[2]
+    inter = activated.shape[1]  # w2's last dimension is I / 8 for INT4
     if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
         raise ValueError(f"the residual must be another [T, H] = {tuple(out.shape)} tensor than out")
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
@@ -354,20 +445,33 @@ def launch_token_down(
         TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **weight_scale_args(w_scale, scale_block, tiles),
+        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter),
     )  # fmt: skip
 
 
 def weight_scale_args(
-    w_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, tiles: GemmTiles
-) -> dict[str, Any]:
-    """The FP8 weight-scale arguments of the MoE kernels (here and in fused_moe.py) for a float32
+    w_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, tiles: GemmTiles,
+    w_zeros: torch.Tensor | None = None, group_size: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The quantized-weight arguments of the MoE kernels (here and in fused_moe.py). FP8: a float32
     `w_scale` of [E, rows] (one per output row, `scale_block` None) or [E, row blocks, K blocks]
-    (`scale_block` = (rows, columns) of a block); none without a scale, so unscaled launches
-    compile as they did before these arguments existed. The shapes are the caller's to check."""
+    (`scale_block` = (rows, columns) of a block). INT4 (`w_zeros` given): `w_scale` and the uint8
+    `w_zeros` [E, rows, K / group_size], `group_size` the columns of a group (resolved: K for one
+    group per row). None without a scale, so unscaled launches compile as they did before these
+    arguments existed. The shapes are the caller's to check."""
     if w_scale is None:
         return {}
     args: dict[str, Any] = dict(ws_ptr=w_scale, stride_wse=w_scale.stride(0), stride_wsn=w_scale.stride(1))
+    if w_zeros is not None:
+        if group_size is None or group_size < 1:
+            raise ValueError(
+                f"INT4 weights need the columns per group resolved to a positive int, got {group_size}"
+            )
+        return {
+            **args, "stride_wsk": w_scale.stride(2), "wz_ptr": w_zeros, "stride_wze": w_zeros.stride(0),
+            "stride_wzn": w_zeros.stride(1), "stride_wzk": w_zeros.stride(2), "SCALE_MODE": 3,
+            "GROUP_SIZE": group_size,
+        }  # fmt: skip
     if scale_block is None:
         return {**args, "SCALE_MODE": 1}
     block_n, block_k = scale_block
