@@ -168,19 +168,21 @@ def _gate_up_kernel(
             else:
                 x = tl.load(x_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
             kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
-            word, group, zero_group = (
-                kk // 8,
-                (kk // GROUP_SIZE) * stride_wsk,
-                (kk // GROUP_SIZE) * stride_wzk,
-            )
-            # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be.
+            word = (kk // 8) * stride_wk
+            group = kk // GROUP_SIZE
             gate = dequantize_int4(
-                gate_words_at + word * stride_wk, gate_scale_at + group, gate_zero_at + zero_group, kk, k_ok,
-                EVEN_K,
-            ).to(x_ptr.dtype.element_ty)  # fmt: skip
+                gate_words_at + word, gate_scale_at + group * stride_wsk, gate_zero_at + group * stride_wzk,
+                kk, k_ok, EVEN_K,
+            )  # fmt: skip
             up = dequantize_int4(
-                up_words_at + word * stride_wk, up_scale_at + group, up_zero_at + zero_group, kk, k_ok, EVEN_K
-            ).to(x_ptr.dtype.element_ty)
+                up_words_at + word, up_scale_at + group * stride_wsk, up_zero_at + group * stride_wzk,
+                kk, k_ok, EVEN_K,
+            )  # fmt: skip
+            # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be; by
+            # round_like, as the interpreter's float32 -> bf16 cast truncates (Triton 3.9), after
+            # which the cast is exact.
+            gate = round_like(gate, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            up = round_like(up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         elif EVEN_K:
             x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
             gate = tl.load(gate_at)
@@ -303,7 +305,8 @@ def _down_kernel(
             w = dequantize_int4(
                 words_at + (kk // 8) * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
                 zero_at + (kk // GROUP_SIZE) * stride_wzk, kk, k_ok, EVEN_K,
-            ).to(a_ptr.dtype.element_ty)  # fmt: skip
+            )  # fmt: skip
+            w = round_like(w, a_ptr.dtype.element_ty).to(a_ptr.dtype.element_ty)  # as in _gate_up_kernel
         elif EVEN_K:
             a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
             w = tl.load(w_at)
