@@ -52,7 +52,7 @@ class Int4ExpertScales:
     w13_zeros: torch.Tensor  # uint8 [E, 2I, H/G]
     w2_scale: torch.Tensor  # [E, H, I/G]
     w2_zeros: torch.Tensor  # uint8 [E, H, I/G]
-    group_size: int
+    group_size: int | None  # None: one group per row
 
     def kernel_kwargs(self) -> dict:
         return {
@@ -128,7 +128,9 @@ class Int4ExpertWeights:
             # float32 scales: AWQ / GPTQ store fp16 ones, which bf16 would round (3 bits fewer).
             (q13, s13, z13), (q2, s2, z2) = _kernel_form(w13, torch.float32), _kernel_form(w2, torch.float32)
             experts.gate_up_proj, experts.down_proj = _frozen(q13), _frozen(q2)
-            experts.scales = Int4ExpertScales(s13, z13, s2, z2, w13[0].group_size)
+            # One group per row (group_size -1) is the kernels' None: G = H for gate/up, I for down.
+            group = None if self.spec.group_size == -1 else w13[0].group_size
+            experts.scales = Int4ExpertScales(s13, z13, s2, z2, group)
         else:
             experts.gate_up_proj = _frozen(torch.stack([_dequantized(f) for f in w13]).to(dtype))
             experts.down_proj = _frozen(torch.stack([_dequantized(f) for f in w2]).to(dtype))
