@@ -342,7 +342,7 @@ def test_a_moe_block_with_fp8_experts_runs_them_through_the_kernels(num_tokens):
     blocks = []
     for ops, use_kernels in ((TritonMoEOps(), True), (TorchMoEOps(), False)):
         block = SparseMoEBlock(
-            hidden, moe, select_layer_ops("cpu"), ops, expert_fp8=Fp8ExpertWeights(spec, use_kernels=use_kernels)
+            hidden, moe, select_layer_ops("cpu"), ops, expert_quant=Fp8ExpertWeights(spec, use_kernels=use_kernels)
         )
         block.gate.weight.data.copy_(router)
         block.experts.weight_loader("gate_up_proj", w13)

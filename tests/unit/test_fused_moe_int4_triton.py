@@ -310,3 +310,39 @@ def test_int4_experts_never_take_the_deferred_norm():
         routed_fused_moe_from_residual(
             args["x"], torch.zeros(2, NUM_EXPERTS), w13, w2, TOP_K, True, False, 1e-6
         )
+
+
+@interpreted_only
+@pytest.mark.parametrize(("method", "num_tokens"), [("awq", 1), ("gptq", 40)])
+def test_a_moe_block_with_4bit_experts_runs_them_through_the_kernels(method, num_tokens):
+    """The model wiring (layers/moe.py, moe_int4.py): a SparseMoEBlock whose experts are rounded to
+    4-bit groups at load as a GPU keeps them (packed words + Int4ExpertScales into TritonMoEOps)
+    against the same block dequantized on the torch ops (the CPU's path), same weights and inputs."""
+    from tokenmill.model.layers.layer_ops import select_layer_ops
+    from tokenmill.model.layers.moe import SparseMoEBlock, TritonMoEOps
+    from tokenmill.model.layers.moe_int4 import Int4ExpertWeights
+    from tokenmill.model.loader.quant_config import at_load_quantization
+    from tokenmill.model.moe_config import MoEConfig
+
+    hidden, inter = 128, 128  # groups of 128
+    moe = MoEConfig(NUM_EXPERTS, TOP_K, inter, renormalize=True, sparse_layers=(0,))
+    spec = at_load_quantization(method)
+    gen = torch.Generator().manual_seed(num_tokens)
+    router = torch.randn((NUM_EXPERTS, hidden), generator=gen) * 0.2
+    w13 = torch.randn((NUM_EXPERTS, 2 * inter, hidden), generator=gen) * 0.1
+    w2 = torch.randn((NUM_EXPERTS, hidden, inter), generator=gen) * 0.1
+    blocks = []
+    for ops, use_kernels in ((TritonMoEOps(), True), (TorchMoEOps(), False)):
+        block = SparseMoEBlock(
+            hidden, moe, select_layer_ops("cpu"), ops, expert_quant=Int4ExpertWeights(spec, use_kernels=use_kernels)
+        )
+        block.gate.weight.data.copy_(router)
+        block.experts.weight_loader("gate_up_proj", w13)
+        block.experts.weight_loader("down_proj", w2)
+        block.experts.process_weights_after_loading()
+        blocks.append(block)
+    kernels, reference = blocks
+    assert kernels.experts.gate_up_proj.dtype == torch.int32 and kernels.experts.scales is not None
+    assert reference.experts.gate_up_proj.dtype == torch.float32 and reference.experts.scales is None
+    x = torch.randn((num_tokens, hidden), generator=gen)
+    torch.testing.assert_close(kernels(x), reference(x), atol=1e-5, rtol=1e-4)
