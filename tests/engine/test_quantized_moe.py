@@ -9,39 +9,18 @@ checkpoint."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.engine.hf_oracle import hf_greedy
+from tests.engine.test_quantized_models import _check, _prompts
 from tests.model import quantized_checkpoints
 from tests.model.quantized_checkpoints import corrupt_tensor, write_quant_source
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.model.layers.moe import MoEExperts
 from tokenmill.model.layers.quantize_weights import dequantize_fp8, quantize_fp8_per_channel
 
-MAX_NEW = 8
-
 quantized_checkpoint = quantized_checkpoints.quantized_checkpoint  # the session fixture
-
-
-def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(3, 40))] for _ in range(count)]
-
-
-def _check(llm: LLM, reference: str, prompts: list[list[int]]) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for prompt, out in zip(prompts, outs, strict=True):
-        expected, expected_lp = hf_greedy(reference, prompt, MAX_NEW)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        got_lp = [next(iter(step.values())).logprob for step in completion.logprobs]
-        assert got_lp == pytest.approx(expected_lp, abs=1e-4)
-    llm.engine.check_invariants()
 
 
 def _experts(llm: LLM) -> list[MoEExperts]:
@@ -139,24 +118,6 @@ def test_act_order_4bit_moe_is_refused_before_loading(quantized_checkpoint):
     assert "qwen3_moe" in str(err.value)
 
 
-def test_a_missing_4bit_expert_tensor_is_named(quantized_checkpoint, tmp_path):
-    from safetensors.torch import save_file
-
-    from tests.model.quantized_checkpoints import _copy_side_files, read_checkpoint_tensors
-
-    ckpt = quantized_checkpoint("awq-g128", source="qwen3-moe")
-    tensors = read_checkpoint_tensors(ckpt.path)
-    name = "model.layers.0.mlp.experts.2.up_proj.qzeros"
-    del tensors[name]
-    broken = tmp_path / "broken"
-    _copy_side_files(ckpt.path, broken)
-    (broken / "config.json").write_text((ckpt.path / "config.json").read_text())
-    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="missing weights") as err:
-        LLM(str(broken), device="cpu", max_model_len=64)
-    assert name in str(err.value)
-
-
 @pytest.mark.parametrize(
     ("layout", "tensor", "message"),
     [
@@ -181,14 +142,20 @@ def test_a_16bit_expert_weight_in_an_fp8_checkpoint_is_named(quantized_checkpoin
     assert "float8_e4m3fn" in str(err.value)
 
 
-def test_a_missing_expert_scale_is_named(quantized_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "name"),
+    [
+        ("hf-fp8-block", "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"),
+        ("awq-g128", "model.layers.0.mlp.experts.2.up_proj.qzeros"),
+    ],
+)
+def test_a_missing_expert_tensor_is_named(quantized_checkpoint, tmp_path, layout, name):
     from safetensors.torch import save_file
 
     from tests.model.quantized_checkpoints import _copy_side_files, read_checkpoint_tensors
 
-    ckpt = quantized_checkpoint("hf-fp8-block", source="qwen3-moe")
+    ckpt = quantized_checkpoint(layout, source="qwen3-moe")
     tensors = read_checkpoint_tensors(ckpt.path)
-    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
     del tensors[name]
     broken = tmp_path / "broken"
     _copy_side_files(ckpt.path, broken)
