@@ -168,7 +168,7 @@ def test_unsupported_pack_quantized_configs_are_refused_naming_the_field(quant, 
     assert message.startswith("org/m-w4a16: compressed-tensors checkpoint with") and err.value.param == "model"
 
 
-def test_a_pack_quantized_checkpoint_resolves_and_is_refused_for_moe(tmp_path, tiny_llama_dir):
+def test_a_pack_quantized_checkpoint_resolves_for_dense_and_moe_models(tmp_path, tiny_llama_dir):
     model_dir = _quantized_copy(tiny_llama_dir, tmp_path / "w4a16", _w4a16({"symmetric": False, "group_size": 32}))
     shutil.copy(tiny_llama_dir / "model.safetensors", model_dir / "model.safetensors")
     spec = resolve_model(ModelConfig(model=str(model_dir))).quantization
@@ -178,8 +178,7 @@ def test_a_pack_quantized_checkpoint_resolves_and_is_refused_for_moe(tmp_path, t
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)  # fmt: skip
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="pack-quantized checkpoint.*mixture-of-experts blocks take FP8"):
-        resolve_model(ModelConfig(model=str(model_dir)))
+    assert resolve_model(ModelConfig(model=str(model_dir))).quantization == spec  # 4-bit experts (CPU)
 
 
 def _arch(heads: int = 32, kv_heads: int = 8, head_dim: int = 128, intermediate: int = 14336):

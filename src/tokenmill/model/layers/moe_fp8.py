@@ -50,7 +50,7 @@ class ExpertScales:
 
 
 class Fp8ExpertWeights:
-    """Creates, loads and finishes FP8 expert weights on a MoEExperts (`experts.fp8`)."""
+    """Creates, loads and finishes FP8 expert weights on a MoEExperts (`experts.quant`)."""
 
     def __init__(self, spec: QuantizationSpec, *, use_kernels: bool) -> None:
         if spec.scheme != "fp8_w8a8":
