@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tests.moe_reference import assert_close_to_loop, distinct_routes, loop_over_experts  # noqa: E402
 from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import (  # noqa: E402
     fused_moe,
@@ -93,31 +94,7 @@ def _fp8_experts(
 
 
 def _routes(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, ids [T, k] int32): distinct experts per token."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)])
-    return torch.rand(num_tokens, TOP_K, generator=gen), ids.to(torch.int32)
-
-
-def _loop_over_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """The experts in float32, one expert at a time (the weights already dequantized)."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for expert in range(gate_up.shape[0]):
-        token, slot = torch.nonzero(ids.long() == expert, as_tuple=True)
-        if token.numel() == 0:
-            continue
-        h = F.linear(x[token].float(), gate_up[expert].float())
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert].float())
-        out.index_add_(0, token, y * weights[token, slot, None].float())
-    return out
-
-
-def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """float32: sums in another order (1e-5 of the output's size); bf16: the kernels round gate/up,
-    the activation and the outputs, the float32 loop does not (2e-2, as the 16-bit tests allow)."""
-    tolerance = (1e-5 if out.dtype == torch.float32 else 2e-2) * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    return distinct_routes(num_tokens, NUM_EXPERTS, TOP_K, seed)
 
 
 # -- against the dequantized loop -----------------------------------------------------------------------
@@ -146,7 +123,7 @@ def test_fp8_experts_match_a_loop_over_the_dequantized_experts(
     weights, ids = _routes(num_tokens, seed=2)
     out = fused_moe(x, w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, scale_block=block)
     assert out.dtype == dtype and out.shape == x.shape
-    _assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(out, loop_over_experts(x, gate_up, down, weights, ids))
 
 
 @interpreted_only
@@ -168,7 +145,7 @@ def test_fp8_experts_on_each_path_with_given_tiles(tiles, block):
     out = fused_moe(
         x, w13, w2, weights, ids, tiles, w13_scale=w13_scale, w2_scale=w2_scale, scale_block=block
     )
-    _assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(out, loop_over_experts(x, gate_up, down, weights, ids))
 
 
 @interpreted_only
@@ -219,7 +196,7 @@ def test_routed_fused_moe_with_fp8_experts(method, block, renormalize, dtype):
         scale_block=block,
     )  # fmt: skip
     weights, ids = TorchMoEOps().route(logits, TOP_K, renormalize, round_weights)
-    _assert_close(out, _loop_over_experts(x, gate_up, down, weights.float(), ids))
+    assert_close_to_loop(out, loop_over_experts(x, gate_up, down, weights.float(), ids))
 
 
 @interpreted_only
@@ -235,7 +212,7 @@ def test_16_bit_experts_without_scales_are_unchanged(method):
     tiles = MoETiles(16, GemmTiles(16, 32), GemmTiles(16, 16), method)
     out = fused_moe(x, gate_up, down, weights, ids, tiles)
     torch.testing.assert_close(
-        out.float(), _loop_over_experts(x, gate_up, down, weights, ids), atol=2e-2, rtol=2e-2
+        out.float(), loop_over_experts(x, gate_up, down, weights, ids), atol=2e-2, rtol=2e-2
     )
     explicit = fused_moe(
         x, gate_up, down, weights, ids, tiles, w13_scale=None, w2_scale=None, scale_block=None

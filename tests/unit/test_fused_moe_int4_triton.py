@@ -20,10 +20,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tests.moe_reference import assert_close_to_loop, distinct_routes, loop_over_experts  # noqa: E402
 from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import (  # noqa: E402
     fused_moe,
@@ -93,32 +93,7 @@ def _int4_experts(
 
 
 def _routes(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, ids [T, k] int32): distinct experts per token."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)])
-    return torch.rand(num_tokens, TOP_K, generator=gen), ids.to(torch.int32)
-
-
-def _loop_over_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """The experts in float32, one expert at a time (the weights already dequantized)."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for expert in range(gate_up.shape[0]):
-        token, slot = torch.nonzero(ids.long() == expert, as_tuple=True)
-        if token.numel() == 0:
-            continue
-        h = F.linear(x[token].float(), gate_up[expert].float())
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert].float())
-        out.index_add_(0, token, y * weights[token, slot, None].float())
-    return out
-
-
-def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """float32: sums in another order (1e-5 of the output's size); bf16: the kernels round the
-    weights, gate/up, the activation and the outputs, the float32 loop does not (2e-2, as the
-    16-bit tests allow)."""
-    tolerance = (1e-5 if out.dtype == torch.float32 else 2e-2) * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    return distinct_routes(num_tokens, NUM_EXPERTS, TOP_K, seed)
 
 
 def _call(x, weights, ids, args, tiles=None) -> torch.Tensor:
@@ -157,7 +132,7 @@ def test_int4_experts_match_a_loop_over_the_dequantized_experts(
     weights, ids = _routes(num_tokens, seed=2)
     out = _call(x, weights, ids, args)
     assert out.dtype == dtype and out.shape == x.shape
-    _assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(out, loop_over_experts(x, gate_up, down, weights, ids))
 
 
 @interpreted_only
@@ -178,7 +153,7 @@ def test_int4_experts_on_each_path_with_given_tiles(tiles, group):
     args, gate_up, down = _int4_experts(128, 256, group, seed=10)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(11)).bfloat16()
     weights, ids = _routes(3, seed=12)
-    _assert_close(_call(x, weights, ids, args, tiles), _loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(_call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids))
 
 
 @interpreted_only
@@ -214,7 +189,7 @@ def test_routed_fused_moe_with_int4_experts(method, renormalize, dtype):
         x, logits, args["w13"], args["w2"], TOP_K, renormalize, round_weights, tiles, **_quant_kwargs(args)
     )
     weights, ids = TorchMoEOps().route(logits, TOP_K, renormalize, round_weights)
-    _assert_close(out, _loop_over_experts(x, gate_up, down, weights.float(), ids))
+    assert_close_to_loop(out, loop_over_experts(x, gate_up, down, weights.float(), ids))
 
 
 @interpreted_only
@@ -229,7 +204,7 @@ def test_16_bit_experts_without_int4_arguments_are_unchanged(method):
     tiles = MoETiles(16, GemmTiles(16, 32), GemmTiles(16, 16), method)
     out = fused_moe(x, gate_up, down, weights, ids, tiles)
     torch.testing.assert_close(
-        out.float(), _loop_over_experts(x, gate_up, down, weights, ids), atol=2e-2, rtol=2e-2
+        out.float(), loop_over_experts(x, gate_up, down, weights, ids), atol=2e-2, rtol=2e-2
     )
     explicit = fused_moe(
         x, gate_up, down, weights, ids, tiles, w13_zeros=None, w2_zeros=None, group_size=None

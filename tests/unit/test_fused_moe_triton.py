@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 from tests import moe_checkpoints  # noqa: E402
 from tests.model.test_model_forward import PagedHarness, _hf_logits, _load, _prompt  # noqa: E402
+from tests.moe_reference import loop_over_experts  # noqa: E402
 from tests.moe_shards import sharded_moe_blocks  # noqa: E402
 from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton import moe_align, moe_tile_configs  # noqa: E402
@@ -140,21 +141,6 @@ def test_topk_softmax_ties_go_to_the_lower_expert_id(num_experts):
 # -- the grouped GEMMs ----------------------------------------------------------------------------------
 
 
-def _loop_over_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """transformers' eager experts loop: per expert, its tokens' gate/up, SiLU-and-mul, down,
-    weighted, index_add-ed (in float32 here)."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for expert in range(gate_up.shape[0]):
-        token, slot = torch.nonzero(ids == expert, as_tuple=True)
-        if token.numel() == 0:
-            continue
-        h = F.linear(x[token].float(), gate_up[expert].float())
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert].float())
-        out.index_add_(0, token, y * weights[token, slot, None].float())
-    return out
-
-
 def _expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.15
@@ -182,7 +168,7 @@ def test_fused_moe_matches_a_loop_over_experts_in_float32(num_tokens, num_expert
     ids = _routes(num_tokens, num_experts, top_k, seed=2, skip=skip).to(torch.int32)
     weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(3))
     out = fused_moe(x, gate_up, down, weights, ids, tiles)
-    expected = _loop_over_experts(x, gate_up, down, weights, ids.long())
+    expected = loop_over_experts(x, gate_up, down, weights, ids.long())
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(TorchMoEOps().experts(x, gate_up, down, weights, ids.long()), expected, atol=1e-5, rtol=1e-5)
 
@@ -205,9 +191,9 @@ def test_gemv_path_matches_a_loop_over_experts(num_tokens, num_experts, top_k, h
     ids = _routes(num_tokens, num_experts, top_k, seed=22).to(torch.int32)
     weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(23))
     out = fused_moe(x, gate_up, down, weights, ids, tiles)
-    torch.testing.assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids.long()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, loop_over_experts(x, gate_up, down, weights, ids.long()), atol=1e-5, rtol=1e-5)
     bf16 = fused_moe(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids, tiles)
-    expected = _loop_over_experts(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids.long())
+    expected = loop_over_experts(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids.long())
     torch.testing.assert_close(bf16.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -238,7 +224,7 @@ def test_fused_moe_in_bfloat16_is_close_to_the_float32_loop():
     weights = torch.rand(10, 2, generator=torch.Generator().manual_seed(7))
     out = fused_moe(x, gate_up, down, weights, ids, MoETiles(16, GemmTiles(32, 32), GemmTiles(32, 32)))
     assert out.dtype == torch.bfloat16
-    expected = _loop_over_experts(x, gate_up, down, weights, ids.long())
+    expected = loop_over_experts(x, gate_up, down, weights, ids.long())
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -251,7 +237,7 @@ def test_fused_moe_through_the_sort_based_align(monkeypatch):
     ids = _routes(17, 8, 2, seed=10, skip=(4,))
     weights = torch.rand(17, 2, generator=torch.Generator().manual_seed(11))
     out = fused_moe(x, gate_up, down, weights, ids, MoETiles(16, GemmTiles(32, 32), GemmTiles(32, 32)))
-    torch.testing.assert_close(out, _loop_over_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, loop_over_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
 def _folded_inputs(dtype: torch.dtype, seed: int):
