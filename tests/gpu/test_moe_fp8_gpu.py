@@ -108,9 +108,10 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("layout", "source"),
-    [("hf-fp8-block", "qwen3-moe"), ("ct-fp8-channel", "mixtral"), ("ct-fp8-block", "qwen2-moe")],
+    [("hf-fp8-block", "qwen3-moe"), ("ct-fp8-channel", "mixtral"), ("ct-fp8-block", "qwen2-moe"),
+     ("awq-g128", "qwen3-moe"), ("ct-w4a16-g32-asym", "qwen2-moe")],
 )  # fmt: skip
-def test_bf16_fp8_moe_mostly_agrees_with_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
+def test_bf16_quantized_moe_mostly_agrees_with_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
                                                                                  source, monkeypatch):  # fmt: skip
     """As test_moe_gpu.py's bf16 test (a MoE model may take another expert wherever two router
     logits tie at bf16 precision, so tokens are compared up to each prompt's first divergence and
@@ -147,25 +148,17 @@ def test_bf16_fp8_moe_mostly_agrees_with_transformers_on_the_dequantized_weights
     llm.engine.check_invariants()
 
 
-def test_graphs_and_eager_agree_for_moe_quantized_at_load(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_graphs_and_eager_agree_for_moe_quantized_at_load(tmp_path, tiny_tokenizer, method):
     src = quantized_checkpoints.write_quant_source(tmp_path / "src", "qwen3-moe", tiny_tokenizer)
     prompts = _prompts(1000, 6, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = []
     for eager in (False, True):
-        llm = LLM(str(src), device="cuda", max_model_len=256, num_kv_blocks=128, quantization="fp8",
+        llm = LLM(str(src), device="cuda", max_model_len=256, num_kv_blocks=128, quantization=method,
                   enforce_eager=eager)  # fmt: skip
         outputs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
         llm.engine.check_invariants()
         del llm
         torch.cuda.empty_cache()
     assert outputs[0] == outputs[1]
-
-
-def test_4bit_moe_experts_are_refused_on_the_gpu_until_their_kernels_are_verified(quantized_checkpoint):
-    """layers/moe_int4.py refuses use_kernels: when the 4-bit kernel cases above pass on a GPU, lift
-    that refusal and add ("awq-g128", "qwen3-moe") and ("ct-w4a16-g32-asym", "qwen2-moe") to the bf16
-    agreement test."""
-    ckpt = quantized_checkpoint("awq-g128", source="qwen3-moe")
-    with pytest.raises(ValueError, match="run on the CPU only"):
-        LLM(str(ckpt.path), device="cuda", max_model_len=128, num_kv_blocks=32)

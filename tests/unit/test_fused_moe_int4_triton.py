@@ -31,6 +31,7 @@ from tokenmill.kernels.triton.fused_moe import (  # noqa: E402
     routed_fused_moe_from_residual,
     takes_residual,
 )
+from tokenmill.kernels.triton.moe_int4_layout import pack_int4_experts  # noqa: E402
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles  # noqa: E402
 from tokenmill.model.layers.moe import TorchMoEOps  # noqa: E402
 
@@ -47,13 +48,6 @@ def test_cases_pass_in_an_interpreter_subprocess() -> None:
     if INTERPRETED:
         pytest.skip("this process interprets the kernels: the cases below ran here")
     INTERPRETED_RUN.assert_passes()
-
-
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    """int32 words of q [E, N, K] (0..15): bits 4i..4i+3 of word j hold column 8j + i."""
-    nibbles = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
-    words = sum(nibbles[..., i] << (4 * i) for i in range(8))
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the top nibble sets the sign
 
 
 def _quantized(
@@ -74,7 +68,7 @@ def _quantized(
     )
     full_zeros = zeros.long().repeat_interleave(group, 2)
     dequantized = (q - full_zeros).float() * scale.float().repeat_interleave(group, 2)
-    return _pack(q), scale, zeros, dequantized
+    return pack_int4_experts(q, group), scale, zeros, dequantized
 
 
 def _int4_experts(

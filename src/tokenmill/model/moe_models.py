@@ -66,15 +66,6 @@ class MoECausalLM(CausalLM):
         if isinstance(linear_method, QuantizedLinearMethod):
             # The linear method's spec, for the routed experts too.
             spec, use_kernels = linear_method.spec, linear_method.use_kernels
-            if spec.scheme != "fp8_w8a8" and use_kernels:
-                # The W4A16 MoE kernels (kernels/triton/fused_moe.py, SCALE_MODE 3) pass their CPU
-                # interpreter tests, but their first H200 run asked for more shared memory than the
-                # GPU has at the 16-bit tiles (tiles_for_int4 since, not yet run on a GPU): refused
-                # there until tests/gpu/test_moe_fp8_gpu.py's 4-bit cases pass.
-                raise ValueError(
-                    f"{spec.describe()}: 4-bit mixture-of-experts experts run on the CPU only in this version "
-                    "(their GPU kernels are not yet verified); serve the FP8 or 16-bit checkpoint on a GPU"
-                )
             weights = Fp8ExpertWeights if spec.scheme == "fp8_w8a8" else Int4ExpertWeights
             expert_quant = weights(spec, use_kernels=use_kernels)
             self.expert_quant = expert_quant

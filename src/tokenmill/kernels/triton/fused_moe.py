@@ -29,8 +29,8 @@ divides bk, so a step lies in one block: tiles_within_scale_block). The rounding
 16-bit path's. Scaled launches switch on a compile-time SCALE_MODE; unscaled ones compile as before.
 
 INT4 experts (W4A16: int32 w13 / w2 with `w13_scale`, `w2_scale`, `w13_zeros`, `w2_zeros` and
-`group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K, a scale and a zero
-per group of columns of a row (fused_moe_gemv.py's module docstring). Each K step dequantizes its
+`group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K in moe_int4_layout.py's
+packs, a scale and a zero per group of columns of a row (fused_moe_gemv.py's module docstring). Each K step dequantizes its
 tile in float32 and rounds it to the activations' dtype for tl.dot, so the GEMMs compute what a
 16-bit checkpoint of the dequantized weights would (the GEMVs keep the float32 weights).
 
@@ -51,17 +51,18 @@ import triton.language as tl
 from tokenmill.kernels.triton.fused_moe_gemv import (
     dequantize_int4,
     fused_moe_gemv,
+    int4_word_and_shift,
     routed_fused_moe_gemv,
     weight_scale_args,
 )
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
+from tokenmill.kernels.triton.moe_int4_layout import INT4_PER_WORD
 from tokenmill.kernels.triton.moe_routing import topk_softmax
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # the expert weights that come with scales (W8A16)
 INT4_WEIGHT_DTYPE = torch.int32  # 8 packed 4-bit weights per word, with scales and zeros (W4A16)
-INT4_PER_WORD = 8
 
 
 @triton.jit
@@ -128,6 +129,7 @@ def _gate_up_kernel(
     stride_wzn=None,
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
+    CHUNK: tl.constexpr = 1,  # SCALE_MODE 3: words per pack row (moe_int4_layout.int4_chunk)
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -168,15 +170,16 @@ def _gate_up_kernel(
             else:
                 x = tl.load(x_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
             kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
-            word = (kk // 8) * stride_wk
+            word, shifts = int4_word_and_shift(kk, CHUNK)
+            word *= stride_wk
             group = kk // GROUP_SIZE
             gate = dequantize_int4(
                 gate_words_at + word, gate_scale_at + group * stride_wsk, gate_zero_at + group * stride_wzk,
-                kk, k_ok, EVEN_K,
+                shifts, k_ok, EVEN_K,
             )  # fmt: skip
             up = dequantize_int4(
                 up_words_at + word, up_scale_at + group * stride_wsk, up_zero_at + group * stride_wzk,
-                kk, k_ok, EVEN_K,
+                shifts, k_ok, EVEN_K,
             )  # fmt: skip
             # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be; by
             # round_like, as the interpreter's float32 -> bf16 cast truncates (Triton 3.9), after
@@ -271,6 +274,7 @@ def _down_kernel(
     stride_wzn=None,
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,
+    CHUNK: tl.constexpr = 1,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -302,9 +306,10 @@ def _down_kernel(
             else:
                 a = tl.load(a_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
             kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
+            word, shifts = int4_word_and_shift(kk, CHUNK)
             w = dequantize_int4(
-                words_at + (kk // 8) * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
-                zero_at + (kk // GROUP_SIZE) * stride_wzk, kk, k_ok, EVEN_K,
+                words_at + word * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
+                zero_at + (kk // GROUP_SIZE) * stride_wzk, shifts, k_ok, EVEN_K,
             )  # fmt: skip
             w = round_like(w, a_ptr.dtype.element_ty).to(a_ptr.dtype.element_ty)  # as in _gate_up_kernel
         elif EVEN_K:
@@ -376,7 +381,7 @@ def fused_moe(
     gpt-oss's epilogue.
 
     INT4 experts (W4A16): w13 int32 [E, 2I, H / 8] and w2 int32 [E, H, I / 8], each row packed
-    along K (bits 4i..4i+3 of word j: column 8j + i, unsigned 0..15), with `w13_scale` [E, 2I,
+    along K in moe_int4_layout.py's packs (`pack_int4_experts`; unsigned 0..15), with `w13_scale` [E, 2I,
     H / G] and `w2_scale` [E, H, I / G] (x's dtype or float32) and uint8 `w13_zeros` / `w2_zeros`
     of the same shapes (0..15; 8 for symmetric checkpoints), G = `group_size` (a multiple of 8
     dividing H and I; None: one group per row, G = H for w13 and I for w2). W[e, n, k] =
@@ -403,11 +408,12 @@ def fused_moe(
         )
     if x.shape[0] == 0:
         return torch.empty_like(x)
+    given = tiles is not None
     tiles = tiles or moe_tiles(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.dtype, x.shape[0], top_k)
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
         if scales.is_int4:
-            tiles = tiles_for_int4(tiles)
+            tiles = tiles_for_int4(tiles, x.shape[0], keep_gemv_tiles=given)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
@@ -582,10 +588,29 @@ def tiles_within_scale_block(tiles: MoETiles, scale_block: tuple[int, int] | Non
     return replace(tiles, gate_up=gate_up, down=down)
 
 
-def tiles_for_int4(tiles: MoETiles) -> MoETiles:
-    """INT4 tiles: the 16-bit tiles with block_k at most 64 and one stage. The kernels gather a
-    word, a scale and a zero per weight, and pipelining those [BLOCK_N, BLOCK_K] gathers staged
-    several times the H200's 227 KiB of shared memory at the 16-bit tiles (0.3-0.6 MB asked)."""
+# The INT4 GEMVs' (gate/up, down) tiles for one token and for more (gate/up BLOCK_N counts gate
+# rows: the tile holds as many up rows too). The fastest of benchmarks/moe_fp8_tiles.py --weights
+# int4 on an H200 at Qwen3-30B-A3B expert shapes at 1, 4 and 8 tokens (BENCHMARKS.md); the 16-bit
+# tuner's tiles took 1.4-1.8x as long.
+INT4_GEMV_TILES = {
+    "one token": (GemmTiles(block_n=8, block_k=256, num_warps=2, num_stages=2),
+                  GemmTiles(block_n=4, block_k=256, num_warps=2, num_stages=2)),
+    "more": (GemmTiles(block_n=16, block_k=256, num_warps=2, num_stages=2),
+             GemmTiles(block_n=8, block_k=256, num_warps=2, num_stages=2)),
+}  # fmt: skip
+
+
+def tiles_for_int4(tiles: MoETiles, num_tokens: int, keep_gemv_tiles: bool = False) -> MoETiles:
+    """INT4 tiles. The GEMVs (which load each word once, in packs: BLOCK_K does not apply) take
+    INT4_GEMV_TILES unless `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs take the
+    16-bit tiles with block_k at most 64 and one stage: they gather a word, a scale and a zero per
+    weight, and pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the H200's 227 KiB
+    of shared memory at the 16-bit tiles (0.3-0.6 MB asked)."""
+    if tiles.method == "gemv":
+        if keep_gemv_tiles:
+            return tiles
+        gate_up, down = INT4_GEMV_TILES["one token" if num_tokens == 1 else "more"]
+        return replace(tiles, gate_up=gate_up, down=down)
     gate_up = replace(tiles.gate_up, block_k=min(tiles.gate_up.block_k, 64), num_stages=1)
     down = replace(tiles.down, block_k=min(tiles.down.block_k, 64), num_stages=1)
     return replace(tiles, gate_up=gate_up, down=down)
@@ -639,11 +664,12 @@ def routed_fused_moe(
     )  # fmt: skip
     if x.shape[0] == 0:
         return torch.empty_like(x)
+    given = tiles is not None
     tiles = tiles or moe_tiles(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.dtype, x.shape[0], top_k)
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
         if scales.is_int4:
-            tiles = tiles_for_int4(tiles)
+            tiles = tiles_for_int4(tiles, x.shape[0], keep_gemv_tiles=given)
     if tiles.method == "gemv":
         return routed_fused_moe_gemv(
             x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down,
@@ -770,7 +796,7 @@ def _launch_gate_up(
     if epilogue.clamped_swiglu is not None:
         alpha, limit = epilogue.clamped_swiglu
         flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
-    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden))
+    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden))
     _gate_up_kernel[grid](
         x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
         blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
@@ -791,7 +817,7 @@ def _launch_down(
     hidden, inter = w2.shape[1], a.shape[1]  # w2's last dimension is I / 8 for INT4
     grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
     flags = {} if bias is None else {"HAS_BIAS": True}
-    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter))
+    flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter))
     _down_kernel[grid](
         a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
         blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,

@@ -29,11 +29,14 @@ kernels bound by the weight read. In block mode BLOCK_K divides SCALE_BK, so one
 block of scales.
 
 INT4 experts (W4A16; SCALE_MODE 3: `w13_scale` / `w2_scale` with `w13_zeros` / `w2_zeros` and a
-`group_size`): int32 words holding 8 unsigned 4-bit weights along K (column 8j + i in bits 4i..4i+3
-of word j), with a scale and a zero point per GROUP_SIZE columns of a row: W = (q - zero) * scale.
-Each K step loads, for every column k, the word k // 8 (the same word 8 times, the repeats from
-cache), shifts its nibble down and dequantizes it in float32 (dequantize_int4), with the scale and
-zero of group k // GROUP_SIZE; the multiply-add is then the FP8 one, in float32.
+`group_size`): int32 words of 8 unsigned 4-bit weights along K in moe_int4_layout.py's packs (word
+p of a pack holds column j * CHUNK + p in nibble j), with a scale and a zero point per GROUP_SIZE
+columns of a row: W = (q - zero) * scale. Each step loads a [rows, CHUNK] tile of words (the
+gate/up kernel interleaves gate and up rows in one), once, and walks its eight nibble planes, each against a contiguous CHUNK-column slice of the activations
+(int4_pack_times_vector): a nibble OR'ed into the exponent bits of 2**23 is, as a float32, 2**23 +
+q, so one subtraction of 2**23 + zero gives q - zero exactly, without an int-to-float conversion
+(a quarter-rate instruction). The unscaled products of a group are summed in float32 and multiplied
+by the group's scale once per row, not once per weight.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.moe_int4_layout import int4_chunk
 from tokenmill.kernels.triton.moe_routing import topk_of_row
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles
 from tokenmill.kernels.triton.rms import inverse_rms
@@ -51,11 +55,18 @@ from tokenmill.kernels.triton.rounding import round_like
 
 
 @triton.jit
-def dequantize_int4(words_at, scale_at, zero_at, ks, k_ok, EVEN_K: tl.constexpr):
-    """The float32 weights (q - zero) * scale of an INT4 tile (SCALE_MODE 3), from pointers of that
-    tile's shape: `words_at` to the int32 word of each weight (column k // 8), `scale_at` and
-    `zero_at` to its group's scale and zero (column k // GROUP_SIZE); `ks` the weights' columns
-    (k, broadcast to the tile) and `k_ok` their mask, unused with EVEN_K."""
+def int4_word_and_shift(k, CHUNK: tl.constexpr):
+    """The word (index along the row's words) and bit shift of column `k` in moe_int4_layout.py's
+    packs of 8 * CHUNK columns."""
+    return (k // (8 * CHUNK)) * CHUNK + k % CHUNK, ((k // CHUNK) % 8) * 4
+
+
+@triton.jit
+def dequantize_int4(words_at, scale_at, zero_at, shifts, k_ok, EVEN_K: tl.constexpr):
+    """The float32 weights (q - zero) * scale of an INT4 tile gathered weight by weight (the grouped
+    GEMMs), from pointers of that tile's shape: `words_at` to the int32 word of each weight,
+    `scale_at` and `zero_at` to its group's scale and zero; `shifts` its nibble's bit shift
+    (int4_word_and_shift) and `k_ok` the mask, unused with EVEN_K."""
     if EVEN_K:
         words = tl.load(words_at)
         zero = tl.load(zero_at)
@@ -65,8 +76,57 @@ def dequantize_int4(words_at, scale_at, zero_at, ks, k_ok, EVEN_K: tl.constexpr)
         zero = tl.load(zero_at, mask=k_ok, other=0)
         scale = tl.load(scale_at, mask=k_ok, other=0.0)
     # The mask drops the sign bits an arithmetic shift of the top nibble brings in.
-    q = (words >> ((ks % 8) * 4)) & 0xF
+    q = (words >> shifts) & 0xF
     return (q - zero.to(tl.int32)).to(tl.float32) * scale.to(tl.float32)
+
+
+_MAGIC_2_POW_23 = tl.constexpr(0x4B000000)  # the float32 bits of 2**23: OR'ed with n < 2**23, 2**23 + n
+
+
+@triton.jit
+def int4_zero_magic(zeros):
+    """uint8 zero points as the float32 2**23 + zero (see int4_plane_minus_zero)."""
+    return (zeros.to(tl.int32) | _MAGIC_2_POW_23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_plane_minus_zero(words, j: tl.constexpr, zero_magic):
+    """Nibble plane j of a [R, C] tile of words as the float32 q - zero, exactly; `zero_magic` [R]
+    from int4_zero_magic."""
+    q = ((words >> (4 * j)) & 0xF) | _MAGIC_2_POW_23  # & drops the sign bits of the top nibble's shift
+    return q.to(tl.float32, bitcast=True) - zero_magic[:, None]
+
+
+@triton.jit
+def int4_pack_times_vector(
+    words,  # [R, CHUNK] int32: one pack of R rows (moe_int4_layout.py)
+    x_at,  # the vector's column 0
+    scale_at,  # [R] pointers: each row's first group scale
+    zero_at,  # [R] pointers: each row's first uint8 zero point
+    first_column,  # the pack's first column
+    stride_sk,
+    stride_zk,
+    x_weight,  # multiplies the vector (a routing weight, or 1.0)
+    CHUNK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+):
+    """[R, CHUNK] float32 partial sums (to be summed over axis 1) of one pack of INT4 rows times
+    x * x_weight over the pack's columns: sum of (q - zero) * scale * x[k]. A group's unscaled
+    products are summed, then scaled once per row (moe_int4_layout.py keeps a plane inside a group,
+    and a pack inside a group or holding whole ones)."""
+    words_in_pack = tl.arange(0, CHUNK)
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        if (j * CHUNK) % GROUP_SIZE == 0:  # a group starts here (at j = 0 only, for groups >= a pack)
+            group = (first_column + j * CHUNK) // GROUP_SIZE
+            scale = tl.load(scale_at + group * stride_sk).to(tl.float32)
+            zero_magic = int4_zero_magic(tl.load(zero_at + group * stride_zk))
+            part = tl.zeros(words.shape, dtype=tl.float32)
+        xj = tl.load(x_at + first_column + j * CHUNK + words_in_pack).to(tl.float32) * x_weight
+        part += int4_plane_minus_zero(words, j, zero_magic) * xj[None, :]
+        if ((j + 1) * CHUNK) % GROUP_SIZE == 0 or j == 7:  # the group (or the pack) ends here
+            acc += part * scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -104,7 +164,7 @@ def _pair_gate_up_kernel(
     stride_wsn=None,
     stride_wsk=None,
     # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block; 3: INT4, w int32 [E, 2I, H / 8]
-    # with scales (activation dtype or float32) and uint8 zeros [E, 2I, H / GROUP_SIZE].
+    # (moe_int4_layout.py's packs) with scales (activation dtype or float32) and uint8 zeros [E, 2I, H / GROUP_SIZE].
     SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
@@ -113,6 +173,7 @@ def _pair_gate_up_kernel(
     stride_wzn=None,
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
+    CHUNK: tl.constexpr = 1,  # SCALE_MODE 3: words per pack row (moe_int4_layout.int4_chunk)
 ):
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -149,55 +210,51 @@ def _pair_gate_up_kernel(
         # The up rows start a row of scale blocks (inter % SCALE_BN == 0, checked by the caller).
         gate_scale_at = ws_ptr + expert * stride_wse + (wcols // SCALE_BN) * stride_wsn
         up_scale_at = gate_scale_at + (inter // SCALE_BN) * stride_wsn
-    elif SCALE_MODE == 3:  # rows of words, scales and zeros; the columns are added each K step
-        gate_words_at = w_ptr + expert * stride_we + wcols[:, None] * stride_wn
-        up_words_at = gate_words_at + inter * stride_wn
-        gate_scale_at = ws_ptr + expert * stride_wse + wcols[:, None] * stride_wsn
-        up_scale_at = gate_scale_at + inter * stride_wsn
-        gate_zero_at = wz_ptr + expert * stride_wze + wcols[:, None] * stride_wzn
-        up_zero_at = gate_zero_at + inter * stride_wzn
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if SCALE_MODE == 3:
-            in_k = (k0 + ks) < hidden
+    if SCALE_MODE == 3:
+        # Gate and up rows interleaved in one [2 * BLOCK_N, CHUNK] tile of packed words (one loop,
+        # one load a pack); a scale and a zero per group (int4_pack_times_vector).
+        halves = tl.arange(0, 2 * BLOCK_N)
+        wrows = ((tl.program_id(1) * BLOCK_N + halves // 2) % inter + (halves % 2) * inter).to(tl.int64)
+        words_at = w_ptr + expert * stride_we + wrows[:, None] * stride_wn + tl.arange(0, CHUNK)[None, :]
+        scale_at = ws_ptr + expert * stride_wse + wrows * stride_wsn
+        zero_at = wz_ptr + expert * stride_wze + wrows * stride_wzn
+        x_row = x_ptr + token * stride_xm
+        acc = tl.zeros((2 * BLOCK_N, CHUNK), dtype=tl.float32)
+        for t in range(hidden // (8 * CHUNK)):
+            # Each weight byte is read once per step: keep the activations in L2 instead.
+            words = tl.load(words_at + t * CHUNK, eviction_policy="evict_first")
+            acc += int4_pack_times_vector(
+                words, x_row, scale_at, zero_at, t * (8 * CHUNK), stride_wsk, stride_wzk, 1.0, CHUNK, GROUP_SIZE
+            )  # fmt: skip
+        g_sum, u_sum = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
+    else:
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_at)
+                # Each weight byte is read once per step: keep the activations in L2 instead.
+                gate = tl.load(gate_at, eviction_policy="evict_first")
+                up = tl.load(up_at, eviction_policy="evict_first")
             else:
-                x = tl.load(x_at, mask=in_k, other=0.0)
-            kk, k_ok = (k0 + ks)[None, :], in_k[None, :]
-            word, group = kk // 8, (kk // GROUP_SIZE) * stride_wsk
-            zero_group = (kk // GROUP_SIZE) * stride_wzk
-            gate = dequantize_int4(
-                gate_words_at + word, gate_scale_at + group, gate_zero_at + zero_group, kk, k_ok, EVEN_K
-            )
-            up = dequantize_int4(
-                up_words_at + word, up_scale_at + group, up_zero_at + zero_group, kk, k_ok, EVEN_K
-            )
-        elif EVEN_K:
-            x = tl.load(x_at)
-            # Each weight byte is read once per step: keep the activations in L2 instead.
-            gate = tl.load(gate_at, eviction_policy="evict_first")
-            up = tl.load(up_at, eviction_policy="evict_first")
-        else:
-            k_ok = (k0 + ks) < hidden
-            x = tl.load(x_at, mask=k_ok, other=0.0)
-            gate = tl.load(gate_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            up = tl.load(up_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        xf = x.to(tl.float32)[None, :]
-        gate = gate.to(tl.float32)
-        up = up.to(tl.float32)
-        if SCALE_MODE == 2:  # per-row scales (mode 1) multiply the row sums after the loop
-            gate = gate * tl.load(gate_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
-            up = up * tl.load(up_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
-        acc_gate += gate * xf
-        acc_up += up * xf
-        x_at += BLOCK_K
-        gate_at += BLOCK_K
-        up_at += BLOCK_K
+                k_ok = (k0 + ks) < hidden
+                x = tl.load(x_at, mask=k_ok, other=0.0)
+                gate = tl.load(gate_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                up = tl.load(up_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xf = x.to(tl.float32)[None, :]
+            gate = gate.to(tl.float32)
+            up = up.to(tl.float32)
+            if SCALE_MODE == 2:  # per-row scales (mode 1) multiply the row sums after the loop
+                gate = gate * tl.load(gate_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
+                up = up * tl.load(up_scale_at + (k0 // SCALE_BK) * stride_wsk)[:, None]
+            acc_gate += gate * xf
+            acc_up += up * xf
+            x_at += BLOCK_K
+            gate_at += BLOCK_K
+            up_at += BLOCK_K
+        g_sum = tl.sum(acc_gate, axis=1)
+        u_sum = tl.sum(acc_up, axis=1)
     dtype = out_ptr.dtype.element_ty
-    g_sum = tl.sum(acc_gate, axis=1)
-    u_sum = tl.sum(acc_up, axis=1)
     if SCALE_MODE == 1:  # once a row, not once a weight: the loop's multiplies cost more than the bytes saved
         g_sum *= gate_scale
         u_sum *= up_scale
@@ -226,7 +283,7 @@ def _token_down_kernel(
     stride_om,
     stride_rm,
     TOP_K: tl.constexpr,
-    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K)
+    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K); INT4: inter / (8 * CHUNK), its packs
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
@@ -239,11 +296,12 @@ def _token_down_kernel(
     SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
-    wz_ptr=None,  # SCALE_MODE 3 (INT4), as in _pair_gate_up_kernel: w [E, H, I / 8], [E, H, I / G]
+    wz_ptr=None,  # SCALE_MODE 3 (INT4), as in _pair_gate_up_kernel: w [E, H, I / 8] (packs), [E, H, I / G]
     stride_wze=None,
     stride_wzn=None,
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,
+    CHUNK: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,48 +312,47 @@ def _token_down_kernel(
         scale_rows = wcols * stride_wsn
     elif SCALE_MODE == 2:
         scale_rows = (wcols // SCALE_BN) * stride_wsn
-    elif SCALE_MODE == 3:
-        scale_rows = wcols[:, None] * stride_wsn
-        zero_rows = wcols[:, None] * stride_wzn
     ks = tl.arange(0, BLOCK_K)
-    # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
-    # expert in flight too; the routing weight scales the activation row (so one accumulator
-    # serves every expert and the k outputs are summed in float32 here: no sum launch).
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for step in range(TOP_K * K_STEPS):
-        pair = token * TOP_K + step // K_STEPS
-        k0 = (step % K_STEPS) * BLOCK_K
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_at = a_ptr + pair * stride_am + k0 + ks
-        w_at = w_ptr + expert * stride_we + wrows + (k0 + ks)[None, :]
-        if SCALE_MODE == 3:
-            in_k = (k0 + ks) < inter
+    if SCALE_MODE == 3:
+        # One loop over (expert slot, pack), as below; K_STEPS = I / (8 * CHUNK) packs an expert.
+        words_at = w_ptr + wrows + tl.arange(0, CHUNK)[None, :]
+        acc = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
+        for step in range(TOP_K * K_STEPS):
+            pair = token * TOP_K + step // K_STEPS
+            t = step % K_STEPS
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            words = tl.load(words_at + expert * stride_we + t * CHUNK, eviction_policy="evict_first")
+            acc += int4_pack_times_vector(
+                words, a_ptr + pair * stride_am, ws_ptr + expert * stride_wse + wcols * stride_wsn,
+                wz_ptr + expert * stride_wze + wcols * stride_wzn, t * (8 * CHUNK), stride_wsk, stride_wzk,
+                tl.load(weights_ptr + pair), CHUNK, GROUP_SIZE,
+            )  # fmt: skip
+    else:
+        # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
+        # expert in flight too; the routing weight scales the activation row (so one accumulator
+        # serves every expert and the k outputs are summed in float32 here: no sum launch).
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for step in range(TOP_K * K_STEPS):
+            pair = token * TOP_K + step // K_STEPS
+            k0 = (step % K_STEPS) * BLOCK_K
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            a_at = a_ptr + pair * stride_am + k0 + ks
+            w_at = w_ptr + expert * stride_we + wrows + (k0 + ks)[None, :]
             if EVEN_K:
                 a = tl.load(a_at)
+                w = tl.load(w_at, eviction_policy="evict_first")
             else:
-                a = tl.load(a_at, mask=in_k, other=0.0)
-            kk, k_ok = (k0 + ks)[None, :], in_k[None, :]
-            w = dequantize_int4(
-                w_ptr + expert * stride_we + wrows + kk // 8,
-                ws_ptr + expert * stride_wse + scale_rows + (kk // GROUP_SIZE) * stride_wsk,
-                wz_ptr + expert * stride_wze + zero_rows + (kk // GROUP_SIZE) * stride_wzk,
-                kk, k_ok, EVEN_K,
-            )  # fmt: skip
-        elif EVEN_K:
-            a = tl.load(a_at)
-            w = tl.load(w_at, eviction_policy="evict_first")
-        else:
-            k_ok = (k0 + ks) < inter
-            a = tl.load(a_at, mask=k_ok, other=0.0)
-            w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
-        w = w.to(tl.float32)
-        if SCALE_MODE == 1:
-            w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows)[:, None]
-        elif SCALE_MODE == 2:
-            k_block = (k0 // SCALE_BK) * stride_wsk
-            w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows + k_block)[:, None]
-        acc += w * scaled[None, :]
+                k_ok = (k0 + ks) < inter
+                a = tl.load(a_at, mask=k_ok, other=0.0)
+                w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            scaled = a.to(tl.float32) * tl.load(weights_ptr + pair)
+            w = w.to(tl.float32)
+            if SCALE_MODE == 1:
+                w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows)[:, None]
+            elif SCALE_MODE == 2:
+                k_block = (k0 // SCALE_BK) * stride_wsk
+                w = w * tl.load(ws_ptr + expert * stride_wse + scale_rows + k_block)[:, None]
+            acc += w * scaled[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_RESIDUAL:
         total += tl.load(residual_ptr + token * stride_rm + cols, mask=is_col, other=0.0).to(tl.float32)
@@ -420,7 +477,7 @@ def launch_pair_gate_up(
         RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
         NORM_SCALE=norm_eps is not None, HIDDEN_PAD=triton.next_power_of_2(hidden) if norm_eps is not None else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden),
+        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden),
     )  # fmt: skip
 
 
@@ -438,26 +495,28 @@ def launch_token_down(
     inter = activated.shape[1]  # w2's last dimension is I / 8 for INT4
     if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
         raise ValueError(f"the residual must be another [T, H] = {tuple(out.shape)} tensor than out")
+    scale_args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter)
+    # INT4 steps are packs of 8 * CHUNK columns (BLOCK_K does not apply); others BLOCK_K columns.
+    k_steps = inter // (8 * scale_args["CHUNK"]) if "CHUNK" in scale_args else triton.cdiv(inter, tiles.block_k)
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
         activated, w2, ids, weights, out, residual if residual is not None else out, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0,
-        TOP_K=top_k, K_STEPS=triton.cdiv(inter, tiles.block_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        TOP_K=top_k, K_STEPS=k_steps, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **scale_args,
     )  # fmt: skip
 
 
 def weight_scale_args(
     w_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, tiles: GemmTiles,
-    w_zeros: torch.Tensor | None = None, group_size: int | None = None,
+    w_zeros: torch.Tensor | None = None, group_size: int | None = None, columns: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The quantized-weight arguments of the MoE kernels (here and in fused_moe.py). FP8: a float32
     `w_scale` of [E, rows] (one per output row, `scale_block` None) or [E, row blocks, K blocks]
     (`scale_block` = (rows, columns) of a block). INT4 (`w_zeros` given): `w_scale` and the uint8
     `w_zeros` [E, rows, K / group_size], `group_size` the columns of a group (resolved: K for one
-    group per row). None without a scale, so unscaled launches compile as they did before these
+    group per row) and `columns` the matrix's K (for moe_int4_layout.int4_chunk). None without a scale, so unscaled launches compile as they did before these
     arguments existed. The shapes are the caller's to check."""
     if w_scale is None:
         return {}
@@ -470,7 +529,7 @@ def weight_scale_args(
         return {
             **args, "stride_wsk": w_scale.stride(2), "wz_ptr": w_zeros, "stride_wze": w_zeros.stride(0),
             "stride_wzn": w_zeros.stride(1), "stride_wzk": w_zeros.stride(2), "SCALE_MODE": 3,
-            "GROUP_SIZE": group_size,
+            "GROUP_SIZE": group_size, "CHUNK": int4_chunk(columns or group_size, group_size),
         }  # fmt: skip
     if scale_block is None:
         return {**args, "SCALE_MODE": 1}

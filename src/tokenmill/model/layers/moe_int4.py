@@ -8,7 +8,7 @@ read (model/loader/int4_checkpoint.py): AWQ (`qweight`, `qzeros`, `scales`), GPT
 each is unpacked to the canonical form (q [N, K] 0..15, scales and zeros [N, G]) and stacked:
 
 - GPU: repacked for the fused MoE kernels (kernels/triton/fused_moe.py, W4A16): q int32
-  [E, N, K/8] (word j's nibble i is column 8j + i), float32 scales [E, N, G], zeros uint8
+  [E, N, K/8] in kernels/triton/moe_int4_layout.py's packs, float32 scales [E, N, G], zeros uint8
   [E, N, G]; about a quarter of bf16's bytes.
 - Elsewhere: the dequantized float weights (the CPU's reference path, which the tests compare with
   transformers on).
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tokenmill.kernels.triton.moe_int4_layout import pack_int4_experts
 from tokenmill.model.layers.quantize_weights import QuantizedInt4, dequantize_int4, quantize_int4
 from tokenmill.model.loader.int4_checkpoint import unpack_awq, unpack_gptq, unpack_pack_quantized
 from tokenmill.model.loader.quant_config import QuantizationSpec
@@ -33,7 +34,6 @@ from tokenmill.model.loader.quant_config import QuantizationSpec
 if TYPE_CHECKING:
     from tokenmill.model.layers.moe import ExpertShard, MoEExperts
 
-PACK = 8  # 4-bit values per int32 word
 
 # The tensors of one quantized projection, per checkpoint format (besides the optional ones).
 _REQUIRED_LEAVES = {
@@ -179,17 +179,13 @@ def _dequantized(form: QuantizedInt4) -> torch.Tensor:
 
 
 def _kernel_form(forms: list[QuantizedInt4], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q int32 [E, N, K/8], scales [E, N, G] in `dtype`, zeros uint8 [E, N, G]) of the experts'
-    canonical forms (groups in order: act-order was refused)."""
-    q = torch.stack([f.q for f in forms]).to(torch.int32)  # [E, N, K]
-    e, n, k = q.shape
-    nibbles = q.view(e, n, k // PACK, PACK)
-    words = torch.zeros((e, n, k // PACK), dtype=torch.int32, device=q.device)
-    for i in range(PACK):
-        words |= nibbles[..., i] << (4 * i)  # the top nibble's shift wraps into the sign bit, as int32 packing does
+    """(q int32 [E, N, K/8] in the kernels' packs, scales [E, N, G] in `dtype`, zeros uint8 [E, N, G])
+    of the experts' canonical forms (groups in order: act-order was refused)."""
+    # One group per row has group_size K here: the same packs as the kernels' None.
+    words = pack_int4_experts(torch.stack([f.q for f in forms]), forms[0].group_size)
     scales = torch.stack([f.scales for f in forms]).to(dtype)
     zeros = torch.stack([f.zeros for f in forms]).to(torch.uint8)
-    return words.contiguous(), scales.contiguous(), zeros.contiguous()
+    return words, scales.contiguous(), zeros.contiguous()
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
