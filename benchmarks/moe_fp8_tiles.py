@@ -7,7 +7,7 @@ from a CUDA graph: bf16 weights with their tuned tiles, and e4m3 weights with pe
 tile the bf16 tuner chose for 2-byte loads moves half as much per load; the candidates scale
 BLOCK_K (and BLOCK_N) up. With `--weights int4`: 4-bit weights in groups of 128 (what
 `--quantization awq` makes; a quarter of the bytes plus the scales), whose GEMVs walk packs of 256
-columns (BLOCK_K does not apply): the candidates are gate/up and down BLOCK_N and warps. Prints us
+columns (BLOCK_K does not apply): the candidates are gate/up and down BLOCK_N and pipeline stages. Prints us
 per call and the bytes of weights read per second; writes benchmarks/results/moe-<weights>-tiles-*.json.
 
     PYTHONPATH=src python3 benchmarks/moe_fp8_tiles.py [--weights int4]
@@ -139,12 +139,12 @@ def _candidates(tuned, weights: str):
     yield "bf16 tiles", gate_up, down
     for name, (g, d) in INT4_GEMV_TILES.items():
         yield f"INT4 defaults ({name})", g, d
-    for g_n in (4, 8, 16):  # gate rows; the tile holds as many up rows
-        for g_warps in (2, 4):
-            for d_n in (4, 8):
-                g = GemmTiles(block_n=g_n, block_k=gate_up.block_k, num_warps=g_warps, num_stages=2)
-                d = GemmTiles(block_n=d_n, block_k=down.block_k, num_warps=2, num_stages=2)
-                yield f"gate_up n{g_n} w{g_warps}, down n{d_n} w2", g, d
+    for g_n in (8, 16):  # gate rows; the tile holds as many up rows
+        for d_n in (4, 8):
+            for stages in (2, 3, 4):  # packs in flight per program
+                g = GemmTiles(block_n=g_n, block_k=gate_up.block_k, num_warps=2, num_stages=stages)
+                d = GemmTiles(block_n=d_n, block_k=down.block_k, num_warps=2, num_stages=stages)
+                yield f"gate_up n{g_n}, down n{d_n}, w2, {stages} stages", g, d
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ if has latency-fp8; then
     grep -vE "it/s\]|s/it\]" | tail -8
 fi
 
-# 4-bit routed experts (W4A16, AWQ-style groups of 128 rounded at load), the same command. The model
-# refuses 4-bit experts on a GPU until tests/gpu/test_moe_fp8_gpu.py's 4-bit kernel cases pass there.
+# 4-bit routed experts (W4A16, AWQ-style groups of 128 rounded at load), the same command
+# (STEPS=latency-awq,latency for the ratio).
 if has latency-awq; then
   timeout "${LATENCY_TIMEOUT:-200}" "${TOKENMILL[@]}" bench latency --model "$MODEL" --load-format dummy \
     --quantization awq --input-len 512 --output-len 256 --max-model-len 4096 --max-num-seqs 8 --num-iters 2 \

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import KernelConfig
+from tokenmill.gpu_capability import require_fp8_capable
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.loader.quant_config import QuantizationSpec
 
@@ -38,6 +39,9 @@ def select_linear_method(
         )
     if quantization.scheme == "fp8_w8a8":
         from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
+
+        if use_kernels:
+            require_fp8_capable(torch.device(device), f"FP8 weights ({quantization.method})")
 
         return Fp8LinearMethod(quantization, base, use_kernels=use_kernels)
     from tokenmill.model.layers.int4_linear import Int4LinearMethod

@@ -1,0 +1,47 @@
+"""FP8 weights on a GPU older than compute capability 8.9 are refused at load, naming the GPU and
+what would run (gpu_capability.py, through select_linear_method); 4-bit weights are not. The CUDA
+queries are stubbed: the check runs before anything touches the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import KernelConfig
+from tokenmill.model.layers.linear_select import select_linear_method
+from tokenmill.model.loader.quant_config import resolve_quantization
+
+
+@pytest.fixture
+def gpu_of_capability(monkeypatch):
+    def set_capability(major: int, minor: int) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+
+    return set_capability
+
+
+def _select(method: str):
+    spec = resolve_quantization({"architectures": ["LlamaForCausalLM"]}, method, "m")
+    return select_linear_method("cuda", torch.bfloat16, KernelConfig(), spec)
+
+
+def test_fp8_weights_are_refused_below_compute_capability_8_9(gpu_of_capability):
+    gpu_of_capability(8, 0)
+    with pytest.raises(ValueError, match=r"compute capability 8\.9 or newer.*Test GPU\) is 8\.0.*4-bit"):
+        _select("fp8")
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_fp8_weights_pass_the_check_from_8_9(gpu_of_capability, capability):
+    from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
+
+    gpu_of_capability(*capability)
+    assert isinstance(_select("fp8"), Fp8LinearMethod)
+
+
+def test_4bit_weights_run_on_an_older_gpu(gpu_of_capability):
+    from tokenmill.model.layers.int4_linear import Int4LinearMethod
+
+    gpu_of_capability(8, 0)
+    assert isinstance(_select("awq"), Int4LinearMethod)
