@@ -31,11 +31,11 @@ block of scales.
 INT4 experts (W4A16; SCALE_MODE 3: `w13_scale` / `w2_scale` with `w13_zeros` / `w2_zeros` and a
 `group_size`): int32 words of 8 unsigned 4-bit weights along K in moe_int4_layout.py's packs (word
 p of a pack holds column j * CHUNK + p in nibble j), with a scale and a zero point per GROUP_SIZE
-columns of a row: W = (q - zero) * scale. Each step loads a [rows, CHUNK] tile of words (the
-gate/up kernel interleaves gate and up rows in one), once, and walks its eight nibble planes, each against a contiguous CHUNK-column slice of the activations
-(int4_pack_times_vector): a nibble OR'ed into the exponent bits of 2**23 is, as a float32, 2**23 +
-q, so one subtraction of 2**23 + zero gives q - zero exactly, without an int-to-float conversion
-(a quarter-rate instruction). The unscaled products of a group are summed in float32 and multiplied
+columns of a row: W = (q - zero) * scale. Each step loads a [rows, CHUNK] tile of words once (the
+gate/up kernel interleaves gate and up rows in one) and walks its eight nibble planes, each against
+a contiguous CHUNK-column slice of the activations (int4_pack_times_vector): a nibble OR'ed into
+the bits of 2**23 is, as a float32, 2**23 + q, so one subtraction of 2**23 + zero gives q - zero
+exactly, without an int-to-float conversion (a quarter-rate instruction). The unscaled products of a group are summed in float32 and multiplied
 by the group's scale once per row, not once per weight.
 """
 
@@ -164,7 +164,8 @@ def _pair_gate_up_kernel(
     stride_wsn=None,
     stride_wsk=None,
     # 0: w unscaled, 1: e4m3 with a scale per row, 2: per block; 3: INT4, w int32 [E, 2I, H / 8]
-    # (moe_int4_layout.py's packs) with scales (activation dtype or float32) and uint8 zeros [E, 2I, H / GROUP_SIZE].
+    # (moe_int4_layout.py's packs) with scales (activation dtype or float32) and uint8 zeros
+    # [E, 2I, H / GROUP_SIZE].
     SCALE_MODE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,  # BLOCK_K divides it
