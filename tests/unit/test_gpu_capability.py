@@ -1,5 +1,6 @@
-"""FP8 weights on a GPU older than compute capability 8.9 are refused at load, naming the GPU and
-what would run (gpu_capability.py, through select_linear_method); 4-bit weights are not. The CUDA
+"""FP8 weights and an FP8 KV cache on a GPU older than compute capability 8.9 are refused at load,
+naming the GPU and what would run (gpu_capability.py, through select_linear_method and the model
+runner's KV dtype check); 4-bit weights and the auto cache are not. The CUDA
 queries are stubbed: the check runs before anything touches the device."""
 
 from __future__ import annotations
@@ -45,3 +46,17 @@ def test_4bit_weights_run_on_an_older_gpu(gpu_of_capability):
 
     gpu_of_capability(8, 0)
     assert isinstance(_select("awq"), Int4LinearMethod)
+
+
+def test_an_fp8_kv_cache_is_refused_below_8_9_and_auto_is_not(gpu_of_capability):
+    from tokenmill.kernels.kv_fp8 import FP8_KV_DTYPE
+    from tokenmill.worker.kv_cache import check_kv_cache_dtype_on_device, resolve_kv_cache_dtype
+
+    gpu_of_capability(8, 6)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8: .*Test GPU\) is 8\.6.*auto"):
+        check_kv_cache_dtype_on_device(resolve_kv_cache_dtype("fp8", torch.bfloat16), cuda)
+    check_kv_cache_dtype_on_device(resolve_kv_cache_dtype("auto", torch.bfloat16), cuda)
+    gpu_of_capability(9, 0)
+    check_kv_cache_dtype_on_device(FP8_KV_DTYPE, cuda)
+    check_kv_cache_dtype_on_device(FP8_KV_DTYPE, torch.device("cpu"))  # not CUDA: nothing to check

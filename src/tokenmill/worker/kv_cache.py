@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import CacheConfig
 from tokenmill.core.kv_cache_groups import KVCacheGroups
+from tokenmill.gpu_capability import require_fp8_capable
 from tokenmill.kernels.kv_fp8 import FP8_KV_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,13 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     from tokenmill.device import resolve_dtype
 
     return resolve_dtype(name, torch.device("cpu"))
+
+
+def check_kv_cache_dtype_on_device(kv_cache_dtype: torch.dtype, device: torch.device) -> None:
+    """An FP8 KV cache on a GPU without float8 arithmetic is refused at load, not at the first
+    attention kernel's compile."""
+    if kv_cache_dtype == FP8_KV_DTYPE:
+        require_fp8_capable(device, "--kv-cache-dtype fp8", "Leave --kv-cache-dtype at auto (the model's 16 bits)")
 
 
 def kv_bytes_per_block(

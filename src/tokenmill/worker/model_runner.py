@@ -31,6 +31,7 @@ from tokenmill.sample.sampler import Sampler, SamplerOutput, compute_token_logpr
 from tokenmill.worker.batch_inputs import HostBatch, build_host_batch, pad_to_uniform_query
 from tokenmill.worker.kv_cache import (
     allocate_kv_caches,
+    check_kv_cache_dtype_on_device,
     kv_bytes_per_block,
     layer_kv_caches,
     num_blocks_for_cpu,
@@ -155,6 +156,7 @@ class ModelRunner:
             if config.cache.kv_cache_dtype == "auto"
             else resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         )
+        check_kv_cache_dtype_on_device(self.kv_cache_dtype, self.device)
         if not self.attn_backend.supports_kv_cache_dtype(self.kv_cache_dtype, self.dtype):
             self.attn_backend = self._reference_for_kv_cache_dtype(config.attention_backend)
         started = time.perf_counter()

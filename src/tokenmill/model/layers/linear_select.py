@@ -41,7 +41,10 @@ def select_linear_method(
         from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
 
         if use_kernels:
-            require_fp8_capable(torch.device(device), f"FP8 weights ({quantization.method})")
+            require_fp8_capable(
+                torch.device(device), f"FP8 weights ({quantization.method})",
+                "Serve the 16-bit checkpoint, or a 4-bit one (AWQ / GPTQ, or --quantization awq), which runs on this GPU",
+            )  # fmt: skip
 
         return Fp8LinearMethod(quantization, base, use_kernels=use_kernels)
     from tokenmill.model.layers.int4_linear import Int4LinearMethod
