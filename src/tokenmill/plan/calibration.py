@@ -167,9 +167,57 @@ FORMAT_FACTORS: dict[str, FormatFactor] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class QuantizedMoEFactor:
+    """Quantized routed experts against 16-bit ones: the ratio of their fitted bandwidth
+    efficiencies on single-stream runs of the same model in the same device call (`files`: the
+    quantized run, then the 16-bit one), a multiplier of the 16-bit MoE factor. Prefill keeps the
+    16-bit MoE's factor: the offline model does not reproduce the H200's 16-bit MoE run (its fitted
+    prefill efficiency saturates at the bisection's 1.5 on `throughput-qwen3-30b-a3b-h200-256-*`),
+    so a prefill ratio fitted against it would mean nothing."""
+
+    bandwidth: float
+    gpu: str
+    files: tuple[str, str]
+
+
+# fit_quantized_moe() over these files gives the numbers (a test checks they agree).
+QUANTIZED_MOE_FACTORS: dict[str, QuantizedMoEFactor] = {
+    "fp8": QuantizedMoEFactor(
+        0.6264, "H200", ("latency-qwen3-30b-a3b-h200-fp8-experts.json", "latency-qwen3-30b-a3b-h200-bf16-fp8-ab.json")
+    ),
+    "int4": QuantizedMoEFactor(
+        0.3124, "H200", ("latency-qwen3-30b-a3b-awq-h200.json", "latency-qwen3-30b-a3b-bf16-vs-awq-h200.json")
+    ),
+}
+
+
+def fit_quantized_moe(gpu: GpuSpec, arch: ArchConfig, quantization: str, files: tuple[str, str], results: Path) -> float:
+    """The bandwidth ratio of quantized experts' fitted efficiency over the 16-bit ones' (files in
+    the `results` directory)."""
+    quantized_latency, base_latency = files
+    bandwidth = fit_bandwidth(gpu, arch, results / quantized_latency, quantization)
+    return bandwidth / fit_bandwidth(gpu, arch, results / base_latency)
+
+
+def _quantized_moe_format(method: str) -> FormatFactor:
+    moe, rel = FORMAT_FACTORS["moe"], QUANTIZED_MOE_FACTORS[method]
+    return FormatFactor(
+        moe.bandwidth * rel.bandwidth, moe.prefill,
+        f"{moe.source}; bandwidth times {method} experts over 16-bit ones on the {rel.gpu} ({' over '.join(rel.files)}); "
+        "prefill: the 16-bit MoE's (not calibrated for quantized experts)",
+    )  # fmt: skip
+
+
+FORMAT_FACTORS["moe-fp8"] = _quantized_moe_format("fp8")
+FORMAT_FACTORS["moe-int4"] = _quantized_moe_format("int4")
+
+
 def format_key(quantization: str | None, is_moe: bool) -> str | None:
     if is_moe:
-        return "moe"  # quantized MoE does not run yet
+        if quantization is None:
+            return "moe"
+        return "moe-fp8" if quantization == "fp8" else "moe-int4"
     if quantization == "fp8":
         return "fp8"
     return "int4" if quantization in ("awq", "gptq") else None
@@ -227,6 +275,27 @@ def fit_format(
     )
 
 
+def fp8_compute(quantization: str | None, arch: ArchConfig) -> bool:
+    """Whether the linear layers' FLOPs run on FP8 tensor cores: FP8 W8A8 dense models. FP8 routed
+    experts are W8A16 (16-bit activations: the experts, most of a MoE model's FLOPs, run in bf16)."""
+    return quantization == "fp8" and arch.moe is None
+
+
+def fit_bandwidth(gpu: GpuSpec, arch: ArchConfig, latency_file: Path, quantization: str | None = None) -> float:
+    """The bandwidth efficiency that makes the model reproduce a single stream of `arch` (512 in /
+    256 out): the step's time once its KV reads are charged at the attention efficiency."""
+    input_len, output_len = 512, 256
+    weights = model_bytes(arch, quantization)
+    kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
+    context = input_len + output_len / 2
+    kv_seconds = context * kv.mean_bytes_per_token(int(context)) / (
+        gpu.bandwidth_bytes_per_s * ATTENTION_BANDWIDTH_EFFICIENCY
+    )
+    linear_read = weights.decode_read_bytes(1) + model_shape(arch).logits_bytes(1)
+    step = 1 / _metrics(latency_file)["decode_tokens_per_s"] - kv_seconds
+    return linear_read / (step * gpu.bandwidth_bytes_per_s)
+
+
 def fit(
     gpu: GpuSpec, arch: ArchConfig, latency_file: Path, throughput_file: Path, quantization: str | None = None
 ) -> Efficiency:
@@ -234,15 +303,12 @@ def fit(
     `arch` (512 in / 256 out; 512 prompts at max_num_seqs 256)."""
     latency, throughput = _metrics(latency_file), _metrics(throughput_file)
     input_len, output_len = 512, 256
-    machine = Machine(gpu, 1, fp8_compute=quantization == "fp8")
+    machine = Machine(gpu, 1, fp8_compute=fp8_compute(quantization, arch))
     weights = model_bytes(arch, quantization)
     kv = kv_layout(arch, BENCH_MAX_MODEL_LEN)
     shape = model_shape(arch)
-    context = input_len + output_len / 2
     attention = ATTENTION_BANDWIDTH_EFFICIENCY
-    kv_seconds = context * kv.mean_bytes_per_token(int(context)) / (gpu.bandwidth_bytes_per_s * attention)
-    linear_read = weights.decode_read_bytes(1) + shape.logits_bytes(1)
-    bandwidth = linear_read / ((1 / latency["decode_tokens_per_s"] - kv_seconds) * gpu.bandwidth_bytes_per_s)
+    bandwidth = fit_bandwidth(gpu, arch, latency_file, quantization)
     eff = Efficiency(bandwidth, 0.5, 0.0, attention)
     offline = Workload(input_len, output_len, BENCH_MAX_NUM_SEQS)
     for _ in range(4):  # the overhead and the prefill efficiency each depend a little on the other

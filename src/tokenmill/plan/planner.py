@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model.arch import ArchConfig
-from tokenmill.plan.calibration import FORMAT_FACTORS, all_reduce_for, calibration_for, for_format, format_key
+from tokenmill.plan.calibration import (
+    FORMAT_FACTORS,
+    all_reduce_for,
+    calibration_for,
+    for_format,
+    format_key,
+    fp8_compute,
+)
 from tokenmill.plan.gpu_specs import GpuSpec
 from tokenmill.plan.host_cost import host_cost_for
 from tokenmill.plan.model_bytes import kv_layout, model_bytes
@@ -101,7 +108,7 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         )
     all_reduce = all_reduce_for(gpu) if tp > 1 else None
     machine = Machine(
-        gpu, tp, fp8_compute=req.quantization == "fp8", all_reduce=all_reduce and all_reduce.cost
+        gpu, tp, fp8_compute=fp8_compute(req.quantization, arch), all_reduce=all_reduce and all_reduce.cost
     )
     work = Workload(req.input_len, req.output_len, concurrency)
     key = format_key(req.quantization, arch.moe is not None)
