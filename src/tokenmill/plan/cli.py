@@ -95,6 +95,9 @@ def render(plan: dict) -> str:
         lines.append(f"  warning: {plan['warning']}")
     calibration = "calibrated by" if plan["calibrated"] else "UNCALIBRATED,"
     lines.append(f"  ({calibration} {plan['calibration_source']}; GPU: {plan['gpu_source']})")
+    if "format_factor" in plan:
+        factor = plan["format_factor"]
+        lines.append(f"  (weight format {factor['format']}: {factor['source']})")
     host = plan["host_cost"]
     lines.append(f"  (API server: {host['per_stream_ms']:.2f} ms of TTFT per stream in flight: {host['source']})")
     return "\n".join(lines)
