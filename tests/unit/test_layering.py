@@ -35,6 +35,7 @@ TIERS: list[set[str]] = [
         "sampling_params",
         "outputs",
         "device",
+        "gpu_capability",  # what the GPU can run (torch's CUDA queries), checked at load
         "paths",
         "cpu_cores",
         "chat_template",
