@@ -29,10 +29,11 @@ divides bk, so a step lies in one block: tiles_within_scale_block). The rounding
 16-bit path's. Scaled launches switch on a compile-time SCALE_MODE; unscaled ones compile as before.
 
 INT4 experts (W4A16: int32 w13 / w2 with `w13_scale`, `w2_scale`, `w13_zeros`, `w2_zeros` and
-`group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K in moe_int4_layout.py's
-packs, a scale and a zero per group of columns of a row (fused_moe_gemv.py's module docstring). Each K step dequantizes its
-tile in float32 and rounds it to the activations' dtype for tl.dot, so the GEMMs compute what a
-16-bit checkpoint of the dequantized weights would (the GEMVs keep the float32 weights).
+`group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K in
+moe_int4_layout.py's packs, a scale and a zero per group of columns of a row (fused_moe_gemv.py's
+module docstring). Each K step gathers and dequantizes its tile in float32 and rounds it to the
+activations' dtype for tl.dot, so the GEMMs compute what a 16-bit checkpoint of the dequantized
+weights would (the GEMVs keep the float32 weights).
 
 Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
 batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum). FP8 experts take
@@ -381,8 +382,8 @@ def fused_moe(
     gpt-oss's epilogue.
 
     INT4 experts (W4A16): w13 int32 [E, 2I, H / 8] and w2 int32 [E, H, I / 8], each row packed
-    along K in moe_int4_layout.py's packs (`pack_int4_experts`; unsigned 0..15), with `w13_scale` [E, 2I,
-    H / G] and `w2_scale` [E, H, I / G] (x's dtype or float32) and uint8 `w13_zeros` / `w2_zeros`
+    along K in moe_int4_layout.py's packs (`pack_int4_experts`; unsigned 0..15), with `w13_scale`
+    [E, 2I, H / G] and `w2_scale` [E, H, I / G] (x's dtype or float32) and uint8 `w13_zeros` / `w2_zeros`
     of the same shapes (0..15; 8 for symmetric checkpoints), G = `group_size` (a multiple of 8
     dividing H and I; None: one group per row, G = H for w13 and I for w2). W[e, n, k] =
     (q[e, n, k] - zeros[e, n, k // G]) * scale[e, n, k // G] in float32; the grouped GEMMs round it

@@ -34,7 +34,6 @@ from tokenmill.model.loader.quant_config import QuantizationSpec
 if TYPE_CHECKING:
     from tokenmill.model.layers.moe import ExpertShard, MoEExperts
 
-
 # The tensors of one quantized projection, per checkpoint format (besides the optional ones).
 _REQUIRED_LEAVES = {
     "awq": ("qweight", "qzeros", "scales"),
