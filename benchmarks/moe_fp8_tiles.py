@@ -7,7 +7,7 @@ from a CUDA graph: bf16 weights with their tuned tiles, and e4m3 weights with pe
 tile the bf16 tuner chose for 2-byte loads moves half as much per load; the candidates scale
 BLOCK_K (and BLOCK_N) up. With `--weights int4`: 4-bit weights in groups of 128 (what
 `--quantization awq` makes; a quarter of the bytes plus the scales), whose GEMVs walk packs of 256
-columns (BLOCK_K does not apply): the candidates are gate/up and down BLOCK_N and pipeline stages. Prints us
+columns: the candidates are gate/up and down BLOCK_N, warps and BLOCK_K / 256 packs an iteration. Prints us
 per call and the bytes of weights read per second; writes benchmarks/results/moe-<weights>-tiles-*.json.
 
     PYTHONPATH=src python3 benchmarks/moe_fp8_tiles.py [--weights int4]
@@ -141,10 +141,11 @@ def _candidates(tuned, weights: str):
         yield f"INT4 defaults ({name})", g, d
     for g_n in (8, 16):  # gate rows; the tile holds as many up rows
         for d_n in (4, 8):
-            for stages in (2, 3, 4):  # packs in flight per program
-                g = GemmTiles(block_n=g_n, block_k=gate_up.block_k, num_warps=2, num_stages=stages)
-                d = GemmTiles(block_n=d_n, block_k=down.block_k, num_warps=2, num_stages=stages)
-                yield f"gate_up n{g_n}, down n{d_n}, w2, {stages} stages", g, d
+            for block_k in (256, 512, 1024):  # BLOCK_K / 256 packs an iteration (int4_packs_per_step)
+                for warps in (2, 4):
+                    g = GemmTiles(block_n=g_n, block_k=block_k, num_warps=warps, num_stages=2)
+                    d = GemmTiles(block_n=d_n, block_k=block_k, num_warps=warps, num_stages=2)
+                    yield f"gate_up n{g_n}, down n{d_n}, {block_k // 256} packs a step, w{warps}", g, d
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def test_int4_experts_match_a_loop_over_the_dequantized_experts(
 @pytest.mark.parametrize(
     "tiles",
     [
-        # K steps of 64 / 32 columns: within a group of 128, across groups of 32
+        # one pack an iteration (BLOCK_K <= 256: fused_moe_gemv.int4_packs_per_step)
         MoETiles(16, GemmTiles(32, 64), GemmTiles(16, 32), "gemv"),
         # gate/up block_k 256 over H 128: one masked K step spanning every group (EVEN_K off)
         MoETiles(16, GemmTiles(32, 256), GemmTiles(64, 16)),
@@ -147,6 +147,29 @@ def test_int4_experts_on_each_path_with_given_tiles(tiles, group):
     args, gate_up, down = _int4_experts(128, 256, group, seed=10)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(11)).bfloat16()
     weights, ids = _routes(3, seed=12)
+    assert_close_to_loop(_call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids))
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    ("hidden", "inter", "group", "gate_up_block_k", "down_block_k"),
+    [
+        # gate/up: 3 packs of 64 columns in steps of 2 (the last step half masked); down: 1 pack of 128
+        # in a step of 4 (3 masked)
+        (192, 128, 64, 512, 1024),
+        (320, 192, 32, 1024, 512),  # 5 packs in steps of 4; down 3 packs in steps of 2; 2 groups a pack
+        (128, 192, None, 512, 512),  # one group a row
+    ],
+)  # fmt: skip
+def test_int4_gemvs_with_several_packs_a_step(hidden, inter, group, gate_up_block_k, down_block_k):
+    """BLOCK_K above 256 makes the INT4 GEMVs load BLOCK_K / 256 packs an iteration (a [rows,
+    packs, CHUNK] tile of words, fused_moe_gemv.int4_packs_per_step), masking packs past K, with
+    each pack's groups as in one. Small K gives small packs (moe_int4_layout.int4_chunk), so these
+    shapes have several."""
+    args, gate_up, down = _int4_experts(hidden, inter, group, seed=30)
+    tiles = MoETiles(16, GemmTiles(32, gate_up_block_k), GemmTiles(32, down_block_k), "gemv")
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(31)).bfloat16()
+    weights, ids = _routes(3, seed=32)
     assert_close_to_loop(_call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids))
 
 

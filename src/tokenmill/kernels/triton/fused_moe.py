@@ -602,8 +602,8 @@ INT4_GEMV_TILES = {
 
 
 def tiles_for_int4(tiles: MoETiles, num_tokens: int, keep_gemv_tiles: bool = False) -> MoETiles:
-    """INT4 tiles. The GEMVs (which load each word once, in packs: BLOCK_K does not apply) take
-    INT4_GEMV_TILES unless `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs take the
+    """INT4 tiles. The GEMVs (which load each word once, BLOCK_K / 256 packs an iteration:
+    fused_moe_gemv.int4_packs_per_step) take INT4_GEMV_TILES unless `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs take the
     16-bit tiles with block_k at most 64 and one stage: they gather a word, a scale and a zero per
     weight, and pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the H200's 227 KiB
     of shared memory at the 16-bit tiles (0.3-0.6 MB asked)."""

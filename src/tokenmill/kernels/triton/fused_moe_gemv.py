@@ -35,8 +35,10 @@ columns of a row: W = (q - zero) * scale. Each step loads a [rows, CHUNK] tile o
 gate/up kernel interleaves gate and up rows in one) and walks its eight nibble planes, each against
 a contiguous CHUNK-column slice of the activations (int4_pack_times_vector): a nibble OR'ed into
 the bits of 2**23 is, as a float32, 2**23 + q, so one subtraction of 2**23 + zero gives q - zero
-exactly, without an int-to-float conversion (a quarter-rate instruction). The unscaled products of a group are summed in float32 and multiplied
-by the group's scale once per row, not once per weight.
+exactly, without an int-to-float conversion (a quarter-rate instruction). The unscaled products of
+a group are summed in float32 and multiplied by the group's scale once per row, not once per weight.
+With BLOCK_K above 256 a step loads BLOCK_K / 256 consecutive packs at once ([rows, PACKS, CHUNK],
+int4_packs_times_vector): the loads are not pipelined, so bytes in flight come from bigger steps.
 """
 
 from __future__ import annotations
@@ -91,10 +93,10 @@ def int4_zero_magic(zeros):
 
 @triton.jit
 def int4_plane_minus_zero(words, j: tl.constexpr, zero_magic):
-    """Nibble plane j of a [R, C] tile of words as the float32 q - zero, exactly; `zero_magic` [R]
-    from int4_zero_magic."""
+    """Nibble plane j of a tile of words as the float32 q - zero, exactly; `zero_magic` from
+    int4_zero_magic, broadcastable to the tile ([R, 1] for [R, C] words, [R, P, 1] for [R, P, C])."""
     q = ((words >> (4 * j)) & 0xF) | _MAGIC_2_POW_23  # & drops the sign bits of the top nibble's shift
-    return q.to(tl.float32, bitcast=True) - zero_magic[:, None]
+    return q.to(tl.float32, bitcast=True) - zero_magic
 
 
 @triton.jit
@@ -123,9 +125,45 @@ def int4_pack_times_vector(
             zero_magic = int4_zero_magic(tl.load(zero_at + group * stride_zk))
             part = tl.zeros(words.shape, dtype=tl.float32)
         xj = tl.load(x_at + first_column + j * CHUNK + words_in_pack).to(tl.float32) * x_weight
-        part += int4_plane_minus_zero(words, j, zero_magic) * xj[None, :]
+        part += int4_plane_minus_zero(words, j, zero_magic[:, None]) * xj[None, :]
         if ((j + 1) * CHUNK) % GROUP_SIZE == 0 or j == 7:  # the group (or the pack) ends here
             acc += part * scale[:, None]
+    return acc
+
+
+@triton.jit
+def int4_packs_times_vector(
+    words,  # [R, PACKS, CHUNK] int32: PACKS consecutive packs of R rows
+    x_at,  # the vector's column 0
+    scale_at,  # [R] pointers: each row's first group scale
+    zero_at,  # [R] pointers: each row's first uint8 zero point
+    packs,  # [PACKS] the packs' indices along K
+    pack_ok,  # [PACKS] False past the last pack (those words were loaded as 0)
+    stride_sk,
+    stride_zk,
+    x_weight,
+    CHUNK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+):
+    """int4_pack_times_vector over several packs at once: [R, PACKS, CHUNK] float32 partial sums,
+    so that one iteration loads more words (an iteration waits for its loads: the INT4 GEMVs' loads
+    are not pipelined)."""
+    PACK: tl.constexpr = 8 * CHUNK
+    words_in_pack = tl.arange(0, CHUNK)
+    first_columns = packs * PACK
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        if (j * CHUNK) % GROUP_SIZE == 0:  # a group starts here in every pack
+            group = (first_columns + j * CHUNK) // GROUP_SIZE
+            scale = tl.load(scale_at[:, None] + group[None, :] * stride_sk, mask=pack_ok[None, :], other=0.0)
+            zeros = tl.load(zero_at[:, None] + group[None, :] * stride_zk, mask=pack_ok[None, :], other=0)
+            zero_magic = int4_zero_magic(zeros)
+            part = tl.zeros(words.shape, dtype=tl.float32)
+        x_cols = (first_columns + j * CHUNK)[:, None] + words_in_pack[None, :]
+        xj = tl.load(x_at + x_cols, mask=pack_ok[:, None], other=0.0).to(tl.float32) * x_weight
+        part += int4_plane_minus_zero(words, j, zero_magic[:, :, None]) * xj[None, :, :]
+        if ((j + 1) * CHUNK) % GROUP_SIZE == 0 or j == 7:
+            acc += part * scale.to(tl.float32)[:, :, None]
     return acc
 
 
@@ -175,6 +213,7 @@ def _pair_gate_up_kernel(
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
     CHUNK: tl.constexpr = 1,  # SCALE_MODE 3: words per pack row (moe_int4_layout.int4_chunk)
+    PACKS: tl.constexpr = 1,  # SCALE_MODE 3: packs an iteration (int4_packs_per_step)
 ):
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -220,14 +259,31 @@ def _pair_gate_up_kernel(
         scale_at = ws_ptr + expert * stride_wse + wrows * stride_wsn
         zero_at = wz_ptr + expert * stride_wze + wrows * stride_wzn
         x_row = x_ptr + token * stride_xm
-        acc = tl.zeros((2 * BLOCK_N, CHUNK), dtype=tl.float32)
-        for t in range(hidden // (8 * CHUNK)):
-            # Each weight byte is read once per step: keep the activations in L2 instead.
-            words = tl.load(words_at + t * CHUNK, eviction_policy="evict_first")
-            acc += int4_pack_times_vector(
-                words, x_row, scale_at, zero_at, t * (8 * CHUNK), stride_wsk, stride_wzk, 1.0, CHUNK, GROUP_SIZE
-            )  # fmt: skip
-        g_sum, u_sum = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
+        num_packs = hidden // (8 * CHUNK)
+        if PACKS == 1:
+            acc = tl.zeros((2 * BLOCK_N, CHUNK), dtype=tl.float32)
+            for t in range(num_packs):
+                # Each weight byte is read once per step: keep the activations in L2 instead.
+                words = tl.load(words_at + t * CHUNK, eviction_policy="evict_first")
+                acc += int4_pack_times_vector(
+                    words, x_row, scale_at, zero_at, t * (8 * CHUNK), stride_wsk, stride_wzk, 1.0, CHUNK, GROUP_SIZE
+                )  # fmt: skip
+            row_sums = tl.sum(acc, axis=1)
+        else:  # PACKS packs an iteration: a [2 * BLOCK_N, PACKS, CHUNK] tile of words
+            pack_in_step = tl.arange(0, PACKS)
+            step_words_at = words_at[:, None, :] + (pack_in_step * CHUNK)[None, :, None]
+            acc3 = tl.zeros((2 * BLOCK_N, PACKS, CHUNK), dtype=tl.float32)
+            for t0 in range(0, num_packs, PACKS):
+                packs = t0 + pack_in_step
+                pack_ok = packs < num_packs
+                words = tl.load(
+                    step_words_at + t0 * CHUNK, mask=pack_ok[None, :, None], other=0, eviction_policy="evict_first"
+                )  # fmt: skip
+                acc3 += int4_packs_times_vector(
+                    words, x_row, scale_at, zero_at, packs, pack_ok, stride_wsk, stride_wzk, 1.0, CHUNK, GROUP_SIZE
+                )  # fmt: skip
+            row_sums = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        g_sum, u_sum = tl.split(tl.reshape(row_sums, (BLOCK_N, 2)))
     else:
         acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -284,7 +340,7 @@ def _token_down_kernel(
     stride_om,
     stride_rm,
     TOP_K: tl.constexpr,
-    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K); INT4: inter / (8 * CHUNK), its packs
+    K_STEPS: tl.constexpr,  # cdiv(inter, BLOCK_K); INT4: cdiv(inter / (8 * CHUNK), PACKS), steps of packs
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
@@ -303,6 +359,7 @@ def _token_down_kernel(
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,
     CHUNK: tl.constexpr = 1,
+    PACKS: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,17 +374,38 @@ def _token_down_kernel(
     if SCALE_MODE == 3:
         # One loop over (expert slot, pack), as below; K_STEPS = I / (8 * CHUNK) packs an expert.
         words_at = w_ptr + wrows + tl.arange(0, CHUNK)[None, :]
-        acc = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
-        for step in range(TOP_K * K_STEPS):
-            pair = token * TOP_K + step // K_STEPS
-            t = step % K_STEPS
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            words = tl.load(words_at + expert * stride_we + t * CHUNK, eviction_policy="evict_first")
-            acc += int4_pack_times_vector(
-                words, a_ptr + pair * stride_am, ws_ptr + expert * stride_wse + wcols * stride_wsn,
-                wz_ptr + expert * stride_wze + wcols * stride_wzn, t * (8 * CHUNK), stride_wsk, stride_wzk,
-                tl.load(weights_ptr + pair), CHUNK, GROUP_SIZE,
-            )  # fmt: skip
+        if PACKS == 1:
+            acc = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
+            for step in range(TOP_K * K_STEPS):
+                pair = token * TOP_K + step // K_STEPS
+                t = step % K_STEPS
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                words = tl.load(words_at + expert * stride_we + t * CHUNK, eviction_policy="evict_first")
+                acc += int4_pack_times_vector(
+                    words, a_ptr + pair * stride_am, ws_ptr + expert * stride_wse + wcols * stride_wsn,
+                    wz_ptr + expert * stride_wze + wcols * stride_wzn, t * (8 * CHUNK), stride_wsk, stride_wzk,
+                    tl.load(weights_ptr + pair), CHUNK, GROUP_SIZE,
+                )  # fmt: skip
+        else:  # PACKS packs a step (K_STEPS = cdiv(packs, PACKS)), as in _pair_gate_up_kernel
+            num_packs = inter // (8 * CHUNK)
+            pack_in_step = tl.arange(0, PACKS)
+            step_words_at = words_at[:, None, :] + (pack_in_step * CHUNK)[None, :, None]
+            acc3 = tl.zeros((BLOCK_N, PACKS, CHUNK), dtype=tl.float32)
+            for step in range(TOP_K * K_STEPS):
+                pair = token * TOP_K + step // K_STEPS
+                packs = (step % K_STEPS) * PACKS + pack_in_step
+                pack_ok = packs < num_packs
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                words = tl.load(
+                    step_words_at + expert * stride_we + (step % K_STEPS) * (PACKS * CHUNK),
+                    mask=pack_ok[None, :, None], other=0, eviction_policy="evict_first",
+                )  # fmt: skip
+                acc3 += int4_packs_times_vector(
+                    words, a_ptr + pair * stride_am, ws_ptr + expert * stride_wse + wcols * stride_wsn,
+                    wz_ptr + expert * stride_wze + wcols * stride_wzn, packs, pack_ok, stride_wsk, stride_wzk,
+                    tl.load(weights_ptr + pair), CHUNK, GROUP_SIZE,
+                )  # fmt: skip
+            acc = tl.sum(acc3, axis=1)
     else:
         # One loop over (expert slot, K slice), so the software pipeline keeps the loads of the next
         # expert in flight too; the routing weight scales the activation row (so one accumulator
@@ -469,6 +547,9 @@ def launch_pair_gate_up(
         raise ValueError("routing in the gate/up launch needs `weights` and contiguous router logits")
     if norm_eps is not None and x.stride(-1) != 1:
         raise ValueError("the deferred norm needs x with contiguous rows")
+    scale_args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden)
+    if "CHUNK" in scale_args:  # INT4
+        scale_args["PACKS"] = int4_packs_per_step(tiles.block_k)
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n))](
         x, w13, ids, weights if route else out, router_logits if route else x, out, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), router_logits.stride(0) if route else 0,
@@ -478,7 +559,7 @@ def launch_pair_gate_up(
         RENORMALIZE=renormalize, ROUND_TO_LOGITS_DTYPE=round_to_logits_dtype,
         NORM_SCALE=norm_eps is not None, HIDDEN_PAD=triton.next_power_of_2(hidden) if norm_eps is not None else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden),
+        **scale_args,
     )  # fmt: skip
 
 
@@ -497,8 +578,11 @@ def launch_token_down(
     if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
         raise ValueError(f"the residual must be another [T, H] = {tuple(out.shape)} tensor than out")
     scale_args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter)
-    # INT4 steps are packs of 8 * CHUNK columns (BLOCK_K does not apply); others BLOCK_K columns.
-    k_steps = inter // (8 * scale_args["CHUNK"]) if "CHUNK" in scale_args else triton.cdiv(inter, tiles.block_k)
+    if "CHUNK" in scale_args:  # INT4: steps of PACKS = BLOCK_K / 256 packs of 8 * CHUNK columns
+        scale_args["PACKS"] = packs = int4_packs_per_step(tiles.block_k)
+        k_steps = triton.cdiv(inter // (8 * scale_args["CHUNK"]), packs)
+    else:
+        k_steps = triton.cdiv(inter, tiles.block_k)
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
         activated, w2, ids, weights, out, residual if residual is not None else out, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -507,6 +591,13 @@ def launch_token_down(
         EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **scale_args,
     )  # fmt: skip
+
+
+def int4_packs_per_step(block_k: int) -> int:
+    """Packs an INT4 GEMV iteration loads: BLOCK_K / 256, at least 1 (a power of 2, as BLOCK_K is).
+    An iteration waits for its loads, so more packs an iteration keep more bytes in flight; 256
+    (one pack of the 32-word chunks of real shapes) is the default the H200 runs measured."""
+    return max(1, block_k // 256)
 
 
 def weight_scale_args(
