@@ -547,9 +547,7 @@ def launch_pair_gate_up(
         raise ValueError("routing in the gate/up launch needs `weights` and contiguous router logits")
     if norm_eps is not None and x.stride(-1) != 1:
         raise ValueError("the deferred norm needs x with contiguous rows")
-    scale_args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden)
-    if "CHUNK" in scale_args:  # INT4
-        scale_args["PACKS"] = int4_packs_per_step(tiles.block_k)
+    scale_args = _gemv_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden)
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n))](
         x, w13, ids, weights if route else out, router_logits if route else x, out, hidden, inter, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), router_logits.stride(0) if route else 0,
@@ -577,10 +575,9 @@ def launch_token_down(
     inter = activated.shape[1]  # w2's last dimension is I / 8 for INT4
     if residual is not None and (residual.shape != out.shape or residual.data_ptr() == out.data_ptr()):
         raise ValueError(f"the residual must be another [T, H] = {tuple(out.shape)} tensor than out")
-    scale_args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter)
-    if "CHUNK" in scale_args:  # INT4: steps of PACKS = BLOCK_K / 256 packs of 8 * CHUNK columns
-        scale_args["PACKS"] = packs = int4_packs_per_step(tiles.block_k)
-        k_steps = triton.cdiv(inter // (8 * scale_args["CHUNK"]), packs)
+    scale_args = _gemv_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter)
+    if "PACKS" in scale_args:  # INT4: steps of PACKS packs of 8 * CHUNK columns
+        k_steps = triton.cdiv(inter // (8 * scale_args["CHUNK"]), scale_args["PACKS"])
     else:
         k_steps = triton.cdiv(inter, tiles.block_k)
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.block_n))](
@@ -591,6 +588,17 @@ def launch_token_down(
         EVEN_K=inter % tiles.block_k == 0, HAS_RESIDUAL=residual is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **scale_args,
     )  # fmt: skip
+
+
+def _gemv_scale_args(
+    w_scale: torch.Tensor | None, scale_block: tuple[int, int] | None, tiles: GemmTiles,
+    w_zeros: torch.Tensor | None, group_size: int, columns: int,
+) -> dict[str, Any]:  # fmt: skip
+    """weight_scale_args for the GEMV kernels: INT4 ones also take PACKS (int4_packs_per_step)."""
+    args = weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size, columns)
+    if "CHUNK" in args:
+        args["PACKS"] = int4_packs_per_step(tiles.block_k)
+    return args
 
 
 def int4_packs_per_step(block_k: int) -> int:
@@ -608,8 +616,9 @@ def weight_scale_args(
     `w_scale` of [E, rows] (one per output row, `scale_block` None) or [E, row blocks, K blocks]
     (`scale_block` = (rows, columns) of a block). INT4 (`w_zeros` given): `w_scale` and the uint8
     `w_zeros` [E, rows, K / group_size], `group_size` the columns of a group (resolved: K for one
-    group per row) and `columns` the matrix's K (for moe_int4_layout.int4_chunk). None without a scale, so unscaled launches compile as they did before these
-    arguments existed. The shapes are the caller's to check."""
+    group per row) and `columns` the matrix's K (for moe_int4_layout.int4_chunk). None without a
+    scale, so unscaled launches compile as they did before these arguments existed. The shapes are
+    the caller's to check."""
     if w_scale is None:
         return {}
     args: dict[str, Any] = dict(ws_ptr=w_scale, stride_wse=w_scale.stride(0), stride_wsn=w_scale.stride(1))
