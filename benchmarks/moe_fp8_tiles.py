@@ -10,7 +10,13 @@ BLOCK_K (and BLOCK_N) up. With `--weights int4`: 4-bit weights in groups of 128 
 columns: the candidates are gate/up and down BLOCK_N, warps and BLOCK_K / 256 packs an iteration. Prints us
 per call and the bytes of weights read per second; writes benchmarks/results/moe-<weights>-tiles-*.json.
 
-    PYTHONPATH=src python3 benchmarks/moe_fp8_tiles.py [--weights int4]
+`--weights int4 --grouped` times the grouped GEMMs instead (batches the tuned tiles send there,
+16-4096 tokens; prefill): bf16 at its tuned tiles against INT4 at the same tiles with the nibble-plane
+path's stage rule (fused_moe.int4_plane_stages), the per-weight gather path at its tiles, and the
+plane path at each of 1-4 stages with the rule bypassed, which shows where the shared memory runs out
+(a failed launch is recorded, not fatal).
+
+    PYTHONPATH=src python3 benchmarks/moe_fp8_tiles.py [--weights int4 [--grouped --tokens 64,512,4096]]
 """
 
 from __future__ import annotations
@@ -57,7 +63,12 @@ def main() -> None:
     parser.add_argument("--weights", choices=("fp8", "int4"), default="fp8")
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-name", default=None)
+    parser.add_argument(
+        "--grouped", action="store_true", help="INT4 only: the grouped GEMMs (prefill batches)"
+    )
     args = parser.parse_args()
+    if args.grouped and args.weights != "int4":
+        parser.error("--grouped times INT4 experts: pass --weights int4")
     torch.manual_seed(0)
     w13 = torch.randn((EXPERTS, 2 * INTER, HIDDEN), device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn((EXPERTS, HIDDEN, INTER), device="cuda", dtype=torch.bfloat16) * 0.02
@@ -71,6 +82,15 @@ def main() -> None:
         q2, s2 = q2.view(w2.shape), s2.view(EXPERTS, HIDDEN)
         quantized = {"w13_scale": s13, "w2_scale": s2, "scale_block": None}
         bytes_per_weight = 1.0
+    if args.grouped:
+        rows = _grouped_rows([int(t) for t in args.tokens.split(",")], w13, w2, q13, q2, quantized)
+        config = {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOP_K, "weights": "int4",
+                  "scales": f"groups of {INT4_GROUP}, asymmetric", "path": "grouped"}  # fmt: skip
+        name = "moe-int4-grouped"
+        print(
+            f"wrote {write_result(name, config, {'rows': rows}, args.result_dir, args.result_name or name)}"
+        )
+        return
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn((tokens, HIDDEN), device="cuda", dtype=torch.bfloat16)
@@ -87,7 +107,9 @@ def main() -> None:
         bf16_us = _graph_time_us(call(w13, w2, tuned, {}))
         rows.append({"tokens": tokens, "weights": "bf16", "tiles": "tuned", "us": bf16_us,
                      "bytes_per_s": 2 * weights_read / bf16_us * 1e6})  # fmt: skip
-        print(f"{tokens} tokens  bf16 tuned tiles: {bf16_us:7.2f} us ({2 * weights_read / bf16_us / 1e6:.2f} TB/s)")
+        print(
+            f"{tokens} tokens  bf16 tuned tiles: {bf16_us:7.2f} us ({2 * weights_read / bf16_us / 1e6:.2f} TB/s)"
+        )
         for label, g, d in _candidates(tuned, args.weights):
             tiles = MoETiles(tuned.block_m, g, d, "gemv")
             try:
@@ -98,7 +120,9 @@ def main() -> None:
             rows.append({"tokens": tokens, "weights": args.weights, "candidate": label, "gate_up": asdict(g),
                          "down": asdict(d), "us": us, "bytes_per_s": bytes_read / us * 1e6,
                          "vs_bf16": bf16_us / us})  # fmt: skip
-            print(f"  {args.weights} {label}: {us:7.2f} us ({bytes_read / us / 1e6:.2f} TB/s, {bf16_us / us:.2f}x bf16)")
+            print(
+                f"  {args.weights} {label}: {us:7.2f} us ({bytes_read / us / 1e6:.2f} TB/s, {bf16_us / us:.2f}x bf16)"
+            )
     scales = "per row" if args.weights == "fp8" else f"groups of {INT4_GROUP}, asymmetric"
     config = {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOP_K, "weights": args.weights,
               "scales": scales}  # fmt: skip
@@ -109,12 +133,73 @@ def main() -> None:
 INT4_GROUP = 128
 
 
+def _grouped_rows(token_counts, w13, w2, q13, q2, quantized) -> list[dict]:
+    """The grouped GEMMs (prefill): bf16 at its tuned tiles, INT4 at the same tiles with the stage
+    rule, then INT4 at 1-4 stages for both kernels with the rule bypassed."""
+    from dataclasses import replace
+
+    import triton
+
+    from tokenmill.kernels.triton import fused_moe
+    from tokenmill.kernels.triton.fused_moe import routed_fused_moe, tiles_for_int4
+    from tokenmill.kernels.triton.moe_tile_configs import MoETiles, moe_tiles
+
+    ruled_stages = fused_moe.int4_plane_stages
+    rows = []
+    for tokens in token_counts:
+        tuned = moe_tiles(EXPERTS, INTER, HIDDEN, torch.bfloat16, tokens, TOP_K)
+        if tuned.method == "gemv":
+            print(f"{tokens} tokens: the tuned tiles take the GEMVs; skipped")
+            continue
+        x = torch.randn((tokens, HIDDEN), device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn((tokens, EXPERTS), device="cuda", dtype=torch.bfloat16)
+
+        def call(w_a, w_b, tiles, extra, x=x, logits=logits):
+            return lambda: routed_fused_moe(x, logits, w_a, w_b, TOP_K, True, True, tiles, **extra)
+
+        bf16_us = _graph_time_us(call(w13, w2, tuned, {}), replays=50)
+        ruled = tiles_for_int4(tuned, tokens, hidden=HIDDEN, inter=INTER, group_size=INT4_GROUP)
+        row = {"tokens": tokens, "bf16_us": bf16_us, "tiles": asdict(tuned), "ruled_stages":
+               (ruled.gate_up.num_stages, ruled.down.num_stages)}  # fmt: skip
+        row["int4_us"] = _graph_time_us(call(q13, q2, tuned, quantized), replays=50)
+        planes = fused_moe.int4_planes
+        fused_moe.int4_planes = lambda *_args: False  # the per-weight gather, for comparison
+        try:
+            ruled_gather = tiles_for_int4(tuned, tokens, hidden=HIDDEN, inter=INTER, group_size=INT4_GROUP)
+            row["int4_gather_us"] = _graph_time_us(call(q13, q2, ruled_gather, quantized), replays=50)
+        finally:
+            fused_moe.int4_planes = planes
+        print(f"  gather: {row['int4_gather_us']:8.1f} us")
+        print(f"{tokens} tokens  bf16 {bf16_us:8.1f} us  INT4 (stages {row['ruled_stages']}) {row['int4_us']:8.1f} us "
+              f"({bf16_us / row['int4_us']:.2f}x bf16)")  # fmt: skip
+        sweep = {}
+        fused_moe.int4_plane_stages = lambda tiles, *_args, **_kwargs: tiles.num_stages
+        try:
+            for stages in (1, 2, 3, 4):
+                tiles = MoETiles(tuned.block_m, replace(tuned.gate_up, num_stages=stages),
+                                 replace(tuned.down, num_stages=stages), tuned.method)  # fmt: skip
+                try:
+                    sweep[stages] = _graph_time_us(call(q13, q2, tiles, quantized), replays=50)
+                    print(f"  {stages} stages: {sweep[stages]:8.1f} us")
+                except triton.runtime.errors.OutOfResources as err:  # the point of the sweep: record it
+                    sweep[stages] = f"out of resources: {err}"
+                    print(f"  {stages} stages: {sweep[stages]}")
+        finally:
+            fused_moe.int4_plane_stages = ruled_stages
+        row["int4_us_by_stages"] = sweep
+        rows.append(row)
+    return rows
+
+
 def _int4_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The experts as `--quantization awq` leaves them on the GPU (groups of 128, float32 scales)."""
     from tokenmill.model.layers.moe_int4 import _kernel_form
     from tokenmill.model.layers.quantize_weights import quantize_int4
 
-    forms = [[quantize_int4(m, INT4_GROUP, symmetric=False, scale_dtype=torch.float32) for m in w] for w in (w13, w2)]
+    forms = [
+        [quantize_int4(m, INT4_GROUP, symmetric=False, scale_dtype=torch.float32) for m in w]
+        for w in (w13, w2)
+    ]
     (q13, s13, z13), (q2, s2, z2) = (_kernel_form(f, torch.float32) for f in forms)
     quantized = {"w13_scale": s13, "w2_scale": s2, "w13_zeros": z13, "w2_zeros": z2, "group_size": INT4_GROUP}
     return q13, q2, quantized

@@ -27,9 +27,12 @@ from tests.moe_reference import assert_close_to_loop, distinct_routes, loop_over
 from tests.triton_interpreter import interpreted_run  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import (  # noqa: E402
     fused_moe,
+    int4_plane_stages,
+    int4_planes,
     routed_fused_moe,
     routed_fused_moe_from_residual,
     takes_residual,
+    tiles_for_int4,
 )
 from tokenmill.kernels.triton.moe_int4_layout import pack_int4_experts  # noqa: E402
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles  # noqa: E402
@@ -147,7 +150,9 @@ def test_int4_experts_on_each_path_with_given_tiles(tiles, group):
     args, gate_up, down = _int4_experts(128, 256, group, seed=10)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(11)).bfloat16()
     weights, ids = _routes(3, seed=12)
-    assert_close_to_loop(_call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(
+        _call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids)
+    )
 
 
 @interpreted_only
@@ -170,19 +175,35 @@ def test_int4_gemvs_with_several_packs_a_step(hidden, inter, group, gate_up_bloc
     tiles = MoETiles(16, GemmTiles(32, gate_up_block_k), GemmTiles(32, down_block_k), "gemv")
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(31)).bfloat16()
     weights, ids = _routes(3, seed=32)
-    assert_close_to_loop(_call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids))
+    assert_close_to_loop(
+        _call(x, weights, ids, args, tiles), loop_over_experts(x, gate_up, down, weights, ids)
+    )
 
 
 @interpreted_only
-@pytest.mark.parametrize("method", ["gemv", "grouped"])
-def test_int4_experts_compute_the_16_bit_kernels_on_the_dequantized_weights(method):
+@pytest.mark.parametrize(
+    ("method", "hidden", "inter", "tiles"),
+    [
+        ("gemv", 64, 128, MoETiles(16, GemmTiles(32, 32), GemmTiles(32, 64), "gemv")),
+        # packs of 8 words (K 64): each K step gathers its weights
+        ("grouped", 64, 64, MoETiles(16, GemmTiles(32, 32), GemmTiles(32, 64))),
+        # packs of 16 / 32 words (K 128 / 256): one dot per nibble plane; the 16-bit kernels' block_k
+        # is the plane's columns, so both sum the same columns in the same order
+        ("grouped", 128, 256, MoETiles(16, GemmTiles(32, 16), GemmTiles(32, 32))),
+        # 32 rows of pairs: the transposed dots (W^T x^T, INT4_TRANSPOSED_MIN_BLOCK_M)
+        ("grouped", 128, 256, MoETiles(32, GemmTiles(32, 16), GemmTiles(32, 32))),
+    ],
+    ids=["gemv", "grouped-gather", "grouped-planes", "grouped-planes-transposed"],
+)
+def test_int4_experts_compute_the_16_bit_kernels_on_the_dequantized_weights(method, hidden, inter, tiles):
     """Bit for bit (under the interpreter, whose dot with an accumulator is the product plus the
     accumulator): the grouped GEMMs round the dequantized tile to x's dtype, as the 16-bit kernels
     read a bf16 checkpoint of it; the GEMVs keep it in float32, as they read float32 weights."""
-    args, gate_up, down = _int4_experts(64, 128, 32, seed=20)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(21)).bfloat16()
+    if method == "grouped":
+        assert int4_planes(hidden, 32) == int4_planes(inter, 32) == (hidden >= 128)
+    args, gate_up, down = _int4_experts(hidden, inter, 32, seed=20)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(21)).bfloat16()
     weights, ids = _routes(3, seed=22)
-    tiles = MoETiles(16, GemmTiles(32, 32), GemmTiles(32, 64), method)
     if method == "grouped":
         gate_up, down = gate_up.bfloat16(), down.bfloat16()
     assert torch.equal(_call(x, weights, ids, args, tiles), fused_moe(x, gate_up, down, weights, ids, tiles))
@@ -292,6 +313,30 @@ def test_routed_fused_moe_checks_int4_arguments_too():
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("block_m", "asked", "stages"), [(128, 4, 2), (64, 3, 2), (32, 5, 3), (16, 2, 2), (16, 1, 1)]
+)
+def test_int4_plane_stages(block_m, asked, stages):
+    """At most 2 from 64 rows up (3 ran out of shared memory at 128 x 128 tiles on an H200), 3 below."""
+    assert int4_plane_stages(GemmTiles(128, 64, num_stages=asked), block_m) == stages
+
+
+def test_grouped_int4_tiles_take_the_plane_path_where_packs_are_16_words():
+    """Qwen3-30B-A3B's experts (H 2048, I 768, groups of 128): both GEMMs on the plane path, their
+    stages from int4_plane_stages; K 64 gathers (block_k at most 64, one stage)."""
+    big = MoETiles(128, GemmTiles(128, 64, num_stages=4), GemmTiles(128, 64, num_stages=3))
+    tiles = tiles_for_int4(big, 4096, hidden=2048, inter=768, group_size=128)
+    assert int4_planes(2048, 128) and int4_planes(768, 128)
+    assert tiles.gate_up == GemmTiles(128, 64, num_stages=2) and tiles.down == GemmTiles(
+        128, 64, num_stages=2
+    )
+    small = MoETiles(16, GemmTiles(32, 128, num_stages=4), GemmTiles(32, 128, num_stages=4))
+    tiles = tiles_for_int4(small, 40, hidden=64, inter=128, group_size=32)
+    assert not int4_planes(64, 32)
+    assert tiles.gate_up == GemmTiles(32, 64, num_stages=1)
+    assert tiles.down == GemmTiles(32, 128, num_stages=3)  # I 128: packs of 16 words
+
+
 def test_int4_experts_never_take_the_deferred_norm():
     args = _int4_call()
     w13, w2 = args["w13"], args["w2"]
@@ -326,7 +371,11 @@ def test_a_moe_block_with_4bit_experts_runs_them_through_the_kernels(method, num
     blocks = []
     for ops, use_kernels in ((TritonMoEOps(), True), (TorchMoEOps(), False)):
         block = SparseMoEBlock(
-            hidden, moe, select_layer_ops("cpu"), ops, expert_quant=Int4ExpertWeights(spec, use_kernels=use_kernels)
+            hidden,
+            moe,
+            select_layer_ops("cpu"),
+            ops,
+            expert_quant=Int4ExpertWeights(spec, use_kernels=use_kernels),
         )
         block.gate.weight.data.copy_(router)
         block.experts.weight_loader("gate_up_proj", w13)

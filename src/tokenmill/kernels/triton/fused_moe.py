@@ -31,9 +31,12 @@ divides bk, so a step lies in one block: tiles_within_scale_block). The rounding
 INT4 experts (W4A16: int32 w13 / w2 with `w13_scale`, `w2_scale`, `w13_zeros`, `w2_zeros` and
 `group_size`; SCALE_MODE 3): 8 unsigned 4-bit weights per int32 word along K in
 moe_int4_layout.py's packs, a scale and a zero per group of columns of a row (fused_moe_gemv.py's
-module docstring). Each K step gathers and dequantizes its tile in float32 and rounds it to the
-activations' dtype for tl.dot, so the GEMMs compute what a 16-bit checkpoint of the dequantized
-weights would (the GEMVs keep the float32 weights).
+module docstring). Where a pack row has at least 16 words (INT4_PLANE_MIN_CHUNK: K a multiple of
+128 in real checkpoints) the GEMMs load a pack's words once and make each of its 8 nibble planes,
+dequantized in float32 and rounded to the activations' dtype, the weight operand of one tl.dot with
+the matching slice of the activations (INT4_PLANES); elsewhere each K step gathers and dequantizes
+its tile weight by weight. Both compute what a 16-bit checkpoint of the dequantized weights would
+(the GEMVs keep the float32 weights).
 
 Tile shapes come per (E, I, H, dtype, batch) from moe_tile_configs.py, which may also send a
 batch of a few tokens to fused_moe_gemv.py (two GEMV launches: no align, no sum). FP8 experts take
@@ -52,18 +55,84 @@ import triton.language as tl
 from tokenmill.kernels.triton.fused_moe_gemv import (
     dequantize_int4,
     fused_moe_gemv,
+    int4_plane_minus_zero,
     int4_word_and_shift,
+    int4_zero_magic,
     routed_fused_moe_gemv,
     weight_scale_args,
 )
 from tokenmill.kernels.triton.moe_align import ExpertBlocks, align_pairs
-from tokenmill.kernels.triton.moe_int4_layout import INT4_PER_WORD
+from tokenmill.kernels.triton.moe_int4_layout import INT4_PER_WORD, int4_chunk
 from tokenmill.kernels.triton.moe_routing import topk_softmax
 from tokenmill.kernels.triton.moe_tile_configs import GemmTiles, MoETiles, moe_tiles
 from tokenmill.kernels.triton.rounding import round_like
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # the expert weights that come with scales (W8A16)
 INT4_WEIGHT_DTYPE = torch.int32  # 8 packed 4-bit weights per word, with scales and zeros (W4A16)
+
+
+@triton.jit
+def _int4_group(row_scale_at, row_zero_at, group, stride_sk, stride_zk):
+    """([N] float32 scales, [N] zeros as int4_zero_magic) of one group of N weight rows."""
+    scale = tl.load(row_scale_at + group * stride_sk).to(tl.float32)
+    return scale, int4_zero_magic(tl.load(row_zero_at + group * stride_zk))
+
+
+# The grouped GEMMs' plane path multiplies W^T x^T from this many rows of pairs (BLOCK_M) up: the
+# dequantized plane is then the left operand, which Hopper's wgmma takes from registers (a right
+# one goes through shared memory first), and the pairs are its N. Below it the plain x W was the
+# faster on an H200 (a Qwen3-30B-A3B layer's experts at 16 / 64 tokens, 16 rows: 278 / 462 us against
+# 428 / 681 transposed; at 256-4096 tokens, 32-128 rows, transposed took 0.88-0.96x the time;
+# moe-int4-grouped-h200.json, moe-int4-grouped-swapped-h200.json).
+INT4_TRANSPOSED_MIN_BLOCK_M = tl.constexpr(32)
+
+
+@triton.jit
+def _int4_pack_at(expert_at, wcols, chunk, stride_wn, stride_wk, TRANSPOSED: tl.constexpr):
+    """Pointers to the first pack's words of weight rows `wcols`: [N, CHUNK] if TRANSPOSED, else [CHUNK, N]."""
+    if TRANSPOSED:  # one return: Triton wants the same type from every return, taken or not
+        pack_at = expert_at + wcols[:, None] * stride_wn + chunk[None, :] * stride_wk
+    else:
+        pack_at = expert_at + wcols[None, :] * stride_wn + chunk[:, None] * stride_wk
+    return pack_at
+
+
+@triton.jit
+def _int4_plane_activations(rows_at, column, chunk, is_pair, TRANSPOSED: tl.constexpr):
+    """CHUNK columns from `column` of the pairs' activation rows: [CHUNK, M] if TRANSPOSED, else [M, CHUNK]."""
+    if TRANSPOSED:
+        x = tl.load(rows_at[None, :] + column + chunk[:, None], mask=is_pair[None, :], other=0.0)
+    else:
+        x = tl.load(rows_at[:, None] + column + chunk[None, :], mask=is_pair[:, None], other=0.0)
+    return x
+
+
+@triton.jit
+def _int4_plane_operand(
+    words, j: tl.constexpr, zero_magic, scale, dtype: tl.constexpr, TRANSPOSED: tl.constexpr
+):
+    """Nibble plane j of a pack's words (_int4_pack_at's orientation; moe_int4_layout.py),
+    dequantized ((q - zero) * scale in float32, `scale` and `zero_magic` [N] per weight row) and
+    rounded to `dtype`, as a 16-bit checkpoint of the dequantized weights would be (round_like: the
+    interpreter's float32 -> bf16 cast truncates): a dot operand with the activations' CHUNK
+    columns j * CHUNK.. of the pack."""
+    if TRANSPOSED:
+        w = int4_plane_minus_zero(words, j, zero_magic[:, None]) * scale[:, None]
+    else:
+        w = int4_plane_minus_zero(words, j, zero_magic[None, :]) * scale[None, :]
+    return round_like(w, dtype).to(dtype)
+
+
+@triton.jit
+def _int4_plane_dot(acc, x, w, TRANSPOSED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x W ([M, N]), or acc + W^T x^T ([N, M]) if TRANSPOSED (operands as oriented there)."""
+    if UPCAST_DOT:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    if TRANSPOSED:
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -131,6 +200,7 @@ def _gate_up_kernel(
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
     CHUNK: tl.constexpr = 1,  # SCALE_MODE 3: words per pack row (moe_int4_layout.int4_chunk)
+    INT4_PLANES: tl.constexpr = False,  # SCALE_MODE 3: whole packs, nibble planes as dot operands
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -163,55 +233,96 @@ def _gate_up_kernel(
         up_zero_at = gate_zero_at + inter * stride_wzn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if SCALE_MODE == 3:
-            in_k = (k0 + ks) < hidden
-            if EVEN_K:
+    if SCALE_MODE == 3 and INT4_PLANES:
+        # A pack's words loaded once per matrix; each of its 8 column slices of x is loaded once and
+        # multiplies the gate and the up plane (_int4_plane_operand). BLOCK_K does not apply.
+        TRANSPOSED: tl.constexpr = BLOCK_M >= INT4_TRANSPOSED_MIN_BLOCK_M
+        chunk = tl.arange(0, CHUNK)
+        x_rows = x_ptr + tokens * stride_xm
+        gate_pack_at = _int4_pack_at(
+            w_ptr + expert * stride_we, wcols, chunk, stride_wn, stride_wk, TRANSPOSED
+        )
+        up_pack_at = gate_pack_at + inter * stride_wn
+        gate_row_scale_at = ws_ptr + expert * stride_wse + wcols * stride_wsn
+        up_row_scale_at = gate_row_scale_at + inter * stride_wsn
+        gate_row_zero_at = wz_ptr + expert * stride_wze + wcols * stride_wzn
+        up_row_zero_at = gate_row_zero_at + inter * stride_wzn
+        if TRANSPOSED:
+            acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for pack in range(hidden // (8 * CHUNK)):
+            gate_words = tl.load(gate_pack_at + pack * CHUNK * stride_wk)
+            up_words = tl.load(up_pack_at + pack * CHUNK * stride_wk)
+            for j in tl.static_range(8):
+                column = pack * 8 * CHUNK + j * CHUNK
+                if (j * CHUNK) % GROUP_SIZE == 0:  # a group starts here (at j = 0 only, for groups >= a pack)
+                    group = column // GROUP_SIZE
+                    gate_scale, gate_zero = _int4_group(
+                        gate_row_scale_at, gate_row_zero_at, group, stride_wsk, stride_wzk
+                    )
+                    up_scale, up_zero = _int4_group(
+                        up_row_scale_at, up_row_zero_at, group, stride_wsk, stride_wzk
+                    )
+                x = _int4_plane_activations(x_rows, column, chunk, is_pair, TRANSPOSED)
+                gate = _int4_plane_operand(
+                    gate_words, j, gate_zero, gate_scale, x_ptr.dtype.element_ty, TRANSPOSED
+                )
+                up = _int4_plane_operand(up_words, j, up_zero, up_scale, x_ptr.dtype.element_ty, TRANSPOSED)
+                acc_gate = _int4_plane_dot(acc_gate, x, gate, TRANSPOSED, UPCAST_DOT, PRECISION)
+                acc_up = _int4_plane_dot(acc_up, x, up, TRANSPOSED, UPCAST_DOT, PRECISION)
+        if TRANSPOSED:
+            acc_gate = tl.trans(acc_gate)
+            acc_up = tl.trans(acc_up)
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            if SCALE_MODE == 3:
+                in_k = (k0 + ks) < hidden
+                if EVEN_K:
+                    x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
+                else:
+                    x = tl.load(x_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+                kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
+                word, shifts = int4_word_and_shift(kk, CHUNK)
+                word *= stride_wk
+                group = kk // GROUP_SIZE
+                gate = dequantize_int4(
+                    gate_words_at + word, gate_scale_at + group * stride_wsk, gate_zero_at + group * stride_wzk,
+                    shifts, k_ok, EVEN_K,
+                )  # fmt: skip
+                up = dequantize_int4(
+                    up_words_at + word, up_scale_at + group * stride_wsk, up_zero_at + group * stride_wzk,
+                    shifts, k_ok, EVEN_K,
+                )  # fmt: skip
+                # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be; by
+                # round_like, as the interpreter's float32 -> bf16 cast truncates (Triton 3.9), after
+                # which the cast is exact.
+                gate = round_like(gate, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+                up = round_like(up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            elif EVEN_K:
                 x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
+                gate = tl.load(gate_at)
+                up = tl.load(up_at)
             else:
-                x = tl.load(x_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-            kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
-            word, shifts = int4_word_and_shift(kk, CHUNK)
-            word *= stride_wk
-            group = kk // GROUP_SIZE
-            gate = dequantize_int4(
-                gate_words_at + word, gate_scale_at + group * stride_wsk, gate_zero_at + group * stride_wzk,
-                shifts, k_ok, EVEN_K,
-            )  # fmt: skip
-            up = dequantize_int4(
-                up_words_at + word, up_scale_at + group * stride_wsk, up_zero_at + group * stride_wzk,
-                shifts, k_ok, EVEN_K,
-            )  # fmt: skip
-            # Rounded to x's dtype as a 16-bit checkpoint of the dequantized weights would be; by
-            # round_like, as the interpreter's float32 -> bf16 cast truncates (Triton 3.9), after
-            # which the cast is exact.
-            gate = round_like(gate, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-            up = round_like(up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        elif EVEN_K:
-            x = tl.load(x_at, mask=is_pair[:, None], other=0.0)
-            gate = tl.load(gate_at)
-            up = tl.load(up_at)
-        else:
-            k_ok = (k0 + ks) < hidden
-            x = tl.load(x_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-            gate = tl.load(gate_at, mask=k_ok[:, None], other=0.0)
-            up = tl.load(up_at, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-        elif SCALE_MODE != 0:  # e4m3 -> x's dtype is exact
-            gate, up = gate.to(x.dtype), up.to(x.dtype)
-        if SCALE_MODE == 2:  # this K step's product times its block's scales
-            k_block = (k0 // SCALE_BK) * stride_wsk
-            part = tl.dot(x, gate, input_precision=PRECISION)
-            acc_gate += part * tl.load(gate_scale_at + k_block)[None, :]
-            part = tl.dot(x, up, input_precision=PRECISION)
-            acc_up += part * tl.load(up_scale_at + k_block)[None, :]
-        else:
-            acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
-        x_at += BLOCK_K
-        gate_at += BLOCK_K * stride_wk
-        up_at += BLOCK_K * stride_wk
+                k_ok = (k0 + ks) < hidden
+                x = tl.load(x_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+                gate = tl.load(gate_at, mask=k_ok[:, None], other=0.0)
+                up = tl.load(up_at, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+            elif SCALE_MODE != 0:  # e4m3 -> x's dtype is exact
+                gate, up = gate.to(x.dtype), up.to(x.dtype)
+            if SCALE_MODE == 2:  # this K step's product times its block's scales
+                k_block = (k0 // SCALE_BK) * stride_wsk
+                part = tl.dot(x, gate, input_precision=PRECISION)
+                acc_gate += part * tl.load(gate_scale_at + k_block)[None, :]
+                part = tl.dot(x, up, input_precision=PRECISION)
+                acc_up += part * tl.load(up_scale_at + k_block)[None, :]
+            else:
+                acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
+                acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+            x_at += BLOCK_K
+            gate_at += BLOCK_K * stride_wk
+            up_at += BLOCK_K * stride_wk
     if SCALE_MODE == 1:
         acc_gate *= tl.load(gate_scale_at)[None, :]
         acc_up *= tl.load(up_scale_at)[None, :]
@@ -276,6 +387,7 @@ def _down_kernel(
     stride_wzk=None,
     GROUP_SIZE: tl.constexpr = 1,
     CHUNK: tl.constexpr = 1,
+    INT4_PLANES: tl.constexpr = False,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -299,38 +411,61 @@ def _down_kernel(
         scale_at = ws_ptr + expert * stride_wse + wcols[None, :] * stride_wsn
         zero_at = wz_ptr + expert * stride_wze + wcols[None, :] * stride_wzn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        if SCALE_MODE == 3:
-            in_k = (k0 + ks) < inter
-            if EVEN_K:
+    if SCALE_MODE == 3 and INT4_PLANES:  # as in _gate_up_kernel
+        TRANSPOSED: tl.constexpr = BLOCK_M >= INT4_TRANSPOSED_MIN_BLOCK_M
+        chunk = tl.arange(0, CHUNK)
+        a_rows = a_ptr + rows * stride_am
+        pack_at = _int4_pack_at(w_ptr + expert * stride_we, wcols, chunk, stride_wn, stride_wk, TRANSPOSED)
+        row_scale_at = ws_ptr + expert * stride_wse + wcols * stride_wsn
+        row_zero_at = wz_ptr + expert * stride_wze + wcols * stride_wzn
+        if TRANSPOSED:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for pack in range(inter // (8 * CHUNK)):
+            words = tl.load(pack_at + pack * CHUNK * stride_wk)
+            for j in tl.static_range(8):
+                column = pack * 8 * CHUNK + j * CHUNK
+                if (j * CHUNK) % GROUP_SIZE == 0:
+                    w_scale, w_zero = _int4_group(
+                        row_scale_at, row_zero_at, column // GROUP_SIZE, stride_wsk, stride_wzk
+                    )
+                a = _int4_plane_activations(a_rows, column, chunk, is_pair, TRANSPOSED)
+                w = _int4_plane_operand(words, j, w_zero, w_scale, a_ptr.dtype.element_ty, TRANSPOSED)
+                acc = _int4_plane_dot(acc, a, w, TRANSPOSED, UPCAST_DOT, PRECISION)
+        if TRANSPOSED:
+            acc = tl.trans(acc)
+    else:
+        for k0 in range(0, inter, BLOCK_K):
+            if SCALE_MODE == 3:
+                in_k = (k0 + ks) < inter
+                if EVEN_K:
+                    a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
+                else:
+                    a = tl.load(a_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+                kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
+                word, shifts = int4_word_and_shift(kk, CHUNK)
+                w = dequantize_int4(
+                    words_at + word * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
+                    zero_at + (kk // GROUP_SIZE) * stride_wzk, shifts, k_ok, EVEN_K,
+                )  # fmt: skip
+                w = round_like(w, a_ptr.dtype.element_ty).to(a_ptr.dtype.element_ty)  # as in _gate_up_kernel
+            elif EVEN_K:
                 a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
+                w = tl.load(w_at)
             else:
-                a = tl.load(a_at, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-            kk, k_ok = (k0 + ks)[:, None], in_k[:, None]
-            word, shifts = int4_word_and_shift(kk, CHUNK)
-            w = dequantize_int4(
-                words_at + word * stride_wk, scale_at + (kk // GROUP_SIZE) * stride_wsk,
-                zero_at + (kk // GROUP_SIZE) * stride_wzk, shifts, k_ok, EVEN_K,
-            )  # fmt: skip
-            w = round_like(w, a_ptr.dtype.element_ty).to(a_ptr.dtype.element_ty)  # as in _gate_up_kernel
-        elif EVEN_K:
-            a = tl.load(a_at, mask=is_pair[:, None], other=0.0)
-            w = tl.load(w_at)
-        else:
-            k_ok = (k0 + ks) < inter
-            a = tl.load(a_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_at, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        elif SCALE_MODE != 0:  # e4m3 -> a's dtype is exact
-            w = w.to(a.dtype)
-        if SCALE_MODE == 2:
-            part = tl.dot(a, w, input_precision=PRECISION)
-            acc += part * tl.load(scale_at + (k0 // SCALE_BK) * stride_wsk)[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_at += BLOCK_K
-        w_at += BLOCK_K * stride_wk
+                k_ok = (k0 + ks) < inter
+                a = tl.load(a_at, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_at, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            elif SCALE_MODE != 0:  # e4m3 -> a's dtype is exact
+                w = w.to(a.dtype)
+            if SCALE_MODE == 2:
+                part = tl.dot(a, w, input_precision=PRECISION)
+                acc += part * tl.load(scale_at + (k0 // SCALE_BK) * stride_wsk)[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_at += BLOCK_K
+            w_at += BLOCK_K * stride_wk
     if SCALE_MODE == 1:
         acc *= tl.load(scale_at)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -414,7 +549,10 @@ def fused_moe(
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
         if scales.is_int4:
-            tiles = tiles_for_int4(tiles, x.shape[0], keep_gemv_tiles=given)
+            tiles = tiles_for_int4(
+                tiles, x.shape[0], given, hidden=x.shape[1], inter=w13.shape[1] // 2,
+                group_size=scales.group_size,
+            )  # fmt: skip
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
@@ -592,29 +730,58 @@ def tiles_within_scale_block(tiles: MoETiles, scale_block: tuple[int, int] | Non
 # The INT4 GEMVs' (gate/up, down) tiles for one token and for more (gate/up BLOCK_N counts gate
 # rows: the tile holds as many up rows too). The fastest of benchmarks/moe_fp8_tiles.py --weights
 # int4 on an H200 at Qwen3-30B-A3B expert shapes at 1, 4 and 8 tokens (BENCHMARKS.md); the 16-bit
-# tuner's tiles took 1.4-1.8x as long.
+# tuner's tiles took 1.4-1.8x as long. One token: two packs an iteration (BLOCK_K 512) with 4 warps,
+# 26.8 us a layer against 29.6 with one pack (moe-int4-tiles-packs-h200.json); at 4 and 8 tokens
+# more packs were slower (one pack, 2 warps stays).
 INT4_GEMV_TILES = {
-    "one token": (GemmTiles(block_n=8, block_k=256, num_warps=2, num_stages=2),
-                  GemmTiles(block_n=4, block_k=256, num_warps=2, num_stages=2)),
+    "one token": (GemmTiles(block_n=16, block_k=512, num_warps=4, num_stages=2),
+                  GemmTiles(block_n=4, block_k=512, num_warps=4, num_stages=2)),
     "more": (GemmTiles(block_n=16, block_k=256, num_warps=2, num_stages=2),
              GemmTiles(block_n=8, block_k=256, num_warps=2, num_stages=2)),
 }  # fmt: skip
 
 
-def tiles_for_int4(tiles: MoETiles, num_tokens: int, keep_gemv_tiles: bool = False) -> MoETiles:
-    """INT4 tiles. The GEMVs (which load each word once, BLOCK_K / 256 packs an iteration:
-    fused_moe_gemv.int4_packs_per_step) take INT4_GEMV_TILES unless `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs take the
-    16-bit tiles with block_k at most 64 and one stage: they gather a word, a scale and a zero per
-    weight, and pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the H200's 227 KiB
-    of shared memory at the 16-bit tiles (0.3-0.6 MB asked)."""
+# The grouped INT4 GEMMs' plane path (_int4_plane_operand): packs of at least 16 words, a tl.dot's
+# K. Smaller packs (K not a multiple of 128, tiny models) gather a word, a scale and a zero per weight.
+INT4_PLANE_MIN_CHUNK = 16
+
+
+def int4_planes(columns: int, group_size: int | None) -> bool:
+    """Whether a grouped INT4 GEMM over `columns` (K) in groups of `group_size` takes the plane path."""
+    return int4_chunk(columns, group_size or columns) >= INT4_PLANE_MIN_CHUNK
+
+
+def int4_plane_stages(tiles: GemmTiles, block_m: int) -> int:
+    """Pipeline stages for the plane path: the tiles' own, at most 2 from 64 rows of pairs up and 3
+    below. Measured on an H200 at Qwen3-30B-A3B shapes (moe-int4-grouped-*-h200.json): at 128 x 128
+    tiles 3 stages asked 266-283 KB of shared memory (227 KiB there); 2 were the fastest at 64-128
+    rows (512-4096 tokens; 3 took 1.2x as long at 512), 3 at 16-32 rows (16-256 tokens)."""
+    return max(1, min(tiles.num_stages, 2 if block_m >= 64 else 3))
+
+
+def tiles_for_int4(
+    tiles: MoETiles, num_tokens: int, keep_gemv_tiles: bool = False, *, hidden: int, inter: int,
+    group_size: int | None,
+) -> MoETiles:  # fmt: skip
+    """INT4 tiles for experts of `hidden` (H) and `inter` (I) in groups of `group_size` columns
+    (None: one per row). The GEMVs (which load each word once,
+    BLOCK_K / 256 packs an iteration: fused_moe_gemv.int4_packs_per_step) take INT4_GEMV_TILES unless
+    `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs keep the 16-bit tiles with, per
+    kernel: on the plane path (int4_planes) at most int4_plane_stages stages; gathering, block_k at
+    most 64 and one stage (pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the
+    H200's 227 KiB of shared memory at the 16-bit tiles: 0.3-0.6 MB asked)."""
     if tiles.method == "gemv":
         if keep_gemv_tiles:
             return tiles
         gate_up, down = INT4_GEMV_TILES["one token" if num_tokens == 1 else "more"]
         return replace(tiles, gate_up=gate_up, down=down)
-    gate_up = replace(tiles.gate_up, block_k=min(tiles.gate_up.block_k, 64), num_stages=1)
-    down = replace(tiles.down, block_k=min(tiles.down.block_k, 64), num_stages=1)
-    return replace(tiles, gate_up=gate_up, down=down)
+
+    def grouped(kernel_tiles: GemmTiles, columns: int) -> GemmTiles:
+        if int4_planes(columns, group_size):
+            return replace(kernel_tiles, num_stages=int4_plane_stages(kernel_tiles, tiles.block_m))
+        return replace(kernel_tiles, block_k=min(kernel_tiles.block_k, 64), num_stages=1)
+
+    return replace(tiles, gate_up=grouped(tiles.gate_up, hidden), down=grouped(tiles.down, inter))
 
 
 def _gemv_scale_kwargs(scales: _ExpertScales | None) -> dict[str, Any]:
@@ -670,7 +837,10 @@ def routed_fused_moe(
     if scales is not None:
         tiles = tiles_within_scale_block(tiles, scales.block)
         if scales.is_int4:
-            tiles = tiles_for_int4(tiles, x.shape[0], keep_gemv_tiles=given)
+            tiles = tiles_for_int4(
+                tiles, x.shape[0], given, hidden=x.shape[1], inter=w13.shape[1] // 2,
+                group_size=scales.group_size,
+            )  # fmt: skip
     if tiles.method == "gemv":
         return routed_fused_moe_gemv(
             x, router_logits, w13, w2, top_k, renormalize, round_to_logits_dtype, tiles.gate_up, tiles.down,
@@ -798,6 +968,8 @@ def _launch_gate_up(
         alpha, limit = epilogue.clamped_swiglu
         flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
     flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden))
+    if w_zeros is not None and int4_planes(hidden, group_size):
+        flags["INT4_PLANES"] = True
     _gate_up_kernel[grid](
         x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
         blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
@@ -819,6 +991,8 @@ def _launch_down(
     grid = (blocks.max_blocks * triton.cdiv(hidden, tiles.block_n),)
     flags = {} if bias is None else {"HAS_BIAS": True}
     flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter))
+    if w_zeros is not None and int4_planes(inter, group_size):
+        flags["INT4_PLANES"] = True
     _down_kernel[grid](
         a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
         blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,
