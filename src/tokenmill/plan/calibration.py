@@ -187,8 +187,9 @@ QUANTIZED_MOE_FACTORS: dict[str, QuantizedMoEFactor] = {
         0.6264, "H200", ("latency-qwen3-30b-a3b-h200-fp8-experts.json", "latency-qwen3-30b-a3b-h200-bf16-fp8-ab.json")
     ),
     "int4": QuantizedMoEFactor(
-        0.3124, "H200", ("latency-qwen3-30b-a3b-awq-h200.json", "latency-qwen3-30b-a3b-bf16-vs-awq-h200.json")
-    ),
+        0.3352, "H200",
+        ("latency-qwen3-30b-a3b-awq-planes-h200.json", "latency-qwen3-30b-a3b-bf16-vs-awq-planes-h200.json"),
+    ),  # fmt: skip
 }
 
 
