@@ -109,18 +109,22 @@ def _int4_plane_activations(rows_at, column, chunk, is_pair, TRANSPOSED: tl.cons
 
 @triton.jit
 def _int4_plane_operand(
-    words, j: tl.constexpr, zero_magic, scale, dtype: tl.constexpr, TRANSPOSED: tl.constexpr
-):
+    words, j: tl.constexpr, zero_magic, scale, dtype: tl.constexpr, TRANSPOSED: tl.constexpr,
+    CAST_ROUNDS: tl.constexpr,
+):  # fmt: skip
     """Nibble plane j of a pack's words (_int4_pack_at's orientation; moe_int4_layout.py),
     dequantized ((q - zero) * scale in float32, `scale` and `zero_magic` [N] per weight row) and
-    rounded to `dtype`, as a 16-bit checkpoint of the dequantized weights would be (round_like: the
-    interpreter's float32 -> bf16 cast truncates): a dot operand with the activations' CHUNK
-    columns j * CHUNK.. of the pack."""
+    rounded to `dtype` to nearest even, as a 16-bit checkpoint of the dequantized weights would be:
+    a dot operand with the activations' CHUNK columns j * CHUNK.. of the pack. CAST_ROUNDS: the
+    float32 -> dtype cast rounds so (on a GPU); else (the interpreter's cast truncates to bf16)
+    round_like first, a few integer operations a weight the GPU does without."""
     if TRANSPOSED:
         w = int4_plane_minus_zero(words, j, zero_magic[:, None]) * scale[:, None]
     else:
         w = int4_plane_minus_zero(words, j, zero_magic[None, :]) * scale[None, :]
-    return round_like(w, dtype).to(dtype)
+    if not CAST_ROUNDS:
+        w = round_like(w, dtype)
+    return w.to(dtype)
 
 
 @triton.jit
@@ -201,6 +205,7 @@ def _gate_up_kernel(
     GROUP_SIZE: tl.constexpr = 1,  # SCALE_MODE 3: columns per scale and zero
     CHUNK: tl.constexpr = 1,  # SCALE_MODE 3: words per pack row (moe_int4_layout.int4_chunk)
     INT4_PLANES: tl.constexpr = False,  # SCALE_MODE 3: whole packs, nibble planes as dot operands
+    CAST_ROUNDS: tl.constexpr = False,  # INT4_PLANES: float32 -> x's dtype rounds to nearest even (_int4_plane_operand)
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -265,9 +270,11 @@ def _gate_up_kernel(
                     )
                 x = _int4_plane_activations(x_rows, column, chunk, is_pair, TRANSPOSED)
                 gate = _int4_plane_operand(
-                    gate_words, j, gate_zero, gate_scale, x_ptr.dtype.element_ty, TRANSPOSED
+                    gate_words, j, gate_zero, gate_scale, x_ptr.dtype.element_ty, TRANSPOSED, CAST_ROUNDS
                 )
-                up = _int4_plane_operand(up_words, j, up_zero, up_scale, x_ptr.dtype.element_ty, TRANSPOSED)
+                up = _int4_plane_operand(
+                    up_words, j, up_zero, up_scale, x_ptr.dtype.element_ty, TRANSPOSED, CAST_ROUNDS
+                )
                 acc_gate = _int4_plane_dot(acc_gate, x, gate, TRANSPOSED, UPCAST_DOT, PRECISION)
                 acc_up = _int4_plane_dot(acc_up, x, up, TRANSPOSED, UPCAST_DOT, PRECISION)
         if TRANSPOSED:
@@ -388,6 +395,7 @@ def _down_kernel(
     GROUP_SIZE: tl.constexpr = 1,
     CHUNK: tl.constexpr = 1,
     INT4_PLANES: tl.constexpr = False,
+    CAST_ROUNDS: tl.constexpr = False,
 ):
     pid_m, pid_n = _block_coordinates(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -429,7 +437,9 @@ def _down_kernel(
                         row_scale_at, row_zero_at, column // GROUP_SIZE, stride_wsk, stride_wzk
                     )
                 a = _int4_plane_activations(a_rows, column, chunk, is_pair, TRANSPOSED)
-                w = _int4_plane_operand(words, j, w_zero, w_scale, a_ptr.dtype.element_ty, TRANSPOSED)
+                w = _int4_plane_operand(
+                    words, j, w_zero, w_scale, a_ptr.dtype.element_ty, TRANSPOSED, CAST_ROUNDS
+                )
                 acc = _int4_plane_dot(acc, a, w, TRANSPOSED, UPCAST_DOT, PRECISION)
         if TRANSPOSED:
             acc = tl.trans(acc)
@@ -946,6 +956,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _cast_rounds(x: torch.Tensor) -> bool:
+    """Whether a kernel's float32 -> x.dtype cast rounds to nearest even: on a GPU; the CPU
+    interpreter truncates to bf16 (Triton 3.9)."""
+    return x.device.type == "cuda"
+
+
 def _upcast_dot(x: torch.Tensor) -> bool:
     """The CPU interpreter multiplies bf16 tiles wrongly (Triton 3.9): float32 dots there."""
     return x.device.type != "cuda" and x.dtype == torch.bfloat16
@@ -969,7 +985,7 @@ def _launch_gate_up(
         flags.update(CLAMPED_SWIGLU=True, ALPHA=alpha, LIMIT=limit)
     flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or hidden, hidden))
     if w_zeros is not None and int4_planes(hidden, group_size):
-        flags["INT4_PLANES"] = True
+        flags.update(INT4_PLANES=True, CAST_ROUNDS=_cast_rounds(x))
     _gate_up_kernel[grid](
         x, w13, out, x if bias is None else bias, blocks.sorted_pair_ids, blocks.block_expert_ids,
         blocks.num_padded, blocks.num_pairs, inter, hidden, top_k, blocks.max_blocks,
@@ -992,7 +1008,7 @@ def _launch_down(
     flags = {} if bias is None else {"HAS_BIAS": True}
     flags.update(weight_scale_args(w_scale, scale_block, tiles, w_zeros, group_size or inter, inter))
     if w_zeros is not None and int4_planes(inter, group_size):
-        flags["INT4_PLANES"] = True
+        flags.update(INT4_PLANES=True, CAST_ROUNDS=_cast_rounds(a))
     _down_kernel[grid](
         a, w2, out, weights, weights if bias is None else bias, blocks.sorted_pair_ids,
         blocks.block_expert_ids, blocks.num_padded, blocks.num_pairs, hidden, inter, blocks.max_blocks,
