@@ -169,9 +169,9 @@ def _grouped_rows(token_counts, w13, w2, q13, q2, quantized) -> list[dict]:
             row["int4_gather_us"] = _graph_time_us(call(q13, q2, ruled_gather, quantized), replays=50)
         finally:
             fused_moe.int4_planes = planes
-        print(f"  gather: {row['int4_gather_us']:8.1f} us")
         print(f"{tokens} tokens  bf16 {bf16_us:8.1f} us  INT4 (stages {row['ruled_stages']}) {row['int4_us']:8.1f} us "
               f"({bf16_us / row['int4_us']:.2f}x bf16)")  # fmt: skip
+        print(f"  gather: {row['int4_gather_us']:8.1f} us")
         sweep = {}
         fused_moe.int4_plane_stages = lambda tiles, *_args, **_kwargs: tiles.num_stages
         try:

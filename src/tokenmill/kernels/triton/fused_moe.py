@@ -774,12 +774,12 @@ def tiles_for_int4(
     group_size: int | None,
 ) -> MoETiles:  # fmt: skip
     """INT4 tiles for experts of `hidden` (H) and `inter` (I) in groups of `group_size` columns
-    (None: one per row). The GEMVs (which load each word once,
-    BLOCK_K / 256 packs an iteration: fused_moe_gemv.int4_packs_per_step) take INT4_GEMV_TILES unless
-    `keep_gemv_tiles` (tiles the caller chose). The grouped GEMMs keep the 16-bit tiles with, per
-    kernel: on the plane path (int4_planes) at most int4_plane_stages stages; gathering, block_k at
-    most 64 and one stage (pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the
-    H200's 227 KiB of shared memory at the 16-bit tiles: 0.3-0.6 MB asked)."""
+    (None: one per row). The GEMVs (which load each word once, BLOCK_K / 256 packs an iteration:
+    fused_moe_gemv.int4_packs_per_step) take INT4_GEMV_TILES unless `keep_gemv_tiles` (tiles the
+    caller chose). The grouped GEMMs keep the 16-bit tiles with, per kernel: on the plane path
+    (int4_planes) at most int4_plane_stages stages; gathering, block_k at most 64 and one stage
+    (pipelining those [BLOCK_N, BLOCK_K] gathers staged several times the H200's 227 KiB of shared
+    memory at the 16-bit tiles: 0.3-0.6 MB asked)."""
     if tiles.method == "gemv":
         if keep_gemv_tiles:
             return tiles
