@@ -52,12 +52,16 @@ MAX_ROWS = {"gemv": 4, "skinny16": 16, "skinny8": 64, "scaled_mm": None, "gemm":
 ACCURACY_ROWS = (1, 16, 64, 512)
 BLOCK = fp8.SCALE_BLOCK
 
-GEMV_SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+GEMV_SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])
     "channel": [(2, 1024, 4, 1), (2, 1024, 4, 2), (2, 1024, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 2), (8, 512, 4, 1),
                 (8, 512, 4, 2), (8, 512, 8, 1), (16, 256, 4, 1), (16, 256, 4, 2),
                 # whole rows per program, as gemv.py's 16-bit row GEMV reads them (added for the H200)
                 (1, 4096, 4, 1), (1, 2048, 4, 1), (2, 2048, 8, 1), (4, 1024, 8, 1), (4, 2048, 8, 1), (8, 1024, 8, 1),
-                (16, 512, 8, 1), (8, 512, 8, 2)],
+                (16, 512, 8, 1), (8, 512, 8, 2),
+                # K split among programs: wider tiles (x reloaded for more weight rows), programs enough
+                (8, 512, 4, 1, 2), (8, 512, 4, 1, 4), (8, 512, 8, 1, 8), (16, 256, 4, 1, 2), (16, 256, 4, 1, 4),
+                (16, 512, 4, 1, 2), (16, 512, 4, 1, 4), (16, 512, 8, 1, 4), (16, 512, 8, 1, 8), (32, 256, 4, 1, 4),
+                (32, 256, 8, 1, 8), (8, 1024, 8, 1, 4), (4, 1024, 4, 1, 4)],
     "block": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 8, 1), (8, 1024, 8, 1), (16, 256, 4, 1),
               (16, 512, 8, 1), (32, 256, 8, 1)],
 }  # fmt: skip
@@ -145,7 +149,10 @@ def applies(path: str, m: int, block) -> bool:
 
 def sweep_calls(kind: str, config, weights, x, block, residual):
     if kind == "gemv":
-        return [lambda w=w: fp8_gemv(x, w.weight, w.scale, block, residual=residual, config=config) for w in weights]
+        return [
+            lambda w=w: fp8_gemv(x, w.weight, w.scale, block, residual=residual, config=config, tile_counters=w.tile_counters)
+            for w in weights
+        ]
     if kind == "skinny16":
         return [lambda w=w: fp8_skinny(x, None, w.weight, w.scale, block, config=config) for w in weights]
     quant = quantize_per_token if block is None else quantize_per_token_group
@@ -201,6 +208,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep", default="", help=f"also sweep the tile configs of these kernels (comma-separated: {','.join(SWEEP_ROWS)})"
     )
+    parser.add_argument("--modes", default="channel,block", help="FP8 weight scale layouts to run (channel, block)")
     parser.add_argument("--result-dir", default="benchmarks/results", help="directory of the result JSON")
     parser.add_argument("--result-name", default=None, help="file name of the result JSON")
     args = parser.parse_args()
@@ -229,6 +237,8 @@ def main() -> None:
         del layers
         torch.cuda.empty_cache()
         for mode, block in (("channel", None), ("block", BLOCK)):
+            if mode not in args.modes.split(","):
+                continue
             weights = [random_fp8(n, k, block, gen) for _ in range(copies)]
             failed: dict[str, str] = {}
             scale_count = weights[0].scale.numel()

@@ -46,8 +46,8 @@ L2_BYTES_TO_OVERFLOW = 200 * 2**20
 
 
 def decode_candidates(m: int) -> list[Int4Config]:
-    """32 weight rows per warp (fewer leave the scale loads outside Triton's pipeline), weights as
-    the dot's left or right operand, a deeper pipeline, K split 1-8 ways."""
+    """32 weight rows per warp (fewer leave the scale loads outside Triton's pipeline) or 16 on
+    more warps, weights as the dot's left or right operand, 2-6 stages, K split 1-8 ways."""
     block_m = block_m_for(m)
     if block_m == 64:
         tiles = [(128, 4, 4, True, True), (128, 4, 3, False, True), (64, 2, 4, True, True)]
@@ -56,8 +56,12 @@ def decode_candidates(m: int) -> list[Int4Config]:
         tiles = [
             (64, 2, 4, True, True),
             (64, 2, 6, True, True),
+            (64, 2, 2, True, True),
+            (64, 4, 4, True, True),
+            (32, 1, 4, True, True),
             (128, 4, 4, True, True),
             (128, 4, 4, True, False),
+            (128, 8, 3, True, True),
         ]
         splits = (1, 2, 4, 8)
     return [

@@ -203,3 +203,34 @@ def test_every_path_replays_in_a_cuda_graph(block) -> None:
             assert torch.equal(captured, fp8.fp8_linear(x, w, path=path)), f"{path} M={m}: replay differs"
             eager_residual = fp8.fp8_linear(x, w, residual=residual0.clone(), path=path)
             assert torch.equal(captured_sum, eager_residual), f"{path} M={m}: replayed residual add differs"
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("name", ["qkv", "down"])
+def test_gemv_k_split_at_llama_shapes_in_a_cuda_graph(name: str, split: int) -> None:
+    """The K-split per-channel GEMV (one and four rows, with the residual add): within the W8A16
+    bound, the same bits replayed in a CUDA graph as eager (the last program's ordered sum), and
+    every tile count back at zero."""
+    from tokenmill.kernels.triton.fp8_gemv import fp8_gemv
+
+    n, k = SHAPES[name]
+    w, w_deq = _weights(n, k, None, seed=20 + split)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+
+        def call(x=x, residual=residual):
+            config = (16, 256, 4, 1, split)
+            return fp8_gemv(x, w.weight, w.scale, None, residual=residual, config=config, tile_counters=w.tile_counters)
+
+        eager = call()
+        _check(eager, x, w_deq, "gemv", None, f"{name} split {split} M={m}", residual=residual)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager), f"{name} split {split} M={m}: replay differs"
+        assert w.tile_counters.count_nonzero().item() == 0

@@ -34,6 +34,7 @@ from tests.fp8_reference import (  # noqa: E402
     quantize_weight,
 )
 from tests.triton_interpreter import interpreted_run  # noqa: E402
+from tokenmill.kernels.triton.fp8_gemv import fp8_gemv  # noqa: E402
 from tokenmill.kernels.triton.fp8_linear import (  # noqa: E402
     Fp8Dispatch,
     choose_path,
@@ -164,6 +165,42 @@ def test_leading_dimensions_and_empty_batches() -> None:
     assert fp8_linear(x[:0], w).shape == (0, 3, 48)
     empty = fp8_linear(torch.empty(0, 64, dtype=torch.bfloat16), w)
     assert empty.shape == (0, 48)
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_k_split_matches_the_reference_and_leaves_its_counters_zero(rows: int) -> None:
+    """K = 200 in 64-column steps (4 steps, the last partial) over 1, 3 (two steps, then one, then
+    none), 4 and 8 splits (the last four with no K at all); N = 40 in 16-wide tiles (the last partial); bias
+    and residual. Every split count gives the same sums as the reference, the same bits on a second
+    call (the counts were reset: a stale count would hand the epilogue to the wrong program and
+    drop splits), and the counters end at zero."""
+    n, k = 40, 200
+    w, w_deq, gen = _case(n, k, None, seed=5)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, n, generator=gen).to(torch.bfloat16)
+    exact, magnitude = linear_reference(x.float(), w_deq, bias.float(), residual=residual.float())
+    for split in (1, 3, 4, 8):
+        config = (16, 64, 4, 1, split)
+        kwargs = dict(bias=bias, residual=residual, config=config, tile_counters=w.tile_counters)
+        y = fp8_gemv(x, w.weight, w.scale, None, **kwargs)
+        _close(y, exact, magnitude, W8A16_DOT_REL, f"gemv split {split} rows {rows}")
+        assert torch.equal(fp8_gemv(x, w.weight, w.scale, None, **kwargs), y)
+        assert torch.all(w.tile_counters == 0)
+
+
+def test_gemv_k_split_refuses_what_it_cannot_reduce() -> None:
+    w, _, _ = _case(40, 200, None)
+    x = torch.zeros(1, 200, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs int32 tile_counters .* at least 3 entries"):
+        fp8_gemv(x, w.weight, w.scale, None, config=(16, 64, 4, 1, 2))
+    with pytest.raises(ValueError, match="at least 3 entries"):
+        fp8_gemv(x, w.weight, w.scale, None, config=(16, 64, 4, 1, 2), tile_counters=w.tile_counters[:2])
+    wb, _, _ = _case(128, 256, BLOCK)
+    with pytest.raises(ValueError, match="per-channel weights only"):
+        config = (16, 128, 4, 1, 2)
+        fp8_gemv(x.new_zeros(1, 256), wb.weight, wb.scale, BLOCK, config=config, tile_counters=wb.tile_counters)
 
 
 def test_dispatch_by_rows_and_width() -> None:

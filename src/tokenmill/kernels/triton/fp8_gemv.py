@@ -4,9 +4,16 @@ A decode step of one request reads every weight once and does two flops per weig
 time is the weight read. As the row GEMV of gemv.py does for 16-bit weights, each program
 streams BLOCK_N out-major weight rows ([N, K] float8_e4m3fn, contiguous in K) with wide loads,
 converts them to float32 in registers and multiplies them into [BLOCK_N, BLOCK_K] float32
-accumulators (one per activation row), reducing over K once at the end: one launch, no K split,
-no workspace. The activations stay 16-bit (no activation quantization at decode: exact products
-of the dequantized weights, up to float32 summation order).
+accumulators (one per activation row), reducing over K once at the end. The activations stay
+16-bit (no activation quantization at decode: exact products of the dequantized weights, up to
+float32 summation order).
+
+Few programs per SM leave the loads' latency exposed (an H200's ncu profile of down_proj, 2048
+programs of two rows: 43 % of issue slots empty, warps waiting on loads; and each K step reloads x
+for only two weight rows). So per-channel weights may split K among SPLIT_K programs per column
+tile, as int4_kernel.py does: each stores its float32 partial sums, and the last of the tile's
+programs to arrive (an atomic count, release / acquire) adds them in split order (deterministic),
+resets the count for the next call and runs the epilogue. One launch, capturable in CUDA graphs.
 
 Scales: per-channel weights multiply the reduced sum by scale[n] once. For 128x128-block weights
 (`_fp8_gemv_block_kernel`) a program's BLOCK_N rows lie in one row of scale blocks, so each K
@@ -38,10 +45,12 @@ def _fp8_gemv_kernel(
     bias_ptr,
     res_ptr,
     y_ptr,
+    part_ptr,  # float32 [SPLIT_K, ROWS, N]: the splits' partial sums (only with SPLIT_K > 1)
+    count_ptr,  # int32 per column tile, zero between calls (only with SPLIT_K > 1)
     M,
     N,
     K,
-    KB_W,  # unused (the block kernel's scale row length; one argument list serves both)
+    k_per_split,  # columns of K per split, a multiple of BLOCK_K (K with SPLIT_K == 1)
     stride_xm,
     stride_rm,
     stride_ym,
@@ -49,13 +58,16 @@ def _fp8_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     ROWS: tl.constexpr,  # 1..4, >= M
+    SPLIT_K: tl.constexpr,  # programs sharing one column tile's K range
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past N re-read the last weight row (their stores are masked): no mask on the loads.
     cols_c = tl.minimum(cols, N - 1)
-    ks = tl.arange(0, BLOCK_K)
+    k_begin = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    ks = k_begin + tl.arange(0, BLOCK_K)
     w_at = w_ptr + cols_c.to(tl.int64)[:, None] * K + ks[None, :]
     # Rows past M re-read row M - 1 (their stores are masked too).
     x0_at = x_ptr + ks
@@ -66,12 +78,12 @@ def _fp8_gemv_kernel(
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             # Each weight byte is read once per step: don't let it push the activations out of L2.
             w = tl.load(w_at, eviction_policy="evict_first")
         else:
-            k_ok = (k0 + ks) < K
+            k_ok = (k0 - k_begin + ks) < K
             w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         w = w.to(tl.float32)
         if EVEN_K:
@@ -96,19 +108,52 @@ def _fp8_gemv_kernel(
         x2_at += BLOCK_K
         x3_at += BLOCK_K
     col_scale = tl.load(ws_ptr + cols_c)
-    for row in tl.static_range(ROWS):
-        if row == 0:
-            acc = acc0
-        elif row == 1:
-            acc = acc1
-        elif row == 2:
-            acc = acc2
-        else:
-            acc = acc3
-        store_output(
-            (tl.sum(acc, axis=1) * col_scale)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
-            bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
-        )  # fmt: skip
+    if SPLIT_K == 1:
+        for row in tl.static_range(ROWS):
+            if row == 0:
+                acc = acc0
+            elif row == 1:
+                acc = acc1
+            elif row == 2:
+                acc = acc2
+            else:
+                acc = acc3
+            store_output(
+                (tl.sum(acc, axis=1) * col_scale)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
+                bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
+            )  # fmt: skip
+    else:
+        # Each split stores its rows' partial sums; the last of the tile's SPLIT_K programs to
+        # arrive adds them in split order (deterministic), scales once and runs the epilogue.
+        # Every thread's stores come before one thread counts the program in; the count's release
+        # (and the last program's acquire) order them for the last program.
+        col_ok = cols < N
+        part_at = part_ptr + (tl.program_id(1) * ROWS) * N + cols
+        tl.store(part_at, tl.sum(acc0, axis=1), mask=col_ok)
+        if ROWS > 1:
+            tl.store(part_at + N, tl.sum(acc1, axis=1), mask=col_ok)
+        if ROWS > 2:
+            tl.store(part_at + 2 * N, tl.sum(acc2, axis=1), mask=col_ok)
+        if ROWS > 3:
+            tl.store(part_at + 3 * N, tl.sum(acc3, axis=1), mask=col_ok)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            for row in tl.static_range(ROWS):
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg: from L2, where the other programs' stores are, not from a stale L1 line.
+                    total += tl.load(
+                        part_ptr + (split * ROWS + row) * N + cols,
+                        mask=col_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                store_output(
+                    (total * col_scale)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
+                    bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
+                )  # fmt: skip
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -225,41 +270,68 @@ def fp8_gemv(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
+    tile_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`residual + (x @ W.T + bias)` for x [M, K] with 1 <= M <= 4 rows, W the dequantized FP8
     `weight` [N, K] (contiguous) with `scale` ([N] per channel, or [cdiv(N, 128), cdiv(K, 128)]
     with block (128, 128)); [M, N] in `out` (which may be `residual`) or a new tensor of
-    `out_dtype` (default x's). The caller (fp8_linear.py) has checked the shapes."""
+    `out_dtype` (default x's). The caller (fp8_linear.py) has checked the shapes.
+
+    `config` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]). A K split (per-channel
+    weights only) needs `tile_counters`: int32, zero, at least cdiv(N, BLOCK_N) of them, left zero
+    by every call (Fp8Weights.tile_counters)."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"fp8_gemv takes 1-{MAX_ROWS} rows, got {m}: use fp8_linear")
+    block_n, block_k, warps, stages, *split = config or fp8_gemv_config(n, k, m, block is not None)
+    split_k = split[0] if split else 1
+    grid_n = triton.cdiv(n, block_n)
+    if split_k > 1 and block is not None:
+        raise ValueError(
+            f"fp8_gemv splits K for per-channel weights only, got split {split_k} with {block} blocks"
+        )
+    if split_k > 1 and (
+        tile_counters is None
+        or tile_counters.dtype != torch.int32
+        or tile_counters.numel() < grid_n
+        or tile_counters.device != x.device
+    ):
+        raise ValueError(
+            f"fp8_gemv with K split {split_k} needs int32 tile_counters on {x.device} with at least "
+            f"{grid_n} entries (cdiv({n}, {block_n})), got "
+            f"{None if tile_counters is None else (tile_counters.dtype, tile_counters.numel())}"
+        )
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, m, block is not None)
     common = dict(
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN_K=k % block_k == 0, ROWS=m,
         BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    args = (
-        x, weight, scale,
-        bias if bias is not None else out,
-        residual if residual is not None else out,
-        out, m, n, k,
-        scale.shape[1] if block is not None else 0,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-    )  # fmt: skip
-    grid = (triton.cdiv(n, block_n),)
+    bias_arg = bias if bias is not None else out
+    residual_arg = residual if residual is not None else out
+    residual_stride = residual.stride(0) if residual is not None else 0
     if block is None:
-        _fp8_gemv_kernel[grid](*args, BLOCK_K=block_k, **common)
+        k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+        partials = out  # unused without a K split
+        if split_k > 1:
+            partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        _fp8_gemv_kernel[(grid_n, split_k)](
+            x, weight, scale, bias_arg, residual_arg, out, partials,
+            tile_counters if split_k > 1 else scale,
+            m, n, k, k_per_split, x.stride(0), residual_stride, out.stride(0),
+            SPLIT_K=split_k, BLOCK_K=block_k, **common,
+        )  # fmt: skip
     else:
         if block_k % block[1] or block[0] % block_n or block[0] != block[1]:
             raise ValueError(
                 f"fp8_gemv with {block} scale blocks needs BLOCK_K a multiple of {block[1]} and BLOCK_N "
                 f"dividing {block[0]}, got {block_n}x{block_k}"
             )
-        _fp8_gemv_block_kernel[grid](*args, SCALE_BLOCK=block[1], SUBS=block_k // block[1], **common)
+        _fp8_gemv_block_kernel[(grid_n,)](
+            x, weight, scale, bias_arg, residual_arg, out,
+            m, n, k, scale.shape[1], x.stride(0), residual_stride, out.stride(0),
+            SCALE_BLOCK=block[1], SUBS=block_k // block[1], **common,
+        )  # fmt: skip
     return out

@@ -49,6 +49,9 @@ class Fp8Weights:
     scale: torch.Tensor  # float32: [N] per channel, or [cdiv(N, 128), cdiv(K, 128)] per block, contiguous
     block: tuple[int, int] | None  # None: per channel; else SCALE_BLOCK
     scale_row: torch.Tensor | None  # per channel: scale as [1, N] (torch._scaled_mm's scale_b), else None
+    # int32, zero between calls: the K-split GEMV's arrival count per column tile (fp8_gemv.py),
+    # one per output feature (enough for any tile width).
+    tile_counters: torch.Tensor
 
     @property
     def out_features(self) -> int:
@@ -91,6 +94,7 @@ def prepare_fp8_weights(
         scale=scale,
         block=None if block is None else SCALE_BLOCK,
         scale_row=scale.view(1, n) if block is None else None,
+        tile_counters=torch.zeros(n, dtype=torch.int32, device=weight.device),
     )
 
 
@@ -99,7 +103,9 @@ def prepare_fp8_weights(
 
 def _gemv(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     # With a residual, a new output tensor: faster than writing into the residual (fp8_gemv.py).
-    return fp8_gemv(x, w.weight, w.scale, w.block, bias, residual, out_dtype=out_dtype)
+    return fp8_gemv(
+        x, w.weight, w.scale, w.block, bias, residual, out_dtype=out_dtype, tile_counters=w.tile_counters
+    )
 
 
 def _skinny16(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
