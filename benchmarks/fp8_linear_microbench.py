@@ -194,7 +194,12 @@ def sweep(name, n, k, mode, block, weights, gen, kinds) -> list[dict]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=gen)
         for label, out in (("in place", residual), ("new tensor", None)):
-            calls = [lambda w=w, o=out: fp8_gemv(x, w.weight, w.scale, block, residual=residual, out=o) for w in weights]
+            calls = [
+                lambda w=w, o=out: fp8_gemv(
+                    x, w.weight, w.scale, block, residual=residual, out=o, tile_counters=w.tile_counters
+                )
+                for w in weights
+            ]
             us = graph_ms(calls) * 1000 / len(calls)
             print(f"    sweep {name:8s} {mode:7s} gemv residual {label}: {us:.2f} us")
             rows_out.append({"shape": name, "mode": mode, "kind": f"gemv residual {label}", "rows": 1, "us": us})

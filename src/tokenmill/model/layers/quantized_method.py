@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    folds_input_scale = False  # the deferred RMSNorm's fold would need a requantization: not done
+    # The deferred RMSNorm's fold: a method that can multiply x's columns in its kernels says so
+    # (Fp8LinearMethod on the GPU); folding into quantized weights would need a requantization.
+    folds_input_scale = False
 
     def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
         self.spec = spec
