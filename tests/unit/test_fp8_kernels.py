@@ -11,7 +11,6 @@ when this process imported it compiled, the cases are skipped and a subprocess r
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -166,91 +165,6 @@ def test_leading_dimensions_and_empty_batches() -> None:
     assert fp8_linear(x[:0], w).shape == (0, 3, 48)
     empty = fp8_linear(torch.empty(0, 64, dtype=torch.bfloat16), w)
     assert empty.shape == (0, 48)
-
-
-@interpreted_only
-@pytest.mark.parametrize("block", [None, BLOCK], ids=["channel", "block"])
-@pytest.mark.parametrize("path", list(PATH_ROWS))
-def test_each_path_multiplies_x_by_the_input_scale(path: str, block) -> None:
-    """Fp8Weights.input_scale (the deferred RMSNorm's weight, Fp8LinearMethod.fold_input_scale):
-    every path computes (x * input_scale) @ W.T, x * input_scale in float32. A path that ignored
-    it would miss by the scale's spread (0.5-2x per column), far outside the bounds."""
-    n, k = 160, 384 if block else 200
-    w, w_deq, gen = _case(n, k, block, seed=6)
-    column_scale = torch.rand(k, generator=gen) * 1.5 + 0.5
-    ws = dataclasses.replace(w, input_scale=column_scale)
-    for m in PATH_ROWS[path]:
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        x_scaled = x.float() * column_scale
-        y = fp8_linear(x, ws, path=path)
-        if path in ("gemv", "skinny16"):
-            exact, magnitude = linear_reference(x_scaled, w_deq)
-            # skinny16 rounds x * input_scale to x's dtype first (one multiply before the kernel).
-            rel = W8A16_DOT_REL if path == "gemv" else 2.0**-8 + W8A16_DOT_REL
-            _close(y, exact, magnitude, rel, f"{path} M={m} input scale")
-        else:
-            group = None if block is None else 128
-            x_deq = dequantize_activations(*quantize_activations(x_scaled, group), group)
-            exact, magnitude = linear_reference(x_deq, w_deq)
-            _close(y, exact, magnitude, W8A8_DOT_REL, f"{path} M={m} input scale vs FP8 activations")
-    if path == "gemv" and block is None:  # and with the K split
-        x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
-        exact, magnitude = linear_reference(x.float() * column_scale, w_deq)
-        y = fp8_gemv(x, w.weight, w.scale, None, config=(16, 64, 4, 1, 3), tile_counters=w.tile_counters,
-                     column_scale=column_scale)  # fmt: skip
-        _close(y, exact, magnitude, W8A16_DOT_REL, "gemv split 3, input scale")
-
-
-@interpreted_only
-@pytest.mark.parametrize("rows", [1, 3, 70])
-def test_an_fp8_layer_on_the_kernels_folds_an_input_scale(rows: int) -> None:
-    """The seam: LinearBase.fold_input_scale on a layer whose Fp8LinearMethod runs the kernels
-    (as on a GPU) keeps the scale beside the FP8 weight, composes a second fold, and every row
-    count's path (gemv, skinny8, gemm) then multiplies x * scale by the unchanged FP8 weight."""
-    from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
-    from tokenmill.model.layers.linear import ReplicatedLinear
-    from tokenmill.model.layers.linear_method import LinearMethod
-    from tokenmill.model.loader.quant_config import at_load_quantization
-
-    method = Fp8LinearMethod(at_load_quantization("fp8"), LinearMethod(), use_kernels=True)
-    assert method.folds_input_scale
-    assert not Fp8LinearMethod(at_load_quantization("fp8"), LinearMethod(), use_kernels=False).folds_input_scale
-    layer = ReplicatedLinear(200, 160, method=method, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(8)
-    layer.weight.data.copy_(torch.randn(160, 200, generator=gen) * 0.05)
-    method.process_layers_after_loading([layer])
-    fp8_weight = layer.quantized_weights.weight.clone()
-    w_deq = dequantize_weight(fp8_weight, layer.quantized_weights.scale, None)
-    first, second = torch.rand(200, generator=gen) + 0.5, torch.rand(200, generator=gen) + 0.5
-    layer.fold_input_scale(first.to(torch.bfloat16))
-    layer.fold_input_scale(second.to(torch.bfloat16))
-    assert torch.equal(layer.quantized_weights.weight.view(torch.uint8), fp8_weight.view(torch.uint8))
-    column_scale = first.to(torch.bfloat16).float() * second.to(torch.bfloat16).float()
-    torch.testing.assert_close(layer.quantized_weights.input_scale, column_scale)
-    x = torch.randn(rows, 200, generator=gen).to(torch.bfloat16)
-    y = layer(x)
-    x_used = x.float() * column_scale
-    if rows > 2:  # W8A8 paths: x * scale quantized per token
-        x_used = dequantize_activations(*quantize_activations(x_used, None), None)
-    exact, magnitude = linear_reference(x_used, w_deq)
-    _close(y, exact, magnitude, W8A8_DOT_REL, f"folded layer, {rows} rows")
-
-
-@interpreted_only
-def test_activation_quantization_takes_the_column_scale_bit_for_bit() -> None:
-    gen = torch.Generator().manual_seed(7)
-    x = (torch.randn(3, 300, generator=gen) * 2).to(torch.bfloat16)
-    column_scale = torch.rand(300, generator=gen) + 0.25
-    for group in (None, 128):
-        if group is None:
-            q, scale = quantize_per_token(x, column_scale)
-        else:
-            q, scale = quantize_per_token_group(x, group, column_scale)
-        ref_q, ref_scale = quantize_activations(x.float() * column_scale, group)
-        assert torch.equal(scale, ref_scale), group
-        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), group
-    with pytest.raises(ValueError, match=r"column_scale must be a contiguous float32 \[300\]"):
-        quantize_per_token(x, column_scale.half())
 
 
 @interpreted_only

@@ -47,7 +47,6 @@ def _fp8_gemv_kernel(
     y_ptr,
     part_ptr,  # float32 [SPLIT_K, ROWS, N]: the splits' partial sums (only with SPLIT_K > 1)
     count_ptr,  # int32 per column tile, zero between calls (only with SPLIT_K > 1)
-    c_ptr,  # float32 [K]: x's column scale (read only with HAS_COLUMN_SCALE)
     M,
     N,
     K,
@@ -58,7 +57,6 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
-    HAS_COLUMN_SCALE: tl.constexpr,  # x[:, k] is multiplied by c[k] (in float32) as it is loaded
     ROWS: tl.constexpr,  # 1..4, >= M
     SPLIT_K: tl.constexpr,  # programs sharing one column tile's K range
     BLOCK_N: tl.constexpr,
@@ -76,33 +74,39 @@ def _fp8_gemv_kernel(
     x1_at = x_ptr + tl.minimum(1, M - 1) * stride_xm + ks
     x2_at = x_ptr + tl.minimum(2, M - 1) * stride_xm + ks
     x3_at = x_ptr + tl.minimum(3, M - 1) * stride_xm + ks
-    c_at = c_ptr + ks
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = (k0 - k_begin + ks) < K  # (unused with EVEN_K)
         if EVEN_K:
             # Each weight byte is read once per step: don't let it push the activations out of L2.
             w = tl.load(w_at, eviction_policy="evict_first")
         else:
+            k_ok = (k0 - k_begin + ks) < K
             w = tl.load(w_at, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         w = w.to(tl.float32)
-        c = _load_column_scale(c_at, k_ok, EVEN_K, HAS_COLUMN_SCALE)
-        acc0 += w * _load_x_scaled(x0_at, c, k_ok, EVEN_K, HAS_COLUMN_SCALE)[None, :]
-        if ROWS > 1:
-            acc1 += w * _load_x_scaled(x1_at, c, k_ok, EVEN_K, HAS_COLUMN_SCALE)[None, :]
-        if ROWS > 2:
-            acc2 += w * _load_x_scaled(x2_at, c, k_ok, EVEN_K, HAS_COLUMN_SCALE)[None, :]
-        if ROWS > 3:
-            acc3 += w * _load_x_scaled(x3_at, c, k_ok, EVEN_K, HAS_COLUMN_SCALE)[None, :]
+        if EVEN_K:
+            acc0 += w * tl.load(x0_at).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x1_at).to(tl.float32)[None, :]
+            if ROWS > 2:
+                acc2 += w * tl.load(x2_at).to(tl.float32)[None, :]
+            if ROWS > 3:
+                acc3 += w * tl.load(x3_at).to(tl.float32)[None, :]
+        else:
+            acc0 += w * tl.load(x0_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x1_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 2:
+                acc2 += w * tl.load(x2_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 3:
+                acc3 += w * tl.load(x3_at, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w_at += BLOCK_K
         x0_at += BLOCK_K
         x1_at += BLOCK_K
         x2_at += BLOCK_K
         x3_at += BLOCK_K
-        c_at += BLOCK_K
     col_scale = tl.load(ws_ptr + cols_c)
     if SPLIT_K == 1:
         for row in tl.static_range(ROWS):
@@ -162,25 +166,6 @@ def _load_x(at, ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_column_scale(at, ok, EVEN_K: tl.constexpr, HAS_COLUMN_SCALE: tl.constexpr):
-    """The column scales of this K step (float32), or a placeholder without HAS_COLUMN_SCALE."""
-    if HAS_COLUMN_SCALE:
-        c = _load_x(at, ok, EVEN_K)
-    else:
-        c = 0.0
-    return c
-
-
-@triton.jit
-def _load_x_scaled(at, c, ok, EVEN_K: tl.constexpr, HAS_COLUMN_SCALE: tl.constexpr):
-    """One activation row's K step in float32, times its column scales with HAS_COLUMN_SCALE."""
-    x = _load_x(at, ok, EVEN_K)
-    if HAS_COLUMN_SCALE:
-        x = x * c
-    return x
-
-
-@triton.jit
 def _fp8_gemv_block_kernel(
     x_ptr,  # [M, K], last dimension contiguous
     w_ptr,  # [N, K] float8_e4m3fn, contiguous
@@ -188,7 +173,6 @@ def _fp8_gemv_block_kernel(
     bias_ptr,
     res_ptr,
     y_ptr,
-    c_ptr,  # float32 [K]: x's column scale (read only with HAS_COLUMN_SCALE)
     M,
     N,
     K,
@@ -200,7 +184,6 @@ def _fp8_gemv_block_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % (SUBS * SCALE_BLOCK) == 0
-    HAS_COLUMN_SCALE: tl.constexpr,  # x[:, k] is multiplied by c[k] (in float32) as it is loaded
     ROWS: tl.constexpr,  # 1..4, >= M
     BLOCK_N: tl.constexpr,  # divides SCALE_BLOCK
     SUBS: tl.constexpr,  # scale blocks per K step
@@ -216,7 +199,6 @@ def _fp8_gemv_block_kernel(
     x1_at = x_ptr + tl.minimum(1, M - 1) * stride_xm + koff
     x2_at = x_ptr + tl.minimum(2, M - 1) * stride_xm + koff
     x3_at = x_ptr + tl.minimum(3, M - 1) * stride_xm + koff
-    c_at = c_ptr + koff
     acc0 = tl.zeros((BLOCK_N, SUBS, SCALE_BLOCK), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, SUBS, SCALE_BLOCK), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, SUBS, SCALE_BLOCK), dtype=tl.float32)
@@ -230,8 +212,6 @@ def _fp8_gemv_block_kernel(
             w = tl.load(w_at, mask=k_ok[None, :, :], other=0.0, eviction_policy="evict_first")
             s = tl.load(s_at, mask=(k0 // SCALE_BLOCK + sub) < KB_W, other=0.0)[:, None]
         w = w.to(tl.float32)
-        if HAS_COLUMN_SCALE:
-            s = s * _load_x(c_at, k_ok, EVEN_K)  # [SUBS, SCALE_BLOCK]: block scale x column scale
         acc0 += w * (_load_x(x0_at, k_ok, EVEN_K) * s)[None, :, :]
         if ROWS > 1:
             acc1 += w * (_load_x(x1_at, k_ok, EVEN_K) * s)[None, :, :]
@@ -245,7 +225,6 @@ def _fp8_gemv_block_kernel(
         x1_at += SUBS * SCALE_BLOCK
         x2_at += SUBS * SCALE_BLOCK
         x3_at += SUBS * SCALE_BLOCK
-        c_at += SUBS * SCALE_BLOCK
     for row in tl.static_range(ROWS):
         if row == 0:
             acc = acc0
@@ -302,7 +281,6 @@ def fp8_gemv(
     out_dtype: torch.dtype | None = None,
     config: tuple[int, ...] | None = None,
     tile_counters: torch.Tensor | None = None,
-    column_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`residual + (x @ W.T + bias)` for x [M, K] with 1 <= M <= 4 rows, W the dequantized FP8
     `weight` [N, K] (contiguous) with `scale` ([N] per channel, or [cdiv(N, 128), cdiv(K, 128)]
@@ -311,9 +289,7 @@ def fp8_gemv(
 
     `config` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]). A K split (per-channel
     weights only) needs `tile_counters`: int32, zero, at least cdiv(N, BLOCK_N) of them, left zero
-    by every call (Fp8Weights.tile_counters). `column_scale` (float32 [K], contiguous) multiplies x's
-    columns as they are loaded: W (x * column_scale), the deferred RMSNorm's weight
-    (Fp8Weights.input_scale)."""
+    by every call (Fp8Weights.tile_counters)."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -340,18 +316,10 @@ def fp8_gemv(
         )
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    if column_scale is not None and (
-        column_scale.shape != (k,) or column_scale.dtype != torch.float32 or not column_scale.is_contiguous()
-    ):
-        raise ValueError(
-            f"fp8_gemv's column_scale must be a contiguous float32 [{k}], got "
-            f"{column_scale.dtype} {tuple(column_scale.shape)}"
-        )
     common = dict(
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN_K=k % block_k == 0, ROWS=m,
-        HAS_COLUMN_SCALE=column_scale is not None, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    column_arg = column_scale if column_scale is not None else scale
     bias_arg = bias if bias is not None else out
     residual_arg = residual if residual is not None else out
     residual_stride = residual.stride(0) if residual is not None else 0
@@ -362,7 +330,7 @@ def fp8_gemv(
             partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         _fp8_gemv_kernel[(grid_n, split_k)](
             x, weight, scale, bias_arg, residual_arg, out, partials,
-            tile_counters if split_k > 1 else scale, column_arg,
+            tile_counters if split_k > 1 else scale,
             m, n, k, k_per_split, x.stride(0), residual_stride, out.stride(0),
             SPLIT_K=split_k, BLOCK_K=block_k, **common,
         )  # fmt: skip
@@ -373,7 +341,7 @@ def fp8_gemv(
                 f"dividing {block[0]}, got {block_n}x{block_k}"
             )
         _fp8_gemv_block_kernel[(grid_n,)](
-            x, weight, scale, bias_arg, residual_arg, out, column_arg,
+            x, weight, scale, bias_arg, residual_arg, out,
             m, n, k, scale.shape[1], x.stride(0), residual_stride, out.stride(0),
             SCALE_BLOCK=block[1], SUBS=block_k // block[1], **common,
         )  # fmt: skip

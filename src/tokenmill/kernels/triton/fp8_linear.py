@@ -52,11 +52,6 @@ class Fp8Weights:
     # int32, zero between calls: the K-split GEMV's arrival count per column tile (fp8_gemv.py),
     # one per output feature (enough for any tile width).
     tile_counters: torch.Tensor
-    # float32 [K] or None: x's columns are multiplied by it before the product (the deferred
-    # RMSNorm's weight, which 16-bit weights absorb and FP8 ones cannot without requantizing:
-    # Fp8LinearMethod.fold_input_scale). Every path applies it: in the GEMV's x loads, in the
-    # activation quantization, or (skinny16) one multiply before.
-    input_scale: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -109,21 +104,16 @@ def prepare_fp8_weights(
 def _gemv(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     # With a residual, a new output tensor: faster than writing into the residual (fp8_gemv.py).
     return fp8_gemv(
-        x, w.weight, w.scale, w.block, bias, residual, out_dtype=out_dtype, tile_counters=w.tile_counters,
-        column_scale=w.input_scale,
-    )  # fmt: skip
+        x, w.weight, w.scale, w.block, bias, residual, out_dtype=out_dtype, tile_counters=w.tile_counters
+    )
 
 
 def _skinny16(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
-    if w.input_scale is not None:  # off by default (Fp8Dispatch): one multiply, not a kernel variant
-        x = (x.float() * w.input_scale).to(x.dtype)
     return fp8_skinny(x, None, w.weight, w.scale, w.block, bias, residual, out=residual, out_dtype=out_dtype)
 
 
 def _quantize(x: torch.Tensor, w: Fp8Weights) -> tuple[torch.Tensor, torch.Tensor]:
-    if w.block is None:
-        return quantize_per_token(x, w.input_scale)
-    return quantize_per_token_group(x, SCALE_BLOCK[1], w.input_scale)
+    return quantize_per_token(x) if w.block is None else quantize_per_token_group(x, SCALE_BLOCK[1])
 
 
 def _skinny8(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
@@ -139,7 +129,7 @@ def _gemm(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
 def _scaled_mm(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     """cuBLASLt's FP8 GEMM with row-wise scales (per-channel weights only). Its bias must be in
     the output dtype, and it has no residual input: those are added after."""
-    xq, x_scale = quantize_per_token(x, w.input_scale)
+    xq, x_scale = quantize_per_token(x)
     fused_bias = bias if bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32 else None
     y = torch._scaled_mm(
         xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale_row, bias=fused_bias, out_dtype=out_dtype

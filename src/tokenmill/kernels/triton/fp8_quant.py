@@ -47,25 +47,14 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _load_scaled(x_row, c_ptr, k, K, HAS_COLUMN_SCALE: tl.constexpr):
-    """x[row, k] in float32, times column_scale[k] (in float32) with HAS_COLUMN_SCALE."""
-    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-    if HAS_COLUMN_SCALE:
-        x *= tl.load(c_ptr + k, mask=k < K, other=0.0)
-    return x
-
-
-@triton.jit
 def _per_token_kernel(
     x_ptr,  # [M, K], last dimension contiguous
     q_ptr,  # [M, K] float8_e4m3fn, contiguous
     s_ptr,  # [M] float32
-    c_ptr,  # [K] float32 column scale (read only with HAS_COLUMN_SCALE)
     K,
     stride_xm,
     FP8_MAX: tl.constexpr,
     MIN_ABSMAX: tl.constexpr,
-    HAS_COLUMN_SCALE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -74,13 +63,13 @@ def _per_token_kernel(
     absmax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = _load_scaled(x_row, c_ptr, k, K, HAS_COLUMN_SCALE)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         absmax = tl.maximum(absmax, tl.abs(x))
     scale = tl.math.div_rn(tl.maximum(tl.max(absmax, axis=0), MIN_ABSMAX), FP8_MAX)
     # Second pass over the row: it was just read, so it comes from L1/L2, not HBM.
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = _load_scaled(x_row, c_ptr, k, K, HAS_COLUMN_SCALE)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row, scale)
@@ -91,7 +80,6 @@ def _per_group_kernel(
     x_ptr,  # [M, K], last dimension contiguous
     q_ptr,  # [M, K] float8_e4m3fn, contiguous
     s_ptr,  # [M, KB] float32 with strides (stride_sm, stride_sk)
-    c_ptr,  # [K] float32 column scale (read only with HAS_COLUMN_SCALE)
     K,
     KB,
     stride_xm,
@@ -99,7 +87,6 @@ def _per_group_kernel(
     stride_sk,
     FP8_MAX: tl.constexpr,
     MIN_ABSMAX: tl.constexpr,
-    HAS_COLUMN_SCALE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS: tl.constexpr,  # groups per program
 ):
@@ -107,7 +94,7 @@ def _per_group_kernel(
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     k_ok = k < K
-    x = _load_scaled(x_ptr + row * stride_xm, c_ptr, k, K, HAS_COLUMN_SCALE)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_ABSMAX), FP8_MAX)
     q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + row * K + k, q.to(q_ptr.dtype.element_ty), mask=k_ok)
@@ -122,28 +109,9 @@ def _check_activations(x: torch.Tensor) -> None:
         )
 
 
-def _check_column_scale(column_scale: torch.Tensor | None, x: torch.Tensor) -> None:
-    k = x.shape[1]
-    if column_scale is not None and (
-        column_scale.shape != (k,)
-        or column_scale.dtype != torch.float32
-        or not column_scale.is_contiguous()
-        or column_scale.device != x.device
-    ):
-        raise ValueError(
-            f"column_scale must be a contiguous float32 [{k}] on {x.device}, got "
-            f"{column_scale.dtype} {tuple(column_scale.shape)} on {column_scale.device}"
-        )
-
-
-def quantize_per_token(
-    x: torch.Tensor, column_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq [M, K] float8_e4m3fn contiguous, scale [M, 1] float32) with x ~= xq * scale; with
-    `column_scale` [K] (float32), of x * column_scale (multiplied in float32: a norm weight the
-    deferred RMSNorm moved here, Fp8Weights.input_scale)."""
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq [M, K] float8_e4m3fn contiguous, scale [M, 1] float32) with x ~= xq * scale."""
     _check_activations(x)
-    _check_column_scale(column_scale, x)
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -151,30 +119,18 @@ def quantize_per_token(
         return q, scale
     block_k = min(4096, triton.next_power_of_2(k))
     _per_token_kernel[(m,)](
-        x,
-        q,
-        scale,
-        scale if column_scale is None else column_scale,
-        k,
-        x.stride(0),
-        FP8_MAX=FP8_MAX,
-        MIN_ABSMAX=MIN_ABSMAX,
-        HAS_COLUMN_SCALE=column_scale is not None,
-        BLOCK_K=block_k,
+        x, q, scale, k, x.stride(0),
+        FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, BLOCK_K=block_k,
         num_warps=8 if block_k >= 2048 else 4,
     )
     return q, scale
 
 
-def quantize_per_token_group(
-    x: torch.Tensor, group_size: int = GROUP_SIZE, column_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_group(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq [M, K] float8_e4m3fn contiguous, scale [M, ceil(K / group_size)] float32) with
-    x[m, k] ~= xq[m, k] * scale[m, k // group_size] (of x * column_scale with `column_scale`, as
-    quantize_per_token). The scale is column-major (stride (1, M)): a GEMM tile reads the scales of
-    its rows for one K block as one contiguous run."""
+    x[m, k] ~= xq[m, k] * scale[m, k // group_size]. The scale is column-major (stride (1, M)): a
+    GEMM tile reads the scales of its rows for one K block as one contiguous run."""
     _check_activations(x)
-    _check_column_scale(column_scale, x)
     if group_size <= 0 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two, got {group_size}")
     m, k = x.shape
@@ -185,20 +141,8 @@ def quantize_per_token_group(
         return q, scale
     groups = max(1, min(8, 1024 // group_size, triton.next_power_of_2(kb)))
     _per_group_kernel[(m, triton.cdiv(kb, groups))](
-        x,
-        q,
-        scale,
-        scale if column_scale is None else column_scale,
-        k,
-        kb,
-        x.stride(0),
-        scale.stride(0),
-        scale.stride(1),
-        FP8_MAX=FP8_MAX,
-        MIN_ABSMAX=MIN_ABSMAX,
-        HAS_COLUMN_SCALE=column_scale is not None,
-        GROUP=group_size,
-        GROUPS=groups,
+        x, q, scale, k, kb, x.stride(0), scale.stride(0), scale.stride(1),
+        FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, GROUP=group_size, GROUPS=groups,
         num_warps=4,
     )
     return q, scale

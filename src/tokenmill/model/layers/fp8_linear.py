@@ -16,7 +16,6 @@ dequantized weights.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -33,20 +32,6 @@ if TYPE_CHECKING:
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
-    def __init__(self, spec, base, *, use_kernels: bool) -> None:
-        super().__init__(spec, base, use_kernels=use_kernels)
-        # The deferred RMSNorm's weight stays beside the FP8 weight (Fp8Weights.input_scale) and
-        # every GPU path multiplies x's columns by it; the CPU path multiplies 16-bit weights and
-        # has no deferred norm.
-        self.folds_input_scale = use_kernels
-
-    def fold_input_scale(self, layer: LinearBase, scale: torch.Tensor) -> None:
-        weights = layer.quantized_weights
-        column_scale = scale.to(device=weights.weight.device, dtype=torch.float32)
-        if weights.input_scale is not None:
-            column_scale = column_scale * weights.input_scale
-        layer.quantized_weights = dataclasses.replace(weights, input_scale=column_scale.contiguous())
-
     def create_checkpoint_params(
         self, layer: LinearBase, in_features: int, out_features: int, *, device, dtype: torch.dtype
     ) -> None:

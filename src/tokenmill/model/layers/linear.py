@@ -247,12 +247,11 @@ class LinearBase(nn.Module):
         return param, loaded
 
     def fold_input_scale(self, scale: torch.Tensor) -> None:
-        """Multiply the input by `scale` along its columns from now on (the deferred RMSNorm's fold):
-        16-bit weights absorb it (W <- W * scale, rounded once); a quantized method may keep it
-        beside its weights (LinearMethod.fold_input_scale)."""
+        """W <- W * scale along the input dimension, rounded once (the deferred RMSNorm's fold)."""
         if not self.method.folds_input_scale:
             raise ValueError(f"{type(self.method).__name__} cannot fold a scale into its weights")
-        self.method.fold_input_scale(self, scale)
+        with torch.no_grad():
+            self.weight.mul_(scale)
         # The layer's input now lacks this scale: what multiplies the same input beside the weight
         # (a LoRA adapter's A) must take it too.
         object.__setattr__(self, "folded_input_scale", scale)  # not a parameter of this layer

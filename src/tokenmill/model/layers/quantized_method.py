@@ -25,9 +25,7 @@ if TYPE_CHECKING:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    # The deferred RMSNorm's fold: a method that can multiply x's columns in its kernels says so
-    # (Fp8LinearMethod on the GPU); folding into quantized weights would need a requantization.
-    folds_input_scale = False
+    folds_input_scale = False  # the deferred RMSNorm's fold would need a requantization: not done
 
     def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
         self.spec = spec
