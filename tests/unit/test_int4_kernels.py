@@ -137,6 +137,10 @@ def test_configs_split_k_only_for_few_rows() -> None:
         for m in (MAX_FUSED_ROWS + 1, 8192):
             assert int4_config(m, n, k).dequantize
     assert int4_config(1, 4096, 14336).split_k > 1
+    # One row, an H200's 132 SMs (the sweep's picks): split 8; 2 stages where a split has 2 packs.
+    one_row = {shape: int4_config(1, *shape, 132) for shape in [(6144, 4096), (4096, 4096), (4096, 14336)]}
+    assert [(c.split_k, c.num_stages) for c in one_row.values()] == [(8, 2), (8, 2), (8, 4)]
+    assert int4_config(1, 28672, 4096, 132).split_k == 1  # gate_up: tiles enough
 
 
 # -- the kernel, interpreted ----------------------------------------------------------------------------

@@ -71,7 +71,24 @@ def int4_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4Config:
         return Int4Config(64, 128, _split_k(m, n, k, 64, 128, 0.7 * num_sms), num_warps=4, num_stages=4)
     if block_m == 32 and -(-n // 64) >= 2 * num_sms:  # wide (gate_up): tiles enough, 4 warps on 128 rows
         return Int4Config(32, 128, 1, num_warps=4, num_stages=4, w_left=False)
+    if m == 1:
+        return _one_row_config(n, k, num_sms)
     return Int4Config(block_m, 64, _split_k(m, n, k, block_m, 64, 1.9 * num_sms), num_warps=2, num_stages=4)
+
+
+def _one_row_config(n: int, k: int, num_sms: int) -> Int4Config:
+    """One row (a single request decoding) has the least work per weight tile, and an H200 sweep
+    (int4-linear-sweep-h200.json, int4-linear-sweep2-h200.json) took twice the programs where K
+    is split at all:
+    split 8 for down (13.94 / 14.05 against 15.31 / 15.32 us split 4) and qkv (8.77 against 9.47,
+    with 2 stages), o_proj 7.48 against 7.57. A split of at most two packs runs 2 stages: a deeper
+    pipeline only loads past its end (qkv split 8 with 4 stages: 11.86 us)."""
+    split_k = _split_k(1, n, k, 16, 64, 1.9 * num_sms)
+    if split_k > 1:  # too few tiles (not gate_up: split 2 there, 27.42 against 25.00 us unsplit)
+        split_k = _split_k(1, n, k, 16, 64, 3.8 * num_sms)
+    num_packs = -(-k // PACK_K)
+    packs_per_split = -(-num_packs // split_k)
+    return Int4Config(16, 64, split_k, num_warps=2, num_stages=2 if packs_per_split <= 2 else 4)
 
 
 def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, min_programs: float) -> int:
