@@ -214,6 +214,23 @@ FORMAT_FACTORS["moe-fp8"] = _quantized_moe_format("fp8")
 FORMAT_FACTORS["moe-int4"] = _quantized_moe_format("int4")
 
 
+# Dense quantized formats on a GPU with a same-call run pair of its own: the single stream's fitted
+# bandwidth efficiency of the format over the 16-bit run's (files: the quantized run, then the 16-bit
+# one), a multiplier of that GPU's 16-bit bandwidth efficiency in place of the H100 factor (whose
+# 0.80 / 0.59 made the H200 plan FP8 ~1.48x and INT4 ~1.85x bf16, measured 1.36x / 1.54x: the
+# quantized GEMVs are bound by instructions, not bytes, so they gain less from the H200's
+# bandwidth). fit_quantized_moe() over the files gives the numbers (a test checks they agree).
+# Prefill keeps the H100 factor (no offline run of a quantized dense model on another GPU).
+QUANTIZED_DENSE_BANDWIDTH: dict[tuple[str, str], QuantizedMoEFactor] = {
+    ("fp8", "H200"): QuantizedMoEFactor(
+        0.7324, "H200", ("latency-llama-3.1-8b-fp8-h200-f59197f.json", "latency-llama-3.1-8b-none-h200-f59197f.json")
+    ),
+    ("int4", "H200"): QuantizedMoEFactor(
+        0.4898, "H200", ("latency-llama-3.1-8b-awq-h200-f59197f.json", "latency-llama-3.1-8b-none-h200-f59197f.json")
+    ),
+}
+
+
 def format_key(quantization: str | None, is_moe: bool) -> str | None:
     if is_moe:
         if quantization is None:
@@ -224,10 +241,23 @@ def format_key(quantization: str | None, is_moe: bool) -> str | None:
     return "int4" if quantization in ("awq", "gptq") else None
 
 
-def for_format(eff: Efficiency, key: str | None) -> Efficiency:
+def format_factor(key: str, gpu_name: str) -> FormatFactor:
+    """The factors of weight format `key` on `gpu_name`: the table's (H100-fitted), with a dense
+    quantized format's bandwidth from the GPU's own same-call pair where there is one."""
+    factor = FORMAT_FACTORS[key]
+    own = QUANTIZED_DENSE_BANDWIDTH.get((key, gpu_name))
+    if own is None:
+        return factor
+    return FormatFactor(
+        own.bandwidth, factor.prefill,
+        f"bandwidth: {own.files[0]} over the same call's {own.files[1]} ({own.gpu}); prefill: {factor.source}",
+    )  # fmt: skip
+
+
+def for_format(eff: Efficiency, key: str | None, gpu_name: str = "H100") -> Efficiency:
     if key is None:
         return eff
-    factor = FORMAT_FACTORS[key]
+    factor = format_factor(key, gpu_name)
     return Efficiency(
         eff.bandwidth * factor.bandwidth,
         eff.prefill * factor.prefill,

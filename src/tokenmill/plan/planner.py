@@ -7,10 +7,10 @@ from typing import Any
 
 from tokenmill.model.arch import ArchConfig
 from tokenmill.plan.calibration import (
-    FORMAT_FACTORS,
     all_reduce_for,
     calibration_for,
     for_format,
+    format_factor,
     format_key,
     fp8_compute,
 )
@@ -116,7 +116,7 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
         machine,
         weights,
         kv,
-        for_format(cal.efficiency, key),
+        for_format(cal.efficiency, key, gpu.name),
         work,
         model_shape(arch),
     )
@@ -127,7 +127,7 @@ def make_plan(req: PlanRequest) -> dict[str, Any]:
             "source": all_reduce.source,
         }
     if key is not None:
-        plan["format_factor"] = {"format": key, "source": FORMAT_FACTORS[key].source}
+        plan["format_factor"] = {"format": key, "source": format_factor(key, gpu.name).source}
     total_tps = pred.output_tokens_per_s * (req.input_len + req.output_len) / req.output_len
     plan["batch1"] = {
         "roofline_tokens_per_s": pred.batch1_roofline_tokens_per_s,
