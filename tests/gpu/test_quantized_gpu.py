@@ -103,6 +103,8 @@ def test_bf16_quantized_model_tracks_transformers_on_the_dequantized_weights(qua
     # Chunks of at most 64 tokens: the 16-bit-activation kernels take at most 64 rows.
     llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
     assert any(isinstance(layer.method, QuantizedLinearMethod) for layer in linear_layers(llm.engine.runner.model))
+    # Checkpoint weights keep their norm launches (folding would need a requantization).
+    assert not any(layer.norms_folded for layer in llm.engine.runner.model.layers)
     prompts = _prompts(llm.info.vocab_size, 4, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
     diffs = []
@@ -145,6 +147,8 @@ def test_graphs_and_eager_agree_when_quantized_at_load(llama_source, quantizatio
     for eager in (False, True):
         llm = LLM(str(llama_source), device="cuda", max_model_len=256, num_kv_blocks=128,
                   quantization=quantization, enforce_eager=eager)  # fmt: skip
+        # Quantized at load: the norm weights were folded in before quantizing (the deferred norm).
+        assert all(layer.norms_folded for layer in llm.engine.runner.model.layers)
         outputs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
         llm.engine.check_invariants()
         del llm

@@ -91,6 +91,10 @@ def load_model(
         model.load_weights(iter_pt_weights(Path(resolved.path)))
     else:
         model.load_weights(iter_safetensors_weights(Path(resolved.path), device))
+    if quantization is not None and not quantization.from_checkpoint:
+        # Quantized at load: the norm weights fold into the 16-bit weights, then those are quantized
+        # (QuantizedLinearMethod.folds_input_scale); the call below then finds them folded.
+        model.fold_norm_weights()
     process_weights_after_loading(model)
     process_experts_after_loading(model)  # FP8 experts: the kernels' form, or dequantized
     model.fold_norm_weights()  # where the linear methods can (CUDA)

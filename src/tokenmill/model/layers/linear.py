@@ -247,11 +247,11 @@ class LinearBase(nn.Module):
         return param, loaded
 
     def fold_input_scale(self, scale: torch.Tensor) -> None:
-        """W <- W * scale along the input dimension, rounded once (the deferred RMSNorm's fold)."""
+        """W <- W * scale along the input dimension, rounded once (the deferred RMSNorm's fold), as
+        the layer's method does it (LinearMethod.fold_input_scale)."""
         if not self.method.folds_input_scale:
             raise ValueError(f"{type(self.method).__name__} cannot fold a scale into its weights")
-        with torch.no_grad():
-            self.weight.mul_(scale)
+        self.method.fold_input_scale(self, scale)
         # The layer's input now lacks this scale: what multiplies the same input beside the weight
         # (a LoRA adapter's A) must take it too.
         object.__setattr__(self, "folded_input_scale", scale)  # not a parameter of this layer

@@ -58,6 +58,12 @@ class LinearMethod:
         for layer in layers:
             self.process_weights_after_loading(layer)
 
+    def fold_input_scale(self, layer: LinearBase, scale: torch.Tensor) -> None:
+        """W <- W * scale along the input dimension, rounded once: the layer now multiplies x * scale
+        where it multiplied x. Only called where `folds_input_scale`."""
+        with torch.no_grad():
+            layer.weight.mul_(scale)
+
     def release_single_row_copy(self, layer: LinearBase) -> None:
         """Free a second copy of the weights kept only for one-row products (another method serves
         those now). Nothing to free here."""
@@ -111,6 +117,9 @@ class WrappingLinearMethod(LinearMethod):
 
     def process_layers_after_loading(self, layers: Sequence[LinearBase]) -> None:
         self.inner.process_layers_after_loading(layers)
+
+    def fold_input_scale(self, layer: LinearBase, scale: torch.Tensor) -> None:
+        self.inner.fold_input_scale(layer, scale)
 
     def release_single_row_copy(self, layer: LinearBase) -> None:
         self.inner.release_single_row_copy(layer)

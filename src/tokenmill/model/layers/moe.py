@@ -362,12 +362,14 @@ class SparseMoEBlock(nn.Module):
     def can_fold_input_scale(self) -> bool:
         """Whether the post-attention norm's weight can go into the router and the experts'
         gate/up: only for the Triton ops (their GEMV launches apply 1/rms), a router whose method
-        folds, no shared expert and one rank (its gate and the all-reduce have no place for it)."""
+        folds, 16-bit experts, no shared expert and one rank (its gate and the all-reduce have no
+        place for it)."""
         return (
             isinstance(self.moe_ops, TritonMoEOps)
             and self.shared_expert is None
             and self.experts.tp_size == 1
             and self.gate.method.folds_input_scale
+            and self.experts.quant is None  # (quantized at load, experts are still 16-bit at the first fold)
             and self.experts.gate_up_proj.dtype in (torch.bfloat16, torch.float16, torch.float32)
         )
 

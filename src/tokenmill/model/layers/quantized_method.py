@@ -25,14 +25,27 @@ if TYPE_CHECKING:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    folds_input_scale = False  # the deferred RMSNorm's fold would need a requantization: not done
-
     def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
         self.spec = spec
         self.base = base  # the 16-bit method: excluded layers (lm_head, ignore), and the CPU's products
         self.use_kernels = use_kernels
         self.residual_in_epilogue = use_kernels
         self.dtype = torch.float32  # the model's, set by create_weights
+        # The deferred RMSNorm's fold (W <- W * norm weight): weights quantized at load take it into
+        # their 16-bit form before they are quantized (registry.load_model folds first), so the
+        # kernels multiply the folded weight and decode steps skip the norm launches as 16-bit
+        # models do. A quantized checkpoint's weights would need a requantization (an extra
+        # rounding): not done. Multiplying x by the norm weight inside the kernels instead cost the
+        # FP8 GEMVs more than the launches (benchmarks/BENCHMARKS.md, issue 16 on the H200).
+        self.folds_input_scale = use_kernels and not spec.from_checkpoint
+
+    def fold_input_scale(self, layer: LinearBase, scale: torch.Tensor) -> None:
+        if getattr(layer, "quantized_weights", None) is not None or self.spec.from_checkpoint:
+            raise ValueError(
+                f"{type(self).__name__} folds a norm weight into 16-bit weights before it quantizes them "
+                "at load (fold_norm_weights before process_weights_after_loading), not into quantized ones"
+            )
+        LinearMethod.fold_input_scale(self, layer, scale)
 
     # -- subclass hooks -------------------------------------------------------------------------------
 
