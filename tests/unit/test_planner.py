@@ -205,11 +205,15 @@ def test_the_format_factors_are_what_their_files_give(key, config, quantization)
 
 
 @pytest.mark.parametrize(("method", "quantization"), [("fp8", "fp8"), ("int4", "awq")])
-def test_the_quantized_moe_factors_are_what_their_files_give(method, quantization):
-    table = calibration.QUANTIZED_MOE_FACTORS[method]
-    fitted = calibration.fit_quantized_moe(
-        GPUS[table.gpu], bench_arch("qwen3-30b-a3b"), quantization, table.files, RESULTS
-    )  # fmt: skip
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "llama-3.1-8b"])
+def test_the_same_call_quantized_factors_are_what_their_files_give(method, quantization, config):
+    """QUANTIZED_MOE_FACTORS (Qwen3-30B-A3B's routed experts) and QUANTIZED_DENSE_BANDWIDTH (the
+    H200's Llama-3.1-8B pair)."""
+    if config == "qwen3-30b-a3b":
+        table = calibration.QUANTIZED_MOE_FACTORS[method]
+    else:
+        table = calibration.QUANTIZED_DENSE_BANDWIDTH[(method, "H200")]
+    fitted = calibration.fit_quantized_moe(GPUS[table.gpu], bench_arch(config), quantization, table.files, RESULTS)
     assert fitted == pytest.approx(table.bandwidth, rel=1e-3)
 
 
@@ -224,15 +228,6 @@ def test_quantized_moe_single_stream_keeps_the_measured_ratio_to_16_bit(method, 
     assert plans[0]["format_factor"]["format"] == f"moe-{method}"
     ratio = plans[0]["batch1"]["predicted_tokens_per_s"] / plans[1]["batch1"]["predicted_tokens_per_s"]
     assert ratio == pytest.approx(measured, rel=0.01)
-
-
-@pytest.mark.parametrize(("method", "quantization"), [("fp8", "fp8"), ("int4", "awq")])
-def test_dense_quantized_h200_factors_are_what_their_files_give(method, quantization):
-    table = calibration.QUANTIZED_DENSE_BANDWIDTH[(method, "H200")]
-    fitted = calibration.fit_quantized_moe(
-        GPUS[table.gpu], bench_arch("llama-3.1-8b"), quantization, table.files, RESULTS
-    )  # fmt: skip
-    assert fitted == pytest.approx(table.bandwidth, rel=1e-3)
 
 
 @pytest.mark.parametrize(("method", "quantization"), [("fp8", "fp8"), ("int4", "awq")])

@@ -110,14 +110,7 @@ def _fp8_gemv_kernel(
     col_scale = tl.load(ws_ptr + cols_c)
     if SPLIT_K == 1:
         for row in tl.static_range(ROWS):
-            if row == 0:
-                acc = acc0
-            elif row == 1:
-                acc = acc1
-            elif row == 2:
-                acc = acc2
-            else:
-                acc = acc3
+            acc = _row_acc(row, acc0, acc1, acc2, acc3)
             store_output(
                 (tl.sum(acc, axis=1) * col_scale)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
                 bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
@@ -154,6 +147,20 @@ def _fp8_gemv_kernel(
                     bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
                 )  # fmt: skip
             tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _row_acc(row: tl.constexpr, acc0, acc1, acc2, acc3):
+    """The accumulator of activation row `row` (the kernels keep one per row, up to four)."""
+    if row == 0:
+        acc = acc0
+    elif row == 1:
+        acc = acc1
+    elif row == 2:
+        acc = acc2
+    else:
+        acc = acc3
+    return acc
 
 
 @triton.jit
@@ -226,14 +233,7 @@ def _fp8_gemv_block_kernel(
         x2_at += SUBS * SCALE_BLOCK
         x3_at += SUBS * SCALE_BLOCK
     for row in tl.static_range(ROWS):
-        if row == 0:
-            acc = acc0
-        elif row == 1:
-            acc = acc1
-        elif row == 2:
-            acc = acc2
-        else:
-            acc = acc3
+        acc = _row_acc(row, acc0, acc1, acc2, acc3)
         store_output(
             tl.sum(tl.sum(acc, axis=2), axis=1)[None, :], tl.full((1,), row, tl.int32), cols, M, N,
             bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, HAS_BIAS, HAS_RESIDUAL,
