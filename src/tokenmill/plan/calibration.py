@@ -254,7 +254,7 @@ def format_factor(key: str, gpu_name: str) -> FormatFactor:
     )  # fmt: skip
 
 
-def for_format(eff: Efficiency, key: str | None, gpu_name: str = "H100") -> Efficiency:
+def for_format(eff: Efficiency, key: str | None, gpu_name: str) -> Efficiency:
     if key is None:
         return eff
     factor = format_factor(key, gpu_name)
