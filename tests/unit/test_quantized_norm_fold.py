@@ -1,6 +1,6 @@
-"""The deferred RMSNorm's fold for quantized linear layers (layers/quantized_method.py): weights
+"""The deferred RMSNorm's fold for quantized linear layers (layers/quantized_method.py): FP8 weights
 quantized at load on the GPU take the norm weight into their 16-bit form before they are quantized;
-checkpoint weights and the CPU's reference path do not fold. The kernels are not run here (the
+INT4, checkpoint weights and the CPU's reference path do not fold. The kernels are not run here (the
 layers' products are tested in test_fp8_kernels.py / test_int4_kernels.py; the folded models on the
 GPU in tests/gpu/test_quantized_gpu.py)."""
 
@@ -35,9 +35,9 @@ def _kernel_form(layer):
     return [getattr(prepared, f.name) for f in dataclasses.fields(prepared) if f.name not in ("tile_counters",)]
 
 
-@pytest.mark.parametrize("method_name", list(METHODS))
-def test_at_load_weights_fold_the_norm_weight_before_they_are_quantized(method_name: str) -> None:
+def test_at_load_fp8_weights_fold_the_norm_weight_before_they_are_quantized() -> None:
     """Folding then quantizing gives exactly the kernels' form of quantize(W * norm weight)."""
+    method_name = "fp8"
     folded, method, gen = _layer(method_name, use_kernels=True)
     norm_weight = (torch.rand(256, generator=gen) + 0.5).to(torch.bfloat16)
     reference, reference_method, _ = _layer(method_name, use_kernels=True)
@@ -58,9 +58,11 @@ def test_at_load_weights_fold_the_norm_weight_before_they_are_quantized(method_n
 
 
 @pytest.mark.parametrize("method_name", list(METHODS))
-def test_checkpoint_weights_and_the_cpu_path_do_not_fold(method_name: str) -> None:
+def test_int4_checkpoint_weights_and_the_cpu_path_do_not_fold(method_name: str) -> None:
     _, cpu_method, _ = _layer(method_name, use_kernels=False)
     assert not cpu_method.folds_input_scale
+    _, gpu_method, _ = _layer(method_name, use_kernels=True)
+    assert gpu_method.folds_input_scale == (method_name == "fp8")  # INT4's shared grids: not folded
     spec = dataclasses.replace(at_load_quantization(method_name), from_checkpoint=True)
     assert not METHODS[method_name](spec, LinearMethod(), use_kernels=True).folds_input_scale
     layer, _, _ = _layer(method_name, use_kernels=False)

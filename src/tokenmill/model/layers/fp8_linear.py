@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
+    def __init__(self, spec, base, *, use_kernels: bool) -> None:
+        super().__init__(spec, base, use_kernels=use_kernels)
+        # At-load FP8 folds the deferred RMSNorm's weight before quantizing: e4m3 rounds relative to
+        # each value, so quantize(W * w) is as accurate per element as quantize(W) (short of
+        # subnormals). INT4 does not: its groups share one uniform grid, which the fold would stretch
+        # to the largest w * W of the group (a quality change not measured).
+        self.folds_input_scale = use_kernels and not spec.from_checkpoint
+
     def create_checkpoint_params(
         self, layer: LinearBase, in_features: int, out_features: int, *, device, dtype: torch.dtype
     ) -> None:

@@ -31,13 +31,14 @@ class QuantizedLinearMethod(LinearMethod):
         self.use_kernels = use_kernels
         self.residual_in_epilogue = use_kernels
         self.dtype = torch.float32  # the model's, set by create_weights
-        # The deferred RMSNorm's fold (W <- W * norm weight): weights quantized at load take it into
-        # their 16-bit form before they are quantized (registry.load_model folds first), so the
-        # kernels multiply the folded weight and decode steps skip the norm launches as 16-bit
-        # models do. A quantized checkpoint's weights would need a requantization (an extra
-        # rounding): not done. Multiplying x by the norm weight inside the kernels instead cost the
-        # FP8 GEMVs more than the launches (benchmarks/BENCHMARKS.md, issue 16 on the H200).
-        self.folds_input_scale = use_kernels and not spec.from_checkpoint
+        # The deferred RMSNorm's fold (W <- W * norm weight), where a subclass allows it: weights
+        # quantized at load take it into their 16-bit form before they are quantized
+        # (registry.load_model folds first), so the kernels multiply the folded weight and decode
+        # steps skip the norm launches as 16-bit models do. A quantized checkpoint's weights would
+        # need a requantization (an extra rounding): not done. Multiplying x by the norm weight
+        # inside the kernels instead cost the FP8 GEMVs more than the launches
+        # (benchmarks/BENCHMARKS.md, issue 16 on the H200).
+        self.folds_input_scale = False
 
     def fold_input_scale(self, layer: LinearBase, scale: torch.Tensor) -> None:
         if getattr(layer, "quantized_weights", None) is not None or self.spec.from_checkpoint:
