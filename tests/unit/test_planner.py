@@ -213,7 +213,7 @@ def test_the_same_call_quantized_factors_are_what_their_files_give(method, quant
         table = calibration.QUANTIZED_MOE_FACTORS[method]
     else:
         table = calibration.QUANTIZED_DENSE_BANDWIDTH[(method, "H200")]
-    fitted = calibration.fit_quantized_moe(GPUS[table.gpu], bench_arch(config), quantization, table.files, RESULTS)
+    fitted = calibration.fit_same_call_ratio(GPUS[table.gpu], bench_arch(config), quantization, table.files, RESULTS)
     assert fitted == pytest.approx(table.bandwidth, rel=1e-3)
 
 

@@ -168,34 +168,36 @@ FORMAT_FACTORS: dict[str, FormatFactor] = {
 
 
 @dataclass(frozen=True, slots=True)
-class QuantizedMoEFactor:
-    """Quantized routed experts against 16-bit ones: the ratio of their fitted bandwidth
-    efficiencies on single-stream runs of the same model in the same device call (`files`: the
-    quantized run, then the 16-bit one), a multiplier of the 16-bit MoE factor. Prefill keeps the
-    16-bit MoE's factor: the offline model does not reproduce the H200's 16-bit MoE run (its fitted
-    prefill efficiency saturates at the bisection's 1.5 on `throughput-qwen3-30b-a3b-h200-256-*`),
-    so a prefill ratio fitted against it would mean nothing."""
+class SameCallRatio:
+    """A quantized format against 16-bit weights: the ratio of their fitted bandwidth efficiencies
+    on single-stream runs of the same model in the same device call on `gpu` (`files`: the
+    quantized run, then the 16-bit one; fit_same_call_ratio).
+
+    For routed experts (QUANTIZED_MOE_FACTORS) it multiplies the 16-bit MoE factor. Prefill keeps
+    the 16-bit MoE's factor: the offline model does not reproduce the H200's 16-bit MoE run (its
+    fitted prefill efficiency saturates at the bisection's 1.5 on
+    `throughput-qwen3-30b-a3b-h200-256-*`), so a prefill ratio fitted against it would mean nothing."""
 
     bandwidth: float
     gpu: str
     files: tuple[str, str]
 
 
-# fit_quantized_moe() over these files gives the numbers (a test checks they agree).
-QUANTIZED_MOE_FACTORS: dict[str, QuantizedMoEFactor] = {
-    "fp8": QuantizedMoEFactor(
+# fit_same_call_ratio() over these files gives the numbers (a test checks they agree).
+QUANTIZED_MOE_FACTORS: dict[str, SameCallRatio] = {
+    "fp8": SameCallRatio(
         0.6264, "H200", ("latency-qwen3-30b-a3b-h200-fp8-experts.json", "latency-qwen3-30b-a3b-h200-bf16-fp8-ab.json")
     ),
-    "int4": QuantizedMoEFactor(
+    "int4": SameCallRatio(
         0.3352, "H200",
         ("latency-qwen3-30b-a3b-awq-planes-h200.json", "latency-qwen3-30b-a3b-bf16-vs-awq-planes-h200.json"),
     ),  # fmt: skip
 }
 
 
-def fit_quantized_moe(gpu: GpuSpec, arch: ArchConfig, quantization: str, files: tuple[str, str], results: Path) -> float:
-    """The bandwidth ratio of quantized experts' fitted efficiency over the 16-bit ones' (files in
-    the `results` directory)."""
+def fit_same_call_ratio(gpu: GpuSpec, arch: ArchConfig, quantization: str, files: tuple[str, str], results: Path) -> float:
+    """The bandwidth ratio of a quantized run's fitted efficiency over the same call's 16-bit run's
+    (files in the `results` directory)."""
     quantized_latency, base_latency = files
     bandwidth = fit_bandwidth(gpu, arch, results / quantized_latency, quantization)
     return bandwidth / fit_bandwidth(gpu, arch, results / base_latency)
@@ -219,13 +221,13 @@ FORMAT_FACTORS["moe-int4"] = _quantized_moe_format("int4")
 # one), a multiplier of that GPU's 16-bit bandwidth efficiency in place of the H100 factor (whose
 # 0.80 / 0.59 made the H200 plan FP8 ~1.48x and INT4 ~1.85x bf16, measured 1.36x / 1.54x: the
 # quantized GEMVs are bound by instructions, not bytes, so they gain less from the H200's
-# bandwidth). fit_quantized_moe() over the files gives the numbers (a test checks they agree).
+# bandwidth). fit_same_call_ratio() over the files gives the numbers (a test checks they agree).
 # Prefill keeps the H100 factor (no offline run of a quantized dense model on another GPU).
-QUANTIZED_DENSE_BANDWIDTH: dict[tuple[str, str], QuantizedMoEFactor] = {
-    ("fp8", "H200"): QuantizedMoEFactor(
+QUANTIZED_DENSE_BANDWIDTH: dict[tuple[str, str], SameCallRatio] = {
+    ("fp8", "H200"): SameCallRatio(
         0.7324, "H200", ("latency-llama-3.1-8b-fp8-h200-f59197f.json", "latency-llama-3.1-8b-none-h200-f59197f.json")
     ),
-    ("int4", "H200"): QuantizedMoEFactor(
+    ("int4", "H200"): SameCallRatio(
         0.4898, "H200", ("latency-llama-3.1-8b-awq-h200-f59197f.json", "latency-llama-3.1-8b-none-h200-f59197f.json")
     ),
 }

@@ -29,10 +29,12 @@ from tokenmill.model.layers.quantized_method import (
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.linear import LinearBase
+    from tokenmill.model.layers.linear_method import LinearMethod
+    from tokenmill.model.loader.quant_config import QuantizationSpec
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
-    def __init__(self, spec, base, *, use_kernels: bool) -> None:
+    def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
         super().__init__(spec, base, use_kernels=use_kernels)
         # At-load FP8 folds the deferred RMSNorm's weight before quantizing: e4m3 rounds relative to
         # each value, so quantize(W * w) is as accurate per element as quantize(W) (short of
