@@ -38,8 +38,9 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         super().__init__(spec, base, use_kernels=use_kernels)
         # At-load FP8 folds the deferred RMSNorm's weight before quantizing: e4m3 rounds relative to
         # each value, so quantize(W * w) is as accurate per element as quantize(W) (short of
-        # subnormals). INT4 does not: its groups share one uniform grid, which the fold would stretch
-        # to the largest w * W of the group (a quality change not measured).
+        # subnormals). INT4 does not: its groups share one uniform grid, which the fold stretches to
+        # the largest w * W of the group. On the default model's weights, folded vs not: FP8 mean
+        # KL 0.016 vs 0.019, INT4 (awq) 0.79 vs 0.37 (benchmarks/norm_fold_quality.py).
         self.folds_input_scale = use_kernels and not spec.from_checkpoint
 
     def create_checkpoint_params(
