@@ -14,6 +14,7 @@ first checked against F.linear on the dequantized weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import types
 
@@ -64,11 +65,13 @@ def decode_candidates(m: int) -> list[Int4Config]:
             (128, 8, 3, True, True),
         ]
         splits = (1, 2, 4, 8)
-    return [
+    configs = [
         Int4Config(block_m, n, s, w, st, scale_after, w_left)
         for n, w, st, scale_after, w_left in tiles
         for s in splits
     ]
+    # Zero points through sum(x) (ZERO_BY_XSUM) on the scale-after, weights-left tiles.
+    return configs + [dataclasses.replace(c, zero_by_xsum=True) for c in configs if c.scale_after and c.w_left]
 
 
 PREFILL_CANDIDATES = [

@@ -176,3 +176,23 @@ def test_cuda_graph_replays_with_new_inputs() -> None:
         _check(residual, start.float() + x_decode.float() @ dense.t(), torch.bfloat16)
         _check(out["prefill"], x_prefill.float() @ dense.t(), torch.bfloat16)
     assert w.tile_counters.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, Int4Config(16, 64, 8, num_warps=2, num_stages=2, zero_by_xsum=True)),
+        (1, Int4Config(16, 64, 1, num_warps=2, num_stages=4, zero_by_xsum=True)),
+        (16, Int4Config(16, 64, 4, zero_by_xsum=True)),
+        (64, Int4Config(64, 128, 2, zero_by_xsum=True)),
+    ],
+)
+def test_zero_points_through_the_sum_of_x(dtype: torch.dtype, m: int, config) -> None:
+    """ZERO_BY_XSUM: the dots take 128 + q (1024 + q in float16) and each group's partial sums
+    lose (128 + zero) * sum(x) from a dot of ones: within the same bound as the per-weight zero
+    subtraction, at the two Llama shapes with the most groups per row, with and without bf16 scales."""
+    for k, n, scale_dtype in ((4096, 6144, torch.float16), (14336, 4096, torch.bfloat16)):
+        w, dense = _weights(k, n, 128, False, scale_dtype)
+        x = _x(m, k, dtype, seed=11)
+        _check(int4_linear(x, w, config=config), x.float() @ dense.t(), dtype)

@@ -123,6 +123,8 @@ def test_int4_linear_refuses_bad_calls() -> None:
         int4_linear(torch.zeros(65, 256, dtype=torch.float16), w, config=Int4Config(64, 32, split_k=2))
     with pytest.raises(ValueError, match="block_n must be"):
         int4_linear(x, w, config=Int4Config(16, 48))
+    with pytest.raises(ValueError, match="zero_by_xsum needs scale_after and w_left"):
+        int4_linear(x, w, config=Int4Config(16, 32, w_left=False, zero_by_xsum=True))
 
 
 def test_configs_split_k_only_for_few_rows() -> None:
@@ -164,6 +166,12 @@ CASES = [  # (n, k, group_size, act_order, m, config)
     (130, 300, 32, False, 33, Int4Config(64, 32, split_k=2, w_left=False, scale_after=False)),
     (24, 768, 256, True, 5, Int4Config(16, 16, dequantize=True)),  # 16-bit weights + F.linear
     (130, 300, -1, False, 70, Int4Config(16, 16, dequantize=True)),
+    # Zero points through sum(x) (ZERO_BY_XSUM): per channel with K below a pack, groups of one
+    # plane with a partial pack and an empty split, act-order, groups of two packs.
+    (24, 96, -1, False, 1, Int4Config(16, 16, zero_by_xsum=True)),
+    (40, 300, 32, False, 5, Int4Config(16, 32, split_k=2, zero_by_xsum=True)),
+    (40, 512, 64, True, 3, Int4Config(16, 32, split_k=2, zero_by_xsum=True)),
+    (16, 1024, 512, False, 2, Int4Config(16, 16, split_k=4, zero_by_xsum=True)),
 ]
 
 

@@ -27,6 +27,8 @@ class Int4Config:
     # right (mma.sync for block_m < 64).
     w_left: bool = True
     asm_dequant: bool = True  # on CUDA: unpack with inline PTX (else the interpreter's plain Triton)
+    # Zero points through sum(x) (int4_kernel.py ZERO_BY_XSUM); needs scale_after and w_left.
+    zero_by_xsum: bool = False
     dequantize: bool = False  # dequantize the whole weight to 16 bits and use cuBLAS (tiles unused)
 
     def check(self) -> None:
@@ -36,6 +38,8 @@ class Int4Config:
             raise ValueError(f"Int4Config.block_m must be a power of two >= 16, got {self.block_m}")
         if self.split_k < 1:
             raise ValueError(f"Int4Config.split_k must be >= 1, got {self.split_k}")
+        if self.zero_by_xsum and not (self.scale_after and self.w_left):
+            raise ValueError("Int4Config.zero_by_xsum needs scale_after and w_left")
 
 
 def block_m_for(m: int) -> int:

@@ -20,7 +20,16 @@ def dequant_plane(
     packed, j: tl.constexpr, zero_magic, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr
 ):
     """Nibble plane j of a [R, C] tile of words (int4_pack.py's layout), minus the zero points, as
-    exact small integers in DTYPE. `zero_magic` [R] is (zero | MAGIC) as DTYPE (`magic_zeros`).
+    exact small integers in DTYPE. `zero_magic` [R] is (zero | MAGIC) as DTYPE (`magic_zeros`)."""
+    return magic_plane(packed, j, MAGIC, DTYPE, ASM) - zero_magic[:, None]
+
+
+@triton.jit
+def magic_plane(packed, j: tl.constexpr, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Nibble plane j of a [R, C] tile of words as MAGIC-offset values in DTYPE, exactly: 128 + q
+    (bfloat16) or 1024 + q (float16). dequant_plane subtracts the zero points' same offset from
+    them; a kernel may instead subtract (zero + offset) * sum(x) from the product (int4_kernel.py,
+    ZERO_BY_XSUM).
 
     Words 2c and 2c + 1 hold planes 0-3 and 4-7 of columns 2c (low halfword) and 2c + 1 (high), so
     one shift and one LOP3 on one word make both 16-bit values of the register pair the tensor
@@ -33,7 +42,7 @@ def dequant_plane(
             f"lop3.b32 $0, t, 0x000F000F, {MAGIC * 0x10001}, 0xEA; }}",
             constraints="=r,r,r",
             args=[packed],
-            dtype=zero_magic.dtype,
+            dtype=tl.zeros((1,), DTYPE).dtype,  # DTYPE itself arrives wrapped as a constexpr
             is_pure=True,
             pack=2,
         )
@@ -46,7 +55,7 @@ def dequant_plane(
         low = (((word >> SHIFT) & 0xF) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
         high = (((word >> (SHIFT + 16)) & 0xF) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
         pair = tl.reshape(tl.join(low, high), (packed.shape[0], packed.shape[1]))
-    return pair - zero_magic[:, None]
+    return pair
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.int4_dequant import dequant_plane, unpack_scale_zero
+from tokenmill.kernels.triton.int4_dequant import dequant_plane, magic_plane, unpack_scale_zero
 
 
 # Shape arguments are not specialized (on == 1 or on divisibility by 16): they only bound loops and
@@ -58,6 +58,11 @@ def int4_matmul_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % (8 * CHUNK) == 0: x loads need no column mask
     SCALE_AFTER: tl.constexpr,
+    # With SCALE_AFTER and W_LEFT: the dots take 128 + q (no per-weight zero subtraction), and each
+    # group's partial sums lose (128 + zero) * sum(x), sum(x) from a dot of ones with the same x
+    # tile (it lands in the accumulator's layout, broadcast over the rows): one HMMA per weight HMMA
+    # instead of one HADD2 per two weights.
+    ZERO_BY_XSUM: tl.constexpr,
     ASM: tl.constexpr,  # dequantize with inline PTX (CUDA), else plain Triton (the interpreter)
     SCALE_BF16: tl.constexpr,  # the scales' 16 bits are bfloat16 (else float16)
     SPLIT_K: tl.constexpr,
@@ -86,6 +91,8 @@ def int4_matmul_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ZERO_BY_XSUM:
+        ones = tl.full((BLOCK_N, CHUNK), 1.0, DTYPE)
     for t in range(first_pack, end_pack):
         # Each weight byte is read once per call: don't let it push x out of L2.
         packed = tl.load(w_at + t * CHUNK, eviction_policy="evict_first")
@@ -97,6 +104,8 @@ def int4_matmul_kernel(
                 scale, zero_magic = unpack_scale_zero(scale_zero, MAGIC, DTYPE, SCALE_BF16)
                 if SCALE_AFTER:
                     part = tl.zeros_like(acc)
+                if ZERO_BY_XSUM:
+                    x_sum = tl.zeros_like(acc)
             k = t * PACK + j * CHUNK + words
             if ACT_ORDER:
                 x_cols = tl.load(perm_ptr + k)
@@ -106,10 +115,16 @@ def int4_matmul_kernel(
                 xt = tl.load(x_rows + x_cols[:, None], mask=row_ok[None, :], other=0.0)
             else:
                 xt = tl.load(x_rows + x_cols[:, None], mask=row_ok[None, :] & (k < K)[:, None], other=0.0)
-            w = dequant_plane(packed, j, zero_magic, MAGIC, DTYPE, ASM)
+            if ZERO_BY_XSUM:
+                w = magic_plane(packed, j, MAGIC, DTYPE, ASM)
+            else:
+                w = dequant_plane(packed, j, zero_magic, MAGIC, DTYPE, ASM)
             if not SCALE_AFTER:
                 w = w * scale.to(DTYPE)[:, None]
-            if SCALE_AFTER and W_LEFT:
+            if ZERO_BY_XSUM:
+                part = tl.dot(w, xt, part)
+                x_sum = tl.dot(ones, xt, x_sum)
+            elif SCALE_AFTER and W_LEFT:
                 part = tl.dot(w, xt, part)
             elif SCALE_AFTER:
                 part = tl.dot(tl.trans(xt), tl.trans(w), part)
@@ -118,6 +133,8 @@ def int4_matmul_kernel(
             else:
                 acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
             if SCALE_AFTER and (((j + 1) * CHUNK) % GROUP == 0 or j == 7):  # the group (or pack) ends here
+                if ZERO_BY_XSUM:
+                    part -= zero_magic.to(tl.float32)[:, None] * x_sum
                 if W_LEFT:
                     acc += part * scale.to(tl.float32)[:, None]
                 else:

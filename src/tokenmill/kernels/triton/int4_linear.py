@@ -142,6 +142,7 @@ def _fused_matmul(
         HAS_RESIDUAL=add_to_y,
         EVEN_K=w.k % PACK_K == 0,
         SCALE_AFTER=cfg.scale_after,
+        ZERO_BY_XSUM=cfg.zero_by_xsum,
         ASM=x2.is_cuda and cfg.asm_dequant,
         SCALE_BF16=w.scale_dtype == torch.bfloat16,
         SPLIT_K=split_k,
