@@ -4,7 +4,8 @@ For each projection (qkv, o_proj and down with the residual add the decode step 
 gate_up, lm_head) and M rows, us per matmul and achieved GB/s (weights + scales + activations +
 outputs over the time) of:
 - bf16: CudaLinearMethod's dispatch (row GEMV at 1 row, skinny GEMM at 2-8, cuBLAS beyond);
-- each FP8 path of kernels/triton/fp8_linear.py where it applies: gemv (W8A16, 1-4 rows),
+- each FP8 path of kernels/triton/fp8_linear.py where it applies: tc16 (W8A16 on tensor cores, K
+  split, per-channel weights, 1-4 rows), gemv (W8A16, 1-4 rows),
   skinny16 (W8A16 tensor cores, up to 64), skinny8 (W8A8, up to 64), scaled_mm (per-channel
   W8A8 through cuBLASLt) and gemm (Triton W8A8), quantization launches included;
 - which path fp8_linear's dispatch takes.
@@ -38,6 +39,7 @@ from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 from tokenmill.kernels.triton.fp8_gemv import fp8_gemv
 from tokenmill.kernels.triton.fp8_quant import quantize_per_token, quantize_per_token_group
 from tokenmill.kernels.triton.fp8_skinny import fp8_skinny
+from tokenmill.kernels.triton.fp8_tc_gemv import fp8_tc_gemv
 from tokenmill.model.layers.cuda_linear import CudaLinearMethod
 
 SHAPES = {  # name: (out N, in K, adds the residual in the decode step)
@@ -48,7 +50,7 @@ SHAPES = {  # name: (out N, in K, adds the residual in the decode step)
     "lm_head": (128256, 4096, False),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MAX_ROWS = {"gemv": 4, "skinny16": 16, "skinny8": 64, "scaled_mm": None, "gemm": None}
+MAX_ROWS = {"tc16": 4, "gemv": 4, "skinny16": 16, "skinny8": 64, "scaled_mm": None, "gemm": None}
 ACCURACY_ROWS = (1, 16, 64, 512)
 BLOCK = fp8.SCALE_BLOCK
 
@@ -65,6 +67,9 @@ GEMV_SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])
     "block": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 8, 1), (8, 1024, 8, 1), (16, 256, 4, 1),
               (16, 512, 8, 1), (32, 256, 8, 1)],
 }  # fmt: skip
+TC16_SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): per-channel weights only
+    (64, 128, 2, s, k) for s in (3, 4) for k in (1, 2, 4, 8)
+] + [(128, 128, 4, 4, k) for k in (1, 2, 4, 8)] + [(64, 256, 2, 3, k) for k in (2, 4)] + [(32, 128, 1, 4, k) for k in (2, 4, 8)]
 SKINNY_SWEEP = {
     "channel": [(32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
                 (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3)],
@@ -77,7 +82,7 @@ GEMM_SWEEP = {
     "block": [(64, 128, 128, 4, 4, 8), (64, 128, 128, 4, 5, 8), (128, 128, 128, 8, 3, 8), (128, 128, 128, 4, 4, 8),
               (128, 64, 128, 4, 4, 8)],
 }  # fmt: skip
-SWEEP_ROWS = {"gemv": (1, 2), "skinny16": (1, 16, 32, 64), "skinny8": (16, 32, 64), "gemm": (64, 128, 512)}
+SWEEP_ROWS = {"tc16": (1, 2), "gemv": (1, 2), "skinny16": (1, 16, 32, 64), "skinny8": (16, 32, 64), "gemm": (64, 128, 512)}
 
 
 def graph_ms(calls) -> float:
@@ -144,10 +149,15 @@ def run_path(path: str, x, w, residual):
 
 def applies(path: str, m: int, block) -> bool:
     limit = MAX_ROWS[path]
-    return (limit is None or m <= limit) and (path != "scaled_mm" or block is None)
+    return (limit is None or m <= limit) and (path not in ("scaled_mm", "tc16") or block is None)
 
 
 def sweep_calls(kind: str, config, weights, x, block, residual):
+    if kind == "tc16":
+        return [
+            lambda w=w: fp8_tc_gemv(x, w.weight, w.scale, w.tile_counters, residual=residual, config=config)
+            for w in weights
+        ]
     if kind == "gemv":
         return [
             lambda w=w: fp8_gemv(x, w.weight, w.scale, block, residual=residual, config=config, tile_counters=w.tile_counters)
@@ -167,7 +177,9 @@ def sweep_calls(kind: str, config, weights, x, block, residual):
 
 def sweep(name, n, k, mode, block, weights, gen, kinds) -> list[dict]:
     rows_out = []
-    configs = {"gemv": GEMV_SWEEP[mode], "skinny16": SKINNY_SWEEP[mode], "skinny8": SKINNY_SWEEP[mode],
+    if mode == "block":
+        kinds = [kind for kind in kinds if kind != "tc16"]
+    configs = {"tc16": TC16_SWEEP, "gemv": GEMV_SWEEP[mode], "skinny16": SKINNY_SWEEP[mode], "skinny8": SKINNY_SWEEP[mode],
                "gemm": GEMM_SWEEP[mode]}  # fmt: skip
     for kind, rows in SWEEP_ROWS.items():
         if kind not in kinds:

@@ -49,13 +49,13 @@ SHAPES = {
     "lm_head": (128256, 4096),
 }
 ROWS = [1, 2, 7, 16, 33, 128, 512]
-A16_PATHS = ("gemv", "skinny16")  # 16-bit activations; the others quantize them to FP8
+A16_PATHS = ("tc16", "gemv", "skinny16")  # 16-bit activations; the others quantize them to FP8
 # Each path also runs explicitly at sizes it serves, whatever the dispatch thresholds are.
-PATH_ROWS = {"gemv": [1, 3], "skinny16": [2, 16], "skinny8": [7, 33], "gemm": [33, 512], "scaled_mm": [128]}
+PATH_ROWS = {"tc16": [1, 4], "gemv": [1, 3], "skinny16": [2, 16], "skinny8": [7, 33], "gemm": [33, 512], "scaled_mm": [128]}
 
 
 def _serves(path: str, block) -> bool:
-    return path != "scaled_mm" or block is None
+    return path not in ("scaled_mm", "tc16") or block is None
 
 
 def _fp8():
@@ -147,7 +147,7 @@ def test_bias_residual_and_out_dtype(case: str, block) -> None:
             y = fp8.fp8_linear(x, w, bias=bias, residual=residual, out_dtype=out_dtype, path=path)
             assert y.dtype == (out_dtype or x_dtype)
             if residual is not None:  # in place, as the seam asks, except the one-row GEMV's new tensor
-                assert (y.data_ptr() == residual.data_ptr()) == (path != "gemv")
+                assert (y.data_ptr() == residual.data_ptr()) == (path not in ("gemv", "tc16"))
             _check(y, x, w_deq, path, block, f"{case} M={m}", bias, before)
 
 

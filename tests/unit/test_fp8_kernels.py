@@ -42,6 +42,7 @@ from tokenmill.kernels.triton.fp8_linear import (  # noqa: E402
     prepare_fp8_weights,
 )
 from tokenmill.kernels.triton.fp8_quant import quantize_per_token, quantize_per_token_group  # noqa: E402
+from tokenmill.kernels.triton.fp8_tc_gemv import fp8_tc_gemv  # noqa: E402
 
 INTERPRETED_RUN = interpreted_run(__file__)  # run by the subprocess test below
 
@@ -97,7 +98,8 @@ def test_per_group_quantization_matches_the_reference_bit_for_bit() -> None:
     assert (dequantize_activations(q, scale, 128) - x.float()).abs().max() <= E4M3_REL * 500.0
 
 
-PATH_ROWS = {"gemv": [1, 3], "skinny16": [1, 5, 20], "skinny8": [2, 17], "gemm": [3, 40]}
+PATH_ROWS = {"tc16": [1, 3], "gemv": [1, 3], "skinny16": [1, 5, 20], "skinny8": [2, 17], "gemm": [3, 40]}
+A16_PATHS = ("tc16", "gemv", "skinny16")  # 16-bit activations
 
 
 @interpreted_only
@@ -106,13 +108,15 @@ PATH_ROWS = {"gemv": [1, 3], "skinny16": [1, 5, 20], "skinny8": [2, 17], "gemm":
 def test_each_path_matches_the_dequantized_reference(path: str, block) -> None:
     """N = 160 and K = 384 (block) / 200 (channel): partial N tiles, a partial scale block along N,
     and K not a multiple of the K tile for per-channel weights."""
+    if path == "tc16" and block is not None:
+        pytest.skip("the tensor-core GEMV takes per-channel weights only")
     n, k = 160, 384 if block else 200
     w, w_deq, gen = _case(n, k, block)
     for m in PATH_ROWS[path]:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         y = fp8_linear(x, w, path=path)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
-        if path in ("gemv", "skinny16"):
+        if path in A16_PATHS:
             exact, magnitude = linear_reference(x.float(), w_deq)
             _close(y, exact, magnitude, W8A16_DOT_REL, f"{path} M={m}")
         else:
@@ -129,6 +133,8 @@ def test_each_path_matches_the_dequantized_reference(path: str, block) -> None:
 @pytest.mark.parametrize("block", [None, BLOCK], ids=["channel", "block"])
 @pytest.mark.parametrize("path", list(PATH_ROWS))
 def test_bias_residual_and_out_dtype(path: str, block) -> None:
+    if path == "tc16" and block is not None:
+        pytest.skip("the tensor-core GEMV takes per-channel weights only")
     n, k = 144, 256
     w, w_deq, gen = _case(n, k, block, seed=3)
     m = PATH_ROWS[path][-1]
@@ -138,7 +144,7 @@ def test_bias_residual_and_out_dtype(path: str, block) -> None:
     if path in ("skinny8", "gemm"):
         group = None if block is None else 128
         x_used = dequantize_activations(*quantize_activations(x, group), group)
-    dot_rel = W8A16_DOT_REL if path in ("gemv", "skinny16") else W8A8_DOT_REL
+    dot_rel = W8A16_DOT_REL if path in A16_PATHS else W8A8_DOT_REL
 
     y = fp8_linear(x, w, bias=bias, out_dtype=torch.float32, path=path)
     assert y.dtype == torch.float32
@@ -149,7 +155,7 @@ def test_bias_residual_and_out_dtype(path: str, block) -> None:
     before = residual.clone()
     y = fp8_linear(x, w, residual=residual, path=path)
     # The seam's contract: residual + product, returned; in place except on the one-row GEMV path.
-    assert (y.data_ptr() == residual.data_ptr()) == (path != "gemv")
+    assert (y.data_ptr() == residual.data_ptr()) == (path not in ("gemv", "tc16"))
     exact, magnitude = linear_reference(x_used, w_deq, residual=before.float())
     _close(y, exact, magnitude, dot_rel, f"{path} residual")
 
@@ -190,6 +196,30 @@ def test_gemv_k_split_matches_the_reference_and_leaves_its_counters_zero(rows: i
         assert torch.all(w.tile_counters == 0)
 
 
+@interpreted_only
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_gemv_splits_k_and_scales_bf16_x_into_float16(x_dtype) -> None:
+    """fp8_tc_gemv: K = 200 in 32-column steps over 1, 3 and 4 splits (the last ones short or
+    empty), N = 80 in 64-row tiles, 1 and 4 rows, bias and residual; bf16 x with one tiny and one
+    large value (float16 holds them only after the 2**-8 prescale); repeat calls bit-equal and the
+    counters back at zero."""
+    n, k = 80, 200
+    w, w_deq, gen = _case(n, k, None, seed=9)
+    for rows in (1, 4):
+        x = torch.randn(rows, k, generator=gen).to(x_dtype)
+        if x_dtype == torch.bfloat16:
+            x[0, 3], x[0, 5] = 1e-7, 1.0e5  # below float16's subnormals; above its largest value
+        bias = torch.randn(n, generator=gen).to(x_dtype)
+        residual = torch.randn(rows, n, generator=gen).to(x_dtype)
+        exact, magnitude = linear_reference(x.float(), w_deq, bias.float(), residual=residual.float())
+        for split in (1, 3, 4):
+            kwargs = dict(bias=bias, residual=residual, config=(64, 32, 2, 1, split))
+            y = fp8_tc_gemv(x, w.weight, w.scale, w.tile_counters, **kwargs)
+            _close(y, exact, magnitude, W8A16_DOT_REL, f"tc16 split {split}, {rows} rows, {x_dtype}")
+            assert torch.equal(fp8_tc_gemv(x, w.weight, w.scale, w.tile_counters, **kwargs), y)
+            assert torch.all(w.tile_counters == 0)
+
+
 def test_gemv_k_split_refuses_what_it_cannot_reduce() -> None:
     w, _, _ = _case(40, 200, None)
     x = torch.zeros(1, 200, dtype=torch.bfloat16)
@@ -206,7 +236,9 @@ def test_gemv_k_split_refuses_what_it_cannot_reduce() -> None:
 def test_dispatch_by_rows_and_width() -> None:
     narrow = prepare_fp8_weights(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(256), None)
     wide = prepare_fp8_weights(torch.zeros(512, 256, dtype=torch.float8_e4m3fn), torch.ones(512), None)
-    dispatch = Fp8Dispatch(gemv_max_rows=2, gemv_max_rows_wide=1, wide_n=300, skinny16_max_rows=8, skinny8_max_rows=32)
+    dispatch = Fp8Dispatch(
+        tc16_max_rows=0, gemv_max_rows=2, gemv_max_rows_wide=1, wide_n=300, skinny16_max_rows=8, skinny8_max_rows=32
+    )
     rows = (1, 2, 3, 8, 9, 32, 33, 512)
     # CPU tensors never take torch._scaled_mm (cuBLASLt): the Triton GEMM serves large M here.
     assert [choose_path(torch.empty(m, 256), narrow, dispatch) for m in rows] == [
@@ -214,7 +246,7 @@ def test_dispatch_by_rows_and_width() -> None:
     ]
     assert [choose_path(torch.empty(m, 256), wide, dispatch) for m in rows][:2] == ["gemv", "skinny16"]
     default = [choose_path(torch.empty(m, 256), narrow) for m in (1, 2, 3, 64, 65)]
-    assert default == ["gemv", "gemv", "skinny8", "skinny8", "gemm"]  # skinny16 is off by default
+    assert default == ["tc16", "gemv", "skinny8", "skinny8", "gemm"]  # skinny16 is off by default
     with pytest.raises(ValueError, match="row limits"):
         Fp8Dispatch(gemv_max_rows=8)
 

@@ -7,6 +7,8 @@ needs, so one copy serves all paths) and the scales float32 contiguous.
 
 `fp8_linear` picks a path from the number of rows M and the width N (thresholds measured on an
 H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
+- `tc16`: fp8_tc_gemv.py, per-channel weights, 1 row by default: the weights converted to float16
+  on the tensor cores with 16-bit activations, K split (experimental: not yet measured on a GPU);
 - `gemv`: fp8_gemv.py, CUDA-core GEMV with 16-bit activations (one or two requests decoding);
 - `skinny16`: fp8_skinny.py, tensor-core tiles with 16-bit activations, the FP8 weight converted
   in registers: no activation quantization, as `gemv`, but slower than `skinny8` at every size
@@ -37,6 +39,8 @@ from tokenmill.kernels.triton.fp8_gemv import fp8_gemv
 from tokenmill.kernels.triton.fp8_quant import FP8_DTYPE, quantize_per_token, quantize_per_token_group
 from tokenmill.kernels.triton.fp8_skinny import MAX_ROWS as SKINNY_MAX_ROWS
 from tokenmill.kernels.triton.fp8_skinny import fp8_skinny
+from tokenmill.kernels.triton.fp8_tc_gemv import MAX_ROWS as TC16_MAX_ROWS
+from tokenmill.kernels.triton.fp8_tc_gemv import fp8_tc_gemv
 
 SCALE_BLOCK = (128, 128)  # the block-wise layout published checkpoints use (DeepSeek-V3, Qwen3-FP8)
 
@@ -108,6 +112,11 @@ def _gemv(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     )
 
 
+def _tc16(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
+    # Per-channel weights only (choose_path); a new output tensor, as the GEMV.
+    return fp8_tc_gemv(x, w.weight, w.scale, w.tile_counters, bias, residual, out_dtype=out_dtype)
+
+
 def _skinny16(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
     return fp8_skinny(x, None, w.weight, w.scale, w.block, bias, residual, out=residual, out_dtype=out_dtype)
 
@@ -140,6 +149,7 @@ def _scaled_mm(x, w: Fp8Weights, bias, residual, out_dtype) -> torch.Tensor:
 
 
 PATHS: dict[str, Callable[..., torch.Tensor]] = {
+    "tc16": _tc16,
     "gemv": _gemv,
     "skinny16": _skinny16,
     "skinny8": _skinny8,
@@ -153,6 +163,9 @@ class Fp8Dispatch:
     """The largest M each few-row path takes (checked in this order; 0: never); larger M go to the
     W8A8 GEMMs. Wide matrices (N > wide_n: gate_up, lm_head) leave the GEMV sooner."""
 
+    # Per-channel weights: the tensor-core W8A16 GEMV (fp8_tc_gemv.py) up to this many rows,
+    # before the CUDA-core one. Experimental (branch fp8-tc-gemv): not measured on a GPU yet.
+    tc16_max_rows: int = 1
     gemv_max_rows: int = 2
     gemv_max_rows_wide: int = 1
     wide_n: int = 16384
@@ -160,7 +173,7 @@ class Fp8Dispatch:
     skinny8_max_rows: int = 64
 
     def __post_init__(self) -> None:
-        if max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS or max(
+        if self.tc16_max_rows > TC16_MAX_ROWS or max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS or max(
             self.skinny16_max_rows, self.skinny8_max_rows
         ) > SKINNY_MAX_ROWS:
             raise ValueError(f"{self} exceeds the kernels' row limits ({GEMV_MAX_ROWS}, {SKINNY_MAX_ROWS})")
@@ -179,6 +192,8 @@ def choose_path(x: torch.Tensor, w: Fp8Weights, dispatch: Fp8Dispatch = DISPATCH
     """The name (a key of PATHS) of the path fp8_linear takes for x [M, K]."""
     m = x.shape[0]
     wide = w.out_features > dispatch.wide_n
+    if m <= dispatch.tc16_max_rows and w.block is None:
+        return "tc16"
     if m <= (dispatch.gemv_max_rows_wide if wide else dispatch.gemv_max_rows):
         return "gemv"
     if m <= dispatch.skinny16_max_rows:
