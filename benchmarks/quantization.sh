@@ -7,6 +7,9 @@
 #   quantized at load: fp8 = per-channel FP8 W8A8, awq = 4-bit groups of 128 with zero points); the
 #   roofline counts the bytes each format reads.
 # throughput: offline 512 x 512/256 per --quantization.
+# A QUANTS entry METHOD+VARIANT also turns on an experimental kernel variant (KernelConfig, off by
+# default): fp8+tc16 (fp8_tensor_core_gemv), awq+xsum (int4_zero_by_xsum); its files are named
+# METHOD_VARIANT, e.g. QUANTS="none fp8 fp8+tc16 awq awq+xsum".
 # The ratios against bf16 (none) are printed at the end and written to quantization-summary.json.
 set -u
 OUT=${OUT:-/tmp/tokenmill-quant}
@@ -22,7 +25,19 @@ GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep 
 TOKENMILL=(python3 -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-quant_args() { [[ "$1" == none ]] || echo "--quantization $1"; }
+# The engine options of a QUANTS entry, in ARGS.
+engine_args() {
+  local method=${1%%+*} variant=""
+  [[ "$1" == *+* ]] && variant=${1#*+}
+  ARGS=()
+  [[ "$method" == none ]] || ARGS+=(--quantization "$method")
+  case "$variant" in
+    "") ;;
+    tc16) ARGS+=(--kernel-config '{"fp8_tensor_core_gemv": true}') ;;
+    xsum) ARGS+=(--kernel-config '{"int4_zero_by_xsum": true}') ;;
+    *) echo "unknown kernel variant '$variant' in QUANTS entry '$1' (tc16, xsum)" >&2; exit 2 ;;
+  esac
+}
 
 {
   nvidia-smi -L
@@ -35,18 +50,18 @@ if has tests; then
     tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
 fi
 
-for q in $QUANTS; do
+for entry in $QUANTS; do
+  engine_args "$entry"
+  q=${entry/+/_}
   if has latency; then
-    # shellcheck disable=SC2046
     timeout "${LATENCY_TIMEOUT:-180}" "${TOKENMILL[@]}" bench latency --model "$MODEL" --load-format dummy \
-      $(quant_args "$q") --input-len 512 --output-len 256 --max-model-len 4096 \
+      "${ARGS[@]}" --input-len 512 --output-len 256 --max-model-len 4096 \
       --result-dir "$OUT" --result-name "latency-llama-3.1-8b-$q-$GPU" 2>&1 | tee "$OUT/latency-$q.log" |
       grep -vE "it/s\]|s/it\]" | tail -4
   fi
   if has throughput; then
-    # shellcheck disable=SC2046
     timeout "${THROUGHPUT_TIMEOUT:-240}" "${TOKENMILL[@]}" bench throughput --model "$MODEL" --load-format dummy \
-      $(quant_args "$q") --num-prompts "$NUM_PROMPTS" --input-len 512 --output-len 256 --max-model-len 4096 \
+      "${ARGS[@]}" --num-prompts "$NUM_PROMPTS" --input-len 512 --output-len 256 --max-model-len 4096 \
       --result-dir "$OUT" --result-name "throughput-llama-3.1-8b-$q-$GPU" 2>&1 | tee "$OUT/throughput-$q.log" |
       grep -vE "it/s\]|s/it\]" | tail -4
   fi

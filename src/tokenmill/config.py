@@ -59,6 +59,15 @@ class KernelConfig:
     # CPU, GGUF: a decode step's decoder layers run as one C++ call (model/cpu_decode_plan.py) where
     # the model's layers are the plain path it replicates; off = the Python layer loop (same outputs).
     fused_decode_layers: bool = True
+    # CUDA, per-channel FP8 weights: one-row matmuls on the tensor-core W8A16 GEMV
+    # (kernels/triton/fp8_tc_gemv.py: weight tiles to float16 in registers, tl.dot, K split) instead
+    # of the CUDA-core GEMV. Off until measured on a GPU: local sm_90 SASS counts 2.3-2.8
+    # instructions a weight against 3.2-3.8, and the one-row GEMVs are instruction-bound.
+    fp8_tensor_core_gemv: bool = False
+    # CUDA, INT4 weights: the few-row kernel subtracts zero points through sum(x) (int4_kernel.py
+    # ZERO_BY_XSUM) instead of per weight. Off until measured on a GPU: local sm_90 SASS 541
+    # instead of 619 instructions a pack per warp in the one-row kernel's loop.
+    int4_zero_by_xsum: bool = False
     # Triton attention: at run time each KV split gets at least this many tokens (0 = as planned).
     min_kv_tokens_per_split: int = 0
     # CPU, float32: prepack matmul weights for oneDNN; off = plain F.linear.

@@ -83,26 +83,37 @@ def _sixteen_bit_activation_paths(monkeypatch) -> None:
 
     default = fp8_linear.choose_path
 
-    def choose(x, w):
+    def choose(x, w, dispatch=fp8_linear.DISPATCH):
         rows = x.shape[0]
-        return "gemv" if rows <= 4 else "skinny16" if rows <= 64 else default(x, w)
+        return "gemv" if rows <= 4 else "skinny16" if rows <= 64 else default(x, w, dispatch)
 
     monkeypatch.setattr(fp8_linear, "choose_path", choose)
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "ct-fp8-channel-a16", "ct-fp8-block-a16"])
+# "+a16": FP8 products through the 16-bit-activation paths only; the others: the experimental kernel
+# variants (KernelConfig, off by default; their one-row decode matmuls), each on a layout it serves.
+VARIANTS = {"tc16": {"fp8_tensor_core_gemv": True}, "xsum": {"int4_zero_by_xsum": True}}
+
+
+@pytest.mark.parametrize(
+    "layout", [*LAYOUTS, "ct-fp8-channel+a16", "ct-fp8-block+a16", "ct-fp8-channel+tc16", "awq-g128+xsum"]
+)
 def test_bf16_quantized_model_tracks_transformers_on_the_dequantized_weights(quantized_checkpoint, layout,
                                                                               monkeypatch):  # fmt: skip
-    sixteen_bit_activations = layout.endswith("-a16")
-    layout = layout.removesuffix("-a16")
+    layout, _, variant = layout.partition("+")
+    sixteen_bit_activations = variant == "a16"
     ckpt = quantized_checkpoint(layout, source="llama-mha")
     family = "int4" if "fp8" not in layout else "fp8-a16" if sixteen_bit_activations else "fp8"
     max_tol, mean_tol, margin_tol = TOLERANCES[family]
     if sixteen_bit_activations:
         _sixteen_bit_activation_paths(monkeypatch)
     # Chunks of at most 64 tokens: the 16-bit-activation kernels take at most 64 rows.
-    llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
-    assert any(isinstance(layer.method, QuantizedLinearMethod) for layer in linear_layers(llm.engine.runner.model))
+    llm = LLM(str(ckpt.path), device="cuda", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64,
+              kernel_config=VARIANTS.get(variant))  # fmt: skip
+    methods = [layer.method for layer in linear_layers(llm.engine.runner.model)]
+    assert any(isinstance(method, QuantizedLinearMethod) for method in methods)
+    if variant in VARIANTS:  # the option reached the methods (their kernel choice: tests/unit/test_*_kernels.py)
+        assert all(getattr(m.kernel, key) for key in VARIANTS[variant] for m in methods if isinstance(m, QuantizedLinearMethod))
     # Checkpoint weights keep their norm launches (folding would need a requantization).
     assert not any(layer.norms_folded for layer in llm.engine.runner.model.layers)
     prompts = _prompts(llm.info.vocab_size, 4, seed=5)

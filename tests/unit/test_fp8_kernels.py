@@ -246,9 +246,16 @@ def test_dispatch_by_rows_and_width() -> None:
     ]
     assert [choose_path(torch.empty(m, 256), wide, dispatch) for m in rows][:2] == ["gemv", "skinny16"]
     default = [choose_path(torch.empty(m, 256), narrow) for m in (1, 2, 3, 64, 65)]
-    assert default == ["tc16", "gemv", "skinny8", "skinny8", "gemm"]  # skinny16 is off by default
+    # skinny16 and tc16 are off by default (tc16: KernelConfig.fp8_tensor_core_gemv asks for it)
+    assert default == ["gemv", "gemv", "skinny8", "skinny8", "gemm"]
+    with_tc16 = Fp8Dispatch(tc16_max_rows=1)
+    assert [choose_path(torch.empty(m, 256), narrow, with_tc16) for m in (1, 2)] == ["tc16", "gemv"]
+    block = prepare_fp8_weights(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2), BLOCK)
+    assert choose_path(torch.empty(1, 256), block, with_tc16) == "gemv"  # tc16: per-channel weights only
     with pytest.raises(ValueError, match="row limits"):
         Fp8Dispatch(gemv_max_rows=8)
+    with pytest.raises(ValueError, match="row limits"):
+        Fp8Dispatch(tc16_max_rows=5)
 
 
 def test_prepare_rejects_what_the_kernels_cannot_read() -> None:
@@ -270,3 +277,28 @@ def test_prepare_rejects_what_the_kernels_cannot_read() -> None:
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     INTERPRETED_RUN.assert_passes()
+
+
+@interpreted_only
+def test_the_kernel_config_sends_one_row_to_the_tensor_core_gemv(monkeypatch) -> None:
+    """KernelConfig.fp8_tensor_core_gemv reaches fp8_linear's choice through the linear method: one
+    row goes to tc16 with it, to the CUDA-core GEMV without (the default); both equal the product."""
+    from tokenmill.config import KernelConfig
+    from tokenmill.kernels.triton import fp8_linear as fp8
+    from tokenmill.model.layers.fp8_linear import Fp8LinearMethod
+    from tokenmill.model.layers.linear_method import LinearMethod
+    from tokenmill.model.loader.quant_config import at_load_quantization
+
+    w, w_deq, _ = _case(64, 256, None)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    taken: list[str] = []
+    for name in ("tc16", "gemv"):
+        monkeypatch.setitem(fp8.PATHS, name, lambda *a, _f=fp8.PATHS[name], _n=name: taken.append(_n) or _f(*a))
+    for on, path in ((True, "tc16"), (False, "gemv")):
+        method = Fp8LinearMethod(
+            at_load_quantization("fp8"), LinearMethod(), use_kernels=True,
+            kernel=KernelConfig(fp8_tensor_core_gemv=on),
+        )  # fmt: skip
+        y = method.apply_kernels(w, x, None, None, None)
+        assert taken[-1] == path
+        _close(y, x.float() @ w_deq.t(), (x.float().abs() @ w_deq.abs().t()), W8A16_DOT_REL, path)

@@ -256,3 +256,27 @@ def test_magic_number_unpacking_is_exact() -> None:
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases in the interpreter")
 def test_cases_pass_in_an_interpreter_subprocess() -> None:
     INTERPRETED_RUN.assert_passes()
+
+
+@interpreted_only
+def test_the_kernel_config_turns_zero_points_through_the_sum_of_x_on(monkeypatch) -> None:
+    """KernelConfig.int4_zero_by_xsum reaches the fused kernel's config through the linear method
+    (off by default); the product is the dequantized one either way."""
+    from tokenmill.config import KernelConfig
+    from tokenmill.kernels.triton import int4_linear as int4_module
+    from tokenmill.model.layers.int4_linear import Int4LinearMethod
+    from tokenmill.model.layers.linear_method import LinearMethod
+    from tokenmill.model.loader.quant_config import at_load_quantization
+
+    c = random_int4(64, 256, 128, seed=11)
+    w = _prepare(c)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(12)).to(torch.float16)
+    configs: list[Int4Config] = []
+    fused = int4_module._fused_matmul
+    monkeypatch.setattr(int4_module, "_fused_matmul", lambda *a: configs.append(a[-1]) or fused(*a))
+    for on in (True, False):
+        method = Int4LinearMethod(
+            at_load_quantization("awq"), LinearMethod(), use_kernels=True, kernel=KernelConfig(int4_zero_by_xsum=on)
+        )
+        _check(method.apply_kernels(w, x, None, None, None), x.float() @ c.dequantize().t())
+        assert configs[-1].zero_by_xsum is on

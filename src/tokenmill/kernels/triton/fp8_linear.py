@@ -7,8 +7,9 @@ needs, so one copy serves all paths) and the scales float32 contiguous.
 
 `fp8_linear` picks a path from the number of rows M and the width N (thresholds measured on an
 H100 with benchmarks/fp8_linear_microbench.py; results in benchmarks/results/):
-- `tc16`: fp8_tc_gemv.py, per-channel weights, 1 row by default: the weights converted to float16
-  on the tensor cores with 16-bit activations, K split (experimental: not yet measured on a GPU);
+- `tc16`: fp8_tc_gemv.py, per-channel weights, 1 row when asked for (KernelConfig
+  fp8_tensor_core_gemv, off by default: not yet measured on a GPU): the weights converted to
+  float16 in registers, multiplied on the tensor cores with 16-bit activations, K split;
 - `gemv`: fp8_gemv.py, CUDA-core GEMV with 16-bit activations (one or two requests decoding);
 - `skinny16`: fp8_skinny.py, tensor-core tiles with 16-bit activations, the FP8 weight converted
   in registers: no activation quantization, as `gemv`, but slower than `skinny8` at every size
@@ -164,8 +165,9 @@ class Fp8Dispatch:
     W8A8 GEMMs. Wide matrices (N > wide_n: gate_up, lm_head) leave the GEMV sooner."""
 
     # Per-channel weights: the tensor-core W8A16 GEMV (fp8_tc_gemv.py) up to this many rows,
-    # before the CUDA-core one. Experimental (branch fp8-tc-gemv): not measured on a GPU yet.
-    tc16_max_rows: int = 1
+    # before the CUDA-core one; 0 by default (KernelConfig.fp8_tensor_core_gemv asks for 1): not
+    # measured on a GPU yet.
+    tc16_max_rows: int = 0
     gemv_max_rows: int = 2
     gemv_max_rows_wide: int = 1
     wide_n: int = 16384
@@ -173,10 +175,14 @@ class Fp8Dispatch:
     skinny8_max_rows: int = 64
 
     def __post_init__(self) -> None:
-        if self.tc16_max_rows > TC16_MAX_ROWS or max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS or max(
-            self.skinny16_max_rows, self.skinny8_max_rows
-        ) > SKINNY_MAX_ROWS:
-            raise ValueError(f"{self} exceeds the kernels' row limits ({GEMV_MAX_ROWS}, {SKINNY_MAX_ROWS})")
+        if (
+            self.tc16_max_rows > TC16_MAX_ROWS
+            or max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS
+            or max(self.skinny16_max_rows, self.skinny8_max_rows) > SKINNY_MAX_ROWS
+        ):
+            raise ValueError(
+                f"{self} exceeds the kernels' row limits ({TC16_MAX_ROWS}, {GEMV_MAX_ROWS}, {SKINNY_MAX_ROWS})"
+            )
 
 
 DISPATCH = Fp8Dispatch()
@@ -210,12 +216,13 @@ def fp8_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     path: str | None = None,
+    dispatch: Fp8Dispatch | None = None,
 ) -> torch.Tensor:
     """`x @ W.T + bias` (W the dequantized FP8 weight) converted to `out_dtype` (default x's), for
     x [..., K] bfloat16 or float16; with `residual` [..., N], `residual + that` in `residual`'s
-    dtype, returned: written into `residual` except on the `gemv` path, which returns a new tensor
-    (faster at one row, as the 16-bit row GEMV). `path` (a key of PATHS) overrides the choice by
-    M, for tests and benchmarks."""
+    dtype, returned: written into `residual` except on the `gemv` and `tc16` paths, which return a
+    new tensor (faster at one row, as the 16-bit row GEMV). `path` (a key of PATHS) overrides the
+    choice by M, for tests and benchmarks; `dispatch` replaces the default thresholds (DISPATCH)."""
     k, n = w.in_features, w.out_features
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != k:
         raise ValueError(f"fp8_linear takes bfloat16 / float16 x [..., {k}], got {x.dtype} {tuple(x.shape)}")
@@ -239,5 +246,5 @@ def fp8_linear(
         raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
     if x2.shape[0] == 0:
         return residual if residual is not None else x.new_empty((*lead, n), dtype=out_dtype)
-    y = PATHS[path or choose_path(x2, w)](x2, w, bias, res2, out_dtype)
+    y = PATHS[path or choose_path(x2, w, dispatch or DISPATCH)](x2, w, bias, res2, out_dtype)
     return y.view(*lead, n)

@@ -13,6 +13,8 @@ Every call is CUDA-graph capturable: no host syncs, and allocations depend on sh
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -41,10 +43,12 @@ def int4_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: Int4Config | None = None,
+    zero_by_xsum: bool = False,
 ) -> torch.Tensor:
     """`x @ W.T + bias` for 16-bit x [..., K], in `out_dtype` (default x's); with `residual`
     [..., N], `residual + x @ W.T + bias` written into `residual` and returned. `config` overrides
-    the path and tiles (the microbenchmark's sweep)."""
+    the path and tiles (the microbenchmark's sweep); `zero_by_xsum` (KernelConfig.int4_zero_by_xsum)
+    has the chosen fused config take zero points through sum(x) where it can (scale_after, w_left)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"int4_linear takes float16 or bfloat16 activations, got {x.dtype}")
     if x.shape[-1] != w.k:
@@ -78,6 +82,8 @@ def int4_linear(
                 f"got strides {residual.stride()}"
             )
     cfg = config or int4_config(m, n, w.k_padded, device_sms(x.device))
+    if zero_by_xsum and cfg.scale_after and cfg.w_left and not cfg.dequantize:
+        cfg = dataclasses.replace(cfg, zero_by_xsum=True)
     cfg.check()
     if m == 0:
         return residual if residual is not None else x.new_empty((*lead, n), dtype=out_dtype or x.dtype)

@@ -28,20 +28,28 @@ from tokenmill.model.layers.quantized_method import (
 )
 
 if TYPE_CHECKING:
+    from tokenmill.config import KernelConfig
     from tokenmill.model.layers.linear import LinearBase
     from tokenmill.model.layers.linear_method import LinearMethod
     from tokenmill.model.loader.quant_config import QuantizationSpec
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
-    def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
-        super().__init__(spec, base, use_kernels=use_kernels)
+    def __init__(
+        self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool, kernel: KernelConfig | None = None
+    ) -> None:
+        super().__init__(spec, base, use_kernels=use_kernels, kernel=kernel)
         # At-load FP8 folds the deferred RMSNorm's weight before quantizing: e4m3 rounds relative to
         # each value, so quantize(W * w) is as accurate per element as quantize(W) (short of
         # subnormals). INT4 does not: its groups share one uniform grid, which the fold stretches to
         # the largest w * W of the group. On the default model's weights, folded vs not: FP8 mean
         # KL 0.016 vs 0.019, INT4 (awq) 0.79 vs 0.37 (benchmarks/norm_fold_quality.py).
         self.folds_input_scale = use_kernels and not spec.from_checkpoint
+        self.dispatch = None  # fp8_linear's default thresholds
+        if self.kernel.fp8_tensor_core_gemv:
+            from tokenmill.kernels.triton.fp8_linear import Fp8Dispatch
+
+            self.dispatch = Fp8Dispatch(tc16_max_rows=1)
 
     def create_checkpoint_params(
         self, layer: LinearBase, in_features: int, out_features: int, *, device, dtype: torch.dtype
@@ -102,7 +110,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
     def apply_kernels(self, kernel_weights, x, bias, residual, out_dtype) -> torch.Tensor:
         from tokenmill.kernels.triton.fp8_linear import fp8_linear
 
-        return fp8_linear(x, kernel_weights, bias, residual, out_dtype)
+        return fp8_linear(x, kernel_weights, bias, residual, out_dtype, dispatch=self.dispatch)
 
 
 def _whole_row_absmax(layer: LinearBase) -> torch.Tensor | None:

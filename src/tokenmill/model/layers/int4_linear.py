@@ -161,7 +161,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def apply_kernels(self, kernel_weights, x, bias, residual, out_dtype) -> torch.Tensor:
         from tokenmill.kernels.triton.int4_linear import int4_linear
 
-        return int4_linear(x, kernel_weights, bias, residual, out_dtype)
+        return int4_linear(
+            x, kernel_weights, bias, residual, out_dtype, zero_by_xsum=self.kernel.int4_zero_by_xsum
+        )
 
 
 def _shared_g_idx(layer: LinearBase, g_idx_parts: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,10 @@ def select_linear_method(
                 "Serve the 16-bit checkpoint, or a 4-bit one (AWQ / GPTQ, or --quantization awq), which runs on this GPU",
             )  # fmt: skip
 
-        return Fp8LinearMethod(quantization, base, use_kernels=use_kernels)
+        return Fp8LinearMethod(quantization, base, use_kernels=use_kernels, kernel=kernel)
     from tokenmill.model.layers.int4_linear import Int4LinearMethod
 
-    return Int4LinearMethod(quantization, base, use_kernels=use_kernels)
+    return Int4LinearMethod(quantization, base, use_kernels=use_kernels, kernel=kernel)
 
 
 def exclude_unquantized_layers(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tokenmill.config import KernelConfig
 from tokenmill.model.layers.linear_method import LinearMethod
 from tokenmill.model.loader.quant_config import QuantizationSpec
 
@@ -25,8 +26,16 @@ if TYPE_CHECKING:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    def __init__(self, spec: QuantizationSpec, base: LinearMethod, *, use_kernels: bool) -> None:
+    def __init__(
+        self,
+        spec: QuantizationSpec,
+        base: LinearMethod,
+        *,
+        use_kernels: bool,
+        kernel: KernelConfig | None = None,  # the kernel-path choices a subclass reads (its GPU variants)
+    ) -> None:
         self.spec = spec
+        self.kernel = kernel or KernelConfig()
         self.base = base  # the 16-bit method: excluded layers (lm_head, ignore), and the CPU's products
         self.use_kernels = use_kernels
         self.residual_in_epilogue = use_kernels
