@@ -67,9 +67,15 @@ GEMV_SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])
     "block": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 8, 1), (8, 1024, 8, 1), (16, 256, 4, 1),
               (16, 512, 8, 1), (32, 256, 8, 1)],
 }  # fmt: skip
-TC16_SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): per-channel weights only
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): per-channel weights only. Each warp converts
+# the whole x tile for its dot, so more weight rows a warp cost fewer instructions a weight (local
+# sm_90 SASS, benchmarks/sass_loop_mix.py: 0.085 a weight at 64x128 / 2 warps, 0.062 at 128x64,
+# 0.047 at 256x64; the CUDA-core GEMV 0.10-0.125), at fewer programs: hence the splits.
+TC16_SWEEP = [
     (64, 128, 2, s, k) for s in (3, 4) for k in (1, 2, 4, 8)
-] + [(128, 128, 4, 4, k) for k in (1, 2, 4, 8)] + [(64, 256, 2, 3, k) for k in (2, 4)] + [(32, 128, 1, 4, k) for k in (2, 4, 8)]
+] + [(128, 128, 4, 4, k) for k in (1, 2, 4, 8)] + [(64, 256, 2, 3, k) for k in (2, 4)] + [(32, 128, 1, 4, k) for k in (2, 4, 8)] + [
+    (128, 64, 2, 4, k) for k in (1, 2, 4, 8)
+] + [(256, 64, 2, 4, k) for k in (1, 2, 4, 8)]
 SKINNY_SWEEP = {
     "channel": [(32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
                 (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3)],
