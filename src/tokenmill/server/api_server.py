@@ -41,6 +41,7 @@ from tokenmill.server.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAda
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import EventStream, tokenize_off_loop, wait_for_disconnect
 from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.stall_watch import ClientStalled, StallWatch
 from tokenmill.server.state import ServerState, ServiceUnavailableError
 
 logger = logging.getLogger("tokenmill.server")
@@ -438,10 +439,6 @@ def _runtime_lora(state: ServerState) -> LoRARegistry:
     return state.lora
 
 
-class _ClientStalled(Exception):  # not an OSError: starlette turns those into ClientDisconnect
-    pass
-
-
 class _EventStreamResponse(StreamingResponse):
     """An SSE response that closes its events however it ends — finished, client gone, client
     stalled, server stopping, or cancelled before the first event — so the request is aborted in
@@ -462,17 +459,14 @@ class _EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = self.write_timeout
+        watch = StallWatch(timeout) if timeout else None
 
         async def send_or_give_up(message: Any) -> None:
-            try:
-                async with asyncio.timeout(timeout):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled from None
+            await watch.send(send, message)  # type: ignore[union-attr]
 
         try:
-            await super().__call__(scope, receive, send_or_give_up if timeout else send)
-        except* _ClientStalled:
+            await super().__call__(scope, receive, send_or_give_up if watch is not None else send)
+        except* ClientStalled:
             client = scope.get("client")
             logger.warning(
                 "closing the stream to %s: it read nothing for %g s (--stream-write-timeout)",
@@ -480,6 +474,8 @@ class _EventStreamResponse(StreamingResponse):
                 timeout,
             )
         finally:
+            if watch is not None:
+                watch.close()
             await self.events.aclose()
 
 
