@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from tokenmill.engine.otel_spans import TraceContext
@@ -47,6 +48,7 @@ from tokenmill.server.serving_common import (
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
+from tokenmill.server.stream_events import TextDeltaEvents
 
 
 def _chat_logprobs(
@@ -215,9 +217,18 @@ async def _stream(
     top_k: int,
     parsing: ChatOutputParsing,
 ) -> AsyncIterator[str]:
+    created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
+
     def chunk(index: int, delta: DeltaMessage, usage: UsageInfo | None = None, **fields) -> str:
         choice = ChatCompletionStreamChoice(index=index, delta=delta, **fields)
-        return sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
+        return sse_event(
+            ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice], usage=usage)
+        )
+
+    text_events = TextDeltaEvents(
+        ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[]),
+        lambda index, text: ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=text)),
+    )
 
     cached = 0
     streams = [parsing.stream() for _ in choices]
@@ -244,6 +255,9 @@ async def _stream(
                 logprobs = _chat_logprobs(
                     state, list(completion.logprobs), completion.token_ids, top_k, request.return_tokens_as_token_ids
                 )
+            if logprobs is None and not out.finished and not continuous_usage and _text_only(delta):
+                yield text_events.render(choice.index, delta.content)  # the common case, per token
+                continue
             if out.finished:
                 cached = max(cached, out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
@@ -268,3 +282,11 @@ async def _stream(
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE
+
+
+# Every DeltaMessage field but content: a delta with all of them None is a plain text delta.
+_NON_TEXT_DELTA_FIELDS = tuple(name for name in DeltaMessage.model_fields if name != "content")
+
+
+def _text_only(delta: DeltaMessage) -> bool:
+    return delta.content is not None and all(getattr(delta, name) is None for name in _NON_TEXT_DELTA_FIELDS)

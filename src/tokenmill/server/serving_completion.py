@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from tokenmill.engine.otel_spans import TraceContext
@@ -43,6 +44,7 @@ from tokenmill.server.serving_common import (
     validate_prompts,
 )
 from tokenmill.server.state import ServerState
+from tokenmill.server.stream_events import TextDeltaEvents
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -211,9 +213,17 @@ async def _stream(
     outputs: AsyncIterator,
     status: RunStatus,
 ) -> AsyncIterator[str]:
-    def chunk(choice: CompletionResponseChoice, usage: UsageInfo | None = None) -> str:
-        return sse_event(CompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
+    created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
 
+    def chunk(choice: CompletionResponseChoice, usage: UsageInfo | None = None) -> str:
+        return sse_event(
+            CompletionStreamResponse(id=request_id, model=model, created=created, choices=[choice], usage=usage)
+        )
+
+    text_events = TextDeltaEvents(
+        CompletionStreamResponse(id=request_id, model=model, created=created, choices=[]),
+        lambda index, text: CompletionResponseChoice(index=index, text=text),
+    )
     n = request.n
     cached = [0] * len(prompts)
     text_offsets = [0] * len(choices)
@@ -241,6 +251,9 @@ async def _stream(
                     request.return_tokens_as_token_ids,
                 )
             text_offsets[choice.index] += len(completion.text)
+            if logprobs is None and not out.finished and not request.continuous_usage_stats:
+                yield text_events.render(choice.index, completion.text)  # the common case, per token
+                continue
             if out.finished:
                 cached[i] = max(cached[i], out.num_cached_tokens)
                 choice.finish_reason = completion.finish_reason
