@@ -23,6 +23,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.metrics_info import InfoMetrics
+from tokenmill.shared_histogram import SharedHistogram
 from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
@@ -146,13 +147,17 @@ class ServerMetrics:
         self._ttft = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS
         ).labels(model_name)
-        self._itl = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
-        ).labels(model_name)
-        # vLLM's older name for the same per-token gaps, still queried by dashboards written for it.
-        self._tpot_legacy = histogram(
-            "time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name).", ITL_BUCKETS
-        ).labels(model_name)
+        # Observed for every streamed token: one set of buckets under vLLM's name and under its older
+        # one, still queried by dashboards written for it (shared_histogram.py).
+        self._itl = SharedHistogram(
+            [
+                (prefix + "inter_token_latency_seconds", "Time between consecutive output tokens."),
+                (prefix + "time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name)."),
+            ],
+            ITL_BUCKETS,
+            model_name,
+        )
+        self.registry.register(self._itl)
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
         ).labels(model_name)
@@ -246,7 +251,6 @@ class ServerMetrics:
 
     def on_token_gap(self, itl: float) -> None:
         self._itl.observe(itl)
-        self._tpot_legacy.observe(itl)
 
     def on_request_params(self, n: int, max_tokens: int) -> None:
         """One admitted request's n and (effective) max_tokens."""

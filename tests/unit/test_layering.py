@@ -41,6 +41,7 @@ TIERS: list[set[str]] = [
         "chat_template",
         "metrics",
         "metrics_info",
+        "shared_histogram",
         "stats_histogram",
         "slo",  # latency targets: the arguments, the scheduler's slo policy and the server read them
         "slo_metrics",

@@ -172,3 +172,29 @@ def test_kv_offload_series_appear_once_the_engine_reports_them() -> None:
     assert value(m, "tokenmill:kv_offload_hits_total") == 96
     assert value(m, "tokenmill:kv_offload_blocks_stored_total") == 5
     assert value(m, "tokenmill:kv_offload_bytes") == 2048
+
+
+def test_the_shared_token_gap_histogram_exports_what_two_prometheus_histograms_would() -> None:
+    """Inter-token latency is observed once a token and exported under both vLLM names: the same
+    samples as prometheus_client Histograms with those buckets (edges inclusive, +Inf, sum)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tokenmill.metrics import ITL_BUCKETS
+
+    m = ServerMetrics("smol")
+    reference = CollectorRegistry()
+    names = ("inter_token_latency_seconds", "time_per_output_token_seconds")
+    plain = [Histogram("tokenmill:" + n, "doc", ["model_name"], buckets=ITL_BUCKETS, registry=reference) for n in names]
+    for gap in (0.0, 0.001, 0.0011, 0.0025, 0.03, 0.0300001, 5.0, 79.9, 80.0, 1e9):
+        m.on_token_gap(gap)
+        for h in plain:
+            h.labels("smol").observe(gap)
+    from prometheus_client import generate_latest
+
+    expected = {}
+    for family in text_string_to_metric_families(generate_latest(reference).decode()):
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                expected[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    ours = {key: v for key, v in samples(m).items() if key[0].removeprefix("tokenmill:").startswith(names)}
+    assert ours == expected and len(ours) == 2 * (len(ITL_BUCKETS) + 1 + 2)
