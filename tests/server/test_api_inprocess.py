@@ -431,6 +431,7 @@ def test_completion_non_streaming_and_streaming_agree():
         chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
         assert all(c["id"] == chunks[0]["id"] and c["model"] == MODEL for c in chunks)
         assert all(c["object"] == "text_completion" and isinstance(c["created"], int) for c in chunks)
+        assert len({c["created"] for c in chunks}) == 1  # one timestamp a stream, as OpenAI's
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == REPLY
         last = Completion.model_validate(chunks[-2])
         assert last.choices[0].finish_reason == "stop"
@@ -460,6 +461,7 @@ def test_chat_streaming_format():
         assert text == full.choices[0].message.content
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+        assert len({c.created for c in chunks}) == 1 and len({c.id for c in chunks}) == 1
 
     run(scenario)
 

@@ -276,7 +276,7 @@ async def _stream(
             )
         if request.include_usage_in_stream:
             usage = make_usage([prompt], choices, cached)
-            yield sse_event(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
+            yield sse_event(ChatCompletionStreamResponse(id=request_id, model=model, created=created, choices=[], usage=usage))
     except Exception as exc:  # the stream has started: the error can only travel as an event
         yield stream_failure_event(exc)
     finally:
