@@ -24,6 +24,7 @@ from tokenmill.engine.fanout import fan_out
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import EngineInfo, StepOutputs
 from tokenmill.engine.otel_spans import RequestSpans, TraceContext
+from tokenmill.engine.output_merge import merge_delta, take_waiting
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request_log import RequestLog
 from tokenmill.engine.request_trace import RequestTraceLog
@@ -230,18 +231,21 @@ class AsyncEngine:
                 self.request_log.arrived(request_id, prompt, prompt_token_ids, params, lora_request)
             await self.client.add_requests([c for _, c in children])
             while record.num_finished < len(record.child_ids):
-                item = await record.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if self.request_log is not None:
-                    index, new_tokens = item.outputs[0].index, len(item.outputs[0].token_ids)
-                    # Streamed outputs carry only the new tokens; the others all so far.
-                    generated[index] = generated.get(index, 0) + new_tokens if stream else new_tokens
-                if item.finished:
-                    record.num_finished += 1
+                first = await record.queue.get()
+                # A stream's deltas that waited here together (its consumer ran later than they
+                # came) go on merged, one per sequence: one SSE chunk instead of several.
+                for item in take_waiting(record.queue, first, _delta_key, merge_delta) if stream else (first,):
+                    if isinstance(item, BaseException):
+                        raise item
                     if self.request_log is not None:
-                        self.request_log.finished(item, generated.get(item.outputs[0].index, 0))
-                yield item
+                        index, new_tokens = item.outputs[0].index, len(item.outputs[0].token_ids)
+                        # Streamed outputs carry only the new tokens; the others all so far.
+                        generated[index] = generated.get(index, 0) + new_tokens if stream else new_tokens
+                    if item.finished:
+                        record.num_finished += 1
+                        if self.request_log is not None:
+                            self.request_log.finished(item, generated.get(item.outputs[0].index, 0))
+                    yield item
             finished_cleanly = True
         finally:
             if not finished_cleanly:
@@ -363,3 +367,11 @@ class AsyncEngine:
             fn(*args)
         except Exception:
             logger.exception("output callback %r failed", fn)
+
+
+def _delta_key(item: RequestOutput | BaseException) -> tuple[int, bool] | None:
+    """take_waiting's key for one request's stream: (its sequence index, finished); None for an
+    error, which never merges."""
+    if isinstance(item, BaseException):
+        return None
+    return item.outputs[0].index, item.finished
