@@ -125,13 +125,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(port: int, concurrency: int, requests: int, max_tokens: int) -> tuple[list, float]:
+async def load(port: int, concurrency: int, requests: int, max_tokens: int, chat: bool = False) -> tuple[list, float]:
     import aiohttp
 
     from tokenmill.bench.serve_client import send_request
 
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+    url = f"http://127.0.0.1:{port}/v1/{'chat/completions' if chat else 'completions'}"
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body = {"model": "tiny", **prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     limit = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens of every reply (ignore_eos)")
     parser.add_argument("--port", type=int, default=8795)
+    parser.add_argument("--chat", action="store_true", help="stream /v1/chat/completions instead of /v1/completions")
     parser.add_argument("--result-name", default=None, help="also write a result file to benchmarks/results/")
     args = parser.parse_args()
     sys.path.insert(0, ".")
@@ -184,7 +186,7 @@ def main() -> None:
             except OSError:
                 time.sleep(0.1)
         cpu_before, client_before = cpu_seconds(child.pid), cpu_seconds(os.getpid())
-        results, duration = asyncio.run(load(args.port, args.concurrency, args.requests, args.max_tokens))
+        results, duration = asyncio.run(load(args.port, args.concurrency, args.requests, args.max_tokens, args.chat))
         # The warm-up's share is small and alike in every run.
         server_cpu, client_cpu = cpu_seconds(child.pid) - cpu_before, cpu_seconds(os.getpid()) - client_before
     finally:
@@ -209,7 +211,7 @@ def main() -> None:
     src = os.path.dirname(os.path.dirname(tokenmill.__file__))
     git = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     commit = os.environ.get("TOKENMILL_COMMIT") or git.stdout.strip() or None  # a copy of a tree: told
-    config = {"step_ms": args.step_ms, "concurrency": args.concurrency, "requests": args.requests,
+    config = {"step_ms": args.step_ms, "concurrency": args.concurrency, "requests": args.requests, "chat": args.chat,
               "max_tokens": args.max_tokens, "tokenmill_src": src,
               "tokenmill_src_commit": commit}  # fmt: skip
     print(json.dumps(config | metrics))
