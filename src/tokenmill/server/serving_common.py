@@ -278,7 +278,7 @@ async def generate_all(
         timers.append(asyncio.create_task(expire_waiting(status.queue_timeout_s)))
     if len(prompts) == 1:
         # One prompt (the usual request): its outputs straight from the engine's stream, which
-        # merges deltas that waited, without a task and a queue between: ~6 us less a token
+        # merges deltas that waited, without a task and a queue between: ~5 us less a token
         # (benchmarks/BENCHMARKS.md, the API server's CPU per streamed token).
         single = prompt_outputs(0, prompts[0])
         try:
