@@ -18,64 +18,97 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SERVE_FLAG = "--serve-child"
 ENGINE_FLAG = "--engine-child"
 
 
-def fake_engine_process(input_addr: str, output_addr: str, step_s: float) -> None:
+def fake_engine_process(addresses: list[list[str]], step_s: float, model: str | None) -> None:
     """The engine child: tests/server/fake_engine.py's scripted core behind the engine process's
-    sockets and messages; one step every `step_s` while it has requests, its outputs sent whether
-    or not the server keeps up (they wait in the socket), as the real engine does."""
+    sockets and messages (engine/client_links.py: one pair per API server process); one step every
+    `step_s` while it has requests, its outputs sent whether or not the servers keep up (they wait
+    in the sockets), as the real engine does. `model` "default": reply in the default model's
+    tokens (the real `serve` path), else the tests' tiny tokenizer's."""
     sys.path.insert(0, ".")
-    import msgspec
     import zmq
     from tests.server.fake_engine import REPLY, FakeCore, FakeEngine
 
-    from tokenmill.engine.messages import ClientMessage, EngineReady, Shutdown, StepOutputs
+    from tokenmill.engine.client_links import ClientLinks
+    from tokenmill.engine.messages import EngineInfo, EngineReady, Hello, Shutdown
 
     shape = FakeEngine(max_model_len=4096, num_kv_blocks=10**6)  # its tokenizer and EngineInfo only
+    tokenizer, info = shape.tokenizer, shape.info
+    if model is not None:  # the default model's, as the API servers load it
+        from tokenmill.config import ModelConfig
+        from tokenmill.model.resolve import resolve_model
+        from tokenmill.model.tokenizer import load_tokenizer_or_none
+
+        tokenizer = load_tokenizer_or_none(resolve_model(ModelConfig()), None)
+        info = EngineInfo(
+            max_model_len=4096, num_kv_blocks=10**6, block_size=16, vocab_size=len(tokenizer),
+            max_num_seqs=1024, max_num_batched_tokens=8192, device="fake", dtype="none",
+        )  # fmt: skip
+    parent = os.getppid()
     ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.connect(input_addr)
-    outbox.connect(output_addr)
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClientMessage)
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: os.getppid() == parent)
 
     class SocketCore(FakeCore):
-        def _deliver(self, message: object) -> None:
-            outbox.send(encoder.encode(message))
+        def _deliver(self, message: object) -> None:  # utility answers: only the first server asks
+            links.send(0, message)
 
-    reply_ids = shape.tokenizer.encode(REPLY, add_special_tokens=False)
-    core = SocketCore(None, reply_ids, shape.tokenizer.eos_token_id)  # type: ignore[arg-type]
-    outbox.send(encoder.encode(EngineReady(info=shape.info)))
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    due = time.monotonic()
-    parent = os.getppid()
+    reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    core = SocketCore(None, reply_ids, tokenizer.eos_token_id)  # type: ignore[arg-type]
+    links.send(0, EngineReady(info=info))
+    due = last_stats = time.monotonic()
     while os.getppid() == parent:  # never outlives the server
         busy = bool(core.running or core.pending)
-        wait_ms = max(0.0, due - time.monotonic()) * 1000 if busy else 200
-        if poller.poll(wait_ms):
-            while True:
-                try:
-                    message = decoder.decode(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(message, Shutdown):
-                    return
+        wait_ms = math.ceil(max(0.0, due - time.monotonic()) * 1000) if busy else 200
+        for client, message in links.receive(wait_ms):
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, Hello):
+                links.register(client)
+                links.send(client, EngineReady(info=info))
+            else:
                 core.receive(message)
         now = time.monotonic()
+        stats_due = now - last_stats > 0.5
+        outputs = None
         if core.running or core.pending:
             if now >= due:
-                core._deliver(StepOutputs(outputs=core.step(), stats=core.stats()))
+                outputs = core.step()
                 due = now + step_s
         else:
             due = now  # idle: the next request's first step comes at once
+        if outputs is not None or stats_due:
+            links.send_step(outputs or [], core.stats(), stats_due=stats_due)
+        if stats_due:
+            last_stats = now
+
+
+def serve_real(port: int, step_s: float, api_servers: int) -> None:
+    """The server child for --api-servers: `tokenmill serve` itself (the default model's tokenizer,
+    --api-server-count) with the fake engine process in place of the real one."""
+    sys.path.insert(0, ".")
+    from tokenmill.cli import main as cli_main
+    from tokenmill.engine import core_process_client
+
+    def spawn(config, addresses, env=None):  # noqa: ANN001, ANN202
+        spec = json.dumps([list(pair) for pair in addresses])
+        return subprocess.Popen([sys.executable, __file__, ENGINE_FLAG, spec, str(step_s), "default"])
+
+    core_process_client._spawn_engine_process = spawn
+    sys.exit(cli_main([
+        "serve", "--port", str(port), "--device", "cpu", "--api-server-count", str(api_servers),
+        "--max-model-len", "4096", "--disable-uvicorn-access-log", "--disable-log-stats",
+    ]))  # fmt: skip
 
 
 def serve(port: int, step_s: float) -> None:
@@ -92,8 +125,9 @@ def serve(port: int, step_s: float) -> None:
     from tokenmill.server.api_server import create_app
     from tokenmill.server.http_protocol import make_uvicorn_config
 
-    def spawn(config, input_addr, output_addr, env=None):  # noqa: ANN001, ANN202
-        return subprocess.Popen([sys.executable, __file__, ENGINE_FLAG, input_addr, output_addr, str(step_s)])
+    def spawn(config, addresses, env=None):  # noqa: ANN001, ANN202
+        spec = json.dumps([list(pair) for pair in addresses])
+        return subprocess.Popen([sys.executable, __file__, ENGINE_FLAG, spec, str(step_s), ""])
 
     core_process_client._spawn_engine_process = spawn
 
@@ -119,20 +153,29 @@ def serve(port: int, step_s: float) -> None:
     asyncio.run(main())
 
 
+def server_pids(pid: int) -> list[int]:
+    """The server child and the API server processes it started (not the fake engine)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    workers = [int(p) for p in out.stdout.split() if "api_worker" in Path(f"/proc/{p}/cmdline").read_text()]
+    return [pid, *workers]
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(port: int, concurrency: int, requests: int, max_tokens: int, chat: bool = False) -> tuple[list, float]:
+async def load(
+    port: int, concurrency: int, requests: int, max_tokens: int, chat: bool = False, model: str = "tiny"
+) -> tuple[list, float]:
     import aiohttp
 
     from tokenmill.bench.serve_client import send_request
 
     url = f"http://127.0.0.1:{port}/v1/{'chat/completions' if chat else 'completions'}"
     prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
-    body = {"model": "tiny", **prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+    body = {"model": model, **prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     limit = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
@@ -154,10 +197,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == SERVE_FLAG:
-        serve(int(sys.argv[2]), float(sys.argv[3]))
+        if int(sys.argv[4]):
+            serve_real(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
+        else:
+            serve(int(sys.argv[2]), float(sys.argv[3]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == ENGINE_FLAG:
-        fake_engine_process(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        fake_engine_process(json.loads(sys.argv[2]), float(sys.argv[3]), sys.argv[4] or None)
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +214,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens of every reply (ignore_eos)")
     parser.add_argument("--port", type=int, default=8795)
     parser.add_argument("--chat", action="store_true", help="stream /v1/chat/completions instead of /v1/completions")
+    parser.add_argument(
+        "--api-servers", type=int, default=0,
+        help="serve through `tokenmill serve --api-server-count N` (the default model's tokenizer) instead "
+        "of the in-process app; its CPU is summed over the N processes",
+    )  # fmt: skip
     parser.add_argument("--result-name", default=None, help="also write a result file to benchmarks/results/")
     args = parser.parse_args()
     sys.path.insert(0, ".")
@@ -177,18 +228,28 @@ def main() -> None:
     from tokenmill.bench.results import write_result
     from tokenmill.bench.structured_serve import tokens_per_text_chunk
 
-    child = subprocess.Popen([sys.executable, __file__, SERVE_FLAG, str(args.port), str(args.step_ms / 1000)])
+    child = subprocess.Popen(
+        [sys.executable, __file__, SERVE_FLAG, str(args.port), str(args.step_ms / 1000), str(args.api_servers)]
+    )
     try:
-        for _ in range(300):
+        for _ in range(1200):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=1)
                 break
             except OSError:
                 time.sleep(0.1)
-        cpu_before, client_before = cpu_seconds(child.pid), cpu_seconds(os.getpid())
-        results, duration = asyncio.run(load(args.port, args.concurrency, args.requests, args.max_tokens, args.chat))
+        model = "tiny"
+        if args.api_servers:
+            with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=10) as r:
+                model = json.load(r)["data"][0]["id"]
+        pids = server_pids(child.pid)
+        cpu_before, client_before = sum(map(cpu_seconds, pids)), cpu_seconds(os.getpid())
+        results, duration = asyncio.run(
+            load(args.port, args.concurrency, args.requests, args.max_tokens, args.chat, model)
+        )
         # The warm-up's share is small and alike in every run.
-        server_cpu, client_cpu = cpu_seconds(child.pid) - cpu_before, cpu_seconds(os.getpid()) - client_before
+        server_cpu = sum(map(cpu_seconds, pids)) - cpu_before
+        client_cpu = cpu_seconds(os.getpid()) - client_before
     finally:
         child.terminate()
         child.wait(10)
@@ -212,6 +273,7 @@ def main() -> None:
     git = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     commit = os.environ.get("TOKENMILL_COMMIT") or git.stdout.strip() or None  # a copy of a tree: told
     config = {"step_ms": args.step_ms, "concurrency": args.concurrency, "requests": args.requests, "chat": args.chat,
+              "api_servers": args.api_servers or "in-process app",
               "max_tokens": args.max_tokens, "tokenmill_src": src,
               "tokenmill_src_commit": commit}  # fmt: skip
     print(json.dumps(config | metrics))

@@ -4,6 +4,12 @@ Each server owns a `ServerMetrics` with its own `CollectorRegistry` (never the p
 one), so several servers or tests in one process do not collide. Request-level observations come
 from the API server as tokens stream out; engine-level numbers arrive as absolute totals in engine
 stats and are turned into counter increments here.
+
+Several API server processes (`--api-server-count`) share prometheus_client's multiprocess mode
+(metrics_multiprocess.py): each process's metrics live in mmap files and a scrape of any process
+merges them. Every process receives the same engine stats, so only the one built with
+`engine_stats_owner=True` feeds the engine's totals and gauges into those files (the sum would count
+them N times); histograms the engine itself keeps are identical everywhere and rendered locally.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from tokenmill.metrics_info import InfoMetrics
-from tokenmill.shared_histogram import SharedHistogram
+from tokenmill.metrics_info import LORA_IN_FLIGHT, LORA_IN_FLIGHT_DOC, InfoMetrics
+from tokenmill.metrics_multiprocess import MergedMetrics, check_enabled, multiprocess_metrics_dir
+from tokenmill.shared_histogram import HistogramFanout, SharedHistogram
 from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
@@ -99,27 +107,64 @@ REQUEST_LATENCY_BUCKETS = (
 # Token counts and request parameters: 1, 2, 5, 10, 20, 50, ... (vLLM's 1-2-5 series).
 TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+# Gauges' multiprocess_mode (ignored with one process). The engine's gauges are set by the engine
+# stats owner alone and stay 0 elsewhere, and kv_transfer_info is 1 in every process: the largest
+# value of the live processes is right for both. Requests in flight per LoRA adapter add up.
+ENGINE_GAUGE_MODE = "livemax"
+LORA_IN_FLIGHT_MODE = "livesum"
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = PREFIX) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        prefix: str = PREFIX,
+        *,
+        multiprocess_dir: str | None = None,
+        engine_stats_owner: bool = True,
+    ) -> None:
+        """`multiprocess_dir`: one of several API server processes; the directory must be the one
+        `enable_multiprocess_metrics` switched this process to. `engine_stats_owner`: this process
+        feeds the engine's totals and gauges (exactly one process of a server)."""
         # The `_created` timestamp series only add noise (vLLM turns them off too); the switch
         # is process-wide in prometheus_client.
         disable_created_metrics()
+        if multiprocess_dir is not None:
+            multiprocess_dir = check_enabled(multiprocess_dir)
+        elif multiprocess_metrics_dir() is not None:
+            # Its values would go to the shared files all the same, and be summed into another server's.
+            raise RuntimeError(
+                f"multiprocess metrics are enabled in this process ({multiprocess_metrics_dir()}): pass it as "
+                "multiprocess_dir"
+            )
+        elif not engine_stats_owner:
+            raise ValueError("engine_stats_owner=False needs multiprocess_dir: a lone process owns the engine stats")
         self.model_name = model_name
         self.prefix = prefix
+        self.multiprocess_dir = multiprocess_dir
+        self.engine_stats_owner = engine_stats_owner
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        # Every prometheus_client metric made here: multiprocess mode exports the families that have
+        # no series yet from this list (metrics_multiprocess.MergedMetrics).
+        self._declared: list[MetricWrapperBase] = []
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             # prometheus_client appends `_total` to counter names on export.
-            return Counter(prefix + name, doc, labels + list(extra), registry=self.registry)
+            metric = Counter(prefix + name, doc, labels + list(extra), registry=self.registry)
+            self._declared.append(metric)
+            return metric
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(prefix + name, doc, labels, registry=self.registry)
+            metric = Gauge(prefix + name, doc, labels, registry=self.registry, multiprocess_mode=ENGINE_GAUGE_MODE)
+            self._declared.append(metric)
+            return metric
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=self.registry)
+            metric = Histogram(prefix + name, doc, labels, buckets=buckets, registry=self.registry)
+            self._declared.append(metric)
+            return metric
 
         self._request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
@@ -149,15 +194,16 @@ class ServerMetrics:
         ).labels(model_name)
         # Observed for every streamed token: one set of buckets under vLLM's name and under its older
         # one, still queried by dashboards written for it (shared_histogram.py).
-        self._itl = SharedHistogram(
-            [
-                (prefix + "inter_token_latency_seconds", "Time between consecutive output tokens."),
-                (prefix + "time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name)."),
-            ],
-            ITL_BUCKETS,
-            model_name,
-        )
-        self.registry.register(self._itl)
+        itl_names = [
+            ("inter_token_latency_seconds", "Time between consecutive output tokens."),
+            ("time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name)."),
+        ]
+        self._itl: SharedHistogram | HistogramFanout
+        if multiprocess_dir is None:
+            self._itl = SharedHistogram([(prefix + n, doc) for n, doc in itl_names], ITL_BUCKETS, model_name)
+            self.registry.register(self._itl)
+        else:  # mmap files hold only prometheus_client's metrics
+            self._itl = HistogramFanout([histogram(n, doc, ITL_BUCKETS).labels(model_name) for n, doc in itl_names])
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
         ).labels(model_name)
@@ -234,6 +280,26 @@ class ServerMetrics:
         self.info = InfoMetrics(model_name, prefix)
         self.registry.register(self.info)
         self._slo = SloMetrics(prefix, model_name, self.registry)  # goodput, SLO attainment
+        self._declared.extend(self._slo.counters)
+        # Multiprocess mode: this process's requests in flight per LoRA adapter, summed over the
+        # processes in the files and rendered by `info` (not in `registry`: `info` renders it there).
+        self._lora_in_flight: Gauge | None = None
+        self._lora_published: dict[str, int] = {}
+        # What GET /metrics renders: `registry` itself with one process; with several, the merged
+        # files and the collectors that are the same in every process, never `registry`'s own
+        # prometheus_client metrics (the files hold them already).
+        self.scrape_registry = self.registry
+        if multiprocess_dir is not None:
+            self._lora_in_flight = Gauge(
+                prefix + LORA_IN_FLIGHT, LORA_IN_FLIGHT_DOC, ["model_name", "lora_name"], registry=None,
+                multiprocess_mode=LORA_IN_FLIGHT_MODE,
+            )  # fmt: skip
+            self.scrape_registry = CollectorRegistry(auto_describe=False)
+            merged = MergedMetrics(
+                multiprocess_dir, self._declared, prefix + LORA_IN_FLIGHT, "lora_name", self.info.families
+            )
+            self.scrape_registry.register(merged)
+            self.scrape_registry.register(self._engine_histograms)
 
     # ------------------------------------------------------------------ request-level observations
 
@@ -243,8 +309,26 @@ class ServerMetrics:
         info = Gauge(
             self.prefix + "kv_transfer_info", "1, labelled with this server's --kv-role and --kv-transfer-address.",
             ["model_name", "kv_role", "kv_transfer_address"], registry=self.registry,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )  # fmt: skip
+        self._declared.append(info)
         info.labels(self.model_name, role, address).set(1)
+
+    def on_lora_holds_changed(self) -> None:
+        """LoRARegistry.on_holds_changed: a request took or gave back an adapter. In multiprocess
+        mode this process's counts go to the shared files (only the ones that changed); with one
+        process a no-op, the scrape reads the counts itself."""
+        gauge = self._lora_in_flight
+        load = self.info.lora_load()
+        if gauge is None or load is None:
+            return
+        for name, count in load.items():
+            if self._lora_published.get(name) != count:
+                gauge.labels(self.model_name, name).set(count)
+                self._lora_published[name] = count
+        for name in [n for n in self._lora_published if n not in load]:  # unloaded
+            gauge.labels(self.model_name, name).set(0)
+            del self._lora_published[name]
 
     def on_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)
@@ -300,8 +384,15 @@ class ServerMetrics:
         """Take the engine's absolute numbers; missing keys are left as they were.
 
         Counters grow by the difference from the previous totals. A total smaller than the one
-        before means the engine restarted from zero, so the whole new total is counted.
+        before means the engine restarted from zero, so the whole new total is counted. Only the
+        engine stats owner feeds counters and gauges; every process keeps the engine's histograms
+        (rendered by the process scraped).
         """
+        if self.engine_stats_owner:
+            self._update_engine_series(stats)
+        self._engine_histograms.update(stats)
+
+    def _update_engine_series(self, stats: Mapping[str, float]) -> None:
         if "num_running" in stats:
             self._num_running.set(stats["num_running"])
         if "num_waiting" in stats:
@@ -326,7 +417,6 @@ class ServerMetrics:
                 position = key[len(per_position_prefix) :]
                 child = self._spec_decode_per_position.labels(self.model_name, position)
                 self._count_total(key, float(total), child)
-        self._engine_histograms.update(stats)
         self._slo.update(stats, self._count_total)
 
     def _count_total(self, key: str, total: float, counter: Counter) -> None:
@@ -338,8 +428,9 @@ class ServerMetrics:
         self._last_totals[key] = total
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every collector, for GET /metrics."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every collector, for GET /metrics (in multiprocess
+        mode, the whole server's: every API server process's metrics merged)."""
+        return generate_latest(self.scrape_registry)
 
 
 class EngineHistograms(Collector):

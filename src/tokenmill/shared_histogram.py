@@ -5,14 +5,18 @@ current name and its older one). Two prometheus_client Histograms cost two bucke
 four locked increments a token; this keeps one set of bucket counts, found by bisection, and a
 collector renders it under each name (the same samples a prometheus_client Histogram with those
 buckets would export: tests/unit/test_metrics.py). Observed from the API server's event loop.
+
+In multiprocess mode (metrics_multiprocess.py) only prometheus_client's own metrics reach the
+shared mmap files, so there the names are plain Histograms, each observed (`HistogramFanout`).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
+from prometheus_client import Histogram
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -45,3 +49,17 @@ class SharedHistogram(Collector):
             family = HistogramMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], buckets, self._sum)
             yield family
+
+
+class HistogramFanout:
+    """The multiprocess-mode stand-in for SharedHistogram: one observation, every histogram."""
+
+    __slots__ = ("_histograms",)
+
+    def __init__(self, histograms: Sequence[Histogram]) -> None:
+        """`histograms`: labelled children (`.labels(...)`), ready to observe."""
+        self._histograms = tuple(histograms)
+
+    def observe(self, value: float) -> None:
+        for histogram in self._histograms:
+            histogram.observe(value)

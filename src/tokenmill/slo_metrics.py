@@ -9,7 +9,8 @@ counters:
 - `tokenmill:slo_attained_requests_total{slo_class}`, `..._missed_...` (shed ones included),
   `tokenmill:slo_shed_requests_total{slo_class}`.
 
-A server under another policy reports none of these keys and exports no series.
+A server under another policy reports none of these keys and exports no series. The counts are the
+engine's: with several API server processes only the engine stats owner feeds them (metrics.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class SloMetrics:
             key: Counter(prefix + key, doc, ["model_name", "slo_class"], registry=registry)
             for key, doc in PER_CLASS_KEYS.items()
         }
+        # Every family, declared even before the engine reports a key (ServerMetrics exports them
+        # all in multiprocess mode too).
+        self.counters: list[Counter] = [self._goodput, *self._per_class.values()]
 
     def update(self, stats: Mapping[str, float], count_total: CountTotal) -> None:
         if GOODPUT_KEY in stats:

@@ -133,7 +133,7 @@ def test_a_stalled_event_loop_is_not_an_engine_hang():
 
     async def scenario() -> None:
         engine = FakeEngine(hang_timeout_s=1.0)
-        address = f"ipc://{engine.client._ipc_dir}/output"
+        address = f"ipc://{engine.client.ipc_dir}/output"
         engine.client._from_engine.bind(address)
         context = zmq.Context()
         sender = context.socket(zmq.PUSH)

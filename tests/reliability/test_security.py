@@ -99,7 +99,7 @@ def test_the_engine_process_gets_its_config_as_msgpack_on_stdin(monkeypatch):
     config = EngineConfig(
         model=ModelConfig(model="/m", seed=7), cache=CacheConfig(num_kv_blocks=9), device="cpu"
     )
-    core_process_client._spawn_engine_process(config, "ipc:///d/input", "ipc:///d/output")
+    core_process_client._spawn_engine_process(config, [("ipc:///d/input", "ipc:///d/output")])
     command = captured["command"]
     assert command[:3] == [sys.executable, "-m", "tokenmill.engine.core_process"]
     assert command[command.index("--input-addr") + 1] == "ipc:///d/input"
@@ -115,11 +115,11 @@ def test_the_ipc_socket_directory_is_private():
     async def check() -> None:
         engine = AsyncEngine(EngineConfig())
         try:
-            mode = os.stat(engine.client._ipc_dir).st_mode
-            assert stat.S_IMODE(mode) == 0o700 and os.stat(engine.client._ipc_dir).st_uid == os.getuid()
+            mode = os.stat(engine.client.ipc_dir).st_mode
+            assert stat.S_IMODE(mode) == 0o700 and os.stat(engine.client.ipc_dir).st_uid == os.getuid()
         finally:
             await engine.shutdown()
-        assert not os.path.exists(engine.client._ipc_dir)
+        assert not os.path.exists(engine.client.ipc_dir)
 
     asyncio.run(check())
 

@@ -437,3 +437,43 @@ def test_runtime_updating_on_publishes_the_routes_with_their_bodies(tiny_arch):
         assert schema["components"]["schemas"]["LoadLoRAAdapterRequest"]["required"] == ["lora_name", "lora_path"]
 
     run_fake(scenario, tiny_arch, allow_runtime_updating=True)
+
+
+def test_start_up_adapters_on_every_api_server_process(tmp_path, tiny_llama_dir, adapter_dirs, oracle):
+    """--api-server-count 2: the first process has the engine load --lora-modules, the second
+    serves them under the same ids; each answers like the merged oracle, and /metrics (either
+    process) counts the adapters' in-flight requests over both."""
+    import concurrent.futures
+    import re
+    import time
+
+    proc = start_server(
+        str(tmp_path),
+        "--model", str(tiny_llama_dir), "--served-model-name", BASE, "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "128", "--num-kv-blocks", "256", "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", "16", "--lora-modules", f"alpha={adapter_dirs['a']}",
+        json.dumps({"name": "beta", "path": str(adapter_dirs["b"]), "base_model_name": "tiny-base"}),
+        "--api-key", KEY, "--api-server-count", "2", "--enable-log-requests",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "2 API server processes)" not in proc.log():
+            assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.2)
+        ids = oracle.prompt_ids
+        expected = {BASE: oracle(None), "alpha": oracle("a"), "beta": oracle("b")}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for _ in range(6):  # until the second process has answered adapter requests too
+                names = [BASE, "alpha", "beta"] * 3
+                for name, tokens in zip(names, pool.map(lambda n: completion_tokens(proc, n, ids), names), strict=True):
+                    assert tokens == expected[name], name
+                if len(re.findall(r"\[api 1\] tokenmill\S*: Received request .*lora_request: (alpha|beta)", proc.log())) >= 2:
+                    break
+        assert re.search(r"\[api 1\] tokenmill\S*: Received request .*lora_request: (alpha|beta)", proc.log())
+        for _ in range(4):  # whichever process answers
+            models = httpx.get(f"{proc.base_url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+            assert {m["id"]: m.get("parent") for m in models} == {BASE: None, "alpha": BASE, "beta": "tiny-base"}
+            text = httpx.get(f"{proc.base_url}/metrics", headers=AUTH, timeout=10).text
+            assert 'tokenmill:lora_requests_in_flight{lora_name="alpha",model_name="tiny"} 0.0' in text
+    finally:
+        proc.stop()

@@ -158,6 +158,6 @@ def test_log_level_reaches_the_engine_process(monkeypatch):
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", logging.DEBUG)
     with pytest.raises(Stop):
-        core_process_client._spawn_engine_process(None, "ipc:///x", "ipc:///y")  # type: ignore[arg-type]
+        core_process_client._spawn_engine_process(None, [("ipc:///x", "ipc:///y")])  # type: ignore[arg-type]
     command = seen["command"]
     assert command[command.index("--log-level") + 1] == "DEBUG"

@@ -40,6 +40,7 @@ TIERS: list[set[str]] = [
         "cpu_cores",
         "chat_template",
         "metrics",
+        "metrics_multiprocess",
         "metrics_info",
         "shared_histogram",
         "stats_histogram",

@@ -23,13 +23,13 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_cores import usable_cores
+from tokenmill.engine.client_links import ClientLinks, ParentGone, parent_alive_check
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
-    ClientMessage,
     EngineReady,
+    Hello,
     Shutdown,
-    StepOutputs,
     UtilityCall,
     UtilityResult,
 )
@@ -39,7 +39,6 @@ logger = logging.getLogger("tokenmill.engine")
 
 IDLE_POLL_MS = 200
 STATS_INTERVAL_S = 0.5
-SEND_RETRY_S = 0.005
 PR_SET_PDEATHSIG = 1
 
 
@@ -79,14 +78,16 @@ def _init_torch(config: EngineConfig) -> None:
         )
 
 
-class _ParentGone(Exception):
-    pass
-
-
 def run_engine_core(
-    config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int, log_level: str = "INFO"
+    config_bytes: bytes,
+    input_addrs: list[str],
+    output_addrs: list[str],
+    parent_pid: int,
+    log_level: str = "INFO",
 ) -> None:
-    """Entry point of the spawned engine process. `config_bytes` is the msgpack of EngineConfig."""
+    """Entry point of the spawned engine process. `config_bytes` is the msgpack of EngineConfig;
+    one (input, output) address pair per API server process (client_links.py), the first the
+    parent's."""
     # The API server owns shutdown: on SIGINT / SIGTERM it drains, then sends Shutdown. Those
     # signals often reach the whole process group (Ctrl-C, `timeout`, systemd), and dying on them
     # here would fail the requests being drained. Without the parent this process cannot outlive
@@ -100,25 +101,9 @@ def run_engine_core(
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
 
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
-    encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(ClientMessage)
-
-    def send(message: object) -> None:
-        # A full outbox means the API server is not reading: wait for it while it lives, never forever.
-        data = encoder.encode(message)
-        while True:
-            try:
-                outbox.send(data, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if os.getppid() != parent_pid:
-                    raise _ParentGone from None
-                time.sleep(SEND_RETRY_S)
-
+    # A full outbox means that API server is not reading: the engine waits for it while its parent
+    # lives, never forever.
+    links = ClientLinks(ctx, input_addrs, output_addrs, parent_alive_check(parent_pid))
     try:
         try:
             from tokenmill.args import resolve_device_defaults
@@ -131,7 +116,7 @@ def run_engine_core(
             core = EngineCore(config)
         except Exception as exc:
             logger.exception("engine start-up failed")
-            send(EngineReady(error=f"{type(exc).__name__}: {exc}"))
+            links.send(0, EngineReady(error=f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from exc
         # The model, torch's modules and the engine's own objects live as long as the process: out
         # of the collector's reach, a full collection walks only what requests made since.
@@ -141,51 +126,49 @@ def run_engine_core(
         # The grammar compiler (tokenizer, xgrammar's vocabulary) builds on a compile thread while
         # the server comes up, not when the first constrained requests arrive and wait for it.
         core.structured_output.warm_up()
-        send(EngineReady(info=core.info))
-        _busy_loop(core, inbox, decoder, send, parent_pid)
-    except _ParentGone:
+        links.send(0, EngineReady(info=core.info))
+        _busy_loop(core, links, parent_pid)
+    except ParentGone:
         logger.warning("the API server process is gone; engine exiting")
     finally:
-        inbox.close(linger=0)
-        outbox.close(linger=1000)
+        links.close()
         ctx.term()
 
 
-def _busy_loop(core, inbox, decoder, send, parent_pid: int) -> None:
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
+def _busy_loop(core, links: ClientLinks, parent_pid: int) -> None:
     last_stats = 0.0
     while True:
         timeout = 0 if core.has_work() else IDLE_POLL_MS
-        if poller.poll(timeout):
-            while True:
-                try:
-                    raw = inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                message = decoder.decode(raw)
-                if isinstance(message, AddRequests):
-                    for req in message.requests:
-                        core.add_request(req)
-                elif isinstance(message, AbortRequests):
-                    core.abort_requests(message.request_ids)
-                elif isinstance(message, UtilityCall):
-                    send(_utility(core, message))
-                elif isinstance(message, Shutdown):
-                    return
+        for client, message in links.receive(timeout):
+            if isinstance(message, AddRequests):
+                for req in message.requests:
+                    core.add_request(req)
+            elif isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+            elif isinstance(message, UtilityCall):
+                links.send(client, _utility(core, message))
+            elif isinstance(message, Hello):  # another API server process is up (client_links.py)
+                links.register(client)
+                links.send(client, EngineReady(info=core.info))
+            elif isinstance(message, Shutdown):
+                return
         # getppid is a cheap syscall; checking every iteration means a busy engine whose parent
         # was killed stops within one step even without PDEATHSIG.
         if os.getppid() != parent_pid:
-            raise _ParentGone
+            raise ParentGone
         now = time.monotonic()
         if core.has_work():
             outputs = core.step()
             now = time.monotonic()
-            if outputs or now - last_stats > STATS_INTERVAL_S:
-                send(StepOutputs(outputs=outputs, stats=core.get_stats()))
+            stats_due = now - last_stats > STATS_INTERVAL_S
+            if outputs or stats_due:
+                links.send_step(outputs, core.get_stats(), stats_due=stats_due)
+            # Timed from the last send to every API server, not from the last outputs: one whose
+            # requests all wait in the queue hears the engine (and is not left to think it hangs).
+            if stats_due:
                 last_stats = now
         elif now - last_stats > STATS_INTERVAL_S:
-            send(StepOutputs(stats=core.get_stats()))
+            links.send_step([], core.get_stats(), stats_due=True)
             core.flush_trace()  # idle: what a finished benchmark reads is on disk
             last_stats = now
 
@@ -216,12 +199,18 @@ def _utility(core, call: UtilityCall) -> UtilityResult:
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenmill.engine.core_process`: reads the EngineConfig (msgpack) from stdin."""
     parser = argparse.ArgumentParser(prog="tokenmill.engine.core_process")
-    parser.add_argument("--input-addr", required=True, help="ipc:// address the API server sends on")
-    parser.add_argument("--output-addr", required=True, help="ipc:// address the API server receives on")
+    parser.add_argument(
+        "--input-addr", required=True, action="append", help="ipc:// address an API server sends on (one per server)"
+    )
+    parser.add_argument(
+        "--output-addr", required=True, action="append", help="ipc:// address an API server receives on (one per server)"
+    )
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO", help="the API server's log level (tokenmill --log-level)")
     args = parser.parse_args(argv)
-    for addr in (args.input_addr, args.output_addr):
+    if len(args.input_addr) != len(args.output_addr):
+        parser.error("give one --output-addr per --input-addr (a pair per API server process)")
+    for addr in (*args.input_addr, *args.output_addr):
         if not addr.startswith("ipc://"):
             parser.error(f"engine addresses must be ipc:// paths, got {addr!r}")
     config_bytes = sys.stdin.buffer.read()

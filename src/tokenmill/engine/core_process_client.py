@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.client_links import slot_addresses
 from tokenmill.engine.core_client import AsyncEngineCoreClient
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -55,7 +57,7 @@ def _kill_if_alive(process: subprocess.Popen) -> None:
 
 
 def _spawn_engine_process(
-    config: EngineConfig, input_addr: str, output_addr: str, env: dict[str, str] | None = None
+    config: EngineConfig, addresses: list[tuple[str, str]], env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     """Starts `python -m tokenmill.engine.core_process` with the config's msgpack on its stdin.
 
@@ -67,9 +69,11 @@ def _spawn_engine_process(
     Must run on the thread that lives as long as the server: PR_SET_PDEATHSIG fires when the
     creating *thread* exits.
     """
-    command = [
-        sys.executable, "-m", "tokenmill.engine.core_process",
-        "--input-addr", input_addr, "--output-addr", output_addr, "--parent-pid", str(os.getpid()),
+    command = [sys.executable, "-m", "tokenmill.engine.core_process"]
+    for input_addr, output_addr in addresses:  # one pair per API server process, this one's first
+        command += ["--input-addr", input_addr, "--output-addr", output_addr]
+    command += [
+        "--parent-pid", str(os.getpid()),
         # `tokenmill --log-level` reaches the engine process too.
         "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     ]  # fmt: skip
@@ -96,6 +100,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         *,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         env: dict[str, str] | None = None,  # set in the engine process's environment (data parallelism)
+        num_api_servers: int = 1,  # API server processes the engine answers (`serve --api-server-count`)
     ) -> None:
         if hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the check), got {hang_timeout_s}")
@@ -110,8 +115,8 @@ class CoreProcessClient(AsyncEngineCoreClient):
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._process: subprocess.Popen | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
-        os.chmod(self._ipc_dir, 0o700)  # only this user may reach the sockets
+        self.num_api_servers = num_api_servers
+        self.ipc_dir = self._make_ipc_dir()
         # Sends go through a plain socket with NOBLOCK so a dead or stalled engine can never block
         # the event loop or a request forever; receives through an asyncio one.
         self._send_ctx = zmq.Context()
@@ -130,21 +135,29 @@ class CoreProcessClient(AsyncEngineCoreClient):
     def hang_timeout_s(self) -> float:
         return self._hang_timeout_s
 
-    def launch(self, config: EngineConfig) -> None:
-        """Binds the sockets and spawns the engine process on `config`; it loads the model from here on."""
-        self.config = config
-        input_addr = f"ipc://{self._ipc_dir}/input"
-        output_addr = f"ipc://{self._ipc_dir}/output"
+    def _make_ipc_dir(self) -> str:
+        ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
+        os.chmod(ipc_dir, 0o700)  # only this user may reach the sockets
+        return ipc_dir
+
+    def _bind(self, slot: int) -> None:
+        input_addr, output_addr = slot_addresses(self.ipc_dir, slot)
         self._to_engine.bind(input_addr)
         self._from_engine.bind(output_addr)
-        self._process = _spawn_engine_process(self.config, input_addr, output_addr, self._env)
+
+    def launch(self, config: EngineConfig) -> None:
+        """Binds the sockets and spawns the engine process on `config`; it loads the model from here on.
+        The other API server processes bind theirs later (AttachedCoreClient)."""
+        self.config = config
+        self._bind(0)
+        addresses = [slot_addresses(self.ipc_dir, slot) for slot in range(self.num_api_servers)]
+        self._process = _spawn_engine_process(self.config, addresses, self._env)
         # If this process exits without shutdown() (an exception in the caller), kill the engine
         # rather than leave it to notice the parent is gone.
         atexit.register(_kill_if_alive, self._process)
         logger.info("engine process %d started; loading the model", self._process.pid)
 
     async def wait_until_ready(self, ready_timeout_s: float) -> None:
-        assert self._process is not None
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if await self._from_engine.poll(500):
@@ -155,10 +168,9 @@ class CoreProcessClient(AsyncEngineCoreClient):
                     self.info = message.info
                     return
                 continue
-            if self._process.poll() is not None:  # checked after the poll, so its last words are read
-                raise RuntimeError(
-                    f"the engine process exited during start-up (exit code {self._process.returncode})"
-                )
+            gone = self._exit_status()
+            if gone is not None:  # checked after the poll, so its last words are read
+                raise RuntimeError(f"the engine process exited during start-up ({gone})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine was not ready after {ready_timeout_s:.0f} s")
 
@@ -191,17 +203,26 @@ class CoreProcessClient(AsyncEngineCoreClient):
         self._from_engine.close(linger=0)
         self._send_ctx.term()
         self._ctx.term()
-        for name in ("input", "output"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self._ipc_dir, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self._ipc_dir)
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        # Every API server's socket files: the others have stopped by now (the launcher waits).
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _exit_status(self) -> str | None:
+        """How the engine process ended ("exit code N"), reaping it; None while it runs."""
+        if self._process is None or self._process.poll() is None:
+            return None
+        return f"exit code {self._process.returncode}"
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
 
     async def _wait_for_exit(self, timeout_s: float) -> bool:
         """Waits (without blocking the loop) for the engine process to exit and reaps it."""
-        assert self._process is not None
         deadline = time.monotonic() + timeout_s
-        while self._process.poll() is None:
+        while self._exit_status() is None:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.02)
@@ -296,10 +317,11 @@ class CoreProcessClient(AsyncEngineCoreClient):
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self._process is not None and self._process.poll() is not None:
+            gone = self._exit_status()
+            if gone is not None:
                 if not self._stopping:
-                    logger.error("the engine process died (exit code %s)", self._process.returncode)
-                self.mark_dead(f"the engine process exited with code {self._process.returncode}")
+                    logger.error("the engine process died (%s)", gone)
+                self.mark_dead(f"the engine process exited ({gone})")
                 return
             if self._is_hung():
                 await self._kill_hung_engine()
@@ -330,8 +352,8 @@ class CoreProcessClient(AsyncEngineCoreClient):
             f"the engine process hung: silent for {silent_s:.1f} s, longer than --engine-hang-timeout "
             f"{self.hang_timeout_s:g} s; it was killed"
         )
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        if self._exit_status() is None:
+            self._kill()
             if not await self._wait_for_exit(5.0):
                 logger.error("the hung engine process %s did not exit after SIGKILL", pid)
 

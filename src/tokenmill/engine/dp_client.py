@@ -70,16 +70,24 @@ class DataParallelClient(AsyncEngineCoreClient):
         *,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         policy_settings: CacheAwareSettings | None = None,
+        num_api_servers: int = 1,
+        cores: list[CoreProcessClient] | None = None,
     ) -> None:
+        """`cores`: clients of cores already running (an API server process that did not spawn them,
+        `serve --api-server-count`); else this client spawns `size` cores, each answering
+        `num_api_servers` API server processes."""
         if size < 2:
             raise ValueError(f"data parallelism needs at least 2 engine cores, got {size}")
         super().__init__()
         self.config = config
         self.info = None
         self.dead = None
-        self.cores = [
-            CoreProcessClient(config, hang_timeout_s=hang_timeout_s, env=core_env(rank)) for rank in range(size)
-        ]
+        self.cores = cores if cores is not None else [
+            CoreProcessClient(config, hang_timeout_s=hang_timeout_s, env=core_env(rank), num_api_servers=num_api_servers)
+            for rank in range(size)
+        ]  # fmt: skip
+        if len(self.cores) != size:
+            raise ValueError(f"{size} engine cores, but {len(self.cores)} clients given")
         self.names = [f"core{rank}" for rank in range(size)]
         self.balancer = LoadBalancer(self.names, CacheAwarePolicy(policy_settings))
         self._owner: dict[str, int] = {}  # live request id -> the rank of the core that has it

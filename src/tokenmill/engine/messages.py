@@ -61,7 +61,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ClientMessage = AddRequests | AbortRequests | UtilityCall | Shutdown
+class Hello(msgspec.Struct, tag="hello"):
+    """An API server process other than the engine's parent is up and reading (`serve
+    --api-server-count`); the engine answers EngineReady (engine/client_links.py)."""
+
+
+ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello | Shutdown
 
 
 # -- engine -> client ---------------------------------------------------------------------------

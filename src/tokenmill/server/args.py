@@ -136,6 +136,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "affinity balanced against load (docs/ROUTER.md). If any core dies the server is unavailable",
     )
     parser.add_argument(
+        "--api-server-count",
+        type=_int_in(1, 64),
+        default=1,
+        help="API server processes (HTTP, tokenization, detokenization, streaming) sharing the port in "
+        "front of the engine: more than one when one process's CPU limits a loaded server. /metrics "
+        "from any of them covers all; --max-num-waiting-seqs / -tokens are split evenly between them; "
+        "needs runtime LoRA updating off",
+    )
+    parser.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
         help="serve GET /debug/invariants: the engine checks its queues and KV block ref counts "

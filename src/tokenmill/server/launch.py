@@ -8,8 +8,11 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Any
 
 import uvicorn
@@ -20,6 +23,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.metrics import METRICS_PREFIXES, ServerMetrics
 from tokenmill.server.admission import AdmissionControl
 from tokenmill.server.api_server import create_app
+from tokenmill.server.api_workers import ApiWorkers, WorkerAdapter, WorkerEngine, WorkerSpec
 from tokenmill.server.http_protocol import make_uvicorn_config
 from tokenmill.server.lora_registry import RUNTIME_FLAG, LoRAModule, LoRARegistry, parse_lora_module
 from tokenmill.server.operator_options import api_keys_from_args, check_tls_args, cors_from_args
@@ -31,6 +35,8 @@ logger = logging.getLogger("tokenmill.server")
 GRACEFUL_SHUTDOWN_S = 10
 # After aborting what outlived --shutdown-timeout, how long the aborts may take to reach the clients.
 ABORT_GRACE_S = 5.0
+# How long --api-server-count's other processes may take to load their tokenizer and attach.
+WORKER_READY_TIMEOUT_S = 600.0
 
 
 async def drain(state: ServerState, timeout_s: float) -> None:
@@ -65,6 +71,12 @@ class _DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self.lora_modules: list[LoRAModule] = []  # --lora-modules, loaded once the engine is up
         self._loop: asyncio.AbstractEventLoop | None = None
+        # --api-server-count > 1, in the first process: the others (api_workers.py), the directory
+        # of their shared Prometheus files, and the listening socket they inherit.
+        self.api_workers: ApiWorkers | None = None
+        self.metrics_dir: str | None = None
+        self.worker_failure: str | None = None
+        self.tm_args: dict[str, Any] = {}  # the parsed flags, handed to the other API server processes
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -76,6 +88,8 @@ class _DrainingServer(uvicorn.Server):
             # A second signal, or nothing to drain yet (still starting): stop now.
             self.force_exit = state.draining or self.should_exit
             self.should_exit = True
+            if self.api_workers is not None and self.force_exit:
+                self.api_workers.force()
             return
         logger.warning(
             "received %s: draining for up to %.0f s", signal.Signals(sig).name, self.shutdown_timeout
@@ -86,6 +100,9 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        if self.api_workers is not None:
+            self.api_workers.drain()  # each drains its own requests meanwhile
+
         async def drain_then_exit() -> None:
             try:
                 await drain(self.tm_state, self.shutdown_timeout)
@@ -95,9 +112,10 @@ class _DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.get_running_loop().create_task(drain_then_exit())
 
 
-def build_server(args: argparse.Namespace) -> _DrainingServer:
+def build_server(args: argparse.Namespace, worker: WorkerSpec | None = None) -> _DrainingServer:
     """The server `tokenmill serve` runs, every flag in place; nothing started yet. Raises
-    ValueError naming the flag when an engine flag is invalid."""
+    ValueError naming the flag when an engine flag is invalid. `worker`: this is one of the other
+    API server processes of --api-server-count (api_worker.py), attaching to running engines."""
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.request_log import RequestLog
     from tokenmill.engine.stats_log import StatsLog
@@ -123,7 +141,14 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     if args.max_log_len is not None and not args.enable_log_requests:
         raise ValueError("--max-log-len is set but requests are not logged; add --enable-log-requests")
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
-    stats_log = None if args.disable_log_stats else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
+    # The engine's periodic stats line: once, from the first API server process.
+    stats_log = None if args.disable_log_stats or worker is not None else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
+    api_servers = args.api_server_count
+    if api_servers > 1 and (args.allow_runtime_lora_updating or envs.TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING.get()):
+        raise ValueError(
+            f"{RUNTIME_FLAG} needs --api-server-count 1: a load or unload reaches one API server process "
+            "and the others would not serve it; load adapters at start-up with --lora-modules instead"
+        )
     if args.data_parallel_size > 1 and config.cache.kv_role is not None:
         raise ValueError(
             "--kv-role needs one engine core (--data-parallel-size 1): every core would bind or send to "
@@ -134,16 +159,25 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
             "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet (each engine core "
             "would need its own group of devices); use one of them, or several servers behind `tokenmill router`"
         )
-    client = None
-    if args.data_parallel_size > 1:
-        from tokenmill.engine.dp_client import DataParallelClient
+    client = _engine_client(config, args, worker)
+    metrics_dir = None
+    if api_servers > 1:
+        from tokenmill.metrics_multiprocess import enable_multiprocess_metrics
 
-        client = DataParallelClient(config, args.data_parallel_size, hang_timeout_s=args.engine_hang_timeout)
+        # Every API server process writes its metrics here and reads all of them on a scrape.
+        metrics_dir = worker.metrics_dir if worker is not None else tempfile.mkdtemp(prefix="tokenmill-metrics-")
+        enable_multiprocess_metrics(metrics_dir)
+    metrics = ServerMetrics(
+        names[0],
+        prefix=METRICS_PREFIXES[args.metrics_prefix],
+        multiprocess_dir=metrics_dir,
+        engine_stats_owner=worker is None,
+    )
     state = ServerState(
         engine=AsyncEngine(config, hang_timeout_s=args.engine_hang_timeout, client=client),
         model_names=names,
         model_root=model_root,
-        metrics=ServerMetrics(names[0], prefix=METRICS_PREFIXES[args.metrics_prefix]),
+        metrics=metrics,
         cost_per_hour=args.cost_per_hour,
         api_keys=api_keys,
         cors=cors,
@@ -155,7 +189,10 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
         client_read_timeout=args.client_read_timeout,
         stream_write_timeout=args.stream_write_timeout or None,
         max_header_bytes=args.max_header_bytes,
-        admission=AdmissionControl(args.max_num_waiting_seqs, args.max_num_waiting_tokens),
+        # Each API server process admits its share (connections spread over them evenly).
+        admission=AdmissionControl(
+            math.ceil(args.max_num_waiting_seqs / api_servers), math.ceil(args.max_num_waiting_tokens / api_servers)
+        ),
         enable_debug_endpoints=args.enable_debug_endpoints,
         scheduling_policy=config.scheduler.policy,
         kv_role=config.cache.kv_role,
@@ -190,7 +227,40 @@ def build_server(args: argparse.Namespace) -> _DrainingServer:
     state.engine.stats_log = stats_log
     server = _DrainingServer(uv_config, state, args.shutdown_timeout)
     server.lora_modules = lora_modules
+    server.tm_args = vars(args)
+    if api_servers > 1 and worker is None:
+        server.api_workers = ApiWorkers(api_servers - 1)
+        server.metrics_dir = metrics_dir
     return server
+
+
+def _engine_client(config: Any, args: argparse.Namespace, worker: WorkerSpec | None) -> Any:
+    """The engine-core client: None (AsyncEngine's default, one core it spawns), data parallel
+    cores it spawns, or — in another API server process — clients of the running cores."""
+    hang = args.engine_hang_timeout
+    if worker is not None:
+        from tokenmill.engine.attached_core_client import AttachedCoreClient
+
+        cores = [
+            AttachedCoreClient(config, ipc_dir=e.ipc_dir, slot=worker.slot, engine_pid=e.pid, hang_timeout_s=hang)
+            for e in worker.engines
+        ]
+        if args.data_parallel_size == 1:
+            return cores[0]
+        from tokenmill.engine.dp_client import DataParallelClient
+
+        return DataParallelClient(config, args.data_parallel_size, hang_timeout_s=hang, cores=cores)
+    if args.data_parallel_size > 1:
+        from tokenmill.engine.dp_client import DataParallelClient
+
+        return DataParallelClient(
+            config, args.data_parallel_size, hang_timeout_s=hang, num_api_servers=args.api_server_count
+        )
+    if args.api_server_count > 1:
+        from tokenmill.engine.core_process_client import CoreProcessClient
+
+        return CoreProcessClient(config, hang_timeout_s=hang, num_api_servers=args.api_server_count)
+    return None
 
 
 def check_lora_args(args: argparse.Namespace, *, lora_enabled: bool) -> list[LoRAModule]:
@@ -248,7 +318,13 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def _serve(server: _DrainingServer, state: ServerState) -> int:
+    workers = server.api_workers
+    # --api-server-count: this process binds the socket that every API server process accepts on.
+    sockets = [server.config.bind_socket()] if workers is not None else None
+    watch_task: asyncio.Task | None = None
+
     async def start_engine() -> None:
+        nonlocal watch_task
         try:
             await state.engine.start()
         except Exception as exc:
@@ -275,10 +351,23 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
         # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
         # stream for up to 221 ms each (2.6 s in 40 s).
         gc.freeze()
+        # Serving from here on; with --api-server-count the others join as they come up (they
+        # accept on the same socket only once ready), so no connection ever meets a 503 for them.
         state.ready = True
+        if workers is not None:
+            assert sockets is not None
+            try:
+                await workers.start(_worker_specs(server, state, sockets[0].fileno()), sockets[0].fileno(), WORKER_READY_TIMEOUT_S)
+            except RuntimeError as exc:
+                state.startup_error = str(exc)
+                logger.error("%s", exc)
+                server.should_exit = True
+                return
+            watch_task = asyncio.create_task(workers.watch(lambda reason: _worker_died(server, reason)))
+        processes = f", {workers.count + 1} API server processes" if workers is not None else ""
         print(
             f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "
-            f"(model {state.model_names[0]})",
+            f"(model {state.model_names[0]}{processes})",
             file=sys.stderr,
             flush=True,
         )
@@ -288,11 +377,43 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
     stats_log = state.engine.stats_log
     stats_task = asyncio.create_task(stats_log.run(lambda: state.engine.stats)) if stats_log is not None else None
     try:
-        await server.serve()
+        await server.serve(sockets)
     finally:
         starter.cancel()
-        if stats_task is not None:
-            stats_task.cancel()
-        await asyncio.gather(starter, *([stats_task] if stats_task else []), return_exceptions=True)
+        tasks = [t for t in (stats_task, watch_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(starter, *tasks, return_exceptions=True)
+        if workers is not None:
+            # Each drains its own requests (as long as this process did) before the engine stops.
+            await workers.stop(server.shutdown_timeout + ABORT_GRACE_S + GRACEFUL_SHUTDOWN_S + 5.0)
         await state.engine.shutdown()
-    return 1 if state.startup_error else 0
+        if sockets is not None:
+            sockets[0].close()
+        if server.metrics_dir is not None:
+            shutil.rmtree(server.metrics_dir, ignore_errors=True)
+    return 1 if state.startup_error or server.worker_failure else 0
+
+
+def _worker_specs(server: _DrainingServer, state: ServerState, listen_fd: int) -> list[WorkerSpec]:
+    """What each other API server process needs to attach: the flags, its slot, the engines."""
+    assert server.api_workers is not None and server.metrics_dir is not None
+    client = state.engine.client
+    cores = getattr(client, "cores", [client])
+    engines = [WorkerEngine(ipc_dir=core.ipc_dir, pid=core.engine_pid) for core in cores]
+    adapters = [
+        WorkerAdapter(a.request.lora_name, a.request.lora_int_id, a.request.lora_path, a.parent)
+        for a in (state.lora.adapters if state.lora is not None else [])
+    ]
+    args = dict(server.tm_args)
+    return [
+        WorkerSpec(args=args, slot=slot, engines=engines, metrics_dir=server.metrics_dir, listen_fd=listen_fd, adapters=adapters)
+        for slot in range(1, server.api_workers.count + 1)
+    ]
+
+
+def _worker_died(server: _DrainingServer, reason: str) -> None:
+    """Another API server process is gone: this one drains and the server exits with code 1."""
+    logger.error("%s; stopping the server", reason)
+    server.worker_failure = reason
+    server.handle_exit(signal.SIGTERM, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,9 @@ class LoRARegistry:
         self._adapters: dict[str, ServedAdapter] = {}
         self._ids = itertools.count(1)
         self._holds: Counter[int] = Counter()
+        # Called after a request takes or gives back an adapter: with several API server processes
+        # each publishes its counts for /metrics to sum (ServerMetrics.on_lora_holds_changed).
+        self.on_holds_changed: Callable[[], None] | None = None
         # Loads and unloads one at a time: a name is checked and taken (or freed) in one piece.
         self._lock = asyncio.Lock()
 
@@ -114,6 +117,8 @@ class LoRARegistry:
                 param="model",
             )
         self._holds[lora.lora_int_id] += 1
+        if self.on_holds_changed is not None:
+            self.on_holds_changed()
         return LoRAHold(self, lora.lora_int_id)
 
     def num_holding(self, name: str) -> int:
@@ -124,6 +129,8 @@ class LoRARegistry:
         self._holds[lora_int_id] -= 1
         if self._holds[lora_int_id] <= 0:
             del self._holds[lora_int_id]
+        if self.on_holds_changed is not None:
+            self.on_holds_changed()
 
     # -- load / unload ------------------------------------------------------------------------
 
@@ -191,6 +198,12 @@ class LoRARegistry:
             del self._adapters[name]
             await engine.call_utility("remove_lora", args={"lora_int_id": served.request.lora_int_id})
             return served.request
+
+    def adopt(self, lora: LoRARequest, parent: str) -> None:
+        """Serves an adapter another API server process already had the engine load (--lora-modules
+        with --api-server-count), under the same id."""
+        self._adapters[lora.lora_name] = ServedAdapter(lora, parent)
+        self._ids = itertools.count(max(lora.lora_int_id + 1, next(self._ids)))
 
     def _check_allowed(self, path: str) -> None:
         if not self.allowed_dirs:

@@ -73,7 +73,8 @@ class ServerState:
             self.api_keys = (self.api_key, *self.api_keys)
         if self.dashboard is None:
             self.dashboard = MetricsHistory(
-                registry_source(self.metrics.registry), self.metrics.prefix, cost_per_hour=self.cost_per_hour
+                # With --api-server-count the whole server's values (every process's files).
+                registry_source(self.metrics.scrape_registry), self.metrics.prefix, cost_per_hour=self.cost_per_hour
             )
 
     def attach_engine(self) -> None:
@@ -97,6 +98,8 @@ class ServerState:
                 lambda: {a.request.lora_name: lora.num_holding(a.request.lora_name) for a in lora.adapters},
                 config.max_loras if config is not None else 0,
             )
+            # Several API server processes: in-flight counts go to their shared metrics files.
+            lora.on_holds_changed = self.metrics.on_lora_holds_changed
 
     def observe_engine_stats(self, stats: dict[str, float]) -> None:
         self.metrics.update_engine_stats(stats)

@@ -1,0 +1,136 @@
+"""The engine process's links to its API server processes: one pair of sockets per API server.
+
+`serve --api-server-count N` puts N API server processes in front of one engine core. Each has
+its own pair of ipc:// sockets (it binds them, the engine connects): requests come in on its
+inbox, its requests' outputs go out on its outbox. The engine remembers which API server sent
+each request and returns that request's outputs there alone; step stats reach every API server
+(each exports the engine's gauges) at least every STATS_INTERVAL_S.
+
+Client 0 spawned the engine and waits for EngineReady from the start. The others start later
+(once the engine is ready) and say Hello first: nothing is sent to an API server before that,
+because messages to a peer that is not there yet would fill its queue and then block the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import zmq
+
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.engine.messages import AddRequests, ClientMessage, StepOutputs
+
+SEND_RETRY_S = 0.005
+
+
+class ParentGone(Exception):
+    """The API server process that spawned the engine is gone."""
+
+
+def slot_addresses(ipc_dir: str, slot: int) -> tuple[str, str]:
+    """API server `slot`'s (input, output) addresses: it sends on the first, receives on the second."""
+    return f"ipc://{ipc_dir}/input{slot}", f"ipc://{ipc_dir}/output{slot}"
+
+
+class ClientLinks:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        input_addrs: list[str],
+        output_addrs: list[str],
+        parent_alive: Callable[[], bool],
+    ) -> None:
+        if len(input_addrs) != len(output_addrs) or not input_addrs:
+            raise ValueError(
+                f"each API server needs one input and one output address; got {len(input_addrs)} inputs "
+                f"and {len(output_addrs)} outputs"
+            )
+        self._inboxes = []
+        self._outboxes = []
+        for input_addr, output_addr in zip(input_addrs, output_addrs, strict=True):
+            inbox = ctx.socket(zmq.PULL)
+            inbox.connect(input_addr)
+            outbox = ctx.socket(zmq.PUSH)
+            outbox.connect(output_addr)
+            self._inboxes.append(inbox)
+            self._outboxes.append(outbox)
+        self._parent_alive = parent_alive
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self._poller = zmq.Poller()
+        for inbox in self._inboxes:
+            self._poller.register(inbox, zmq.POLLIN)
+        # Client 0 spawned the engine and waits for it; the others announce themselves.
+        self._registered = [slot == 0 for slot in range(len(self._inboxes))]
+        self._owner: dict[str, int] = {}  # live request id -> the API server that sent it
+
+    @property
+    def count(self) -> int:
+        return len(self._inboxes)
+
+    def register(self, client: int) -> None:
+        """`client` said Hello: it is bound and reading; from now on it gets stats and answers."""
+        self._registered[client] = True
+
+    def receive(self, timeout_ms: int) -> Iterator[tuple[int, object]]:
+        """Every message waiting (after up to `timeout_ms` for the first), with its sender's index.
+        The sender of each AddRequests is remembered as its requests' owner."""
+        if not self._poller.poll(timeout_ms):
+            return
+        for client, inbox in enumerate(self._inboxes):
+            while True:
+                try:
+                    raw = inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                message = self._decoder.decode(raw)
+                if isinstance(message, AddRequests) and self.count > 1:
+                    for request in message.requests:
+                        self._owner[request.request_id] = client
+                yield client, message
+
+    def send(self, client: int, message: object) -> None:
+        """Waits while `client`'s queue is full (it is not reading), as long as the parent lives."""
+        data = self._encoder.encode(message)
+        outbox = self._outboxes[client]
+        while True:
+            try:
+                outbox.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not self._parent_alive():
+                    raise ParentGone from None
+                time.sleep(SEND_RETRY_S)
+
+    def send_step(self, outputs: list[EngineCoreOutput], stats: dict[str, float], *, stats_due: bool) -> None:
+        """A step's outputs to the API servers that own them, with the stats; every registered API
+        server gets the stats when `stats_due`, outputs or not."""
+        if self.count == 1:
+            self.send(0, StepOutputs(outputs=outputs, stats=stats))
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs:
+            # An id the engine never saw from a client (none today) goes to the one that spawned it.
+            owner = (
+                self._owner.pop(output.request_id, 0)
+                if output.finished
+                else self._owner.get(output.request_id, 0)
+            )
+            by_client.setdefault(owner, []).append(output)
+        for client, registered in enumerate(self._registered):
+            mine = by_client.get(client)
+            if registered and (mine or stats_due):
+                self.send(client, StepOutputs(outputs=mine or [], stats=stats))
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.close(linger=0)
+        for outbox in self._outboxes:
+            outbox.close(linger=1000)
+
+
+def parent_alive_check(parent_pid: int) -> Callable[[], bool]:
+    return lambda: os.getppid() == parent_pid

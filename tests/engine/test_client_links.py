@@ -1,0 +1,141 @@
+"""The engine process's links to several API server processes (engine/client_links.py): each
+request's outputs go back to the API server that sent it, stats reach every API server that said
+Hello, and nothing reaches one that has not (it may not be bound yet)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.engine.client_links import ClientLinks, ParentGone, slot_addresses
+from tokenmill.engine.messages import AddRequests, EngineCoreRequest, EngineMessage, Hello, StepOutputs
+from tokenmill.sampling_params import SamplingParams
+
+TIMEOUT_MS = 2000
+
+
+class ApiSide:
+    """One API server's end: binds its slot, sends and receives like CoreProcessClient."""
+
+    def __init__(self, ctx: zmq.Context, ipc_dir: str, slot: int) -> None:
+        input_addr, output_addr = slot_addresses(ipc_dir, slot)
+        self.to_engine = ctx.socket(zmq.PUSH)
+        self.to_engine.bind(input_addr)
+        self.from_engine = ctx.socket(zmq.PULL)
+        self.from_engine.bind(output_addr)
+        self.decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+    def send(self, message: object) -> None:
+        self.to_engine.send(msgspec.msgpack.encode(message))
+
+    def received(self) -> list[object]:
+        messages = []
+        while self.from_engine.poll(200):
+            messages.append(self.decoder.decode(self.from_engine.recv()))
+        return messages
+
+
+def request(request_id: str) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=2), max_tokens=2)
+
+
+def output(request_id: str, finished: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [7], finish_reason="length" if finished else None)
+
+
+def drain(links: ClientLinks) -> list[tuple[int, object]]:
+    got = list(links.receive(TIMEOUT_MS))
+    while True:
+        more = list(links.receive(100))
+        if not more:
+            return got
+        got += more
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.term()
+
+
+def test_outputs_go_to_the_api_server_that_sent_the_request(tmp_path, ctx) -> None:
+    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(3)]
+    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(3)]
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
+    try:
+        api[1].send(Hello())
+        api[0].send(AddRequests([request("a0")]))
+        api[1].send(AddRequests([request("b1"), request("c1")]))
+        got = drain(links)
+        assert sorted((client, type(m).__name__) for client, m in got) == [
+            (0, "AddRequests"), (1, "AddRequests"), (1, "Hello")
+        ]  # fmt: skip
+        for client, message in got:
+            if isinstance(message, Hello):
+                links.register(client)
+
+        links.send_step(
+            [output("a0"), output("b1"), output("c1", finished=True)], {"num_running": 3.0}, stats_due=False
+        )
+        first0, first1 = api[0].received(), api[1].received()
+        assert [[o.request_id for o in m.outputs] for m in first0] == [["a0"]]
+        assert [[o.request_id for o in m.outputs] for m in first1] == [["b1", "c1"]]
+        assert all(m.stats == {"num_running": 3.0} for m in first0 + first1)
+        assert api[2].received() == []  # never said Hello: nothing sent
+
+        # A step without outputs of API server 1's: nothing for it unless stats are due.
+        links.send_step([output("a0")], {"num_running": 2.0}, stats_due=False)
+        assert len(api[0].received()) == 1 and api[1].received() == []
+        links.send_step([], {"num_running": 2.0}, stats_due=True)
+        assert [m.outputs for m in api[1].received()] == [[]]
+        assert [m.outputs for m in api[0].received()] == [[]]
+        assert api[2].received() == []
+
+        # c1 finished: its owner is forgotten (a late output with its id goes to the first API server).
+        links.send_step([output("c1", finished=True)], {}, stats_due=False)
+        assert [[o.request_id for o in m.outputs] for m in api[0].received()] == [["c1"]]
+        assert api[1].received() == []
+    finally:
+        links.close()
+        for side in api:
+            side.to_engine.close(linger=0)
+            side.from_engine.close(linger=0)
+
+
+def test_one_api_server_gets_every_output_and_step(tmp_path, ctx) -> None:
+    api = ApiSide(ctx, str(tmp_path), 0)
+    input_addr, output_addr = slot_addresses(str(tmp_path), 0)
+    links = ClientLinks(ctx, [input_addr], [output_addr], lambda: True)
+    try:
+        links.send_step([output("x")], {"num_running": 1.0}, stats_due=False)
+        links.send_step([], {"num_running": 0.0}, stats_due=False)  # sent as before: one API server
+        messages = api.received()
+        assert [type(m) for m in messages] == [StepOutputs, StepOutputs]
+        assert [o.request_id for o in messages[0].outputs] == ["x"]
+    finally:
+        links.close()
+        api.to_engine.close(linger=0)
+        api.from_engine.close(linger=0)
+
+
+def test_a_full_queue_waits_only_while_the_parent_lives(tmp_path, ctx) -> None:
+    # Nobody binds the output address, so nobody reads: messages queue up to the high-water mark
+    # (1,000), then with the parent gone the engine gives up instead of waiting forever.
+    input_addr, output_addr = slot_addresses(str(tmp_path), 0)
+    links = ClientLinks(ctx, [input_addr], [output_addr], lambda: False)
+    sent = 0
+    try:
+        with pytest.raises(ParentGone):
+            for sent in range(1, 5001):  # noqa: B007 - counted for the assertion below
+                links.send(0, StepOutputs())
+        assert 900 <= sent <= 1100
+    finally:
+        links.close()
+
+
+def test_addresses_come_in_pairs(ctx) -> None:
+    with pytest.raises(ValueError, match="one input and one output"):
+        ClientLinks(ctx, ["ipc:///a", "ipc:///b"], ["ipc:///c"], lambda: True)

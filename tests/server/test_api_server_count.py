@@ -1,0 +1,252 @@
+"""`serve --api-server-count 2`: two API server processes on one port in front of one engine.
+
+Requests answered by either process give the same greedy text as one process would (the engine
+is one), /metrics from either covers both (API-side counts summed, engine counts not doubled),
+a client that goes away mid-stream on any process leaks nothing, SIGTERM drains both, and a
+worker that dies stops the server (exit 1) rather than leaving it half up.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.server.server_process import start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+
+
+def metric(base_url: str, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples (those whose labels contain `labels`); fails when absent."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    total, found = 0.0, False
+    for line in text.splitlines():
+        m = re.match(rf"tokenmill:{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and labels in (m.group(1) or ""):
+            total += float(m.group(2))
+            found = True
+    assert found, f"tokenmill:{name} {labels} not exported"
+    return total
+
+
+def complete(
+    base_url: str, *, stream: bool, chat: bool = False, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS
+) -> str:
+    """One greedy request on a connection of its own (so the kernel picks a process for it)."""
+    body: dict = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    url = f"{base_url}/v1/{'chat/completions' if chat else 'completions'}"
+    with httpx.Client(timeout=120) as client:
+        if not stream:
+            r = client.post(url, json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if chat else choice["text"]
+        text = ""
+        with client.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text += (choice["delta"].get("content") or "") if chat else choice["text"]
+        return text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_path):
+    proc = start_server(
+        str(tmp_path_factory.mktemp("server")), "--api-server-count", "2", "--max-model-len", "1024",
+        "--device", "cpu", "--enable-log-requests", "--enable-debug-endpoints",
+    )  # fmt: skip
+    wait_all_ready(proc)
+    yield proc
+    proc.stop()
+
+
+def wait_all_ready(proc) -> None:
+    """The first process serves as soon as the engine is up; the line comes once all do."""
+    deadline = time.monotonic() + 120
+    while "2 API server processes)" not in proc.log():
+        assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
+        time.sleep(0.2)
+
+
+def served_by_worker(proc) -> int:
+    return len(re.findall(r"\[api 1\] tokenmill\S*: Received request", proc.log()))
+
+
+def test_both_processes_serve_the_same_greedy_text_and_metrics_count_each_request_once(server) -> None:
+    url = server.base_url
+    reference = {False: complete(url, stream=False), True: complete(url, stream=False, chat=True)}
+    sent = 2
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        for _ in range(6):  # until the second process has answered some (the kernel spreads connections)
+            jobs = [(i % 2 == 0, i % 3 == 0) for i in range(12)]
+            texts = list(pool.map(lambda job: complete(url, stream=job[0], chat=job[1]), jobs))
+            sent += len(jobs)
+            for (_, chat), text in zip(jobs, texts, strict=True):
+                assert text == reference[chat]
+            if served_by_worker(server) >= 2:
+                break
+    assert served_by_worker(server) >= 2, "the second API server process never answered a request"
+    assert len(re.findall(r"Received request", server.log())) == sent
+    time.sleep(1.2)  # the engine's stats reach every process at least every 0.5 s
+    # Whichever process answers the scrape, each request counts once.
+    for _ in range(6):
+        assert metric(url, "request_success_total", 'finished_reason="length"') == sent
+        assert metric(url, "generation_tokens_total") == sent * MAX_TOKENS
+        assert metric(url, "time_to_first_token_seconds_count") == sent
+        assert metric(url, "inter_token_latency_seconds_count") == sent * (MAX_TOKENS - 1)
+        assert metric(url, "num_requests_running") == 0
+    assert httpx.get(f"{url}/debug/invariants", timeout=30).status_code == 200
+
+
+def test_engine_counters_are_not_multiplied_by_the_processes(server) -> None:
+    url = server.base_url
+    time.sleep(1.2)
+    before = metric(url, "prefix_cache_queries_total")
+    prompt = "A fresh prompt nobody sent before: " + " ".join(str(i) for i in range(40))
+    with httpx.Client(timeout=120) as client:
+        r = client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    time.sleep(1.2)
+    queried = metric(url, "prefix_cache_queries_total") - before
+    assert prompt_tokens <= queried < 2 * prompt_tokens
+
+
+def test_a_client_leaving_mid_stream_on_any_process_leaks_nothing(server) -> None:
+    url = server.base_url
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def leave_early() -> None:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as r,
+        ):
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    return  # closes the connection mid-stream
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: leave_early(), range(8)))
+    deadline = time.monotonic() + 30
+    while metric(url, "num_requests_running") or metric(url, "kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "aborted streams kept running or kept their KV blocks"
+        time.sleep(0.2)
+    assert httpx.get(f"{url}/debug/invariants", timeout=30).status_code == 200
+    assert complete(url, stream=True) == complete(url, stream=False)  # others undisturbed
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _mapped_dirs(pid: int, prefix: str) -> set[str]:
+    """Directories named `prefix`... holding files the process has mapped (Prometheus's files)."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = [line.split()[-1] for line in f if "/" in line]
+    return {os.path.dirname(p) for p in paths if os.path.basename(os.path.dirname(p)).startswith(prefix)}
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), f"left running: {[p for p in pids if _alive(p)]}"
+
+
+def test_sigterm_drains_every_process_and_leaves_nothing_behind(tmp_path, default_model_path) -> None:
+    proc = start_server(
+        str(tmp_path), "--api-server-count", "2", "--device", "cpu", "--shutdown-timeout", "20"
+    )
+    wait_all_ready(proc)
+    children = _children(proc.process.pid)
+    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
+    engines = [p for p in children if "tokenmill.engine.core_process" in _cmdline(p)]
+    assert len(workers) == 1 and len(engines) == 1, children
+    engine_cmd = _cmdline(engines[0]).split()
+    ipc_dir = os.path.dirname(engine_cmd[engine_cmd.index("--input-addr") + 1].removeprefix("ipc://"))
+    metrics_dirs = _mapped_dirs(workers[0], "tokenmill-metrics-")
+    assert len(metrics_dirs) == 1 and os.path.isdir(ipc_dir)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(complete, proc.base_url, stream=True, max_tokens=48) for _ in range(6)]
+        deadline = time.monotonic() + 60
+        while metric(proc.base_url, "num_requests_running") < 6:
+            assert time.monotonic() < deadline, "the requests never all started"
+            time.sleep(0.05)
+        proc.process.send_signal(signal.SIGTERM)
+        texts = [s.result(timeout=120) for s in streams]
+    assert proc.process.wait(60) == 0, proc.log()
+    # Every stream finished whole (48 tokens of the same greedy text), whichever process had it.
+    assert len(set(texts)) == 1 and texts[0]
+    _wait_gone(workers + engines, 10)
+    assert "[api 1]" in proc.log()
+    left = [d for d in [ipc_dir, *metrics_dirs] if os.path.exists(d)]
+    assert not left, f"socket or metrics directories left behind: {left}"
+
+
+def test_a_worker_that_dies_stops_the_server(tmp_path, default_model_path) -> None:
+    proc = start_server(
+        str(tmp_path), "--api-server-count", "2", "--device", "cpu", "--shutdown-timeout", "5"
+    )
+    wait_all_ready(proc)
+    children = _children(proc.process.pid)
+    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    assert proc.process.wait(60) == 1, proc.log()
+    assert re.search(r"API server process 1 \(pid \d+\) exited with code -9; stopping the server", proc.log())
+    _wait_gone(children, 10)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--enable-lora", "--allow-runtime-lora-updating"], "needs --api-server-count 1"),
+        (["--api-server-count", "0"], "--api-server-count"),
+    ],
+)
+def test_refused_flag_combinations(flags, message) -> None:
+    base = ["--api-server-count", "2"] if "--api-server-count" not in flags else []
+    run = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", *base, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and message in run.stderr, run.stderr
