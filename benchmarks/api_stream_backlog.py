@@ -243,11 +243,13 @@ def main() -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=10) as r:
                 model = json.load(r)["data"][0]["id"]
         pids = server_pids(child.pid)
-        cpu_before, client_before = sum(map(cpu_seconds, pids)), cpu_seconds(os.getpid())
+        per_process_before = [cpu_seconds(pid) for pid in pids]
+        cpu_before, client_before = sum(per_process_before), cpu_seconds(os.getpid())
         results, duration = asyncio.run(
             load(args.port, args.concurrency, args.requests, args.max_tokens, args.chat, model)
         )
         # The warm-up's share is small and alike in every run.
+        per_process = [round(cpu_seconds(pid) - before, 2) for pid, before in zip(pids, per_process_before, strict=True)]
         server_cpu = sum(map(cpu_seconds, pids)) - cpu_before
         client_cpu = cpu_seconds(os.getpid()) - client_before
     finally:
@@ -267,6 +269,7 @@ def main() -> None:
         "tokens_per_chunk": round(tokens_per_text_chunk(results), 3),
         "server_cpu_s": round(server_cpu, 2),
         "server_cpu_ms_per_1k_tokens": round(1000 * server_cpu / tokens * 1000, 1),
+        "server_cpu_s_by_process": per_process,  # how the connections spread over API server processes
         "client_cpu_s": round(client_cpu, 2),  # the load generator shares the host's cores
     }
     src = os.path.dirname(os.path.dirname(tokenmill.__file__))

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from tokenmill.metrics_info import LORA_IN_FLIGHT, LORA_IN_FLIGHT_DOC, InfoMetrics
 from tokenmill.metrics_multiprocess import MergedMetrics, check_enabled, multiprocess_metrics_dir
-from tokenmill.shared_histogram import HistogramFanout, SharedHistogram
+from tokenmill.shared_histogram import BufferedHistograms, SharedHistogram
 from tokenmill.slo_metrics import SloMetrics
 from tokenmill.stats_histogram import buckets_from_stats
 
@@ -198,12 +198,12 @@ class ServerMetrics:
             ("inter_token_latency_seconds", "Time between consecutive output tokens."),
             ("time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older name)."),
         ]
-        self._itl: SharedHistogram | HistogramFanout
+        self._itl: SharedHistogram | BufferedHistograms
         if multiprocess_dir is None:
             self._itl = SharedHistogram([(prefix + n, doc) for n, doc in itl_names], ITL_BUCKETS, model_name)
             self.registry.register(self._itl)
         else:  # mmap files hold only prometheus_client's metrics
-            self._itl = HistogramFanout([histogram(n, doc, ITL_BUCKETS).labels(model_name) for n, doc in itl_names])
+            self._itl = BufferedHistograms([histogram(n, doc, ITL_BUCKETS).labels(model_name) for n, doc in itl_names])
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
         ).labels(model_name)
@@ -388,6 +388,7 @@ class ServerMetrics:
         engine stats owner feeds counters and gauges; every process keeps the engine's histograms
         (rendered by the process scraped).
         """
+        self.flush()
         if self.engine_stats_owner:
             self._update_engine_series(stats)
         self._engine_histograms.update(stats)
@@ -427,9 +428,16 @@ class ServerMetrics:
             counter.inc(delta)
         self._last_totals[key] = total
 
+    def flush(self) -> None:
+        """Multiprocess mode: this process's buffered inter-token latencies into the shared files
+        (done with every engine message and before a scrape; a no-op with one process)."""
+        if isinstance(self._itl, BufferedHistograms):
+            self._itl.flush()
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector, for GET /metrics (in multiprocess
         mode, the whole server's: every API server process's metrics merged)."""
+        self.flush()
         return generate_latest(self.scrape_registry)
 
 

@@ -250,3 +250,23 @@ def test_refused_flag_combinations(flags, message) -> None:
         timeout=120,
     )
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_a_port_in_use_is_refused_not_shared() -> None:
+    """SO_REUSEPORT lets sockets of one user share a port; a server must not join another one's."""
+    import socket
+
+    from tests.server.server_process import free_port
+
+    port = free_port()
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # even one that allows sharing
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        run = subprocess.run(
+            [sys.executable, "-m", "tokenmill.cli", "serve", "--api-server-count", "2", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr

@@ -198,3 +198,37 @@ def test_the_shared_token_gap_histogram_exports_what_two_prometheus_histograms_w
                 expected[(s.name, tuple(sorted(s.labels.items())))] = s.value
     ours = {key: v for key, v in samples(m).items() if key[0].removeprefix("tokenmill:").startswith(names)}
     assert ours == expected and len(ours) == 2 * (len(ITL_BUCKETS) + 1 + 2)
+
+
+def test_buffered_token_gaps_reach_the_histograms_on_flush_as_per_token_observes_would() -> None:
+    """Multiprocess mode counts token gaps locally and adds them to the shared Histograms once per
+    engine message (shared_histogram.BufferedHistograms): after `flush` the histograms export what
+    per-token `observe` would have, before it nothing, and a second flush adds nothing."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from tokenmill.metrics import ITL_BUCKETS
+    from tokenmill.shared_histogram import BufferedHistograms
+
+    def export(registry: CollectorRegistry) -> dict:
+        return {
+            (s.name.split(":", 1)[1], tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    buffered, reference = CollectorRegistry(), CollectorRegistry()
+    names = ("a_seconds", "b_seconds")
+    targets = [Histogram("x:" + n, "doc", ["m"], buckets=ITL_BUCKETS, registry=buffered).labels("s") for n in names]
+    plain = [Histogram("x:" + n, "doc", ["m"], buckets=ITL_BUCKETS, registry=reference).labels("s") for n in names]
+    gaps = BufferedHistograms(targets)
+    empty = export(buffered)
+    for gap in (0.0, 0.001, 0.0011, 0.0025, 0.03, 0.03, 0.0300001, 5.0, 79.9, 80.0, 1e9):
+        gaps.observe(gap)
+        for h in plain:
+            h.observe(gap)
+    assert export(buffered) == empty  # nothing until flushed
+    gaps.flush()
+    assert export(buffered) == export(reference) != empty
+    gaps.flush()
+    assert export(buffered) == export(reference)

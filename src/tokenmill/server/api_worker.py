@@ -3,8 +3,8 @@
 `python -m tokenmill.server.api_worker`, its WorkerSpec as JSON on stdin, started by the first API
 server process once the engine is ready. It builds the same server from the same flags, attaches
 to the running engine core(s) through its own socket slot, registers the adapters the first
-process loaded, says "ready" on stdout and then accepts on the inherited listening socket. Never
-torch: like the first process, it only talks to the engine.
+process loaded, binds its listening socket on the server's port (listen_socket.py), says "ready"
+on stdout and then serves. Never torch: like the first process, it only talks to the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import sys
 
 import msgspec
@@ -24,6 +23,7 @@ from tokenmill.engine.core_process import _die_with_parent
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.api_workers import WorkerSpec
 from tokenmill.server.launch import _DrainingServer, build_server
+from tokenmill.server.listen_socket import reuseport_socket
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -36,7 +36,7 @@ def _say(line: str) -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
 
-async def _serve(server: _DrainingServer, spec: WorkerSpec, sock: socket.socket) -> int:
+async def _serve(server: _DrainingServer, spec: WorkerSpec) -> int:
     state = server.tm_state
     try:
         await state.engine.start()
@@ -52,6 +52,12 @@ async def _serve(server: _DrainingServer, spec: WorkerSpec, sock: socket.socket)
             state.lora.adopt(
                 LoRARequest(adapter.name, adapter.lora_int_id, adapter.path), adapter.base_model_name
             )
+    try:
+        sock = reuseport_socket(server.config.host, server.config.port)
+    except OSError as exc:
+        _say(f"could not listen: {exc.strerror}")
+        await state.engine.shutdown()
+        return 1
     gc.freeze()  # as the first process does once started (launch._serve)
     state.ready = True
     _say("ready")
@@ -73,13 +79,12 @@ def main() -> int:
     )
     # Until uvicorn installs its handlers: a signal before then just ends the process.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    sock = socket.socket(fileno=spec.listen_fd)
     try:
         server = build_server(args, worker=spec)
     except ValueError as exc:  # the first process accepted these flags: only a bug gets here
         _say(f"could not build the server: {exc}")
         return 2
-    code = asyncio.run(_serve(server, spec, sock))
+    code = asyncio.run(_serve(server, spec))
     gc.freeze()  # skip the final collections over everything imported (see launch.run_server)
     return code
 

@@ -2,14 +2,14 @@
 
 One API server process turns a loaded GPU server's outputs into SSE chunks on one CPU core; at
 saturation that core is the queue (benchmarks/BENCHMARKS.md, issue 24). With N processes the
-work is split by connection: all of them accept on the same listening socket (the first binds it,
-the others inherit it), each with its own engine-core client slot (engine/client_links.py).
+work is split by connection: each process listens on the same port (SO_REUSEPORT, listen_socket.py)
+and has its own engine-core client slot (engine/client_links.py).
 
 The first process spawns the engine and, once it is ready (and --lora-modules are loaded), the
 others: `python -m tokenmill.server.api_worker`, their start-up spec (the parsed flags, their
-slot, the engine processes, the metrics directory) as JSON on stdin, the listening socket as an
-inherited descriptor. Each answers one line on stdout when it serves ("ready") or why it could
-not; the server is ready (and says so) when all are.
+slot, the engine processes, the metrics directory) as JSON on stdin. Each binds its socket once it
+can serve and answers one line on stdout ("ready", or why it could not); the first process
+serves meanwhile, and the server says it is ready when all do.
 
 Signals: the workers lead their own sessions, so a Ctrl-C reaches only the first process, which
 passes one SIGTERM on as it starts draining; each worker drains its own requests and exits, and
@@ -59,7 +59,6 @@ class WorkerSpec(msgspec.Struct):
     slot: int  # 1..N-1; 0 is the first process
     engines: list[WorkerEngine]  # one per engine core (data parallelism: several)
     metrics_dir: str
-    listen_fd: int
     adapters: list[WorkerAdapter] = []
 
 
@@ -72,14 +71,13 @@ class ApiWorkers:
         self._signalled = False
         self.stopping = False
 
-    async def start(self, specs: list[WorkerSpec], listen_fd: int, ready_timeout_s: float) -> None:
+    async def start(self, specs: list[WorkerSpec], ready_timeout_s: float) -> None:
         """Spawns one worker per spec and waits until each serves; RuntimeError naming the first
         that fails (the others are stopped by `stop`)."""
         for spec in specs:
             command = [sys.executable, "-m", "tokenmill.server.api_worker"]
             process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listen_fd,),
-                close_fds=True, start_new_session=True,
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True,
             )  # fmt: skip
             self.processes.append(process)
             assert process.stdin is not None

@@ -319,8 +319,19 @@ def run_server(args: argparse.Namespace) -> int:
 
 async def _serve(server: _DrainingServer, state: ServerState) -> int:
     workers = server.api_workers
-    # --api-server-count: this process binds the socket that every API server process accepts on.
-    sockets = [server.config.bind_socket()] if workers is not None else None
+    sockets = None
+    if workers is not None:  # a socket each, on one port (listen_socket.py)
+        from tokenmill.server.listen_socket import check_port_free, reuseport_socket
+
+        try:
+            check_port_free(server.config.host, server.config.port)
+            sockets = [reuseport_socket(server.config.host, server.config.port)]
+        except OSError as exc:
+            print(f"tokenmill serve: error: {exc.strerror}", file=sys.stderr)
+            await state.engine.shutdown()
+            if server.metrics_dir is not None:
+                shutil.rmtree(server.metrics_dir, ignore_errors=True)
+            return 1
     watch_task: asyncio.Task | None = None
 
     async def start_engine() -> None:
@@ -346,24 +357,25 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
                 logger.error("%s", state.startup_error)
                 server.should_exit = True
                 return
-        # Everything loaded so far (transformers, the tokenizer, FastAPI) lives as long as the
-        # server: out of the collector's reach, a full collection walks only what requests made.
-        # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
-        # stream for up to 221 ms each (2.6 s in 40 s).
-        gc.freeze()
-        # Serving from here on; with --api-server-count the others join as they come up (they
-        # accept on the same socket only once ready), so no connection ever meets a 503 for them.
-        state.ready = True
         if workers is not None:
+            # They listen (and answer) as soon as each is up; this process, and so the server, is
+            # ready once all are: a client's first connections, which it may keep for its whole
+            # life, should not all land here while the others start.
             assert sockets is not None
             try:
-                await workers.start(_worker_specs(server, state, sockets[0].fileno()), sockets[0].fileno(), WORKER_READY_TIMEOUT_S)
+                await workers.start(_worker_specs(server, state), WORKER_READY_TIMEOUT_S)
             except RuntimeError as exc:
                 state.startup_error = str(exc)
                 logger.error("%s", exc)
                 server.should_exit = True
                 return
             watch_task = asyncio.create_task(workers.watch(lambda reason: _worker_died(server, reason)))
+        # Everything loaded so far (transformers, the tokenizer, FastAPI) lives as long as the
+        # server: out of the collector's reach, a full collection walks only what requests made.
+        # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
+        # stream for up to 221 ms each (2.6 s in 40 s).
+        gc.freeze()
+        state.ready = True
         processes = f", {workers.count + 1} API server processes" if workers is not None else ""
         print(
             f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "
@@ -395,7 +407,7 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
     return 1 if state.startup_error or server.worker_failure else 0
 
 
-def _worker_specs(server: _DrainingServer, state: ServerState, listen_fd: int) -> list[WorkerSpec]:
+def _worker_specs(server: _DrainingServer, state: ServerState) -> list[WorkerSpec]:
     """What each other API server process needs to attach: the flags, its slot, the engines."""
     assert server.api_workers is not None and server.metrics_dir is not None
     client = state.engine.client
@@ -407,7 +419,7 @@ def _worker_specs(server: _DrainingServer, state: ServerState, listen_fd: int) -
     ]
     args = dict(server.tm_args)
     return [
-        WorkerSpec(args=args, slot=slot, engines=engines, metrics_dir=server.metrics_dir, listen_fd=listen_fd, adapters=adapters)
+        WorkerSpec(args=args, slot=slot, engines=engines, metrics_dir=server.metrics_dir, adapters=adapters)
         for slot in range(1, server.api_workers.count + 1)
     ]
 
