@@ -1,10 +1,11 @@
 """One of the other API server processes of `serve --api-server-count N` (api_workers.py).
 
-`python -m tokenmill.server.api_worker`, its WorkerSpec as JSON on stdin, started by the first API
-server process once the engine is ready. It builds the same server from the same flags, attaches
-to the running engine core(s) through its own socket slot, registers the adapters the first
-process loaded, binds its listening socket on the server's port (listen_socket.py), says "ready"
-on stdout and then serves. Never torch: like the first process, it only talks to the engine.
+`python -m tokenmill.server.api_worker`, its WorkerSpec as a line of JSON on stdin, started by the
+first API server process once the engine is ready. It builds the same server from the same flags,
+attaches to the running engine core(s) through its own socket slot, registers the adapters the
+first process loaded and says "ready" on stdout; when "serve" comes on stdin it binds its
+listening socket on the server's port (listen_socket.py) and serves. Never torch: like the first
+process, it only talks to the engine.
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ async def _serve(server: _DrainingServer, spec: WorkerSpec) -> int:
             state.lora.adopt(
                 LoRARequest(adapter.name, adapter.lora_int_id, adapter.path), adapter.base_model_name
             )
+    gc.freeze()  # as the first process does once started (launch._serve)
+    _say("ready")
+    # Bound only now: a listening socket in the port's group gets its share of new connections
+    # at once, accepted or not.
+    if (await asyncio.to_thread(sys.stdin.buffer.readline)).strip() != b"serve":
+        await state.engine.shutdown()  # the first process is gone or stopping
+        return 1
     try:
         sock = reuseport_socket(server.config.host, server.config.port)
-    except OSError as exc:
-        _say(f"could not listen: {exc.strerror}")
+    except OSError as exc:  # the first process sees this one exit and stops the server
+        logger.error("API server process %d: %s", spec.slot, exc.strerror)
         await state.engine.shutdown()
         return 1
-    gc.freeze()  # as the first process does once started (launch._serve)
     state.ready = True
-    _say("ready")
     try:
         await server.serve([sock])
     finally:
@@ -69,8 +75,7 @@ async def _serve(server: _DrainingServer, spec: WorkerSpec) -> int:
 
 
 def main() -> int:
-    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
-    sys.stdin.close()
+    spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=WorkerSpec)
     _die_with_parent()  # never outlives the first process, however that one ends
     args = argparse.Namespace(**spec.args)
     logging.basicConfig(

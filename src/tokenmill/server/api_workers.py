@@ -7,9 +7,10 @@ and has its own engine-core client slot (engine/client_links.py).
 
 The first process spawns the engine and, once it is ready (and --lora-modules are loaded), the
 others: `python -m tokenmill.server.api_worker`, their start-up spec (the parsed flags, their
-slot, the engine processes, the metrics directory) as JSON on stdin. Each binds its socket once it
-can serve and answers one line on stdout ("ready", or why it could not); the first process
-serves meanwhile, and the server says it is ready when all do.
+slot, the engine processes, the metrics directory) as one line of JSON on stdin. Each attaches and
+answers one line on stdout ("ready", or why it could not); once all have, the first process turns
+ready and writes "serve" to each, which then binds its socket and serves. So no process answers
+before the others can (a connection hashed to one still starting would get 503).
 
 Signals: the workers lead their own sessions, so a Ctrl-C reaches only the first process, which
 passes one SIGTERM on as it starts draining; each worker drains its own requests and exits, and
@@ -82,8 +83,8 @@ class ApiWorkers:
             self.processes.append(process)
             assert process.stdin is not None
             try:
-                process.stdin.write(msgspec.json.encode(spec))
-                process.stdin.close()
+                process.stdin.write(msgspec.json.encode(spec) + b"\n")  # JSON escapes newlines: one line
+                process.stdin.flush()
             except OSError:  # it died at once; its exit code is reported below
                 pass
         results = await asyncio.gather(
@@ -93,6 +94,16 @@ class ApiWorkers:
         for slot, result in enumerate(results, start=1):
             if isinstance(result, BaseException):
                 raise RuntimeError(f"API server process {slot} of {self.count + 1}: {result}") from result
+
+    def serve(self) -> None:
+        """All are ready: each binds its socket and serves from now on."""
+        for process in self.processes:
+            assert process.stdin is not None
+            try:
+                process.stdin.write(b"serve\n")
+                process.stdin.close()
+            except OSError:  # it died meanwhile: the watch reports it
+                pass
 
     def died(self) -> str | None:
         """Why a worker is gone when nobody stopped it; None while all run (or once stopping)."""

@@ -358,9 +358,9 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
                 server.should_exit = True
                 return
         if workers is not None:
-            # They listen (and answer) as soon as each is up; this process, and so the server, is
-            # ready once all are: a client's first connections, which it may keep for its whole
-            # life, should not all land here while the others start.
+            # Started and attached before this process turns ready, then all serve at once: a
+            # client's first connections, which it may keep for its whole life, should not all
+            # land here while the others start (api_workers.py).
             assert sockets is not None
             try:
                 await workers.start(_worker_specs(server, state), WORKER_READY_TIMEOUT_S)
@@ -376,6 +376,8 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
         # stream for up to 221 ms each (2.6 s in 40 s).
         gc.freeze()
         state.ready = True
+        if workers is not None:
+            workers.serve()
         processes = f", {workers.count + 1} API server processes" if workers is not None else ""
         print(
             f"tokenmill {__version__} ready on http://{server.config.host}:{server.config.port} "
