@@ -122,6 +122,43 @@ def test_both_processes_serve_the_same_greedy_text_and_metrics_count_each_reques
     assert httpx.get(f"{url}/debug/invariants", timeout=30).status_code == 200
 
 
+def test_the_other_api_server_process_never_loads_torch(server) -> None:
+    """Like the first (tests/server/test_api_server_imports.py): only the engine process does."""
+    children = _children(server.process.pid)
+    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
+    assert len(workers) == 1
+    for pid in (server.process.pid, workers[0]):
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read(), f"process {pid} mapped libtorch"
+
+
+def test_with_data_parallel_cores_each_process_reaches_every_core(tmp_path, default_model_path) -> None:
+    """--data-parallel-size 2 --api-server-count 2: each API server process attaches to both
+    cores (its own slot on each); greedy answers agree whichever process and core serve them."""
+    proc = start_server(
+        str(tmp_path), "--api-server-count", "2", "--data-parallel-size", "2", "--device", "cpu",
+        "--max-model-len", "512", "--enable-log-requests",
+    )  # fmt: skip
+    try:
+        wait_all_ready(proc)
+        engines = [p for p in _children(proc.process.pid) if "tokenmill.engine.core_process" in _cmdline(p)]
+        assert len(engines) == 2
+        reference = complete(proc.base_url, stream=False)
+        sent = 1
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for _ in range(6):
+                texts = list(pool.map(lambda i: complete(proc.base_url, stream=i % 2 == 0), range(8)))
+                sent += len(texts)
+                assert texts == [reference] * len(texts)
+                if served_by_worker(proc) >= 2:
+                    break
+        assert served_by_worker(proc) >= 2
+        time.sleep(1.2)
+        assert metric(proc.base_url, "request_success_total", 'finished_reason="length"') == sent
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
 def test_engine_counters_are_not_multiplied_by_the_processes(server) -> None:
     url = server.base_url
     time.sleep(1.2)
