@@ -11,6 +11,7 @@ import asyncio
 import signal
 
 import httpx
+import pytest
 
 from tests.reliability.server_tools import process_tree, start_tiny_server, survivors
 from tests.reliability.soak import DEFAULT_SERVER_ARGS, Meta, SoakConfig, run_one, run_soak
@@ -21,8 +22,13 @@ from tests.reliability.soak import DEFAULT_SERVER_ARGS, Meta, SoakConfig, run_on
 CI_SOAK = SoakConfig(duration_s=20.0, concurrency=10, burst_every_s=6.0, burst_size=40, seed=20251121)
 
 
-def test_soak_every_request_ends_once_and_nothing_is_left(tmp_path, tiny_llama_dir):
-    server = start_tiny_server(str(tmp_path), str(tiny_llama_dir), *DEFAULT_SERVER_ARGS)
+@pytest.mark.parametrize("api_servers", [1, 2], ids=["one-api-server", "two-api-servers"])
+def test_soak_every_request_ends_once_and_nothing_is_left(tmp_path, tiny_llama_dir, api_servers):
+    # Two: the engine routes each request's outputs to its own API server process, admission is
+    # split between them, and every counter is read through the shared metrics files.
+    server = start_tiny_server(
+        str(tmp_path), str(tiny_llama_dir), *DEFAULT_SERVER_ARGS, "--api-server-count", str(api_servers)
+    )
     tree = process_tree(server.process.pid)
     try:
         report = asyncio.run(run_soak(server.base_url, CI_SOAK))
