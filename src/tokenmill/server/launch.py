@@ -72,7 +72,7 @@ class _DrainingServer(uvicorn.Server):
         self.lora_modules: list[LoRAModule] = []  # --lora-modules, loaded once the engine is up
         self._loop: asyncio.AbstractEventLoop | None = None
         # --api-server-count > 1, in the first process: the others (api_workers.py), the directory
-        # of their shared Prometheus files, and the listening socket they inherit.
+        # of their shared Prometheus files, and why one of them stopped the server.
         self.api_workers: ApiWorkers | None = None
         self.metrics_dir: str | None = None
         self.worker_failure: str | None = None
@@ -144,6 +144,11 @@ def build_server(args: argparse.Namespace, worker: WorkerSpec | None = None) -> 
     # The engine's periodic stats line: once, from the first API server process.
     stats_log = None if args.disable_log_stats or worker is not None else StatsLog(envs.TOKENMILL_LOG_STATS_INTERVAL.get())
     api_servers = args.api_server_count
+    if api_servers > 1 and not sys.platform.startswith("linux"):
+        raise ValueError(
+            "--api-server-count > 1 needs Linux (its processes share the port through SO_REUSEPORT and die "
+            "with the first one through PR_SET_PDEATHSIG); use 1 here, or several servers behind `tokenmill router`"
+        )
     if api_servers > 1 and (args.allow_runtime_lora_updating or envs.TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING.get()):
         raise ValueError(
             f"{RUNTIME_FLAG} needs --api-server-count 1: a load or unload reaches one API server process "
