@@ -19,6 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, spaces between its arguments ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 @dataclass
 class ServerProcess:
     process: subprocess.Popen

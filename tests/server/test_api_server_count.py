@@ -20,6 +20,8 @@ import time
 import httpx
 import pytest
 
+from tests.server.server_process import alive as _alive
+from tests.server.server_process import cmdline as _cmdline
 from tests.server.server_process import start_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -75,21 +77,30 @@ def complete(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_path):
-    proc = start_server(
-        str(tmp_path_factory.mktemp("server")), "--api-server-count", "2", "--max-model-len", "1024",
-        "--device", "cpu", "--enable-log-requests", "--enable-debug-endpoints",
-    )  # fmt: skip
-    wait_all_ready(proc)
+    proc = start_two(
+        tmp_path_factory.mktemp("server"),
+        "--max-model-len",
+        "1024",
+        "--enable-log-requests",
+        "--enable-debug-endpoints",
+    )
     yield proc
     proc.stop()
 
 
-def wait_all_ready(proc) -> None:
-    """The first process serves as soon as the engine is up; the line comes once all do."""
+def start_two(tmp_path, *flags: str):
+    """`serve --api-server-count 2` on the CPU, once it says all its processes are ready."""
+    proc = start_server(str(tmp_path), "--api-server-count", "2", "--device", "cpu", *flags)
     deadline = time.monotonic() + 120
     while "2 API server processes)" not in proc.log():
         assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
         time.sleep(0.2)
+    return proc
+
+
+def processes(proc, module: str) -> list[int]:
+    """The server's child processes running `python -m <module>`."""
+    return [p for p in _children(proc.process.pid) if f"-m {module}" in _cmdline(p)]
 
 
 def served_by_worker(proc) -> int:
@@ -124,8 +135,7 @@ def test_both_processes_serve_the_same_greedy_text_and_metrics_count_each_reques
 
 def test_the_other_api_server_process_never_loads_torch(server) -> None:
     """Like the first (tests/server/test_api_server_imports.py): only the engine process does."""
-    children = _children(server.process.pid)
-    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
+    workers = processes(server, "tokenmill.server.api_worker")
     assert len(workers) == 1
     for pid in (server.process.pid, workers[0]):
         with open(f"/proc/{pid}/maps") as f:
@@ -135,14 +145,9 @@ def test_the_other_api_server_process_never_loads_torch(server) -> None:
 def test_with_data_parallel_cores_each_process_reaches_every_core(tmp_path, default_model_path) -> None:
     """--data-parallel-size 2 --api-server-count 2: each API server process attaches to both
     cores (its own slot on each); greedy answers agree whichever process and core serve them."""
-    proc = start_server(
-        str(tmp_path), "--api-server-count", "2", "--data-parallel-size", "2", "--device", "cpu",
-        "--max-model-len", "512", "--enable-log-requests",
-    )  # fmt: skip
+    proc = start_two(tmp_path, "--data-parallel-size", "2", "--max-model-len", "512", "--enable-log-requests")
     try:
-        wait_all_ready(proc)
-        engines = [p for p in _children(proc.process.pid) if "tokenmill.engine.core_process" in _cmdline(p)]
-        assert len(engines) == 2
+        assert len(processes(proc, "tokenmill.engine.core_process")) == 2
         reference = complete(proc.base_url, stream=False)
         sent = 1
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -200,19 +205,6 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
-
-
 def _mapped_dirs(pid: int, prefix: str) -> set[str]:
     """Directories named `prefix`... holding files the process has mapped (Prometheus's files)."""
     with open(f"/proc/{pid}/maps") as f:
@@ -228,14 +220,10 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
 
 
 def test_sigterm_drains_every_process_and_leaves_nothing_behind(tmp_path, default_model_path) -> None:
-    proc = start_server(
-        str(tmp_path), "--api-server-count", "2", "--device", "cpu", "--shutdown-timeout", "20"
-    )
-    wait_all_ready(proc)
-    children = _children(proc.process.pid)
-    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
-    engines = [p for p in children if "tokenmill.engine.core_process" in _cmdline(p)]
-    assert len(workers) == 1 and len(engines) == 1, children
+    proc = start_two(tmp_path, "--shutdown-timeout", "20")
+    workers = processes(proc, "tokenmill.server.api_worker")
+    engines = processes(proc, "tokenmill.engine.core_process")
+    assert len(workers) == 1 and len(engines) == 1
     engine_cmd = _cmdline(engines[0]).split()
     ipc_dir = os.path.dirname(engine_cmd[engine_cmd.index("--input-addr") + 1].removeprefix("ipc://"))
     metrics_dirs = _mapped_dirs(workers[0], "tokenmill-metrics-")
@@ -258,12 +246,9 @@ def test_sigterm_drains_every_process_and_leaves_nothing_behind(tmp_path, defaul
 
 
 def test_a_worker_that_dies_stops_the_server(tmp_path, default_model_path) -> None:
-    proc = start_server(
-        str(tmp_path), "--api-server-count", "2", "--device", "cpu", "--shutdown-timeout", "5"
-    )
-    wait_all_ready(proc)
+    proc = start_two(tmp_path, "--shutdown-timeout", "5")
     children = _children(proc.process.pid)
-    workers = [p for p in children if "tokenmill.server.api_worker" in _cmdline(p)]
+    workers = processes(proc, "tokenmill.server.api_worker")
     assert len(workers) == 1
     os.kill(workers[0], signal.SIGKILL)
     assert proc.process.wait(60) == 1, proc.log()

@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.server_process import alive as _alive
+from tests.server.server_process import cmdline as _cmdline
 from tests.server.server_process import start_server
 
 MAX_MODEL_LEN = 1024
@@ -540,22 +542,6 @@ def test_sigterm_drains_then_aborts_and_reaps_the_engine(tmp_path, default_model
 
 def _is_engine(cmdline: str) -> bool:
     return "tokenmill.engine.core_process" in cmdline or "multiprocessing.spawn" in cmdline
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="the thread count is the user's then")

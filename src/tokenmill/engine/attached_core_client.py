@@ -59,21 +59,9 @@ class AttachedCoreClient(CoreProcessClient):
         await asyncio.wait_for(self._send(Hello()), ready_timeout_s)
         await super().wait_until_ready(ready_timeout_s)
 
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Closes this process's sockets; the engine keeps running for the others."""
-        if self._closed:
-            return
-        self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.mark_dead("the server is shutting down")
-        self._closed = True
-        self._to_engine.close(linger=0)
-        self._from_engine.close(linger=0)
-        self._send_ctx.term()
-        self._ctx.term()
-        self._remove_sockets()
+    async def _stop_engine(self, timeout_s: float) -> None:
+        """Nothing: the engine keeps running for the other API server processes (the first one
+        stops it); `shutdown` only closes this process's sockets."""
 
     def _remove_sockets(self) -> None:
         for address in slot_addresses(self.ipc_dir, self._slot):

@@ -187,13 +187,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         if self._closed:
             return
         self._stopping = True
-        if self._process is not None and self._process.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._to_engine.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-            if not await self._wait_for_exit(timeout_s):  # it ignores SIGTERM (see core_process)
-                logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
-                self._process.kill()
-                await self._wait_for_exit(5.0)
+        await self._stop_engine(timeout_s)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -204,6 +198,15 @@ class CoreProcessClient(AsyncEngineCoreClient):
         self._send_ctx.term()
         self._ctx.term()
         self._remove_sockets()
+
+    async def _stop_engine(self, timeout_s: float) -> None:
+        if self._process is not None and self._process.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._to_engine.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            if not await self._wait_for_exit(timeout_s):  # it ignores SIGTERM (see core_process)
+                logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+                self._process.kill()
+                await self._wait_for_exit(5.0)
 
     def _remove_sockets(self) -> None:
         # Every API server's socket files: the others have stopped by now (the launcher waits).
