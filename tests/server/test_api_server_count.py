@@ -292,3 +292,27 @@ def test_a_port_in_use_is_refused_not_shared() -> None:
             timeout=120,
         )
     assert run.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr
+
+
+def test_when_the_engine_dies_every_process_answers_503(tmp_path, default_model_path) -> None:
+    """As with one process: requests fail fast with 503 and /health says so, whichever process a
+    connection lands on; the server stays up for its supervisor and still stops cleanly."""
+    proc = start_two(tmp_path)
+    try:
+        (engine,) = processes(proc, "tokenmill.engine.core_process")
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:  # both processes notice within their watchdog's interval
+            codes = {httpx.get(f"{proc.base_url}/health", timeout=5).status_code for _ in range(16)}
+            if codes == {503}:
+                break
+            assert time.monotonic() < deadline, f"/health still answers {codes}"
+            time.sleep(0.2)
+        for _ in range(8):  # new connections: hashed to either process
+            started = time.monotonic()
+            with httpx.Client(timeout=10) as client:
+                r = client.post(f"{proc.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert r.status_code == 503 and time.monotonic() - started < 2, r.text
+            assert "the engine is not available" in r.json()["error"]["message"]
+    finally:
+        assert proc.stop() == 0, proc.log()
