@@ -107,6 +107,12 @@ TOKENMILL_LOG_STATS_INTERVAL = _float(
     "`tokenmill serve`: seconds between the stats lines (throughput, running / waiting, KV cache, prefix "
     "hits); --disable-log-stats turns them off",
 )
+TOKENMILL_API_SERVER_RESTARTS = _int(
+    "TOKENMILL_API_SERVER_RESTARTS",
+    3,
+    "`tokenmill serve --api-server-count N`: how many times in 5 minutes an API server process other "
+    "than the first is restarted after it dies; one more death stops the server (exit code 1)",
+)
 TOKENMILL_COMMIT = _str(
     "TOKENMILL_COMMIT",
     None,

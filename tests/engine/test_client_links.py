@@ -139,3 +139,35 @@ def test_a_full_queue_waits_only_while_the_parent_lives(tmp_path, ctx) -> None:
 def test_addresses_come_in_pairs(ctx) -> None:
     with pytest.raises(ValueError, match="one input and one output"):
         ClientLinks(ctx, ["ipc:///a", "ipc:///b"], ["ipc:///c"], lambda: True)
+
+
+def test_a_second_hello_from_a_slot_hands_back_the_dead_processs_requests(tmp_path, ctx) -> None:
+    """A restarted API server process says Hello in its slot again: the requests the dead one sent
+    come back for the engine to abort, and their remaining outputs reach nobody."""
+    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(2)]
+    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(2)]
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
+    try:
+        assert links.register(1) == []  # the first Hello: nothing to hand back
+        api[1].send(AddRequests([request("dead1"), request("dead2")]))
+        api[0].send(AddRequests([request("alive")]))
+        drain(links)
+        assert sorted(links.register(1)) == ["dead1", "dead2"]
+        assert links.register(1) == []  # handed back once
+        links.send_step(
+            [output("dead1"), output("dead2", finished=True), output("alive")],
+            {"num_running": 3.0},
+            stats_due=False,
+        )
+        assert [[o.request_id for o in m.outputs] for m in api[0].received()] == [["alive"]]
+        assert api[1].received() == []  # the new process gets none of the dead one's outputs
+        links.send_step([output("dead1", finished=True)], {}, stats_due=True)  # its abort, dropped too
+        assert [m.outputs for m in api[1].received()] == [[]] and [m.outputs for m in api[0].received()] == [
+            []
+        ]
+        assert links._orphans == set()
+    finally:
+        links.close()
+        for side in api:
+            side.to_engine.close(linger=0)
+            side.from_engine.close(linger=0)

@@ -245,14 +245,85 @@ def test_sigterm_drains_every_process_and_leaves_nothing_behind(tmp_path, defaul
     assert not left, f"socket or metrics directories left behind: {left}"
 
 
-def test_a_worker_that_dies_stops_the_server(tmp_path, default_model_path) -> None:
-    proc = start_two(tmp_path, "--shutdown-timeout", "5")
+def test_a_worker_that_dies_is_restarted_and_its_requests_freed(tmp_path, default_model_path) -> None:
+    """Killed with streams in flight: its clients lose their connections, the others' streams finish
+    whole, a new process takes its slot and serves, and the engine aborts the dead one's requests
+    (nothing left running, no KV block held, invariants ok)."""
+    proc = start_two(tmp_path, "--enable-debug-endpoints", "--enable-log-requests")
+    try:
+        (worker,) = processes(proc, "tokenmill.server.api_worker")
+
+        def stream() -> str | None:
+            try:
+                return complete(proc.base_url, stream=True, max_tokens=600)
+            except (httpx.HTTPError, json.JSONDecodeError):
+                return None  # its process was killed
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            streams = [pool.submit(stream) for _ in range(12)]  # all on one process: 1 in 4,096
+            deadline = time.monotonic() + 60
+            while metric(proc.base_url, "num_requests_running") < 12:
+                assert time.monotonic() < deadline, "the streams never all started"
+                time.sleep(0.05)
+            assert served_by_worker(proc) > 0
+            os.kill(worker, signal.SIGKILL)
+            texts = [s.result(timeout=180) for s in streams]
+        finished = [t for t in texts if t is not None]
+        assert None in texts, "no stream lost its connection with the killed process"
+        assert finished and len(set(finished)) == 1, "the first process's streams did not finish whole"
+        deadline = time.monotonic() + 120
+        while True:  # the new process attaches and serves
+            restarted = processes(proc, "tokenmill.server.api_worker")
+            if restarted and restarted != [worker] and "API server process 1 restarted" in proc.log():
+                break
+            assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.2)
+        assert re.search(
+            rf"API server process 1 \(pid {worker}\) exited with code -9; restarting it", proc.log()
+        )
+        # The engine aborted the dead process's streams when the new one said Hello.
+        aborted = re.search(r"API server slot 1 restarted: aborting its (\d+) requests", proc.log())
+        assert aborted and int(aborted.group(1)) == texts.count(None), proc.log()
+        served_before = served_by_worker(proc)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for _ in range(6):
+                assert set(pool.map(lambda _: complete(proc.base_url, stream=False), range(8))) == {
+                    complete(proc.base_url, stream=False)
+                }
+                if served_by_worker(proc) > served_before:
+                    break
+        assert served_by_worker(proc) > served_before, "the restarted process never answered"
+        deadline = time.monotonic() + 30
+        while metric(proc.base_url, "num_requests_running") or metric(proc.base_url, "kv_cache_usage_perc"):
+            assert time.monotonic() < deadline, "the dead process's requests kept running"
+            time.sleep(0.2)
+        assert httpx.get(f"{proc.base_url}/debug/invariants", timeout=30).status_code == 200
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+def test_a_worker_that_may_not_be_restarted_stops_the_server(tmp_path, default_model_path) -> None:
+    proc = start_server(
+        str(tmp_path),
+        "--api-server-count",
+        "2",
+        "--device",
+        "cpu",
+        env={"TOKENMILL_API_SERVER_RESTARTS": "0"},
+    )
+    deadline = time.monotonic() + 120
+    while "2 API server processes)" not in proc.log():
+        assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
+        time.sleep(0.2)
     children = _children(proc.process.pid)
-    workers = processes(proc, "tokenmill.server.api_worker")
-    assert len(workers) == 1
-    os.kill(workers[0], signal.SIGKILL)
+    (worker,) = processes(proc, "tokenmill.server.api_worker")
+    os.kill(worker, signal.SIGKILL)
     assert proc.process.wait(60) == 1, proc.log()
-    assert re.search(r"API server process 1 \(pid \d+\) exited with code -9; stopping the server", proc.log())
+    assert re.search(
+        rf"API server process 1 \(pid {worker}\) exited with code -9; 1 exits within 300 s, more than "
+        r"TOKENMILL_API_SERVER_RESTARTS=0 allows; stopping the server",
+        proc.log(),
+    )
     _wait_gone(children, 10)
 
 

@@ -9,6 +9,8 @@ each request and returns that request's outputs there alone; step stats reach ev
 Client 0 spawned the engine and waits for EngineReady from the start. The others start later
 (once the engine is ready) and say Hello first: nothing is sent to an API server before that,
 because messages to a peer that is not there yet would fill its queue and then block the engine.
+A Hello from a slot already registered is a restarted process in a dead one's place: the dead
+one's requests are aborted (nobody reads them any more) and their last outputs dropped.
 """
 
 from __future__ import annotations
@@ -66,14 +68,24 @@ class ClientLinks:
         # Client 0 spawned the engine and waits for it; the others announce themselves.
         self._registered = [slot == 0 for slot in range(len(self._inboxes))]
         self._owner: dict[str, int] = {}  # live request id -> the API server that sent it
+        self._orphans: set[str] = set()  # requests of a process that died: outputs dropped
 
     @property
     def count(self) -> int:
         return len(self._inboxes)
 
-    def register(self, client: int) -> None:
-        """`client` said Hello: it is bound and reading; from now on it gets stats and answers."""
+    def register(self, client: int) -> list[str]:
+        """`client` said Hello: it is bound and reading; from now on it gets stats and answers.
+        Returns the requests of the process it replaces (if it replaces one), for the engine to
+        abort; their outputs are dropped."""
+        replaced: list[str] = []
+        if self._registered[client] and client != 0:
+            replaced = [rid for rid, owner in self._owner.items() if owner == client]
+            for rid in replaced:
+                del self._owner[rid]
+            self._orphans.update(replaced)
         self._registered[client] = True
+        return replaced
 
     def receive(self, timeout_ms: int) -> Iterator[tuple[int, object]]:
         """Every message waiting (after up to `timeout_ms` for the first), with its sender's index.
@@ -113,6 +125,10 @@ class ClientLinks:
             return
         by_client: dict[int, list[EngineCoreOutput]] = {}
         for output in outputs:
+            if self._orphans and output.request_id in self._orphans:
+                if output.finished:
+                    self._orphans.discard(output.request_id)
+                continue
             # An id the engine never saw from a client (none today) goes to the one that spawned it.
             owner = (
                 self._owner.pop(output.request_id, 0)

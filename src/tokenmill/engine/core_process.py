@@ -148,7 +148,10 @@ def _busy_loop(core, links: ClientLinks, parent_pid: int) -> None:
             elif isinstance(message, UtilityCall):
                 links.send(client, _utility(core, message))
             elif isinstance(message, Hello):  # another API server process is up (client_links.py)
-                links.register(client)
+                replaced = links.register(client)
+                if replaced:  # a restarted one: the dead one's requests have no reader
+                    logger.warning("API server slot %d restarted: aborting its %d requests", client, len(replaced))
+                    core.abort_requests(replaced)
                 links.send(client, EngineReady(info=core.info))
             elif isinstance(message, Shutdown):
                 return

@@ -14,9 +14,15 @@ before the others can (a connection hashed to one still starting would get 503).
 
 Signals: the workers lead their own sessions, so a Ctrl-C reaches only the first process, which
 passes one SIGTERM on as it starts draining; each worker drains its own requests and exits, and
-the first waits for them before it stops the engine. A worker that dies otherwise stops the server
-(drain, then exit code 1): a supervisor restarts it whole. Workers die with the first process
+the first waits for them before it stops the engine. Workers die with the first process
 (PR_SET_PDEATHSIG).
+
+A worker that dies otherwise (a crash, the OOM killer) is restarted in its slot: its clients'
+connections are lost, the engine aborts its requests when the new process says Hello
+(engine/client_links.py), and its live gauges leave the shared metrics (counters stay: totals never
+go backwards). Restarting takes seconds where restarting the whole server reloads the model. More
+than TOKENMILL_API_SERVER_RESTARTS deaths within RESTART_WINDOW_S, or a restart that fails, stops
+the server (drain, then exit code 1) for a supervisor to restart whole.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from prometheus_client import multiprocess
+
+from tokenmill import envs
 
 logger = logging.getLogger("tokenmill.server")
 
 WATCH_INTERVAL_S = 0.2
+RESTART_WINDOW_S = 300.0
 
 
 class WorkerEngine(msgspec.Struct):
@@ -69,24 +79,17 @@ class ApiWorkers:
     def __init__(self, count: int) -> None:
         self.count = count  # workers, not counting the first process
         self.processes: list[subprocess.Popen] = []
+        self.specs: list[WorkerSpec] = []
+        self.ready_timeout_s = 0.0
         self._signalled = False
+        self._deaths: list[float] = []  # when workers died (restart budget)
         self.stopping = False
 
     async def start(self, specs: list[WorkerSpec], ready_timeout_s: float) -> None:
-        """Spawns one worker per spec and waits until each serves; RuntimeError naming the first
-        that fails (the others are stopped by `stop`)."""
-        for spec in specs:
-            command = [sys.executable, "-m", "tokenmill.server.api_worker"]
-            process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True,
-            )  # fmt: skip
-            self.processes.append(process)
-            assert process.stdin is not None
-            try:
-                process.stdin.write(msgspec.json.encode(spec) + b"\n")  # JSON escapes newlines: one line
-                process.stdin.flush()
-            except OSError:  # it died at once; its exit code is reported below
-                pass
+        """Spawns one worker per spec and waits until each has attached; RuntimeError naming the
+        first that fails (the others are stopped by `stop`)."""
+        self.specs, self.ready_timeout_s = list(specs), ready_timeout_s
+        self.processes = [_spawn(spec) for spec in specs]
         results = await asyncio.gather(
             *(asyncio.to_thread(_read_ready, p, ready_timeout_s) for p in self.processes),
             return_exceptions=True,
@@ -98,29 +101,44 @@ class ApiWorkers:
     def serve(self) -> None:
         """All are ready: each binds its socket and serves from now on."""
         for process in self.processes:
-            assert process.stdin is not None
-            try:
-                process.stdin.write(b"serve\n")
-                process.stdin.close()
-            except OSError:  # it died meanwhile: the watch reports it
-                pass
+            _tell_to_serve(process)
 
-    def died(self) -> str | None:
-        """Why a worker is gone when nobody stopped it; None while all run (or once stopping)."""
-        if self.stopping:
-            return None
-        for slot, process in enumerate(self.processes, start=1):
-            if process.poll() is not None:
-                return f"API server process {slot} (pid {process.pid}) exited with code {process.returncode}"
-        return None
-
-    async def watch(self, on_death: Callable[[str], None]) -> None:
-        while True:
+    async def watch(self, on_fatal: Callable[[str], None]) -> None:
+        """Restarts workers that die (module docstring); calls `on_fatal` when one may not be."""
+        while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            reason = self.died()
-            if reason is not None:
-                on_death(reason)
-                return
+            for index, process in enumerate(self.processes):
+                if self.stopping or process.poll() is None:
+                    continue
+                reason = f"API server process {index + 1} (pid {process.pid}) exited with code {process.returncode}"
+                now = time.monotonic()
+                self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+                allowed = envs.TOKENMILL_API_SERVER_RESTARTS.get() or 0
+                if len(self._deaths) > allowed:
+                    on_fatal(
+                        f"{reason}; {len(self._deaths)} exits within {RESTART_WINDOW_S:.0f} s, more than "
+                        f"TOKENMILL_API_SERVER_RESTARTS={allowed} allows"
+                    )
+                    return
+                logger.error("%s; restarting it", reason)
+                # Its live gauges (LoRA requests in flight) stop counting; its counters stay.
+                multiprocess.mark_process_dead(process.pid, self.specs[index].metrics_dir)
+                try:
+                    await self._restart(index)
+                except RuntimeError as exc:
+                    if not self.stopping:
+                        on_fatal(f"{reason}; restarting it failed: {exc}")
+                    return
+
+    async def _restart(self, index: int) -> None:
+        process = self.processes[index] = _spawn(self.specs[index])
+        await asyncio.to_thread(_read_ready, process, self.ready_timeout_s)
+        if self.stopping:  # drained meanwhile: it gets no "serve" and its SIGTERM ends it
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            return
+        _tell_to_serve(process)
+        logger.warning("API server process %d restarted (pid %d)", index + 1, process.pid)
 
     def drain(self) -> None:
         """Passes one SIGTERM on (a second would make a worker exit without draining)."""
@@ -152,6 +170,29 @@ class ApiWorkers:
                 logger.warning("API server process %d (pid %d) did not stop; killing it", slot, process.pid)
                 process.kill()
                 await asyncio.to_thread(process.wait, 5.0)
+
+
+def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.server.api_worker"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True,
+    )  # fmt: skip
+    assert process.stdin is not None
+    try:
+        process.stdin.write(msgspec.json.encode(spec) + b"\n")  # JSON escapes newlines: one line
+        process.stdin.flush()
+    except OSError:  # it died at once; _read_ready reports its exit code
+        pass
+    return process
+
+
+def _tell_to_serve(process: subprocess.Popen) -> None:
+    assert process.stdin is not None
+    try:
+        process.stdin.write(b"serve\n")
+        process.stdin.close()
+    except OSError:  # it died meanwhile: the watch sees it
+        pass
 
 
 def _read_ready(process: subprocess.Popen, timeout_s: float) -> None:

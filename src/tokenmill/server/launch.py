@@ -374,7 +374,7 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
                 logger.error("%s", exc)
                 server.should_exit = True
                 return
-            watch_task = asyncio.create_task(workers.watch(lambda reason: _worker_died(server, reason)))
+            watch_task = asyncio.create_task(workers.watch(lambda reason: _worker_failed(server, reason)))
         # Everything loaded so far (transformers, the tokenizer, FastAPI) lives as long as the
         # server: out of the collector's reach, a full collection walks only what requests made.
         # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
@@ -431,8 +431,9 @@ def _worker_specs(server: _DrainingServer, state: ServerState) -> list[WorkerSpe
     ]
 
 
-def _worker_died(server: _DrainingServer, reason: str) -> None:
-    """Another API server process is gone: this one drains and the server exits with code 1."""
+def _worker_failed(server: _DrainingServer, reason: str) -> None:
+    """Another API server process is gone for good (api_workers.py): this one drains and the
+    server exits with code 1."""
     logger.error("%s; stopping the server", reason)
     server.worker_failure = reason
     server.handle_exit(signal.SIGTERM, None)
