@@ -11,6 +11,10 @@ every --step-ms whether or not the server keeps up, its outputs waiting in the s
 not, as a real engine's do. This process sends the load (aiohttp, tokenmill.bench.serve_client) and
 reports TTFT, tokens per SSE chunk, ITL and the server process's CPU seconds. Run from the repo
 root; the tree under test is the one PYTHONPATH names.
+
+With `--api-servers N` the child runs `tokenmill serve --api-server-count N` itself (the default
+model's tokenizer) over the same fake engine, which answers every API server process through the
+engine's own ClientLinks; CPU is summed over the N processes and reported per process.
 """
 
 from __future__ import annotations
