@@ -319,8 +319,10 @@ class ServerMetrics:
         mode this process's counts go to the shared files (only the ones that changed); with one
         process a no-op, the scrape reads the counts itself."""
         gauge = self._lora_in_flight
+        if gauge is None:  # one process: nothing to publish (and no per-request dict to build)
+            return
         load = self.info.lora_load()
-        if gauge is None or load is None:
+        if load is None:
             return
         for name, count in load.items():
             if self._lora_published.get(name) != count:

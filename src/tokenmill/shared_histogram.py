@@ -22,23 +22,32 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 
-class SharedHistogram(Collector):
-    def __init__(
-        self, names: Iterable[tuple[str, str]], buckets: Iterable[float], model_name: str
-    ) -> None:
-        """`names`: (metric name, help text) pairs, each exported with the same samples."""
-        self.names = list(names)
-        self.model_name = model_name
+class BucketCounts:
+    """Observations counted per bucket (not cumulative), found by bisection, with their sum: the
+    prometheus_client Histogram rule (a value goes to the first bound >= it; the last bound is
+    +Inf). What SharedHistogram exports and BufferedHistograms hands on."""
+
+    def __init__(self, buckets: Iterable[float]) -> None:
         bounds = sorted(float(b) for b in buckets)
         if not bounds or bounds[-1] != math.inf:
             bounds.append(math.inf)
         self._bounds = bounds
-        self._counts = [0] * len(bounds)  # per bucket, not cumulative
+        self._counts = [0] * len(bounds)
         self._sum = 0.0
 
     def observe(self, value: float) -> None:
         self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
+
+
+class SharedHistogram(BucketCounts, Collector):
+    def __init__(
+        self, names: Iterable[tuple[str, str]], buckets: Iterable[float], model_name: str
+    ) -> None:
+        """`names`: (metric name, help text) pairs, each exported with the same samples."""
+        super().__init__(buckets)
+        self.names = list(names)
+        self.model_name = model_name
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         cumulative, buckets = 0, []
@@ -51,7 +60,7 @@ class SharedHistogram(Collector):
             yield family
 
 
-class BufferedHistograms:
+class BufferedHistograms(BucketCounts):
     """The multiprocess-mode stand-in for SharedHistogram: observations counted here as
     SharedHistogram counts them, added to prometheus_client Histograms (whose values live in the
     shared mmap files) by `flush`, once per engine message rather than per token.
@@ -60,11 +69,8 @@ class BufferedHistograms:
     (py-spy, 128 streams: two mmap increments, each with a pid check and a lock, per histogram and
     token). prometheus_client has no call that adds counts to a bucket, so `flush` increments the
     child's bucket and sum values directly (`_buckets`, `_sum`, `_upper_bounds`: the fields its own
-    `observe` uses); tests/unit/test_metrics_multiprocess.py checks the export equals per-token
-    `observe`.
+    `observe` uses); tests/unit/test_metrics.py checks the export equals per-token `observe`.
     """
-
-    __slots__ = ("_histograms", "_bounds", "_counts", "_sum", "_pending")
 
     def __init__(self, histograms: Sequence[Histogram]) -> None:
         """`histograms`: labelled children (`.labels(...)`) with the same buckets."""
@@ -72,22 +78,13 @@ class BufferedHistograms:
         bounds = [list(h._upper_bounds) for h in self._histograms]
         if any(b != bounds[0] for b in bounds):
             raise ValueError("BufferedHistograms needs histograms with the same buckets")
-        self._bounds = bounds[0]
-        self._counts = [0] * len(self._bounds)
-        self._sum = 0.0
-        self._pending = False
-
-    def observe(self, value: float) -> None:
-        # Histogram.observe's rule (the first bound >= value), found by bisection.
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self._sum += value
-        self._pending = True
+        super().__init__(bounds[0])
 
     def flush(self) -> None:
-        if not self._pending:
-            return
         counts, total = self._counts, self._sum
-        self._counts, self._sum, self._pending = [0] * len(self._bounds), 0.0, False
+        if not any(counts):
+            return
+        self._counts, self._sum = [0] * len(self._bounds), 0.0
         for histogram in self._histograms:
             histogram._sum.inc(total)
             for value, count in zip(histogram._buckets, counts, strict=True):

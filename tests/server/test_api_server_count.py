@@ -88,9 +88,9 @@ def server(tmp_path_factory, default_model_path):
     proc.stop()
 
 
-def start_two(tmp_path, *flags: str):
+def start_two(tmp_path, *flags: str, env: dict[str, str] | None = None):
     """`serve --api-server-count 2` on the CPU, once it says all its processes are ready."""
-    proc = start_server(str(tmp_path), "--api-server-count", "2", "--device", "cpu", *flags)
+    proc = start_server(str(tmp_path), "--api-server-count", "2", "--device", "cpu", *flags, env=env)
     deadline = time.monotonic() + 120
     while "2 API server processes)" not in proc.log():
         assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
@@ -303,18 +303,7 @@ def test_a_worker_that_dies_is_restarted_and_its_requests_freed(tmp_path, defaul
 
 
 def test_a_worker_that_may_not_be_restarted_stops_the_server(tmp_path, default_model_path) -> None:
-    proc = start_server(
-        str(tmp_path),
-        "--api-server-count",
-        "2",
-        "--device",
-        "cpu",
-        env={"TOKENMILL_API_SERVER_RESTARTS": "0"},
-    )
-    deadline = time.monotonic() + 120
-    while "2 API server processes)" not in proc.log():
-        assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
-        time.sleep(0.2)
+    proc = start_two(tmp_path, env={"TOKENMILL_API_SERVER_RESTARTS": "0"})
     children = _children(proc.process.pid)
     (worker,) = processes(proc, "tokenmill.server.api_worker")
     os.kill(worker, signal.SIGKILL)

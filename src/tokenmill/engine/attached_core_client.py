@@ -37,13 +37,10 @@ class AttachedCoreClient(CoreProcessClient):
         if slot < 1:
             raise ValueError(f"slot 0 belongs to the API server process that spawns the engine; got {slot}")
         self._slot = slot
-        self._attached_dir = ipc_dir
         self._engine_pid = engine_pid
         self._gone = False
-        super().__init__(config, hang_timeout_s=hang_timeout_s)
-
-    def _make_ipc_dir(self) -> str:
-        return self._attached_dir  # the first API server's, where the engine looks for this slot
+        # The first API server's directory, where the engine looks for this slot's sockets.
+        super().__init__(config, hang_timeout_s=hang_timeout_s, ipc_dir=ipc_dir)
 
     @property
     def engine_pid(self) -> int | None:

@@ -90,6 +90,12 @@ def _spawn_engine_process(
     return process
 
 
+def _private_dir() -> str:
+    ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
+    os.chmod(ipc_dir, 0o700)  # only this user may reach the sockets
+    return ipc_dir
+
+
 class CoreProcessClient(AsyncEngineCoreClient):
     """One engine-core process (`python -m tokenmill.engine.core_process`); see AsyncEngineCoreClient
     for the life cycle and the frontend's callbacks."""
@@ -101,6 +107,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         env: dict[str, str] | None = None,  # set in the engine process's environment (data parallelism)
         num_api_servers: int = 1,  # API server processes the engine answers (`serve --api-server-count`)
+        ipc_dir: str | None = None,  # where the sockets are; None: a new private directory
     ) -> None:
         if hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the check), got {hang_timeout_s}")
@@ -116,7 +123,7 @@ class CoreProcessClient(AsyncEngineCoreClient):
         self._tasks: list[asyncio.Task] = []
         self._process: subprocess.Popen | None = None
         self.num_api_servers = num_api_servers
-        self.ipc_dir = self._make_ipc_dir()
+        self.ipc_dir = ipc_dir if ipc_dir is not None else _private_dir()
         # Sends go through a plain socket with NOBLOCK so a dead or stalled engine can never block
         # the event loop or a request forever; receives through an asyncio one.
         self._send_ctx = zmq.Context()
@@ -134,11 +141,6 @@ class CoreProcessClient(AsyncEngineCoreClient):
     @property
     def hang_timeout_s(self) -> float:
         return self._hang_timeout_s
-
-    def _make_ipc_dir(self) -> str:
-        ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
-        os.chmod(ipc_dir, 0o700)  # only this user may reach the sockets
-        return ipc_dir
 
     def _bind(self, slot: int) -> None:
         input_addr, output_addr = slot_addresses(self.ipc_dir, slot)

@@ -45,10 +45,8 @@ async def _serve(server: _DrainingServer, spec: WorkerSpec) -> int:
         _say(f"could not attach to the engine: {exc}")
         await state.engine.shutdown()
         return 1
-    state.default_sampling = state.engine.default_sampling
-    state.attach_engine()
+    state.engine_started()
     if state.lora is not None:
-        state.lora.arch = state.engine.arch
         for adapter in spec.adapters:
             state.lora.adopt(
                 LoRARequest(adapter.name, adapter.lora_int_id, adapter.path), adapter.base_model_name

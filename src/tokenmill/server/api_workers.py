@@ -146,14 +146,14 @@ class ApiWorkers:
         if self._signalled:
             return
         self._signalled = True
-        for process in self.processes:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
+        self._terminate_running()
 
     def force(self) -> None:
         """A second signal: the workers get theirs and stop without draining."""
         self.drain()
+        self._terminate_running()
+
+    def _terminate_running(self) -> None:
         for process in self.processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

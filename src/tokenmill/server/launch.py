@@ -348,10 +348,8 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
             logger.error("engine start-up failed: %s", exc)
             server.should_exit = True
             return
-        state.default_sampling = state.engine.default_sampling
-        state.attach_engine()
+        state.engine_started()
         if state.lora is not None:
-            state.lora.arch = state.engine.arch
             try:
                 for module in server.lora_modules:
                     await state.lora.load(

@@ -77,6 +77,14 @@ class ServerState:
                 registry_source(self.metrics.scrape_registry), self.metrics.prefix, cost_per_hour=self.cost_per_hour
             )
 
+    def engine_started(self) -> None:
+        """The engine is up (AsyncEngine.start returned): take its sampling defaults and the model's
+        shapes (LoRA checks), and route its reports here (every API server process does this)."""
+        self.default_sampling = self.engine.default_sampling
+        self.attach_engine()
+        if self.lora is not None:
+            self.lora.arch = self.engine.arch
+
     def attach_engine(self) -> None:
         """Route the engine's per-output and per-step reports into this server's metrics and its
         dashboard."""
