@@ -59,10 +59,10 @@ class KernelConfig:
     # CPU, GGUF: a decode step's decoder layers run as one C++ call (model/cpu_decode_plan.py) where
     # the model's layers are the plain path it replicates; off = the Python layer loop (same outputs).
     fused_decode_layers: bool = True
-    # CUDA, per-channel FP8 weights: one-row matmuls on the tensor-core W8A16 GEMV
-    # (kernels/triton/fp8_tc_gemv.py: weight tiles to float16 in registers, tl.dot, K split) instead
-    # of the CUDA-core GEMV. Off until measured on a GPU: local sm_90 SASS counts 2.3-2.8
-    # instructions a weight against 3.2-3.8, and the one-row GEMVs are instruction-bound.
+    # CUDA, per-channel FP8 weights: one-row matmuls on the tensor-core W8A16 GEMV too
+    # (kernels/triton/fp8_tc_gemv.py: weight tiles to float16 in registers, tl.dot, K split), which
+    # serves 2-4 rows by default. Off: on an H200 the CUDA-core GEMV was faster at one row
+    # (qkv 8.9 vs 10.5 us; single stream 365 vs 348 tok/s, 2026-12-05).
     fp8_tensor_core_gemv: bool = False
     # CUDA, INT4 weights: the few-row kernel subtracts zero points through sum(x) (int4_kernel.py
     # ZERO_BY_XSUM) instead of per weight. Off until measured on a GPU: local sm_90 SASS 541

@@ -245,17 +245,21 @@ def test_dispatch_by_rows_and_width() -> None:
         "gemv", "gemv", "skinny16", "skinny16", "skinny8", "skinny8", "gemm", "gemm"
     ]
     assert [choose_path(torch.empty(m, 256), wide, dispatch) for m in rows][:2] == ["gemv", "skinny16"]
-    default = [choose_path(torch.empty(m, 256), narrow) for m in (1, 2, 3, 64, 65)]
-    # skinny16 and tc16 are off by default (tc16: KernelConfig.fp8_tensor_core_gemv asks for it)
-    assert default == ["gemv", "gemv", "skinny8", "skinny8", "gemm"]
-    with_tc16 = Fp8Dispatch(tc16_max_rows=1)
-    assert [choose_path(torch.empty(m, 256), narrow, with_tc16) for m in (1, 2)] == ["tc16", "gemv"]
+    default = [choose_path(torch.empty(m, 256), narrow) for m in (1, 2, 3, 4, 5, 64, 65)]
+    # Per-channel weights: the CUDA-core GEMV at one row, the tensor-core one at two (measured on an
+    # H200), skinny16 off; KernelConfig.fp8_tensor_core_gemv moves one row to tc16 too.
+    assert default == ["gemv", "tc16", "skinny8", "skinny8", "skinny8", "skinny8", "gemm"]
+    with_tc16 = Fp8Dispatch(tc16_min_rows=1, tc16_max_rows=4)
+    assert [choose_path(torch.empty(m, 256), narrow, with_tc16) for m in (1, 2, 4, 5)] == ["tc16", "tc16", "tc16", "skinny8"]
     block = prepare_fp8_weights(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2), BLOCK)
-    assert choose_path(torch.empty(1, 256), block, with_tc16) == "gemv"  # tc16: per-channel weights only
+    # tc16 reads per-channel weights only: block-scaled ones keep the GEMV up to its rows
+    assert [choose_path(torch.empty(m, 256), block, with_tc16) for m in (1, 2, 3)] == ["gemv", "gemv", "skinny8"]
     with pytest.raises(ValueError, match="row limits"):
         Fp8Dispatch(gemv_max_rows=8)
     with pytest.raises(ValueError, match="row limits"):
         Fp8Dispatch(tc16_max_rows=5)
+    with pytest.raises(ValueError, match="row limits"):
+        Fp8Dispatch(tc16_min_rows=0)
 
 
 def test_prepare_rejects_what_the_kernels_cannot_read() -> None:

@@ -164,10 +164,15 @@ class Fp8Dispatch:
     """The largest M each few-row path takes (checked in this order; 0: never); larger M go to the
     W8A8 GEMMs. Wide matrices (N > wide_n: gate_up, lm_head) leave the GEMV sooner."""
 
-    # Per-channel weights: the tensor-core W8A16 GEMV (fp8_tc_gemv.py) up to this many rows,
-    # before the CUDA-core one; 0 by default (KernelConfig.fp8_tensor_core_gemv asks for 1): not
-    # measured on a GPU yet.
-    tc16_max_rows: int = 0
+    # Per-channel weights: the tensor-core W8A16 GEMV (fp8_tc_gemv.py) from tc16_min_rows to
+    # tc16_max_rows rows, before the CUDA-core one. H200, Llama-3.1-8B shapes
+    # (fp8_linear_microbench.py, 2026-12-05): at 2 rows it beat the path it replaced on every
+    # projection (qkv 10.8 vs 13.3 us, o_proj 8.9 vs 9.4, gate_up 32.9 vs 40.7 on skinny8, down
+    # 19.8 vs 25.5); at 1 row the CUDA-core GEMV stayed ahead (8.9 vs 10.5 us on qkv), so one row
+    # goes to tc16 only when KernelConfig.fp8_tensor_core_gemv asks (tc16_min_rows=1). 3-4 rows
+    # (the kernel takes up to 4) stay on the paths before it until measured there.
+    tc16_min_rows: int = 2
+    tc16_max_rows: int = 2
     gemv_max_rows: int = 2
     gemv_max_rows_wide: int = 1
     wide_n: int = 16384
@@ -176,7 +181,8 @@ class Fp8Dispatch:
 
     def __post_init__(self) -> None:
         if (
-            self.tc16_max_rows > TC16_MAX_ROWS
+            self.tc16_min_rows < 1
+            or self.tc16_max_rows > TC16_MAX_ROWS
             or max(self.gemv_max_rows, self.gemv_max_rows_wide) > GEMV_MAX_ROWS
             or max(self.skinny16_max_rows, self.skinny8_max_rows) > SKINNY_MAX_ROWS
         ):
@@ -198,7 +204,7 @@ def choose_path(x: torch.Tensor, w: Fp8Weights, dispatch: Fp8Dispatch = DISPATCH
     """The name (a key of PATHS) of the path fp8_linear takes for x [M, K]."""
     m = x.shape[0]
     wide = w.out_features > dispatch.wide_n
-    if m <= dispatch.tc16_max_rows and w.block is None:
+    if dispatch.tc16_min_rows <= m <= dispatch.tc16_max_rows and w.block is None:
         return "tc16"
     if m <= (dispatch.gemv_max_rows_wide if wide else dispatch.gemv_max_rows):
         return "gemv"

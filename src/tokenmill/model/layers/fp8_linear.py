@@ -49,7 +49,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         if self.kernel.fp8_tensor_core_gemv:
             from tokenmill.kernels.triton.fp8_linear import Fp8Dispatch
 
-            self.dispatch = Fp8Dispatch(tc16_max_rows=1)
+            self.dispatch = Fp8Dispatch(tc16_min_rows=1)
 
     def create_checkpoint_params(
         self, layer: LinearBase, in_features: int, out_features: int, *, device, dtype: torch.dtype
