@@ -171,3 +171,38 @@ def test_a_second_hello_from_a_slot_hands_back_the_dead_processs_requests(tmp_pa
         for side in api:
             side.to_engine.close(linger=0)
             side.from_engine.close(linger=0)
+
+
+def test_the_first_process_notice_of_a_death_hands_back_its_requests_at_once(tmp_path, ctx) -> None:
+    """ApiServerGone (the first process saw a worker exit): the dead process's requests come back
+    before any replacement attaches, its slot gets nothing meanwhile (a dead reader's queue would
+    fill and block the engine), and a notice naming another process of the slot changes nothing."""
+    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(3)]
+    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(3)]
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
+    try:
+        assert links.drop(1, 111) == []  # never said Hello
+        links.register(1, pid=111)
+        links.register(2, pid=222)
+        api[1].send(AddRequests([request("dead1"), request("dead2")]))
+        api[2].send(AddRequests([request("other")]))
+        drain(links)
+        assert links.drop(1, 999) == []  # not the process registered in slot 1
+        assert links.drop(0, 0) == [] and links.drop(7, 111) == []  # the first process; no such slot
+        assert sorted(links.drop(1, 111)) == ["dead1", "dead2"]
+        assert links.drop(1, 111) == []  # handed back once
+        for _ in range(3):  # stats due: the dropped slot still hears nothing
+            links.send_step([output("dead1"), output("other")], {"num_running": 2.0}, stats_due=True)
+        assert api[1].received() == []
+        assert [[o.request_id for o in m.outputs] for m in api[2].received()] == [["other"]] * 3
+        # The replacement says Hello: nothing left to hand back; it hears stats again.
+        assert links.register(1, pid=333) == []
+        links.send_step([output("dead2", finished=True)], {"num_running": 1.0}, stats_due=True)
+        assert [m.outputs for m in api[1].received()] == [[]]
+        assert links.drop(1, 111) == []  # a late notice about the dead one leaves the new one alone
+        assert links._orphans == {"dead1"}  # dropped until its abort's final output passes
+    finally:
+        links.close()
+        for side in api:
+            side.to_engine.close(linger=0)
+            side.from_engine.close(linger=0)

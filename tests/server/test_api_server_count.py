@@ -281,9 +281,13 @@ def test_a_worker_that_dies_is_restarted_and_its_requests_freed(tmp_path, defaul
         assert re.search(
             rf"API server process 1 \(pid {worker}\) exited with code -9; restarting it", proc.log()
         )
-        # The engine aborted the dead process's streams when the new one said Hello.
-        aborted = re.search(r"API server slot 1 restarted: aborting its (\d+) requests", proc.log())
-        assert aborted and int(aborted.group(1)) == texts.count(None), proc.log()
+        # The first process told the engine at once: it aborted the dead process's streams before
+        # the new one attached, not when that one said Hello.
+        log = proc.log()
+        aborted = re.search(rf"API server slot 1 \(pid {worker}\) exited: aborting its (\d+) requests", log)
+        assert aborted and int(aborted.group(1)) == texts.count(None), log
+        assert aborted.start() < log.index("API server process 1 restarted"), log
+        assert "slot 1 restarted: aborting" not in log, log
         served_before = served_by_worker(proc)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for _ in range(6):

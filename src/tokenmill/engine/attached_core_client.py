@@ -53,7 +53,7 @@ class AttachedCoreClient(CoreProcessClient):
 
     async def wait_until_ready(self, ready_timeout_s: float) -> None:
         # Sent once the engine's connection is up (a send waits for a peer), answered EngineReady.
-        await asyncio.wait_for(self._send(Hello()), ready_timeout_s)
+        await asyncio.wait_for(self._send(Hello(pid=os.getpid())), ready_timeout_s)
         await super().wait_until_ready(ready_timeout_s)
 
     async def _stop_engine(self, timeout_s: float) -> None:

@@ -9,8 +9,11 @@ each request and returns that request's outputs there alone; step stats reach ev
 Client 0 spawned the engine and waits for EngineReady from the start. The others start later
 (once the engine is ready) and say Hello first: nothing is sent to an API server before that,
 because messages to a peer that is not there yet would fill its queue and then block the engine.
-A Hello from a slot already registered is a restarted process in a dead one's place: the dead
-one's requests are aborted (nobody reads them any more) and their last outputs dropped.
+When one of those processes dies, the first process (its supervisor) says so (ApiServerGone): the
+engine aborts the dead one's requests at once (nobody reads them any more), drops their last
+outputs and sends that slot nothing until a restarted process says Hello there; a full queue to a
+dead reader would otherwise block the engine. A Hello from a slot still registered (the notice
+lost or late) also counts as a restart and aborts what the slot owned.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ClientLinks:
             self._poller.register(inbox, zmq.POLLIN)
         # Client 0 spawned the engine and waits for it; the others announce themselves.
         self._registered = [slot == 0 for slot in range(len(self._inboxes))]
+        self._pids: list[int] = [0] * len(self._inboxes)  # each slot's process, as its Hello said
         self._owner: dict[str, int] = {}  # live request id -> the API server that sent it
         self._orphans: set[str] = set()  # requests of a process that died: outputs dropped
 
@@ -74,18 +78,35 @@ class ClientLinks:
     def count(self) -> int:
         return len(self._inboxes)
 
-    def register(self, client: int) -> list[str]:
-        """`client` said Hello: it is bound and reading; from now on it gets stats and answers.
-        Returns the requests of the process it replaces (if it replaces one), for the engine to
-        abort; their outputs are dropped."""
-        replaced: list[str] = []
-        if self._registered[client] and client != 0:
-            replaced = [rid for rid, owner in self._owner.items() if owner == client]
-            for rid in replaced:
-                del self._owner[rid]
-            self._orphans.update(replaced)
+    def register(self, client: int, pid: int = 0) -> list[str]:
+        """`client` (process `pid`) said Hello: it is bound and reading; from now on it gets stats
+        and answers. Returns the requests of the process it replaces (if that one was not dropped
+        yet), for the engine to abort; their outputs are dropped."""
+        replaced = self._orphan(client) if self._registered[client] and client != 0 else []
         self._registered[client] = True
+        self._pids[client] = pid
         return replaced
+
+    def drop(self, client: int, pid: int) -> list[str]:
+        """Process `pid` of slot `client` is gone (ApiServerGone): returns its requests, for the
+        engine to abort; the slot gets nothing until the next Hello. A notice about another process
+        than the one registered there (a restarted one already said Hello) changes nothing."""
+        if (
+            client == 0
+            or not 0 < client < self.count
+            or not self._registered[client]
+            or self._pids[client] != pid
+        ):
+            return []
+        self._registered[client] = False
+        return self._orphan(client)
+
+    def _orphan(self, client: int) -> list[str]:
+        owned = [rid for rid, owner in self._owner.items() if owner == client]
+        for rid in owned:
+            del self._owner[rid]
+        self._orphans.update(owned)
+        return owned
 
     def receive(self, timeout_ms: int) -> Iterator[tuple[int, object]]:
         """Every message waiting (after up to `timeout_ms` for the first), with its sender's index.

@@ -27,6 +27,7 @@ from tokenmill.engine.client_links import ClientLinks, ParentGone, parent_alive_
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
+    ApiServerGone,
     EngineReady,
     Hello,
     Shutdown,
@@ -148,11 +149,19 @@ def _busy_loop(core, links: ClientLinks, parent_pid: int) -> None:
             elif isinstance(message, UtilityCall):
                 links.send(client, _utility(core, message))
             elif isinstance(message, Hello):  # another API server process is up (client_links.py)
-                replaced = links.register(client)
+                replaced = links.register(client, message.pid)
                 if replaced:  # a restarted one: the dead one's requests have no reader
                     logger.warning("API server slot %d restarted: aborting its %d requests", client, len(replaced))
                     core.abort_requests(replaced)
                 links.send(client, EngineReady(info=core.info))
+            elif isinstance(message, ApiServerGone):
+                orphaned = links.drop(message.slot, message.pid)
+                if orphaned:
+                    logger.warning(
+                        "API server slot %d (pid %d) exited: aborting its %d requests",
+                        message.slot, message.pid, len(orphaned),
+                    )  # fmt: skip
+                    core.abort_requests(orphaned)
             elif isinstance(message, Shutdown):
                 return
         # getppid is a cheap syscall; checking every iteration means a busy engine whose parent

@@ -30,6 +30,7 @@ from tokenmill.engine.core_client import AsyncEngineCoreClient
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
+    ApiServerGone,
     EngineCoreRequest,
     EngineMessage,
     EngineReady,
@@ -240,6 +241,11 @@ class CoreProcessClient(AsyncEngineCoreClient):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send_nowait(AbortRequests(request_ids))
+
+    def api_server_gone(self, slot: int, pid: int) -> None:
+        """Another API server process (`serve --api-server-count`, process `pid` in `slot`) exited:
+        the engine aborts its requests now rather than when its replacement attaches."""
+        self._send_nowait(ApiServerGone(slot=slot, pid=pid))
 
     async def call_utility(
         self, method: str, timeout_s: float = 30.0, args: dict[str, str | int | None] | None = None

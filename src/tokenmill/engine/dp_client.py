@@ -150,6 +150,11 @@ class DataParallelClient(AsyncEngineCoreClient):
             by_rank.setdefault(rank, []).append(request)
         await asyncio.gather(*(self.cores[rank].add_requests(batch) for rank, batch in by_rank.items()))
 
+    def api_server_gone(self, slot: int, pid: int) -> None:
+        """Every core hears it: each aborts the requests that process had sent it."""
+        for core in self.cores:
+            core.api_server_gone(slot, pid)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
         for request_id in request_ids:

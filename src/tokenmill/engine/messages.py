@@ -65,8 +65,19 @@ class Hello(msgspec.Struct, tag="hello"):
     """An API server process other than the engine's parent is up and reading (`serve
     --api-server-count`); the engine answers EngineReady (engine/client_links.py)."""
 
+    pid: int = 0  # the process's id: an ApiServerGone names which process of a slot died
 
-ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello | Shutdown
+
+class ApiServerGone(msgspec.Struct, tag="api_server_gone"):
+    """From the engine's parent: the API server process `pid` in `slot` exited. Its requests have
+    no reader any more; the engine aborts them at once instead of when a restarted process says
+    Hello, and sends that slot nothing until then."""
+
+    slot: int
+    pid: int
+
+
+ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello | ApiServerGone | Shutdown
 
 
 # -- engine -> client ---------------------------------------------------------------------------

@@ -18,8 +18,8 @@ the first waits for them before it stops the engine. Workers die with the first 
 (PR_SET_PDEATHSIG).
 
 A worker that dies otherwise (a crash, the OOM killer) is restarted in its slot: its clients'
-connections are lost, the engine aborts its requests when the new process says Hello
-(engine/client_links.py), and its live gauges leave the shared metrics (counters stay: totals never
+connections are lost, the engine aborts its requests at once (told by the first process;
+engine/client_links.py), and its live gauges leave the shared metrics (counters stay: totals never
 go backwards). Restarting takes seconds where restarting the whole server reloads the model. More
 than TOKENMILL_API_SERVER_RESTARTS deaths within RESTART_WINDOW_S, or a restart that fails, stops
 the server (drain, then exit code 1) for a supervisor to restart whole.
@@ -103,13 +103,15 @@ class ApiWorkers:
         for process in self.processes:
             _tell_to_serve(process)
 
-    async def watch(self, on_fatal: Callable[[str], None]) -> None:
-        """Restarts workers that die (module docstring); calls `on_fatal` when one may not be."""
+    async def watch(self, on_fatal: Callable[[str], None], on_exit: Callable[[int, int], None]) -> None:
+        """Restarts workers that die (module docstring); calls `on_exit(slot, pid)` for each death
+        (the engine aborts that process's requests) and `on_fatal` when one may not be restarted."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for index, process in enumerate(self.processes):
                 if self.stopping or process.poll() is None:
                     continue
+                on_exit(index + 1, process.pid)
                 reason = f"API server process {index + 1} (pid {process.pid}) exited with code {process.returncode}"
                 now = time.monotonic()
                 self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]

@@ -372,7 +372,9 @@ async def _serve(server: _DrainingServer, state: ServerState) -> int:
                 logger.error("%s", exc)
                 server.should_exit = True
                 return
-            watch_task = asyncio.create_task(workers.watch(lambda reason: _worker_failed(server, reason)))
+            watch_task = asyncio.create_task(
+                workers.watch(lambda reason: _worker_failed(server, reason), state.engine.client.api_server_gone)
+            )
         # Everything loaded so far (transformers, the tokenizer, FastAPI) lives as long as the
         # server: out of the collector's reach, a full collection walks only what requests made.
         # Measured at 24 req/s (H100, --trace-dir): before this, 15 full collections stalled every
