@@ -4,9 +4,12 @@
 # `tokenmill bench serve` with 512-token prompts and 256-token answers (Poisson arrivals, or all
 # at once for "inf" = saturation). Each result JSON carries metrics.tail: where the slowest 1 % of
 # requests spent their time (bench/tail.py).
-#   TOKENIZER=.gputok RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
-# TOKENIZER: one whose vocabulary covers the model's (benchmarks/make_dummy_tokenizer.py writes one
-# for dummy weights); a smaller one leaves most sampled ids without text and the TTFTs late.
+#   RATES="8 16 24 32 inf" benchmarks/serve_tail_sweep.sh
+# TOKENIZER: one whose vocabulary covers the model's; unset, benchmarks/make_dummy_tokenizer.py writes
+# one of the model's vocab_size under /tmp. A smaller one (SmolLM2's 49,152 ids, the `.gputok` of the
+# runs before 2026-12-05) on Llama-3.1-8B's 128,256 leaves 62 % of sampled ids without text, and
+# `bench serve` times the first chunk with text: the slowest 1 % then wait ~10 tokens more (BENCHMARKS.md,
+# "Issue 24, `--api-server-count 2` on the H200").
 # Env: SECONDS_OF_LOAD per rate (40), SATURATION_PROMPTS (1000), SERVE_ARGS (extra server flags),
 # TAG (result-name suffix), MAX_CONCURRENCY (unset: no cap; N: at most N requests in flight at every
 # rate, a request's TTFT counted from when it is sent; with "inf" that is a closed loop of N, with a
@@ -18,7 +21,11 @@ OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-benchmarks/configs/llama-3.1-8b}
-TOKENIZER=${TOKENIZER:-.gputok}
+if [ -z "${TOKENIZER:-}" ]; then
+  vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1] + '/config.json'))['vocab_size'])" "$MODEL")
+  TOKENIZER=${TMPDIR:-/tmp}/dummy-tokenizer-$vocab
+  [ -f "$TOKENIZER/tokenizer.json" ] || python3 benchmarks/make_dummy_tokenizer.py "$TOKENIZER" --vocab-size "$vocab"
+fi
 RATES=${RATES:-8 16 24 32 inf}
 SECONDS_OF_LOAD=${SECONDS_OF_LOAD:-40}
 SATURATION_PROMPTS=${SATURATION_PROMPTS:-1000}
