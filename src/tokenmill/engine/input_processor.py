@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,11 +15,32 @@ from tokenmill.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
+logger = logging.getLogger(__name__)
+
+# Checkpoints pad their embedding rows a little past the tokenizer (Qwen2.5: 151,665 ids of
+# 151,936; Phi-3: 32,011 of 32,064); a tokenizer covering much less belongs to another model.
+TOKENIZER_COVERAGE_WARN_BELOW = 0.9
+
+
+def tokenizer_coverage_warning(tokenizer: Any, vocab_size: int) -> str | None:
+    """Why `tokenizer` does not fit a model sampling from `vocab_size` ids, or None if it does."""
+    if tokenizer is None or len(tokenizer) >= TOKENIZER_COVERAGE_WARN_BELOW * vocab_size:
+        return None
+    missing = vocab_size - len(tokenizer)
+    return (
+        f"the tokenizer has {len(tokenizer):,} ids but the model samples from {vocab_size:,}: the "
+        f"{missing:,} ids past the tokenizer decode to no text, so streams skip them and time to first "
+        "text waits for an id the tokenizer knows; pass --tokenizer of this model (for dummy weights, "
+        "benchmarks/make_dummy_tokenizer.py writes one of any size)"
+    )
+
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, info: EngineInfo, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        if (warning := tokenizer_coverage_warning(tokenizer, info.vocab_size)) is not None:
+            logger.warning("%s", warning)
         self.eos_token_ids = list(eos_token_ids)
         self.kv_capacity_tokens = (
             info.kv_capacity_tokens
