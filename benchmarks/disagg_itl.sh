@@ -4,7 +4,7 @@
 # mode, long prompts arriving while others decode (Poisson arrivals): ITL and TTFT percentiles and
 # output throughput from `tokenmill bench serve`, both in the same call. benchmarks/kv_tier_gpu.sh
 # runs it (with the host-tier benchmark) and prints the summary.
-#   TOKENIZER=.gputok benchmarks/disagg_itl.sh
+#   benchmarks/disagg_itl.sh
 # Env: MODEL (benchmarks/configs/llama-3.1-8b), LOAD_FORMAT (dummy), TOKENIZER (a directory),
 # INPUT_LEN (4096), OUTPUT_LEN (256), RATE (2 req/s), NUM_PROMPTS (40), OUT (/tmp/tokenmill-gpu),
 # KV_BLOCKS (12288: the colocated pool; producer and consumer get half each, so both start at once
@@ -19,7 +19,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-benchmarks/configs/llama-3.1-8b}
 LOAD_FORMAT=${LOAD_FORMAT:-dummy}
-TOKENIZER=${TOKENIZER:-.gputok}
+if [ -z "${TOKENIZER:-}" ]; then  # dummy weights: one of the model's vocabulary; a checkpoint: its own
+  if [ "$LOAD_FORMAT" = dummy ]; then TOKENIZER=$(python3 benchmarks/make_dummy_tokenizer.py --for-model "$MODEL") || exit 1
+  else TOKENIZER=$MODEL; fi
+fi
 INPUT_LEN=${INPUT_LEN:-4096}
 OUTPUT_LEN=${OUTPUT_LEN:-256}
 RATE=${RATE:-2}

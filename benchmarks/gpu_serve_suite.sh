@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Online serving on the GPU (issue 4): `tokenmill serve` with Llama-3.1-8B shapes and dummy bf16
 # weights, driven by `tokenmill bench serve` at several request rates up to saturation.
-#   TOKENIZER=.gputok RATES="4 8 16 inf" benchmarks/gpu_serve_suite.sh
+#   RATES="4 8 16 inf" benchmarks/gpu_serve_suite.sh
 # The 8B config ships no tokenizer; any tokenizer whose ids fit the 128256-token vocabulary works
 # for random-token prompts (the runs used SmolLM2's, ids < 49152). Results go to $OUT.
 set -u
@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=benchmarks/configs/llama-3.1-8b
-TOKENIZER=${TOKENIZER:-.gputok}
+TOKENIZER=${TOKENIZER:-$(python3 benchmarks/make_dummy_tokenizer.py --for-model "$MODEL")} || exit 1
 RATES=${RATES:-4 8 16 inf}
 PROMPTS_PER_SECOND_OF_LOAD=${PROMPTS_PER_SECOND_OF_LOAD:-20}
 TOKENMILL=(python3 -c 'import sys; sys.argv[0] = "tokenmill"; from tokenmill.cli import main; sys.exit(main())')

@@ -10,6 +10,11 @@ ids, so `bench serve --dataset-name random` prompts keep their length.
 
     python3 benchmarks/make_dummy_tokenizer.py .gputok-151936 --vocab-size 151936
     TOKENIZER=.gputok-151936 MODEL=benchmarks/configs/qwen3-30b-a3b benchmarks/serve_tail_sweep.sh
+    python3 benchmarks/make_dummy_tokenizer.py --for-model benchmarks/configs/llama-3.1-8b  # prints its path
+
+The serving scripts (serve_tail_sweep.sh, gpu_serve_suite.sh, disagg_itl.sh, multi_gpu.sh) use
+--for-model when TOKENIZER is unset. Not for structured output: grammars need a real vocabulary
+(and their masks sample only ids the tokenizer knows).
 """
 
 from __future__ import annotations
@@ -40,11 +45,29 @@ def write(out_dir: Path, vocab_size: int) -> Path:
     return out_dir
 
 
+def for_model(model_dir: Path, cache: Path) -> Path:
+    """The dummy tokenizer of `model_dir`'s config.json vocab_size under `cache`, written once."""
+    vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    out_dir = cache / f"dummy-tokenizer-{vocab_size}"
+    return out_dir if (out_dir / "tokenizer.json").is_file() else write(out_dir, vocab_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--vocab-size", type=int, required=True, help="the model config's vocab_size")
+    parser.add_argument("out_dir", type=Path, nargs="?", help="where to write it (or --for-model)")
+    parser.add_argument("--vocab-size", type=int, help="the model config's vocab_size")
+    parser.add_argument(
+        "--for-model",
+        type=Path,
+        help="a model directory: its config's vocab_size, written once under --cache; prints only the path",
+    )
+    parser.add_argument("--cache", type=Path, default=Path("/tmp"), help="where --for-model keeps them")
     args = parser.parse_args()
+    if args.for_model is not None:
+        print(for_model(args.for_model, args.cache))
+        return
+    if args.out_dir is None or args.vocab_size is None:
+        parser.error("give OUT_DIR --vocab-size N, or --for-model MODEL_DIR")
     print(f"wrote {write(args.out_dir, args.vocab_size)} ({args.vocab_size} ids)")
 
 

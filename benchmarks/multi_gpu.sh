@@ -21,11 +21,11 @@
 # go to $OUT, logs to $LOGS; benchmarks/multi_gpu_summary.py "$OUT" prints the BENCHMARKS.md table.
 # No run starts after BUDGET_S seconds (a device call: 600 s); skipped runs are named: call again
 # with --only for the rest. TP sizes above the GPU count are skipped, named.
-#   OUT=$OUT TOKENIZER=.gputok benchmarks/multi_gpu.sh [--only correctness,single,...] [--budget S]
+#   OUT=$OUT benchmarks/multi_gpu.sh [--only correctness,single,...] [--budget S]
 #   benchmarks/multi_gpu.sh --cpu-smoke      # the plumbing on the CPU: tiny model, TP=2 over gloo
 set -u
 usage() {
-  echo "usage: [OUT=dir] [LOGS=dir] [TOKENIZER=.gputok] [RUN_TIMEOUT=300] [TP_SIZES='1 2 4'] [CKPTS=dir]"
+  echo "usage: [OUT=dir] [LOGS=dir] [TOKENIZER=dir] [RUN_TIMEOUT=300] [TP_SIZES='1 2 4'] [CKPTS=dir]"
   echo "       benchmarks/multi_gpu.sh [--only correctness,pytest,single,offline,70b,profile,allreduce,dp] [--budget S] [--cpu-smoke]"
 }
 ONLY=correctness,pytest,single,offline,70b,profile,allreduce,dp
@@ -84,7 +84,7 @@ else
   NUM_GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
   TP_SIZES=${TP_SIZES:-"1 2 4"}
   MODEL_8B=benchmarks/configs/llama-3.1-8b MODEL_70B=benchmarks/configs/llama-3.1-70b
-  TOKENIZER=${TOKENIZER:-.gputok} LOAD=dummy
+  TOKENIZER=${TOKENIZER:-$(python3 benchmarks/make_dummy_tokenizer.py --for-model "$MODEL_8B")} LOAD=dummy
   ENGINE=(--max-model-len 4096) SERVE_ENGINE=(--max-model-len 4096 --tokenizer "$TOKENIZER")
   LAT=(--input-len 512 --output-len 256 --num-iters 2) TPUT=(--num-prompts 512 --input-len 512 --output-len 256)
   SERVE_LOAD=(--num-prompts 1000 --random-input-len 512 --random-output-len 256)

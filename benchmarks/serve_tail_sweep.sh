@@ -21,11 +21,7 @@ OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-benchmarks/configs/llama-3.1-8b}
-if [ -z "${TOKENIZER:-}" ]; then
-  vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1] + '/config.json'))['vocab_size'])" "$MODEL")
-  TOKENIZER=${TMPDIR:-/tmp}/dummy-tokenizer-$vocab
-  [ -f "$TOKENIZER/tokenizer.json" ] || python3 benchmarks/make_dummy_tokenizer.py "$TOKENIZER" --vocab-size "$vocab"
-fi
+TOKENIZER=${TOKENIZER:-$(python3 benchmarks/make_dummy_tokenizer.py --for-model "$MODEL")} || exit 1
 RATES=${RATES:-8 16 24 32 inf}
 SECONDS_OF_LOAD=${SECONDS_OF_LOAD:-40}
 SATURATION_PROMPTS=${SATURATION_PROMPTS:-1000}

@@ -6,17 +6,17 @@
 #      512 with speculation off and with ngram k = 3, a fresh server per side: the no-slowdown rule.
 # Dummy weights give no real acceptance: what ngram gets is whatever the random model repeats,
 # reported with each result (spec_decode: acceptance rate, mean acceptance length).
-#   OUT=/tmp/spec TOKENIZER=.gputok benchmarks/spec_gpu.sh
+#   OUT=/tmp/spec benchmarks/spec_gpu.sh
 set -u
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
-  echo "usage: [OUT=dir] [TOKENIZER=.gputok] [PARTS='latency serve'] [CONCURRENCY='1 8 32 128 512'] benchmarks/spec_gpu.sh"
+  echo "usage: [OUT=dir] [TOKENIZER=dir] [PARTS='latency serve'] [CONCURRENCY='1 8 32 128 512'] benchmarks/spec_gpu.sh"
   exit 0
 fi
 OUT=${OUT:-/tmp/tokenmill-spec-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=benchmarks/configs/llama-3.1-8b
-TOKENIZER=${TOKENIZER:-.gputok}
+TOKENIZER=${TOKENIZER:-$(python3 benchmarks/make_dummy_tokenizer.py --for-model "$MODEL")} || exit 1
 PARTS=${PARTS:-latency serve}
 CONCURRENCY=${CONCURRENCY:-1 8 32 128 512}
 K=${K:-3}

@@ -84,3 +84,25 @@ def test_the_dummy_tokenizer_gives_every_id_visible_text_and_round_trips(tmp_pat
     assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
     detokenizer = IncrementalDetokenizer(tokenizer, [5, 6])
     assert all(detokenizer.add_tokens([i]) for i in ids)
+
+
+def test_the_serving_scripts_dummy_tokenizer_follows_the_model(tmp_path: Path) -> None:
+    """`make_dummy_tokenizer.py --for-model`: the vocabulary of the model's config, written once
+    and found again; only its path on stdout (the scripts read it)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 321}')
+    command = [sys.executable, "benchmarks/make_dummy_tokenizer.py", "--for-model", str(model), "--cache", str(tmp_path)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    path = Path(first.stdout.strip())
+    assert path == tmp_path / "dummy-tokenizer-321" and (path / "tokenizer.json").is_file()
+    stamp = (path / "tokenizer.json").stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    assert again.stdout == first.stdout and (path / "tokenizer.json").stat().st_mtime_ns == stamp
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size() == 321
+    wrong = subprocess.run(
+        [sys.executable, "benchmarks/make_dummy_tokenizer.py"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert wrong.returncode == 2 and "--for-model" in wrong.stderr
