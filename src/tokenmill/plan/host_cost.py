@@ -17,6 +17,13 @@ roofline model's TTFT predicts (tests/unit/test_planner.py checks both shares ag
 The model: host share = per_stream_s x C, with per_stream_s fitted on one traced run (fit_host_cost):
 its three stages' medians over its Little's-law concurrency. The cost is the host's CPU, not the GPU's;
 only one host kind of ours (the H100 machine) is calibrated, and the plan says so for the others.
+
+Caveat (2026-12-05): the calibration run served dummy weights with SmolLM2's 49,152-id tokenizer on
+a 128,256-id model, so 62 % of sampled ids had no text and `api_to_client`, timed to the first chunk
+with text, holds about one decode step (one TPOT) at the median besides the host's work (BENCHMARKS.md,
+"Issue 24, `--api-server-count 2` on the H200"). The fit therefore overstates the host share by
+roughly TPOT / C per stream until it is refitted on a run with a full-vocabulary tokenizer (the
+serving scripts' default now).
 """
 
 from __future__ import annotations
