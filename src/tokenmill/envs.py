@@ -113,6 +113,14 @@ TOKENMILL_API_SERVER_RESTARTS = _int(
     "`tokenmill serve --api-server-count N`: how many times in 5 minutes an API server process other "
     "than the first is restarted after it dies; one more death stops the server (exit code 1)",
 )
+TOKENMILL_API_SERVER_STALL_TIMEOUT = _float(
+    "TOKENMILL_API_SERVER_STALL_TIMEOUT",
+    30.0,
+    "`tokenmill serve --api-server-count N`: seconds an API server process other than the first may "
+    "leave the engine's messages unread once its socket queue (1,000 messages) is full; then the engine "
+    "aborts its requests and the first process kills it (it is restarted). Meanwhile the engine keeps "
+    "its messages and serves the others",
+)
 TOKENMILL_COMMIT = _str(
     "TOKENMILL_COMMIT",
     None,

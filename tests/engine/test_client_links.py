@@ -206,3 +206,45 @@ def test_the_first_process_notice_of_a_death_hands_back_its_requests_at_once(tmp
         for side in api:
             side.to_engine.close(linger=0)
             side.from_engine.close(linger=0)
+
+
+def test_a_process_that_stops_reading_never_blocks_the_engine_and_is_named_once_stalled(tmp_path, ctx) -> None:
+    """Past what another API server's socket queues hold, its messages wait in a backlog (the
+    engine goes on serving the rest) and reach it in order once it reads again; a backlog older
+    than the stall timeout names the process, and dropping it clears the backlog."""
+    import time
+
+    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(2)]
+    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(2)]
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True, stall_timeout_s=0.5)
+    try:
+        links.register(1, pid=42)
+        started = time.monotonic()
+        for seq in range(5000):  # more than the queues on both ends hold (1,000 each + the socket's)
+            links.send(1, StepOutputs(stats={"seq": float(seq)}))
+        assert time.monotonic() - started < 5.0  # never waited for the reader
+        assert links._backlogs[1], "the queues took everything: the test sent too few"
+        assert links.flush_backlogs() == []  # waiting, but not for long yet
+        links.send(0, StepOutputs(stats={"seq": -1.0}))  # the first process is served meanwhile
+        assert [m.stats["seq"] for m in api[0].received()] == [-1.0]
+
+        seen: list[float] = []
+        deadline = time.monotonic() + 20
+        while len(seen) < 5000 and time.monotonic() < deadline:  # it reads again
+            while api[1].from_engine.poll(0):
+                seen.append(api[1].decoder.decode(api[1].from_engine.recv()).stats["seq"])
+            assert links.flush_backlogs() == []
+        assert seen == [float(seq) for seq in range(5000)]  # all of them, in order
+        assert not links._backlogs[1] and links._stalled_since[1] is None
+
+        for seq in range(5000):  # it stops reading for good
+            links.send(1, StepOutputs(stats={"seq": float(seq)}))
+        time.sleep(0.6)
+        assert links.flush_backlogs() == [(1, 42)]
+        assert links.drop(1, 42) == [] and not links._backlogs[1]
+        assert links.flush_backlogs() == []
+    finally:
+        links.close()
+        for side in api:
+            side.to_engine.close(linger=0)
+            side.from_engine.close(linger=0)

@@ -122,6 +122,8 @@ def test_both_processes_serve_the_same_greedy_text_and_metrics_count_each_reques
                 break
     assert served_by_worker(server) >= 2, "the second API server process never answered a request"
     assert len(re.findall(r"Received request", server.log())) == sent
+    # On the CPU device the processes share the engine's cores: the server says so at start.
+    assert "--api-server-count 2 on the CPU: the API server processes take cores" in server.log()
     time.sleep(1.2)  # the engine's stats reach every process at least every 0.5 s
     # Whichever process answers the scrape, each request counts once.
     for _ in range(6):

@@ -9,6 +9,13 @@ each request and returns that request's outputs there alone; step stats reach ev
 Client 0 spawned the engine and waits for EngineReady from the start. The others start later
 (once the engine is ready) and say Hello first: nothing is sent to an API server before that,
 because messages to a peer that is not there yet would fill its queue and then block the engine.
+Sends to the first process wait while its queue is full (it spawned the engine; the engine has
+no reason to run without it). Sends to the others never wait: once one's socket queue is full its
+messages wait in a backlog here while the engine serves the rest; a backlog not drained within
+TOKENMILL_API_SERVER_STALL_TIMEOUT means that process stalled (SIGSTOP, a debugger, a machine
+swapping): `flush_backlogs` names it, the engine aborts its requests and tells the first process,
+which kills it (api_workers.py restarts it).
+
 When one of those processes dies, the first process (its supervisor) says so (ApiServerGone): the
 engine aborts the dead one's requests at once (nobody reads them any more), drops their last
 outputs and sends that slot nothing until a restarted process says Hello there; a full queue to a
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -47,6 +55,7 @@ class ClientLinks:
         input_addrs: list[str],
         output_addrs: list[str],
         parent_alive: Callable[[], bool],
+        stall_timeout_s: float = 30.0,
     ) -> None:
         if len(input_addrs) != len(output_addrs) or not input_addrs:
             raise ValueError(
@@ -73,6 +82,11 @@ class ClientLinks:
         self._pids: list[int] = [0] * len(self._inboxes)  # each slot's process, as its Hello said
         self._owner: dict[str, int] = {}  # live request id -> the API server that sent it
         self._orphans: set[str] = set()  # requests of a process that died: outputs dropped
+        self.stall_timeout_s = stall_timeout_s
+        # Per API server other than the first: encoded messages its full queue could not take yet,
+        # and since when (None: nothing waits).
+        self._backlogs: list[deque[bytes]] = [deque() for _ in self._inboxes]
+        self._stalled_since: list[float | None] = [None] * len(self._inboxes)
 
     @property
     def count(self) -> int:
@@ -83,6 +97,7 @@ class ClientLinks:
         and answers. Returns the requests of the process it replaces (if that one was not dropped
         yet), for the engine to abort; their outputs are dropped."""
         replaced = self._orphan(client) if self._registered[client] and client != 0 else []
+        self._clear_backlog(client)  # anything still waiting was the dead process's
         self._registered[client] = True
         self._pids[client] = pid
         return replaced
@@ -99,7 +114,12 @@ class ClientLinks:
         ):
             return []
         self._registered[client] = False
+        self._clear_backlog(client)
         return self._orphan(client)
+
+    def _clear_backlog(self, client: int) -> None:
+        self._backlogs[client].clear()
+        self._stalled_since[client] = None
 
     def _orphan(self, client: int) -> list[str]:
         owned = [rid for rid, owner in self._owner.items() if owner == client]
@@ -126,8 +146,17 @@ class ClientLinks:
                 yield client, message
 
     def send(self, client: int, message: object) -> None:
-        """Waits while `client`'s queue is full (it is not reading), as long as the parent lives."""
+        """To the first API server: waits while its queue is full (it is not reading), as long as
+        the parent lives. To another: never waits; what its full queue cannot take waits in its
+        backlog (module docstring)."""
         data = self._encoder.encode(message)
+        if client != 0:
+            backlog = self._backlogs[client]
+            if backlog or not self._try_send(client, data):
+                backlog.append(data)
+                if self._stalled_since[client] is None:
+                    self._stalled_since[client] = time.monotonic()
+            return
         outbox = self._outboxes[client]
         while True:
             try:
@@ -137,6 +166,29 @@ class ClientLinks:
                 if not self._parent_alive():
                     raise ParentGone from None
                 time.sleep(SEND_RETRY_S)
+
+    def _try_send(self, client: int, data: bytes) -> bool:
+        try:
+            self._outboxes[client].send(data, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def flush_backlogs(self) -> list[tuple[int, int]]:
+        """Sends what waits in the backlogs as far as the queues take it; returns (slot, pid) of
+        each API server whose backlog has waited longer than the stall timeout (the engine drops
+        it: `drop`)."""
+        stalled = []
+        now = time.monotonic()
+        for client, backlog in enumerate(self._backlogs):
+            while backlog and self._try_send(client, backlog[0]):
+                backlog.popleft()
+            since = self._stalled_since[client]
+            if not backlog:
+                self._stalled_since[client] = None
+            elif since is not None and now - since > self.stall_timeout_s:
+                stalled.append((client, self._pids[client]))
+        return stalled
 
     def send_step(self, outputs: list[EngineCoreOutput], stats: dict[str, float], *, stats_due: bool) -> None:
         """A step's outputs to the API servers that own them, with the stats; every registered API

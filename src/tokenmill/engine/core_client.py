@@ -62,6 +62,9 @@ class AsyncEngineCoreClient(EngineCoreClient):
     def __init__(self) -> None:
         self.on_outputs: Callable[[StepOutputs], None] = lambda message: None
         self.on_dead: Callable[[EngineDeadError], None] = lambda error: None
+        # `serve --api-server-count`, the first process: the engine gave up on another API server
+        # process (slot, pid) that stopped reading; its supervisor kills it (server/api_workers.py).
+        self.on_api_server_stalled: Callable[[int, int], None] = lambda slot, pid: None
         self.num_waiting: Callable[[], int] = _no_waiters
 
     @abstractmethod

@@ -21,6 +21,7 @@ import traceback
 import msgspec
 import zmq
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_cores import usable_cores
 from tokenmill.engine.client_links import ClientLinks, ParentGone, parent_alive_check
@@ -28,6 +29,7 @@ from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
     ApiServerGone,
+    ApiServerStalled,
     EngineReady,
     Hello,
     Shutdown,
@@ -104,7 +106,10 @@ def run_engine_core(
     ctx = zmq.Context()
     # A full outbox means that API server is not reading: the engine waits for it while its parent
     # lives, never forever.
-    links = ClientLinks(ctx, input_addrs, output_addrs, parent_alive_check(parent_pid))
+    links = ClientLinks(
+        ctx, input_addrs, output_addrs, parent_alive_check(parent_pid),
+        stall_timeout_s=envs.TOKENMILL_API_SERVER_STALL_TIMEOUT.get() or 30.0,
+    )  # fmt: skip
     try:
         try:
             from tokenmill.args import resolve_device_defaults
@@ -183,6 +188,22 @@ def _busy_loop(core, links: ClientLinks, parent_pid: int) -> None:
             links.send_step([], core.get_stats(), stats_due=True)
             core.flush_trace()  # idle: what a finished benchmark reads is on disk
             last_stats = now
+        if links.count > 1:
+            _drop_stalled(core, links)
+
+
+def _drop_stalled(core, links: ClientLinks) -> None:
+    """Backlogs to other API server processes go out as their queues take them; one stalled past
+    the timeout loses its requests and the first process is told to kill it (client_links.py)."""
+    for slot, pid in links.flush_backlogs():
+        orphaned = links.drop(slot, pid)
+        logger.error(
+            "API server slot %d (pid %d) left the engine's messages unread for over %g s: aborting its %d "
+            "requests; the first process kills it",
+            slot, pid, links.stall_timeout_s, len(orphaned),
+        )  # fmt: skip
+        core.abort_requests(orphaned)
+        links.send(0, ApiServerStalled(slot=slot, pid=pid))
 
 
 def run_utility(core, method: str, args: dict[str, str | int | None]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from tokenmill.engine.messages import (
     AbortRequests,
     AddRequests,
     ApiServerGone,
+    ApiServerStalled,
     EngineCoreRequest,
     EngineMessage,
     EngineReady,
@@ -315,6 +316,8 @@ class CoreProcessClient(AsyncEngineCoreClient):
         self.last_heard = time.monotonic()
         if isinstance(message, StepOutputs):
             self.on_outputs(message)
+        elif isinstance(message, ApiServerStalled):
+            self.on_api_server_stalled(message.slot, message.pid)
         elif isinstance(message, UtilityResult):
             future = self._utility_calls.get(message.call_id)
             if future is not None and not future.done():

@@ -96,6 +96,7 @@ class DataParallelClient(AsyncEngineCoreClient):
         for rank, core in enumerate(self.cores):
             core.on_outputs = lambda message, rank=rank: self._core_outputs(rank, message)
             core.on_dead = lambda error, rank=rank: self._core_dead(rank, error)
+            core.on_api_server_stalled = lambda slot, pid: self.on_api_server_stalled(slot, pid)
             core.num_waiting = lambda rank=rank: self.balancer.load_of(self.names[rank]).in_flight
 
     # -- life cycle ---------------------------------------------------------------------------

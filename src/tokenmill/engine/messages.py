@@ -99,4 +99,13 @@ class UtilityResult(msgspec.Struct, tag="utility_result"):
     error: str | None = None
 
 
-EngineMessage = EngineReady | StepOutputs | UtilityResult
+class ApiServerStalled(msgspec.Struct, tag="api_server_stalled"):
+    """To the engine's parent: the API server process `pid` in `slot` left the engine's messages
+    unread for too long (TOKENMILL_API_SERVER_STALL_TIMEOUT); the engine aborted its requests and
+    sends it nothing more, and the parent, its supervisor, kills it (then restarts it)."""
+
+    slot: int
+    pid: int
+
+
+EngineMessage = EngineReady | StepOutputs | UtilityResult | ApiServerStalled

@@ -132,6 +132,19 @@ class ApiWorkers:
                         on_fatal(f"{reason}; restarting it failed: {exc}")
                     return
 
+    def kill_stalled(self, slot: int, pid: int) -> None:
+        """The engine gave up on process `pid` in `slot` (it left the engine's messages unread past
+        TOKENMILL_API_SERVER_STALL_TIMEOUT) and aborted its requests: it is killed, and `watch`
+        restarts it like any process that dies. Several cores each report it; one kill is enough."""
+        if not 1 <= slot <= len(self.processes):
+            return
+        process = self.processes[slot - 1]
+        if process.pid != pid or process.poll() is not None:
+            return  # already gone, or already replaced
+        logger.error("API server process %d (pid %d) stopped reading the engine's messages; killing it", slot, pid)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+
     async def _restart(self, index: int) -> None:
         process = self.processes[index] = _spawn(self.specs[index])
         await asyncio.to_thread(_read_ready, process, self.ready_timeout_s)
