@@ -78,7 +78,7 @@ def fake_engine_process(addresses: list[list[str]], step_s: float, model: str | 
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, Hello):
-                links.register(client)
+                links.register(client, message.pid)
                 links.send(client, EngineReady(info=info))
             else:
                 core.receive(message)
@@ -95,6 +95,7 @@ def fake_engine_process(addresses: list[list[str]], step_s: float, model: str | 
             links.send_step(outputs or [], core.stats(), stats_due=stats_due)
         if stats_due:
             last_stats = now
+        links.flush_backlogs()  # as the engine does: what another API server's full queue held back
 
 
 def serve_real(port: int, step_s: float, api_servers: int) -> None:
