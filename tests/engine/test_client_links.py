@@ -4,6 +4,9 @@ Hello, and nothing reaches one that has not (it may not be bound yet)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import msgspec
 import pytest
 import zmq
@@ -54,6 +57,21 @@ def drain(links: ClientLinks) -> list[tuple[int, object]]:
         got += more
 
 
+@contextlib.contextmanager
+def linked(ctx: zmq.Context, tmp_path, slots: int, **kwargs) -> Iterator[tuple[list[ApiSide], ClientLinks]]:
+    """`slots` API server ends bound in tmp_path and the engine's links to them, closed after."""
+    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(slots)]
+    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(slots)]
+    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True, **kwargs)
+    try:
+        yield api, links
+    finally:
+        links.close()
+        for side in api:
+            side.to_engine.close(linger=0)
+            side.from_engine.close(linger=0)
+
+
 @pytest.fixture
 def ctx():
     context = zmq.Context()
@@ -62,10 +80,7 @@ def ctx():
 
 
 def test_outputs_go_to_the_api_server_that_sent_the_request(tmp_path, ctx) -> None:
-    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(3)]
-    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(3)]
-    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
-    try:
+    with linked(ctx, tmp_path, 3) as (api, links):
         api[1].send(Hello())
         api[0].send(AddRequests([request("a0")]))
         api[1].send(AddRequests([request("b1"), request("c1")]))
@@ -98,11 +113,6 @@ def test_outputs_go_to_the_api_server_that_sent_the_request(tmp_path, ctx) -> No
         links.send_step([output("c1", finished=True)], {}, stats_due=False)
         assert [[o.request_id for o in m.outputs] for m in api[0].received()] == [["c1"]]
         assert api[1].received() == []
-    finally:
-        links.close()
-        for side in api:
-            side.to_engine.close(linger=0)
-            side.from_engine.close(linger=0)
 
 
 def test_one_api_server_gets_every_output_and_step(tmp_path, ctx) -> None:
@@ -144,10 +154,7 @@ def test_addresses_come_in_pairs(ctx) -> None:
 def test_a_second_hello_from_a_slot_hands_back_the_dead_processs_requests(tmp_path, ctx) -> None:
     """A restarted API server process says Hello in its slot again: the requests the dead one sent
     come back for the engine to abort, and their remaining outputs reach nobody."""
-    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(2)]
-    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(2)]
-    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
-    try:
+    with linked(ctx, tmp_path, 2) as (api, links):
         assert links.register(1) == []  # the first Hello: nothing to hand back
         api[1].send(AddRequests([request("dead1"), request("dead2")]))
         api[0].send(AddRequests([request("alive")]))
@@ -166,21 +173,13 @@ def test_a_second_hello_from_a_slot_hands_back_the_dead_processs_requests(tmp_pa
             []
         ]
         assert links._orphans == set()
-    finally:
-        links.close()
-        for side in api:
-            side.to_engine.close(linger=0)
-            side.from_engine.close(linger=0)
 
 
 def test_the_first_process_notice_of_a_death_hands_back_its_requests_at_once(tmp_path, ctx) -> None:
     """ApiServerGone (the first process saw a worker exit): the dead process's requests come back
     before any replacement attaches, its slot gets nothing meanwhile (a dead reader's queue would
     fill and block the engine), and a notice naming another process of the slot changes nothing."""
-    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(3)]
-    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(3)]
-    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True)
-    try:
+    with linked(ctx, tmp_path, 3) as (api, links):
         assert links.drop(1, 111) == []  # never said Hello
         links.register(1, pid=111)
         links.register(2, pid=222)
@@ -201,23 +200,17 @@ def test_the_first_process_notice_of_a_death_hands_back_its_requests_at_once(tmp
         assert [m.outputs for m in api[1].received()] == [[]]
         assert links.drop(1, 111) == []  # a late notice about the dead one leaves the new one alone
         assert links._orphans == {"dead1"}  # dropped until its abort's final output passes
-    finally:
-        links.close()
-        for side in api:
-            side.to_engine.close(linger=0)
-            side.from_engine.close(linger=0)
 
 
-def test_a_process_that_stops_reading_never_blocks_the_engine_and_is_named_once_stalled(tmp_path, ctx) -> None:
+def test_a_process_that_stops_reading_never_blocks_the_engine_and_is_named_once_stalled(
+    tmp_path, ctx
+) -> None:
     """Past what another API server's socket queues hold, its messages wait in a backlog (the
     engine goes on serving the rest) and reach it in order once it reads again; a backlog older
     than the stall timeout names the process, and dropping it clears the backlog."""
     import time
 
-    api = [ApiSide(ctx, str(tmp_path), slot) for slot in range(2)]
-    addresses = [slot_addresses(str(tmp_path), slot) for slot in range(2)]
-    links = ClientLinks(ctx, [a for a, _ in addresses], [b for _, b in addresses], lambda: True, stall_timeout_s=0.5)
-    try:
+    with linked(ctx, tmp_path, 2, stall_timeout_s=0.5) as (api, links):
         links.register(1, pid=42)
         started = time.monotonic()
         for seq in range(5000):  # more than the queues on both ends hold (1,000 each + the socket's)
@@ -243,8 +236,3 @@ def test_a_process_that_stops_reading_never_blocks_the_engine_and_is_named_once_
         assert links.flush_backlogs() == [(1, 42)]
         assert links.drop(1, 42) == [] and not links._backlogs[1]
         assert links.flush_backlogs() == []
-    finally:
-        links.close()
-        for side in api:
-            side.to_engine.close(linger=0)
-            side.from_engine.close(linger=0)
