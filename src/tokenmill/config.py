@@ -61,7 +61,7 @@ class KernelConfig:
     fused_decode_layers: bool = True
     # CUDA, per-channel FP8 weights: one-row matmuls on the tensor-core W8A16 GEMV too
     # (kernels/triton/fp8_tc_gemv.py: weight tiles to float16 in registers, tl.dot, K split), which
-    # serves 2-4 rows by default. Off: on an H200 the CUDA-core GEMV was faster at one row
+    # serves two-row matmuls by default. Off: on an H200 the CUDA-core GEMV was faster at one row
     # (qkv 8.9 vs 10.5 us; single stream 365 vs 348 tok/s, 2026-12-05).
     fp8_tensor_core_gemv: bool = False
     # CUDA, INT4 weights: the few-row kernel subtracts zero points through sum(x) (int4_kernel.py

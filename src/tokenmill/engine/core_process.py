@@ -104,8 +104,8 @@ def run_engine_core(
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
 
     ctx = zmq.Context()
-    # A full outbox means that API server is not reading: the engine waits for it while its parent
-    # lives, never forever.
+    # A full outbox to the first API server means it is not reading: the engine waits for it while
+    # it lives, never forever. The others' messages wait in backlogs (client_links.py).
     links = ClientLinks(
         ctx, input_addrs, output_addrs, parent_alive_check(parent_pid),
         stall_timeout_s=envs.TOKENMILL_API_SERVER_STALL_TIMEOUT.get() or 30.0,
