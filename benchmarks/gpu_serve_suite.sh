@@ -2,8 +2,9 @@
 # Online serving on the GPU (issue 4): `tokenmill serve` with Llama-3.1-8B shapes and dummy bf16
 # weights, driven by `tokenmill bench serve` at several request rates up to saturation.
 #   RATES="4 8 16 inf" benchmarks/gpu_serve_suite.sh
-# The 8B config ships no tokenizer; any tokenizer whose ids fit the 128256-token vocabulary works
-# for random-token prompts (the runs used SmolLM2's, ids < 49152). Results go to $OUT.
+# The 8B config ships no tokenizer: unset, TOKENIZER is one of its 128,256 ids
+# (make_dummy_tokenizer.py --for-model; the runs before 2026-12-05 used SmolLM2's 49,152, which left
+# most sampled ids without text). Results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"

@@ -12,7 +12,7 @@ ids, so `bench serve --dataset-name random` prompts keep their length.
     TOKENIZER=.gputok-151936 MODEL=benchmarks/configs/qwen3-30b-a3b benchmarks/serve_tail_sweep.sh
     python3 benchmarks/make_dummy_tokenizer.py --for-model benchmarks/configs/llama-3.1-8b  # prints its path
 
-The serving scripts (serve_tail_sweep.sh, gpu_serve_suite.sh, disagg_itl.sh, multi_gpu.sh) use
+The serving scripts (serve_tail_sweep.sh, gpu_serve_suite.sh, disagg_itl.sh, multi_gpu.sh, spec_gpu.sh) use
 --for-model when TOKENIZER is unset. Not for structured output: grammars need a real vocabulary
 (and their masks sample only ids the tokenizer knows).
 """

@@ -151,6 +151,11 @@ def test_addresses_come_in_pairs(ctx) -> None:
         ClientLinks(ctx, ["ipc:///a", "ipc:///b"], ["ipc:///c"], lambda: True)
 
 
+def test_a_stall_timeout_must_be_positive(ctx) -> None:
+    with pytest.raises(ValueError, match="TOKENMILL_API_SERVER_STALL_TIMEOUT must be a positive"):
+        ClientLinks(ctx, ["ipc:///a"], ["ipc:///b"], lambda: True, stall_timeout_s=0.0)
+
+
 def test_a_second_hello_from_a_slot_hands_back_the_dead_processs_requests(tmp_path, ctx) -> None:
     """A restarted API server process says Hello in its slot again: the requests the dead one sent
     come back for the engine to abort, and their remaining outputs reach nobody."""

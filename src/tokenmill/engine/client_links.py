@@ -57,6 +57,10 @@ class ClientLinks:
         parent_alive: Callable[[], bool],
         stall_timeout_s: float = 30.0,
     ) -> None:
+        if stall_timeout_s <= 0:
+            raise ValueError(
+                f"TOKENMILL_API_SERVER_STALL_TIMEOUT must be a positive number of seconds, got {stall_timeout_s}"
+            )
         if len(input_addrs) != len(output_addrs) or not input_addrs:
             raise ValueError(
                 f"each API server needs one input and one output address; got {len(input_addrs)} inputs "
@@ -106,12 +110,7 @@ class ClientLinks:
         """Process `pid` of slot `client` is gone (ApiServerGone): returns its requests, for the
         engine to abort; the slot gets nothing until the next Hello. A notice about another process
         than the one registered there (a restarted one already said Hello) changes nothing."""
-        if (
-            client == 0
-            or not 0 < client < self.count
-            or not self._registered[client]
-            or self._pids[client] != pid
-        ):
+        if not 0 < client < self.count or not self._registered[client] or self._pids[client] != pid:
             return []
         self._registered[client] = False
         self._clear_backlog(client)

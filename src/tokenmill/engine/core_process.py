@@ -108,7 +108,7 @@ def run_engine_core(
     # it lives, never forever. The others' messages wait in backlogs (client_links.py).
     links = ClientLinks(
         ctx, input_addrs, output_addrs, parent_alive_check(parent_pid),
-        stall_timeout_s=envs.TOKENMILL_API_SERVER_STALL_TIMEOUT.get() or 30.0,
+        stall_timeout_s=envs.TOKENMILL_API_SERVER_STALL_TIMEOUT.get(),
     )  # fmt: skip
     try:
         try:
