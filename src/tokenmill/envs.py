@@ -85,6 +85,17 @@ def _float(name: str, default: float | None, help: str) -> EnvVar[float | None]:
     return _register(name, float, default, help, "float")
 
 
+def _parse_positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise ValueError(f"expected a number above 0, got {value}")
+    return value
+
+
+def _positive_float(name: str, default: float, help: str) -> EnvVar[float]:
+    return _register(name, _parse_positive_float, default, help, "positive float")
+
+
 TOKENMILL_CACHE = _str(
     "TOKENMILL_CACHE",
     None,
@@ -113,7 +124,7 @@ TOKENMILL_API_SERVER_RESTARTS = _int(
     "`tokenmill serve --api-server-count N`: how many times in 5 minutes an API server process other "
     "than the first is restarted after it dies; one more death stops the server (exit code 1)",
 )
-TOKENMILL_API_SERVER_STALL_TIMEOUT = _float(
+TOKENMILL_API_SERVER_STALL_TIMEOUT = _positive_float(
     "TOKENMILL_API_SERVER_STALL_TIMEOUT",
     30.0,
     "`tokenmill serve --api-server-count N`: seconds an API server process other than the first may "

@@ -323,19 +323,23 @@ def test_a_worker_that_may_not_be_restarted_stops_the_server(tmp_path, default_m
 
 
 @pytest.mark.parametrize(
-    "flags, message",
+    "flags, env, message",
     [
-        (["--enable-lora", "--allow-runtime-lora-updating"], "needs --api-server-count 1"),
-        (["--api-server-count", "0"], "--api-server-count"),
+        (["--enable-lora", "--allow-runtime-lora-updating"], {}, "needs --api-server-count 1"),
+        (["--api-server-count", "0"], {}, "--api-server-count"),
+        # Refused by the launcher, by name, before an engine starts (the engine reads it too).
+        ([], {"TOKENMILL_API_SERVER_STALL_TIMEOUT": "0"}, "TOKENMILL_API_SERVER_STALL_TIMEOUT='0' is not a valid"),
+        ([], {"TOKENMILL_API_SERVER_STALL_TIMEOUT": "-5"}, "expected a number above 0"),
     ],
 )
-def test_refused_flag_combinations(flags, message) -> None:
+def test_refused_flag_combinations(flags, env, message) -> None:
     base = ["--api-server-count", "2"] if "--api-server-count" not in flags else []
     run = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli", "serve", *base, *flags],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **env},
     )
     assert run.returncode == 2 and message in run.stderr, run.stderr
 

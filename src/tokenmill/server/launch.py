@@ -149,6 +149,10 @@ def build_server(args: argparse.Namespace, worker: WorkerSpec | None = None) -> 
             "--api-server-count > 1 needs Linux (its processes share the port through SO_REUSEPORT and die "
             "with the first one through PR_SET_PDEATHSIG); use 1 here, or several servers behind `tokenmill router`"
         )
+    if api_servers > 1:
+        # Read in the engine process; read here too so that a bad value is refused by name before
+        # anything starts (there it would surface only as "the engine exited").
+        envs.TOKENMILL_API_SERVER_STALL_TIMEOUT.get()
     if api_servers > 1 and (args.allow_runtime_lora_updating or envs.TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING.get()):
         raise ValueError(
             f"{RUNTIME_FLAG} needs --api-server-count 1: a load or unload reaches one API server process "
