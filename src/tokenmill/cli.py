@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tokenmill import __version__
@@ -178,6 +179,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _ran(bench_main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
+    bench_main(args)  # returns the result it wrote, not an exit code
+    return 0
+
+
+def _reporting_user_errors(
+    command: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace
+) -> int:
+    """Run a command that loads a model in this process; what the user can fix (a model that is not
+    there or not supported, a bad option value, a missing file) is one line naming the command and
+    exit code 2, as `serve`, `plan` and `quality-gate` do, not a traceback. `--log-level debug`
+    still logs the traceback."""
+    try:
+        return run(args)
+    except (ValueError, OSError, TokenmillError) as exc:
+        logging.getLogger("tokenmill").debug("tokenmill %s failed", command, exc_info=True)
+        print(f"tokenmill {command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -209,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tokenmill plan: error: {exc}", file=sys.stderr)
             return 2
     if args.command == "generate":
-        return _cmd_generate(args)
+        return _reporting_user_errors("generate", _cmd_generate, args)
     if args.command == "chat":
-        return _cmd_chat(args)
+        return _reporting_user_errors("chat", _cmd_chat, args)
     if args.command == "envs":
         from tokenmill import envs
 
@@ -221,13 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench_command == "throughput":
             from tokenmill.bench import throughput
 
-            throughput.main(args)
-            return 0
+            return _reporting_user_errors("bench throughput", lambda a: _ran(throughput.main, a), args)
         if args.bench_command == "latency":
             from tokenmill.bench import latency
 
-            latency.main(args)
-            return 0
+            return _reporting_user_errors("bench latency", lambda a: _ran(latency.main, a), args)
         from tokenmill.bench import serve as bench_serve
 
         return bench_serve.main(args) or 0
