@@ -374,3 +374,26 @@ def test_default_model_tokenizer_and_arch(default_model_path):
 
     override = load_tokenizer(resolved, chat_template_override="{{ messages[0]['content'] }}!")
     assert override.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "x!"
+
+
+def test_a_mixture_of_experts_gguf_is_refused_naming_it(tmp_path):
+    """llama.cpp writes Mixtral as arch "llama" with stacked expert tensors: refused by what it is,
+    not by the first tensor name the dense loader does not know."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((8, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"mixture-of-experts GGUF \(llama.expert_count = 8\)"):
+        resolve_model(ModelConfig(model=str(path)))

@@ -48,6 +48,13 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         return gguf_metadata(path, f"{arch}.{key}", default)
 
     tensor_names = {t.name for t in gguf_file.tensors}
+    experts = meta("expert_count")
+    if experts:  # llama.cpp writes Mixtral as "llama" with stacked expert tensors
+        raise UnsupportedModelError(
+            f"{path} is a mixture-of-experts GGUF ({arch}.expert_count = {experts}), which tokenmill does not "
+            "load yet; load the model's Hugging Face checkpoint instead (mixture-of-experts models load from "
+            "safetensors, quantized or not)"
+        )
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
