@@ -20,10 +20,12 @@ only one host kind of ours (the H100 machine) is calibrated, and the plan says s
 
 Caveat (2026-12-05): the calibration run served dummy weights with SmolLM2's 49,152-id tokenizer on
 a 128,256-id model, so 62 % of sampled ids had no text and `api_to_client`, timed to the first chunk
-with text, holds about one decode step (one TPOT) at the median besides the host's work (BENCHMARKS.md,
-"Issue 24, `--api-server-count 2` on the H200"). The fit therefore overstates the host share by
-roughly TPOT / C per stream until it is refitted on a run with a full-vocabulary tokenizer (the
-serving scripts' default now).
+with text, holds about one decode step (one TPOT) at the median besides the host's work. Measured
+since on the CPU with the same script and tokenizers (BENCHMARKS.md, "the benchmark tokenizer's share
+of served TTFT and ITL"): `api_to_client` median 13.7 ms with that tokenizer against 1.6 ms with one
+of the model's size, at a 12 ms TPOT. The H100 fit's 12.0 ms of `api_to_client` is therefore mostly
+that wait, and per_stream_s is likely ~3x too high (~0.13 ms from its other stages) until it is
+refitted on a GPU run with a full-vocabulary tokenizer (the serving scripts' default now).
 """
 
 from __future__ import annotations
