@@ -72,6 +72,12 @@ class KernelConfig:
     min_kv_tokens_per_split: int = 0
     # CPU, float32: prepack matmul weights for oneDNN; off = plain F.linear.
     cpu_weight_packing: bool = True
+    # CPU, bfloat16 / float16 weights (--dtype): products of up to four rows, and the
+    # mixture-of-experts experts' products, through the C++ 16-bit GEMV (kernels/cpu/csrc/
+    # cpu_gemv16.cpp; AVX-512 or AVX2 + FMA + F16C builds): float32 sums like F.linear's, in another
+    # order; off = F.linear (which read one-row weights at 11-28 GB/s against the kernel's 35-50 on
+    # the dev machine).
+    cpu_gemv16: bool = True
     # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks.
     cpu_quantized_gemv: bool = True
     # CPU, AVX-512 or AVX2+FMA, GGUF (with cpu_quantized_gemv): matmuls of more rows than the GEMV

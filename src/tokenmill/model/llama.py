@@ -195,6 +195,7 @@ class CausalLM(nn.Module):
         super().__init__()
         dtype = dtype or torch.float32
         kernel = kernel or KernelConfig()
+        self.kernel = kernel  # the kernel paths, for the hooks that build layers (make_mlp)
         self.arch = arch
         self.attn_backend = attn_backend
         self.ops = select_layer_ops(device or "cpu")

@@ -61,7 +61,7 @@ class MoECausalLM(CausalLM):
         if not moe.is_sparse(layer):
             return None  # mlp_only_layers / decoder_sparse_step: the dense MLP
         if "moe_ops" not in self.__dict__:
-            self.moe_ops = select_moe_ops(device or "cpu")  # once per model, like the layer ops
+            self.moe_ops = select_moe_ops(device or "cpu", self.kernel.cpu_gemv16)  # once per model, like the layer ops
         expert_quant = None
         if isinstance(linear_method, QuantizedLinearMethod):
             # The linear method's spec, for the routed experts too.

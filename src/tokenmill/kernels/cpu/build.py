@@ -35,6 +35,7 @@ _SOURCES = [
         "cpu_layer_ops.cpp",
         "cpu_decode_layers.cpp",
         "cpu_helper_pool.cpp",
+        "cpu_gemv16.cpp",
     )
 ]
 # Included by the sources: part of the build's cache key (ninja tracks them inside a build directory).

@@ -96,4 +96,8 @@ def _select_16bit_method(device: torch.device, dtype: torch.dtype, kernel: Kerne
 
         if onednn_packing_available(dtype):
             return OneDNNLinearMethod()
+    if device.type == "cpu" and kernel.cpu_gemv16 and dtype in (torch.bfloat16, torch.float16):
+        from tokenmill.model.layers.cpu_gemv16_linear import Cpu16BitGemvMethod
+
+        return Cpu16BitGemvMethod()
     return LinearMethod()

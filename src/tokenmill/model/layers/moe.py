@@ -169,11 +169,37 @@ class TritonMoEOps:
         return self._fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
+class CpuGemv16MoEOps(TorchMoEOps):
+    """The CPU's ops with 16-bit experts' few-row products on the C++ 16-bit GEMV
+    (KernelConfig.cpu_gemv16; kernels/cpu/gemv16.py), F.linear elsewhere: a decode step's experts
+    are ~2k one-row products a layer that F.linear read at half the kernel's rate."""
+
+    def experts(
+        self,
+        x: torch.Tensor,  # [T, H]
+        gate_up_proj: torch.Tensor,  # [E, 2I, H]
+        down_proj: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, k]
+        topk_ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:
+        from tokenmill.kernels.cpu.gemv16 import linear16
+
+        inter = down_proj.shape[2]
+
+        def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up = linear16(rows, gate_up_proj[expert])
+            return linear16(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_proj[expert])
+
+        return experts_by_sorted_pairs(x, topk_weights, topk_ids, gate_up_proj.shape[0], expert_output)
+
+
 MoEOps = TorchMoEOps | TritonMoEOps
 
 
-def select_moe_ops(device: torch.device | str) -> MoEOps:
-    return TritonMoEOps() if torch.device(device).type == "cuda" else TorchMoEOps()
+def select_moe_ops(device: torch.device | str, cpu_gemv16: bool = True) -> MoEOps:
+    if torch.device(device).type == "cuda":
+        return TritonMoEOps()
+    return CpuGemv16MoEOps() if cpu_gemv16 else TorchMoEOps()
 
 
 class MoEExperts(nn.Module):
