@@ -104,3 +104,41 @@ def test_greedy_tokens_and_logprobs_as_with_f_linear(model, dtype, request, monk
     for (ref_tokens, ref_logprobs), (tokens, logprobs) in zip(reference, ours, strict=True):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(ref_logprobs, logprobs, strict=True)) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "hidden", "inter", "top_k", "weights_in_model_dtype"),
+    [(1, 8, 64, 96, 2, False), (3, 8, 64, 96, 2, True), (4, 16, 100, 48, 4, False), (2, 4, 64, 32, 3, True)],
+)
+def test_fused_experts_round_as_the_torch_ops(
+    dtype, tokens, experts, hidden, inter, top_k, weights_in_model_dtype
+):
+    """moe_experts16 (up to four tokens, every used expert read once) against TorchMoEOps.experts on
+    the same 16-bit weights: the same roundings, products summed in float32 in another order; tokens
+    sharing an expert and odd sizes (100, 48: the kernels' tails) included."""
+    from tokenmill.model.layers.moe import CpuGemv16MoEOps, TorchMoEOps
+
+    torch.manual_seed(tokens * 100 + experts)
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, inter) * 0.2).to(dtype)
+    weights, ids = TorchMoEOps().route(
+        torch.randn(tokens, experts).to(dtype), top_k, True, weights_in_model_dtype
+    )
+    reference = TorchMoEOps().experts(x, gate_up, down, weights, ids)
+    assert gemv16_kernel.serves_experts(x, gate_up, down)
+    ours = CpuGemv16MoEOps().experts(x, gate_up, down, weights, ids)
+    assert ours.dtype == dtype
+    tolerance = 2 * torch.finfo(dtype).eps * reference.abs().max().item()
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tolerance, rtol=0)
+    assert (ours == reference).float().mean() > 0.95  # most bit-equal: only sums near a rounding tie differ
+
+
+def test_fused_experts_refuse_bad_ids() -> None:
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    gate_up, down = torch.zeros(4, 8, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"expert id 4 is outside \[0, 4\)"):
+        gemv16_kernel.moe_experts16(x, gate_up, down, torch.ones(1, 1), torch.tensor([[4]]))
+    assert not gemv16_kernel.serves_experts(torch.zeros(5, 16, dtype=torch.bfloat16), gate_up, down)
+    assert not gemv16_kernel.serves_experts(x.float(), gate_up.float(), down.float())

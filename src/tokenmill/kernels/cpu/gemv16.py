@@ -54,3 +54,34 @@ def linear16(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if serves(x2, weight):
         return gemv16(x2, weight)
     return torch.nn.functional.linear(x2, weight)
+
+
+def serves_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether `moe_experts16` takes these tokens' routed experts: 16-bit x of up to `rows_limit()`
+    tokens and contiguous stacked expert weights of its dtype, on the CPU."""
+    return (
+        x.dtype in GEMV16_DTYPES
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= rows_limit()
+        and gate_up_proj.dtype == down_proj.dtype == x.dtype
+        and gate_up_proj.is_contiguous()
+        and down_proj.is_contiguous()
+    )
+
+
+def moe_experts16(
+    x: torch.Tensor,  # [T, H]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] float32 or x's dtype
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """The routed experts' output [T, H] in one call (csrc/cpu_gemv16.cpp moe_experts16), rounded as
+    TorchMoEOps.experts rounds; call where `serves_experts`."""
+    out = torch.empty_like(x)
+    weights = topk_weights if topk_weights.dtype in (torch.float32, x.dtype) else topk_weights.float()
+    torch.ops.tokenmill_cpu.moe_experts16(
+        out, x.contiguous(), gate_up_proj, down_proj, topk_ids.long().contiguous(), weights.contiguous()
+    )
+    return out

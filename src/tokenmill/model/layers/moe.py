@@ -170,9 +170,11 @@ class TritonMoEOps:
 
 
 class CpuGemv16MoEOps(TorchMoEOps):
-    """The CPU's ops with 16-bit experts' few-row products on the C++ 16-bit GEMV
-    (KernelConfig.cpu_gemv16; kernels/cpu/gemv16.py), F.linear elsewhere: a decode step's experts
-    are ~2k one-row products a layer that F.linear read at half the kernel's rate."""
+    """The CPU's ops with 16-bit experts on the C++ 16-bit GEMV (KernelConfig.cpu_gemv16;
+    kernels/cpu/gemv16.py): up to four tokens (decode steps) in one call for all their experts
+    (`moe_experts16`: each used expert's weights read once, TorchMoEOps' roundings), more tokens
+    through the per-expert loop with few-row products on the GEMV and F.linear elsewhere. A decode
+    step's experts were 16 one-row F.linear calls a layer plus ~100 small ops between them."""
 
     def experts(
         self,
@@ -182,8 +184,10 @@ class CpuGemv16MoEOps(TorchMoEOps):
         topk_weights: torch.Tensor,  # [T, k]
         topk_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
-        from tokenmill.kernels.cpu.gemv16 import linear16
+        from tokenmill.kernels.cpu.gemv16 import linear16, moe_experts16, serves_experts
 
+        if serves_experts(x, gate_up_proj, down_proj):
+            return moe_experts16(x, gate_up_proj, down_proj, topk_weights, topk_ids)
         inter = down_proj.shape[2]
 
         def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
