@@ -17,7 +17,10 @@ run is the device's `MoEOps`, picked once at load like the layer ops:
   No host syncs: it can sit in a CUDA graph.
 - CPU (`TorchMoEOps`): transformers' routing ops, then the pairs sorted by expert and one pair
   of matmuls per expert that got tokens (a loop over those only, not over all E), whose weighted
-  outputs are index_add-ed into the result.
+  outputs are index_add-ed into the result. With 16-bit weights (`CpuGemv16MoEOps`,
+  KernelConfig.cpu_gemv16) up to four tokens go through one C++ call with the same roundings
+  (kernels/cpu/csrc/cpu_gemv16.cpp moe_experts16), and the loop's few-row products through the
+  C++ 16-bit GEMV.
 """
 
 from __future__ import annotations
