@@ -80,12 +80,18 @@ class TorchMoEOps:
         topk_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
         inter = down_proj.shape[2]
+        linear = self._linear
 
         def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up = F.linear(rows, gate_up_proj[expert])
-            return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_proj[expert])
+            gate_up = linear(rows, gate_up_proj[expert])
+            return linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_proj[expert])
 
         return experts_by_sorted_pairs(x, topk_weights, topk_ids, gate_up_proj.shape[0], expert_output)
+
+    @staticmethod
+    def _linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's product, rows [n, in] @ weight [out, in]^T."""
+        return F.linear(rows, weight)
 
 
 def experts_by_sorted_pairs(
@@ -187,17 +193,17 @@ class CpuGemv16MoEOps(TorchMoEOps):
         topk_weights: torch.Tensor,  # [T, k]
         topk_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
-        from tokenmill.kernels.cpu.gemv16 import linear16, moe_experts16, serves_experts
+        from tokenmill.kernels.cpu.gemv16 import moe_experts16, serves_experts
 
         if serves_experts(x, gate_up_proj, down_proj):
             return moe_experts16(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-        inter = down_proj.shape[2]
+        return super().experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
-        def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up = linear16(rows, gate_up_proj[expert])
-            return linear16(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_proj[expert])
+    @staticmethod
+    def _linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from tokenmill.kernels.cpu.gemv16 import linear16
 
-        return experts_by_sorted_pairs(x, topk_weights, topk_ids, gate_up_proj.shape[0], expert_output)
+        return linear16(rows, weight)
 
 
 MoEOps = TorchMoEOps | TritonMoEOps
