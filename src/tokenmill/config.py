@@ -75,8 +75,8 @@ class KernelConfig:
     # CPU, bfloat16 / float16 weights (--dtype): products of up to four rows, and the
     # mixture-of-experts experts' products, through the C++ 16-bit GEMV (kernels/cpu/csrc/
     # cpu_gemv16.cpp; AVX-512 or AVX2 + FMA + F16C builds): float32 sums like F.linear's, in another
-    # order; off = F.linear (which read one-row weights at 11-28 GB/s against the kernel's 35-50 on
-    # the dev machine).
+    # order; off = F.linear (on the 2-core dev machine it read one-row weights from memory at ~12 GB/s
+    # against the kernel's ~17; single-stream bf16 decode 1.7-2x with it, BENCHMARKS.md).
     cpu_gemv16: bool = True
     # CPU, float32, GGUF: matmuls of a few rows read the file's Q4_1 / Q8_0 blocks.
     cpu_quantized_gemv: bool = True

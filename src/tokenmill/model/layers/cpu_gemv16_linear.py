@@ -1,10 +1,11 @@
 """The CPU linear method for bfloat16 / float16 weights: products of up to four rows (decode steps)
 through the C++ 16-bit GEMV (kernels/cpu/csrc/cpu_gemv16.cpp), larger ones through F.linear.
 
-On the 2-core dev machine a one-row bfloat16 F.linear read the weights at 11-28 GB/s where the
-kernel reads them at 35-50 GB/s (BENCHMARKS.md, "16-bit weights on the CPU"); both sum in float32
-and round once, so the products differ by summation order only. A bias is added in float32 before
-that one rounding, as F.linear adds it.
+On the 2-core dev machine one-row bfloat16 F.linear calls read a model's weights from memory at
+~12 GB/s where the kernel reads them at ~17 (35-50 against 20-25 for weights in cache; BENCHMARKS.md,
+"Issue 15, the CPU path of mixture-of-experts models"); both sum in float32 and round once, so the
+products differ by summation order only. A bias is added in float32 before that one rounding, as
+F.linear adds it.
 """
 
 from __future__ import annotations
