@@ -129,6 +129,8 @@ void dot_rows(const uint16_t* w, const float* x, int64_t k, bool bf16, float* y,
 #endif
 
 #if defined(TOKENMILL_GEMV16_VECTOR)
+// Weight rows [begin, end) of y [m, n] (float32) = x [m, k] (float32) @ w [n, k]^T (16-bit). A row's
+// sum does not depend on m or on the pairing below: every path splits k the same way.
 void rows_range(const uint16_t* w, const float* x, int64_t m, int64_t k, int64_t n, bool bf16, float* y,
                 int64_t begin, int64_t end) {
   int64_t row = begin;
@@ -139,12 +141,15 @@ void rows_range(const uint16_t* w, const float* x, int64_t m, int64_t k, int64_t
 #endif
   for (; row < end; ++row) {
     const uint16_t* wrow = w + row * k;
-    float* yr = y + row;
-    switch (m) {
-      case 1: dot_rows<1>(wrow, x, k, bf16, yr, n); break;
-      case 2: dot_rows<2>(wrow, x, k, bf16, yr, n); break;
-      case 3: dot_rows<3>(wrow, x, k, bf16, yr, n); break;
-      default: dot_rows<4>(wrow, x, k, bf16, yr, n); break;
+    for (int64_t first = 0; first < m; first += kMaxRows) {  // x rows up to 4 at a time
+      const float* xr = x + first * k;
+      float* yr = y + first * n + row;
+      switch (std::min<int64_t>(kMaxRows, m - first)) {
+        case 1: dot_rows<1>(wrow, xr, k, bf16, yr, n); break;
+        case 2: dot_rows<2>(wrow, xr, k, bf16, yr, n); break;
+        case 3: dot_rows<3>(wrow, xr, k, bf16, yr, n); break;
+        default: dot_rows<4>(wrow, xr, k, bf16, yr, n); break;
+      }
     }
   }
 }
@@ -211,24 +216,6 @@ inline void store16(void* base, int64_t i, float value, bool bf16) {
     static_cast<c10::BFloat16*>(base)[i] = c10::BFloat16(value);
   } else {
     static_cast<c10::Half*>(base)[i] = c10::Half(value);
-  }
-}
-
-// rows [begin, end) of y [R, n] (float32) = x [R, k] (float32) @ w [n, k]^T (16-bit).
-void product_rows(const uint16_t* w, const float* x, int64_t r, int64_t k, int64_t n, bool bf16, float* y,
-                  int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) {
-    const uint16_t* wrow = w + row * k;
-    for (int64_t first = 0; first < r; first += kMaxRows) {
-      const float* xr = x + first * k;
-      float* yr = y + first * n + row;
-      switch (std::min<int64_t>(kMaxRows, r - first)) {
-        case 1: dot_rows<1>(wrow, xr, k, bf16, yr, n); break;
-        case 2: dot_rows<2>(wrow, xr, k, bf16, yr, n); break;
-        case 3: dot_rows<3>(wrow, xr, k, bf16, yr, n); break;
-        default: dot_rows<4>(wrow, xr, k, bf16, yr, n); break;
-      }
-    }
   }
 }
 
@@ -325,7 +312,7 @@ void moe_experts16(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_
   const uint16_t* gu = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   const uint16_t* dn = reinterpret_cast<const uint16_t*>(down.data_ptr());
   over_expert_rows(num_used, 2 * inter, pairs * 2 * inter * h, [&](int64_t u, int64_t begin, int64_t end) {
-    product_rows(gu + used[u] * 2 * inter * h, xs.data() + first_row[u] * h, first_row[u + 1] - first_row[u], h,
+    rows_range(gu + used[u] * 2 * inter * h, xs.data() + first_row[u] * h, first_row[u + 1] - first_row[u], h,
                  2 * inter, bf16, g.data() + first_row[u] * 2 * inter, begin, end);
   });
   for (int64_t p = 0; p < pairs; ++p) {
@@ -337,7 +324,7 @@ void moe_experts16(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_
     }
   }
   over_expert_rows(num_used, h, pairs * h * inter, [&](int64_t u, int64_t begin, int64_t end) {
-    product_rows(dn + used[u] * h * inter, hs.data() + first_row[u] * inter, first_row[u + 1] - first_row[u], inter,
+    rows_range(dn + used[u] * h * inter, hs.data() + first_row[u] * inter, first_row[u + 1] - first_row[u], inter,
                  h, bf16, ys.data() + first_row[u] * h, begin, end);
   });
   std::vector<float> acc(t * h, 0.f);
