@@ -396,8 +396,9 @@ class CausalLM(nn.Module):
             return torch.cat((permuted(q, arch.num_heads), permuted(k, arch.num_kv_heads), v))
         return tensor
 
-    def lora_rows_in_model_layout(self, rows: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
-        """A LoRA B's output rows for the part `shard_id`, permuted as the base weight's were."""
+    def rows_in_model_layout(self, rows: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
+        """Output rows of the part `shard_id` (a LoRA B's, a GGUF file's quantized blocks), permuted
+        as the checkpoint's weight rows were at load (partial rotary's q/k rows)."""
         return rows if self.qk_dim_order is None else self._qk_in_rotary_layout(rows, shard_id)
 
     def linear_for_weight(self, name: str) -> tuple[LinearBase, ShardId] | None:

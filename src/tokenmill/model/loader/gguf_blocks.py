@@ -2,7 +2,8 @@
 
 Any model family whose CausalLM maps checkpoint names to linear layers (`linear_for_weight`) gets
 this for free: a merged layer (qkv, gate_up) gets blocks only when all its parts come, in the
-same type; the blocks are concatenated in the layer's shard order.
+same type; the blocks are concatenated in the layer's shard order. A file that stores the merged
+layer as one tensor (Phi-3) gives it that tensor's blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from tokenmill.model.layers.quantized_linear import attach_quantized_blocks
 
 
 class _MapsWeightsToLinears(Protocol):
+    qk_dim_order: torch.Tensor | None  # set where the model permutes q/k rows at load (partial rotary)
+
     def linear_for_weight(self, name: str) -> tuple[LinearBase, ShardId] | None: ...
+
+    def rows_in_model_layout(self, rows: torch.Tensor, shard_id: ShardId) -> torch.Tensor: ...
 
 
 def attach_gguf_blocks(
@@ -40,6 +45,10 @@ def attach_gguf_blocks(
         if target is None:
             continue
         layer, shard_id = target
+        if model.qk_dim_order is not None:
+            # Whole rows move as the model moved the float weight's (partial rotary's q/k head
+            # dimensions); a copy, the file's memory map being read-only.
+            rows = model.rows_in_model_layout(torch.from_numpy(np.array(rows)), shard_id).numpy()
         parts.setdefault(id(layer), (layer, {}))[1][shard_id] = (code, rows)
     attached = 0
     for layer, shards in parts.values():
@@ -54,6 +63,8 @@ def _blocks_for(
     layer: LinearBase, shards: dict[ShardId, tuple[int, np.ndarray]], activation_bits: int
 ) -> QuantizedBlocks | None:
     order: tuple[ShardId, ...] = getattr(layer, "shard_ids", (None,))
+    if set(shards) == {None}:
+        order = (None,)  # a fused tensor for the whole merged layer (Phi-3's attn_qkv, ffn_up)
     if layer.tp_size != 1 or set(shards) != set(order) or len({code for code, _ in shards.values()}) != 1:
         return None
     code = shards[order[0]][0]

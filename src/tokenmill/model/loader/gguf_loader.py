@@ -2,7 +2,8 @@
 
 llama.cpp's converter permutes the Q and K rows of llama-family models (it uses interleaved
 RoPE, HF uses rotate-half); we undo that here exactly as transformers' GGUF loader does, so
-both produce the same model from the same file. Qwen2/Qwen3 files are not permuted.
+both produce the same model from the same file. Qwen2/Qwen3 files are not permuted. Gemma files
+store each RMSNorm weight as 1 + w; it is loaded as the checkpoint's w (gguf_families).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader.gguf_families import CONFIG_TENSORS, FAMILIES, GLOBAL_TENSORS, GGUFFamily
 from tokenmill.model.loader.gguf_metadata import (  # noqa: F401  (re-exported: older import paths)
     GGUF_ARCHITECTURES,
     ROPE_FREQS_TENSOR,
@@ -25,41 +27,25 @@ from tokenmill.model.loader.gguf_metadata import (  # noqa: F401  (re-exported: 
     open_gguf,
 )
 
-_PERMUTED_QK_ARCHITECTURES = ("llama",)
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<tensor>\w+)\.(?P<kind>weight|bias)")
 
 
-def hf_name_for(gguf_name: str) -> str | None:
+def hf_name_for(gguf_name: str, family: GGUFFamily = FAMILIES["llama"]) -> str | None:
     """HF tensor name for a GGUF one; None for tensors folded into the config (rope_freqs)."""
-    if gguf_name == ROPE_FREQS_TENSOR:
+    if gguf_name in CONFIG_TENSORS:
         return None
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match is None or match["tensor"] not in _BLOCK_TENSORS:
+    if match is None or match["tensor"] not in family.block_tensors:
         raise UnsupportedModelError(
             f"unexpected GGUF tensor {gguf_name!r}; this model family is not supported"
         )
-    return f"model.layers.{match['layer']}.{_BLOCK_TENSORS[match['tensor']]}.{match['kind']}"
+    return f"model.layers.{match['layer']}.{family.block_tensors[match['tensor']]}.{match['kind']}"
+
+
+def _family(path: str | Path) -> GGUFFamily:
+    return FAMILIES[gguf_metadata(path, "general.architecture")]
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -81,15 +67,17 @@ def _unpermute_if_qk(rows: np.ndarray, hf_name: str, arch: ArchConfig) -> np.nda
 def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time."""
     gguf_file = open_gguf(str(path))
-    permuted = gguf_metadata(path, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    family = _family(path)
     for tensor in gguf_file.tensors:
-        hf_name = hf_name_for(tensor.name)
+        hf_name = hf_name_for(tensor.name, family)
         if hf_name is None:
             continue
         weight = gguf_file.dequantize(tensor)
-        if permuted:
+        if family.permuted_qk:
             weight = _unpermute_if_qk(weight, hf_name, arch)
         weight = np.ascontiguousarray(weight, dtype=np.float32)
+        if family.norms_stored_plus_one and hf_name.endswith("norm.weight"):
+            weight = weight - np.float32(1.0)  # a new array: the memory map stays untouched
         if not weight.flags.writeable:  # F32 tensors come straight from the read-only memory map
             weight = weight.copy()
         yield hf_name, torch.from_numpy(weight)
@@ -100,7 +88,7 @@ QUANT_GEMV_TYPES = {3: 0, 8: 1}  # Q4_1, Q8_0
 _MATMUL_SUFFIXES = tuple(
     f"{part}.weight"
     for part in (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
     )
 ) + ("lm_head.weight", "embed_tokens.weight")  # fmt: skip
 
@@ -110,9 +98,9 @@ def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[st
     embedding table, a tied lm_head's weight) stored as Q4_1 or Q8_0; rows un-permuted like
     iter_gguf_weights un-permutes the dequantized Q/K. Views of the file's memory map, not copies."""
     gguf_file = open_gguf(str(path))
-    permuted = gguf_metadata(path, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    family = _family(path)
     for tensor in gguf_file.tensors:
-        hf_name = hf_name_for(tensor.name)
+        hf_name = hf_name_for(tensor.name, family)
         if (
             hf_name is None
             or tensor.ggml_type not in QUANT_GEMV_TYPES
@@ -120,6 +108,6 @@ def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[st
         ):
             continue
         rows = gguf_file.raw(tensor)
-        if permuted:  # whole rows move, so the quantized blocks un-permute like the floats
+        if family.permuted_qk:  # whole rows move, so the quantized blocks un-permute like the floats
             rows = _unpermute_if_qk(rows, hf_name, arch)
         yield hf_name, QUANT_GEMV_TYPES[tensor.ggml_type], rows

@@ -14,15 +14,20 @@ import numpy as np
 
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader.gguf_families import (
+    FAMILIES,
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
+    ROPE_FREQS_TENSOR,
+)
 from tokenmill.model.loader.gguf_file import GGUFFile
 
 # GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-ROPE_FREQS_TENSOR = "rope_freqs.weight"
+GGUF_ARCHITECTURES = {name: family.hf_architecture for name, family in FAMILIES.items()}
+# Texts of the end-of-turn tokens chat models of these families emit (llama.cpp ends generation at
+# them too): a GGUF has no generation_config.json to list them beside its one EOS id.
+END_OF_TURN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
+_CONTROL_TOKEN_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,25 +78,37 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         "vocab_size": int(meta("vocab_size", 0) or len(gguf_metadata(path, "tokenizer.ggml.tokens", []))),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": gguf_metadata(path, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_metadata(path, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _end_of_generation_ids(path),
         "attention_bias": "blk.0.attn_output.bias" in tensor_names,
     }
     if rope_dims is not None and int(rope_dims) != head_dim:
-        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim  # rejected by ArchConfig
+        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim  # Phi-4-mini's; other families refuse it
     scaling_type = meta("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        # ArchConfig reads HF's rope scalings; llama.cpp's keys for them are not translated yet.
+    if scaling_type == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        # ArchConfig reads HF's rope scalings; llama.cpp's keys for the others are not translated yet.
         raise UnsupportedModelError(
-            f"GGUF rope scaling type {scaling_type!r} in {path} is not supported; expected none "
+            f"GGUF rope scaling type {scaling_type!r} in {path} is not supported; expected none or linear "
             "(or a rope_freqs tensor); load the Hugging Face checkpoint instead"
         )
     if ROPE_FREQS_TENSOR in tensor_names:
         factors = _tensor_array(path, ROPE_FREQS_TENSOR)
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    if ROPE_FACTORS_LONG in tensor_names and ROPE_FACTORS_SHORT in tensor_names:
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _tensor_array(path, ROPE_FACTORS_LONG).tolist(),
+            "short_factor": _tensor_array(path, ROPE_FACTORS_SHORT).tolist(),
+        }
+        attention_factor = meta("rope.scaling.attn_factor")
+        if attention_factor is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(attention_factor)
     window = meta("attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
         cfg["use_sliding_window"] = True
+    cfg.update(FAMILIES[arch].config(meta, tensor_names, cfg))
     return cfg
 
 
@@ -102,3 +119,23 @@ def gguf_arch_config(path: str | Path) -> ArchConfig:
 def _tensor_array(path: str | Path, name: str) -> np.ndarray:
     gguf_file = open_gguf(str(path))
     return gguf_file.dequantize(next(t for t in gguf_file.tensors if t.name == name))
+
+
+def _end_of_generation_ids(path: str | Path) -> list[int]:
+    """The file's EOS id, its end-of-turn / end-of-message ids when it names them, and the control
+    tokens whose text is a chat turn's end (END_OF_TURN_TEXTS): what llama.cpp stops at."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = gguf_metadata(path, key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens = gguf_metadata(path, "tokenizer.ggml.tokens") or []
+    types = gguf_metadata(path, "tokenizer.ggml.token_type") or []
+    for text in END_OF_TURN_TEXTS:
+        try:
+            token_id = tokens.index(text)
+        except ValueError:
+            continue
+        if token_id < len(types) and int(types[token_id]) in _CONTROL_TOKEN_TYPES and token_id not in ids:
+            ids.append(token_id)
+    return ids

@@ -80,7 +80,7 @@ def load_host_adapter(
 
 def _rows_in_model_layout(model: nn.Module, geometry: LayerGeometry, part: int, rows: torch.Tensor) -> torch.Tensor:
     """B's rows permuted as the model permuted the base weight's (partial rotary's q/k rows)."""
-    layout = getattr(model, "lora_rows_in_model_layout", None)
+    layout = getattr(model, "rows_in_model_layout", None)
     return rows if layout is None else layout(rows, geometry.shard_ids[part])
 
 
