@@ -177,7 +177,9 @@ def _settings(arch) -> dict:
     """ArchConfig's fields but rope_scaling (compared apart), floats as the file's float32 holds them."""
     fields = dataclasses.asdict(arch)
     return {
-        k: float(np.float32(v)) if isinstance(v, float) else v for k, v in fields.items() if k != "rope_scaling"
+        k: float(np.float32(v)) if isinstance(v, float) else v
+        for k, v in fields.items()
+        if k != "rope_scaling"
     }
 
 
@@ -240,7 +242,9 @@ def test_q8_0_one_row_steps_read_the_blocks_and_match_the_float_path(converted, 
     from tokenmill.model.layers.quantized_linear import quantized_blocks
 
     case, src, _ = converted
-    q8_path = _write_gguf(src, tmp_path / f"tiny-{case}-q8_0.gguf", case.split("_")[0], GGMLQuantizationType.Q8_0)
+    q8_path = _write_gguf(
+        src, tmp_path / f"tiny-{case}-q8_0.gguf", case.split("_")[0], GGMLQuantizationType.Q8_0
+    )
     prompt = {"prompt_token_ids": _prompts(64, count=1, length=36)[0]}
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     results = []
@@ -259,7 +263,9 @@ def test_q8_0_one_row_steps_read_the_blocks_and_match_the_float_path(converted, 
     assert results[0][1] == pytest.approx(results[1][1], abs=5e-3 if activation_bits else 1e-4)
 
 
-def _metadata_only_gguf(path: Path, arch: str, layers: int, hidden: int, heads: int, head_dim: int, **extra) -> Path:
+def _metadata_only_gguf(
+    path: Path, arch: str, layers: int, hidden: int, heads: int, head_dim: int, **extra
+) -> Path:
     """A GGUF with a family's metadata and one tensor: enough for gguf_hf_config."""
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(layers)
