@@ -8,6 +8,7 @@ store each RMSNorm weight as 1 + w; it is loaded as the checkpoint's w (gguf_fam
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ from tokenmill.model.loader.gguf_metadata import (  # noqa: F401  (re-exported: 
     gguf_metadata,
     open_gguf,
 )
+
+logger = logging.getLogger(__name__)
 
 _BLOCK_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<tensor>\w+)\.(?P<kind>weight|bias)")
 
@@ -85,6 +88,13 @@ def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str,
 
 # GGML types the CPU's quant_gemv kernel reads (kernels/cpu/csrc/cpu_quant_gemv.cpp): type id -> kernel code.
 QUANT_GEMV_TYPES = {3: 0, 8: 1}  # Q4_1, Q8_0
+Q8_0_TYPE, Q8_0_BLOCK, Q8_0_CODE = 8, 32, 1
+# Block types the kernels do not read, requantized to Q8_0 at load so that their matmuls read blocks
+# too (8.5 bits a weight) instead of the float32 copy (32): Q4_0, Q5_0, Q5_1 and the K-quants Q2_K-Q6_K
+# (a Q4_K_M file holds Q4_K and Q6_K). Q8_0's step is a 32-weight block's largest |w| / 127, so
+# requantizing adds at most half of it, ~0.4 % of the block's largest weight; the formats' own steps
+# are 4-16x coarser. llama.cpp reads these types directly; our kernels would need one per type.
+REQUANTIZED_TYPES = frozenset({2, 6, 7, 10, 11, 12, 13, 14})
 _MATMUL_SUFFIXES = tuple(
     f"{part}.weight"
     for part in (
@@ -95,19 +105,51 @@ _MATMUL_SUFFIXES = tuple(
 
 def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, int, np.ndarray]]:
     """(HF name, quant_gemv code, uint8 block rows [out, row_bytes]) for every matmul weight (and the
-    embedding table, a tied lm_head's weight) stored as Q4_1 or Q8_0; rows un-permuted like
-    iter_gguf_weights un-permutes the dequantized Q/K. Views of the file's memory map, not copies."""
+    embedding table, a tied lm_head's weight) stored in blocks: Q4_1 and Q8_0 as views of the file's
+    memory map, the REQUANTIZED_TYPES as new Q8_0 rows; rows un-permuted like iter_gguf_weights
+    un-permutes the dequantized Q/K."""
     gguf_file = open_gguf(str(path))
     family = _family(path)
+    requantized: dict[str, int] = {}
     for tensor in gguf_file.tensors:
         hf_name = hf_name_for(tensor.name, family)
-        if (
-            hf_name is None
-            or tensor.ggml_type not in QUANT_GEMV_TYPES
-            or not hf_name.endswith(_MATMUL_SUFFIXES)
-        ):
+        if hf_name is None or not hf_name.endswith(_MATMUL_SUFFIXES):
             continue
-        rows = gguf_file.raw(tensor)
+        if tensor.ggml_type in QUANT_GEMV_TYPES:
+            code, rows = QUANT_GEMV_TYPES[tensor.ggml_type], gguf_file.raw(tensor)
+        elif tensor.ggml_type in REQUANTIZED_TYPES and tensor.shape[-1] % Q8_0_BLOCK == 0:
+            code, rows = Q8_0_CODE, requantize_q8_0(gguf_file.dequantize(tensor))
+            type_name = _type_name(tensor.ggml_type)
+            requantized[type_name] = requantized.get(type_name, 0) + 1
+        else:
+            continue
         if family.permuted_qk:  # whole rows move, so the quantized blocks un-permute like the floats
             rows = _unpermute_if_qk(rows, hf_name, arch)
-        yield hf_name, QUANT_GEMV_TYPES[tensor.ggml_type], rows
+        yield hf_name, code, rows
+    if requantized:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(requantized.items()))
+        logger.info("requantized %s matmul weights to Q8_0 blocks (the CPU kernels read Q4_1 and Q8_0)", counts)
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
+def requantize_q8_0(weights: np.ndarray) -> np.ndarray:
+    """float32 rows [out, in] (in a multiple of 32) as GGML Q8_0 block rows [out, in / 32 * 34]: per
+    32 weights a float16 scale d = max|w| / 127, then 32 int8 round(w / d). In torch, a few times
+    faster than gguf's numpy quantizer (loading a 3B model's weights this way takes a while already)."""
+    w = torch.from_numpy(np.array(weights, dtype=np.float32, copy=not weights.flags.writeable))
+    out_features, in_features = w.shape
+    blocks = w.reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    scale16 = scale.to(torch.float16)
+    # Divide by the float16 scale the kernel multiplies by, so the rounding is to its grid.
+    inverse = torch.where(scale16 > 0, 1.0 / scale16.float(), torch.zeros_like(scale))
+    quantized = (blocks * inverse).round_().clamp_(-127, 127).to(torch.int8)
+    rows = torch.empty(out_features, in_features // Q8_0_BLOCK, 2 + Q8_0_BLOCK, dtype=torch.uint8)
+    rows[..., :2] = scale16.view(torch.uint8)
+    rows[..., 2:] = quantized.view(torch.uint8)
+    return rows.reshape(out_features, -1).numpy()
