@@ -171,3 +171,21 @@ def test_k_quant_and_legacy_blocks_are_read_as_q8_0(k_quant_gguf, activation_bit
     exact_floats = _greedy(path, src, False, activation_bits)
     assert blocks[0] == exact_floats[0]
     assert blocks[1] == pytest.approx(exact_floats[1], abs=0.1)  # the requantization's own error
+
+
+def test_the_blocks_come_from_the_float_loads_dequantization(k_quant_gguf):
+    """Loading dequantizes each K-quant once: iter_gguf_weights leaves the Q8_0 rows that
+    iter_gguf_quantized then hands out (the same rows it would make itself)."""
+    from tokenmill.model.loader.gguf_loader import iter_gguf_quantized, iter_gguf_weights
+    from tokenmill.model.loader.gguf_metadata import gguf_arch_config
+
+    path = k_quant_gguf[0]
+    arch = gguf_arch_config(path)
+    made: dict[str, np.ndarray] = {}
+    for _ in iter_gguf_weights(path, arch, made):
+        pass
+    assert len(made) == 2 * 7 + 1  # every matmul weight of both layers (K-quants, Q4_0, Q5_1); the table
+    handed_out = {name: rows for name, _, rows in iter_gguf_quantized(path, arch, made)}
+    assert not made
+    for name, _, rows in iter_gguf_quantized(path, arch):
+        np.testing.assert_array_equal(handed_out.pop(name), rows)

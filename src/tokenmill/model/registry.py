@@ -83,10 +83,20 @@ def load_model(
     if quantization is not None:
         kept = exclude_unquantized_layers(model, _linear_hf_names(model), device, dtype)
         logger.info("linear layers: %s; %d layer(s) left 16-bit (lm_head, ignored)", quantization.describe(), kept)
+    reads_gguf_blocks = (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and resolved.format == "gguf"
+        and model_config.load_format != "dummy"
+        and kernel.cpu_quantized_gemv
+        and quantization is None  # --quantization replaces the GGUF's own blocks
+        and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
+    )
+    requantized: dict = {}  # GGUF blocks the kernels do not read, as Q8_0, made while loading the floats
     if resolved.format == "dummy" or model_config.load_format == "dummy":
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
-        model.load_weights(iter_gguf_weights(resolved.path, arch))
+        model.load_weights(iter_gguf_weights(resolved.path, arch, requantized if reads_gguf_blocks else None))
     elif resolved.format == "pt":
         model.load_weights(iter_pt_weights(Path(resolved.path)))
     else:
@@ -98,18 +108,10 @@ def load_model(
     process_weights_after_loading(model)
     process_experts_after_loading(model)  # FP8 experts: the kernels' form, or dequantized
     model.fold_norm_weights()  # where the linear methods can (CUDA)
-    if (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and resolved.format == "gguf"
-        and model_config.load_format != "dummy"
-        and kernel.cpu_quantized_gemv
-        and quantization is None  # --quantization replaces the GGUF's own blocks
-        and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
-    ):
+    if reads_gguf_blocks:
         _attach_gguf_blocks(
             model, resolved.path, arch, kernel.cpu_quantized_gemm_rows, kernel.cpu_activation_bits,
-            kernel.cpu_quantized_prefill,
+            kernel.cpu_quantized_prefill, requantized,
         )  # fmt: skip
     return model.eval()
 
@@ -129,7 +131,13 @@ def _linear_hf_names(model: CausalLM) -> dict[int, list[str]]:
 
 
 def _attach_gguf_blocks(
-    model: CausalLM, path: str, arch: ArchConfig, gemm_rows: int, activation_bits: int, prefill: bool = False
+    model: CausalLM,
+    path: str,
+    arch: ArchConfig,
+    gemm_rows: int,
+    activation_bits: int,
+    prefill: bool = False,
+    requantized: dict | None = None,
 ) -> None:
     """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build; batched ones
     up to `gemm_rows` rows, or (`prefill`) every row count where the build's kernel is the faster."""
@@ -155,7 +163,7 @@ def _attach_gguf_blocks(
     bits = activation_bits if int8_available() else 0
     if prefill:
         gemm_rows = prefill_rows_limit(gemm_rows, integer_activations=bits > 0)
-    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch), gemm_rows, bits)
+    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch, requantized), gemm_rows, bits)
     if attached:
         limit = blocks_rows_limit(gemm_rows)
         logger.info(

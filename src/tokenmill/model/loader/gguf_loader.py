@@ -67,8 +67,13 @@ def _unpermute_if_qk(rows: np.ndarray, hf_name: str, arch: ArchConfig) -> np.nda
     return rows
 
 
-def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time."""
+def iter_gguf_weights(
+    path: str | Path, arch: ArchConfig, requantized: dict[str, np.ndarray] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time. With `requantized`,
+    the Q8_0 rows of each matmul weight of a REQUANTIZED_TYPES type go there too (by GGUF name, for
+    iter_gguf_quantized), from the same dequantization: dequantizing a K-quant costs more than the
+    requantization."""
     gguf_file = open_gguf(str(path))
     family = _family(path)
     for tensor in gguf_file.tensors:
@@ -76,6 +81,8 @@ def iter_gguf_weights(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str,
         if hf_name is None:
             continue
         weight = gguf_file.dequantize(tensor)
+        if requantized is not None and _requantizes(tensor, hf_name):
+            requantized[tensor.name] = requantize_q8_0(weight)
         if family.permuted_qk:
             weight = _unpermute_if_qk(weight, hf_name, arch)
         weight = np.ascontiguousarray(weight, dtype=np.float32)
@@ -103,32 +110,45 @@ _MATMUL_SUFFIXES = tuple(
 ) + ("lm_head.weight", "embed_tokens.weight")  # fmt: skip
 
 
-def iter_gguf_quantized(path: str | Path, arch: ArchConfig) -> Iterator[tuple[str, int, np.ndarray]]:
+def iter_gguf_quantized(
+    path: str | Path, arch: ArchConfig, requantized: dict[str, np.ndarray] | None = None
+) -> Iterator[tuple[str, int, np.ndarray]]:
     """(HF name, quant_gemv code, uint8 block rows [out, row_bytes]) for every matmul weight (and the
     embedding table, a tied lm_head's weight) stored in blocks: Q4_1 and Q8_0 as views of the file's
-    memory map, the REQUANTIZED_TYPES as new Q8_0 rows; rows un-permuted like iter_gguf_weights
+    memory map, the REQUANTIZED_TYPES as new Q8_0 rows (taken from `requantized`, which
+    iter_gguf_weights filled, where it holds them); rows un-permuted like iter_gguf_weights
     un-permutes the dequantized Q/K."""
+    made = {} if requantized is None else requantized
     gguf_file = open_gguf(str(path))
     family = _family(path)
-    requantized: dict[str, int] = {}
+    requantized_types: dict[str, int] = {}
     for tensor in gguf_file.tensors:
         hf_name = hf_name_for(tensor.name, family)
         if hf_name is None or not hf_name.endswith(_MATMUL_SUFFIXES):
             continue
         if tensor.ggml_type in QUANT_GEMV_TYPES:
             code, rows = QUANT_GEMV_TYPES[tensor.ggml_type], gguf_file.raw(tensor)
-        elif tensor.ggml_type in REQUANTIZED_TYPES and tensor.shape[-1] % Q8_0_BLOCK == 0:
-            code, rows = Q8_0_CODE, requantize_q8_0(gguf_file.dequantize(tensor))
+        elif _requantizes(tensor, hf_name):
+            rows = made.pop(tensor.name, None)
+            code, rows = Q8_0_CODE, requantize_q8_0(gguf_file.dequantize(tensor)) if rows is None else rows
             type_name = _type_name(tensor.ggml_type)
-            requantized[type_name] = requantized.get(type_name, 0) + 1
+            requantized_types[type_name] = requantized_types.get(type_name, 0) + 1
         else:
             continue
         if family.permuted_qk:  # whole rows move, so the quantized blocks un-permute like the floats
             rows = _unpermute_if_qk(rows, hf_name, arch)
         yield hf_name, code, rows
-    if requantized:
-        counts = ", ".join(f"{n} {name}" for name, n in sorted(requantized.items()))
+    if requantized_types:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(requantized_types.items()))
         logger.info("requantized %s matmul weights to Q8_0 blocks (the CPU kernels read Q4_1 and Q8_0)", counts)
+
+
+def _requantizes(tensor, hf_name: str) -> bool:
+    return (
+        tensor.ggml_type in REQUANTIZED_TYPES
+        and tensor.shape[-1] % Q8_0_BLOCK == 0
+        and hf_name.endswith(_MATMUL_SUFFIXES)
+    )
 
 
 def _type_name(ggml_type: int) -> str:
