@@ -5,7 +5,9 @@ same shapes and block types from an HF config.json (Llama family: `general.archi
 with random blocks whose float16 scales keep weights within a few tenths. `--recipe q4_k_m` follows
 llama.cpp's Q4_K_M mix in spirit: Q4_K for q / k / o / gate / up, Q6_K for v, down and the table
 (tied) or output; `q8_0` and `q4_1` write every matmul in that type (the kernels' own types);
-norms stay F32. No tokenizer inside: pass one with --tokenizer (benchmarks/make_dummy_tokenizer.py).
+norms stay F32. The vocabulary inside is make_dummy_tokenizer.py's words ("w0", "w1", ...) as a
+gpt2-type token list without merges, enough for llama.cpp to load the file (send it token ids);
+tokenmill takes the same words with --tokenizer (make_dummy_tokenizer.py --for-model CONFIG_DIR).
 
     python3 benchmarks/make_dummy_gguf.py benchmarks/configs/llama-3.2-1b /tmp/llama-3.2-1b-q4_k_m.gguf
 """
@@ -67,6 +69,11 @@ def write(config_dir: Path, out: Path, recipe: str, seed: int = 0) -> Path:
     writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"w{i}" for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges(["w 0"])  # llama.cpp refuses a gpt2 vocabulary without merges
     eos = cfg.get("eos_token_id")
     writer.add_eos_token_id(int(eos[0] if isinstance(eos, list) else eos or 0))
     rng = np.random.default_rng(seed)
