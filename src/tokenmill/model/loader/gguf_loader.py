@@ -161,7 +161,10 @@ def requantize_q8_0(weights: np.ndarray) -> np.ndarray:
     """float32 rows [out, in] (in a multiple of 32) as GGML Q8_0 block rows [out, in / 32 * 34]: per
     32 weights a float16 scale d = max|w| / 127, then 32 int8 round(w / d). In torch, a few times
     faster than gguf's numpy quantizer (loading a 3B model's weights this way takes a while already)."""
-    w = torch.from_numpy(np.array(weights, dtype=np.float32, copy=not weights.flags.writeable))
+    array = np.ascontiguousarray(weights, dtype=np.float32)
+    if not array.flags.writeable:  # an F32 view of the file's memory map; torch wants writable memory
+        array = array.copy()
+    w = torch.from_numpy(array)
     out_features, in_features = w.shape
     blocks = w.reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
