@@ -189,3 +189,44 @@ def test_the_blocks_come_from_the_float_loads_dequantization(k_quant_gguf):
     assert not made
     for name, _, rows in iter_gguf_quantized(path, arch):
         np.testing.assert_array_equal(handed_out.pop(name), rows)
+
+
+def test_blocks_that_serve_every_row_replace_the_float_weights(k_quant_gguf):
+    """Where the blocks serve every row count (16-bit integer activations on a VNNI or AVX2 build),
+    they are attached before loading and the float32 weights they replace are never made: the
+    block layers hold no `weight`, only the embedding table (which a tied lm_head shares) and the
+    norms stay float32. Elsewhere the float weights load and stay for the rows the blocks skip."""
+    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS
+
+    path, _, src = k_quant_gguf
+    llm = LLM(
+        str(path),
+        tokenizer=str(src),
+        device="cpu",
+        max_model_len=128,
+        kernel_config={"cpu_activation_bits": 16},
+    )
+    model = llm.engine.runner.model
+    methods = [layer.self_attn.qkv_proj.method for layer in model.layers]
+    serves_every_row = methods[0].max_rows >= ALL_ROWS
+    for layer in model.layers:
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear = layer.get_submodule(name)
+            assert quantized_blocks(linear) is not None, name
+            assert ("weight" in linear._parameters) != serves_every_row, name
+    assert model.lm_head.weight is model.embed_tokens  # tied: the table stays for the embedding
+    float_bytes = sum(p.nbytes for p in model.parameters())
+    table_bytes = model.embed_tokens.nbytes
+    if serves_every_row:
+        assert float_bytes < table_bytes * 1.01  # the table plus the norms
+    # The roofline's bytes a token: the blocks decode reads (the tied table's too), not the float table.
+    from tokenmill.model.layers.linear import linear_layers
+    from tokenmill.worker.runner_facts import describe_runner
+
+    blocks = [b for b in map(quantized_blocks, linear_layers(model)) if b is not None]
+    read = sum((b.vnni if b.vnni is not None else b.blocks).nbytes for b in blocks)
+    norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
+    if serves_every_row:
+        assert describe_runner(llm.engine.runner, 0).decode_weight_bytes == read + norms
+    out = llm.generate({"prompt_token_ids": [5, 17, 300, 42]}, SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4

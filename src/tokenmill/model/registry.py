@@ -4,6 +4,7 @@ torch-free `model.resolve`, re-exported here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -92,11 +93,18 @@ def load_model(
         and quantization is None  # --quantization replaces the GGUF's own blocks
         and parallel_state.tp_size() == 1  # the blocks hold whole matrices, not a rank's shard
     )
+    blocks_plan = _gguf_blocks_plan(kernel) if reads_gguf_blocks else None
+    float_free: set[str] = set()
+    if blocks_plan is not None and blocks_plan.serves_every_row:
+        # The blocks serve every product: attach them first, and the float32 weights they replace are
+        # never read from the file nor filled (a GGUF loads in about its own size, not 4 bytes a weight).
+        float_free = _attach_gguf_blocks(model, resolved.path, arch, blocks_plan, before_loading=True)
     requantized: dict = {}  # GGUF blocks the kernels do not read, as Q8_0, made while loading the floats
     if resolved.format == "dummy" or model_config.load_format == "dummy":
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
-        model.load_weights(iter_gguf_weights(resolved.path, arch, requantized if reads_gguf_blocks else None))
+        sink = requantized if blocks_plan is not None and not blocks_plan.serves_every_row else None
+        model.load_weights(iter_gguf_weights(resolved.path, arch, sink, skip=float_free))
     elif resolved.format == "pt":
         model.load_weights(iter_pt_weights(Path(resolved.path)))
     else:
@@ -108,11 +116,8 @@ def load_model(
     process_weights_after_loading(model)
     process_experts_after_loading(model)  # FP8 experts: the kernels' form, or dequantized
     model.fold_norm_weights()  # where the linear methods can (CUDA)
-    if reads_gguf_blocks:
-        _attach_gguf_blocks(
-            model, resolved.path, arch, kernel.cpu_quantized_gemm_rows, kernel.cpu_activation_bits,
-            kernel.cpu_quantized_prefill, requantized,
-        )  # fmt: skip
+    if blocks_plan is not None and not blocks_plan.serves_every_row:
+        _attach_gguf_blocks(model, resolved.path, arch, blocks_plan, requantized)
     return model.eval()
 
 
@@ -130,46 +135,74 @@ def _linear_hf_names(model: CausalLM) -> dict[int, list[str]]:
     return names
 
 
-def _attach_gguf_blocks(
-    model: CausalLM,
-    path: str,
-    arch: ArchConfig,
-    gemm_rows: int,
-    activation_bits: int,
-    prefill: bool = False,
-    requantized: dict | None = None,
-) -> None:
-    """One-row matmuls from the GGUF's Q4_1 / Q8_0 blocks, when the CPU kernels build; batched ones
-    up to `gemm_rows` rows, or (`prefill`) every row count where the build's kernel is the faster."""
+@dataclasses.dataclass(frozen=True)
+class _GGUFBlocksPlan:
+    gemm_rows: int  # blocks serve products of up to blocks_rows_limit(gemm_rows) rows
+    activation_bits: int  # 0: float32 activations; 8 / 16: integer ones (quant_gemv_int8)
+    serves_every_row: bool
+
+
+def _gguf_blocks_plan(kernel: KernelConfig) -> _GGUFBlocksPlan | None:
+    """How this CPU's kernels read a GGUF's Q4_1 / Q8_0 blocks: one-row matmuls, batched ones up to
+    `cpu_quantized_gemm_rows` rows, or (`cpu_quantized_prefill`) every row count where the build's
+    kernel is the faster; None where they cannot (said in the log)."""
     from tokenmill.kernels.cpu.build import cpu_kernels_available
 
     available, why = cpu_kernels_available()
     if not available:
         logger.warning("GGUF weights stay float32 for few-row steps (%s)", why)
-        return
-    from tokenmill.kernels.cpu.quant_gemv import (
-        ALL_ROWS,
-        blocks_rows_limit,
-        int8_rows_limit,
-        prefill_rows_limit,
-        rows_limit,
-    )
+        return None
+    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, blocks_rows_limit, prefill_rows_limit, rows_limit
 
     if rows_limit() < 1:
         logger.info("GGUF weights stay float32: this CPU has no AVX2/AVX-512 path for quantized matmuls")
-        return
-    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available, int8_isa
+        return None
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_available
 
-    bits = activation_bits if int8_available() else 0
-    if prefill:
+    bits = kernel.cpu_activation_bits if int8_available() else 0
+    gemm_rows = kernel.cpu_quantized_gemm_rows
+    if kernel.cpu_quantized_prefill:
         gemm_rows = prefill_rows_limit(gemm_rows, integer_activations=bits > 0)
-    attached = attach_gguf_blocks(model, iter_gguf_quantized(path, arch, requantized), gemm_rows, bits)
+    return _GGUFBlocksPlan(gemm_rows, bits, blocks_rows_limit(gemm_rows) >= ALL_ROWS)
+
+
+def _attach_gguf_blocks(
+    model: CausalLM,
+    path: str,
+    arch: ArchConfig,
+    plan: _GGUFBlocksPlan,
+    requantized: dict | None = None,
+    before_loading: bool = False,
+) -> set[str]:
+    """Give the linear layers the GGUF's blocks (`requantized`: Q8_0 rows iter_gguf_weights made);
+    returns the HF names of the weights no longer loaded as floats (`before_loading`)."""
+    from tokenmill.kernels.cpu.quant_gemv import ALL_ROWS, blocks_rows_limit, int8_rows_limit, rows_limit
+    from tokenmill.kernels.cpu.quant_gemv_int8 import int8_isa
+
+    names: list[str] = []
+
+    def noting_names(quantized):
+        for item in quantized:
+            names.append(item[0])
+            yield item
+
+    bits = plan.activation_bits
+    attached = attach_gguf_blocks(
+        model, noting_names(iter_gguf_quantized(path, arch, requantized)), plan.gemm_rows, bits, before_loading
+    )
     if attached:
-        limit = blocks_rows_limit(gemm_rows)
+        limit = blocks_rows_limit(plan.gemm_rows)
         logger.info(
-            "matmuls of up to %s rows read the GGUF's quantized blocks (%.0f MiB); up to %d rows with %s activations",
+            "matmuls of up to %s rows read the GGUF's quantized blocks (%.0f MiB)%s; up to %d rows with %s activations",
             "any number of" if limit >= ALL_ROWS else limit,
             attached / 2**20,
+            ", not float32 copies" if before_loading else "",
             min(int8_rows_limit() if bits else rows_limit(), limit),
             f"{bits}-bit integer ({int8_isa().upper()})" if bits else "float32",
         )
+    float_free = set()
+    for name in names:
+        target = model.linear_for_weight(name)
+        if target is not None and "weight" not in target[0].checkpoint_params:
+            float_free.add(name)
+    return float_free

@@ -47,16 +47,20 @@ def describe_runner(runner: Any, rank: int, measure_bandwidth: bool = False) -> 
     import torch
 
     from tokenmill.model.layers.moe import unread_expert_bytes
+    from tokenmill.model.layers.quantized_linear import gguf_block_bytes, quantized_blocks
     from tokenmill.model.layers.quantized_method import kernel_weight_bytes
 
     model = runner.model
     embedding = 0.0
-    if not model.lm_head.weight_is_shared:
+    gguf_blocks = gguf_block_bytes(model)
+    if not model.lm_head.weight_is_shared or quantized_blocks(model.lm_head) is not None:
+        # The table is read a row a token; a tied lm_head served by GGUF blocks reads those instead.
         embedding = float(model.embed_tokens.numel() * model.embed_tokens.element_size())
     unread = float(unread_expert_bytes(model))
     weight_bytes = (
         sum(p.numel() * p.element_size() for p in model.parameters())
         + kernel_weight_bytes(model)  # quantized layers' FP8 / INT4 tensors, scales and zeros
+        + gguf_blocks  # GGUF blocks (CPU), whose float weights are gone or unread by decode steps
         - embedding
         - unread
     )

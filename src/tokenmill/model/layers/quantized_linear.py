@@ -13,6 +13,7 @@ not the bytes, is the cost.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,14 @@ class GGUFBlocksMethod(WrappingLinearMethod):
         # Set when the blocks serve every row count and the inner method's float weights are freed.
         self.float_weights_released = False
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not self.float_weights_released:  # else there is no float form to make
+            self.inner.process_weights_after_loading(layer)
+
+    def process_layers_after_loading(self, layers: Sequence[LinearBase]) -> None:
+        if not self.float_weights_released:
+            self.inner.process_layers_after_loading(layers)
+
     def blocks_for_rows(self, rows: int) -> QuantizedBlocks | None:
         """The blocks when a product of `rows` rows should use them."""
         return self.blocks if rows <= self.max_rows else None
@@ -58,11 +67,23 @@ class GGUFBlocksMethod(WrappingLinearMethod):
         return self.inner.apply(layer, x, bias, residual, out_dtype)
 
 
-def attach_quantized_blocks(layer: LinearBase, blocks: QuantizedBlocks, gemm_rows: int = 0) -> None:
+def attach_quantized_blocks(
+    layer: LinearBase, blocks: QuantizedBlocks, gemm_rows: int = 0, *, before_loading: bool = False
+) -> None:
     """Route `layer`'s few-row products (up to `gemm_rows` rows where the batched kernel exists) to
     `blocks` and free the float copy kept for single rows (the blocks serve those now). Only call it
-    where rows_limit() >= 1."""
+    where rows_limit() >= 1. `before_loading` (the blocks serving every row count): nothing is loaded
+    yet, and the layer's own float weight never will be: it is dropped unfilled (its memory never
+    touched) and the checkpoint need not hold it; a shared one (a tied lm_head's embedding table)
+    stays for the embedding and is neither loaded for nor processed by this layer."""
     method = layer.method = GGUFBlocksMethod(layer.method, blocks, gemm_rows)
+    if before_loading:
+        if method.max_rows < ALL_ROWS:
+            raise ValueError(f"blocks attached before loading must serve every row count, not {method.max_rows}")
+        if not layer.weight_is_shared:
+            layer.forget_checkpoint_params()
+        method.float_weights_released = True
+        return
     if method.max_rows >= ALL_ROWS:
         # Every product goes to the blocks (the AVX2 build's prefill too): the float copies the
         # inner method kept (oneDNN's packed weights, ~430 MiB for the default model) would only
@@ -81,3 +102,21 @@ def quantized_blocks(layer: LinearBase) -> QuantizedBlocks | None:
             return method.blocks
         method = method.inner
     return None
+
+
+def gguf_block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of GGUF blocks a one-row decode step reads (the integer-activation layout where a
+    layer has it), minus the float weights those layers still hold: decode reads the blocks."""
+    from tokenmill.model.layers.linear import linear_layers
+
+    total = 0
+    for layer in linear_layers(model):
+        blocks = quantized_blocks(layer)
+        if blocks is None:
+            continue
+        read = blocks.vnni if blocks.vnni is not None and blocks.activation_bits else blocks.blocks
+        total += 0 if read is None else read.numel() * read.element_size()
+        weight = layer._parameters.get("weight")
+        if weight is not None and not layer.weight_is_shared:  # loaded (the blocks serve few rows only)
+            total -= weight.numel() * weight.element_size()
+    return total

@@ -33,12 +33,13 @@ def attach_gguf_blocks(
     quantized: Iterable[tuple[str, int, np.ndarray]],
     gemm_rows: int = 0,
     activation_bits: int = 0,
+    before_loading: bool = False,
 ) -> int:
     """Give each linear layer whose whole weight comes quantized (loader.gguf_loader.iter_gguf_quantized)
     a GGUFBlocksMethod over its blocks (and, with `activation_bits` 8 or 16, the same blocks in the
     quantized-activation kernel's layout too: both layouts stay, the float batched kernel reads the first,
     except where the VNNI batched kernel serves every row count from the second). Only unsharded
-    layers (tp_size 1). Returns the bytes attached."""
+    layers (tp_size 1). `before_loading`: see attach_quantized_blocks. Returns the bytes attached."""
     parts: dict[int, tuple[LinearBase, dict[ShardId, tuple[int, np.ndarray]]]] = {}
     for name, code, rows in quantized:
         target = model.linear_for_weight(name)
@@ -54,7 +55,7 @@ def attach_gguf_blocks(
     for layer, shards in parts.values():
         blocks = _blocks_for(layer, shards, activation_bits)
         if blocks is not None:
-            attach_quantized_blocks(layer, blocks, gemm_rows)
+            attach_quantized_blocks(layer, blocks, gemm_rows, before_loading=before_loading)
             attached += sum(t.nbytes for t in (blocks.blocks, blocks.vnni) if t is not None)
     return attached
 

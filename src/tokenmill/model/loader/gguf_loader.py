@@ -68,17 +68,21 @@ def _unpermute_if_qk(rows: np.ndarray, hf_name: str, arch: ArchConfig) -> np.nda
 
 
 def iter_gguf_weights(
-    path: str | Path, arch: ArchConfig, requantized: dict[str, np.ndarray] | None = None
+    path: str | Path,
+    arch: ArchConfig,
+    requantized: dict[str, np.ndarray] | None = None,
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every tensor, dequantized one at a time. With `requantized`,
-    the Q8_0 rows of each matmul weight of a REQUANTIZED_TYPES type go there too (by GGUF name, for
+    """(HF name, float32 CPU tensor) for every tensor but those named in `skip` (HF names: weights
+    the model takes as blocks only), dequantized one at a time. With `requantized`, the Q8_0 rows of
+    each matmul weight of a REQUANTIZED_TYPES type go there too (by GGUF name, for
     iter_gguf_quantized), from the same dequantization: dequantizing a K-quant costs more than the
     requantization."""
     gguf_file = open_gguf(str(path))
     family = _family(path)
     for tensor in gguf_file.tensors:
         hf_name = hf_name_for(tensor.name, family)
-        if hf_name is None:
+        if hf_name is None or hf_name in skip:
             continue
         weight = gguf_file.dequantize(tensor)
         if requantized is not None and _requantizes(tensor, hf_name):
