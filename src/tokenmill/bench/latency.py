@@ -170,6 +170,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "roofline_fraction_all_weights": best["decode_tokens_per_s"]
         * (weight_bytes + untied_embedding + kv_bytes)
         / bandwidth,
+        # This process's peak resident memory so far (loading included; the engine runs in it on
+        # the CPU): what a machine needs to load and run the model.
+        "host_peak_rss_bytes": peak_rss_bytes(),
     }
     if spec_decode is not None:
         metrics["spec_decode"] = spec_decode
@@ -229,3 +232,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"wrote {write_result('latency', config, metrics, out_dir=args.result_dir, name=args.result_name)}"
         )
     return metrics
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
