@@ -312,3 +312,37 @@ def test_end_of_turn_control_tokens_end_generation(tmp_path):
     )
     assert gguf_hf_config(path)["eos_token_id"] == [1, 3]
     assert resolve_model(ModelConfig(model=str(path))).arch.eos_token_ids == (1, 3)
+
+
+def test_a_gemma_gguf_carries_its_own_tokenizer(tmp_path, monkeypatch):
+    """A Gemma GGUF's SentencePiece vocabulary (tokenizer model "llama", byte fallback tokens)
+    becomes a working tokenizer without --tokenizer (transformers' converter, cached by us), and its
+    <end_of_turn> ends generation beside <eos>."""
+    from tokenmill.model.tokenizer import _load_gguf_tokenizer
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))  # the converted tokenizer is cached there
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens += [f"<0x{i:02X}>" for i in range(256)] + ["▁hello", "▁world", "▁", *"helowrd"]
+    path = tmp_path / "gemma-vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="gemma2")
+    for add, value in (
+        (writer.add_block_count, 1), (writer.add_context_length, 128), (writer.add_embedding_length, 32),
+        (writer.add_feed_forward_length, 64), (writer.add_head_count, 2), (writer.add_head_count_kv, 1),
+        (writer.add_key_length, 16), (writer.add_value_length, 16), (writer.add_layer_norm_rms_eps, 1e-6),
+        (writer.add_tokenizer_model, "llama"), (writer.add_tokenizer_pre, "default"), (writer.add_token_list, tokens),
+        (writer.add_token_types, [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * 10),
+        (writer.add_token_scores, [0.0] * 262 + [-1.0, -2.0] + [-4.0] * 8),
+        (writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1), (writer.add_unk_token_id, 3),
+        (writer.add_pad_token_id, 0), (writer.add_add_bos_token, True),
+    ):  # fmt: skip
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer = _load_gguf_tokenizer(path)
+    ids = tokenizer.encode("hello world")
+    assert ids[0] == 2 and tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (1, 2)
+    assert resolve_model(ModelConfig(model=str(path))).arch.eos_token_ids == (1, 5)
