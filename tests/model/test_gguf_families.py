@@ -277,6 +277,13 @@ def _metadata_only_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
+    if "window_pattern" in extra:
+        pattern = extra["window_pattern"]
+        key = f"{arch}.attention.sliding_window_pattern"
+        if isinstance(pattern, list):
+            writer.add_array(key, pattern)
+        else:
+            writer.add_uint32(key, pattern)
     tokens = extra.get("tokens", ["<pad>", "<eos>", "<bos>"])
     writer.add_token_list(tokens)
     writer.add_token_types(extra.get("token_types", [3] * len(tokens)))
@@ -346,3 +353,18 @@ def test_a_gemma_gguf_carries_its_own_tokenizer(tmp_path, monkeypatch):
     assert ids[0] == 2 and tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
     assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (1, 2)
     assert resolve_model(ModelConfig(model=str(path))).arch.eos_token_ids == (1, 5)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "sliding"),
+    [
+        (None, [True] * 5 + [False] + [True] * 2),  # llama.cpp's one global layer in six
+        (4, [True, True, True, False] * 2),  # the file's own period
+        ([True, False] * 4, [True, False] * 4),  # one flag a layer
+    ],
+)
+def test_gemma3_layer_pattern_is_the_files_where_it_says(tmp_path, pattern, sliding):
+    extra = {} if pattern is None else {"window_pattern": pattern}
+    path = _metadata_only_gguf(tmp_path / "m.gguf", "gemma3", 8, 1152, 4, 256, **extra)
+    windows = resolve_model(ModelConfig(model=str(path))).arch.sliding_windows
+    assert [w is not None for w in windows] == sliding

@@ -10,7 +10,8 @@ What llama.cpp's converter does that loading has to undo or restate:
   query_pre_attn_scalar in the file: llama.cpp's runtime takes head_dim, except for the 27B models
   (recognized by their layer count) where it takes hidden_size / num_heads, which is what their HF
   configs say; Gemma 3's local RoPE base (10,000) and its one-global-in-six layer pattern are
-  llama.cpp constants; the soft caps are Gemma 2 metadata keys.
+  llama.cpp constants (a file's own `attention.sliding_window_pattern` wins); the soft caps are
+  Gemma 2 metadata keys.
 - phi3: q, k, v and gate, up stay fused (`attn_qkv`, `ffn_up`), as in the HF checkpoint; LongRoPE's
   per-frequency factors are the tensors `rope_factors_long` / `rope_factors_short`.
 """
@@ -84,7 +85,7 @@ def _gemma_scalar(meta: Meta, cfg: dict[str, Any], layers_of_27b: int) -> float:
 
 
 def _gemma2_config(meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    return {
+    settings = {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _gemma_scalar(meta, cfg, layers_of_27b=46),
         # Absent keys mean no cap in llama.cpp: an explicit null keeps transformers' defaults out.
@@ -93,10 +94,12 @@ def _gemma2_config(meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str
         "sliding_window": meta("attention.sliding_window"),
         "sliding_window_pattern": 2,
     }
+    settings.update(_window_pattern(meta, cfg["num_hidden_layers"]))
+    return settings
 
 
 def _gemma3_config(meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    return {
+    settings = {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _gemma_scalar(meta, cfg, layers_of_27b=62),
         "attn_logit_softcapping": None,
@@ -106,6 +109,21 @@ def _gemma3_config(meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str
         # The global layers' RoPE is the file's (freq_base and any scaling: Gemma 3 4B-27B's linear 8).
         "rope_local_base_freq": 10_000.0,
     }
+    settings.update(_window_pattern(meta, cfg["num_hidden_layers"]))
+    return settings
+
+
+def _window_pattern(meta: Meta, num_layers: int) -> dict[str, Any]:
+    """A file's own `attention.sliding_window_pattern` (newer converters write one): a period (every
+    n-th layer global) or one flag a layer (true = sliding)."""
+    pattern = meta("attention.sliding_window_pattern")
+    if pattern is None:
+        return {}
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            return {"layer_types": list(pattern)}  # refused by arch_gemma, naming the count
+        return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+    return {"sliding_window_pattern": int(pattern)}
 
 
 def _phi3_config(meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
