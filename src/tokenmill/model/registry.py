@@ -99,12 +99,12 @@ def load_model(
         # The blocks serve every product: attach them first, and the float32 weights they replace are
         # never read from the file nor filled (a GGUF loads in about its own size, not 4 bytes a weight).
         float_free = _attach_gguf_blocks(model, resolved.path, arch, blocks_plan, before_loading=True)
-    requantized: dict = {}  # GGUF blocks the kernels do not read, as Q8_0, made while loading the floats
+    # Blocks attached after the floats load: the K-quants' Q8_0 rows, made from the same dequantization.
+    requantized: dict | None = {} if blocks_plan is not None and not blocks_plan.serves_every_row else None
     if resolved.format == "dummy" or model_config.load_format == "dummy":
         init_dummy_weights(model, seed=model_config.seed)
     elif resolved.format == "gguf":
-        sink = requantized if blocks_plan is not None and not blocks_plan.serves_every_row else None
-        model.load_weights(iter_gguf_weights(resolved.path, arch, sink, skip=float_free))
+        model.load_weights(iter_gguf_weights(resolved.path, arch, requantized, skip=float_free))
     elif resolved.format == "pt":
         model.load_weights(iter_pt_weights(Path(resolved.path)))
     else:
@@ -116,7 +116,7 @@ def load_model(
     process_weights_after_loading(model)
     process_experts_after_loading(model)  # FP8 experts: the kernels' form, or dequantized
     model.fold_norm_weights()  # where the linear methods can (CUDA)
-    if blocks_plan is not None and not blocks_plan.serves_every_row:
+    if blocks_plan is not None and requantized is not None:  # the blocks serve few rows: attached last
         _attach_gguf_blocks(model, resolved.path, arch, blocks_plan, requantized)
     return model.eval()
 

@@ -99,7 +99,8 @@ def iter_gguf_weights(
 
 # GGML types the CPU's quant_gemv kernel reads (kernels/cpu/csrc/cpu_quant_gemv.cpp): type id -> kernel code.
 QUANT_GEMV_TYPES = {3: 0, 8: 1}  # Q4_1, Q8_0
-Q8_0_TYPE, Q8_0_BLOCK, Q8_0_CODE = 8, 32, 1
+Q8_0_TYPE, Q8_0_BLOCK = 8, 32
+Q8_0_CODE = QUANT_GEMV_TYPES[Q8_0_TYPE]
 # Block types the kernels do not read, requantized to Q8_0 at load so that their matmuls read blocks
 # too (8.5 bits a weight) instead of the float32 copy (32): Q4_0, Q5_0, Q5_1 and the K-quants Q2_K-Q6_K
 # (a Q4_K_M file holds Q4_K and Q6_K). Q8_0's step is a 32-weight block's largest |w| / 127, so
